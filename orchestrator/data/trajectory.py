@@ -1,0 +1,33 @@
+"""One sampled trajectory: what an RL sampler hands the trainer for a single generation."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Trajectory:
+  """A prompt, one completion of it, and what the loss needs to learn from it.
+
+  Attributes:
+    prompt_ids: token ids of the prompt, shape [P], integer.
+    completion_ids: token ids of the sampled completion, shape [C], integer.
+    advantage: the (group-normalised) advantage of this completion; applied to
+      every completion token.
+    old_logprobs: optional per-token log-probabilities of the completion under
+      the sampling policy, shape [C]; without them the ratio is taken against
+      the current policy (on-policy, ratio 1).
+    group_id: which prompt group the completion belongs to.
+  """
+
+  prompt_ids: np.ndarray
+  completion_ids: np.ndarray
+  advantage: float
+  old_logprobs: np.ndarray | None = None
+  group_id: int = 0
+
+  @property
+  def num_tokens(self) -> int:
+    return len(self.prompt_ids) + len(self.completion_ids)

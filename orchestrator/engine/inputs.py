@@ -1,0 +1,145 @@
+"""Payload → model inputs: validate trajectories and pack them into fixed ``[rows, tokens]`` arrays.
+
+Each trajectory becomes one segment (prompt then completion) in a row; rows are
+filled first-fit in payload order, so the same payload always packs the same
+way. Arrays are aligned on *targets*: position ``t`` holds the input token and
+the token it predicts (``t + 1`` of the same segment); ``loss_mask`` marks the
+positions whose target is a completion token.
+
+Every call returns freshly allocated arrays: on CPU ``jax.device_put`` of an
+aligned numpy array may alias it, so a reused buffer would change inputs that
+are already "on the device".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from orchestrator.data.trajectory import Trajectory
+
+#: Names and dtypes of the packed arrays, in the order the compiled step takes them.
+FIELDS: dict[str, np.dtype] = {
+    "input_tokens": np.dtype(np.int32),
+    "target_tokens": np.dtype(np.int32),
+    "segment_ids": np.dtype(np.int32),
+    "positions": np.dtype(np.int32),
+    "loss_mask": np.dtype(np.float32),
+    "advantages": np.dtype(np.float32),
+    "old_logprobs": np.dtype(np.float32),
+    "old_logprobs_mask": np.dtype(np.float32),
+}
+
+
+def validate_payload(
+    payload: Sequence[Trajectory], *, tokens_per_row: int, vocab_size: int
+) -> None:
+  """Raises ValueError naming the trajectory and the limit for anything that cannot be packed."""
+  if isinstance(payload, (Trajectory, str, bytes)) or not isinstance(payload, Sequence):
+    raise ValueError(
+        f"payload must be a list of Trajectory, got {type(payload).__name__}"
+    )
+  if len(payload) == 0:
+    raise ValueError("payload is empty: a micro-batch needs at least one trajectory")
+  for i, traj in enumerate(payload):
+    if not isinstance(traj, Trajectory):
+      raise ValueError(
+          f"payload[{i}] is a {type(traj).__name__}, expected a Trajectory"
+      )
+    for name in ("prompt_ids", "completion_ids"):
+      ids = traj.__getattribute__(name)
+      if not isinstance(ids, np.ndarray) or ids.ndim != 1:
+        raise ValueError(f"payload[{i}].{name} must be a 1-D numpy array")
+      if not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(
+            f"payload[{i}].{name} has dtype {ids.dtype}; token ids must be integers"
+        )
+      if len(ids) == 0:
+        raise ValueError(f"payload[{i}].{name} is empty; it needs at least one token")
+      lo, hi = int(ids.min()), int(ids.max())
+      if lo < 0 or hi >= vocab_size:
+        bad = lo if lo < 0 else hi
+        raise ValueError(
+            f"payload[{i}].{name} holds token id {bad}, outside the model's"
+            f" vocabulary [0, {vocab_size})"
+        )
+    if traj.num_tokens > tokens_per_row:
+      raise ValueError(
+          f"payload[{i}] has {traj.num_tokens} tokens (prompt"
+          f" {len(traj.prompt_ids)} + completion {len(traj.completion_ids)}),"
+          f" more than tokens_per_row={tokens_per_row}"
+      )
+    if not np.isfinite(traj.advantage):
+      raise ValueError(f"payload[{i}].advantage is {traj.advantage}; it must be finite")
+    if traj.old_logprobs is not None:
+      old = traj.old_logprobs
+      if not isinstance(old, np.ndarray) or old.shape != traj.completion_ids.shape:
+        got = getattr(old, "shape", type(old).__name__)
+        raise ValueError(
+            f"payload[{i}].old_logprobs has shape {got}; it must match"
+            f" completion_ids {traj.completion_ids.shape}"
+        )
+      if not np.issubdtype(old.dtype, np.floating):
+        raise ValueError(f"payload[{i}].old_logprobs has dtype {old.dtype}; expected float")
+
+
+def assign_rows(
+    lengths: Sequence[int], *, rows: int, tokens_per_row: int
+) -> list[tuple[int, int]]:
+  """First-fit in payload order: (row, offset) per trajectory.
+
+  Raises:
+    ValueError: the trajectories need more than ``rows`` rows.
+  """
+  used = [0] * rows
+  placement = []
+  for i, n in enumerate(lengths):
+    for r in range(rows):
+      if used[r] + n <= tokens_per_row:
+        placement.append((r, used[r]))
+        used[r] += n
+        break
+    else:
+      raise ValueError(
+          f"payload does not fit: payload[{i}] ({n} tokens) finds no room in"
+          f" {rows} rows of {tokens_per_row} tokens ({sum(lengths)} tokens in"
+          f" {len(lengths)} trajectories); send fewer trajectories per micro-batch"
+          " or raise rows / tokens_per_row"
+      )
+  return placement
+
+
+def pack_payload(
+    payload: Sequence[Trajectory], *, rows: int, tokens_per_row: int, vocab_size: int
+) -> dict[str, np.ndarray]:
+  """Validates ``payload`` and packs it into new ``[rows, tokens_per_row]`` arrays (see FIELDS)."""
+  validate_payload(payload, tokens_per_row=tokens_per_row, vocab_size=vocab_size)
+  placement = assign_rows(
+      [t.num_tokens for t in payload], rows=rows, tokens_per_row=tokens_per_row
+  )
+  out = {name: np.zeros((rows, tokens_per_row), dtype) for name, dtype in FIELDS.items()}
+  segments_in_row = [0] * rows
+  for traj, (r, off) in zip(payload, placement):
+    prompt_len = len(traj.prompt_ids)
+    n = traj.num_tokens
+    seq = np.concatenate([traj.prompt_ids, traj.completion_ids]).astype(np.int32)
+    span = slice(off, off + n)
+    segments_in_row[r] += 1
+    out["input_tokens"][r, span] = seq
+    out["target_tokens"][r, off : off + n - 1] = seq[1:]
+    out["segment_ids"][r, span] = segments_in_row[r]
+    out["positions"][r, span] = np.arange(n, dtype=np.int32)
+    # Position t predicts token t+1: completion targets start at t = prompt_len-1.
+    targets = slice(off + prompt_len - 1, off + n - 1)
+    out["loss_mask"][r, targets] = 1.0
+    out["advantages"][r, targets] = np.float32(traj.advantage)
+    if traj.old_logprobs is not None:
+      out["old_logprobs"][r, targets] = traj.old_logprobs.astype(np.float32)
+      out["old_logprobs_mask"][r, targets] = 1.0
+  return out
+
+
+def count_loss_tokens(payload: Sequence[Trajectory]) -> int:
+  """The loss denominator a payload contributes: its completion tokens."""
+  return sum(len(t.completion_ids) for t in payload)

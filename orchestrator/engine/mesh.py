@@ -1,0 +1,142 @@
+"""Device mesh with the axes ``fsdp``, ``context`` and ``expert``, and the shardings built on it.
+
+Rows of a micro-batch are split over ``fsdp`` × ``expert`` (both are data-parallel
+for the dense parts of the model), tokens over ``context``. Weights are sharded
+over ``fsdp`` along the model dimension and expert weights over ``expert`` along
+the expert dimension. Tunix's Qwen3 names mesh axes per weight and activation
+dimension through a ``ShardingConfig``; ``qwen3_sharding`` builds one for these axes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from tunix.models.qwen3 import model as qwen3_model
+
+AXES = ("fsdp", "context", "expert")
+ROW_AXES = ("fsdp", "expert")
+TOKEN_AXIS = "context"
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  """Sizes of the three mesh axes; their product is the number of devices used."""
+
+  fsdp: int = 1
+  context: int = 1
+  expert: int = 1
+
+  @property
+  def num_devices(self) -> int:
+    return self.fsdp * self.context * self.expert
+
+  @property
+  def row_shards(self) -> int:
+    return self.fsdp * self.expert
+
+  @classmethod
+  def parse(cls, value: "MeshConfig | dict | None") -> "MeshConfig":
+    if value is None:
+      return cls()
+    if isinstance(value, MeshConfig):
+      return value
+    unknown = sorted(set(value) - set(AXES))
+    if unknown:
+      raise ValueError(f"mesh: unknown axes {unknown}; the axes are {list(AXES)}")
+    sizes = {k: int(v) for k, v in value.items()}
+    bad = {k: v for k, v in sizes.items() if v < 1}
+    if bad:
+      raise ValueError(f"mesh: axis sizes must be >= 1, got {bad}")
+    return cls(**sizes)
+
+
+def make_mesh(config: MeshConfig) -> Mesh:
+  """A mesh over the first ``config.num_devices`` devices, every axis of Auto type.
+
+  Raises:
+    ValueError: fewer devices are visible than the mesh needs (the message says
+      how to get forced host devices on CPU).
+  """
+  devices = jax.devices()
+  if len(devices) < config.num_devices:
+    raise ValueError(
+        f"mesh {dataclasses.asdict(config)} needs {config.num_devices} devices but"
+        f" {len(devices)} are visible; on CPU set"
+        f" XLA_FLAGS=--xla_force_host_platform_device_count={config.num_devices}"
+        " before JAX is imported"
+    )
+  shape = (config.fsdp, config.context, config.expert)
+  # Tunix's Qwen3 traces under the default Explicit axis types and fails; Auto lets
+  # XLA propagate shardings from the inputs and the weights.
+  return jax.make_mesh(
+      shape,
+      AXES,
+      axis_types=(jax.sharding.AxisType.Auto,) * len(AXES),
+      devices=devices[: config.num_devices],
+  )
+
+
+def qwen3_sharding() -> qwen3_model.ShardingConfig:
+  """A Qwen3 ``ShardingConfig`` that names only this mesh's axes (no ``tp``/``sp``)."""
+  rows = ROW_AXES
+  return qwen3_model.ShardingConfig(
+      emb_vd=(None, "fsdp"),
+      emb_dv=("fsdp", None),
+      q_weight_dnh=("fsdp", None, None),
+      kv_weight_dnh=("fsdp", None, None),
+      o_weight_nhd=(None, None, "fsdp"),
+      ffw_weight_df=("fsdp", None),
+      ffw_weight_fd=(None, "fsdp"),
+      rms_norm_weight=(None,),
+      act_btd=(rows, TOKEN_AXIS, None),
+      act_btf=(rows, TOKEN_AXIS, None),
+      act_btnh=(rows, TOKEN_AXIS, None, None),
+      exp_weight_edf=("expert", "fsdp", None),
+      exp_weight_efd=("expert", None, "fsdp"),
+  )
+
+
+def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
+  """Sharding for one micro-batch leaf: rows over fsdp×expert, tokens over context."""
+  if ndim == 0:
+    return NamedSharding(mesh, P())
+  if ndim == 1:
+    return NamedSharding(mesh, P(ROW_AXES))
+  return NamedSharding(mesh, P(ROW_AXES, TOKEN_AXIS, *([None] * (ndim - 2))))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, P())
+
+
+def check_batch_shape(config: MeshConfig, rows: int, tokens_per_row: int) -> None:
+  """Raises ValueError unless rows split evenly over fsdp×expert and tokens over context."""
+  if rows % config.row_shards:
+    raise ValueError(
+        f"rows={rows} does not split over fsdp×expert={config.row_shards}; use a"
+        f" multiple of {config.row_shards}"
+    )
+  if tokens_per_row % config.context:
+    raise ValueError(
+        f"tokens_per_row={tokens_per_row} does not split over context={config.context};"
+        f" use a multiple of {config.context}"
+    )
+
+
+def param_shardings(mesh: Mesh, state) -> object:
+  """NamedShardings for an nnx State from the partition names its variables carry."""
+  from flax import nnx
+
+  specs = nnx.get_partition_spec(state)
+  return jax.tree.map(
+      lambda spec: NamedSharding(mesh, spec if isinstance(spec, P) else P()),
+      specs,
+      is_leaf=lambda x: isinstance(x, P),
+  )
+
+
+def devices_in(mesh: Mesh) -> list:
+  return list(np.asarray(mesh.devices).flat)

@@ -1,0 +1,73 @@
+"""Model presets: named Qwen3 configurations read from ``configs/model/*.yaml``."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+#: Where presets are looked up unless ``STEP_BOUNDARY_CONFIGS`` names another folder.
+DEFAULT_CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
+
+
+def configs_dir() -> Path:
+  """The folder holding ``model/*.yaml``: ``$STEP_BOUNDARY_CONFIGS`` or the repository's ``configs/``."""
+  override = os.environ.get("STEP_BOUNDARY_CONFIGS")
+  return Path(override) if override else DEFAULT_CONFIGS_DIR
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelPreset:
+  """One model preset: the Qwen3 shape plus the batch shape it is sized for."""
+
+  name: str
+  num_layers: int
+  vocab_size: int
+  embed_dim: int
+  hidden_dim: int
+  num_heads: int
+  head_dim: int
+  num_kv_heads: int
+  rope_theta: int = 1_000_000
+  norm_eps: float = 1e-6
+  use_tied_embedding: bool = False
+  num_experts: int | None = None
+  num_experts_per_tok: int | None = None
+  rows: int = 4
+  tokens_per_row: int = 64
+
+  @property
+  def is_moe(self) -> bool:
+    return bool(self.num_experts)
+
+
+def available_presets() -> list[str]:
+  return sorted(p.stem for p in (configs_dir() / "model").glob("*.yaml"))
+
+
+def load_preset(name: str, **overrides: Any) -> ModelPreset:
+  """Reads ``configs/model/<name>.yaml``; ``overrides`` replace single fields.
+
+  Raises:
+    ValueError: the preset does not exist, or has a key ModelPreset does not know.
+  """
+  path = configs_dir() / "model" / f"{name}.yaml"
+  if not path.is_file():
+    raise ValueError(
+        f"model preset {name!r} not found at {path}; available presets:"
+        f" {', '.join(available_presets()) or '(none)'}"
+    )
+  with path.open() as f:
+    raw = yaml.safe_load(f) or {}
+  raw.update(overrides)
+  known = {f.name for f in dataclasses.fields(ModelPreset)}
+  unknown = sorted(set(raw) - known)
+  if unknown:
+    raise ValueError(
+        f"model preset {path}: unknown keys {unknown}; known keys: {sorted(known - {'name'})}"
+    )
+  raw.setdefault("name", name)
+  return ModelPreset(**raw)

@@ -1,0 +1,76 @@
+"""Payload mapping: packing layout, determinism, fresh buffers, and bad payloads refused cleanly."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from orchestrator.data.trajectory import Trajectory
+from orchestrator.engine.inputs import FIELDS, pack_payload
+
+
+def _traj(prompt, completion, adv=1.0, old=None, group=0):
+  return Trajectory(np.array(prompt, np.int32), np.array(completion, np.int32), adv, old, group)
+
+
+def test_packing_lays_out_segments_targets_and_masks():
+  old = np.array([-0.5, -1.5], np.float32)
+  payload = [_traj([5, 6, 7], [8, 9], adv=2.0, old=old), _traj([1], [2, 3], adv=-1.0)]
+  out = pack_payload(payload, rows=2, tokens_per_row=8, vocab_size=16)
+  assert set(out) == set(FIELDS)
+  row = {k: v[0] for k, v in out.items()}
+  np.testing.assert_array_equal(row["input_tokens"], [5, 6, 7, 8, 9, 1, 2, 3])
+  assert not out["segment_ids"][1].any()  # both fit in row 0; row 1 is padding
+  np.testing.assert_array_equal(row["segment_ids"], [1, 1, 1, 1, 1, 2, 2, 2])
+  np.testing.assert_array_equal(row["positions"], [0, 1, 2, 3, 4, 0, 1, 2])
+  # Position t predicts t+1 inside its segment; the last token of a segment predicts nothing.
+  np.testing.assert_array_equal(row["target_tokens"], [6, 7, 8, 9, 0, 2, 3, 0])
+  np.testing.assert_array_equal(row["loss_mask"], [0, 0, 1, 1, 0, 1, 1, 0])
+  np.testing.assert_array_equal(row["advantages"], [0, 0, 2, 2, 0, -1, -1, 0])
+  np.testing.assert_array_equal(row["old_logprobs"], [0, 0, -0.5, -1.5, 0, 0, 0, 0])
+  np.testing.assert_array_equal(row["old_logprobs_mask"], [0, 0, 1, 1, 0, 0, 0, 0])
+
+
+def test_packing_is_first_fit_in_payload_order():
+  payload = [_traj([1] * 3, [2] * 3), _traj([1] * 4, [2] * 3), _traj([1], [2])]
+  out = pack_payload(payload, rows=2, tokens_per_row=8, vocab_size=4)
+  # 6 tokens -> row 0; 7 tokens -> row 1; 2 tokens -> row 0 (first row with room).
+  np.testing.assert_array_equal(out["segment_ids"][0], [1, 1, 1, 1, 1, 1, 2, 2])
+  np.testing.assert_array_equal(out["segment_ids"][1], [1] * 7 + [0])
+
+
+def test_packing_is_deterministic_and_returns_fresh_buffers(tiny_source):
+  payload = tiny_source.micro_batch(0, 0)
+  a = pack_payload(payload, rows=4, tokens_per_row=64, vocab_size=512)
+  b = pack_payload(payload, rows=4, tokens_per_row=64, vocab_size=512)
+  for name in FIELDS:
+    np.testing.assert_array_equal(a[name], b[name])
+    assert not np.shares_memory(a[name], b[name])
+
+
+@pytest.mark.parametrize(
+    "payload,message",
+    [
+        ([], "payload is empty"),
+        ([_traj([1] * 60, [2] * 10)], r"payload\[0\] has 70 tokens .* more than tokens_per_row=64"),
+        ([_traj([1], [600])], r"payload\[0\].completion_ids holds token id 600, outside the model's vocabulary \[0, 512\)"),
+        ([_traj([1], [2]), _traj([-1], [2])], r"payload\[1\].prompt_ids holds token id -1"),
+        ([Trajectory(np.array([1.0]), np.array([2], np.int32), 1.0)], r"payload\[0\].prompt_ids has dtype float64"),
+        ([_traj([1], [2, 3], old=np.zeros(3, np.float32))], r"payload\[0\].old_logprobs has shape \(3,\).*\(2,\)"),
+        ([_traj([1], [])], r"payload\[0\].completion_ids is empty"),
+        ([_traj([1], [2], adv=float("nan"))], r"payload\[0\].advantage is nan"),
+        ([_traj([1] * 40, [2] * 20)] * 5, r"payload does not fit: payload\[4\] \(60 tokens\) finds no room in 4 rows of 64"),
+        ("not a list", "payload must be a list of Trajectory"),
+    ],
+    ids=["empty", "too-long", "vocab-high", "vocab-negative", "dtype", "old-logprobs-shape",
+         "empty-completion", "nan-advantage", "too-many-rows", "wrong-type"],
+)
+def test_bad_payload_is_refused_and_changes_nothing(tiny_engine, payload, message):
+  before = (tiny_engine.train_step, tiny_engine.micro_step_count, tiny_engine.total_micro_steps)
+  digest = tiny_engine.state_digest()
+  with pytest.raises(ValueError, match=message):
+    tiny_engine.fwd_bwd(payload)
+  with pytest.raises(ValueError, match=message):
+    tiny_engine.prepare_fwd_bwd_input(payload)
+  assert (tiny_engine.train_step, tiny_engine.micro_step_count, tiny_engine.total_micro_steps) == before
+  assert tiny_engine.state_digest() == digest
