@@ -73,11 +73,15 @@ def test_checkpoint_save_restore_continue_equals_uninterrupted(tmp_path, tiny_so
   assert resumed.state_digest() == straight.state_digest()
 
 
-def test_checkpoint_mid_step_is_refused(tmp_path, tiny_source):
+def test_checkpoint_mid_step_saves_the_state_of_the_last_update(tmp_path, tiny_source):
   e = build_engine("tiny", checkpoint_dir=str(tmp_path))
-  e.fwd_bwd(tiny_source.micro_batch(0, 0))
-  with pytest.raises(RuntimeError, match="save at a step boundary"):
-    e.save_checkpoint()
+  run_unstaged(e, [tiny_source.step(0, 2)])
+  after_update = e.state_digest()
+  e.fwd_bwd(tiny_source.micro_batch(1, 0))  # the next step has begun
+  e.save_checkpoint()
+  e.fwd_bwd(tiny_source.micro_batch(1, 1), apply_optimizer=True)
+  assert e.restore_checkpoint()["step"] == 1
+  assert e.state_digest() == after_update and e.micro_step_count == 0
 
 
 def test_checkpoint_needs_a_directory(tiny_engine):

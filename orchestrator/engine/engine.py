@@ -577,16 +577,13 @@ class JaxTrainingEngine:
   def save_checkpoint(self, metadata: Mapping[str, Any] | None = None) -> str:
     """Writes params, optimizer state, step and ``metadata`` (JSON-able) under ``checkpoint_dir``.
 
-    Must be called at a step boundary (no micro-batch accumulated). Returns the
-    checkpoint's path once it is written.
+    Saves the state as of the last ``update()``: micro-batches already
+    accumulated into the next step are not part of it (a pipelined boundary
+    checkpoints step k after step k+1's first micro-batch is dispatched).
+    Returns the checkpoint's path once it is written.
     """
     import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
 
-    if self._micro:
-      raise RuntimeError(
-          f"save_checkpoint with {self._micro} micro-batch(es) of step {self._step}"
-          " accumulated; save at a step boundary"
-      )
     manager = self._manager()
     manager.save(
         self._step,

@@ -1,0 +1,55 @@
+"""Chrome/Perfetto trace (``trace.json``) of a run: device work, idle, and host-side spans."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+DEVICE_PID, HOST_PID = 1, 2
+
+
+def _us(t: float, origin: float) -> float:
+  return (t - origin) * 1e6
+
+
+def chrome_trace(
+    watched: Sequence[Any], host_spans: Sequence[tuple[str, float, float, int]],
+    records: Sequence[dict], origin: float,
+) -> dict:
+  """Trace events: one "X" event per micro-batch and update (device track), per boundary
+  idle gap (device track), and per host span (stage, dispatch, metrics, checkpoint, sync).
+
+  Device start times are inferred as max(dispatch, previous ready): one device
+  runs its computations in dispatch order.
+  """
+  events: list[dict] = [
+      {"ph": "M", "pid": DEVICE_PID, "name": "process_name", "args": {"name": "device"}},
+      {"ph": "M", "pid": HOST_PID, "name": "process_name", "args": {"name": "host"}},
+      {"ph": "M", "pid": HOST_PID, "tid": 0, "name": "thread_name", "args": {"name": "step loop"}},
+      {"ph": "M", "pid": HOST_PID, "tid": 1, "name": "thread_name", "args": {"name": "boundary work"}},
+  ]
+  prev_ready = None
+  for item in watched:
+    if item.ready_at is None:
+      continue
+    start = item.dispatched_at if prev_ready is None else max(item.dispatched_at, prev_ready)
+    name = f"update {item.step}" if item.kind == "update" else f"fwd_bwd {item.step}.{item.micro_step}"
+    events.append({
+        "ph": "X", "pid": DEVICE_PID, "tid": 0, "name": name, "cat": item.kind,
+        "ts": _us(start, origin), "dur": max(0.0, (item.ready_at - start) * 1e6),
+        "args": {"step": item.step, "micro_step": item.micro_step},
+    })
+    prev_ready = item.ready_at
+  for r in records:
+    if r.get("boundary_idle_s"):
+      begin = r["t_update_ready"]
+      events.append({
+          "ph": "X", "pid": DEVICE_PID, "tid": 0, "name": f"idle after step {r['step']}", "cat": "idle",
+          "ts": begin * 1e6, "dur": r["boundary_idle_s"] * 1e6, "args": {"mode": r["mode"]},
+      })
+  for name, start, end, tid in host_spans:
+    events.append({
+        "ph": "X", "pid": HOST_PID, "tid": tid, "name": name, "cat": "host",
+        "ts": _us(start, origin), "dur": max(0.0, (end - start) * 1e6),
+    })
+  return {"traceEvents": events, "displayTimeUnit": "ms"}

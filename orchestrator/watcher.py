@@ -1,0 +1,106 @@
+"""Completion watcher: records when each dispatched computation becomes ready, off the hot path.
+
+A background thread waits on dispatched computations in dispatch order and
+stamps the time each became ready. The step loop only enqueues (a few µs) and
+later asks for the stamps, by which time they are usually recorded already.
+Device work on one device runs in dispatch order, so waiting in order stamps
+each computation within the thread's wake-up latency of its real finish.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+import time
+from collections.abc import Callable, Hashable
+from typing import Any
+
+
+@dataclasses.dataclass
+class Watched:
+  key: Hashable
+  kind: str
+  step: int
+  micro_step: int
+  dispatched_at: float
+  ready_at: float | None = None
+  error: BaseException | None = None
+
+
+class CompletionWatcher:
+  """Stamps ready times of dispatched computations from a background thread.
+
+  ``handle`` objects are anything with ``block_until_ready()`` (a
+  ``jax.Array``, an engine's ``Computation.ready``); None counts as ready at once.
+  """
+
+  def __init__(self, clock: Callable[[], float] = time.perf_counter):
+    self._clock = clock
+    self._queue: queue.Queue = queue.Queue()
+    self._items: dict[Hashable, Watched] = {}
+    self._order: list[Watched] = []
+    self._cond = threading.Condition()
+    self._thread = threading.Thread(target=self._run, name="completion-watcher", daemon=True)
+    self._thread.start()
+
+  def watch(
+      self, key: Hashable, handle: Any, *, kind: str, step: int, micro_step: int, dispatched_at: float
+  ) -> Watched:
+    item = Watched(key, kind, step, micro_step, dispatched_at)
+    with self._cond:
+      self._items[key] = item
+      self._order.append(item)
+    self._queue.put((item, handle))
+    return item
+
+  def _run(self) -> None:
+    while True:
+      entry = self._queue.get()
+      if entry is None:
+        return
+      item, handle = entry
+      error = None
+      try:
+        if handle is not None:
+          block = getattr(handle, "block_until_ready", None)
+          if block is not None:
+            block()
+      except BaseException as e:  # pylint: disable=broad-except
+        error = e
+      now = self._clock()
+      with self._cond:
+        item.ready_at = now
+        item.error = error
+        self._cond.notify_all()
+
+  def ready_at(self, key: Hashable, timeout_s: float | None = None) -> float:
+    """The time ``key`` became ready, waiting for the stamp if needed.
+
+    Raises:
+      KeyError: ``key`` was never watched.
+      TimeoutError: not ready within ``timeout_s``.
+    """
+    with self._cond:
+      item = self._items[key]
+      if not self._cond.wait_for(lambda: item.ready_at is not None, timeout_s):
+        raise TimeoutError(f"{key} not ready after {timeout_s} s")
+      return item.ready_at
+
+  def get(self, key: Hashable) -> Watched | None:
+    with self._cond:
+      return self._items.get(key)
+
+  def items(self) -> list[Watched]:
+    with self._cond:
+      return list(self._order)
+
+  def drain(self, timeout_s: float | None = None) -> list[Watched]:
+    """Waits until every watched computation is stamped; returns them in dispatch order."""
+    with self._cond:
+      self._cond.wait_for(lambda: all(i.ready_at is not None for i in self._order), timeout_s)
+      return list(self._order)
+
+  def close(self) -> None:
+    self._queue.put(None)
+    self._thread.join(timeout=60)

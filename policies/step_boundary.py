@@ -1,0 +1,370 @@
+"""StepBoundaryPolicy: what a trainer does at each optimizer-step boundary, and when to stop staging.
+
+Pure Python, no JAX: it is fed measurements and answers plans, so it can be
+tested in microseconds and reused by any engine.
+
+Modes (DESIGN.md §4 gives the call order of each):
+
+====================  =====  ======================  ===============
+mode                  stage  stage before update()?  await metrics?
+====================  =====  ======================  ===============
+OFF                   no     —                       yes
+PIPELINED             no     —                       no
+STAGE_AFTER_UPDATE    yes    no                      no
+STAGE_BEFORE_UPDATE   yes    yes                     no
+====================  =====  ======================  ===============
+
+Transitions. ``staged`` is STAGE_AFTER_UPDATE or STAGE_BEFORE_UPDATE; ``low``
+means a device wait below ``threshold_s``; ``N`` is ``disable_after``. Every
+row that changes the mode is logged once as a warning with its numbers,
+appended to ``history`` and counted in ``counters``; ``_apply`` is the one
+function that applies them.
+
+===================  ===================================  ====================================  ==================
+in mode              event                                guard                                 next mode
+===================  ===================================  ====================================  ==================
+staged (requested)   bring-up                             engine lacks staging methods,         PIPELINED
+                                                          ``require_staging`` unset             (``unsupported_engine``)
+staged (requested)   bring-up                             engine lacks staging methods,         error at bring-up
+                                                          ``require_staging`` set               (StagingUnsupportedError)
+staged               ``plan(step)``                       ``step`` in ``excluded_steps``        unchanged; no stage there
+staged               ``observe`` (not low)                —                                     unchanged; low count → 0
+staged               ``observe`` (low)                    fewer than N low in a row             unchanged; reported
+                                                                                                (``stage_outlasted_compute``)
+staged               ``observe`` (low)                    N low in a row                        PIPELINED (``auto_disable``)
+PIPELINED            ``plan(step)``                       auto-disabled, ``reprobe_every``      unchanged; this one boundary
+(auto-disabled)                                           boundaries since, no probe used yet   is staged as a probe
+PIPELINED            ``observe`` (probe, not low)         —                                     the requested staged mode
+(auto-disabled)                                                                                 (``reprobe_enabled``)
+PIPELINED            ``observe`` (probe, low)             —                                     PIPELINED for the rest of the
+(auto-disabled)                                                                                 run (``reprobe_failed``)
+OFF, PIPELINED       ``plan(step)``                       —                                     unchanged; no stage
+===================  ===================================  ====================================  ==================
+
+Calibration (``calibrate``): the device wait has a floor — what
+``wait_for_device`` reads with nothing in flight: microseconds on a local CPU,
+~2.8 s on one remote-device runtime. A wait at that floor means the stage had
+nothing left to hide behind. The threshold is::
+
+    threshold_s = max(floor_max × (1 + rel_margin), floor_max + abs_margin)
+
+with ``rel_margin = 0.1`` and ``abs_margin = 0.002`` s by default: a wait must
+clear the noisiest floor sample by 10 %, and by at least 2 ms (scheduler noise
+on a local runtime). A pinned ``wait_threshold_s`` skips calibration. Until
+there is a threshold, waits are recorded but not judged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+import math
+from collections.abc import Iterable, Sequence
+
+log = logging.getLogger("step_boundary.policy")
+
+
+class Mode(enum.Enum):
+  OFF = "off"
+  PIPELINED = "pipelined"
+  STAGE_AFTER_UPDATE = "stage_after_update"
+  STAGE_BEFORE_UPDATE = "stage_before_update"
+
+  @property
+  def staged(self) -> bool:
+    return self in (Mode.STAGE_AFTER_UPDATE, Mode.STAGE_BEFORE_UPDATE)
+
+  @classmethod
+  def parse(cls, value: "Mode | str") -> "Mode":
+    if isinstance(value, Mode):
+      return value
+    key = str(value).strip().lower()
+    for mode in cls:
+      if key in (mode.value, mode.name.lower()):
+        return mode
+    raise ValueError(
+        f"unknown step-boundary mode {value!r}; choose one of {[m.value for m in cls]}"
+    )
+
+
+class StagingUnsupportedError(RuntimeError):
+  """A staged mode was required but the engine cannot stage."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BoundaryPlan:
+  """What to do at the boundary after optimizer step ``step``.
+
+  Attributes:
+    step: the step whose last micro-batch ends at this boundary.
+    mode: the policy's mode when the plan was made.
+    stage: prepare the next step's first micro-batch ahead.
+    stage_before_update: stage between the last ``fwd_bwd`` and ``update()``
+      (the update is deferred); otherwise after ``update()``.
+    await_metrics: read metrics, log, checkpoint and sync weights before the
+      next step's first micro-batch is dispatched (OFF); otherwise after it.
+    probe: this staged boundary is a re-probe while staging is auto-disabled.
+    reason: why, in words.
+  """
+
+  step: int
+  mode: Mode
+  stage: bool
+  stage_before_update: bool
+  await_metrics: bool
+  reason: str
+  probe: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Transition:
+  step: int | None
+  from_mode: Mode
+  to_mode: Mode
+  kind: str
+  reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class CalibrationRule:
+  rel_margin: float = 0.1
+  abs_margin_s: float = 0.002
+
+  def threshold(self, floor_max_s: float) -> float:
+    return max(floor_max_s * (1 + self.rel_margin), floor_max_s + self.abs_margin_s)
+
+
+@dataclasses.dataclass(frozen=True)
+class Observation:
+  """What the policy made of one staged boundary's measurements."""
+
+  step: int
+  stage_s: float
+  device_wait_s: float
+  low: bool | None  # None: no threshold yet
+  consecutive_low: int
+  transition: Transition | None
+
+
+class StepBoundaryPolicy:
+  """Plans each step boundary and turns staging off when it stops paying.
+
+  Args:
+    mode: the requested mode (``Mode`` or its name).
+    engine_can_stage: whether the engine has ``prepare_fwd_bwd_input`` and
+      ``wait_for_device`` (``TrainerWorker.capabilities.can_stage``).
+    require_staging: fail bring-up instead of falling back when it cannot.
+    wait_threshold_s: pin the low-wait threshold; None calibrates it.
+    disable_after: consecutive low waits that turn staging off (>= 1).
+    reprobe_every: after an auto-disable, stage one probe boundary this many
+      boundaries later; None never probes.
+    excluded_steps: boundaries (by step) where no stage happens.
+    calibration: the rule that turns a wait floor into a threshold.
+
+  Raises:
+    StagingUnsupportedError: a staged mode with ``require_staging`` on an
+      engine that cannot stage.
+    ValueError: bad arguments.
+  """
+
+  def __init__(
+      self,
+      mode: Mode | str,
+      *,
+      engine_can_stage: bool = True,
+      require_staging: bool = False,
+      wait_threshold_s: float | None = None,
+      disable_after: int = 2,
+      reprobe_every: int | None = None,
+      excluded_steps: Iterable[int] = (),
+      calibration: CalibrationRule = CalibrationRule(),
+      engine_missing: Sequence[str] = ("prepare_fwd_bwd_input", "wait_for_device"),
+  ):
+    self.requested_mode = Mode.parse(mode)
+    if disable_after < 1:
+      raise ValueError(f"disable_after must be >= 1, got {disable_after}")
+    if reprobe_every is not None and reprobe_every < 1:
+      raise ValueError(f"reprobe_every must be >= 1 or None, got {reprobe_every}")
+    if wait_threshold_s is not None and not (wait_threshold_s >= 0 and math.isfinite(wait_threshold_s)):
+      raise ValueError(f"wait_threshold_s must be a finite number >= 0, got {wait_threshold_s}")
+    self.disable_after = disable_after
+    self.reprobe_every = reprobe_every
+    self.excluded_steps = frozenset(int(s) for s in excluded_steps)
+    self.calibration = calibration
+    self.pinned_threshold = wait_threshold_s is not None
+    self._threshold_s = wait_threshold_s
+    self.floor_samples: tuple[float, ...] = ()
+    self.mode = self.requested_mode
+    self.reason = "requested"
+    self.history: list[Transition] = []
+    self.counters: dict[str, int] = {
+        "unsupported_engine": 0,
+        "auto_disable": 0,
+        "reprobe_enabled": 0,
+        "reprobe_failed": 0,
+        "stage_outlasted_compute": 0,
+        "excluded_boundaries": 0,
+        "staged_boundaries": 0,
+        "probes": 0,
+    }
+    self._low_waits: list[float] = []
+    self._disabled_at: int | None = None
+    self._probe_used = False
+    self._reported_low = False
+    if self.requested_mode.staged and not engine_can_stage:
+      missing = ", ".join(engine_missing)
+      if require_staging:
+        raise StagingUnsupportedError(
+            f"{self.requested_mode.name} was required (require_staging) but the engine"
+            f" lacks {missing}; use an engine with the staging methods, or drop"
+            " require_staging to fall back to PIPELINED"
+        )
+      self._apply(
+          None,
+          Mode.PIPELINED,
+          "unsupported_engine",
+          f"{self.requested_mode.name} requested but the engine lacks {missing};"
+          " falling back to PIPELINED (the boundary is still pipelined, nothing is staged)",
+      )
+
+  # ------------------------------------------------------------------ state
+  @property
+  def threshold_s(self) -> float | None:
+    return self._threshold_s
+
+  @property
+  def auto_disabled(self) -> bool:
+    return self._disabled_at is not None
+
+  def _apply(self, step: int | None, to_mode: Mode, kind: str, reason: str) -> Transition:
+    """The one place the mode changes: records, counts and logs the transition."""
+    transition = Transition(step, self.mode, to_mode, kind, reason)
+    self.history.append(transition)
+    self.counters[kind] = self.counters.get(kind, 0) + 1
+    self.mode, self.reason = to_mode, reason
+    where = "at bring-up" if step is None else f"after step {step}"
+    log.warning("[policy] %s → %s %s: %s", transition.from_mode.name, to_mode.name, where, reason)
+    return transition
+
+  # ------------------------------------------------------------------ calibration
+  def calibrate(self, floor_samples: Sequence[float]) -> float | None:
+    """Sets the low-wait threshold from wait-floor samples; returns it.
+
+    A pinned threshold is kept (the samples are still stored for reports).
+
+    Raises:
+      ValueError: no samples, or a negative or non-finite one.
+    """
+    samples = tuple(float(s) for s in floor_samples)
+    if not samples:
+      raise ValueError("calibrate needs at least one wait-floor sample")
+    bad = [s for s in samples if not (s >= 0 and math.isfinite(s))]
+    if bad:
+      raise ValueError(f"wait-floor samples must be finite and >= 0, got {bad[:3]}")
+    self.floor_samples = samples
+    if not self.pinned_threshold:
+      self._threshold_s = self.calibration.threshold(max(samples))
+    log.info(
+        "[policy] wait floor max %.6f s over %d samples; low-wait threshold %.6f s (%s)",
+        max(samples), len(samples), self._threshold_s,
+        "pinned" if self.pinned_threshold else "calibrated",
+    )
+    return self._threshold_s
+
+  # ------------------------------------------------------------------ plans
+  def plan(self, step: int) -> BoundaryPlan:
+    """What to do at the boundary after ``step``."""
+    mode = self.mode
+    if mode is Mode.OFF:
+      return BoundaryPlan(step, mode, False, False, True, "pipelining off")
+    if mode is Mode.PIPELINED:
+      if self._probe_due(step):
+        self._probe_used = True
+        self.counters["probes"] += 1
+        staged = self.requested_mode
+        return BoundaryPlan(
+            step, mode, True, staged is Mode.STAGE_BEFORE_UPDATE, False,
+            f"re-probe {self.reprobe_every} boundaries after auto-disable", probe=True,
+        )
+      return BoundaryPlan(step, mode, False, False, False, self.reason)
+    if step in self.excluded_steps:
+      self.counters["excluded_boundaries"] += 1
+      return BoundaryPlan(step, mode, False, False, False, "boundary excluded by the recipe")
+    self.counters["staged_boundaries"] += 1
+    return BoundaryPlan(step, mode, True, mode is Mode.STAGE_BEFORE_UPDATE, False, self.reason)
+
+  def _probe_due(self, step: int) -> bool:
+    return (
+        self._disabled_at is not None
+        and self.reprobe_every is not None
+        and not self._probe_used
+        and step - self._disabled_at >= self.reprobe_every
+    )
+
+  # ------------------------------------------------------------------ measurements
+  def observe(
+      self,
+      step: int,
+      *,
+      stage_s: float,
+      device_wait_s: float,
+      probe: bool = False,
+      update_delay_s: float | None = None,
+  ) -> Observation:
+    """Feeds one staged boundary's stage seconds and device wait; may change the mode.
+
+    ``update_delay_s``, when the caller knows it (from completion times), is how
+    long the update was held up after the last micro-batch finished; without
+    it the report bounds the delay by the stage seconds.
+    """
+    threshold = self._threshold_s
+    low = None if threshold is None else device_wait_s < threshold
+    transition = None
+    if probe:
+      if low:
+        transition = self._apply(
+            step, Mode.PIPELINED, "reprobe_failed",
+            f"re-probe wait {device_wait_s:.6f} s still below {threshold:.6f} s; staging stays off",
+        )
+      else:
+        self._disabled_at = None
+        self._low_waits = []
+        transition = self._apply(
+            step, self.requested_mode, "reprobe_enabled",
+            f"re-probe wait {device_wait_s:.6f} s is above {threshold:.6f} s; staging back on",
+        )
+      return Observation(step, stage_s, device_wait_s, low, len(self._low_waits), transition)
+    if not self.mode.staged or low is None:
+      return Observation(step, stage_s, device_wait_s, low, len(self._low_waits), None)
+    if not low:
+      self._low_waits = []
+      return Observation(step, stage_s, device_wait_s, False, 0, None)
+    self._low_waits.append(device_wait_s)
+    if len(self._low_waits) >= self.disable_after:
+      waits = ", ".join(f"{w:.6f}" for w in self._low_waits)
+      self._disabled_at = step
+      self._probe_used = False
+      transition = self._apply(
+          step, Mode.PIPELINED, "auto_disable",
+          f"{len(self._low_waits)} staged boundaries in a row had device waits [{waits}] s"
+          f" below the threshold {threshold:.6f} s: the stage ({stage_s:.6f} s last time)"
+          " outlasted the last micro-batch, so staging is off for the run",
+      )
+      count = len(self._low_waits)
+      self._low_waits = []
+      return Observation(step, stage_s, device_wait_s, True, count, transition)
+    self.counters["stage_outlasted_compute"] += 1
+    level = logging.INFO if self._reported_low else logging.WARNING
+    self._reported_low = True
+    delay = (
+        f"about {update_delay_s:.6f} s" if update_delay_s is not None else f"at most {stage_s:.6f} s"
+    )
+    log.log(
+        level,
+        "[policy] step %d: the stage (%.6f s) outlasted the last micro-batch and delayed"
+        " the update by %s (device wait %.6f s < threshold %.6f s; %d of %d low waits"
+        " before staging turns off)",
+        step, stage_s, delay, device_wait_s, threshold, len(self._low_waits), self.disable_after,
+    )
+    return Observation(step, stage_s, device_wait_s, True, len(self._low_waits), None)

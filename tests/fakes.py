@@ -1,0 +1,65 @@
+"""A recording fake engine: every call the worker and program make, in order."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+  name: str
+  digest: str
+
+
+class RecordingEngine:
+  """Engine with the full contract (staging included) that logs each call as a string."""
+
+  def __init__(self, wait_s: float = 0.5):
+    self.calls: list[str] = []
+    self.step = 0
+    self.micro = 0
+    self.wait_s = wait_s
+    self.params = {"step": 0}
+
+  def fwd_bwd(self, x, apply_optimizer=False):
+    name = f"prepared:{x.name}" if isinstance(x, Prepared) else x
+    self.calls.append(f"fwd_bwd:{name}")
+    self.micro += 1
+    if apply_optimizer:
+      self.update()
+
+  def update(self):
+    self.calls.append("update")
+    self.step += 1
+    self.micro = 0
+    self.params = {"step": self.step}
+    return self.step
+
+  def get_metrics(self):
+    self.calls.append(f"metrics:{self.step}")
+    return {"step": self.step, "loss": 0.0}
+
+  def save_checkpoint(self, metadata=None):
+    self.calls.append(f"checkpoint:{self.step}")
+
+  def prepare_fwd_bwd_input(self, payload):
+    self.calls.append(f"prepare:{payload}")
+    return Prepared(payload, digest=f"digest-{payload}")
+
+  def wait_for_device(self):
+    self.calls.append("wait")
+    return self.wait_s
+
+  def state_digest(self):
+    return f"state-{self.step}"
+
+
+class NoStagingEngine(RecordingEngine):
+  """The same engine without the optional staging methods (what a stock trainer looks like)."""
+
+  prepare_fwd_bwd_input = None
+  wait_for_device = None
+
+
+def payload_steps(steps: int, micro: int):
+  return [[f"s{k}m{i}" for i in range(micro)] for k in range(steps)]

@@ -1,0 +1,232 @@
+"""StepBoundaryPolicy: every row of the transition table, calibration, and the error texts."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+
+import pytest
+
+from policies import Mode, StagingUnsupportedError, StepBoundaryPolicy
+from policies.step_boundary import CalibrationRule
+
+STAGED = [Mode.STAGE_AFTER_UPDATE, Mode.STAGE_BEFORE_UPDATE]
+
+
+def _policy(mode=Mode.STAGE_BEFORE_UPDATE, **kw):
+  kw.setdefault("wait_threshold_s", 0.01)
+  return StepBoundaryPolicy(mode, **kw)
+
+
+def test_policy_package_does_not_import_jax():
+  code = "import sys, policies; assert 'jax' not in sys.modules, 'policies imported jax'; print('ok')"
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+  assert out.returncode == 0 and "ok" in out.stdout, out.stderr
+
+
+@pytest.mark.parametrize(
+    "mode,stage,before,await_metrics",
+    [
+        (Mode.OFF, False, False, True),
+        (Mode.PIPELINED, False, False, False),
+        (Mode.STAGE_AFTER_UPDATE, True, False, False),
+        (Mode.STAGE_BEFORE_UPDATE, True, True, False),
+    ],
+)
+def test_plan_per_mode(mode, stage, before, await_metrics):
+  plan = _policy(mode).plan(3)
+  assert (plan.step, plan.mode, plan.stage, plan.stage_before_update, plan.await_metrics) == (
+      3, mode, stage, before, await_metrics)
+
+
+@pytest.mark.parametrize("mode", STAGED)
+def test_unsupported_engine_falls_back_to_pipelined_with_one_warning(mode, caplog):
+  with caplog.at_level(logging.WARNING, "step_boundary.policy"):
+    p = StepBoundaryPolicy(mode, engine_can_stage=False)
+    for step in range(4):
+      assert not p.plan(step).stage
+  assert p.mode is Mode.PIPELINED and p.requested_mode is mode
+  assert [t.kind for t in p.history] == ["unsupported_engine"]
+  assert p.counters["unsupported_engine"] == 1
+  warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+  assert len(warnings) == 1 and "lacks prepare_fwd_bwd_input, wait_for_device" in warnings[0].getMessage()
+
+
+@pytest.mark.parametrize("mode", [Mode.OFF, Mode.PIPELINED])
+def test_unstaged_modes_ignore_engine_capabilities(mode):
+  p = StepBoundaryPolicy(mode, engine_can_stage=False, require_staging=True)
+  assert p.mode is mode and p.history == []
+
+
+def test_require_staging_fails_bring_up_with_a_clear_error():
+  with pytest.raises(StagingUnsupportedError) as err:
+    StepBoundaryPolicy(Mode.STAGE_BEFORE_UPDATE, engine_can_stage=False, require_staging=True)
+  text = str(err.value)
+  assert "STAGE_BEFORE_UPDATE was required (require_staging)" in text
+  assert "lacks prepare_fwd_bwd_input, wait_for_device" in text
+  assert "drop require_staging to fall back to PIPELINED" in text
+
+
+def test_calibration_with_a_microsecond_floor():
+  p = StepBoundaryPolicy(Mode.STAGE_BEFORE_UPDATE)
+  assert p.threshold_s is None
+  threshold = p.calibrate([4e-6, 6e-6, 30e-6])
+  assert threshold == pytest.approx(30e-6 + 0.002)
+  assert p.threshold_s == threshold
+
+
+def test_calibration_with_a_remote_runtime_floor_of_seconds():
+  p = StepBoundaryPolicy(Mode.STAGE_BEFORE_UPDATE, disable_after=1)
+  threshold = p.calibrate([2.7, 2.85, 2.8])
+  assert threshold == pytest.approx(2.85 * 1.1)
+  # A wait at that floor is low (a fixed 0.05 s threshold would never fire here) ...
+  p.observe(0, stage_s=0.1, device_wait_s=2.81)
+  assert p.mode is Mode.PIPELINED
+
+
+def test_calibration_at_remote_floor_keeps_real_waits():
+  p = StepBoundaryPolicy(Mode.STAGE_BEFORE_UPDATE, disable_after=1)
+  p.calibrate([2.7, 2.85, 2.8])
+  p.observe(0, stage_s=0.1, device_wait_s=7.5)  # the last micro-batch really was still computing
+  assert p.mode is Mode.STAGE_BEFORE_UPDATE
+
+
+def test_pinned_threshold_survives_calibration():
+  p = StepBoundaryPolicy(Mode.STAGE_BEFORE_UPDATE, wait_threshold_s=0.5)
+  assert p.calibrate([1e-6]) == 0.5
+  assert p.floor_samples == (1e-6,)
+
+
+@pytest.mark.parametrize("samples", [[], [-1.0], [float("nan")], [float("inf")]])
+def test_calibration_rejects_bad_samples(samples):
+  with pytest.raises(ValueError, match="sample"):
+    StepBoundaryPolicy(Mode.STAGE_BEFORE_UPDATE).calibrate(samples)
+
+
+def test_calibration_rule_is_configurable():
+  rule = CalibrationRule(rel_margin=1.0, abs_margin_s=0.0)
+  assert StepBoundaryPolicy(Mode.STAGE_AFTER_UPDATE, calibration=rule).calibrate([0.2]) == 0.4
+
+
+def test_without_threshold_waits_are_recorded_not_judged():
+  p = StepBoundaryPolicy(Mode.STAGE_BEFORE_UPDATE, disable_after=1)
+  obs = p.observe(0, stage_s=0.1, device_wait_s=0.0)
+  assert obs.low is None and p.mode is Mode.STAGE_BEFORE_UPDATE
+
+
+@pytest.mark.parametrize("mode", STAGED)
+def test_auto_disable_after_n_low_waits_in_a_row(mode, caplog):
+  p = _policy(mode, disable_after=3)
+  with caplog.at_level(logging.WARNING, "step_boundary.policy"):
+    for step, wait in enumerate([0.001, 0.002]):
+      assert p.observe(step, stage_s=0.3, device_wait_s=wait).transition is None
+    assert p.mode is mode
+    obs = p.observe(2, stage_s=0.3, device_wait_s=0.003)
+  assert obs.transition.kind == "auto_disable" and p.mode is Mode.PIPELINED
+  assert not p.plan(3).stage
+  assert p.counters["auto_disable"] == 1 and p.counters["stage_outlasted_compute"] == 2
+  disable = [r.getMessage() for r in caplog.records if "auto" in r.getMessage() or "in a row" in r.getMessage()]
+  assert any("[0.001000, 0.002000, 0.003000]" in m and "0.010000" in m for m in disable)
+
+
+def test_hysteresis_n_minus_one_low_waits_then_a_high_one_resets_the_count():
+  p = _policy(disable_after=3)
+  waits = [0.001, 0.001, 0.5, 0.001, 0.001, 0.5, 0.001]
+  for step, wait in enumerate(waits):
+    p.observe(step, stage_s=0.1, device_wait_s=wait)
+  assert p.mode is Mode.STAGE_BEFORE_UPDATE and p.history == []
+  p.observe(len(waits), stage_s=0.1, device_wait_s=0.001)
+  p.observe(len(waits) + 1, stage_s=0.1, device_wait_s=0.001)
+  assert p.mode is Mode.PIPELINED
+
+
+def test_a_single_low_wait_is_reported_without_disabling(caplog):
+  p = _policy(disable_after=2)
+  with caplog.at_level(logging.INFO, "step_boundary.policy"):
+    p.observe(5, stage_s=0.25, device_wait_s=0.0001, update_delay_s=0.2)
+    p.observe(6, stage_s=0.25, device_wait_s=0.9)
+    p.observe(7, stage_s=0.25, device_wait_s=0.0001)
+  assert p.mode is Mode.STAGE_BEFORE_UPDATE
+  reports = [r for r in caplog.records if "outlasted the last micro-batch" in r.getMessage()]
+  assert len(reports) == 2
+  assert "delayed the update by about 0.200000 s" in reports[0].getMessage()
+  assert "at most 0.250000 s" in reports[1].getMessage()
+  # The warning fires once; repeats are informational.
+  assert [r.levelno for r in reports] == [logging.WARNING, logging.INFO]
+
+
+def test_wait_exactly_at_threshold_is_not_low():
+  p = _policy(disable_after=1)
+  p.observe(0, stage_s=0.1, device_wait_s=0.01)
+  assert p.mode is Mode.STAGE_BEFORE_UPDATE
+
+
+def test_excluded_boundary_does_not_stage_and_keeps_the_mode():
+  p = _policy(excluded_steps=[2, 5])
+  plans = [p.plan(s) for s in range(6)]
+  assert [pl.stage for pl in plans] == [True, True, False, True, True, False]
+  assert plans[2].reason == "boundary excluded by the recipe" and not plans[2].await_metrics
+  assert p.mode is Mode.STAGE_BEFORE_UPDATE and p.counters["excluded_boundaries"] == 2
+
+
+def test_observations_in_unstaged_modes_change_nothing():
+  p = _policy(Mode.PIPELINED, disable_after=1)
+  p.observe(0, stage_s=0.0, device_wait_s=0.0)
+  assert p.mode is Mode.PIPELINED and p.history == []
+
+
+def test_reprobe_after_auto_disable_reenables_when_the_wait_is_high():
+  p = _policy(disable_after=1, reprobe_every=3)
+  p.observe(0, stage_s=0.3, device_wait_s=0.0)
+  assert p.mode is Mode.PIPELINED
+  assert [p.plan(s).stage for s in (1, 2)] == [False, False]
+  probe = p.plan(3)
+  assert probe.stage and probe.probe and probe.stage_before_update
+  p.observe(3, stage_s=0.01, device_wait_s=0.4, probe=True)
+  assert p.mode is Mode.STAGE_BEFORE_UPDATE
+  assert [t.kind for t in p.history] == ["auto_disable", "reprobe_enabled"]
+  assert p.plan(4).stage and not p.plan(4).probe
+
+
+def test_reprobe_with_a_low_wait_stays_off_for_the_run():
+  p = _policy(Mode.STAGE_AFTER_UPDATE, disable_after=1, reprobe_every=2)
+  p.observe(0, stage_s=0.3, device_wait_s=0.0)
+  probe = p.plan(2)
+  assert probe.stage and not probe.stage_before_update
+  p.observe(2, stage_s=0.3, device_wait_s=0.0, probe=True)
+  assert p.mode is Mode.PIPELINED
+  assert not any(p.plan(s).stage for s in range(3, 20))
+  assert [t.kind for t in p.history] == ["auto_disable", "reprobe_failed"]
+  assert p.counters["probes"] == 1
+
+
+def test_no_reprobe_without_reprobe_every():
+  p = _policy(disable_after=1)
+  p.observe(0, stage_s=0.3, device_wait_s=0.0)
+  assert not any(p.plan(s).stage for s in range(1, 50))
+
+
+def test_no_reprobe_after_unsupported_engine_fallback():
+  p = StepBoundaryPolicy(Mode.STAGE_BEFORE_UPDATE, engine_can_stage=False, reprobe_every=1)
+  assert not any(p.plan(s).stage for s in range(10))
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"disable_after": 0}, "disable_after must be >= 1"),
+        ({"reprobe_every": 0}, "reprobe_every must be >= 1"),
+        ({"wait_threshold_s": -1.0}, "wait_threshold_s must be a finite number"),
+    ],
+)
+def test_bad_arguments_are_refused(kwargs, message):
+  with pytest.raises(ValueError, match=message):
+    StepBoundaryPolicy(Mode.STAGE_BEFORE_UPDATE, **kwargs)
+
+
+def test_mode_parse_accepts_names_and_values_and_names_the_choices():
+  assert Mode.parse("stage_before_update") is Mode.STAGE_BEFORE_UPDATE
+  assert Mode.parse("PIPELINED") is Mode.PIPELINED
+  with pytest.raises(ValueError, match="unknown step-boundary mode 'sideways'.*'off'"):
+    Mode.parse("sideways")

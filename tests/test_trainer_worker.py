@@ -1,0 +1,175 @@
+"""TrainerWorker and RLProgram with a recording fake engine: the exact call order per mode."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from orchestrator.program import ProgramConfig, RLProgram
+from orchestrator.trainer_worker import TrainerWorker, WorkerUsageError
+from policies import Mode, StepBoundaryPolicy
+from tests.fakes import NoStagingEngine, RecordingEngine, payload_steps
+
+# DESIGN.md §4's table, boundary by boundary, for the boundary after step k (M = 2).
+EXPECTED_BOUNDARY = {
+    Mode.OFF: ["fwd_bwd:s{k}m1", "update", "metrics:{n}", "sync:{n}", "fwd_bwd:s{n}m0"],
+    Mode.PIPELINED: ["fwd_bwd:s{k}m1", "update", "fwd_bwd:s{n}m0", "metrics:{n}", "sync:{n}"],
+    Mode.STAGE_AFTER_UPDATE: [
+        "fwd_bwd:s{k}m1", "update", "prepare:s{n}m0", "fwd_bwd:prepared:s{n}m0", "metrics:{n}", "sync:{n}"],
+    Mode.STAGE_BEFORE_UPDATE: [
+        "fwd_bwd:s{k}m1", "prepare:s{n}m0", "wait", "update", "fwd_bwd:prepared:s{n}m0",
+        "metrics:{n}", "sync:{n}"],
+}
+
+
+def _run(engine, mode, steps=4, micro=2, threshold_s=0.0, **config):
+  """Runs the program; a 0 s threshold never judges a wait low (the fake computes nothing)."""
+  worker = TrainerWorker(engine)
+  policy = StepBoundaryPolicy(
+      mode, engine_can_stage=worker.capabilities.can_stage, wait_threshold_s=threshold_s)
+
+  def sync(step, weights):
+    engine.calls.append(f"sync:{step}")
+
+  program = RLProgram(
+      worker, policy, payload_steps(steps, micro),
+      ProgramConfig(steps=steps, micro_batches_per_step=micro, calibration_samples=2, **config),
+      weight_sync=sync,
+  )
+  result = program.run()
+  first = engine.calls.index("fwd_bwd:s0m0")
+  return engine.calls[first:], result, policy
+
+
+def _expected(mode, steps, checkpoint_every=0):
+  calls = ["fwd_bwd:s0m0"]
+  for k in range(steps - 1):
+    seq = [c.format(k=k, n=k + 1) for c in EXPECTED_BOUNDARY[mode]]
+    if checkpoint_every and (k + 1) % checkpoint_every == 0:
+      seq.insert(seq.index(f"sync:{k + 1}"), f"checkpoint:{k + 1}")
+    calls += seq
+  last = steps - 1
+  calls += [f"fwd_bwd:s{last}m1", "update", f"metrics:{steps}"]
+  if checkpoint_every and steps % checkpoint_every == 0:
+    calls.append(f"checkpoint:{steps}")
+  return calls + [f"sync:{steps}"]
+
+
+@pytest.mark.parametrize("mode", list(Mode), ids=lambda m: m.name)
+def test_call_sequence_per_mode_matches_the_design_table(mode):
+  calls, result, _ = _run(RecordingEngine(), mode)
+  assert calls == _expected(mode, 4)
+  assert [r["staged"] for r in result.records] == [mode.staged] * 3 + [False]
+
+
+def test_checkpoints_follow_the_cadence_inside_the_boundary_work():
+  calls, _, _ = _run(RecordingEngine(), Mode.STAGE_BEFORE_UPDATE, steps=4, checkpoint_every=2)
+  assert calls == _expected(Mode.STAGE_BEFORE_UPDATE, 4, checkpoint_every=2)
+
+
+def test_sync_before_next_step_moves_checkpoint_and_sync_before_the_dispatch():
+  calls, _, _ = _run(RecordingEngine(), Mode.STAGE_BEFORE_UPDATE, steps=2, sync_before_next_step=True)
+  assert calls == [
+      "fwd_bwd:s0m0", "fwd_bwd:s0m1", "prepare:s1m0", "wait", "update", "sync:1",
+      "fwd_bwd:prepared:s1m0", "metrics:1", "fwd_bwd:s1m1", "update", "metrics:2", "sync:2",
+  ]
+
+
+def test_single_micro_batch_steps_stage_every_first_micro_batch():
+  """With M = 1 the first micro-batch is the last: the previous step's metrics are read
+  before this step's update, and the final step's update follows that read."""
+  calls, _, _ = _run(RecordingEngine(), Mode.STAGE_BEFORE_UPDATE, steps=3, micro=1)
+  assert calls == [
+      "fwd_bwd:s0m0", "prepare:s1m0", "wait", "update",
+      "fwd_bwd:prepared:s1m0", "metrics:1", "sync:1", "prepare:s2m0", "wait", "update",
+      "fwd_bwd:prepared:s2m0", "metrics:2", "sync:2", "update", "metrics:3", "sync:3",
+  ]
+
+
+def test_single_micro_batch_pipelined_reads_each_steps_own_metrics():
+  calls, _, _ = _run(RecordingEngine(), Mode.PIPELINED, steps=3, micro=1)
+  assert calls == [
+      "fwd_bwd:s0m0", "update", "fwd_bwd:s1m0", "metrics:1", "sync:1", "update",
+      "fwd_bwd:s2m0", "metrics:2", "sync:2", "update", "metrics:3", "sync:3",
+  ]
+
+
+@pytest.mark.parametrize("mode", [Mode.STAGE_AFTER_UPDATE, Mode.STAGE_BEFORE_UPDATE], ids=lambda m: m.name)
+def test_engine_without_staging_falls_back_to_pipelined_order(mode, caplog):
+  with caplog.at_level(logging.WARNING):
+    calls, result, policy = _run(NoStagingEngine(), mode)
+  assert calls == _expected(Mode.PIPELINED, 4)
+  assert policy.mode is Mode.PIPELINED
+  assert result.summary["final_mode"] == "pipelined"
+  fallback = [r for r in caplog.records if "lacks prepare_fwd_bwd_input" in r.getMessage()]
+  assert len([r for r in fallback if r.name == "step_boundary.policy"]) == 1
+  assert any("!!! staging was requested" in r.getMessage() for r in caplog.records)
+
+
+def test_auto_disable_switches_the_call_order_mid_run():
+  engine = RecordingEngine(wait_s=0.0)  # every wait at the floor: the stage outlasted compute
+  calls, result, policy = _run(engine, Mode.STAGE_BEFORE_UPDATE, steps=5, threshold_s=0.1)
+  assert [r["staged"] for r in result.records] == [True, True, False, False, False]
+  assert result.summary["auto_disables"] == 1
+  assert calls.count("wait") == 2
+  assert [r["transition"] for r in result.records][:2] == [None, "auto_disable"]
+
+
+# ----------------------------------------------------------------- misuse
+
+
+def test_second_stage_with_one_pending_is_refused():
+  w = TrainerWorker(RecordingEngine())
+  w.stage_fwd_bwd("a")
+  with pytest.raises(WorkerUsageError, match="already staged; dispatch it with fwd_bwd_staged"):
+    w.stage_fwd_bwd("b")
+
+
+def test_staged_dispatch_with_nothing_staged_is_refused():
+  with pytest.raises(WorkerUsageError, match="nothing is staged"):
+    TrainerWorker(RecordingEngine()).fwd_bwd_staged()
+
+
+def test_deferred_update_with_none_owed_is_refused():
+  with pytest.raises(WorkerUsageError, match="no update is owed"):
+    TrainerWorker(RecordingEngine()).apply_deferred_update()
+
+
+def test_new_step_while_an_update_is_owed_is_refused():
+  w = TrainerWorker(RecordingEngine())
+  w.fwd_bwd("a", defer_update=True)
+  with pytest.raises(WorkerUsageError, match="still owed; call apply_deferred_update"):
+    w.fwd_bwd("b")
+  w.stage_fwd_bwd("b")  # staging while owed is the point of STAGE_BEFORE_UPDATE
+  with pytest.raises(WorkerUsageError, match="still owed"):
+    w.fwd_bwd_staged()
+  assert w.apply_deferred_update() == 0.5
+  w.fwd_bwd_staged()
+
+
+def test_staging_on_an_engine_without_staging_is_refused():
+  w = TrainerWorker(NoStagingEngine())
+  assert not w.capabilities.can_stage
+  assert w.capabilities.missing_staging_methods == ("prepare_fwd_bwd_input", "wait_for_device")
+  with pytest.raises(WorkerUsageError, match="lacks prepare_fwd_bwd_input"):
+    w.stage_fwd_bwd("a")
+
+
+def test_worker_refuses_an_engine_without_required_methods():
+  with pytest.raises(TypeError, match="lacks fwd_bwd, update, get_metrics"):
+    TrainerWorker(object())
+
+
+def test_program_refuses_a_source_with_the_wrong_micro_batch_count():
+  w = TrainerWorker(RecordingEngine())
+  p = RLProgram(w, StepBoundaryPolicy(Mode.PIPELINED), [["a"]] * 3, ProgramConfig(steps=3, micro_batches_per_step=2))
+  with pytest.raises(ValueError, match="step 0 has 1 micro-batch payloads; micro_batches_per_step is 2"):
+    p.run()
+
+
+def test_program_refuses_a_source_that_runs_out():
+  w = TrainerWorker(RecordingEngine())
+  p = RLProgram(w, StepBoundaryPolicy(Mode.PIPELINED), payload_steps(2, 1), ProgramConfig(steps=3, micro_batches_per_step=1))
+  with pytest.raises(ValueError, match="ran out after 2 steps; 3 were asked for"):
+    p.run()
