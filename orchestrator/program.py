@@ -37,7 +37,8 @@ from typing import Any
 
 from orchestrator.trainer_worker import TrainerWorker
 from orchestrator.watcher import CompletionWatcher
-from policies import BoundaryPlan, Mode, StepBoundaryPolicy
+from policies import BoundaryPlan, StepBoundaryPolicy
+from policies.step_boundary import format_seconds
 
 log = logging.getLogger("step_boundary.program")
 
@@ -50,6 +51,8 @@ class ProgramConfig:
     steps: optimizer steps to run.
     micro_batches_per_step: payloads per step (each source item must have this many).
     checkpoint_every: save a checkpoint after every N-th step (0: never).
+    scored_checkpoint_steps: step counts whose checkpoints are scored; a
+      checkpoint is written after each of them whatever the cadence.
     sync_before_next_step: checkpoint and weight sync of step k run before
       step k+1's first dispatch (their time then counts as boundary idle).
     calibration_samples: wait-floor samples taken at bring-up.
@@ -59,6 +62,7 @@ class ProgramConfig:
   steps: int
   micro_batches_per_step: int
   checkpoint_every: int = 0
+  scored_checkpoint_steps: tuple[int, ...] = ()
   sync_before_next_step: bool = False
   calibration_samples: int = 8
   out_dir: str | None = None
@@ -157,6 +161,7 @@ class RLProgram:
     self._unfinished: _Boundary | None = None
     self._last_update_ready: float | None = None
     self._run_start = 0.0
+    self.current_step: int | None = None  # the step being run (for error messages)
     self._records_file = None
     self.out_dir = Path(config.out_dir) if config.out_dir else None
 
@@ -211,6 +216,7 @@ class RLProgram:
       raise ValueError("the source yielded no steps")
     staged_for_current = False
     for k in range(self.config.steps):
+      self.current_step = k
       nxt = next(steps, None) if k + 1 < self.config.steps else None
       if k + 1 < self.config.steps and nxt is None:
         raise ValueError(f"the source ran out after {k + 1} steps; {self.config.steps} were asked for")
@@ -325,11 +331,12 @@ class RLProgram:
   def _log_staged(self, boundary: _Boundary) -> None:
     plan = boundary.plan
     where = "before" if plan.stage_before_update else "after"
-    what = "last micro-batch" if plan.stage_before_update else "update"
     probe = " (re-probe)" if plan.probe else ""
+    low = " — below the threshold: the stage outlasted the compute" if boundary.low_wait else ""
     log.info(
-        "[boundary] step %d STAGED%s %s update in %.6f s; %s still computed %.6f s",
-        boundary.step, probe, where, boundary.stage_s, what, boundary.device_wait_s,
+        "[boundary] step %d STAGED%s %s update in %s; the device still computed %s after it%s",
+        boundary.step, probe, where, format_seconds(boundary.stage_s),
+        format_seconds(boundary.device_wait_s), low,
     )
 
   def _announce_staging_state(self) -> None:
@@ -347,9 +354,11 @@ class RLProgram:
     boundary.sync_done = True
     k = boundary.step
     every = self.config.checkpoint_every
-    if every and (k + 1) % every == 0 and self.worker.capabilities.can_checkpoint:
+    due = (every and (k + 1) % every == 0) or (k + 1) in self.config.scored_checkpoint_steps
+    if due and self.worker.capabilities.can_checkpoint:
       start = self.clock()
-      self.worker.save_checkpoint({"step": k + 1, "mode": self.policy.mode.value})
+      scored = (k + 1) in self.config.scored_checkpoint_steps
+      self.worker.save_checkpoint({"step": k + 1, "mode": self.policy.mode.value, "scored": scored})
       boundary.spans["checkpoint_s"] = self.clock() - start
       self.host_spans.append((f"checkpoint {k + 1}", start, self.clock(), 1))
     start = self.clock()
@@ -496,8 +505,7 @@ def format_table(records: Sequence[dict]) -> str:
 
 
 def format_summary(summary: dict) -> str:
-  def s(x):
-    return "-" if x is None else f"{x:.6f} s"
+  s = format_seconds
 
   lines = [
       f"mode: requested {summary['requested_mode']}, ended {summary['final_mode']}",

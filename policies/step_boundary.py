@@ -65,6 +65,17 @@ from collections.abc import Iterable, Sequence
 log = logging.getLogger("step_boundary.policy")
 
 
+def format_seconds(x: float | None) -> str:
+  """Seconds in the unit that keeps them readable (µs, ms or s)."""
+  if x is None:
+    return "-"
+  if abs(x) < 1e-3:
+    return f"{x * 1e6:.1f} µs"
+  if abs(x) < 1:
+    return f"{x * 1e3:.2f} ms"
+  return f"{x:.3f} s"
+
+
 class Mode(enum.Enum):
   OFF = "off"
   PIPELINED = "pipelined"
@@ -266,8 +277,8 @@ class StepBoundaryPolicy:
     if not self.pinned_threshold:
       self._threshold_s = self.calibration.threshold(max(samples))
     log.info(
-        "[policy] wait floor max %.6f s over %d samples; low-wait threshold %.6f s (%s)",
-        max(samples), len(samples), self._threshold_s,
+        "[policy] wait floor max %s over %d samples; low-wait threshold %s (%s)",
+        format_seconds(max(samples)), len(samples), format_seconds(self._threshold_s),
         "pinned" if self.pinned_threshold else "calibrated",
     )
     return self._threshold_s

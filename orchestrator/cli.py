@@ -1,0 +1,149 @@
+"""``run_rl``: run the RL program from a recipe, with the step-boundary switches.
+
+    run_rl [--recipe PATH] [--stage_before_update | --no-stage_before_update] ... [key=value ...]
+
+Exit codes: 0 success; 2 bad usage or an invalid recipe (one message, no
+traceback, nothing started); 1 a failure during the run (the message names the
+step; records written so far are kept).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import sys
+from pathlib import Path
+
+from orchestrator import config as config_lib
+
+FLAG_KEYS = {
+    "pipeline_step_boundary": "step_boundary.pipeline_step_boundary",
+    "stage_next_microbatch": "step_boundary.stage_next_microbatch",
+    "stage_before_update": "step_boundary.stage_before_update",
+    "require_staging": "step_boundary.require_staging",
+    "steps": "steps",
+    "out": "run.out",
+}
+
+
+class UsageError(Exception):
+  pass
+
+
+class _Parser(argparse.ArgumentParser):
+  def error(self, message):  # argparse would exit itself; keep one exit path
+    raise UsageError(message)
+
+
+def make_parser() -> argparse.ArgumentParser:
+  p = _Parser(
+      prog="run_rl",
+      description="Run RL training steps with the step-boundary scheduler.",
+      epilog="key=value overrides any recipe key by dotted path, e.g. engine.learning_rate=3e-4."
+      " Precedence: recipe < environment < flags < key=value.",
+  )
+  p.add_argument("--recipe", help=f"recipe YAML (default: {config_lib.DEFAULT_RECIPE})")
+  b = argparse.BooleanOptionalAction
+  p.add_argument("--pipeline_step_boundary", action=b, default=None,
+                 help="run step k's metrics/logging/checkpoint/sync after step k+1's first dispatch")
+  p.add_argument("--stage_next_microbatch", action=b, default=None,
+                 help="prepare step k+1's first micro-batch during step k (default: follows pipelining)")
+  p.add_argument("--stage_before_update", action=b, default=None,
+                 help="stage before update() (default) instead of after it")
+  p.add_argument("--require_staging", action="store_true", default=None,
+                 help="fail at bring-up if the engine cannot stage, instead of falling back")
+  p.add_argument("--steps", type=int, help="optimizer steps to run")
+  p.add_argument("--out", help="output directory (records.jsonl, trace.json, summary.json)")
+  p.add_argument("--print-config", action="store_true",
+                 help="print the resolved config with each value's source, and exit")
+  p.add_argument("overrides", nargs="*", metavar="key=value")
+  return p
+
+
+def resolve_from_args(args: argparse.Namespace, env=None) -> config_lib.ResolvedRecipe:
+  flags = {}
+  for name, key in FLAG_KEYS.items():
+    value = getattr(args, name)
+    if value is not None:
+      spelled = name if not isinstance(value, bool) or value else f"no-{name}"
+      flags[key] = (value, f"--{spelled}")
+  return config_lib.resolve(args.recipe, env=env, flags=flags, overrides=args.overrides)
+
+
+def main(argv: list[str] | None = None) -> int:
+  argv = sys.argv[1:] if argv is None else argv
+  try:
+    args = make_parser().parse_args(argv)
+    resolved = resolve_from_args(args)
+  except (UsageError, config_lib.RecipeError) as e:
+    print(f"run_rl: error: {e}", file=sys.stderr)
+    return 2
+  if args.print_config:
+    print(config_lib.format_config(resolved))
+    return 0
+  return run(resolved)
+
+
+def _out_dir(recipe: config_lib.Recipe) -> Path:
+  if recipe.run.out:
+    return Path(recipe.run.out)
+  stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+  return Path("runs") / f"{recipe.name}-{stamp}"
+
+
+def run(resolved: config_lib.ResolvedRecipe) -> int:
+  """Builds everything the recipe names and runs it; returns the exit code."""
+  recipe = resolved.recipe
+  if recipe.run.reserve_host_core:
+    from orchestrator.engine.host_threads import reserve_host_core  # before JAX starts
+
+    reservation = reserve_host_core()
+  else:
+    reservation = None
+  logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr, force=True)
+  for noisy in ("absl", "jax", "orbax", "etils"):
+    logging.getLogger(noisy).setLevel(logging.WARNING)
+  from orchestrator.runner import build_run  # imports JAX
+
+  out = _out_dir(recipe)
+  out.mkdir(parents=True, exist_ok=True)
+  (out / "config.json").write_text(json.dumps(
+      {"recipe": resolved.path, "config": config_lib.to_dict(recipe), "sources": resolved.sources},
+      indent=2, default=str))
+  print(f"run_rl: recipe {resolved.path} ({recipe.name}), mode {recipe.mode.name},"
+        f" model {recipe.model}, {recipe.steps} steps × {recipe.batch.micro_batches_per_step}"
+        f" micro-batches; host core reserved: {reservation.reason if reservation else 'no'}",
+        file=sys.stderr)
+  try:
+    program = build_run(recipe, out)
+  except config_lib.RecipeError as e:
+    print(f"run_rl: error: {e}", file=sys.stderr)
+    return 2
+  except Exception as e:  # pylint: disable=broad-except
+    print(f"run_rl: bring-up failed: {type(e).__name__}: {e}", file=sys.stderr)
+    return 1
+  from orchestrator.program import format_summary, format_table
+
+  try:
+    result = program.run()
+  except Exception as e:  # pylint: disable=broad-except
+    step = program.current_step
+    print(
+        f"run_rl: the run failed at step {step}: {type(e).__name__}: {e}\n"
+        f"run_rl: records written so far are kept in {out / 'records.jsonl'}",
+        file=sys.stderr,
+    )
+    return 1
+  finally:
+    program.close_progress()
+  (out / "summary.json").write_text(json.dumps(result.summary, indent=2))
+  print(format_table(result.records))
+  print()
+  print(format_summary(result.summary))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,216 @@
+"""run_rl: precedence of every source, boolean spellings, refusals, --print-config, an end-to-end run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from orchestrator import cli
+from orchestrator import config as config_lib
+from policies import Mode
+from tests.conftest import REPO
+
+RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
+
+
+def resolve(argv, env=None):
+  args = cli.make_parser().parse_args(argv)
+  return cli.resolve_from_args(args, env=env or {})
+
+
+def write(tmp_path, text, name="r.yaml"):
+  path = tmp_path / name
+  path.write_text(text)
+  return str(path)
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
+def test_every_shipped_recipe_validates(recipe):
+  resolved = resolve(["--recipe", str(recipe)])
+  assert resolved.recipe.name == recipe.stem
+
+
+@pytest.mark.parametrize(
+    "pipeline,staging,before,mode",
+    [
+        (False, None, True, Mode.OFF),
+        (True, False, True, Mode.PIPELINED),
+        (True, None, True, Mode.STAGE_BEFORE_UPDATE),
+        (True, True, False, Mode.STAGE_AFTER_UPDATE),
+        (True, None, False, Mode.STAGE_AFTER_UPDATE),
+    ],
+)
+def test_switches_map_to_policy_modes(pipeline, staging, before, mode):
+  argv = ["--pipeline_step_boundary" if pipeline else "--no-pipeline_step_boundary"]
+  if staging is not None:
+    argv.append("--stage_next_microbatch" if staging else "--no-stage_next_microbatch")
+  argv.append("--stage_before_update" if before else "--no-stage_before_update")
+  assert resolve(argv).recipe.mode is mode
+
+
+def test_precedence_recipe_then_env_then_flags_then_overrides(tmp_path):
+  path = write(tmp_path, "model: tiny\nsteps: 3\nstep_boundary:\n  stage_before_update: true\n")
+  key = "step_boundary.stage_before_update"
+  r = resolve(["--recipe", path])
+  assert (r.recipe.step_boundary.stage_before_update, r.sources[key]) == (True, "recipe")
+  r = resolve(["--recipe", path], env={"STAGE_BEFORE_UPDATE": "false"})
+  assert (r.recipe.step_boundary.stage_before_update, r.sources[key]) == (False, "env STAGE_BEFORE_UPDATE")
+  r = resolve(["--recipe", path, "--stage_before_update"], env={"STAGE_BEFORE_UPDATE": "false"})
+  assert (r.recipe.step_boundary.stage_before_update, r.sources[key]) == (True, "flag --stage_before_update")
+  r = resolve(["--recipe", path, "--stage_before_update", f"{key}=no"], env={"STAGE_BEFORE_UPDATE": "0"})
+  assert (r.recipe.step_boundary.stage_before_update, r.sources[key]) == (False, "override")
+  assert r.sources["steps"] == "recipe" and r.sources["engine.seed"] == "default"
+
+
+@pytest.mark.parametrize("spelling,value", [
+    ("true", True), ("TRUE", True), ("1", True), ("yes", True), ("Yes", True),
+    ("false", False), ("False", False), ("0", False), ("no", False), ("NO", False),
+])
+def test_boolean_spellings_in_env_and_overrides(spelling, value):
+  r = resolve([], env={"PIPELINE_STEP_BOUNDARY": spelling})
+  assert r.recipe.step_boundary.pipeline_step_boundary is value
+  r = resolve([f"step_boundary.require_staging={spelling}"])
+  assert r.recipe.step_boundary.require_staging is value
+
+
+@pytest.mark.parametrize("env_value", ["-1", "-1.0", " -1 "])
+def test_ragged_buffer_factor_minus_one_spellings_are_the_same(env_value):
+  r = resolve([], env={"RAGGED_BUFFER_FACTOR": env_value})
+  assert r.recipe.engine.ragged_buffer_factor == -1.0
+  assert resolve([f"engine.ragged_buffer_factor={env_value.strip()}"]).recipe.engine.ragged_buffer_factor == -1.0
+
+
+def test_env_switches_each_reach_their_key():
+  env = {"PIPELINE_STEP_BOUNDARY": "1", "STAGE_NEXT_MICROBATCH": "0", "STAGE_BEFORE_UPDATE": "0",
+         "RAGGED_BUFFER_FACTOR": "1.5"}
+  r = resolve([], env=env)
+  assert r.recipe.mode is Mode.PIPELINED and r.recipe.engine.ragged_buffer_factor == 1.5
+  for name, key in config_lib.ENV_SWITCHES.items():
+    if name in env:
+      assert r.sources[key] == f"env {name}"
+
+
+def _main(argv, capsys, env=None):
+  old = dict(os.environ)
+  try:
+    for name in config_lib.ENV_SWITCHES:
+      os.environ.pop(name, None)
+    os.environ.update(env or {})
+    code = cli.main(argv)
+  finally:
+    os.environ.clear()
+    os.environ.update(old)
+  out = capsys.readouterr()
+  return code, out.out, out.err
+
+
+@pytest.mark.parametrize(
+    "argv,env,message",
+    [
+        (["--no-pipeline_step_boundary", "--stage_next_microbatch"], {},
+         "stage_next_microbatch=true needs step_boundary.pipeline_step_boundary=true"),
+        (["engine.learnin_rate=1"], {}, "unknown key 'engine.learnin_rate'; did you mean 'engine.learning_rate'?"),
+        (["steps=three"], {}, "steps: expected int, got 'three'"),
+        (["steps=2.5"], {}, "steps: expected a whole number"),
+        (["steps=0"], {}, "steps=0 is out of range: it must be >= 1"),
+        (["engine.ragged_buffer_factor=0"], {}, "engine.ragged_buffer_factor=0.0 is out of range: use -1"),
+        (["engine.ragged_buffer_factor=-2"], {}, "engine.ragged_buffer_factor=-2.0 is out of range"),
+        (["--recipe", "no/such/recipe.yaml"], {}, "recipe no/such/recipe.yaml does not exist"),
+        (["--no-stage_next_microbatch", "--require_staging"], {}, "require_staging=true but staging is off"),
+        (["engine.retry_when_tokens_dropped=true"], {}, "needs an MoE model, but 'small' is dense"),
+        (["mesh.fsdp=3"], {}, "batch.rows=8 does not split over mesh.fsdp×mesh.expert=3"),
+        (["model=huge"], {}, "model='huge' is not a preset; available:"),
+        (["checkpoint.every=2"], {}, "checkpoint.directory is unset"),
+        (["notakeyvalue"], {}, "override 'notakeyvalue' is not key=value"),
+        (["--steps", "x"], {}, "argument --steps: invalid int value"),
+        ([], {"PIPELINE_STEP_BOUNDARY": "maybe"}, "environment PIPELINE_STEP_BOUNDARY='maybe'"),
+    ],
+    ids=["staging-without-pipeline", "unknown-key", "wrong-type", "not-whole", "out-of-range",
+         "factor-zero", "factor-negative", "missing-recipe", "require-staging-off", "retry-dense",
+         "mesh-split", "unknown-preset", "checkpoint-no-dir", "bad-override", "bad-flag", "bad-env"],
+)
+def test_refusals_exit_2_with_one_clear_message(argv, env, message, capsys):
+  code, out, err = _main(argv, capsys, env)
+  assert code == 2
+  assert message in err
+  assert "Traceback" not in err and err.count("run_rl: error:") == 1
+
+
+def test_unknown_recipe_key_is_refused_with_a_suggestion(tmp_path, capsys):
+  path = write(tmp_path, "step_boundary:\n  stage_befor_update: true\n")
+  code, _, err = _main(["--recipe", path], capsys)
+  assert code == 2 and "unknown key 'step_boundary.stage_befor_update'; did you mean 'step_boundary.stage_before_update'?" in err
+
+
+def test_invalid_yaml_names_line_and_column(tmp_path, capsys):
+  path = write(tmp_path, "model: tiny\nsteps: [1, 2\nname: x\n")
+  code, _, err = _main(["--recipe", path], capsys)
+  assert code == 2 and "is not valid YAML at line 3, column" in err
+
+
+def test_wrong_type_in_recipe_is_refused(tmp_path, capsys):
+  path = write(tmp_path, "step_boundary:\n  disable_after: often\n")
+  code, _, err = _main(["--recipe", path], capsys)
+  assert code == 2 and "step_boundary.disable_after: expected int, got 'often'" in err
+
+
+def test_print_config_shows_every_key_and_its_source(capsys):
+  code, out, _ = _main(["--print-config", "--steps", "4", "engine.seed=3"], capsys,
+                       env={"STAGE_BEFORE_UPDATE": "no"})
+  assert code == 0
+  lines = {line.split()[0]: line for line in out.splitlines() if not line.startswith("#")}
+  assert set(lines) == set(config_lib.all_keys())
+  assert lines["steps"].split()[1] == "4" and lines["steps"].endswith("# flag --steps")
+  assert lines["engine.seed"].endswith("# override")
+  assert lines["step_boundary.stage_before_update"].endswith("# env STAGE_BEFORE_UPDATE")
+  assert lines["model"].endswith("# recipe") and lines["engine.weight_decay"].endswith("# default")
+  assert "# mode: STAGE_AFTER_UPDATE" in out
+
+
+def test_failure_during_the_run_exits_1_naming_the_step(tmp_path, capsys, monkeypatch):
+  from orchestrator import runner
+
+  class Boom:
+    current_step = 2
+
+    def run(self):
+      (tmp_path / "out" / "records.jsonl").write_text('{"step": 0}\n')
+      raise RuntimeError("device lost")
+
+    def close_progress(self):
+      pass
+
+  monkeypatch.setattr(runner, "build_run", lambda recipe, out: Boom())
+  code, _, err = _main(["model=tiny", "run.reserve_host_core=false", "--out", str(tmp_path / "out")], capsys)
+  assert code == 1
+  assert "the run failed at step 2: RuntimeError: device lost" in err
+  assert "records written so far are kept" in err
+  assert (tmp_path / "out" / "records.jsonl").read_text() == '{"step": 0}\n'
+
+
+def test_run_rl_end_to_end_on_the_tiny_preset(tmp_path):
+  out = tmp_path / "run"
+  env = dict(os.environ, PYTHONPATH=str(REPO))
+  for name in config_lib.ENV_SWITCHES:
+    env.pop(name, None)
+  proc = subprocess.run(
+      [sys.executable, "-m", "orchestrator.cli", "model=tiny", "steps=4", "batch.micro_batches_per_step=2",
+       "--out", str(out)],
+      capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600,
+  )
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "median boundary idle:" in proc.stdout and "staged boundaries: 3; auto-disables: 0" in proc.stdout
+  assert "final state digest:" in proc.stdout
+  assert "[boundary] step 0 STAGED before update in" in proc.stderr
+  records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in records] == [0, 1, 2, 3]
+  summary = json.loads((out / "summary.json").read_text())
+  assert summary["final_state_digest"] in proc.stdout
+  assert json.loads((out / "trace.json").read_text())["traceEvents"]
+  config = json.loads((out / "config.json").read_text())
+  assert config["sources"]["model"] == "override"
