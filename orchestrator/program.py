@@ -433,6 +433,9 @@ class RLProgram:
         "loss": metrics.get("loss"),
         "grad_norm": metrics.get("grad_norm"),
         "tokens": metrics.get("tokens"),
+        "replays": metrics.get("replays"),
+        "replayed_micro_batches": metrics.get("replayed_micro_batches"),
+        "dropped_tokens": metrics.get("dropped_tokens"),
         "t_update_ready": update_ready - self._run_start,
         "t_next_first_dispatch": None if first_dispatch is None else first_dispatch - self._run_start,
     }

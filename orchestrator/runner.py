@@ -24,6 +24,9 @@ def engine_options(recipe: Recipe, checkpoint_dir: str | None) -> dict:
       "max_inflight": e.max_inflight,
       "seed": e.seed,
       "checkpoint_dir": checkpoint_dir,
+      "ragged_buffer_factor": e.ragged_buffer_factor,
+      "retry_when_tokens_dropped": e.retry_when_tokens_dropped,
+      "skip_nonfinite_updates": e.skip_nonfinite_updates,
   }
 
 

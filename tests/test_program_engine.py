@@ -106,3 +106,29 @@ def test_stage_before_update_records_less_boundary_idle_than_off(tiny_engine_and
     idle[mode] = statistics.median(r["boundary_idle_s"] for r in result.records[:-1])
   assert idle[Mode.STAGE_BEFORE_UPDATE] < idle[Mode.OFF]
   assert idle[Mode.STAGE_BEFORE_UPDATE] < 0.5 * idle[Mode.OFF]
+
+
+@pytest.fixture(scope="module")
+def moe_replay_digests_per_mode():
+  from orchestrator.data.synthetic import SyntheticRollouts
+  from orchestrator.engine import build_engine
+
+  engine = build_engine("tiny_moe", ragged_buffer_factor=0.9, retry_when_tokens_dropped=True)
+  source = SyntheticRollouts(engine.preset.vocab_size, engine.rows, engine.tokens_per_row, seed=5)
+  start = engine.snapshot()
+  out = {}
+  for mode in Mode:
+    engine.restore(start)
+    result, _ = _run(engine, source, mode)
+    out[mode] = (
+        result.summary["final_state_digest"],
+        [r["loss"] for r in result.records],
+        [r["replays"] for r in result.records],
+    )
+  return out
+
+
+@pytest.mark.parametrize("mode", [m for m in Mode if m is not Mode.OFF], ids=lambda m: m.name)
+def test_every_mode_trains_bit_identically_with_moe_replay(moe_replay_digests_per_mode, mode):
+  assert moe_replay_digests_per_mode[mode] == moe_replay_digests_per_mode[Mode.OFF]
+  assert sum(moe_replay_digests_per_mode[Mode.OFF][2]) > 0  # replays really happened

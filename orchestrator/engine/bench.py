@@ -1,12 +1,14 @@
 """Engine benchmark: where the time of one micro-batch and one update goes, per preset.
 
-    python -m orchestrator.engine.bench [--presets tiny small] [--repeats 5]
+    python -m orchestrator.engine.bench [--presets tiny small] [--moe-presets tiny_moe small_moe] [--repeats 5]
 
 Prints one JSON object per preset (medians over ``--repeats``, seconds):
 compile, micro-batch compute (dispatch → ready on an idle device), input
 mapping, placement, ``fwd_bwd`` dispatch, update compute, the
 ``wait_for_device`` floor (nothing in flight), and how long a prepare takes
-while a micro-batch computes. Reserves one host core first (see
+while a micro-batch computes. For MoE presets, per routing layout (fully
+dropless; replay without overflow; replay with overflow): micro-batch seconds,
+re-run seconds, replays per step and how long ``update()`` blocks the host. Reserves one host core first (see
 ``host_threads``), as the default run does.
 """
 
@@ -83,10 +85,62 @@ def bench_preset(preset: str, repeats: int, micro_batches: int = 2) -> dict:
   }
 
 
+def bench_moe(preset: str, repeats: int, overflow_factor: float = 0.5) -> dict:
+  """MoE layouts: micro-batch seconds with and without overflow, re-run seconds, and how
+  long ``update()`` blocks the host in each layout (dispatch of the last micro-batch → return)."""
+  from orchestrator.data.synthetic import SyntheticRollouts
+  from orchestrator.engine import build_engine
+
+  layouts = {
+      "dropless": dict(ragged_buffer_factor=-1),
+      "replay_no_overflow": dict(ragged_buffer_factor=64.0, retry_when_tokens_dropped=True),
+      "replay_overflow": dict(ragged_buffer_factor=overflow_factor, retry_when_tokens_dropped=True),
+  }
+  out = {"preset": preset}
+  for name, options in layouts.items():
+    engine = build_engine(preset, **options)
+    source = SyntheticRollouts(engine.preset.vocab_size, engine.rows, engine.tokens_per_row, seed=2)
+    compute, update_block, rerun, replays = [], [], [], []
+    for r in range(repeats + 1):  # the first round warms up
+      payloads = source.step(r, 2)
+      engine.wait_for_device()
+      t0 = time.perf_counter()
+      first = engine.fwd_bwd(payloads[0])
+      first.ready.block_until_ready()
+      t1 = time.perf_counter()
+      engine.fwd_bwd(payloads[1])
+      t2 = time.perf_counter()
+      engine.update()
+      t3 = time.perf_counter()
+      engine.wait_for_device()
+      metrics = engine.get_metrics()
+      if engine.replay:
+        t4 = time.perf_counter()
+        engine.fwd_bwd(payloads[0], dropless=True).ready.block_until_ready()
+        t5 = time.perf_counter()
+        engine.update()
+        engine.wait_for_device()
+      if r == 0:
+        continue
+      compute.append(t1 - t0)
+      update_block.append(t3 - t2)
+      replays.append(metrics["replays"])
+      if engine.replay:
+        rerun.append(t5 - t4)
+    out[name] = {
+        "micro_batch_s": _median(compute),
+        "rerun_s": _median(rerun),
+        "update_blocks_host_s": _median(update_block),
+        "replays_per_step": _median(replays),
+    }
+  return out
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--presets", nargs="+", default=["tiny", "small"])
   parser.add_argument("--repeats", type=int, default=5)
+  parser.add_argument("--moe-presets", nargs="*", default=["tiny_moe", "small_moe"])
   parser.add_argument("--no-reserve-host-core", action="store_true")
   args = parser.parse_args(argv)
   from orchestrator.engine.host_threads import reserve_host_core
@@ -98,6 +152,8 @@ def main(argv=None) -> int:
     result["host_core_reservation"] = None if reservation is None else reservation.reason
     results.append(result)
     print(json.dumps(result, indent=2), flush=True)
+  for preset in args.moe_presets:
+    print(json.dumps(bench_moe(preset, args.repeats), indent=2), flush=True)
   return 0
 
 

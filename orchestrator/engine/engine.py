@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import itertools
+import logging
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -38,6 +39,7 @@ from orchestrator.data.trajectory import Trajectory
 from orchestrator.engine import inputs as inputs_lib
 from orchestrator.engine import mesh as mesh_lib
 from orchestrator.engine import model as model_lib
+from orchestrator.engine import moe as moe_lib
 from orchestrator.engine.loss import LossConfig, attention_mask, policy_loss_sum
 from orchestrator.engine.placement import place_tree
 from orchestrator.engine.presets import ModelPreset, load_preset
@@ -63,6 +65,9 @@ def backend_compile_count() -> int:
 
 
 _engine_ids = itertools.count(1)
+# On-device copies (snapshots): one jitted function, so repeated snapshots do not recompile.
+_copy_tree = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))
+log = logging.getLogger("step_boundary.engine")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +83,12 @@ class EngineOptions:
     aot: compile ahead of time (``compile()``, or lazily on the first payload)
       and dispatch the compiled executables; False dispatches through ``jax.jit``.
     checkpoint_dir: where ``save_checkpoint`` writes; None disables checkpoints.
+    ragged_buffer_factor: MoE expert capacity factor (see ``moe``); -1 routes
+      fully dropless. No effect on a dense model.
+    retry_when_tokens_dropped: dropless replay — a micro-batch whose experts
+      overflowed is discarded and re-run with a program that drops nothing.
+    skip_nonfinite_updates: ``update()`` reads the gradient norm on the host and
+      skips the optimizer step when it is not finite.
   """
 
   rows: int | None = None
@@ -91,6 +102,43 @@ class EngineOptions:
   seed: int = 0
   aot: bool = True
   checkpoint_dir: str | None = None
+  ragged_buffer_factor: float = -1.0
+  retry_when_tokens_dropped: bool = False
+  skip_nonfinite_updates: bool = False
+
+  def validate(self, preset: ModelPreset) -> None:
+    """Raises ValueError for option combinations that cannot work, naming the keys."""
+    factor = float(self.ragged_buffer_factor)
+    if factor != -1.0 and not factor > 0:
+      raise ValueError(
+          f"ragged_buffer_factor={self.ragged_buffer_factor} is invalid: use -1 (fully"
+          " dropless) or a capacity factor > 0"
+      )
+    if self.retry_when_tokens_dropped and not preset.is_moe:
+      raise ValueError(
+          f"retry_when_tokens_dropped=True needs an MoE model, but preset {preset.name!r}"
+          " is dense; pick an MoE preset (e.g. tiny_moe) or set retry_when_tokens_dropped=False"
+      )
+    if self.retry_when_tokens_dropped and factor == -1.0:
+      raise ValueError(
+          "retry_when_tokens_dropped=True with ragged_buffer_factor=-1 (fully dropless) has"
+          " nothing to retry; set a capacity factor > 0 or retry_when_tokens_dropped=False"
+      )
+    if self.max_inflight < 1:
+      raise ValueError(f"max_inflight must be >= 1, got {self.max_inflight}")
+
+  @property
+  def capacity_factor(self) -> float | None:
+    return None if float(self.ragged_buffer_factor) == -1.0 else float(self.ragged_buffer_factor)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _PendingOverflowCheck:
+  """The last micro-batch whose overflow flag the host has not read yet, with its own inputs."""
+
+  micro_step: int
+  overflow: jax.Array
+  batch: Mapping[str, jax.Array]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -182,8 +230,8 @@ class JaxTrainingEngine:
     self.tokens_per_row = self.options.tokens_per_row or preset.tokens_per_row
     self.mesh_config = mesh_lib.MeshConfig.parse(mesh_config)
     mesh_lib.check_batch_shape(self.mesh_config, self.rows, self.tokens_per_row)
-    if self.options.max_inflight < 1:
-      raise ValueError(f"max_inflight must be >= 1, got {self.options.max_inflight}")
+    self.options.validate(preset)
+    self.replay = bool(self.options.retry_when_tokens_dropped)
     self.mesh = mesh_lib.make_mesh(self.mesh_config)
     self.engine_id = next(_engine_ids)
     self._loss_config = LossConfig(self.options.clip_eps_low, self.options.clip_eps_high)
@@ -191,7 +239,7 @@ class JaxTrainingEngine:
         optax.clip_by_global_norm(self.options.max_grad_norm),
         optax.adamw(self.options.learning_rate, weight_decay=self.options.weight_decay),
     )
-    self.trace_counts = {"accumulate": 0, "apply": 0}
+    self.trace_counts = {"accumulate": 0, "accumulate_dropless": 0, "apply": 0}
     self.compile_s: dict[str, float] = {}
     self._throttler = InflightThrottler(self.options.max_inflight)
     self._init_state()
@@ -204,8 +252,10 @@ class JaxTrainingEngine:
 
   # ---------------------------------------------------------------- set-up
   def _init_state(self) -> None:
-    graphdef, host_params, specs = model_lib.build_model(self.preset, self.options.seed)
-    self._graphdef = graphdef
+    graphdefs, host_params, specs = model_lib.build_model(
+        self.preset, self.options.seed, self.options.capacity_factor
+    )
+    self._graphdefs = graphdefs
     self._param_shardings = model_lib.param_shardings(self.mesh, specs)
     self._params = jax.device_put(host_params, self._param_shardings)
     self._scalar_sharding = mesh_lib.replicated(self.mesh)
@@ -227,37 +277,61 @@ class JaxTrainingEngine:
     self._micro = 0
     self._total_micro = 0
     self._micro_losses: list[tuple[jax.Array, jax.Array]] = []
+    self._micro_dropped: list[jax.Array] = []
+    self._replayed: list[int] = []
+    self._pending_check: _PendingOverflowCheck | None = None
+    self._skipped_updates = 0
     self._last_step_metrics: dict[str, Any] | None = None
 
   def _reset_accumulators(self) -> None:
-    zeros = jax.jit(
-        lambda p: jax.tree.map(jnp.zeros_like, p), out_shardings=self._param_shardings
-    )
-    self._grad_acc = zeros(self._params)
+    if not hasattr(self, "_zeros_jit"):  # built once: a new jit per call would recompile
+      self._zeros_jit = jax.jit(
+          lambda p: jax.tree.map(jnp.zeros_like, p), out_shardings=self._param_shardings
+      )
+    self._grad_acc = self._zeros_jit(self._params)
     self._loss_acc = jax.device_put(np.float32(0), self._scalar_sharding)
     self._denom_acc = jax.device_put(np.float32(0), self._scalar_sharding)
 
   def _build_programs(self) -> None:
-    graphdef = self._graphdef
     loss_config = self._loss_config
     optimizer = self._optimizer
+    replay = self.replay
 
-    def loss_sum(params, batch):
-      model = nnx.merge(graphdef, params)
-      logits, _ = model(
-          batch["input_tokens"],
-          batch["positions"],
-          None,
-          attention_mask(batch["segment_ids"]),
-      )
-      total, count = policy_loss_sum(logits, batch, loss_config)
-      return total, count
+    def make_loss_sum(graphdef):
+      def loss_sum(params, batch):
+        model = nnx.merge(graphdef, params)
+        with moe_lib.routing_scope(batch["segment_ids"] > 0) as dropped:
+          logits, _ = model(
+              batch["input_tokens"],
+              batch["positions"],
+              None,
+              attention_mask(batch["segment_ids"]),
+          )
+        total, count = policy_loss_sum(logits, batch, loss_config)
+        dropped_tokens = sum(dropped) if dropped else jnp.float32(0)
+        return total, (count, dropped_tokens)
 
-    def accumulate(params, grad_acc, loss_acc, denom_acc, batch):
-      self.trace_counts["accumulate"] += 1  # runs at trace time only
-      (total, count), grads = jax.value_and_grad(loss_sum, has_aux=True)(params, batch)
-      grad_acc = jax.tree.map(jnp.add, grad_acc, grads)
-      return grad_acc, loss_acc + total, denom_acc + count, total, count
+      return loss_sum
+
+    def make_accumulate(name, graphdef, mask_overflow):
+      loss_sum = make_loss_sum(graphdef)
+
+      def accumulate(params, grad_acc, loss_acc, denom_acc, batch):
+        self.trace_counts[name] += 1  # runs at trace time only
+        (total, (count, dropped)), grads = jax.value_and_grad(loss_sum, has_aux=True)(params, batch)
+        overflow = dropped > 0
+        if mask_overflow:
+          # Dropless replay: an overflowed micro-batch adds nothing now; its re-run
+          # adds its gradients once. Masked on the device, so nothing syncs here.
+          # (x + 0 == x exactly, so a discarded micro-batch leaves no trace.)
+          keep = jnp.logical_not(overflow)
+          grads = jax.tree.map(lambda g: jnp.where(keep, g, jnp.zeros_like(g)), grads)
+          total = jnp.where(keep, total, 0.0)
+          count = jnp.where(keep, count, 0.0)
+        grad_acc = jax.tree.map(jnp.add, grad_acc, grads)
+        return grad_acc, loss_acc + total, denom_acc + count, total, count, dropped, overflow
+
+      return accumulate
 
     def apply(params, opt_state, grad_acc, loss_acc, denom_acc):
       self.trace_counts["apply"] += 1
@@ -274,29 +348,37 @@ class JaxTrainingEngine:
       zeros = jax.tree.map(jnp.zeros_like, grad_acc)
       return params, opt_state, zeros, jnp.zeros_like(loss_acc), jnp.zeros_like(denom_acc), metrics
 
+    def grad_norm(grad_acc, denom_acc):
+      scale = 1.0 / jnp.maximum(denom_acc, 1.0)
+      return optax.tree.norm(jax.tree.map(lambda g: g * scale, grad_acc))
+
     s = self._scalar_sharding
-    self._accumulate_jit = jax.jit(
-        accumulate,
-        in_shardings=(self._param_shardings, self._param_shardings, s, s, self._batch_shardings),
-        out_shardings=(self._param_shardings, s, s, s, s),
+    p = self._param_shardings
+    accumulate_kwargs = dict(
+        in_shardings=(p, p, s, s, self._batch_shardings),
+        out_shardings=(p, s, s, s, s, s, s),
         donate_argnums=(1, 2, 3),
     )
-    metric_shardings = {"loss": s, "grad_norm": s, "tokens": s}
-    self._apply_jit = jax.jit(
-        apply,
-        in_shardings=(self._param_shardings, self._opt_shardings, self._param_shardings, s, s),
-        out_shardings=(
-            self._param_shardings,
-            self._opt_shardings,
-            self._param_shardings,
-            s,
-            s,
-            metric_shardings,
+    self._jits = {
+        "accumulate": jax.jit(
+            make_accumulate("accumulate", self._graphdefs["capacity"], replay), **accumulate_kwargs
         ),
+    }
+    if replay:
+      self._jits["accumulate_dropless"] = jax.jit(
+          make_accumulate("accumulate_dropless", self._graphdefs["dropless"], False),
+          **accumulate_kwargs,
+      )
+    metric_shardings = {"loss": s, "grad_norm": s, "tokens": s}
+    self._jits["apply"] = jax.jit(
+        apply,
+        in_shardings=(p, self._opt_shardings, p, s, s),
+        out_shardings=(p, self._opt_shardings, p, s, s, metric_shardings),
         # Params (argument 0) are not donated: step k's weights stay readable
         # while step k+1 runs.
         donate_argnums=(1, 2, 3, 4),
     )
+    self._grad_norm_jit = jax.jit(grad_norm, in_shardings=(p, s), out_shardings=s)
 
   # ---------------------------------------------------------------- compile
   def compile(self, dummy_payload: Sequence[Trajectory] | None = None) -> dict[str, float]:
@@ -322,21 +404,20 @@ class JaxTrainingEngine:
         k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=self._batch_shardings[k])
         for k, v in host.items()
     }
-    start = time.perf_counter()
-    self._compiled["accumulate"] = self._accumulate_jit.lower(
-        self._params, self._grad_acc, self._loss_acc, self._denom_acc, batch
-    ).compile()
-    self.compile_s["accumulate"] = time.perf_counter() - start
-    start = time.perf_counter()
-    self._compiled["apply"] = self._apply_jit.lower(
-        self._params, self._opt_state, self._grad_acc, self._loss_acc, self._denom_acc
-    ).compile()
-    self.compile_s["apply"] = time.perf_counter() - start
+    args = {
+        "accumulate": (self._params, self._grad_acc, self._loss_acc, self._denom_acc, batch),
+        "accumulate_dropless": (self._params, self._grad_acc, self._loss_acc, self._denom_acc, batch),
+        "apply": (self._params, self._opt_state, self._grad_acc, self._loss_acc, self._denom_acc),
+    }
+    for name, jitted in self._jits.items():
+      start = time.perf_counter()
+      self._compiled[name] = jitted.lower(*args[name]).compile()
+      self.compile_s[name] = time.perf_counter() - start
     return dict(self.compile_s)
 
   def _program(self, name: str):
     if not self.options.aot:
-      return self._accumulate_jit if name == "accumulate" else self._apply_jit
+      return self._jits[name]
     if not self._compiled:
       self.compile()
     return self._compiled[name]
@@ -383,6 +464,8 @@ class JaxTrainingEngine:
       self,
       payload_or_prepared: Sequence[Trajectory] | PreparedFwdBwdInput,
       apply_optimizer: bool = False,
+      *,
+      dropless: bool = False,
   ) -> Computation:
     """Runs forward and backward on one micro-batch and adds its gradients to the step.
 
@@ -391,6 +474,11 @@ class JaxTrainingEngine:
     returns without waiting for the result (it waits only when ``max_inflight``
     computations are already queued). With ``apply_optimizer``, also runs
     ``update()``.
+
+    Under dropless replay, first reads the previous micro-batch's overflow flag
+    (one micro-batch late) and, if it overflowed, re-runs that micro-batch from
+    its own kept inputs with the program that drops nothing. ``dropless=True``
+    runs this micro-batch with that program from the start.
 
     Returns:
       The dispatched micro-batch computation.
@@ -415,21 +503,51 @@ class JaxTrainingEngine:
       batch = place_tree(host, self._batch_shardings)
       self.last_mapping_s = mapped - start
       self.last_placement_s = time.perf_counter() - mapped
-    program = self._program("accumulate")
-    self._throttler.wait_for_next()
-    grad_acc, loss_acc, denom_acc, total, count = program(
-        self._params, self._grad_acc, self._loss_acc, self._denom_acc, batch
+    if dropless and not self.replay:
+      raise ValueError("fwd_bwd(dropless=True) needs retry_when_tokens_dropped=True")
+    self._resolve_overflow_check()
+    computation = self._dispatch_accumulate(
+        "accumulate_dropless" if dropless else "accumulate", batch, self._micro
     )
-    self._grad_acc, self._loss_acc, self._denom_acc = grad_acc, loss_acc, denom_acc
-    self._micro_losses.append((total, count))
-    computation = Computation("fwd_bwd", self._step, self._micro, total, time.perf_counter())
-    self._throttler.add(total)
+    if self.replay and not dropless:
+      self._pending_check = _PendingOverflowCheck(self._micro, self._last_overflow, batch)
     self._micro += 1
     self._total_micro += 1
-    self.last_dispatch = computation
     if apply_optimizer:
       self.update()
     return computation
+
+  def _dispatch_accumulate(self, name: str, batch, micro_step: int) -> Computation:
+    program = self._program(name)
+    self._throttler.wait_for_next()
+    grad_acc, loss_acc, denom_acc, total, count, dropped, overflow = program(
+        self._params, self._grad_acc, self._loss_acc, self._denom_acc, batch
+    )
+    self._grad_acc, self._loss_acc, self._denom_acc = grad_acc, loss_acc, denom_acc
+    if micro_step == len(self._micro_losses):
+      self._micro_losses.append((total, count))
+      self._micro_dropped.append(dropped)
+    else:  # a replay: its loss replaces the discarded run's (which was masked to 0)
+      self._micro_losses[micro_step] = (total, count)
+    self._last_overflow = overflow
+    computation = Computation(name, self._step, micro_step, total, time.perf_counter())
+    self._throttler.add(total)
+    self.last_dispatch = computation
+    return computation
+
+  def _resolve_overflow_check(self) -> None:
+    """Reads the pending overflow flag on the host (blocking on its micro-batch); re-runs it if set."""
+    check, self._pending_check = self._pending_check, None
+    if check is None:
+      return
+    if bool(jax.device_get(check.overflow)):
+      self._replayed.append(check.micro_step)
+      self._dispatch_accumulate("accumulate_dropless", check.batch, check.micro_step)
+
+  @property
+  def overflow_check_pending(self) -> bool:
+    """True while a micro-batch's overflow flag waits to be read (dropless replay)."""
+    return self._pending_check is not None
 
   def update(self) -> int:
     """Applies the accumulated gradients (divided by the summed token count) and starts a new step.
@@ -448,24 +566,44 @@ class JaxTrainingEngine:
           f"update() at step {self._step} with no micro-batch accumulated; call"
           " fwd_bwd at least once per step"
       )
+    # Dropless replay: the last micro-batch's flag is read here, so update()
+    # waits on the host until that micro-batch is done.
+    self._resolve_overflow_check()
+    skipped = False
+    if self.options.skip_nonfinite_updates:
+      norm = float(jax.device_get(self._grad_norm_jit(self._grad_acc, self._denom_acc)))
+      skipped = not np.isfinite(norm)
     program = self._program("apply")
     self._throttler.wait_for_next()
-    params, opt_state, grad_acc, loss_acc, denom_acc, metrics = program(
-        self._params, self._opt_state, self._grad_acc, self._loss_acc, self._denom_acc
-    )
-    self._params, self._opt_state = params, opt_state
-    self._grad_acc, self._loss_acc, self._denom_acc = grad_acc, loss_acc, denom_acc
+    if skipped:
+      self._skipped_updates += 1
+      log.warning(
+          "update at step %d skipped: gradient norm is %s (skip_nonfinite_updates);"
+          " weights and optimizer state unchanged, the step count advances (%d skipped so far)",
+          self._step, norm, self._skipped_updates,
+      )
+      self._reset_accumulators()
+      metrics = {"loss": jnp.float32(np.nan), "grad_norm": jnp.float32(norm), "tokens": jnp.float32(0)}
+      ready = metrics["grad_norm"]  # not the accumulators: the next micro-batch donates those
+    else:
+      params, opt_state, grad_acc, loss_acc, denom_acc, metrics = program(
+          self._params, self._opt_state, self._grad_acc, self._loss_acc, self._denom_acc
+      )
+      self._params, self._opt_state = params, opt_state
+      self._grad_acc, self._loss_acc, self._denom_acc = grad_acc, loss_acc, denom_acc
+      ready = metrics["grad_norm"]
     self._last_step_metrics = {
         "step": self._step + 1,
         "device": metrics,
         "micro_batches": self._micro,
         "micro_losses": self._micro_losses,
+        "micro_dropped": self._micro_dropped,
+        "replayed": self._replayed,
+        "skipped": skipped,
     }
-    self._micro_losses = []
-    self.last_dispatch = Computation(
-        "update", self._step, -1, metrics["grad_norm"], time.perf_counter()
-    )
-    self._throttler.add(metrics["grad_norm"])
+    self._micro_losses, self._micro_dropped, self._replayed = [], [], []
+    self.last_dispatch = Computation("update", self._step, -1, ready, time.perf_counter())
+    self._throttler.add(ready)
     self._step += 1
     self._micro = 0
     return self._step
@@ -508,6 +646,7 @@ class JaxTrainingEngine:
     m = self._last_step_metrics
     device = jax.device_get(m["device"])
     micro = jax.device_get(m["micro_losses"])
+    dropped = jax.device_get(m["micro_dropped"])
     return {
         "step": m["step"],
         "loss": float(device["loss"]),
@@ -516,6 +655,11 @@ class JaxTrainingEngine:
         "micro_batches": m["micro_batches"],
         "micro_batch_loss_sums": [float(t) for t, _ in micro],
         "micro_batch_tokens": [int(c) for _, c in micro],
+        "dropped_tokens": [int(d) for d in dropped],
+        "replays": len(m["replayed"]),
+        "replayed_micro_batches": list(m["replayed"]),
+        "skipped_update": m["skipped"],
+        "skipped_updates_total": self._skipped_updates,
     }
 
   def snapshot(self) -> "EngineSnapshot":
@@ -529,8 +673,9 @@ class JaxTrainingEngine:
           f"snapshot with {self._micro} micro-batch(es) accumulated; take it at a step boundary"
       )
     self._throttler.wait_for_all()
-    copy = jax.jit(lambda t: jax.tree.map(jnp.copy, t))
-    return EngineSnapshot(copy(self._params), copy(self._opt_state), self._step, self.engine_id)
+    return EngineSnapshot(
+        _copy_tree(self._params), _copy_tree(self._opt_state), self._step, self.engine_id
+    )
 
   def restore(self, snapshot: "EngineSnapshot") -> None:
     """Returns the engine to ``snapshot``'s state (the snapshot stays usable)."""
@@ -539,13 +684,13 @@ class JaxTrainingEngine:
           f"snapshot of engine {snapshot.engine_id} cannot restore engine {self.engine_id}"
       )
     self._throttler.wait_for_all()
-    copy = jax.jit(lambda t: jax.tree.map(jnp.copy, t))
-    self._params = copy(snapshot.params)
-    self._opt_state = copy(snapshot.opt_state)
+    self._params = _copy_tree(snapshot.params)
+    self._opt_state = _copy_tree(snapshot.opt_state)
     self._reset_accumulators()
     self._step = snapshot.step
     self._micro = 0
-    self._micro_losses = []
+    self._micro_losses, self._micro_dropped, self._replayed = [], [], []
+    self._pending_check = None
     self._last_step_metrics = None
     self.last_dispatch = None
 
@@ -625,7 +770,8 @@ class JaxTrainingEngine:
     self._reset_accumulators()
     self._step = int(restored["metadata"]["step"])
     self._micro = 0
-    self._micro_losses = []
+    self._micro_losses, self._micro_dropped, self._replayed = [], [], []
+    self._pending_check = None
     return dict(restored["metadata"])
 
 

@@ -9,6 +9,7 @@ from flax import nnx
 from tunix.models.qwen3 import model as qwen3_model
 
 from orchestrator.engine import mesh as mesh_lib
+from orchestrator.engine import moe as moe_lib
 from orchestrator.engine.presets import ModelPreset
 
 
@@ -30,16 +31,26 @@ def model_config(preset: ModelPreset) -> qwen3_model.ModelConfig:
   )
 
 
-def build_model(preset: ModelPreset, seed: int):
-  """Returns ``(graphdef, params, partition_specs)`` for a randomly initialised Qwen3.
+def build_model(preset: ModelPreset, seed: int, capacity_factor: float | None = None):
+  """Returns ``(graphdefs, params, partition_specs)`` for a randomly initialised Qwen3.
 
-  ``params`` is a plain nested dict of host-resident jax arrays. Tunix
-  initialises the dense MLP kernels to zero, which would leave the MLP
-  untrainable (zero weights on both sides give zero gradients); those are
-  re-drawn from a scaled normal here, seeded, so every weight learns.
+  ``graphdefs`` has two entries over the same params: ``"capacity"`` routes MoE
+  tokens with ``capacity_factor`` (None: dropless) and ``"dropless"`` never
+  drops; for a dense model both are the same graph. ``params`` is a plain
+  nested dict of host-resident jax arrays. Tunix initialises the dense MLP
+  kernels to zero, which would leave the MLP untrainable (zero weights on both
+  sides give zero gradients); those are re-drawn from a scaled normal here,
+  seeded, so every weight learns.
   """
   model = qwen3_model.Qwen3(model_config(preset), rngs=nnx.Rngs(seed))
+  graphdefs = {}
+  if preset.is_moe:
+    moe_lib.install(model, None)
+    graphdefs["dropless"], _ = nnx.split(model)
+    moe_lib.set_capacity_factor(model, capacity_factor)
   graphdef, state = nnx.split(model)
+  graphdefs["capacity"] = graphdef
+  graphdefs.setdefault("dropless", graphdef)
   specs = nnx.get_partition_spec(state)
   params = nnx.to_pure_dict(state)
   rng = np.random.default_rng(seed + 1)
@@ -52,7 +63,7 @@ def build_model(preset: ModelPreset, seed: int):
     return x
 
   params = jax.tree_util.tree_map_with_path(redraw_zeros, params)
-  return graphdef, params, nnx.to_pure_dict(specs)
+  return graphdefs, params, nnx.to_pure_dict(specs)
 
 
 def param_shardings(mesh, specs):
