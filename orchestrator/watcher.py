@@ -10,6 +10,7 @@ each computation within the thread's wake-up latency of its real finish.
 from __future__ import annotations
 
 import dataclasses
+import os
 import queue
 import threading
 import time
@@ -55,6 +56,13 @@ class CompletionWatcher:
     return item
 
   def _run(self) -> None:
+    # The step loop may hold the host core (see host_threads); let this thread wake
+    # on any core so its stamps do not wait for the loop to yield.
+    if hasattr(os, "sched_setaffinity"):
+      try:
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))
+      except OSError:
+        pass
     while True:
       entry = self._queue.get()
       if entry is None:
@@ -70,8 +78,20 @@ class CompletionWatcher:
         error = e
       now = self._clock()
       with self._cond:
-        item.ready_at = now
+        item.ready_at = now if item.ready_at is None else min(item.ready_at, now)
         item.error = error
+        self._cond.notify_all()
+
+  def observe_ready(self, key: Hashable, at: float) -> None:
+    """Another thread saw ``key`` ready by ``at`` (e.g. a blocking metrics read returned).
+
+    Keeps the earlier of this and the watcher's own stamp: the watcher can wake
+    late when the host is busy.
+    """
+    with self._cond:
+      item = self._items.get(key)
+      if item is not None:
+        item.ready_at = at if item.ready_at is None else min(item.ready_at, at)
         self._cond.notify_all()
 
   def ready_at(self, key: Hashable, timeout_s: float | None = None) -> float:
