@@ -1,6 +1,9 @@
 """``run_rl``: run the RL program from a recipe, with the step-boundary switches.
 
     run_rl [--recipe PATH] [--stage_before_update | --no-stage_before_update] ... [key=value ...]
+    run_rl record --recipe R --out DIR                      write a recording
+    run_rl rig --recipe R --recording DIR --arms ... --out DIR   A/B the modes
+    run_rl simulate --recipe R                              plan with the boundary model
 
 Exit codes: 0 success; 2 bad usage or an invalid recipe (one message, no
 traceback, nothing started); 1 a failure during the run (the message names the
@@ -10,6 +13,7 @@ step; records written so far are kept).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import logging
@@ -72,8 +76,114 @@ def resolve_from_args(args: argparse.Namespace, env=None) -> config_lib.Resolved
   return config_lib.resolve(args.recipe, env=env, flags=flags, overrides=args.overrides)
 
 
+def _sub_parser(name: str, description: str) -> argparse.ArgumentParser:
+  p = _Parser(prog=f"run_rl {name}", description=description)
+  p.add_argument("--recipe", help=f"recipe YAML (default: {config_lib.DEFAULT_RECIPE})")
+  p.add_argument("overrides", nargs="*", metavar="key=value")
+  return p
+
+
+def _resolve_sub(args) -> config_lib.ResolvedRecipe:
+  return config_lib.resolve(args.recipe, overrides=args.overrides)
+
+
+def record_main(argv: list[str]) -> int:
+  """``run_rl record --recipe R --out DIR``: write a recording in the recipe's shapes."""
+  p = _sub_parser("record", "Write trajectory groups (ArrayRecord + manifest) in the recipe's shapes.")
+  p.add_argument("--out", required=True, help="recording directory to create")
+  try:
+    args = p.parse_args(argv)
+    resolved = _resolve_sub(args)
+  except (UsageError, config_lib.RecipeError) as e:
+    print(f"run_rl record: error: {e}", file=sys.stderr)
+    return 2
+  from orchestrator.data.recording import RolloutShape, generate_groups, write_recording
+  from orchestrator.engine.presets import load_preset
+
+  recipe = resolved.recipe
+  preset = load_preset(recipe.model)
+  r = recipe.rollouts
+  shape = RolloutShape(
+      groups=r.groups, generations_per_group=r.generations_per_group,
+      prompt_len_median=r.prompt_len_median, completion_len_median=r.completion_len_median,
+      max_tokens=recipe.batch.tokens_per_row or preset.tokens_per_row,
+      vocab_size=preset.vocab_size, seed=r.seed,
+  )
+  out = Path(args.out)
+  if (out / "manifest.json").exists():
+    print(f"run_rl record: error: {out} already holds a recording; recordings are read-only,"
+          " choose a new --out", file=sys.stderr)
+    return 2
+  manifest = write_recording(out, generate_groups(shape), vocab_size=preset.vocab_size,
+                             produced_by={"tool": "run_rl record", "recipe": resolved.path,
+                                          "shape": dataclasses.asdict(shape)})
+  print(f"run_rl record: wrote {manifest['num_groups']} groups, {manifest['num_trajectories']}"
+        f" trajectories to {out}")
+  return 0
+
+
+def rig_main(argv: list[str]) -> int:
+  """``run_rl rig``: A/B the modes over a recording; see orchestrator.rig."""
+  p = _sub_parser("rig", "Replay a recording through every arm and report checks and timings.")
+  p.add_argument("--recording", required=True, help="recording directory")
+  p.add_argument("--arms", nargs="+", default=["off", "stage_before_update", "off", "pipelined",
+                                                "stage_after_update"],
+                 help="arms in order (mode names; repeats allowed)")
+  p.add_argument("--out", required=True, help="report directory")
+  p.add_argument("--steps", type=int, help="steps per arm (default: the recipe's)")
+  try:
+    args = p.parse_args(argv)
+    resolved = _resolve_sub(args)
+  except (UsageError, config_lib.RecipeError) as e:
+    print(f"run_rl rig: error: {e}", file=sys.stderr)
+    return 2
+  recipe = resolved.recipe
+  if recipe.run.reserve_host_core:
+    from orchestrator.engine.host_threads import reserve_host_core
+
+    reserve_host_core()
+  logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr, force=True)
+  from orchestrator.data.recording import RecordingError
+  from orchestrator.rig import run_rig
+  from orchestrator.rig.rig import RigError
+  from orchestrator.runner import resolve_path
+
+  try:
+    result = run_rig(recipe, resolve_path(args.recording), args.arms, args.out, steps=args.steps,
+                     progress=lambda msg: print(f"run_rl rig: {msg}", file=sys.stderr))
+  except (RecordingError, RigError) as e:
+    print(f"run_rl rig: error: {e}", file=sys.stderr)
+    return 2
+  print((result.out_dir / "report.md").read_text())
+  print(result.report["verdict_line"])
+  # Training-correctness failures fail the command; a missed prediction band is reported only.
+  failed = [c for c in result.report["checks"]
+            if c["status"] == "fail" and not c["name"].startswith("prediction_")]
+  return 1 if failed else 0
+
+
+def simulate_main(argv: list[str]) -> int:
+  """``run_rl simulate``: the boundary model fed from the recipe's ``simulate`` section."""
+  p = _sub_parser("simulate", "Predict boundary idle and step time per mode from component times.")
+  try:
+    args = p.parse_args(argv)
+    resolved = _resolve_sub(args)
+  except (UsageError, config_lib.RecipeError) as e:
+    print(f"run_rl simulate: error: {e}", file=sys.stderr)
+    return 2
+  from orchestrator.simulate import format_simulation, simulate
+
+  print(format_simulation(resolved.recipe, simulate(resolved.recipe)))
+  return 0
+
+
+SUBCOMMANDS = {"record": record_main, "rig": rig_main, "simulate": simulate_main}
+
+
 def main(argv: list[str] | None = None) -> int:
   argv = sys.argv[1:] if argv is None else argv
+  if argv and argv[0] in SUBCOMMANDS:
+    return SUBCOMMANDS[argv[0]](argv[1:])
   try:
     args = make_parser().parse_args(argv)
     resolved = resolve_from_args(args)
@@ -116,9 +226,11 @@ def run(resolved: config_lib.ResolvedRecipe) -> int:
         f" model {recipe.model}, {recipe.steps} steps × {recipe.batch.micro_batches_per_step}"
         f" micro-batches; host core reserved: {reservation.reason if reservation else 'no'}",
         file=sys.stderr)
+  from orchestrator.data.recording import RecordingError
+
   try:
     program = build_run(recipe, out)
-  except config_lib.RecipeError as e:
+  except (config_lib.RecipeError, RecordingError) as e:
     print(f"run_rl: error: {e}", file=sys.stderr)
     return 2
   except Exception as e:  # pylint: disable=broad-except

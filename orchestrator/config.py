@@ -73,6 +73,10 @@ class RolloutsSection:
   seed: int = 0
   generations_per_group: int = 4
   fill: float = 0.85
+  # Shape of recordings made by `run_rl record` (log-normal lengths, medians in tokens).
+  groups: int = 256
+  prompt_len_median: float = 24.0
+  completion_len_median: float = 16.0
 
 
 @dataclasses.dataclass
@@ -101,6 +105,20 @@ class StepBoundarySection:
 
 
 @dataclasses.dataclass
+class SimulateSection:
+  """Component times for ``run_rl simulate`` (seconds), in place of a calibration."""
+
+  micro_batch_s: float = 1.0
+  input_copy_s: float = 0.07
+  update_s: float = 0.05
+  metrics_s: float = 0.2
+  wait_floor_s: float = 0.0
+  dispatch_s: float = 0.0005
+  update_waits_for_last: bool = False
+  tokens_per_device: int | None = None  # None: rows × tokens_per_row ÷ devices
+
+
+@dataclasses.dataclass
 class RunSection:
   """Where outputs go and how the host is set up."""
 
@@ -122,6 +140,7 @@ class Recipe:
   rollouts: RolloutsSection = dataclasses.field(default_factory=RolloutsSection)
   checkpoint: CheckpointSection = dataclasses.field(default_factory=CheckpointSection)
   step_boundary: StepBoundarySection = dataclasses.field(default_factory=StepBoundarySection)
+  simulate: SimulateSection = dataclasses.field(default_factory=SimulateSection)
   run: RunSection = dataclasses.field(default_factory=RunSection)
 
   # ---------------------------------------------------------------- derived
@@ -399,7 +418,8 @@ def validate(recipe: Recipe) -> None:
               "engine.max_inflight", "step_boundary.disable_after", "step_boundary.calibration_samples",
               "rollouts.generations_per_group"):
     at_least(key, 1)
-  for key in ("batch.rows", "batch.tokens_per_row", "step_boundary.reprobe_every"):
+  for key in ("batch.rows", "batch.tokens_per_row", "step_boundary.reprobe_every", "rollouts.groups",
+              "rollouts.prompt_len_median", "rollouts.completion_len_median"):
     at_least(key, 1)
   for key in ("checkpoint.every",):
     at_least(key, 0)

@@ -120,6 +120,9 @@ class ProgramResult:
   summary: dict
   records_path: str | None
   trace_path: str | None
+  watched: list = dataclasses.field(default_factory=list)  # completion stamps, dispatch order
+  host_spans: list = dataclasses.field(default_factory=list)
+  run_start: float = 0.0
 
 
 class RLProgram:
@@ -196,7 +199,8 @@ class RLProgram:
       trace_path = self._write_trace()
     summary = self.summary()
     summary["trace_path"] = trace_path
-    return ProgramResult(self.records, summary, summary.get("records_path"), trace_path)
+    return ProgramResult(self.records, summary, summary.get("records_path"), trace_path,
+                         self._watcher.items(), list(self.host_spans), self._run_start)
 
   def _steps(self) -> Iterator[Sequence[Any]]:
     m = self.config.micro_batches_per_step
@@ -256,8 +260,7 @@ class RLProgram:
         ("fwd_bwd", k, i), getattr(result, "ready", result),
         kind="fwd_bwd", step=k, micro_step=i, dispatched_at=dispatched_at,
     )
-    self.host_spans.append(("staged fwd_bwd dispatch" if use_staged else "fwd_bwd map+place+dispatch",
-                            call_start, self.clock(), 0))
+    self._host_dispatch_spans(call_start, self.clock(), use_staged)
     if i == 0:
       # Step k-1's boundary work runs now, behind step k's first micro-batch.
       if self._pending is not None:
@@ -269,6 +272,22 @@ class RLProgram:
     if split_update:
       self.worker.update()
     return result
+
+  def _host_dispatch_spans(self, start: float, end: float, staged: bool) -> None:
+    """Splits a fwd_bwd call into prepare / in-flight wait / dispatch, where the engine says how long each took."""
+    engine = self.worker.engine
+    mapping = getattr(engine, "last_mapping_s", None)
+    if mapping is None:
+      self.host_spans.append(("fwd_bwd", start, end, 0))
+      return
+    prepare = 0.0 if staged else mapping + getattr(engine, "last_placement_s", 0.0)
+    throttle = getattr(engine, "last_throttle_wait_s", 0.0)
+    t = start
+    for name, seconds in (("prepare", prepare), ("in-flight wait", throttle)):
+      if seconds > 0:
+        self.host_spans.append((name, t, min(end, t + seconds), 0))
+        t = min(end, t + seconds)
+    self.host_spans.append(("dispatch", t, end, 0))
 
   def _watch_update(self, k: int) -> None:
     update = getattr(self.worker.engine, "last_dispatch", None)
@@ -283,7 +302,11 @@ class RLProgram:
     if plan.stage and plan.stage_before_update:
       self._micro_batch(k, i, payload, use_staged, defer_update=True)
       self._stage(boundary, next_first)
+      wait_start = self.clock()
       boundary.device_wait_s = self.worker.apply_deferred_update()
+      waited_until = wait_start + boundary.device_wait_s
+      self.host_spans.append(("wait for device", wait_start, waited_until, 0))
+      self.host_spans.append(("update dispatch", waited_until, self.clock(), 0))
       self._watch_update(k)
       self._observe(boundary)
     elif plan.stage:
@@ -369,9 +392,15 @@ class RLProgram:
   def _boundary_work(self, boundary: _Boundary) -> None:
     """Metrics, logging, checkpoint and weight sync of ``boundary.step``."""
     start = self.clock()
-    boundary.metrics = self.worker.get_metrics()
-    boundary.spans["metrics_s"] = self.clock() - start
-    self.host_spans.append((f"metrics {boundary.step}", start, self.clock(), 1))
+    boundary.metrics = self.worker.get_metrics()  # blocks until update k is done
+    end = self.clock()
+    update_key = ("update", boundary.step)
+    self._watcher.observe_ready(update_key, end)
+    # The read's own cost, not the wait for the update in front of it.
+    update_ready = self._watcher.ready_at(update_key, timeout_s=600)
+    boundary.spans["metrics_s"] = end - max(start, update_ready)
+    boundary.spans["metrics_wait_s"] = max(0.0, update_ready - start)
+    self.host_spans.append((f"metrics {boundary.step}", start, end, 1))
     if boundary.plan is not None and boundary.plan.stage and not boundary.observed:
       # Staged after the update: the device wait is how long the update still ran after the stage.
       update_ready = self._watcher.ready_at(("update", boundary.step), timeout_s=600)
@@ -427,6 +456,7 @@ class RLProgram:
         "step_s": step_s,
         "micro_batch_s": micro_s,
         "metrics_s": boundary.spans.get("metrics_s"),
+        "metrics_wait_s": boundary.spans.get("metrics_wait_s"),
         "checkpoint_s": boundary.spans.get("checkpoint_s"),
         "weight_sync_s": boundary.spans.get("weight_sync_s"),
         "staged_digest": boundary.staged_digest,

@@ -40,7 +40,22 @@ def rollout_source(recipe: Recipe, engine):
         engine.preset.vocab_size, engine.rows, engine.tokens_per_row,
         generations_per_group=r.generations_per_group, fill=r.fill, seed=r.seed,
     ).steps(recipe.steps, recipe.batch.micro_batches_per_step)
-  raise RecipeError(f"rollouts.source={r.source!r} is not available in this build; use 'synthetic'")
+  from orchestrator.data.recording import open_recording
+  from orchestrator.data.replay import replay_steps
+
+  recording = open_recording(resolve_path(r.recording), vocab_size=engine.preset.vocab_size)
+  return replay_steps(recording, rows=engine.rows, tokens_per_row=engine.tokens_per_row,
+                      micro_batches_per_step=recipe.batch.micro_batches_per_step, steps=recipe.steps)
+
+
+def resolve_path(path: str) -> Path:
+  """A recipe path: as given if it exists, else relative to the repository root."""
+  given = Path(path)
+  if given.exists() or given.is_absolute():
+    return given
+  from orchestrator.config import RECIPES_DIR
+
+  return RECIPES_DIR.parent / given
 
 
 @dataclasses.dataclass

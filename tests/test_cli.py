@@ -199,7 +199,8 @@ def test_run_rl_end_to_end_on_the_tiny_preset(tmp_path):
   for name in config_lib.ENV_SWITCHES:
     env.pop(name, None)
   proc = subprocess.run(
-      [sys.executable, "-m", "orchestrator.cli", "model=tiny", "steps=4", "batch.micro_batches_per_step=2",
+      [sys.executable, "-m", "orchestrator.cli", "model=tiny", "batch.rows=16", "steps=4",
+       "batch.micro_batches_per_step=2",
        "--out", str(out)],
       capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600,
   )
@@ -214,3 +215,34 @@ def test_run_rl_end_to_end_on_the_tiny_preset(tmp_path):
   assert json.loads((out / "trace.json").read_text())["traceEvents"]
   config = json.loads((out / "config.json").read_text())
   assert config["sources"]["model"] == "override"
+
+
+def test_record_writes_a_recording_and_refuses_to_overwrite_one(tmp_path, capsys):
+  out = tmp_path / "rec"
+  code, stdout, _ = _main(["record", "model=tiny", "rollouts.groups=8", "--out", str(out)], capsys)
+  assert code == 0 and "wrote 8 groups" in stdout
+  manifest = json.loads((out / "manifest.json").read_text())
+  assert manifest["num_groups"] == 8 and manifest["produced_by"]["tool"] == "run_rl record"
+  code, _, err = _main(["record", "model=tiny", "--out", str(out)], capsys)
+  assert code == 2 and "already holds a recording; recordings are read-only" in err
+
+
+def test_run_with_a_bad_recording_exits_2_naming_it(tmp_path, capsys):
+  code, _, err = _main(["model=tiny", "rollouts.source=recording", f"rollouts.recording={tmp_path}",
+                        "run.reserve_host_core=false", "--out", str(tmp_path / "out")], capsys)
+  assert code == 2 and "no manifest" in err and str(tmp_path) in err
+
+
+def test_rig_with_a_bad_recording_exits_2(tmp_path, capsys):
+  code, _, err = _main(["rig", "model=tiny", "run.reserve_host_core=false", "--recording", str(tmp_path),
+                        "--out", str(tmp_path / "out")], capsys)
+  assert code == 2 and "run_rl rig: error:" in err and "no manifest" in err
+
+
+def test_rig_command_runs_and_prints_the_verdict(tmp_path, capsys):
+  code, out, _ = _main(["rig", "model=tiny", "batch.rows=16", "steps=2", "batch.micro_batches_per_step=2",
+                        "run.reserve_host_core=false", "--recording", "recordings/rig_small",
+                        "--arms", "off", "stage_before_update", "--out", str(tmp_path / "rig")], capsys)
+  assert code == 0, out
+  assert "# Rig report" in out and out.strip().splitlines()[-1].startswith("verdict:")
+  assert (tmp_path / "rig" / "timeline.png").is_file()

@@ -248,6 +248,7 @@ class JaxTrainingEngine:
     self.last_dispatch: Computation | None = None
     self.last_mapping_s = 0.0
     self.last_placement_s = 0.0
+    self.last_throttle_wait_s = 0.0  # seconds the last dispatch waited for the in-flight limit
     self._checkpointer = None
 
   # ---------------------------------------------------------------- set-up
@@ -519,7 +520,9 @@ class JaxTrainingEngine:
 
   def _dispatch_accumulate(self, name: str, batch, micro_step: int) -> Computation:
     program = self._program(name)
+    wait_start = time.perf_counter()
     self._throttler.wait_for_next()
+    self.last_throttle_wait_s = time.perf_counter() - wait_start
     grad_acc, loss_acc, denom_acc, total, count, dropped, overflow = program(
         self._params, self._grad_acc, self._loss_acc, self._denom_acc, batch
     )
@@ -543,6 +546,16 @@ class JaxTrainingEngine:
     if bool(jax.device_get(check.overflow)):
       self._replayed.append(check.micro_step)
       self._dispatch_accumulate("accumulate_dropless", check.batch, check.micro_step)
+
+  def resolve_pending_overflow(self) -> bool:
+    """Reads the pending overflow flag now (blocking on its micro-batch) and re-runs it if set.
+
+    What the next ``fwd_bwd`` or ``update()`` would do first; for callers that
+    time micro-batches and re-runs apart. Returns whether it re-ran one.
+    """
+    replays = len(self._replayed)
+    self._resolve_overflow_check()
+    return len(self._replayed) > replays
 
   @property
   def overflow_check_pending(self) -> bool:

@@ -1,0 +1,261 @@
+"""Recorded rollouts: trajectory groups in ArrayRecord files with a manifest, replayed through grain.
+
+Layout of a recording directory::
+
+    manifest.json            schema version, counts, shapes, per-record digests, producer
+    groups.array_record      one record per trajectory group (prompt × generations)
+
+A record is an uncompressed ``.npz`` of the group's arrays (no pickled objects):
+``prompt_ids``, ``completion_ids`` (all generations concatenated),
+``completion_lengths``, ``rewards``, ``advantages``, ``old_logprobs`` (optional,
+concatenated like the completions), ``generation_ids``, ``group_id``,
+``policy_version``.
+
+Recordings are read-only inputs: replay opens them for reading only. Every
+problem with one raises ``RecordingError`` naming the file and the record.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import hashlib
+import io
+import json
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from orchestrator.data.trajectory import Trajectory
+
+SCHEMA_VERSION = 1
+MANIFEST = "manifest.json"
+DATA_FILE = "groups.array_record"
+
+
+class RecordingError(ValueError):
+  """A recording that cannot be replayed (the message names the file and the record)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TrajectoryGroup:
+  """One prompt sampled ``len(completions)`` times."""
+
+  group_id: int
+  prompt_ids: np.ndarray
+  completions: list[np.ndarray]
+  rewards: np.ndarray
+  advantages: np.ndarray
+  old_logprobs: list[np.ndarray] | None
+  generation_ids: np.ndarray
+  policy_version: int = 0
+
+  def trajectories(self) -> list[Trajectory]:
+    return [
+        Trajectory(
+            self.prompt_ids, c, float(self.advantages[g]),
+            None if self.old_logprobs is None else self.old_logprobs[g], self.group_id,
+        )
+        for g, c in enumerate(self.completions)
+    ]
+
+
+# ------------------------------------------------------------------ encoding
+def encode_group(group: TrajectoryGroup) -> bytes:
+  arrays = {
+      "prompt_ids": np.asarray(group.prompt_ids, np.int32),
+      "completion_ids": np.concatenate(group.completions).astype(np.int32),
+      "completion_lengths": np.array([len(c) for c in group.completions], np.int32),
+      "rewards": np.asarray(group.rewards, np.float32),
+      "advantages": np.asarray(group.advantages, np.float32),
+      "generation_ids": np.asarray(group.generation_ids, np.int32),
+      "group_id": np.array(group.group_id, np.int64),
+      "policy_version": np.array(group.policy_version, np.int64),
+  }
+  if group.old_logprobs is not None:
+    arrays["old_logprobs"] = np.concatenate(group.old_logprobs).astype(np.float32)
+  buf = io.BytesIO()
+  np.savez(buf, **arrays)
+  return buf.getvalue()
+
+
+def decode_group(data: bytes) -> TrajectoryGroup:
+  with np.load(io.BytesIO(data), allow_pickle=False) as z:
+    lengths = z["completion_lengths"]
+    splits = np.cumsum(lengths)[:-1]
+    completions = np.split(z["completion_ids"], splits)
+    old = np.split(z["old_logprobs"], splits) if "old_logprobs" in z.files else None
+    return TrajectoryGroup(
+        group_id=int(z["group_id"]),
+        prompt_ids=z["prompt_ids"],
+        completions=completions,
+        rewards=z["rewards"],
+        advantages=z["advantages"],
+        old_logprobs=old,
+        generation_ids=z["generation_ids"],
+        policy_version=int(z["policy_version"]),
+    )
+
+
+def digest(data: bytes) -> str:
+  return hashlib.sha256(data).hexdigest()
+
+
+# ------------------------------------------------------------------ synthetic groups in real shapes
+@dataclasses.dataclass(frozen=True)
+class RolloutShape:
+  """Distributions of a recording's shapes (log-normal lengths, clipped)."""
+
+  groups: int = 256
+  generations_per_group: int = 8
+  prompt_len_median: float = 24
+  prompt_len_sigma: float = 0.5
+  completion_len_median: float = 16
+  completion_len_sigma: float = 0.7
+  max_tokens: int = 128
+  vocab_size: int = 512
+  with_old_logprobs: bool = True
+  seed: int = 0
+
+
+def generate_groups(shape: RolloutShape) -> Iterator[TrajectoryGroup]:
+  """Seeded trajectory groups: rewards per completion, advantages normalised in the group."""
+  rng = np.random.default_rng(shape.seed)
+  for gid in range(shape.groups):
+    p = int(np.clip(rng.lognormal(np.log(shape.prompt_len_median), shape.prompt_len_sigma), 1, shape.max_tokens // 2))
+    prompt = rng.integers(1, shape.vocab_size, p, dtype=np.int32)
+    lengths = np.clip(
+        rng.lognormal(np.log(shape.completion_len_median), shape.completion_len_sigma, shape.generations_per_group),
+        1, shape.max_tokens - p,
+    ).astype(int)
+    completions = [rng.integers(1, shape.vocab_size, n, dtype=np.int32) for n in lengths]
+    rewards = (rng.random(shape.generations_per_group) < 0.5).astype(np.float32)
+    advantages = (rewards - rewards.mean()) / (rewards.std() + 1e-4)
+    old = [-rng.exponential(1.5, n).astype(np.float32) for n in lengths] if shape.with_old_logprobs else None
+    yield TrajectoryGroup(gid, prompt, completions, rewards, advantages.astype(np.float32), old,
+                          np.arange(shape.generations_per_group, dtype=np.int32), 0)
+
+
+def write_recording(out_dir: str | Path, groups: Iterator[TrajectoryGroup], *,
+                    vocab_size: int, produced_by: dict[str, Any]) -> dict:
+  """Writes groups to ``out_dir`` (ArrayRecord + manifest); returns the manifest."""
+  from array_record.python.array_record_module import ArrayRecordWriter
+
+  out = Path(out_dir)
+  out.mkdir(parents=True, exist_ok=True)
+  writer = ArrayRecordWriter(str(out / DATA_FILE), "group_size:1")
+  digests, prompt_lens, completion_lens, generations = [], [], [], set()
+  has_old = None
+  try:
+    for group in groups:
+      data = encode_group(group)
+      writer.write(data)
+      digests.append(digest(data))
+      prompt_lens.append(len(group.prompt_ids))
+      completion_lens.extend(len(c) for c in group.completions)
+      generations.add(len(group.completions))
+      has_old = group.old_logprobs is not None if has_old is None else has_old
+  finally:
+    writer.close()
+
+  def stats(xs):
+    return {"min": int(min(xs)), "max": int(max(xs)), "mean": float(np.mean(xs))} if xs else None
+
+  manifest = {
+      "schema_version": SCHEMA_VERSION,
+      "format": "array_record",
+      "files": [{"path": DATA_FILE, "records": len(digests)}],
+      "num_groups": len(digests),
+      "num_trajectories": len(completion_lens),
+      "generations_per_group": sorted(generations),
+      "vocab_size": vocab_size,
+      "prompt_len": stats(prompt_lens),
+      "completion_len": stats(completion_lens),
+      "has_old_logprobs": bool(has_old),
+      "record_digests": digests,
+      "produced_by": produced_by,
+      "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+  }
+  (out / MANIFEST).write_text(json.dumps(manifest, indent=1))
+  return manifest
+
+
+# ------------------------------------------------------------------ reading
+@dataclasses.dataclass(frozen=True)
+class Recording:
+  """A validated recording directory."""
+
+  path: Path
+  manifest: dict
+
+  @property
+  def data_path(self) -> Path:
+    return self.path / self.manifest["files"][0]["path"]
+
+  @property
+  def num_groups(self) -> int:
+    return self.manifest["num_groups"]
+
+
+def open_recording(path: str | Path, *, vocab_size: int | None = None, verify: bool = True) -> Recording:
+  """Reads and checks the manifest (and, with ``verify``, every record's digest and token ids).
+
+  Raises:
+    RecordingError: missing manifest, unknown schema version, missing or
+      truncated data file, digest mismatch, token ids outside ``vocab_size``.
+  """
+  root = Path(path)
+  manifest_path = root / MANIFEST
+  if not manifest_path.is_file():
+    raise RecordingError(f"{manifest_path}: no manifest; record one with `run_rl record --out {root}`")
+  try:
+    manifest = json.loads(manifest_path.read_text())
+  except json.JSONDecodeError as e:
+    raise RecordingError(f"{manifest_path}: not valid JSON ({e})") from None
+  version = manifest.get("schema_version")
+  if version != SCHEMA_VERSION:
+    raise RecordingError(
+        f"{manifest_path}: schema_version {version!r} is not supported (this build reads"
+        f" {SCHEMA_VERSION}); re-record it with this version"
+    )
+  recording = Recording(root, manifest)
+  data_path = recording.data_path
+  if not data_path.is_file():
+    raise RecordingError(f"{data_path}: data file missing (the manifest lists it)")
+  expected = manifest["files"][0]["records"]
+  try:
+    from grain.sources import ArrayRecordDataSource
+
+    source = ArrayRecordDataSource([str(data_path)])
+    count = len(source)
+  except Exception as e:  # array_record raises its own error types for corrupt files
+    raise RecordingError(f"{data_path}: cannot be read as ArrayRecord (truncated or corrupt): {e}") from None
+  if count != expected:
+    raise RecordingError(
+        f"{data_path}: holds {count} records but the manifest says {expected} (truncated?)"
+    )
+  if verify:
+    digests = manifest["record_digests"]
+    for i in range(count):
+      try:
+        data = source[i]
+      except Exception as e:
+        raise RecordingError(f"{data_path} record {i}: unreadable (truncated or corrupt): {e}") from None
+      if digest(data) != digests[i]:
+        raise RecordingError(
+            f"{data_path} record {i}: content digest does not match the manifest (the file"
+            " changed after it was recorded)"
+        )
+      if vocab_size is not None:
+        group = decode_group(data)
+        for name, ids in [("prompt_ids", group.prompt_ids)] + [
+            (f"completion {g}", c) for g, c in enumerate(group.completions)]:
+          if len(ids) and (ids.min() < 0 or ids.max() >= vocab_size):
+            bad = int(ids.min() if ids.min() < 0 else ids.max())
+            raise RecordingError(
+                f"{data_path} record {i} (group {group.group_id}) {name}: token id {bad} is"
+                f" outside the model's vocabulary [0, {vocab_size})"
+            )
+  return recording

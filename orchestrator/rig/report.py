@@ -1,0 +1,203 @@
+"""Rig outputs: report.md, report.json, trace.json (Perfetto) and timeline.png."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from orchestrator.trace import chrome_trace
+from policies.step_boundary import format_seconds as fs
+
+COLORS = {"micro-batch": "#4C78A8", "re-run": "#9ECAE9", "update": "#54A24B", "idle": "#E45756", "stage": "#F58518",
+          "prepare": "#EECA3B", "dispatch": "#72B7B2", "wait": "#B279A2", "boundary work": "#9D9D9D"}
+HOST_KINDS = {"stage": "stage", "prepare": "prepare", "dispatch": "dispatch", "update dispatch": "dispatch",
+              "fwd_bwd": "dispatch", "in-flight wait": "wait", "wait for device": "wait"}
+
+
+def verdict(checks) -> dict:
+  counts = {"pass": 0, "fail": 0, "unscorable": 0}
+  for c in checks:
+    counts[c["status"]] += 1
+  return counts
+
+
+def targets(arms, components) -> list[dict]:
+  """The rig's targets, measured (never asserted)."""
+  by_mode = {}
+  for a in arms:
+    by_mode.setdefault(a["mode"], a)
+  out = []
+  before, off = by_mode.get("stage_before_update"), by_mode.get("off")
+  if before:
+    idle = before["boundary_idle_s"]["median"]
+    micro = before["micro_batch_s"]["median"]
+    out.append({"target": "STAGE_BEFORE_UPDATE idle <= 1% of a micro-batch",
+                "measured": f"{idle / micro:.2%} ({fs(idle)} of {fs(micro)})", "met": idle <= 0.01 * micro})
+    if off:
+      off_idle = off["boundary_idle_s"]["median"]
+      out.append({"target": "STAGE_BEFORE_UPDATE idle <= 5% of OFF's",
+                  "measured": f"{fs(idle)} vs OFF {fs(off_idle)}",
+                  "met": idle <= 0.05 * off_idle if off_idle > 0 else idle == 0})
+    bound = components.compute_bound_s
+    step = before["step_s"]["median"]
+    out.append({"target": "STAGE_BEFORE_UPDATE step within 2% of the compute-only bound",
+                "measured": f"{step:.4f} s vs bound {bound:.4f} s ({step / bound - 1:+.2%})",
+                "met": step <= 1.02 * bound})
+  after, pipelined = by_mode.get("stage_after_update"), by_mode.get("pipelined")
+  if before and after and pipelined:
+    a, p, b = (x["boundary_idle_s"]["median"] for x in (after, pipelined, before))
+    out.append({"target": "STAGE_AFTER_UPDATE idle between PIPELINED and STAGE_BEFORE_UPDATE",
+                "measured": f"before {fs(b)} <= after {fs(a)} <= pipelined {fs(p)}",
+                "met": b <= a <= p})
+  return out
+
+
+def write_reports(out: Path, arms, predictions, checks, components, traces, recipe, recording) -> dict:
+  counts = verdict(checks)
+  line = f"verdict: {counts['pass']} passed, {counts['fail']} failed, {counts['unscorable']} unscorable"
+  target_rows = targets(arms, components)
+  report = {
+      "recipe": recipe.name,
+      "recording": str(recording.path),
+      "components": predictions["components"],
+      "arms": [{k: v for k, v in a.items() if k != "records"} for a in arms],
+      "predictions": predictions,
+      "checks": checks,
+      "targets": target_rows,
+      "verdict": counts,
+      "verdict_line": line,
+  }
+  (out / "report.json").write_text(json.dumps(report, indent=2))
+  (out / "records.json").write_text(json.dumps({a["name"]: a["records"] for a in arms}, indent=1))
+  _write_trace(out / "trace.json", traces)
+  try:
+    _write_timeline(out / "timeline.png", traces)
+    report["timeline"] = str(out / "timeline.png")
+  except ImportError as e:  # matplotlib is a dependency; keep the rest of the report regardless
+    report["timeline"] = f"not drawn: {e}"
+  (out / "report.md").write_text(_markdown(report, arms, components))
+  return report
+
+
+def _markdown(report, arms, components) -> str:
+  def st(s):
+    return "-" if not s else f"{fs(s['median'])} ({fs(s['min'])}–{fs(s['max'])})"
+
+  c = components
+  lines = [
+      f"# Rig report: {report['recipe']}", "",
+      f"Recording: `{report['recording']}`", "",
+      f"**{report['verdict_line']}**", "",
+      "## Calibration", "",
+      f"micro-batch {fs(c.micro_batch_s)}, input preparation {fs(c.prepare_s)}"
+      f" ({c.prepare_s / c.micro_batch_s:.1%} of a micro-batch), update {fs(c.update_s)},"
+      f" boundary work (metrics, logging, weight sync) {fs(c.boundary_work_s)},"
+      f" dispatch {fs(c.dispatch_s)}, wait floor {fs(c.wait_floor_s)};"
+      f" {c.micro_batches_per_step} micro-batches per step; update waits for the last"
+      f" micro-batch: {'yes' if c.update_waits_for_last else 'no'};"
+      f" dropless re-runs: {c.replays_per_step:.1f} per step of {fs(c.rerun_s)} each."
+      f" Compute-only bound per step: {c.compute_bound_s:.4f} s.", "",
+      "## Arms (median, min–max)", "",
+      "| arm | boundary idle | strict idle | step | micro-batch | device wait | stage | prep share | boundary work | replays |",
+      "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+  ]
+  for a in arms:
+    fault = f" (fault: {a['fault']})" if a["fault"] else ""
+    lines.append(
+        f"| {a['name']}{fault} | {st(a['boundary_idle_s'])} | {st(a['boundary_idle_strict_s'])} |"
+        f" {st(a['step_s'])} | {st(a['micro_batch_s'])} | {st(a['device_wait_s'])} | {st(a['stage_s'])} |"
+        f" {a['prepare_share_of_micro_batch']:.1%} | {st(a['boundary_work_s'])} | {a['replays']} |")
+  lines += ["", "## Predictions vs measurements", "",
+            "| arm | predicted idle | band | measured | predicted step | band | measured |",
+            "| --- | --- | --- | --- | --- | --- | --- |"]
+  for p, a in zip(report["predictions"]["arms"], arms):
+    lo, hi = p["boundary_idle_band_s"]
+    slo, shi = p["step_band_s"]
+    lines.append(
+        f"| {p['name']} | {fs(p['boundary_idle_s'])} | {fs(lo)}–{fs(hi)} |"
+        f" {fs(a['boundary_idle_s']['median']) if a['boundary_idle_s'] else '-'} |"
+        f" {p['step_s']:.4f} s | {slo:.4f}–{shi:.4f} s | {a['step_s']['median']:.4f} s |")
+  lines += ["", f"Predictions written at {report['predictions']['written_at']}, before the first scored arm.",
+            "", "## Targets (measured, not asserted)", "", "| target | measured | met |", "| --- | --- | --- |"]
+  for t in report["targets"]:
+    lines.append(f"| {t['target']} | {t['measured']} | {'yes' if t['met'] else 'no'} |")
+  lines += ["", "## Checks", "", "| check | arm | status | detail |", "| --- | --- | --- | --- |"]
+  for ch in report["checks"]:
+    lines.append(f"| {ch['name']} | {ch['arm']} | {ch['status'].upper()} | {ch['detail']} |")
+  lines += ["", f"Final state digests: " + ", ".join(f"{a['name']} `{a['final_state_digest'][:16]}…`" for a in arms),
+            "", "Files: `report.json`, `records.json`, `predictions.json`, `trace.json` (ui.perfetto.dev),"
+            " `timeline.png`.", ""]
+  return "\n".join(lines)
+
+
+def _write_trace(path: Path, traces) -> None:
+  events = []
+  for index, (name, result) in enumerate(traces):
+    arm_trace = chrome_trace(result.watched, result.host_spans, result.records, result.run_start)
+    for e in arm_trace["traceEvents"]:
+      e = dict(e)
+      e["pid"] = index * 10 + e["pid"]
+      if e.get("name") == "process_name":
+        e["args"] = {"name": f"{name}: {e['args']['name']}"}
+      events.append(e)
+  path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+
+
+def _boundary_segments(result):
+  """Device and host segments around one boundary (the middle one), relative to its last micro-batch."""
+  records = result.records
+  if len(records) < 2:
+    return [], 0.0
+  k = (len(records) - 1) // 2
+  watched = [w for w in result.watched if w.ready_at is not None]
+  segs, prev_ready = [], None
+  for w in watched:
+    start = w.dispatched_at if prev_ready is None else max(w.dispatched_at, prev_ready)
+    prev_ready = w.ready_at
+    name = "update" if w.kind == "update" else "micro-batch"
+    segs.append(("device", name, start, w.ready_at, w.step, w.micro_step))
+  m = max(w.micro_step for w in watched) + 1
+  last = next(s for s in segs if s[4] == k and s[5] == m - 1 and s[1] == "micro-batch")
+  first_next = next(s for s in segs if s[4] == k + 1 and s[5] == 0 and s[1] == "micro-batch")
+  t0, t1 = last[2], first_next[3]
+  window_start = min(t0, next(w.dispatched_at for w in watched if w.step == k and w.micro_step == m - 1))
+  out = [(lane, name, a - t0, b - t0) for lane, name, a, b, *_ in segs if b >= window_start and a <= t1]
+  r = records[k]
+  if r["boundary_idle_s"]:
+    ready = r["t_update_ready"] + result.run_start
+    out.append(("device", "idle", ready - t0, ready + r["boundary_idle_s"] - t0))
+  for name, a, b, _tid in result.host_spans:
+    if b >= window_start and a <= t1:
+      out.append(("host", HOST_KINDS.get(name, "boundary work"), a - t0, b - t0))
+  return out, t1 - t0
+
+
+def _write_timeline(path: Path, traces) -> None:
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  from matplotlib.patches import Patch
+
+  n = len(traces)
+  fig, ax = plt.subplots(figsize=(12, 1.1 * n + 1.2))
+  labels, y = [], 0
+  for name, result in traces:
+    segs, _ = _boundary_segments(result)
+    for lane_index, lane in enumerate(("host", "device")):
+      row = y + lane_index
+      for seg_lane, kind, a, b in segs:
+        if seg_lane == lane:
+          ax.broken_barh([(a, max(b - a, 1e-6))], (row - 0.4, 0.8), color=COLORS[kind])
+      labels.append(f"{name} · {lane}")
+    y += 2
+  ax.set_yticks(range(len(labels)))
+  ax.set_yticklabels(labels, fontsize=8)
+  ax.set_xlabel("seconds from the start of step k's last micro-batch")
+  ax.set_title("One step boundary per arm (middle boundary of each run)")
+  ax.legend(handles=[Patch(color=c, label=k) for k, c in COLORS.items()], loc="upper center",
+            bbox_to_anchor=(0.5, -0.25), ncol=len(COLORS), fontsize=8)
+  ax.invert_yaxis()
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)

@@ -1,0 +1,108 @@
+"""The reduced rig end to end on the tiny preset, and its negative controls."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from orchestrator import config as config_lib
+from orchestrator.data.recording import RolloutShape, generate_groups, write_recording
+from orchestrator.rig import run_rig
+from orchestrator.rig.rig import RigError, parse_arms
+
+
+@pytest.fixture(scope="module")
+def rig_inputs(tmp_path_factory):
+  root = tmp_path_factory.mktemp("rig")
+  shape = RolloutShape(groups=48, generations_per_group=4, prompt_len_median=8, completion_len_median=6,
+                       max_tokens=64, vocab_size=512, seed=1)
+  write_recording(root / "rec", generate_groups(shape), vocab_size=512, produced_by={"test": True})
+  recipe = config_lib.resolve(overrides=[
+      "model=tiny", "steps=4", "batch.micro_batches_per_step=2", "run.reserve_host_core=false",
+  ]).recipe
+  return recipe, root / "rec", root
+
+
+def _status(report, name, arm=None):
+  return [c["status"] for c in report["checks"] if c["name"] == name and (arm is None or c["arm"] == arm)]
+
+
+@pytest.fixture(scope="module")
+def clean_rig(rig_inputs):
+  recipe, rec, root = rig_inputs
+  return run_rig(recipe, rec, ["off", "stage_before_update"], root / "clean")
+
+
+def test_rig_end_to_end_two_arms(clean_rig):
+  report, out = clean_rig.report, clean_rig.out_dir
+  for name in ("report.md", "report.json", "trace.json", "timeline.png", "predictions.json"):
+    assert (out / name).is_file(), name
+  # Prediction scores depend on this machine's timing; the correctness checks must all pass.
+  failed = [c for c in report["checks"] if c["status"] == "fail" and not c["name"].startswith("prediction_")]
+  assert failed == []
+  assert _status(report, "predictions_written_first") == ["pass"]
+  assert _status(report, "final_state_identical", "stage_before_update") == ["pass"]
+  for arm in ("off", "stage_before_update"):
+    for name in ("micro_batches_in_order", "loss_denominators", "update_before_next_step",
+                 "stages_where_planned", "no_compile_after_warmup"):
+      assert _status(report, name, arm) == ["pass"], (name, arm)
+  data = json.loads((out / "report.json").read_text())
+  arm = data["arms"][1]
+  assert arm["name"] == "stage_before_update" and arm["mode"] == "stage_before_update"
+  for key in ("boundary_idle_s", "step_s", "micro_batch_s"):
+    assert set(arm[key]) == {"median", "min", "max"}
+  for key in ("device_wait_s", "stage_s", "replays", "final_state_digest"):
+    assert key in arm
+  assert set(data["verdict"]) == {"pass", "fail", "unscorable"}
+  assert data["verdict_line"].startswith("verdict:")
+  md = (out / "report.md").read_text()
+  assert "## Predictions vs measurements" in md and "## Checks" in md and data["verdict_line"] in md
+
+
+def test_predictions_file_was_written_before_the_scored_arms(clean_rig):
+  predictions = json.loads((clean_rig.out_dir / "predictions.json").read_text())
+  assert [p["name"] for p in predictions["arms"]] == ["off", "stage_before_update"]
+  assert predictions["components"]["micro_batch_s"] > 0
+  records = json.loads((clean_rig.out_dir / "records.json").read_text())
+  assert set(records) == {"off", "stage_before_update"}
+
+
+def test_too_few_boundaries_make_predictions_unscorable_not_failed(clean_rig):
+  # 4 steps give 3 boundaries: scorable. The step band needs 3 steps: scorable too.
+  statuses = _status(clean_rig.report, "prediction_boundary_idle")
+  assert set(statuses) <= {"pass", "fail"}
+
+
+def test_unscorable_with_too_few_boundaries(rig_inputs):
+  recipe, rec, root = rig_inputs
+  result = run_rig(recipe, rec, ["stage_before_update"], root / "short", steps=2)
+  assert _status(result.report, "prediction_boundary_idle") == ["unscorable"]
+  assert result.report["verdict"]["unscorable"] >= 1
+
+
+def test_a_different_micro_batch_order_is_reported_as_failed(rig_inputs):
+  recipe, rec, root = rig_inputs
+  result = run_rig(recipe, rec, ["off", "pipelined"], root / "reorder",
+                   faults={"pipelined": "reorder_micro_batches"})
+  report = result.report
+  assert _status(report, "micro_batches_in_order", "pipelined") == ["fail"]
+  assert _status(report, "micro_batches_in_order", "off") == ["pass"]
+  assert _status(report, "final_state_identical", "pipelined") == ["fail"]
+  assert report["verdict"]["fail"] >= 2
+
+
+def test_a_skipped_update_is_reported_as_failed(rig_inputs):
+  recipe, rec, root = rig_inputs
+  result = run_rig(recipe, rec, ["off", "stage_before_update"], root / "skip",
+                   faults={"stage_before_update": "skip_update"})
+  report = result.report
+  assert _status(report, "update_before_next_step", "stage_before_update") == ["fail"]
+  assert _status(report, "final_state_identical", "stage_before_update") == ["fail"]
+
+
+def test_arm_names_and_faults_are_checked():
+  assert [a.name for a in parse_arms(["off", "stage_before_update", "off"])] == [
+      "off", "stage_before_update", "off#2"]
+  with pytest.raises(RigError, match="unknown arm 'sideways'"):
+    parse_arms(["sideways"])
