@@ -132,3 +132,21 @@ def moe_replay_digests_per_mode():
 def test_every_mode_trains_bit_identically_with_moe_replay(moe_replay_digests_per_mode, mode):
   assert moe_replay_digests_per_mode[mode] == moe_replay_digests_per_mode[Mode.OFF]
   assert sum(moe_replay_digests_per_mode[Mode.OFF][2]) > 0  # replays really happened
+
+
+def test_stock_tunix_trainer_falls_back_to_pipelined_and_trains_the_same(tiny_source, caplog):
+  """The case users hit first: a stock Tunix PeftTrainer behind the adapter has no staging methods."""
+  import logging
+
+  from orchestrator.engine.tunix_adapter import TunixTrainerEngine
+
+  digests = {}
+  for mode in (Mode.PIPELINED, Mode.STAGE_BEFORE_UPDATE):
+    engine = TunixTrainerEngine("tiny", micro_batches_per_step=MICRO)
+    with caplog.at_level(logging.WARNING):
+      result, policy = _run(engine, tiny_source, mode, steps=3)
+    digests[mode] = (result.summary["final_state_digest"], [r["loss"] for r in result.records])
+    assert policy.mode is Mode.PIPELINED and len(result.records) == 3
+  fallback = [r for r in caplog.records if r.name == "step_boundary.policy" and "lacks" in r.getMessage()]
+  assert len(fallback) == 1
+  assert digests[Mode.STAGE_BEFORE_UPDATE] == digests[Mode.PIPELINED]

@@ -1,0 +1,125 @@
+"""An engine over a stock Tunix ``PeftTrainer``: the required contract only, no staging methods.
+
+This is what most users have before they adopt the staging methods: a trainer
+whose step maps and places its own inputs. The adapter gives it ``fwd_bwd`` /
+``update`` / ``get_metrics`` so the program can drive it; the policy then finds
+no ``prepare_fwd_bwd_input`` / ``wait_for_device`` and falls back to
+``PIPELINED`` (or refuses, with ``require_staging``).
+
+Gradient accumulation is Tunix's own (``optax.MultiSteps`` over
+``gradient_accumulation_steps``): it averages per-micro-batch mean losses and
+applies the update on every M-th micro-batch inside the trainer's jitted step.
+``update()`` therefore only checks that a whole step was accumulated and
+advances the count.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from tunix.sft import peft_trainer
+
+from orchestrator.data.trajectory import Trajectory
+from orchestrator.engine import model as model_lib
+from orchestrator.engine.inputs import pack_payload
+from orchestrator.engine.loss import LossConfig, attention_mask, policy_loss_sum
+from orchestrator.engine.presets import load_preset
+
+
+class TunixTrainerEngine:
+  """Drives ``tunix.sft.peft_trainer.PeftTrainer`` one micro-batch at a time.
+
+  Args:
+    preset: model preset name (dense presets).
+    micro_batches_per_step: Tunix's ``gradient_accumulation_steps``.
+    rows, tokens_per_row: batch shape (default: the preset's).
+    learning_rate, seed: AdamW learning rate and weight seed.
+  """
+
+  def __init__(self, preset: str = "tiny", *, micro_batches_per_step: int, rows: int | None = None,
+               tokens_per_row: int | None = None, learning_rate: float = 1e-3, seed: int = 0):
+    self.preset = load_preset(preset)
+    self.rows = rows or self.preset.rows
+    self.tokens_per_row = tokens_per_row or self.preset.tokens_per_row
+    self.micro_batches_per_step = micro_batches_per_step
+    graphdefs, params, _ = model_lib.build_model(self.preset, seed)
+    self.model = nnx.merge(graphdefs["capacity"], params)
+    loss_config = LossConfig()
+
+    # Tunix calls loss_fn(model, **inputs) through nnx.value_and_grad, which needs
+    # every input as a named parameter.
+    def loss_fn(model, input_tokens, target_tokens, segment_ids, positions, loss_mask,
+                advantages, old_logprobs, old_logprobs_mask):
+      batch = {"target_tokens": target_tokens, "loss_mask": loss_mask, "advantages": advantages,
+               "old_logprobs": old_logprobs, "old_logprobs_mask": old_logprobs_mask}
+      logits, _ = model(input_tokens, positions, None, attention_mask(segment_ids))
+      total, count = policy_loss_sum(logits, batch, loss_config)
+      return total / jnp.maximum(count, 1.0)
+
+    self.trainer = peft_trainer.PeftTrainer(
+        self.model,
+        optax.adamw(learning_rate),
+        peft_trainer.TrainingConfig(eval_every_n_steps=10**9,
+                                    gradient_accumulation_steps=micro_batches_per_step),
+    ).with_loss_fn(loss_fn)
+    self._train_step, _ = self.trainer.jit_train_and_eval_step()
+    self._micro = 0
+    self._step = 0
+    self._losses: list[jax.Array] = []
+    self._last: dict[str, Any] = {}
+
+  def fwd_bwd(self, payload: Sequence[Trajectory], apply_optimizer: bool = False):
+    """Maps, places and runs one micro-batch through the trainer's jitted step."""
+    host = pack_payload(payload, rows=self.rows, tokens_per_row=self.tokens_per_row,
+                        vocab_size=self.preset.vocab_size)
+    loss, _, grad_norm = self._train_step({k: jnp.asarray(v) for k, v in host.items()})
+    self._losses.append(loss)
+    self._micro += 1
+    if apply_optimizer:
+      self.update()
+    return loss
+
+  def update(self) -> int:
+    """Closes the step: Tunix's MultiSteps applied the update with the M-th micro-batch.
+
+    Raises:
+      RuntimeError: fewer or more than ``micro_batches_per_step`` micro-batches
+        were run (the stock trainer cannot update at any other point).
+    """
+    if self._micro != self.micro_batches_per_step:
+      raise RuntimeError(
+          f"the stock Tunix trainer updates every {self.micro_batches_per_step} micro-batches;"
+          f" update() after {self._micro}"
+      )
+    self._last = {"step": self._step + 1, "micro_losses": self._losses}
+    self._losses, self._micro = [], 0
+    self._step += 1
+    return self._step
+
+  def get_metrics(self) -> dict[str, Any]:
+    if not self._last:
+      return {}
+    losses = [float(x) for x in jax.device_get(self._last["micro_losses"])]
+    return {"step": self._last["step"], "loss": float(np.mean(losses)), "micro_batch_losses": losses,
+            "tokens": None}
+
+  @property
+  def train_step(self) -> int:
+    return self._step
+
+  @property
+  def micro_step_count(self) -> int:
+    return self._micro
+
+  def state_digest(self) -> str:
+    h = hashlib.sha256()
+    for leaf in jax.tree.leaves(jax.device_get(nnx.to_pure_dict(nnx.state(self.model)))):
+      h.update(np.ascontiguousarray(np.asarray(leaf)).tobytes())
+    return h.hexdigest()
