@@ -83,20 +83,23 @@ def _sub_parser(name: str, description: str) -> argparse.ArgumentParser:
   return p
 
 
-def _resolve_sub(args) -> config_lib.ResolvedRecipe:
-  return config_lib.resolve(args.recipe, overrides=args.overrides)
+def _parse_sub(parser: argparse.ArgumentParser, argv: list[str]):
+  """(args, resolved recipe), or (None, exit code 2) after printing the one error line."""
+  try:
+    args = parser.parse_args(argv)
+    return args, config_lib.resolve(args.recipe, overrides=args.overrides)
+  except (UsageError, config_lib.RecipeError) as e:
+    print(f"{parser.prog}: error: {e}", file=sys.stderr)
+    return None, 2
 
 
 def record_main(argv: list[str]) -> int:
   """``run_rl record --recipe R --out DIR``: write a recording in the recipe's shapes."""
   p = _sub_parser("record", "Write trajectory groups (ArrayRecord + manifest) in the recipe's shapes.")
   p.add_argument("--out", required=True, help="recording directory to create")
-  try:
-    args = p.parse_args(argv)
-    resolved = _resolve_sub(args)
-  except (UsageError, config_lib.RecipeError) as e:
-    print(f"run_rl record: error: {e}", file=sys.stderr)
-    return 2
+  args, resolved = _parse_sub(p, argv)
+  if args is None:
+    return resolved
   from orchestrator.data.recording import RolloutShape, generate_groups, write_recording
   from orchestrator.engine.presets import load_preset
 
@@ -131,12 +134,9 @@ def rig_main(argv: list[str]) -> int:
                  help="arms in order (mode names; repeats allowed)")
   p.add_argument("--out", required=True, help="report directory")
   p.add_argument("--steps", type=int, help="steps per arm (default: the recipe's)")
-  try:
-    args = p.parse_args(argv)
-    resolved = _resolve_sub(args)
-  except (UsageError, config_lib.RecipeError) as e:
-    print(f"run_rl rig: error: {e}", file=sys.stderr)
-    return 2
+  args, resolved = _parse_sub(p, argv)
+  if args is None:
+    return resolved
   recipe = resolved.recipe
   if recipe.run.reserve_host_core:
     from orchestrator.engine.host_threads import reserve_host_core
@@ -165,12 +165,9 @@ def rig_main(argv: list[str]) -> int:
 def simulate_main(argv: list[str]) -> int:
   """``run_rl simulate``: the boundary model fed from the recipe's ``simulate`` section."""
   p = _sub_parser("simulate", "Predict boundary idle and step time per mode from component times.")
-  try:
-    args = p.parse_args(argv)
-    resolved = _resolve_sub(args)
-  except (UsageError, config_lib.RecipeError) as e:
-    print(f"run_rl simulate: error: {e}", file=sys.stderr)
-    return 2
+  args, resolved = _parse_sub(p, argv)
+  if args is None:
+    return resolved
   from orchestrator.simulate import format_simulation, simulate
 
   print(format_simulation(resolved.recipe, simulate(resolved.recipe)))

@@ -20,6 +20,7 @@ from typing import Any
 
 import yaml
 
+from orchestrator.engine.options import EngineOptions
 from policies import Mode
 
 RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
@@ -48,20 +49,23 @@ class BatchSection:
   tokens_per_row: int | None = None
 
 
+_ENGINE = EngineOptions()
+
+
 @dataclasses.dataclass
 class EngineSection:
-  """Optimizer, loss and in-flight settings of the training engine."""
+  """Optimizer, loss and in-flight settings of the training engine (defaults: EngineOptions')."""
 
-  learning_rate: float = 1e-3
-  weight_decay: float = 0.0
-  max_grad_norm: float = 1.0
-  clip_eps_low: float = 0.2
-  clip_eps_high: float = 0.28
-  max_inflight: int = 2
-  seed: int = 0
-  ragged_buffer_factor: float = -1.0  # -1: fully dropless MoE routing
-  retry_when_tokens_dropped: bool = False
-  skip_nonfinite_updates: bool = False
+  learning_rate: float = _ENGINE.learning_rate
+  weight_decay: float = _ENGINE.weight_decay
+  max_grad_norm: float = _ENGINE.max_grad_norm
+  clip_eps_low: float = _ENGINE.clip_eps_low
+  clip_eps_high: float = _ENGINE.clip_eps_high
+  max_inflight: int = _ENGINE.max_inflight
+  seed: int = _ENGINE.seed
+  ragged_buffer_factor: float = _ENGINE.ragged_buffer_factor  # -1: fully dropless MoE routing
+  retry_when_tokens_dropped: bool = _ENGINE.retry_when_tokens_dropped
+  skip_nonfinite_updates: bool = _ENGINE.skip_nonfinite_updates
 
 
 @dataclasses.dataclass

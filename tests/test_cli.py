@@ -246,3 +246,12 @@ def test_rig_command_runs_and_prints_the_verdict(tmp_path, capsys):
   assert code == 0, out
   assert "# Rig report" in out and out.strip().splitlines()[-1].startswith("verdict:")
   assert (tmp_path / "rig" / "timeline.png").is_file()
+
+
+def test_recipe_validation_does_not_import_jax():
+  """run_rl validates (and reserves the host core) before JAX is imported."""
+  code = ("import sys; from orchestrator import cli; "
+          "assert cli.main(['--print-config']) == 0; assert 'jax' not in sys.modules, 'jax imported'")
+  proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
+                        env=dict(os.environ, PYTHONPATH=str(REPO)))
+  assert proc.returncode == 0, proc.stderr[-2000:]
