@@ -173,3 +173,25 @@ def test_program_refuses_a_source_that_runs_out():
   p = RLProgram(w, StepBoundaryPolicy(Mode.PIPELINED), payload_steps(2, 1), ProgramConfig(steps=3, micro_batches_per_step=1))
   with pytest.raises(ValueError, match="ran out after 2 steps; 3 were asked for"):
     p.run()
+
+
+def test_excluded_boundary_runs_pipelined_and_the_rest_stay_staged():
+  engine = RecordingEngine()
+  worker = TrainerWorker(engine)
+  policy = StepBoundaryPolicy(Mode.STAGE_BEFORE_UPDATE, wait_threshold_s=0.0, excluded_steps=[1])
+
+  def sync(step, weights):
+    engine.calls.append(f"sync:{step}")
+
+  result = RLProgram(worker, policy, payload_steps(4, 2), ProgramConfig(steps=4, micro_batches_per_step=2),
+                     weight_sync=sync).run()
+  calls = engine.calls[engine.calls.index("fwd_bwd:s0m0"):]
+  expected = ["fwd_bwd:s0m0"]
+  for k in range(3):
+    mode = Mode.PIPELINED if k == 1 else Mode.STAGE_BEFORE_UPDATE
+    expected += [c.format(k=k, n=k + 1) for c in EXPECTED_BOUNDARY[mode]]
+  expected += ["fwd_bwd:s3m1", "update", "metrics:4", "sync:4"]
+  assert calls == expected
+  assert [r["staged"] for r in result.records] == [True, False, True, False]
+  assert result.records[1]["reason"] == "boundary excluded by the recipe"
+  assert policy.mode is Mode.STAGE_BEFORE_UPDATE
