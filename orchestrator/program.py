@@ -415,7 +415,6 @@ class RLProgram:
     update = w.get(("update", k))
     update_ready = w.ready_at(("update", k), timeout_s=600)
     m = self.config.micro_batches_per_step
-    last = w.get(("fwd_bwd", k, m - 1))
     last_ready = w.ready_at(("fwd_bwd", k, m - 1), timeout_s=600)
     micro_s = []
     prev_ready = self._last_update_ready

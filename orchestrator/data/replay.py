@@ -11,7 +11,6 @@ byte, in any process.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import grain

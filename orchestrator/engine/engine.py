@@ -48,7 +48,6 @@ from orchestrator.engine.throttler import InflightThrottler
 
 # ---------------------------------------------------------------------------
 # Compile counting: XLA backend compiles in this process, read by tests and the rig.
-_compiles = itertools.count()
 _compile_total = [0]
 
 

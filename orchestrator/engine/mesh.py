@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tunix.models.qwen3 import model as qwen3_model
 
@@ -124,19 +123,3 @@ def check_batch_shape(config: MeshConfig, rows: int, tokens_per_row: int) -> Non
         f"tokens_per_row={tokens_per_row} does not split over context={config.context};"
         f" use a multiple of {config.context}"
     )
-
-
-def param_shardings(mesh: Mesh, state) -> object:
-  """NamedShardings for an nnx State from the partition names its variables carry."""
-  from flax import nnx
-
-  specs = nnx.get_partition_spec(state)
-  return jax.tree.map(
-      lambda spec: NamedSharding(mesh, spec if isinstance(spec, P) else P()),
-      specs,
-      is_leaf=lambda x: isinstance(x, P),
-  )
-
-
-def devices_in(mesh: Mesh) -> list:
-  return list(np.asarray(mesh.devices).flat)

@@ -124,7 +124,7 @@ def _markdown(report, arms, components) -> str:
   lines += ["", "## Checks", "", "| check | arm | status | detail |", "| --- | --- | --- | --- |"]
   for ch in report["checks"]:
     lines.append(f"| {ch['name']} | {ch['arm']} | {ch['status'].upper()} | {ch['detail']} |")
-  lines += ["", f"Final state digests: " + ", ".join(f"{a['name']} `{a['final_state_digest'][:16]}…`" for a in arms),
+  lines += ["", "Final state digests: " + ", ".join(f"{a['name']} `{a['final_state_digest'][:16]}…`" for a in arms),
             "", "Files: `report.json`, `records.json`, `predictions.json`, `trace.json` (ui.perfetto.dev),"
             " `timeline.png`.", ""]
   return "\n".join(lines)

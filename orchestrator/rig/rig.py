@@ -23,7 +23,6 @@ import statistics
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from orchestrator.engine import backend_compile_count
 from orchestrator.engine.engine import PreparedFwdBwdInput, content_digest
