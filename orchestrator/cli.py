@@ -46,7 +46,8 @@ def make_parser() -> argparse.ArgumentParser:
       prog="run_rl",
       description="Run RL training steps with the step-boundary scheduler.",
       epilog="key=value overrides any recipe key by dotted path, e.g. engine.learning_rate=3e-4."
-      " Precedence: recipe < environment < flags < key=value.",
+      " Precedence: recipe < environment < flags < key=value. Other commands:"
+      " `run_rl record`, `run_rl rig`, `run_rl simulate` (each with --help).",
   )
   p.add_argument("--recipe", help=f"recipe YAML (default: {config_lib.DEFAULT_RECIPE})")
   b = argparse.BooleanOptionalAction
@@ -128,16 +129,23 @@ def record_main(argv: list[str]) -> int:
 def rig_main(argv: list[str]) -> int:
   """``run_rl rig``: A/B the modes over a recording; see orchestrator.rig."""
   p = _sub_parser("rig", "Replay a recording through every arm and report checks and timings.")
-  p.add_argument("--recording", required=True, help="recording directory")
+  p.add_argument("--recording", help="recording directory (default: the recipe's rollouts.recording)")
   p.add_argument("--arms", nargs="+", default=["off", "stage_before_update", "off", "pipelined",
                                                 "stage_after_update"],
                  help="arms in order (mode names; repeats allowed)")
-  p.add_argument("--out", required=True, help="report directory")
+  p.add_argument("--out", help="report directory (default: runs/<recipe>-rig-<time>)")
   p.add_argument("--steps", type=int, help="steps per arm (default: the recipe's)")
   args, resolved = _parse_sub(p, argv)
   if args is None:
     return resolved
   recipe = resolved.recipe
+  recording = args.recording or recipe.rollouts.recording
+  if not recording:
+    print("run_rl rig: error: no recording: pass --recording DIR or set rollouts.recording in"
+          " the recipe", file=sys.stderr)
+    return 2
+  out = args.out or str(_out_dir(recipe).with_name(
+      f"{recipe.name}-rig-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}"))
   if recipe.run.reserve_host_core:
     from orchestrator.engine.host_threads import reserve_host_core
 
@@ -149,7 +157,7 @@ def rig_main(argv: list[str]) -> int:
   from orchestrator.runner import resolve_path
 
   try:
-    result = run_rig(recipe, resolve_path(args.recording), args.arms, args.out, steps=args.steps,
+    result = run_rig(recipe, resolve_path(recording), args.arms, out, steps=args.steps,
                      progress=lambda msg: print(f"run_rl rig: {msg}", file=sys.stderr))
   except (RecordingError, RigError) as e:
     print(f"run_rl rig: error: {e}", file=sys.stderr)

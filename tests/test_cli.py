@@ -254,3 +254,9 @@ def test_recipe_validation_does_not_import_jax():
   proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
                         env=dict(os.environ, PYTHONPATH=str(REPO)))
   assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_rig_takes_the_recording_from_the_recipe_or_refuses_without_one(tmp_path, capsys):
+  code, _, err = _main(["rig", "model=tiny", "rollouts.source=synthetic", "rollouts.recording=null",
+                        "--out", str(tmp_path)], capsys)
+  assert code == 2 and "no recording: pass --recording DIR or set rollouts.recording" in err
