@@ -183,12 +183,11 @@ class TrainerWorker:
     return self.engine.get_metrics()
 
   def save_checkpoint(self, metadata: dict | None = None) -> Any:
-    """Saves a checkpoint through the engine.
+    """Saves, through the engine, the training state as of the last applied update.
 
-    Raises:
-      WorkerUsageError: an update is owed (the checkpoint would miss it).
+    Allowed while the next step's update is owed: a pipelined boundary
+    checkpoints step k after step k+1's first micro-batch was dispatched.
     """
-    self._check_no_update_owed("save_checkpoint")
     return self.engine.save_checkpoint(metadata)
 
   def restore_checkpoint(self, *args: Any, **kwargs: Any) -> Any:

@@ -199,7 +199,7 @@ def test_run_rl_end_to_end_on_the_tiny_preset(tmp_path):
     env.pop(name, None)
   proc = subprocess.run(
       [sys.executable, "-m", "orchestrator.cli", "model=tiny", "batch.rows=16", "steps=4",
-       "batch.micro_batches_per_step=2",
+       "batch.micro_batches_per_step=2", "checkpoint.every=2", f"checkpoint.directory={tmp_path / 'ckpt'}",
        "--out", str(out)],
       capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600,
   )
@@ -214,6 +214,7 @@ def test_run_rl_end_to_end_on_the_tiny_preset(tmp_path):
   assert json.loads((out / "trace.json").read_text())["traceEvents"]
   config = json.loads((out / "config.json").read_text())
   assert config["sources"]["model"] == "override"
+  assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name.isdigit()) == ["2", "4"]
 
 
 def test_record_writes_a_recording_and_refuses_to_overwrite_one(tmp_path, capsys):

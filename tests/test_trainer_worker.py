@@ -195,3 +195,15 @@ def test_excluded_boundary_runs_pipelined_and_the_rest_stay_staged():
   assert [r["staged"] for r in result.records] == [True, False, True, False]
   assert result.records[1]["reason"] == "boundary excluded by the recipe"
   assert policy.mode is Mode.STAGE_BEFORE_UPDATE
+
+
+def test_checkpoint_of_step_k_while_step_k_plus_1_defers_its_update():
+  """M = 1 under STAGE_BEFORE_UPDATE: step k's boundary work (and checkpoint) runs right
+  after step k+1's only micro-batch was dispatched with its update deferred."""
+  calls, _, _ = _run(RecordingEngine(), Mode.STAGE_BEFORE_UPDATE, steps=3, micro=1, checkpoint_every=1)
+  assert calls == [
+      "fwd_bwd:s0m0", "prepare:s1m0", "wait", "update",
+      "fwd_bwd:prepared:s1m0", "metrics:1", "checkpoint:1", "sync:1", "prepare:s2m0", "wait", "update",
+      "fwd_bwd:prepared:s2m0", "metrics:2", "checkpoint:2", "sync:2", "update", "metrics:3",
+      "checkpoint:3", "sync:3",
+  ]
