@@ -251,6 +251,7 @@ class RLProgram:
     # metrics must be read before this step's update replaces them.
     split_update = apply_optimizer and i == 0 and self._pending is not None
     apply_now = apply_optimizer and not split_update
+    waited_before = getattr(self.worker.engine, "host_wait_total_s", None)
     if use_staged:
       result = self.worker.fwd_bwd_staged(apply_optimizer=apply_now, defer_update=defer_update)
     else:
@@ -260,7 +261,7 @@ class RLProgram:
         ("fwd_bwd", k, i), getattr(result, "ready", result),
         kind="fwd_bwd", step=k, micro_step=i, dispatched_at=dispatched_at,
     )
-    self._host_dispatch_spans(call_start, self.clock(), use_staged)
+    self._host_dispatch_spans(call_start, self.clock(), use_staged, waited_before)
     if i == 0:
       # Step k-1's boundary work runs now, behind step k's first micro-batch.
       if self._pending is not None:
@@ -273,17 +274,21 @@ class RLProgram:
       self.worker.update()
     return result
 
-  def _host_dispatch_spans(self, start: float, end: float, staged: bool) -> None:
-    """Splits a fwd_bwd call into prepare / in-flight wait / dispatch, where the engine says how long each took."""
+  def _host_dispatch_spans(self, start: float, end: float, staged: bool, waited_before: float | None) -> None:
+    """Splits a fwd_bwd call into prepare / host wait / dispatch, where the engine says how long each took.
+
+    The wait is everything the engine blocked on inside the call: the in-flight
+    limit, an overflow-flag read (dropless replay), a non-finite check.
+    """
     engine = self.worker.engine
     mapping = getattr(engine, "last_mapping_s", None)
-    if mapping is None:
+    if mapping is None or waited_before is None:
       self.host_spans.append(("fwd_bwd", start, end, 0))
       return
     prepare = 0.0 if staged else mapping + getattr(engine, "last_placement_s", 0.0)
-    throttle = getattr(engine, "last_throttle_wait_s", 0.0)
+    waited = engine.host_wait_total_s - waited_before
     t = start
-    for name, seconds in (("prepare", prepare), ("in-flight wait", throttle)):
+    for name, seconds in (("prepare", prepare), ("host wait", waited)):
       if seconds > 0:
         self.host_spans.append((name, t, min(end, t + seconds), 0))
         t = min(end, t + seconds)

@@ -186,7 +186,9 @@ class JaxTrainingEngine:
     self.last_dispatch: Computation | None = None
     self.last_mapping_s = 0.0
     self.last_placement_s = 0.0
-    self.last_throttle_wait_s = 0.0  # seconds the last dispatch waited for the in-flight limit
+    # Seconds this engine has blocked its caller so far: in-flight-limit waits,
+    # overflow-flag reads, non-finite checks. Callers difference it around a call.
+    self.host_wait_total_s = 0.0
     self._checkpointer = None
 
   # ---------------------------------------------------------------- set-up
@@ -458,9 +460,7 @@ class JaxTrainingEngine:
 
   def _dispatch_accumulate(self, name: str, batch, micro_step: int) -> Computation:
     program = self._program(name)
-    wait_start = time.perf_counter()
-    self._throttler.wait_for_next()
-    self.last_throttle_wait_s = time.perf_counter() - wait_start
+    self._host_wait(self._throttler.wait_for_next)
     grad_acc, loss_acc, denom_acc, total, count, dropped, overflow = program(
         self._params, self._grad_acc, self._loss_acc, self._denom_acc, batch
     )
@@ -476,12 +476,19 @@ class JaxTrainingEngine:
     self.last_dispatch = computation
     return computation
 
+  def _host_wait(self, fn, *args):
+    start = time.perf_counter()
+    try:
+      return fn(*args)
+    finally:
+      self.host_wait_total_s += time.perf_counter() - start
+
   def _resolve_overflow_check(self) -> None:
     """Reads the pending overflow flag on the host (blocking on its micro-batch); re-runs it if set."""
     check, self._pending_check = self._pending_check, None
     if check is None:
       return
-    if bool(jax.device_get(check.overflow)):
+    if bool(self._host_wait(jax.device_get, check.overflow)):
       self._replayed.append(check.micro_step)
       self._dispatch_accumulate("accumulate_dropless", check.batch, check.micro_step)
 
@@ -522,10 +529,10 @@ class JaxTrainingEngine:
     self._resolve_overflow_check()
     skipped = False
     if self.options.skip_nonfinite_updates:
-      norm = float(jax.device_get(self._grad_norm_jit(self._grad_acc, self._denom_acc)))
+      norm = float(self._host_wait(jax.device_get, self._grad_norm_jit(self._grad_acc, self._denom_acc)))
       skipped = not np.isfinite(norm)
     program = self._program("apply")
-    self._throttler.wait_for_next()
+    self._host_wait(self._throttler.wait_for_next)
     if skipped:
       self._skipped_updates += 1
       log.warning(

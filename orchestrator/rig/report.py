@@ -11,7 +11,7 @@ from policies.step_boundary import format_seconds as fs
 COLORS = {"micro-batch": "#4C78A8", "re-run": "#9ECAE9", "update": "#54A24B", "idle": "#E45756", "stage": "#F58518",
           "prepare": "#EECA3B", "dispatch": "#72B7B2", "wait": "#B279A2", "boundary work": "#9D9D9D"}
 HOST_KINDS = {"stage": "stage", "prepare": "prepare", "dispatch": "dispatch", "update dispatch": "dispatch",
-              "fwd_bwd": "dispatch", "in-flight wait": "wait", "wait for device": "wait"}
+              "fwd_bwd": "dispatch", "host wait": "wait", "wait for device": "wait"}
 
 
 def verdict(checks) -> dict:
@@ -98,13 +98,14 @@ def _markdown(report, arms, components) -> str:
       f" dropless re-runs: {c.replays_per_step:.1f} per step of {fs(c.rerun_s)} each."
       f" Compute-only bound per step: {c.compute_bound_s:.4f} s.", "",
       "## Arms (median, min–max)", "",
-      "| arm | boundary idle | strict idle | step | micro-batch | device wait | stage | prep share | boundary work | replays |",
-      "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+      "| arm | ended in | boundary idle | strict idle | step | micro-batch | device wait | stage | prep share | boundary work | replays |",
+      "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
   ]
   for a in arms:
     fault = f" (fault: {a['fault']})" if a["fault"] else ""
+    ended = a["final_mode"] + (f" ({a['auto_disables']} auto-disable)" if a["auto_disables"] else "")
     lines.append(
-        f"| {a['name']}{fault} | {st(a['boundary_idle_s'])} | {st(a['boundary_idle_strict_s'])} |"
+        f"| {a['name']}{fault} | {ended} | {st(a['boundary_idle_s'])} | {st(a['boundary_idle_strict_s'])} |"
         f" {st(a['step_s'])} | {st(a['micro_batch_s'])} | {st(a['device_wait_s'])} | {st(a['stage_s'])} |"
         f" {a['prepare_share_of_micro_batch']:.1%} | {st(a['boundary_work_s'])} | {a['replays']} |")
   lines += ["", "## Predictions vs measurements", "",
