@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import types
 import typing
 from collections.abc import Mapping
 from pathlib import Path
@@ -245,7 +246,7 @@ def coerce(key: str, value: Any) -> Any:
   t = _leaf_type(key)
   origin = typing.get_origin(t)
   args = typing.get_args(t)
-  if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+  if origin in (typing.Union, types.UnionType):
     options = [a for a in args if a is not type(None)]
     if value is None or (isinstance(value, str) and value.strip().lower() in ("none", "null", "")):
       if type(None) in args:
@@ -296,10 +297,9 @@ def flatten(tree: Mapping[str, Any], prefix: str = "", where: str = "recipe") ->
   """Dotted keys of a nested mapping, refusing keys the schema does not know."""
   out = {}
   known = set(all_keys())
-  sections = {k.split(".")[0] for k in known if "." in k}
   for name, value in tree.items():
     key = f"{prefix}{name}"
-    if isinstance(value, Mapping) and key in sections | {s for s in _section_paths()}:
+    if isinstance(value, Mapping) and key in _section_paths():
       out.update(flatten(value, f"{key}.", where))
     elif key in known:
       out[key] = value

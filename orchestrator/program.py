@@ -105,7 +105,7 @@ class _Boundary:
   stage_start: float | None = None
   stage_end: float | None = None
   device_wait_s: float | None = None
-  staged_digest: str | None = None
+  staged_input: Any = None  # its digest is read when the record is written, not on the stage
   low_wait: bool | None = None
   transition: str | None = None
   metrics: dict | None = None
@@ -328,7 +328,7 @@ class RLProgram:
     boundary.stage_s = self.worker.stage_fwd_bwd(payload)
     boundary.stage_end = self.clock()
     boundary.staged = True
-    boundary.staged_digest = getattr(self.worker.staged_input, "digest", None)
+    boundary.staged_input = self.worker.staged_input
     self.host_spans.append(("stage", boundary.stage_start, boundary.stage_end, 0))
 
   def _observe(self, boundary: _Boundary) -> None:
@@ -463,7 +463,7 @@ class RLProgram:
         "metrics_wait_s": boundary.spans.get("metrics_wait_s"),
         "checkpoint_s": boundary.spans.get("checkpoint_s"),
         "weight_sync_s": boundary.spans.get("weight_sync_s"),
-        "staged_digest": boundary.staged_digest,
+        "staged_digest": getattr(boundary.staged_input, "digest", None),
         "loss": metrics.get("loss"),
         "grad_norm": metrics.get("grad_norm"),
         "tokens": metrics.get("tokens"),

@@ -20,6 +20,7 @@ dispatched. Gradient accumulators and optimizer state are donated.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import itertools
 import logging
@@ -88,7 +89,8 @@ class PreparedFwdBwdInput:
 
   Attributes:
     arrays: the placed inputs, by field name (see ``inputs.FIELDS``).
-    digest: content digest of the host arrays (same payload → same digest).
+    host_arrays: the host arrays they were placed from (never written after
+      placement); ``digest`` is computed from them on first use, off the stage.
     loss_tokens: completion tokens the micro-batch adds to the loss denominator.
     num_trajectories: trajectories packed into it.
     mapping_s, placement_s: seconds spent packing and issuing the copies.
@@ -96,12 +98,18 @@ class PreparedFwdBwdInput:
   """
 
   arrays: Mapping[str, jax.Array]
-  digest: str
+  host_arrays: Mapping[str, np.ndarray] = dataclasses.field(repr=False)
   loss_tokens: int
   num_trajectories: int
   mapping_s: float
   placement_s: float
   engine_id: int
+
+  @functools.cached_property
+  def digest(self) -> str:
+    """Content digest of the inputs (same payload → same digest); hashed when first asked for,
+    so a stage on the hot path does not pay for it."""
+    return content_digest(self.host_arrays)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -386,13 +394,12 @@ class JaxTrainingEngine:
     """
     start = time.perf_counter()
     host = self._map(payload)
-    digest = content_digest(host)
     mapped = time.perf_counter()
     arrays = place_tree(host, self._batch_shardings)
     placed = time.perf_counter()
     return PreparedFwdBwdInput(
         arrays=arrays,
-        digest=digest,
+        host_arrays=host,
         loss_tokens=inputs_lib.count_loss_tokens(payload),
         num_trajectories=len(payload),
         mapping_s=mapped - start,

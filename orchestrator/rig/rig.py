@@ -23,6 +23,7 @@ import statistics
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from orchestrator.engine import backend_compile_count
 from orchestrator.engine.engine import PreparedFwdBwdInput, content_digest
@@ -72,19 +73,19 @@ class CallRecordingEngine:
     self._engine = engine
     self._digests = digests
     self._fault = fault
-    self.events: list[tuple[str, str | None]] = []
+    self.events: list[tuple[str, Any]] = []  # (kind, payload or prepared input); see digest_events
     self._updates_seen = 0
 
   def __getattr__(self, name):
     return getattr(self._engine, name)
 
-  def _digest(self, x) -> str | None:
-    if isinstance(x, PreparedFwdBwdInput):
-      return x.digest
-    return self._digests.get(id(x))
+  def digest_events(self) -> list[tuple[str, str | None]]:
+    """The call log with content digests (prepared inputs are hashed here, after the arm)."""
+    return [(kind, x.digest if isinstance(x, PreparedFwdBwdInput) else self._digests.get(id(x)))
+            for kind, x in self.events]
 
   def fwd_bwd(self, x, apply_optimizer=False):
-    self.events.append(("fwd_bwd", self._digest(x)))
+    self.events.append(("fwd_bwd", x))
     result = self._engine.fwd_bwd(x)
     if apply_optimizer:
       self.update()
@@ -99,7 +100,7 @@ class CallRecordingEngine:
 
   def prepare_fwd_bwd_input(self, payload):
     prepared = self._engine.prepare_fwd_bwd_input(payload)
-    self.events.append(("prepare", prepared.digest))
+    self.events.append(("prepare", prepared))
     return prepared
 
   def wait_for_device(self):
@@ -345,7 +346,8 @@ def run_rig(
     compiles = backend_compile_count()
     result = program.run()
     engine.wait_for_device()
-    return result, proxy.events, backend_compile_count() - compiles, policy
+    compiles = backend_compile_count() - compiles
+    return result, proxy.digest_events(), compiles, policy
 
   # 2. warm-up arm
   run_arm(Arm("warmup", Mode.STAGE_BEFORE_UPDATE), plan, min(warmup_steps, steps))
