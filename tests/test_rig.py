@@ -7,7 +7,8 @@ import json
 import pytest
 
 from orchestrator import config as config_lib
-from orchestrator.data.recording import RolloutShape, generate_groups, write_recording
+from orchestrator.data.recording import write_recording
+from orchestrator.data.synthetic import RolloutShape, generate_groups
 from orchestrator.rig import run_rig
 from orchestrator.rig.rig import RigError, parse_arms
 
@@ -52,7 +53,7 @@ def test_rig_end_to_end_two_arms(clean_rig):
   assert arm["name"] == "stage_before_update" and arm["mode"] == "stage_before_update"
   for key in ("boundary_idle_s", "step_s", "micro_batch_s"):
     assert set(arm[key]) == {"median", "min", "max"}
-  for key in ("device_wait_s", "stage_s", "replays", "final_state_digest"):
+  for key in ("device_wait_s", "stage_s", "reruns", "final_state_digest"):
     assert key in arm
   assert set(data["verdict"]) == {"pass", "fail", "unscorable"}
   assert data["verdict_line"].startswith("verdict:")

@@ -1,5 +1,9 @@
-"""Trajectories, synthetic rollouts, and (later) recordings."""
+"""Trajectories, packing into micro-batches, synthetic rollouts, recordings and their replay.
 
-from orchestrator.data.trajectory import Trajectory
+Nothing here imports ``orchestrator.engine``: the engine depends on this package,
+never the other way round.
+"""
 
-__all__ = ["Trajectory"]
+from orchestrator.data.trajectory import Trajectory, TrajectoryGroup
+
+__all__ = ["Trajectory", "TrajectoryGroup"]

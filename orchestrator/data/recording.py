@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from orchestrator.data.trajectory import Trajectory
+from orchestrator.data.trajectory import TrajectoryGroup
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
@@ -37,29 +37,6 @@ DATA_FILE = "groups.array_record"
 
 class RecordingError(ValueError):
   """A recording that cannot be replayed (the message names the file and the record)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class TrajectoryGroup:
-  """One prompt sampled ``len(completions)`` times."""
-
-  group_id: int
-  prompt_ids: np.ndarray
-  completions: list[np.ndarray]
-  rewards: np.ndarray
-  advantages: np.ndarray
-  old_logprobs: list[np.ndarray] | None
-  generation_ids: np.ndarray
-  policy_version: int = 0
-
-  def trajectories(self) -> list[Trajectory]:
-    return [
-        Trajectory(
-            self.prompt_ids, c, float(self.advantages[g]),
-            None if self.old_logprobs is None else self.old_logprobs[g], self.group_id,
-        )
-        for g, c in enumerate(self.completions)
-    ]
 
 
 # ------------------------------------------------------------------ encoding
@@ -101,41 +78,6 @@ def decode_group(data: bytes) -> TrajectoryGroup:
 
 def digest(data: bytes) -> str:
   return hashlib.sha256(data).hexdigest()
-
-
-# ------------------------------------------------------------------ synthetic groups in real shapes
-@dataclasses.dataclass(frozen=True)
-class RolloutShape:
-  """Distributions of a recording's shapes (log-normal lengths, clipped)."""
-
-  groups: int = 256
-  generations_per_group: int = 8
-  prompt_len_median: float = 24
-  prompt_len_sigma: float = 0.5
-  completion_len_median: float = 16
-  completion_len_sigma: float = 0.7
-  max_tokens: int = 128
-  vocab_size: int = 512
-  with_old_logprobs: bool = True
-  seed: int = 0
-
-
-def generate_groups(shape: RolloutShape) -> Iterator[TrajectoryGroup]:
-  """Seeded trajectory groups: rewards per completion, advantages normalised in the group."""
-  rng = np.random.default_rng(shape.seed)
-  for gid in range(shape.groups):
-    p = int(np.clip(rng.lognormal(np.log(shape.prompt_len_median), shape.prompt_len_sigma), 1, shape.max_tokens // 2))
-    prompt = rng.integers(1, shape.vocab_size, p, dtype=np.int32)
-    lengths = np.clip(
-        rng.lognormal(np.log(shape.completion_len_median), shape.completion_len_sigma, shape.generations_per_group),
-        1, shape.max_tokens - p,
-    ).astype(int)
-    completions = [rng.integers(1, shape.vocab_size, n, dtype=np.int32) for n in lengths]
-    rewards = (rng.random(shape.generations_per_group) < 0.5).astype(np.float32)
-    advantages = (rewards - rewards.mean()) / (rewards.std() + 1e-4)
-    old = [-rng.exponential(1.5, n).astype(np.float32) for n in lengths] if shape.with_old_logprobs else None
-    yield TrajectoryGroup(gid, prompt, completions, rewards, advantages.astype(np.float32), old,
-                          np.arange(shape.generations_per_group, dtype=np.int32), 0)
 
 
 def write_recording(out_dir: str | Path, groups: Iterator[TrajectoryGroup], *,

@@ -15,9 +15,9 @@ from typing import Any
 
 import grain
 
-from orchestrator.data.recording import Recording, RecordingError, TrajectoryGroup, decode_group
-from orchestrator.data.trajectory import Trajectory
-from orchestrator.engine.inputs import assign_rows
+from orchestrator.data.packing import fits
+from orchestrator.data.recording import Recording, RecordingError, decode_group
+from orchestrator.data.trajectory import Trajectory, TrajectoryGroup
 
 
 class PackGroupsIntoMicroBatches(grain.IterDataset):
@@ -34,41 +34,38 @@ class PackGroupsIntoMicroBatches(grain.IterDataset):
 
 
 class _PackIterator(grain.DatasetIterator):
+  """Fills each payload with whole groups; a group that does not fit is carried to the next one.
+
+  Its state is the parent's state *before* the carried group was read, so a
+  restored iterator reads that group again and yields the same payloads.
+  """
 
   def __init__(self, parent: grain.DatasetIterator, spec: PackGroupsIntoMicroBatches):
     super().__init__(parent)
     self._spec = spec
     self._carry: TrajectoryGroup | None = None
-    self._groups_read = 0
+    self._parent_state_before_carry: dict[str, Any] | None = None
     self._payloads_made = 0
-
-  def _fits(self, trajectories: list[Trajectory]) -> bool:
-    try:
-      assign_rows([t.num_tokens for t in trajectories], rows=self._spec.rows,
-                  tokens_per_row=self._spec.tokens_per_row)
-      return True
-    except ValueError:
-      return False
 
   def _next_group(self) -> TrajectoryGroup | None:
     if self._carry is not None:
       group, self._carry = self._carry, None
+      self._parent_state_before_carry = None
       return group
     try:
-      group = next(self._parent)
+      return next(self._parent)
     except StopIteration:
       return None
-    self._groups_read += 1
-    return group
 
   def __next__(self) -> list[Trajectory]:
     payload: list[Trajectory] = []
     while True:
+      state_before = self._parent.get_state()
       group = self._next_group()
       if group is None:
         break
       candidate = payload + group.trajectories()
-      if self._fits(candidate):
+      if fits(candidate, rows=self._spec.rows, tokens_per_row=self._spec.tokens_per_row):
         payload = candidate
         continue
       if not payload:
@@ -77,7 +74,7 @@ class _PackIterator(grain.DatasetIterator):
             f" trajectories do not fit one micro-batch of {self._spec.rows} rows x"
             f" {self._spec.tokens_per_row} tokens; raise rows / tokens_per_row"
         )
-      self._carry = group
+      self._carry, self._parent_state_before_carry = group, state_before
       break
     if not payload:
       raise StopIteration
@@ -85,11 +82,14 @@ class _PackIterator(grain.DatasetIterator):
     return payload
 
   def get_state(self) -> dict[str, Any]:
-    return {"parent": self._parent.get_state(), "carry": self._carry is not None,
-            "payloads_made": self._payloads_made}
+    parent = self._parent_state_before_carry if self._carry is not None else self._parent.get_state()
+    return {"parent": parent, "payloads_made": self._payloads_made}
 
-  def set_state(self, state: dict[str, Any]) -> None:  # pragma: no cover - replay restarts from 0
-    raise NotImplementedError("replay restarts from the beginning of the recording")
+  def set_state(self, state: dict[str, Any]) -> None:
+    self._parent.set_state(state["parent"])
+    self._carry = None
+    self._parent_state_before_carry = None
+    self._payloads_made = int(state["payloads_made"])
 
 
 def replay_pipeline(recording: Recording, *, rows: int, tokens_per_row: int, micro_batches_per_step: int):

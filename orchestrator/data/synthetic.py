@@ -1,11 +1,11 @@
-"""Seeded synthetic rollouts shaped like real RL payloads.
+"""Seeded synthetic rollouts shaped like real RL payloads: one group sampler, two consumers.
 
-Each prompt is sampled ``generations_per_group`` times; prompt and completion
-lengths are drawn from log-normal distributions (many short, a few long), rewards
-are Bernoulli per completion and advantages are normalised within the group, as
-GRPO does. Micro-batches are filled with whole groups up to about ``fill`` of
-``rows × tokens_per_row`` and always pack. Same seed, step and index → the same
-micro-batch, in any process.
+``sample_group`` draws one prompt sampled ``generations_per_group`` times:
+prompt and completion lengths from log-normal distributions (many short, a few
+long), Bernoulli rewards per completion and advantages normalised within the
+group, as GRPO does. ``generate_groups`` streams groups for a recording
+(``run_rl record``); ``SyntheticRollouts`` fills micro-batches with whole groups
+for a run. Same seed, step and index → the same micro-batch, in any process.
 """
 
 from __future__ import annotations
@@ -15,8 +15,56 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from orchestrator.data.trajectory import Trajectory
-from orchestrator.engine.inputs import assign_rows
+from orchestrator.data.packing import fits
+from orchestrator.data.trajectory import Trajectory, TrajectoryGroup
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutShape:
+  """Distributions of a group's shapes (log-normal lengths, clipped to ``max_tokens``).
+
+  ``completion_len_median`` None takes a third of the room the prompt leaves.
+  """
+
+  groups: int = 256
+  generations_per_group: int = 8
+  prompt_len_median: float = 24
+  prompt_len_sigma: float = 0.5
+  min_prompt_len: int = 1
+  completion_len_median: float | None = 16
+  completion_len_sigma: float = 0.7
+  max_tokens: int = 128
+  vocab_size: int = 512
+  with_old_logprobs: bool = True
+  old_logprob_scale: float = 1.5
+  seed: int = 0
+
+
+def sample_group(rng: np.random.Generator, group_id: int, shape: RolloutShape) -> TrajectoryGroup:
+  """One group drawn from ``rng`` in ``shape``'s distributions."""
+  t, g = shape.max_tokens, shape.generations_per_group
+  p = int(np.clip(rng.lognormal(np.log(shape.prompt_len_median), shape.prompt_len_sigma),
+                  shape.min_prompt_len, t // 2))
+  prompt = rng.integers(1, shape.vocab_size, p, dtype=np.int32)
+  room = t - p
+  median = shape.completion_len_median or max(room / 3, 1)
+  lengths = np.clip(rng.lognormal(np.log(median), shape.completion_len_sigma, g), 1, room).astype(int)
+  rewards = (rng.random(g) < 0.5).astype(np.float32)
+  advantages = ((rewards - rewards.mean()) / (rewards.std() + 1e-4)).astype(np.float32)
+  completions, old = [], []
+  for n in lengths:
+    completions.append(rng.integers(1, shape.vocab_size, int(n), dtype=np.int32))
+    if shape.with_old_logprobs:
+      old.append(-rng.exponential(shape.old_logprob_scale, int(n)).astype(np.float32))
+  return TrajectoryGroup(group_id, prompt, completions, rewards, advantages,
+                         old if shape.with_old_logprobs else None, np.arange(g, dtype=np.int32), 0)
+
+
+def generate_groups(shape: RolloutShape) -> Iterator[TrajectoryGroup]:
+  """``shape.groups`` seeded groups, for a recording."""
+  rng = np.random.default_rng(shape.seed)
+  for gid in range(shape.groups):
+    yield sample_group(rng, gid, shape)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,52 +85,36 @@ class SyntheticRollouts:
     if not 0 < self.fill <= 1:
       raise ValueError(f"fill={self.fill} must be in (0, 1]")
 
-  def _group(self, rng: np.random.Generator, group_id: int) -> list[Trajectory]:
+  @property
+  def shape(self) -> RolloutShape:
     t = self.tokens_per_row
-    prompt_len = int(np.clip(rng.lognormal(np.log(max(t / 8, 2)), 0.5), 2, t // 2))
-    prompt = rng.integers(1, self.vocab_size, prompt_len, dtype=np.int32)
-    room = t - prompt_len
-    lengths = np.clip(rng.lognormal(np.log(max(room / 3, 1)), 0.6, self.generations_per_group), 1, room)
-    rewards = rng.random(self.generations_per_group) < 0.5
-    rewards = rewards.astype(np.float32)
-    adv = (rewards - rewards.mean()) / (rewards.std() + 1e-4)
-    group = []
-    for g in range(self.generations_per_group):
-      n = int(lengths[g])
-      completion = rng.integers(1, self.vocab_size, n, dtype=np.int32)
-      old = None
-      if self.with_old_logprobs:
-        old = -rng.exponential(2.0, n).astype(np.float32)
-      group.append(Trajectory(prompt.copy(), completion, float(adv[g]), old, group_id))
-    return group
+    return RolloutShape(
+        generations_per_group=self.generations_per_group, prompt_len_median=max(t / 8, 2),
+        min_prompt_len=2, completion_len_median=None, completion_len_sigma=0.6, max_tokens=t,
+        vocab_size=self.vocab_size, with_old_logprobs=self.with_old_logprobs, old_logprob_scale=2.0,
+    )
 
   def micro_batch(self, step: int, index: int) -> list[Trajectory]:
-    """The payload of micro-batch ``index`` of optimizer step ``step``."""
+    """The payload of micro-batch ``index`` of optimizer step ``step``: whole groups up to ``fill``."""
     rng = np.random.default_rng((self.seed, step, index))
+    shape = self.shape
     budget = self.fill * self.rows * self.tokens_per_row
     payload: list[Trajectory] = []
     used = 0
-    group_id = 0
     while True:
-      group = self._group(rng, group_id)
-      candidate = payload + group
+      group = sample_group(rng, len(payload) // self.generations_per_group, shape).trajectories()
       n = sum(tr.num_tokens for tr in group)
       if payload and used + n > budget:
-        break
-      try:
-        assign_rows([tr.num_tokens for tr in candidate], rows=self.rows, tokens_per_row=self.tokens_per_row)
-      except ValueError:
-        if not payload:  # one group alone does not fit: keep what fits of it
-          for tr in group:
-            try:
-              assign_rows([x.num_tokens for x in payload + [tr]], rows=self.rows, tokens_per_row=self.tokens_per_row)
-              payload.append(tr)
-            except ValueError:
-              break
-        break
-      payload, used = candidate, used + n
-      group_id += 1
-    return payload
+        return payload
+      if fits(payload + group, rows=self.rows, tokens_per_row=self.tokens_per_row):
+        payload, used = payload + group, used + n
+        continue
+      if not payload:  # one group alone does not fit: keep what fits of it
+        for tr in group:
+          if not fits(payload + [tr], rows=self.rows, tokens_per_row=self.tokens_per_row):
+            break
+          payload.append(tr)
+      return payload
 
   def step(self, step: int, micro_batches: int) -> list[list[Trajectory]]:
     return [self.micro_batch(step, i) for i in range(micro_batches)]

@@ -31,3 +31,26 @@ class Trajectory:
   @property
   def num_tokens(self) -> int:
     return len(self.prompt_ids) + len(self.completion_ids)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrajectoryGroup:
+  """One prompt sampled ``len(completions)`` times."""
+
+  group_id: int
+  prompt_ids: np.ndarray
+  completions: list[np.ndarray]
+  rewards: np.ndarray
+  advantages: np.ndarray
+  old_logprobs: list[np.ndarray] | None
+  generation_ids: np.ndarray
+  policy_version: int = 0
+
+  def trajectories(self) -> list[Trajectory]:
+    return [
+        Trajectory(
+            self.prompt_ids, c, float(self.advantages[g]),
+            None if self.old_logprobs is None else self.old_logprobs[g], self.group_id,
+        )
+        for g, c in enumerate(self.completions)
+    ]

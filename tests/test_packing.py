@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from orchestrator.data.trajectory import Trajectory
-from orchestrator.engine.inputs import FIELDS, pack_payload
+from orchestrator.data.packing import FIELDS, pack_payload
 
 
 def _traj(prompt, completion, adv=1.0, old=None, group=0):

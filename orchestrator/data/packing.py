@@ -1,4 +1,4 @@
-"""Payload → model inputs: validate trajectories and pack them into fixed ``[rows, tokens]`` arrays.
+"""Packing: validate trajectories and pack them into fixed ``[rows, tokens_per_row]`` arrays.
 
 Each trajectory becomes one segment (prompt then completion) in a row; rows are
 filled first-fit in payload order, so the same payload always packs the same
@@ -13,7 +13,9 @@ are already "on the device".
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+import hashlib
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -82,16 +84,29 @@ def validate_payload(
         )
       if not np.issubdtype(old.dtype, np.floating):
         raise ValueError(f"payload[{i}].old_logprobs has dtype {old.dtype}; expected float")
+      if not np.all(np.isfinite(old)):
+        raise ValueError(f"payload[{i}].old_logprobs holds non-finite values; log-probs must be finite")
 
 
-def assign_rows(
-    lengths: Sequence[int], *, rows: int, tokens_per_row: int
-) -> list[tuple[int, int]]:
-  """First-fit in payload order: (row, offset) per trajectory.
+@dataclasses.dataclass(frozen=True)
+class RowAssignment:
+  """Where first-fit put each trajectory.
 
-  Raises:
-    ValueError: the trajectories need more than ``rows`` rows.
+  Attributes:
+    placement: (row, offset) of each trajectory placed, in payload order.
+    unplaced: index of the first trajectory that found no room; None when all fit.
   """
+
+  placement: list[tuple[int, int]]
+  unplaced: int | None
+
+  @property
+  def fits(self) -> bool:
+    return self.unplaced is None
+
+
+def first_fit_rows(lengths: Sequence[int], *, rows: int, tokens_per_row: int) -> RowAssignment:
+  """First-fit in payload order into ``rows`` rows of ``tokens_per_row`` tokens."""
   used = [0] * rows
   placement = []
   for i, n in enumerate(lengths):
@@ -101,13 +116,14 @@ def assign_rows(
         used[r] += n
         break
     else:
-      raise ValueError(
-          f"payload does not fit: payload[{i}] ({n} tokens) finds no room in"
-          f" {rows} rows of {tokens_per_row} tokens ({sum(lengths)} tokens in"
-          f" {len(lengths)} trajectories); send fewer trajectories per micro-batch"
-          " or raise rows / tokens_per_row"
-      )
-  return placement
+      return RowAssignment(placement, i)
+  return RowAssignment(placement, None)
+
+
+def fits(trajectories: Sequence[Trajectory], *, rows: int, tokens_per_row: int) -> bool:
+  """Whether ``trajectories`` pack, in order, into ``rows`` rows of ``tokens_per_row`` tokens."""
+  lengths = [t.num_tokens for t in trajectories]
+  return first_fit_rows(lengths, rows=rows, tokens_per_row=tokens_per_row).fits
 
 
 def pack_payload(
@@ -115,9 +131,17 @@ def pack_payload(
 ) -> dict[str, np.ndarray]:
   """Validates ``payload`` and packs it into new ``[rows, tokens_per_row]`` arrays (see FIELDS)."""
   validate_payload(payload, tokens_per_row=tokens_per_row, vocab_size=vocab_size)
-  placement = assign_rows(
-      [t.num_tokens for t in payload], rows=rows, tokens_per_row=tokens_per_row
-  )
+  lengths = [t.num_tokens for t in payload]
+  assignment = first_fit_rows(lengths, rows=rows, tokens_per_row=tokens_per_row)
+  if not assignment.fits:
+    i = assignment.unplaced
+    raise ValueError(
+        f"payload does not fit: payload[{i}] ({lengths[i]} tokens) finds no room in"
+        f" {rows} rows of {tokens_per_row} tokens ({sum(lengths)} tokens in"
+        f" {len(lengths)} trajectories); send fewer trajectories per micro-batch"
+        " or raise rows / tokens_per_row"
+    )
+  placement = assignment.placement
   out = {name: np.zeros((rows, tokens_per_row), dtype) for name, dtype in FIELDS.items()}
   segments_in_row = [0] * rows
   for traj, (r, off) in zip(payload, placement):
@@ -143,3 +167,12 @@ def pack_payload(
 def count_loss_tokens(payload: Sequence[Trajectory]) -> int:
   """The loss denominator a payload contributes: its completion tokens."""
   return sum(len(t.completion_ids) for t in payload)
+
+
+def content_digest(host_arrays: Mapping[str, np.ndarray]) -> str:
+  """A digest of packed arrays (every field, in ``FIELDS`` order): same payload → same digest."""
+  h = hashlib.blake2b(digest_size=16)
+  for name in FIELDS:
+    h.update(name.encode())
+    h.update(np.ascontiguousarray(host_arrays[name]).tobytes())
+  return h.hexdigest()
