@@ -1,8 +1,13 @@
 """TrainerWorker: the orchestrator-facing trainer API over one engine.
 
-In process today; the same surface can sit behind an RPC. Engines are duck-typed:
-``fwd_bwd``, ``update``, ``get_metrics`` are required; ``prepare_fwd_bwd_input``
-and ``wait_for_device`` are optional and looked up once, at construction.
+The worker owns its engine privately and offers the program exactly what it
+needs: micro-batches, staged inputs, deferred updates, metrics, checkpoints,
+the weights for the sync, the state digest and wait-floor samples. In process
+today; a remote worker implements the same surface over an RPC.
+
+The engine is checked against ``orchestrator.contract`` once, at construction:
+``TrainingEngine`` is required; ``StagingEngine``, ``CheckpointingEngine`` and
+``WeightSource`` are optional and recorded in ``capabilities``.
 
 Misuse is an error, never silently absorbed (``WorkerUsageError``): a second
 ``stage_fwd_bwd`` with one pending, ``fwd_bwd_staged`` with none,
@@ -14,10 +19,11 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Mapping
 from typing import Any
 
-STAGING_METHODS = ("prepare_fwd_bwd_input", "wait_for_device")
-REQUIRED_METHODS = ("fwd_bwd", "update", "get_metrics")
+from orchestrator import contract
+from orchestrator.contract import Receipt
 
 
 class WorkerUsageError(RuntimeError):
@@ -31,39 +37,58 @@ class WorkerCapabilities:
   can_stage: bool
   missing_staging_methods: tuple[str, ...]
   can_checkpoint: bool
+  can_export_weights: bool
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StageReceipt:
+  """What staging the next micro-batch cost the host, and a way to fingerprint what was staged."""
+
+  stage_s: float
+  started_at: float
+  ended_at: float
+  _prepared: Any = dataclasses.field(repr=False)
+
+  @property
+  def input_digest(self) -> str | None:
+    """The staged input's content digest (hashed on first use, off the hot path)."""
+    return getattr(self._prepared, "digest", None)
+
+
+@dataclasses.dataclass(frozen=True)
+class DeferredUpdate:
+  """The owed update, applied: how long the device still computed first, and the update's receipt."""
+
+  device_wait_s: float
+  wait_started_at: float
+  update: Receipt
 
 
 class TrainerWorker:
   """Drives one engine through micro-batches, deferred updates and staged inputs.
 
   Args:
-    engine: any object with ``fwd_bwd(x, apply_optimizer=False)``,
-      ``update() -> int`` and ``get_metrics()``; staging also needs
-      ``prepare_fwd_bwd_input(payload)`` and ``wait_for_device() -> float``.
+    engine: an ``orchestrator.contract.TrainingEngine``.
 
   Raises:
     TypeError: the engine lacks a required method.
   """
 
   def __init__(self, engine: Any):
-    missing = [m for m in REQUIRED_METHODS if not callable(getattr(engine, m, None))]
-    if missing:
-      raise TypeError(
-          f"{type(engine).__name__} cannot back a TrainerWorker: it lacks {', '.join(missing)}"
-      )
-    self.engine = engine
-    missing_staging = tuple(m for m in STAGING_METHODS if not callable(getattr(engine, m, None)))
+    if not isinstance(engine, contract.TrainingEngine):
+      missing = contract.missing_methods(engine, contract.TrainingEngine)
+      raise TypeError(f"{type(engine).__name__} cannot back a TrainerWorker: it lacks {', '.join(missing)}")
+    self._engine = engine
     self.capabilities = WorkerCapabilities(
-        can_stage=not missing_staging,
-        missing_staging_methods=missing_staging,
-        can_checkpoint=callable(getattr(engine, "save_checkpoint", None)),
+        can_stage=isinstance(engine, contract.StagingEngine),
+        missing_staging_methods=contract.missing_methods(engine, contract.StagingEngine),
+        can_checkpoint=isinstance(engine, contract.CheckpointingEngine),
+        can_export_weights=isinstance(engine, contract.WeightSource),
     )
     self._staged: Any = None
-    self._staged_payload_id: int | None = None
     self._update_owed = False
-    self.last_stage_s: float | None = None
-    self.last_device_wait_s: float | None = None
-    self.last_dispatch: Any = None
+    self._step = 0
+    self._micro = 0
 
   # ---------------------------------------------------------------- state
   @property
@@ -75,19 +100,14 @@ class TrainerWorker:
   def has_staged(self) -> bool:
     return self._staged is not None
 
-  @property
-  def staged_input(self) -> Any:
-    """The prepared input waiting for ``fwd_bwd_staged`` (None if nothing is staged)."""
-    return self._staged
-
   # ---------------------------------------------------------------- micro-batches
-  def fwd_bwd(self, payload: Any, apply_optimizer: bool = False, defer_update: bool = False) -> Any:
-    """Runs one micro-batch from its payload.
+  def fwd_bwd(self, payload: Any, apply_optimizer: bool = False, defer_update: bool = False) -> Receipt:
+    """Runs one micro-batch from its payload; returns its receipt.
 
     With ``apply_optimizer`` and not ``defer_update``: the engine's ``fwd_bwd``
-    then ``update()``. With ``defer_update``: the micro-batch runs and an
-    update is owed; ``apply_deferred_update()`` must come before the next step's
-    first micro-batch. Returns what the engine's ``fwd_bwd`` returned.
+    then its ``update()`` (the receipt's ``update``). With ``defer_update``:
+    the micro-batch runs and an update is owed; ``apply_deferred_update()``
+    must come before the next step's first micro-batch.
 
     Raises:
       WorkerUsageError: an update is still owed.
@@ -95,11 +115,10 @@ class TrainerWorker:
     self._check_no_update_owed("fwd_bwd")
     return self._dispatch(payload, apply_optimizer, defer_update)
 
-  def stage_fwd_bwd(self, payload: Any) -> float:
-    """Prepares ``payload`` ahead (``engine.prepare_fwd_bwd_input``) and keeps it; returns its seconds.
+  def stage_fwd_bwd(self, payload: Any) -> StageReceipt:
+    """Prepares ``payload`` ahead (``prepare_fwd_bwd_input``) and keeps it; dispatches nothing.
 
-    Allowed while an update is owed (that is the point of staging before the
-    update). Does not dispatch anything.
+    Allowed while an update is owed (that is the point of staging before the update).
 
     Raises:
       WorkerUsageError: the engine cannot stage, or an input is already staged.
@@ -107,18 +126,15 @@ class TrainerWorker:
     if not self.capabilities.can_stage:
       raise WorkerUsageError(
           f"stage_fwd_bwd: the engine lacks {', '.join(self.capabilities.missing_staging_methods)};"
-          " check worker.capabilities.can_stage before staging"
-      )
+          " check worker.capabilities.can_stage before staging")
     if self._staged is not None:
-      raise WorkerUsageError(
-          "stage_fwd_bwd: an input is already staged; dispatch it with fwd_bwd_staged() first"
-      )
+      raise WorkerUsageError("stage_fwd_bwd: an input is already staged; dispatch it with fwd_bwd_staged() first")
     start = time.perf_counter()
-    self._staged = self.engine.prepare_fwd_bwd_input(payload)
-    self.last_stage_s = time.perf_counter() - start
-    return self.last_stage_s
+    self._staged = self._engine.prepare_fwd_bwd_input(payload)
+    end = time.perf_counter()
+    return StageReceipt(end - start, start, end, self._staged)
 
-  def fwd_bwd_staged(self, apply_optimizer: bool = False, defer_update: bool = False) -> Any:
+  def fwd_bwd_staged(self, apply_optimizer: bool = False, defer_update: bool = False) -> Receipt:
     """Dispatches the staged input as the next micro-batch (same options as ``fwd_bwd``).
 
     Raises:
@@ -130,66 +146,92 @@ class TrainerWorker:
     staged, self._staged = self._staged, None
     return self._dispatch(staged, apply_optimizer, defer_update)
 
-  def apply_deferred_update(self) -> float:
+  def apply_deferred_update(self) -> DeferredUpdate:
     """Waits for the device (``wait_for_device``), then runs the owed ``update()``.
-
-    Returns:
-      The seconds ``wait_for_device`` blocked (also kept as ``last_device_wait_s``).
 
     Raises:
       WorkerUsageError: no update is owed.
     """
     if not self._update_owed:
       raise WorkerUsageError(
-          "apply_deferred_update: no update is owed; defer one with fwd_bwd(..., defer_update=True)"
-      )
-    waited = self.engine.wait_for_device() if self.capabilities.can_stage else 0.0
-    self.last_device_wait_s = waited
-    self.engine.update()
+          "apply_deferred_update: no update is owed; defer one with fwd_bwd(..., defer_update=True)")
+    started = time.perf_counter()
+    waited = self._engine.wait_for_device() if self.capabilities.can_stage else 0.0
     self._update_owed = False
-    self.last_dispatch = getattr(self.engine, "last_dispatch", None)
-    return waited
+    return DeferredUpdate(waited, started, self._update())
 
-  def update(self) -> int:
+  def update(self) -> Receipt:
     """Runs the engine's ``update()`` now, without waiting for the device.
-
-    For a caller that dispatched a step's last micro-batch without
-    ``apply_optimizer`` and has host work to do before the update.
 
     Raises:
       WorkerUsageError: an update is owed (use ``apply_deferred_update``).
     """
     self._check_no_update_owed("update")
-    step = self.engine.update()
-    self.last_dispatch = getattr(self.engine, "last_dispatch", None)
-    return step
+    return self._update()
 
-  def _dispatch(self, x: Any, apply_optimizer: bool, defer_update: bool) -> Any:
-    result = self.engine.fwd_bwd(x, apply_optimizer=apply_optimizer and not defer_update)
-    self.last_dispatch = getattr(self.engine, "last_dispatch", result)
+  def _update(self) -> Receipt:
+    receipt = Receipt.coerce(self._engine.update(), kind="update", step=self._step, micro_step=-1)
+    self._step, self._micro = self._step + 1, 0
+    return receipt
+
+  def _dispatch(self, x: Any, apply_optimizer: bool, defer_update: bool) -> Receipt:
+    result = self._engine.fwd_bwd(x)
+    receipt = Receipt.coerce(result, kind="fwd_bwd", step=self._step, micro_step=self._micro)
+    self._micro += 1
     if defer_update:
       self._update_owed = True
-    return result
+    elif apply_optimizer:
+      receipt = dataclasses.replace(receipt, update=self._update())
+    return receipt
 
   def _check_no_update_owed(self, call: str) -> None:
     if self._update_owed:
-      raise WorkerUsageError(
-          f"{call}: the previous step's update is still owed; call apply_deferred_update() first"
-      )
+      raise WorkerUsageError(f"{call}: the previous step's update is still owed; call apply_deferred_update() first")
 
-  # ---------------------------------------------------------------- passthrough
-  def get_metrics(self) -> dict[str, Any]:
+  # ---------------------------------------------------------------- what the program reads
+  def sample_wait_floor(self, samples: int) -> list[float]:
+    """``samples`` waits with nothing in flight (after one unscored call that may pay one-off costs).
+
+    Raises:
+      WorkerUsageError: the engine cannot stage (it has no ``wait_for_device``).
+    """
+    if not self.capabilities.can_stage:
+      raise WorkerUsageError("sample_wait_floor: the engine has no wait_for_device")
+    self._engine.wait_for_device()
+    return [self._engine.wait_for_device() for _ in range(samples)]
+
+  def get_metrics(self) -> Mapping[str, Any]:
     """The engine's metrics of its last update (may block until that update is done)."""
-    return self.engine.get_metrics()
+    return self._engine.get_metrics()
 
-  def save_checkpoint(self, metadata: dict | None = None) -> Any:
-    """Saves, through the engine, the training state as of the last applied update.
+  def export_weights(self) -> Any:
+    """The weights for the sync (device arrays, valid after the next dispatch); None if the engine has none."""
+    return self._engine.export_weights() if self.capabilities.can_export_weights else None
+
+  def state_digest(self) -> str | None:
+    """The engine's state digest; None if it cannot fingerprint its state."""
+    digest = getattr(self._engine, "state_digest", None)
+    return digest() if callable(digest) else None
+
+  def save_checkpoint(self, metadata: Mapping[str, Any] | None = None) -> str:
+    """Saves the training state as of the last applied update; returns the checkpoint's path.
 
     Allowed while the next step's update is owed: a pipelined boundary
     checkpoints step k after step k+1's first micro-batch was dispatched.
-    """
-    return self.engine.save_checkpoint(metadata)
 
-  def restore_checkpoint(self, *args: Any, **kwargs: Any) -> Any:
+    Raises:
+      WorkerUsageError: the engine cannot checkpoint.
+    """
+    if not self.capabilities.can_checkpoint:
+      raise WorkerUsageError("save_checkpoint: the engine has no save_checkpoint")
+    return self._engine.save_checkpoint(metadata)
+
+  def restore_checkpoint(self, step: int | None = None) -> Mapping[str, Any]:
+    """Restores the latest (or ``step``'s) checkpoint; drops a staged input; returns its metadata."""
     self._check_no_update_owed("restore_checkpoint")
-    return self.engine.restore_checkpoint(*args, **kwargs)
+    if not self.capabilities.can_checkpoint:
+      raise WorkerUsageError("restore_checkpoint: the engine has no restore_checkpoint")
+    metadata = self._engine.restore_checkpoint(step)
+    self._staged = None
+    self._step, self._micro = int(metadata.get("step", self._step)), 0
+    return metadata

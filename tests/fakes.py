@@ -41,6 +41,13 @@ class RecordingEngine:
 
   def save_checkpoint(self, metadata=None):
     self.calls.append(f"checkpoint:{self.step}")
+    return f"ckpt/{self.step}"
+
+  def restore_checkpoint(self, step=None):
+    return {"step": self.step}
+
+  def export_weights(self):
+    return self.params
 
   def prepare_fwd_bwd_input(self, payload):
     self.calls.append(f"prepare:{payload}")

@@ -1,0 +1,209 @@
+"""The contract between the RL program and a training engine: Protocols and typed receipts.
+
+This module is the one place the engine contract is written (``docs/design.md``
+§4 explains it). It imports nothing from JAX or from ``orchestrator.engine``:
+the program, the recorder and any future remote worker depend on it alone.
+
+Capabilities are layered. ``TrainingEngine`` is what every engine must have;
+``StagingEngine`` adds what staging needs; ``CheckpointingEngine`` and
+``WeightSource`` are optional extras the worker looks up once. All are
+runtime-checkable, so ``isinstance(engine, StagingEngine)`` answers whether an
+engine can stage (a method set to ``None`` counts as missing).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Mapping
+from typing import Any, Protocol, runtime_checkable
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Receipt:
+  """What one dispatched device computation hands back to its caller.
+
+  Attributes:
+    kind: ``"fwd_bwd"``, ``"fwd_bwd_dropless"`` or ``"update"``.
+    step: the optimizer step the computation belongs to (for an update, the
+      step it closes: after it, ``step + 1`` updates are applied).
+    micro_step: index of the micro-batch within its step; -1 for an update.
+    ready: a completion handle — anything with ``block_until_ready()`` that
+      returns once the computation is done (a ``jax.Array``); None when the
+      engine cannot say (then the computation counts as done on return).
+    dispatched_at: ``time.perf_counter()`` when it was handed to the devices.
+    mapping_s: host seconds spent turning the payload into model inputs inside
+      this call (0 for a prepared input); None when the engine does not say.
+    placement_s: host seconds spent issuing the copies onto the devices.
+    host_wait_s: host seconds the call blocked on device work (an in-flight
+      limit, a flag read under dropless re-runs, a non-finite check).
+    update: the receipt of the update the same call ran (a worker's
+      ``fwd_bwd(..., apply_optimizer=True)``); None otherwise.
+  """
+
+  kind: str
+  step: int
+  micro_step: int
+  ready: Any
+  dispatched_at: float
+  mapping_s: float | None = None
+  placement_s: float | None = None
+  host_wait_s: float | None = None
+  update: "Receipt | None" = None
+
+  @property
+  def host_seconds_known(self) -> bool:
+    """Whether the engine reported how the call's host time splits."""
+    return self.mapping_s is not None and self.host_wait_s is not None
+
+  @classmethod
+  def coerce(cls, result: Any, *, kind: str, step: int, micro_step: int) -> "Receipt":
+    """A receipt for whatever a duck-typed engine returned.
+
+    A ``Receipt`` passes through. Anything else (a ``jax.Array``, an int step
+    count, None) becomes a receipt whose handle is the result itself when it
+    can be waited on, stamped now, with its host seconds unknown — so an
+    engine that returns no receipt gets no made-up timings.
+    """
+    if isinstance(result, Receipt):
+      return result
+    ready = result if callable(getattr(result, "block_until_ready", None)) else None
+    return cls(kind, step, micro_step, ready, time.perf_counter())
+
+
+@runtime_checkable
+class PreparedInput(Protocol):
+  """A micro-batch mapped to model inputs and placed on the devices, not yet dispatched."""
+
+  @property
+  def digest(self) -> str:
+    """A content digest of the inputs: the same payload gives the same digest."""
+    ...
+
+
+@runtime_checkable
+class TrainingEngine(Protocol):
+  """What every engine must do: accumulate micro-batches and apply one update per step.
+
+  One caller drives an engine; it need not be thread-safe.
+  """
+
+  def fwd_bwd(self, payload_or_prepared: Any, apply_optimizer: bool = False) -> Receipt:
+    """Runs forward and backward on one micro-batch and adds its gradients to the step.
+
+    Must dispatch and return without waiting for the result (it may wait only
+    to keep its own bounded number of computations in flight). With
+    ``apply_optimizer``, also runs ``update()``. A bad payload raises
+    ``ValueError`` and leaves the engine's state unchanged.
+
+    Returns:
+      The micro-batch's ``Receipt`` (an engine may return something else; the
+      worker then coerces it and reports its host seconds as unknown).
+    """
+    ...
+
+  def update(self) -> Receipt:
+    """Applies the step's accumulated gradients and starts a new step.
+
+    Must not wait for the update to finish on the devices. Must not donate or
+    otherwise reuse the previous step's parameter buffers: the program reads
+    step k's weights (metrics, checkpoint, weight sync) after step k+1's first
+    micro-batch was dispatched.
+
+    Returns:
+      The update's ``Receipt``.
+    """
+    ...
+
+  def get_metrics(self) -> Mapping[str, Any]:
+    """The last applied update's metrics, read to the host (may block on that update).
+
+    Keys the program reads when present: ``loss``, ``grad_norm``, ``tokens``,
+    ``reruns``, ``rerun_micro_batches``, ``dropped_tokens``. Empty before the
+    first update.
+    """
+    ...
+
+
+@runtime_checkable
+class StagingEngine(TrainingEngine, Protocol):
+  """A ``TrainingEngine`` that can prepare its next input ahead and report device waits."""
+
+  def prepare_fwd_bwd_input(self, payload: Any) -> PreparedInput:
+    """Runs exactly the input mapping ``fwd_bwd`` would run, then starts the copy to the devices.
+
+    Must return without waiting for the copy or for queued computations, and
+    must change no step state (step, micro-batch count, weights, in-flight
+    queue, a pending dropped-token check): it is called between a step's last
+    ``fwd_bwd`` and its ``update()``. ``fwd_bwd(prepared)`` must then train
+    bit for bit as ``fwd_bwd(payload)`` would, with no new trace or compile.
+    The prepared input must not expose host buffers whose writes would change
+    what trains.
+    """
+    ...
+
+  def wait_for_device(self) -> float:
+    """Blocks until every queued computation is done; returns the seconds it blocked.
+
+    Dequeues nothing and writes no metrics. An error of the queued work is
+    raised here. With nothing queued it returns the runtime's wait floor.
+    """
+    ...
+
+
+@runtime_checkable
+class CheckpointingEngine(Protocol):
+  """An engine that can save and restore its training state."""
+
+  def save_checkpoint(self, metadata: Mapping[str, Any] | None = None) -> str:
+    """Writes the state as of the last ``update()`` (not micro-batches accumulated since).
+
+    Must return only once the checkpoint is complete, with its path. A save
+    that did not happen is an error, never a silent skip.
+    """
+    ...
+
+  def restore_checkpoint(self, step: int | None = None) -> Mapping[str, Any]:
+    """Loads the latest (or ``step``'s) checkpoint; drops accumulated micro-batches.
+
+    Returns the checkpoint's metadata.
+    """
+    ...
+
+
+@runtime_checkable
+class WeightSource(Protocol):
+  """An engine whose weights can be exported (the weight sync) and fingerprinted."""
+
+  def export_weights(self) -> Any:
+    """The current weights as a pytree of device arrays, valid after the next dispatch.
+
+    Must not copy to the host (the caller decides where the weights go) and
+    must hand out buffers the engine never donates.
+    """
+    ...
+
+  def state_digest(self) -> str:
+    """A hash of weights and optimizer state: equal digests mean bit-identical training."""
+    ...
+
+
+def missing_methods(engine: Any, protocol: type) -> tuple[str, ...]:
+  """The methods of ``protocol`` that ``engine`` lacks (or has set to None), in the protocol's order."""
+  names = [n for n in _protocol_methods(protocol)]
+  return tuple(n for n in names if not callable(getattr(engine, n, None)))
+
+
+def _protocol_methods(protocol: type) -> list[str]:
+  out: list[str] = []
+  for klass in reversed(protocol.__mro__):
+    if klass in (object, Protocol) or not getattr(klass, "_is_protocol", False):
+      continue
+    for name, value in vars(klass).items():
+      if callable(value) and not name.startswith("_") and name not in out:
+        out.append(name)
+  return out
+
+
+STAGING_METHODS = tuple(n for n in _protocol_methods(StagingEngine)
+                        if n not in _protocol_methods(TrainingEngine))
