@@ -12,12 +12,11 @@ def _us(t: float, origin: float) -> float:
   return (t - origin) * 1e6
 
 
-def chrome_trace(
-    watched: Sequence[Any], host_spans: Sequence[tuple[str, float, float, int]],
-    records: Sequence[dict], origin: float,
-) -> dict:
+def chrome_trace(watched: Sequence[Any], host_spans: Sequence[Any], records: Sequence[Any],
+                 origin: float) -> dict:
   """Trace events: one "X" event per micro-batch and update (device track), per boundary
-  idle gap (device track), and per host span (stage, dispatch, metrics, checkpoint, sync).
+  idle gap (device track), and per host ``Span`` (stage, dispatch, metrics, checkpoint, sync),
+  on the thread of its lane. ``records`` are ``BoundaryRecord``.
 
   Device start times are inferred as max(dispatch, previous ready): one device
   runs its computations in dispatch order.
@@ -41,15 +40,14 @@ def chrome_trace(
     })
     prev_ready = item.ready_at
   for r in records:
-    if r.get("boundary_idle_s"):
-      begin = r["t_update_ready"]
+    if r.boundary_idle_s:
       events.append({
-          "ph": "X", "pid": DEVICE_PID, "tid": 0, "name": f"idle after step {r['step']}", "cat": "idle",
-          "ts": begin * 1e6, "dur": r["boundary_idle_s"] * 1e6, "args": {"mode": r["mode"]},
+          "ph": "X", "pid": DEVICE_PID, "tid": 0, "name": f"idle after step {r.step}", "cat": "idle",
+          "ts": r.t_update_ready * 1e6, "dur": r.boundary_idle_s * 1e6, "args": {"mode": r.mode},
       })
-  for name, start, end, tid in host_spans:
+  for span in host_spans:
     events.append({
-        "ph": "X", "pid": HOST_PID, "tid": tid, "name": name, "cat": "host",
-        "ts": _us(start, origin), "dur": max(0.0, (end - start) * 1e6),
+        "ph": "X", "pid": HOST_PID, "tid": int(span.lane), "name": span.name, "cat": "host",
+        "ts": _us(span.start, origin), "dur": max(0.0, (span.end - span.start) * 1e6),
     })
   return {"traceEvents": events, "displayTimeUnit": "ms"}

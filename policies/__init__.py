@@ -1,5 +1,6 @@
 """Step-boundary policies: a pure state machine fed with measurements (no JAX)."""
 
+from policies.call_order import Action, boundary_actions
 from policies.step_boundary import (
     BoundaryPlan,
     CalibrationRule,
@@ -11,6 +12,8 @@ from policies.step_boundary import (
 )
 
 __all__ = [
+    "Action",
+    "boundary_actions",
     "BoundaryPlan",
     "CalibrationRule",
     "Mode",

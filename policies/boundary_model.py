@@ -8,13 +8,15 @@ Time 0 is the dispatch of step k's last micro-batch, which starts computing at
 once (the device was busy with the micro-batch before it). Host costs:
 ``dispatch_s`` per dispatch, ``prepare_s`` to map and place one micro-batch,
 ``boundary_work_s`` for metrics, logging, checkpoint and weight sync. Device
-costs: ``micro_batch_s``, ``update_s`` and, under dropless replay,
-``replays_per_step`` re-runs of ``rerun_s`` each. If ``update_waits_for_last``
-(dropless replay reads an overflow flag; a non-finite check reads the gradient
+costs: ``micro_batch_s``, ``update_s`` and, under dropless re-runs,
+``reruns_per_step`` re-runs of ``rerun_s`` each. If ``update_waits_for_last``
+(dropless re-runs read an overflow flag; a non-finite check reads the gradient
 norm), ``update()`` returns to the host only when the last micro-batch is done,
 and dispatches that micro-batch's re-run (when it overflowed) before the update.
 
-Per mode, the host's order is DESIGN.md §4's table. ``boundary_idle_s`` is the
+Per mode, the host's order is ``policies.call_order.boundary_actions`` — the
+same list the program executes — and ``predict`` times it action by action.
+``boundary_idle_s`` is the
 gap between update k finishing and step k+1's first micro-batch being
 dispatched; ``step_s`` adds it, and any delay of the update's start, to the
 compute-only bound ``M × micro_batch_s + update_s``.
@@ -31,7 +33,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from policies.step_boundary import Mode
+from policies.call_order import Action, boundary_actions
+from policies.step_boundary import BoundaryPlan, Mode
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,18 +49,18 @@ class Components:
   wait_floor_s: float = 0.0
   micro_batches_per_step: int = 1
   update_waits_for_last: bool = False
-  replays_per_step: float = 0.0  # dropless re-runs per step (on average)
+  reruns_per_step: float = 0.0  # dropless re-runs per step (on average)
   rerun_s: float = 0.0
 
   @property
   def compute_bound_s(self) -> float:
-    return (self.micro_batches_per_step * self.micro_batch_s + self.replays_per_step * self.rerun_s
+    return (self.micro_batches_per_step * self.micro_batch_s + self.reruns_per_step * self.rerun_s
             + self.update_s)
 
   @property
   def last_rerun_s(self) -> float:
     """Expected re-run of the last micro-batch, which ``update()`` dispatches before the update."""
-    share = min(1.0, self.replays_per_step / max(self.micro_batches_per_step, 1))
+    share = min(1.0, self.reruns_per_step / max(self.micro_batches_per_step, 1))
     return share * self.rerun_s
 
 
@@ -88,54 +91,84 @@ class Prediction:
     }
 
 
+def _plan_for(mode: Mode) -> BoundaryPlan:
+  """The plan of a staged-as-requested boundary in ``mode`` (no exclusion, no probe)."""
+  stage = mode.staged
+  return BoundaryPlan(0, mode, stage, mode is Mode.STAGE_BEFORE_UPDATE, mode is Mode.OFF, "modelled")
+
+
+@dataclasses.dataclass
+class _Timeline:
+  """Host and device clocks while the model walks one boundary's actions."""
+
+  c: Components
+  host: float
+  segments: list
+  update_dispatch: float | None = None
+  update_done: float | None = None
+  first_dispatch: float | None = None
+
+  @property
+  def last_done(self) -> float:
+    return self.c.micro_batch_s
+
+  def host_segment(self, name: str, seconds: float) -> None:
+    self.segments.append(Segment("host", name, self.host, self.host + seconds))
+    self.host += seconds
+
+  def dispatch_update(self, update_dispatch: float) -> None:
+    c = self.c
+    self.update_dispatch = update_dispatch
+    update_start = max(update_dispatch, self.last_done)
+    if c.last_rerun_s:
+      self.segments.append(Segment("device", "re-run", update_start, update_start + c.last_rerun_s))
+    self.update_done = update_start + c.last_rerun_s + c.update_s
+    self.segments.append(Segment("device", "update", self.update_done - c.update_s, self.update_done))
+    self.host = update_dispatch
+
+
+def _step(t: _Timeline, action: Action, mode: Mode) -> None:
+  """Advances the timeline by one action (actions after the first dispatch hide behind compute)."""
+  c, d = t.c, t.c.dispatch_s
+  if action is Action.STAGE_FIRST:
+    t.host_segment("stage", c.prepare_s)
+  elif action is Action.WAIT_AND_UPDATE:
+    wait_end = max(t.host, t.last_done) + c.wait_floor_s
+    t.segments.append(Segment("host", "wait", t.host, wait_end))
+    t.host = wait_end
+    t.dispatch_update(wait_end + d)
+  elif action is Action.UPDATE:
+    t.dispatch_update((max(t.host, t.last_done) if c.update_waits_for_last else t.host) + d)
+  elif action is Action.METRICS:
+    t.host = max(t.host, t.update_done)  # the metrics read waits for the update
+    t.host_segment("boundary work", c.boundary_work_s)  # metrics, logging, checkpoint and sync
+  elif action is Action.DISPATCH_FIRST:  # maps and places inside the call
+    t.host_segment("stage" if mode is Mode.STAGE_AFTER_UPDATE else "prepare", c.prepare_s)
+    t.first_dispatch = t.host + d
+  elif action is Action.DISPATCH_FIRST_STAGED:
+    t.first_dispatch = t.host + d
+
+
 def predict(c: Components, mode: Mode) -> Prediction:
-  """The timeline of one boundary in ``mode`` and what it implies for idle and step time."""
-  d = c.dispatch_s
-  last_done = c.micro_batch_s
-  seg = [Segment("device", "last micro-batch", 0.0, last_done)]
-  host = d  # the host has just dispatched the last micro-batch
-  if mode is Mode.STAGE_BEFORE_UPDATE:
-    seg.append(Segment("host", "stage", host, host + c.prepare_s))
-    host += c.prepare_s
-    wait_end = max(host, last_done) + c.wait_floor_s
-    seg.append(Segment("host", "wait", host, wait_end))
-    host = wait_end
-    update_dispatch = host + d
-  else:
-    update_dispatch = (max(host, last_done) if c.update_waits_for_last else host) + d
-  update_start = max(update_dispatch, last_done)
-  if c.last_rerun_s:
-    seg.append(Segment("device", "re-run", update_start, update_start + c.last_rerun_s))
-  update_done = update_start + c.last_rerun_s + c.update_s
-  seg.append(Segment("device", "update", update_done - c.update_s, update_done))
-  host = update_dispatch
-  if mode is Mode.OFF:
-    host = max(host, update_done)  # the metrics read waits for the update
-    seg.append(Segment("host", "boundary work", host, host + c.boundary_work_s))
-    host += c.boundary_work_s
-    seg.append(Segment("host", "prepare", host, host + c.prepare_s))
-    first_dispatch = host + c.prepare_s + d
-  elif mode is Mode.STAGE_BEFORE_UPDATE:
-    first_dispatch = host + d
-  else:  # PIPELINED maps inside fwd_bwd(first); STAGE_AFTER_UPDATE stages, then dispatches
-    seg.append(Segment("host", "stage" if mode is Mode.STAGE_AFTER_UPDATE else "prepare",
-                       host, host + c.prepare_s))
-    first_dispatch = host + c.prepare_s + d
-  idle = max(0.0, first_dispatch - update_done)
+  """The timeline of one boundary in ``mode`` and what it implies for idle and step time.
+
+  Time 0 is the dispatch of step k's last micro-batch; the host has just issued it.
+  """
+  t = _Timeline(c, c.dispatch_s, [Segment("device", "last micro-batch", 0.0, c.micro_batch_s)])
+  for action in boundary_actions(_plan_for(mode)):
+    if t.first_dispatch is not None:
+      break
+    _step(t, action, mode)
+  idle = max(0.0, t.first_dispatch - t.update_done)
   if idle > 0:
-    seg.append(Segment("device", "idle", update_done, first_dispatch))
-  seg.append(Segment("device", "first micro-batch", max(update_done, first_dispatch),
-                     max(update_done, first_dispatch) + c.micro_batch_s))
-  update_delay = max(0.0, update_dispatch - last_done)
+    t.segments.append(Segment("device", "idle", t.update_done, t.first_dispatch))
+  first_start = max(t.update_done, t.first_dispatch)
+  t.segments.append(Segment("device", "first micro-batch", first_start, first_start + c.micro_batch_s))
+  update_delay = max(0.0, t.update_dispatch - t.last_done)
   # Re-runs of earlier micro-batches sit inside the step; the last one's is already in update_done.
-  return Prediction(
-      mode=mode,
-      boundary_idle_s=idle,
-      boundary_idle_strict_s=idle + update_delay,
-      step_s=c.compute_bound_s + idle + update_delay,
-      update_delay_s=update_delay,
-      segments=tuple(seg),
-  )
+  return Prediction(mode=mode, boundary_idle_s=idle, boundary_idle_strict_s=idle + update_delay,
+                    step_s=c.compute_bound_s + idle + update_delay, update_delay_s=update_delay,
+                    segments=tuple(t.segments))
 
 
 def band(prediction_s: float, *, rel: float, abs_s: float) -> tuple[float, float]:

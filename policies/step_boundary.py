@@ -3,7 +3,7 @@
 Pure Python, no JAX: it is fed measurements and answers plans, so it can be
 tested in microseconds and reused by any engine.
 
-Modes (DESIGN.md §4 gives the call order of each):
+Modes (``policies.call_order`` gives the call order of each; docs/design.md §5):
 
 ====================  =====  ======================  ===============
 mode                  stage  stage before update()?  await metrics?

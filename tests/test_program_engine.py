@@ -33,7 +33,7 @@ def digests_per_mode(tiny_engine_and_start, tiny_source):
   for mode in Mode:
     engine.restore(start)
     result, _ = _run(engine, tiny_source, mode)
-    out[mode] = (result.summary["final_state_digest"], [r["loss"] for r in result.records])
+    out[mode] = (result.summary["final_state_digest"], [r.loss for r in result.records])
   return out
 
 
@@ -65,8 +65,8 @@ def test_records_trace_and_summary_are_written(tiny_engine, tiny_source, tmp_pat
 def test_staged_micro_batch_is_the_next_steps_first(tiny_engine, tiny_source):
   result, _ = _run(tiny_engine, tiny_source, Mode.STAGE_AFTER_UPDATE)
   for r in result.records[:-1]:
-    expected = tiny_engine.prepare_fwd_bwd_input(tiny_source.micro_batch(r["step"] + 1, 0)).digest
-    assert r["staged_digest"] == expected
+    expected = tiny_engine.prepare_fwd_bwd_input(tiny_source.micro_batch(r.step + 1, 0)).digest
+    assert r.staged_digest == expected
 
 
 class _SlowPrepare:
@@ -85,10 +85,10 @@ class _SlowPrepare:
 
 def test_auto_disable_fires_when_the_stage_outlasts_the_last_micro_batch(tiny_engine, tiny_source):
   result, policy = _run(_SlowPrepare(tiny_engine), tiny_source, Mode.STAGE_BEFORE_UPDATE, steps=5, disable_after=2)
-  assert [r["staged"] for r in result.records] == [True, True, False, False, False]
+  assert [r.staged for r in result.records] == [True, True, False, False, False]
   assert [t.kind for t in policy.history] == ["auto_disable"]
   assert result.summary["final_mode"] == "pipelined"
-  assert all(r["low_wait"] for r in result.records[:2])
+  assert all(r.low_wait for r in result.records[:2])
 
 
 def test_stage_before_update_records_less_boundary_idle_than_off(tiny_engine_and_start, tiny_source):
@@ -103,13 +103,13 @@ def test_stage_before_update_records_less_boundary_idle_than_off(tiny_engine_and
   for mode in (Mode.OFF, Mode.STAGE_BEFORE_UPDATE):
     engine.restore(start)
     result, _ = _run(engine, tiny_source, mode, steps=5, weight_sync=slow_sync)
-    idle[mode] = statistics.median(r["boundary_idle_s"] for r in result.records[:-1])
+    idle[mode] = statistics.median(r.boundary_idle_s for r in result.records[:-1])
   assert idle[Mode.STAGE_BEFORE_UPDATE] < idle[Mode.OFF]
   assert idle[Mode.STAGE_BEFORE_UPDATE] < 0.5 * idle[Mode.OFF]
 
 
 @pytest.fixture(scope="module")
-def moe_replay_digests_per_mode():
+def moe_rerun_digests_per_mode():
   from orchestrator.data.synthetic import SyntheticRollouts
   from orchestrator.engine import build_engine
 
@@ -122,16 +122,16 @@ def moe_replay_digests_per_mode():
     result, _ = _run(engine, source, mode)
     out[mode] = (
         result.summary["final_state_digest"],
-        [r["loss"] for r in result.records],
-        [r["replays"] for r in result.records],
+        [r.loss for r in result.records],
+        [r.reruns for r in result.records],
     )
   return out
 
 
 @pytest.mark.parametrize("mode", [m for m in Mode if m is not Mode.OFF], ids=lambda m: m.name)
-def test_every_mode_trains_bit_identically_with_moe_replay(moe_replay_digests_per_mode, mode):
-  assert moe_replay_digests_per_mode[mode] == moe_replay_digests_per_mode[Mode.OFF]
-  assert sum(moe_replay_digests_per_mode[Mode.OFF][2]) > 0  # replays really happened
+def test_every_mode_trains_bit_identically_with_moe_reruns(moe_rerun_digests_per_mode, mode):
+  assert moe_rerun_digests_per_mode[mode] == moe_rerun_digests_per_mode[Mode.OFF]
+  assert sum(moe_rerun_digests_per_mode[Mode.OFF][2]) > 0  # re-runs really happened
 
 
 def test_stock_tunix_trainer_falls_back_to_pipelined_and_trains_the_same(tiny_source, caplog):
@@ -145,7 +145,7 @@ def test_stock_tunix_trainer_falls_back_to_pipelined_and_trains_the_same(tiny_so
     engine = TunixTrainerEngine("tiny", micro_batches_per_step=MICRO)
     with caplog.at_level(logging.WARNING):
       result, policy = _run(engine, tiny_source, mode, steps=3)
-    digests[mode] = (result.summary["final_state_digest"], [r["loss"] for r in result.records])
+    digests[mode] = (result.summary["final_state_digest"], [r.loss for r in result.records])
     assert policy.mode is Mode.PIPELINED and len(result.records) == 3
   fallback = [r for r in caplog.records if r.name == "step_boundary.policy" and "lacks" in r.getMessage()]
   assert len(fallback) == 1

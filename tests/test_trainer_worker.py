@@ -11,7 +11,7 @@ from orchestrator.trainer_worker import TrainerWorker, WorkerUsageError
 from policies import Mode, StepBoundaryPolicy
 from tests.fakes import NoStagingEngine, RecordingEngine, payload_steps
 
-# DESIGN.md §4's table, boundary by boundary, for the boundary after step k (M = 2).
+# docs/design.md §5's table, boundary by boundary, for the boundary after step k (M = 2).
 EXPECTED_BOUNDARY = {
     Mode.OFF: ["fwd_bwd:s{k}m1", "update", "metrics:{n}", "sync:{n}", "fwd_bwd:s{n}m0"],
     Mode.PIPELINED: ["fwd_bwd:s{k}m1", "update", "fwd_bwd:s{n}m0", "metrics:{n}", "sync:{n}"],
@@ -60,7 +60,7 @@ def _expected(mode, steps, checkpoint_every=0):
 def test_call_sequence_per_mode_matches_the_design_table(mode):
   calls, result, _ = _run(RecordingEngine(), mode)
   assert calls == _expected(mode, 4)
-  assert [r["staged"] for r in result.records] == [mode.staged] * 3 + [False]
+  assert [r.staged for r in result.records] == [mode.staged] * 3 + [False]
 
 
 def test_checkpoints_follow_the_cadence_inside_the_boundary_work():
@@ -102,18 +102,17 @@ def test_engine_without_staging_falls_back_to_pipelined_order(mode, caplog):
   assert calls == _expected(Mode.PIPELINED, 4)
   assert policy.mode is Mode.PIPELINED
   assert result.summary["final_mode"] == "pipelined"
-  fallback = [r for r in caplog.records if "lacks prepare_fwd_bwd_input" in r.getMessage()]
-  assert len([r for r in fallback if r.name == "step_boundary.policy"]) == 1
-  assert any("!!! staging was requested" in r.getMessage() for r in caplog.records)
+  warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+  assert len(warnings) == 1 and "lacks prepare_fwd_bwd_input, wait_for_device" in warnings[0].getMessage()
 
 
 def test_auto_disable_switches_the_call_order_mid_run():
   engine = RecordingEngine(wait_s=0.0)  # every wait at the floor: the stage outlasted compute
   calls, result, policy = _run(engine, Mode.STAGE_BEFORE_UPDATE, steps=5, threshold_s=0.1)
-  assert [r["staged"] for r in result.records] == [True, True, False, False, False]
+  assert [r.staged for r in result.records] == [True, True, False, False, False]
   assert result.summary["auto_disables"] == 1
   assert calls.count("wait") == 2
-  assert [r["transition"] for r in result.records][:2] == [None, "auto_disable"]
+  assert [r.transition for r in result.records][:2] == [None, "auto_disable"]
 
 
 # ----------------------------------------------------------------- misuse
@@ -144,7 +143,7 @@ def test_new_step_while_an_update_is_owed_is_refused():
   w.stage_fwd_bwd("b")  # staging while owed is the point of STAGE_BEFORE_UPDATE
   with pytest.raises(WorkerUsageError, match="still owed"):
     w.fwd_bwd_staged()
-  assert w.apply_deferred_update() == 0.5
+  assert w.apply_deferred_update().device_wait_s == 0.5
   w.fwd_bwd_staged()
 
 
@@ -192,8 +191,8 @@ def test_excluded_boundary_runs_pipelined_and_the_rest_stay_staged():
     expected += [c.format(k=k, n=k + 1) for c in EXPECTED_BOUNDARY[mode]]
   expected += ["fwd_bwd:s3m1", "update", "metrics:4", "sync:4"]
   assert calls == expected
-  assert [r["staged"] for r in result.records] == [True, False, True, False]
-  assert result.records[1]["reason"] == "boundary excluded by the recipe"
+  assert [r.staged for r in result.records] == [True, False, True, False]
+  assert result.records[1].reason == "boundary excluded by the recipe"
   assert policy.mode is Mode.STAGE_BEFORE_UPDATE
 
 

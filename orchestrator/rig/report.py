@@ -95,10 +95,10 @@ def _markdown(report, arms, components) -> str:
       f" dispatch {fs(c.dispatch_s)}, wait floor {fs(c.wait_floor_s)};"
       f" {c.micro_batches_per_step} micro-batches per step; update waits for the last"
       f" micro-batch: {'yes' if c.update_waits_for_last else 'no'};"
-      f" dropless re-runs: {c.replays_per_step:.1f} per step of {fs(c.rerun_s)} each."
+      f" dropless re-runs: {c.reruns_per_step:.1f} per step of {fs(c.rerun_s)} each."
       f" Compute-only bound per step: {c.compute_bound_s:.4f} s.", "",
       "## Arms (median, min–max)", "",
-      "| arm | ended in | boundary idle | strict idle | step | micro-batch | device wait | stage | prep share | boundary work | replays |",
+      "| arm | ended in | boundary idle | strict idle | step | micro-batch | device wait | stage | prep share | boundary work | re-runs |",
       "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
   ]
   for a in arms:
@@ -107,7 +107,7 @@ def _markdown(report, arms, components) -> str:
     lines.append(
         f"| {a['name']}{fault} | {ended} | {st(a['boundary_idle_s'])} | {st(a['boundary_idle_strict_s'])} |"
         f" {st(a['step_s'])} | {st(a['micro_batch_s'])} | {st(a['device_wait_s'])} | {st(a['stage_s'])} |"
-        f" {a['prepare_share_of_micro_batch']:.1%} | {st(a['boundary_work_s'])} | {a['replays']} |")
+        f" {a['prepare_share_of_micro_batch']:.1%} | {st(a['boundary_work_s'])} | {a['reruns']} |")
   lines += ["", "## Predictions vs measurements", "",
             "| arm | predicted idle | band | measured | predicted step | band | measured |",
             "| --- | --- | --- | --- | --- | --- | --- |"]
@@ -164,12 +164,12 @@ def _boundary_segments(result):
   window_start = min(t0, next(w.dispatched_at for w in watched if w.step == k and w.micro_step == m - 1))
   out = [(lane, name, a - t0, b - t0) for lane, name, a, b, *_ in segs if b >= window_start and a <= t1]
   r = records[k]
-  if r["boundary_idle_s"]:
-    ready = r["t_update_ready"] + result.run_start
-    out.append(("device", "idle", ready - t0, ready + r["boundary_idle_s"] - t0))
-  for name, a, b, _tid in result.host_spans:
-    if b >= window_start and a <= t1:
-      out.append(("host", HOST_KINDS.get(name, "boundary work"), a - t0, b - t0))
+  if r.boundary_idle_s:
+    ready = r.t_update_ready + result.run_start
+    out.append(("device", "idle", ready - t0, ready + r.boundary_idle_s - t0))
+  for span in result.host_spans:
+    if span.end >= window_start and span.start <= t1:
+      out.append(("host", HOST_KINDS.get(span.name, "boundary work"), span.start - t0, span.end - t0))
   return out, t1 - t0
 
 

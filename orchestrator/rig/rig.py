@@ -1,6 +1,6 @@
 """The reduced rig: several arms over the same recorded steps, from the same start, checked and scored.
 
-Order of a rig run (DESIGN.md §6):
+Order of a rig run (docs/design.md §7):
 
 1. build the engine once; replay the recording into steps of micro-batch payloads;
    snapshot the initial state;
@@ -25,13 +25,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import jax
+
+from orchestrator.data.packing import content_digest, count_loss_tokens, pack_payload
 from orchestrator.engine import backend_compile_count
-from orchestrator.engine.engine import PreparedFwdBwdInput, content_digest
-from orchestrator.engine.inputs import count_loss_tokens, pack_payload
-from orchestrator.program import HostWeightStore, ProgramConfig, RLProgram
+from orchestrator.program import RLProgram
+from orchestrator.runner import policy_from_recipe, program_config
 from orchestrator.trainer_worker import TrainerWorker
-from policies import Mode, StepBoundaryPolicy
+from orchestrator.weight_sync import HostWeightStore
+from policies import BoundaryPlan, Mode
 from policies.boundary_model import Components, band, predict
+from policies.call_order import boundary_actions, engine_calls_between
 
 ARM_MODES = {mode.value: mode for mode in Mode}
 FAULTS = ("reorder_micro_batches", "skip_update")
@@ -81,8 +85,7 @@ class CallRecordingEngine:
 
   def digest_events(self) -> list[tuple[str, str | None]]:
     """The call log with content digests (prepared inputs are hashed here, after the arm)."""
-    return [(kind, x.digest if isinstance(x, PreparedFwdBwdInput) else self._digests.get(id(x)))
-            for kind, x in self.events]
+    return [(kind, getattr(x, "digest", None) or self._digests.get(id(x))) for kind, x in self.events]
 
   def fwd_bwd(self, x, apply_optimizer=False):
     self.events.append(("fwd_bwd", x))
@@ -94,7 +97,7 @@ class CallRecordingEngine:
   def update(self):
     self._updates_seen += 1
     if self._fault == "skip_update" and self._updates_seen == 2:
-      return self._engine.train_step  # the injected bug: no update at all
+      return None  # the injected bug: no update at all
     self.events.append(("update", None))
     return self._engine.update()
 
@@ -122,6 +125,66 @@ def _stats(xs: Sequence[float]) -> dict | None:
   return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
 
 
+def _time_parts(engine, steps) -> dict[str, list]:
+  """Each part of every step alone on the device: prepare, dispatch, micro-batch, re-run, update, work."""
+  parts = {k: [] for k in ("micro", "prepare", "dispatch", "update", "work", "rerun", "reruns")}
+  store = HostWeightStore()
+
+  def rerun_if_overflowed() -> int:  # times a re-run apart from the micro-batch after it
+    t0 = time.perf_counter()
+    if not engine.resolve_pending_overflow():
+      return 0
+    engine.wait_for_device()
+    parts["rerun"].append(time.perf_counter() - t0)
+    return 1
+
+  for payloads in steps:  # every step: re-run counts vary from step to step
+    step_reruns = 0
+    for p in payloads:
+      engine.wait_for_device()
+      t0 = time.perf_counter()
+      prepared = engine.prepare_fwd_bwd_input(p)
+      jax.block_until_ready(prepared.arrays)
+      t1 = time.perf_counter()
+      receipt = engine.fwd_bwd(prepared)
+      t2 = time.perf_counter()
+      receipt.ready.block_until_ready()
+      parts["prepare"].append(t1 - t0)
+      parts["dispatch"].append(t2 - t1)
+      parts["micro"].append(time.perf_counter() - t1)
+      if engine.rerun_dropped:
+        step_reruns += rerun_if_overflowed()
+    parts["reruns"].append(step_reruns)
+    t0 = time.perf_counter()
+    engine.update().ready.block_until_ready()
+    parts["update"].append(time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    engine.get_metrics()
+    store(engine.train_step, engine.export_weights())
+    parts["work"].append(time.perf_counter() - t0)
+  return parts
+
+
+def _back_to_back_spacing(engine, steps) -> list[float]:
+  """The steady-state spacing of completions with every micro-batch of a step queued at once.
+
+  Back to back, a micro-batch is slower than alone on an idle device (the host's
+  work shares the memory bus); step time is made of this spacing.
+  """
+  spacing = []
+  for payloads in steps:
+    prepared = [engine.prepare_fwd_bwd_input(p) for p in payloads]
+    jax.block_until_ready([x.arrays for x in prepared])
+    done = [engine.fwd_bwd(x) for x in prepared]
+    done[0].ready.block_until_ready()
+    t_first = time.perf_counter()
+    done[-1].ready.block_until_ready()
+    spacing.append((time.perf_counter() - t_first) / (len(done) - 1))
+    engine.update()
+    engine.wait_for_device()
+  return spacing
+
+
 def calibrate(engine, steps, snapshot, *, floor_samples: int = 8) -> tuple[Components, float]:
   """Measures component times on unstaged, serialised steps (device idle between parts).
 
@@ -130,99 +193,48 @@ def calibrate(engine, steps, snapshot, *, floor_samples: int = 8) -> tuple[Compo
   Returns the components and the relative spread (stdev / mean) of the
   micro-batch samples: how noisy this machine is right now.
   """
-  import jax
-
-  micro, prepare, dispatch, update, work, rerun, replays = [], [], [], [], [], [], []
-  store = HostWeightStore()
-  replay = bool(getattr(engine, "replay", False))
-  for payloads in steps:  # every step: replay counts vary from step to step
-    step_replays = 0
-    for i, p in enumerate(payloads):
-      engine.wait_for_device()
-      t0 = time.perf_counter()
-      prepared = engine.prepare_fwd_bwd_input(p)
-      jax.block_until_ready(prepared.arrays)
-      t1 = time.perf_counter()
-      c = engine.fwd_bwd(prepared)
-      t2 = time.perf_counter()
-      c.ready.block_until_ready()
-      t3 = time.perf_counter()
-      prepare.append(t1 - t0)
-      dispatch.append(t2 - t1)
-      micro.append(t3 - t1)
-      if replay and i < len(payloads) - 1:  # time a re-run apart from the next micro-batch
-        t4 = time.perf_counter()
-        if engine.resolve_pending_overflow():
-          engine.wait_for_device()
-          rerun.append(time.perf_counter() - t4)
-          step_replays += 1
-    if replay:
-      t4 = time.perf_counter()
-      if engine.resolve_pending_overflow():
-        engine.wait_for_device()
-        rerun.append(time.perf_counter() - t4)
-        step_replays += 1
-    replays.append(step_replays)
-    t0 = time.perf_counter()
-    engine.update()
-    engine.last_dispatch.ready.block_until_ready()
-    update.append(time.perf_counter() - t0)
-    t0 = time.perf_counter()
-    engine.get_metrics()
-    store(engine.train_step, engine.params)
-    work.append(time.perf_counter() - t0)
+  parts = _time_parts(engine, steps)
   engine.wait_for_device()
   floor = [engine.wait_for_device() for _ in range(floor_samples)]
   engine.restore(snapshot)
-  # Back to back, as the arms run them, a micro-batch is slower than alone on an idle
-  # device (the host's work shares the memory bus): the steady-state spacing of
-  # completions is what the step time is made of.
   spacing = []
-  rerun_s = statistics.median(rerun) if rerun else 0.0
-  # Under replay each fwd_bwd first reads the previous flag, so micro-batches never
-  # queue back to back; the serial figure is the right one there.
-  if len(steps[0]) > 1 and not replay:
-    for payloads in steps:
-      prepared = [engine.prepare_fwd_bwd_input(p) for p in payloads]
-      jax.block_until_ready([x.arrays for x in prepared])
-      done = [engine.fwd_bwd(x) for x in prepared]
-      done[0].ready.block_until_ready()
-      t_first = time.perf_counter()
-      done[-1].ready.block_until_ready()
-      t_last = time.perf_counter()
-      spacing.append((t_last - t_first) / (len(done) - 1))
-      engine.update()
-      engine.wait_for_device()
+  # Under dropless re-runs each fwd_bwd first reads the previous flag, so micro-batches
+  # never queue back to back; the serial figure is the right one there.
+  if len(steps[0]) > 1 and not engine.rerun_dropped:
+    spacing = _back_to_back_spacing(engine, steps)
     engine.restore(snapshot)
-  samples = spacing if len(spacing) > 1 else micro
+  samples = spacing if len(spacing) > 1 else parts["micro"]
   noise = statistics.stdev(samples) / statistics.mean(samples) if len(samples) > 1 else 0.0
   return Components(
-      micro_batch_s=statistics.median(spacing) if spacing else statistics.median(micro),
-      prepare_s=statistics.median(prepare),
-      update_s=statistics.median(update),
-      boundary_work_s=statistics.median(work),
-      dispatch_s=statistics.median(dispatch),
+      micro_batch_s=statistics.median(spacing) if spacing else statistics.median(parts["micro"]),
+      prepare_s=statistics.median(parts["prepare"]),
+      update_s=statistics.median(parts["update"]),
+      boundary_work_s=statistics.median(parts["work"]),
+      dispatch_s=statistics.median(parts["dispatch"]),
       wait_floor_s=max(floor),
       micro_batches_per_step=len(steps[0]),
-      update_waits_for_last=replay,
+      update_waits_for_last=engine.rerun_dropped,
       # The arms are scored on median step seconds: predict the typical step.
-      replays_per_step=statistics.median(replays) if replays else 0.0,
-      rerun_s=rerun_s,
+      reruns_per_step=statistics.median(parts["reruns"]) if parts["reruns"] else 0.0,
+      rerun_s=statistics.median(parts["rerun"]) if parts["rerun"] else 0.0,
   ), noise
 
 
-def _expected_windows(arm_records, steps_digests, m) -> list[list[tuple[str, str | None]]]:
-  """The calls the design table puts between step k's last fwd_bwd and step k+1's first."""
+def _record_plan(r) -> BoundaryPlan:
+  """The plan a record was made under (its mode and whether, and where, it staged)."""
+  mode = Mode(r.mode)
+  return BoundaryPlan(r.step, mode, r.staged, r.stage_before_update, mode is Mode.OFF, r.reason, r.probe)
+
+
+def _expected_windows(arm_records, steps_digests) -> list[list[tuple[str, str | None]]]:
+  """The engine calls ``policies.call_order`` puts between step k's last fwd_bwd and step k+1's first."""
   windows = []
   for r in arm_records:
-    k = r["step"]
-    nxt = steps_digests[k + 1][0] if k + 1 < len(steps_digests) else None
-    if r["staged"] and r["stage_before_update"]:
-      windows.append([("prepare", nxt), ("wait", None), ("update", None)])
-    elif r["staged"]:
-      windows.append([("update", None), ("prepare", nxt)])
-    else:
-      windows.append([("update", None)])
+    k = r.step
+    has_next = k + 1 < len(steps_digests)
+    nxt = steps_digests[k + 1][0] if has_next else None
+    calls = engine_calls_between(boundary_actions(_record_plan(r) if has_next else None))
+    windows.append([(call, nxt if call == "prepare" else None) for call in calls])
   return windows
 
 
@@ -261,16 +273,17 @@ def check_arm(arm: Arm, result, events, compiles_delta, expected_digests, expect
   add("micro_batches_in_order", flat_got == flat_expected,
       f"{sum(a == b for a, b in zip(flat_got, flat_expected))}/{len(flat_expected)} micro-batches"
       f" match the recording's order (got {len(flat_got)})")
-  tokens = [r["tokens"] for r in result.records]
+  tokens = [r.tokens for r in result.records]
   add("loss_denominators", tokens == expected_tokens,
       f"summed loss denominators per step {tokens} vs expected {expected_tokens}")
   updates_per_window = [sum(1 for kind, _ in w if kind == "update") for w in windows]
   add("update_before_next_step", updates_per_window == [1] * len(expected_digests),
       f"updates after each step's last micro-batch: {updates_per_window}")
-  expected_windows = _expected_windows(result.records, expected_digests, m)
+  expected_windows = _expected_windows(result.records, expected_digests)
   add("stages_where_planned", windows == expected_windows,
       "calls between each step's last micro-batch and the next step's first follow the"
-      f" mode's table ({sum(a == b for a, b in zip(windows, expected_windows))}/{len(expected_windows)} boundaries)")
+      f" mode's call order ({sum(a == b for a, b in zip(windows, expected_windows))}/{len(expected_windows)}"
+      " boundaries)")
   add("no_compile_after_warmup", compiles_delta == 0, f"{compiles_delta} compiles during the arm")
   return checks
 
@@ -284,76 +297,30 @@ def _score(name, arm, measured, lo, hi, n, min_n=3):
           "detail": f"measured median {measured:.6f} s, predicted band [{lo:.6f}, {hi:.6f}] s"}
 
 
-def run_rig(
-    recipe,
-    recording_dir: str | Path,
-    arm_names: Sequence[str],
-    out_dir: str | Path,
-    *,
-    steps: int | None = None,
-    faults: dict[str, str] | None = None,
-    warmup_steps: int = 2,
-    progress=None,
-) -> RigResult:
-  """Runs the rig; see the module docstring. ``faults`` maps arm names to an injected fault."""
-  from orchestrator.data.recording import open_recording
+@dataclasses.dataclass
+class _Plan:
+  """What every arm replays, and what it must produce."""
+
+  steps: list
+  expected_digests: list[list[str]]
+  expected_tokens: list[int]
+  digest_by_payload: dict[int, str]
+
+
+def _replay_plan(engine, recording, m: int, steps: int) -> _Plan:
   from orchestrator.data.replay import replay_steps
-  from orchestrator.engine import build_engine
-  from orchestrator.runner import engine_options
 
-  out = Path(out_dir)
-  out.mkdir(parents=True, exist_ok=True)
-  arms = parse_arms(arm_names)
-  for name, fault in (faults or {}).items():
-    if fault not in FAULTS:
-      raise RigError(f"unknown fault {fault!r}; faults are {FAULTS}")
-    matches = [a for a in arms if a.name == name]
-    if not matches:
-      raise RigError(f"fault for arm {name!r}, which is not among {[a.name for a in arms]}")
-    matches[0].fault = fault
-  steps = steps or recipe.steps
-  if steps < 2:
-    raise RigError(f"the rig needs at least 2 steps (a boundary), got {steps}")
-  m = recipe.batch.micro_batches_per_step
-
-  engine = build_engine(recipe.model, mesh=dataclasses.asdict(recipe.mesh), **engine_options(recipe, None))
-  recording = open_recording(recording_dir, vocab_size=engine.preset.vocab_size)
   plan = replay_steps(recording, rows=engine.rows, tokens_per_row=engine.tokens_per_row,
                       micro_batches_per_step=m, steps=steps)
-  expected_digests = [
-      [content_digest(pack_payload(p, rows=engine.rows, tokens_per_row=engine.tokens_per_row,
-                                   vocab_size=engine.preset.vocab_size)) for p in step]
-      for step in plan
-  ]
-  expected_tokens = [sum(count_loss_tokens(p) for p in step) for step in plan]
+  expected = [[content_digest(pack_payload(p, rows=engine.rows, tokens_per_row=engine.tokens_per_row,
+                                           vocab_size=engine.preset.vocab_size)) for p in step]
+              for step in plan]
   # Each payload's true content digest, by identity: an arm fed another order shows it.
-  digest_by_payload = {id(p): d for step, ds in zip(plan, expected_digests) for p, d in zip(step, ds)}
-  snapshot = engine.snapshot()
+  by_payload = {id(p): d for step, ds in zip(plan, expected) for p, d in zip(step, ds)}
+  return _Plan(plan, expected, [sum(count_loss_tokens(p) for p in step) for step in plan], by_payload)
 
-  def run_arm(arm: Arm, arm_steps, n_steps):
-    engine.restore(snapshot)
-    proxy = CallRecordingEngine(engine, digest_by_payload, arm.fault)
-    worker = TrainerWorker(proxy)
-    sb = recipe.step_boundary
-    policy = StepBoundaryPolicy(
-        arm.mode, engine_can_stage=worker.capabilities.can_stage, wait_threshold_s=recipe.wait_threshold,
-        disable_after=sb.disable_after, reprobe_every=sb.reprobe_every,
-    )
-    program = RLProgram(worker, policy, arm_steps[:n_steps],
-                        ProgramConfig(steps=n_steps, micro_batches_per_step=m,
-                                      calibration_samples=sb.calibration_samples,
-                                      sync_before_next_step=sb.sync_before_next_step))
-    compiles = backend_compile_count()
-    result = program.run()
-    engine.wait_for_device()
-    compiles = backend_compile_count() - compiles
-    return result, proxy.digest_events(), compiles, policy
 
-  # 2. warm-up arm
-  run_arm(Arm("warmup", Mode.STAGE_BEFORE_UPDATE), plan, min(warmup_steps, steps))
-  # 3. calibration
-  components, noise = calibrate(engine, plan, snapshot)
-  # 4. predictions, written before any scored arm
+def _predictions(arms, components: Components, noise: float) -> dict:
   predictions = {
       "written_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
       "written_at_monotonic_s": time.monotonic(),
@@ -371,70 +338,122 @@ def run_rig(
         # ±5 %, or twice the micro-batch spread the calibration saw on this machine.
         "step_band_s": band(p.step_s, rel=max(0.05, 2 * noise), abs_s=0.005),
     })
-  (out / "predictions.json").write_text(json.dumps(predictions, indent=2))
+  return predictions
 
-  # 5. arms
+
+def _arm_report(arm: Arm, result, policy, components: Components) -> dict:
+  records = result.records
+  boundaries = records[:-1]
+  report = {
+      "name": arm.name, "mode": arm.mode.value, "fault": arm.fault, "final_mode": policy.mode.value,
+      "boundary_idle_s": _stats([r.boundary_idle_s for r in boundaries]),
+      "boundary_idle_strict_s": _stats([r.boundary_idle_strict_s for r in boundaries]),
+      "step_s": _stats([r.step_s for r in records]),
+      "micro_batch_s": _stats([x for r in records for x in r.micro_batch_s]),
+      "update_s": _stats([r.update_s for r in records]),
+      "device_wait_s": _stats([r.device_wait_s for r in boundaries]),
+      "stage_s": _stats([r.stage_s for r in boundaries]),
+      "boundary_work_s": _stats([(r.metrics_s or 0) + (r.checkpoint_s or 0) + (r.weight_sync_s or 0)
+                                 for r in records]),
+      "reruns": [r.reruns or 0 for r in records],
+      "auto_disables": policy.counters.get("auto_disable", 0),
+      "final_state_digest": result.summary["final_state_digest"],
+      "records": [r.to_json() for r in records],
+  }
+  stage = report["stage_s"]["median"] if report["stage_s"] else components.prepare_s
+  report["prepare_share_of_micro_batch"] = stage / report["micro_batch_s"]["median"]
+  return report
+
+
+def _cross_arm_checks(report: dict, reference: dict) -> list[dict]:
+  same_reruns = report["reruns"] == reference["reruns"]
+  same_state = report["final_state_digest"] == reference["final_state_digest"]
+  return [
+      {"name": "rerun_counts_equal", "arm": report["name"], "status": "pass" if same_reruns else "fail",
+       "detail": f"re-runs per step {report['reruns']} vs {reference['name']} {reference['reruns']}"},
+      {"name": "final_state_identical", "arm": report["name"], "status": "pass" if same_state else "fail",
+       "detail": f"state digest {report['final_state_digest'][:16]}… vs {reference['name']}"
+                 f" {reference['final_state_digest'][:16]}…"},
+  ]
+
+
+def _prediction_checks(report: dict, pred: dict, n_records: int) -> list[dict]:
+  idle = report["boundary_idle_s"]["median"] if report["boundary_idle_s"] else None
+  return [_score("prediction_boundary_idle", report["name"], idle, *pred["boundary_idle_band_s"], n_records - 1),
+          _score("prediction_step_s", report["name"], report["step_s"]["median"], *pred["step_band_s"], n_records)]
+
+
+def _apply_faults(arms: list[Arm], faults: dict[str, str] | None) -> None:
+  for name, fault in (faults or {}).items():
+    if fault not in FAULTS:
+      raise RigError(f"unknown fault {fault!r}; faults are {FAULTS}")
+    matches = [a for a in arms if a.name == name]
+    if not matches:
+      raise RigError(f"fault for arm {name!r}, which is not among {[a.name for a in arms]}")
+    matches[0].fault = fault
+
+
+def run_rig(recipe, recording_dir: str | Path, arm_names: Sequence[str], out_dir: str | Path, *,
+            steps: int | None = None, faults: dict[str, str] | None = None, warmup_steps: int = 2,
+            progress=None) -> RigResult:
+  """Runs the rig; see the module docstring. ``faults`` maps arm names to an injected fault."""
+  from orchestrator.data.recording import open_recording
+  from orchestrator.engine import build_engine
+
+  out = Path(out_dir)
+  arms = parse_arms(arm_names)
+  _apply_faults(arms, faults)
+  steps = steps or recipe.steps
+  if steps < 2:
+    raise RigError(f"the rig needs at least 2 steps (a boundary), got {steps}")
+  if recipe.engine.backend != "jax":
+    raise RigError(f"the rig drives the JAX engine (it snapshots and times its parts);"
+                   f" engine.backend={recipe.engine.backend!r} is not supported here")
+  m = recipe.batch.micro_batches_per_step
+  options = {f.name: getattr(recipe.engine, f.name) for f in dataclasses.fields(recipe.engine)
+             if f.name != "backend"}
+  engine = build_engine(recipe.model, mesh=dataclasses.asdict(recipe.mesh), rows=recipe.batch.rows,
+                        tokens_per_row=recipe.batch.tokens_per_row, **options)
+  recording = open_recording(recording_dir, vocab_size=engine.preset.vocab_size)
+  plan = _replay_plan(engine, recording, m, steps)
+  out.mkdir(parents=True, exist_ok=True)
+  snapshot = engine.snapshot()
+
+  def run_arm(arm: Arm, arm_steps, n_steps):
+    engine.restore(snapshot)
+    proxy = CallRecordingEngine(engine, plan.digest_by_payload, arm.fault)
+    worker = TrainerWorker(proxy)
+    policy = policy_from_recipe(recipe, worker.capabilities, mode=arm.mode, steps=n_steps)
+    config = dataclasses.replace(program_config(recipe, None, steps=n_steps), checkpoint_every=0,
+                                 scored_checkpoint_steps=())
+    compiles = backend_compile_count()
+    result = RLProgram(worker, policy, arm_steps[:n_steps], config).run()
+    engine.wait_for_device()
+    return result, proxy.digest_events(), backend_compile_count() - compiles, policy
+
+  run_arm(Arm("warmup", Mode.STAGE_BEFORE_UPDATE), plan.steps, min(warmup_steps, steps))  # absorbs compiles
+  components, noise = calibrate(engine, plan.steps, snapshot)
+  predictions = _predictions(arms, components, noise)
+  (out / "predictions.json").write_text(json.dumps(predictions, indent=2))  # before any scored arm
+
   arm_reports, checks, traces = [], [], []
-  first_arm_started = None
-  reference = None
+  first_arm_started = time.monotonic()
   for index, arm in enumerate(arms):
-    arm_steps = plan
+    arm_steps = plan.steps
     if arm.fault == "reorder_micro_batches":
-      arm_steps = [list(s) for s in plan]
+      arm_steps = [list(s) for s in plan.steps]
       arm_steps[1][0], arm_steps[1][1] = arm_steps[1][1], arm_steps[1][0]
-    if first_arm_started is None:
-      first_arm_started = time.monotonic()
     if progress:
       progress(f"arm {index + 1}/{len(arms)}: {arm.name}")
     result, events, compiles_delta, policy = run_arm(arm, arm_steps, steps)
-    checks += check_arm(arm, result, events, compiles_delta, expected_digests, expected_tokens, m)
-    records = result.records
-    boundaries = records[:-1]
-    replays = [r["replays"] or 0 for r in records]
-    report = {
-        "name": arm.name,
-        "mode": arm.mode.value,
-        "fault": arm.fault,
-        "final_mode": policy.mode.value,
-        "boundary_idle_s": _stats([r["boundary_idle_s"] for r in boundaries]),
-        "boundary_idle_strict_s": _stats([r["boundary_idle_strict_s"] for r in boundaries]),
-        "step_s": _stats([r["step_s"] for r in records]),
-        "micro_batch_s": _stats([x for r in records for x in r["micro_batch_s"]]),
-        "update_s": _stats([r["update_s"] for r in records]),
-        "device_wait_s": _stats([r["device_wait_s"] for r in boundaries]),
-        "stage_s": _stats([r["stage_s"] for r in boundaries]),
-        "boundary_work_s": _stats([
-            (r["metrics_s"] or 0) + (r["checkpoint_s"] or 0) + (r["weight_sync_s"] or 0) for r in records]),
-        "replays": replays,
-        "auto_disables": policy.counters.get("auto_disable", 0),
-        "final_state_digest": result.summary["final_state_digest"],
-        "records": records,
-    }
-    stage = report["stage_s"]["median"] if report["stage_s"] else components.prepare_s
-    report["prepare_share_of_micro_batch"] = stage / report["micro_batch_s"]["median"]
+    checks += check_arm(arm, result, events, compiles_delta, plan.expected_digests, plan.expected_tokens, m)
+    report = _arm_report(arm, result, policy, components)
+    if arm_reports:
+      checks += _cross_arm_checks(report, arm_reports[0])
     arm_reports.append(report)
     traces.append((arm.name, result))
-    if reference is None:
-      reference = report
-    else:
-      checks.append({
-          "name": "replay_counts_equal", "arm": arm.name,
-          "status": "pass" if replays == reference["replays"] else "fail",
-          "detail": f"replays per step {replays} vs {reference['name']} {reference['replays']}",
-      })
-      checks.append({
-          "name": "final_state_identical", "arm": arm.name,
-          "status": "pass" if report["final_state_digest"] == reference["final_state_digest"] else "fail",
-          "detail": f"state digest {report['final_state_digest'][:16]}… vs {reference['name']}"
-                    f" {reference['final_state_digest'][:16]}…",
-      })
     pred = next(p for p in predictions["arms"] if p["name"] == arm.name)
-    n = len(boundaries)
-    checks.append(_score("prediction_boundary_idle", arm.name,
-                         report["boundary_idle_s"]["median"] if report["boundary_idle_s"] else None,
-                         *pred["boundary_idle_band_s"], n))
-    checks.append(_score("prediction_step_s", arm.name, report["step_s"]["median"],
-                         *pred["step_band_s"], len(records)))
+    checks += _prediction_checks(report, pred, len(result.records))
   checks.insert(0, {
       "name": "predictions_written_first", "arm": "*",
       "status": "pass" if predictions["written_at_monotonic_s"] <= first_arm_started else "fail",

@@ -1,0 +1,246 @@
+"""The run's recorder: completion stamps, host spans, one ``BoundaryRecord`` per step, outputs.
+
+The program tells the recorder what it dispatched (receipts) and what the host
+did (spans); the recorder's ``CompletionWatcher`` stamps when each computation
+became ready, off the hot path. From those it builds each step's record
+(``records.jsonl``), the run's Chrome/Perfetto trace (``trace.json``) and the
+summary. Formatting for people (the table, the summary lines) lives with the CLI.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import statistics
+from collections.abc import Callable, Hashable
+from pathlib import Path
+from typing import Any
+
+from orchestrator.contract import Receipt
+from orchestrator.watcher import CompletionWatcher, Watched
+
+
+class Lane(enum.IntEnum):
+  """Host threads of the trace: the step loop, and the boundary work it runs."""
+
+  STEP_LOOP = 0
+  BOUNDARY_WORK = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Span:
+  """Host time spent on one thing (seconds on the run's clock)."""
+
+  name: str
+  start: float
+  end: float
+  lane: Lane = Lane.STEP_LOOP
+
+
+@dataclasses.dataclass
+class BoundaryRecord:
+  """Everything measured about one optimizer step and the boundary after it (docs/design.md §6).
+
+  Times ending in ``_s`` are seconds; ``t_*`` are seconds since the run started.
+  ``boundary_idle_s`` is the gap between update k finishing and step k+1's
+  first micro-batch being dispatched; ``boundary_idle_strict_s`` adds idle
+  between the last micro-batch finishing and the update's dispatch. Both are
+  None after the last step.
+  """
+
+  step: int
+  mode: str
+  staged: bool
+  stage_before_update: bool
+  probe: bool
+  reason: str
+  actions: list[str]
+  stage_s: float | None
+  device_wait_s: float | None
+  low_wait: bool | None
+  transition: str | None
+  update_s: float
+  boundary_idle_s: float | None
+  boundary_idle_strict_s: float | None
+  step_s: float
+  micro_batch_s: list[float]
+  metrics_s: float | None
+  metrics_wait_s: float | None
+  checkpoint_s: float | None
+  checkpoint_path: str | None
+  weight_sync_s: float | None
+  staged_digest: str | None
+  loss: float | None
+  grad_norm: float | None
+  tokens: int | None
+  reruns: int | None
+  rerun_micro_batches: list[int] | None
+  dropped_tokens: list[int] | None
+  t_update_ready: float
+  t_next_first_dispatch: float | None
+
+  def to_json(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+
+def fwd_bwd_key(step: int, micro_step: int) -> tuple:
+  return ("fwd_bwd", step, micro_step)
+
+
+def update_key(step: int) -> tuple:
+  return ("update", step)
+
+
+class Recorder:
+  """Owns the completion watcher, the spans and the records of one run.
+
+  Args:
+    clock: the run's clock (seconds, monotonic).
+    micro_batches_per_step: M.
+    out_dir: where ``records.jsonl`` and ``trace.json`` go (None: not written).
+    on_record: called with each finished record (progress display).
+  """
+
+  def __init__(self, clock: Callable[[], float], micro_batches_per_step: int, out_dir: str | None = None,
+               on_record: Callable[[BoundaryRecord], None] | None = None):
+    self.clock = clock
+    self.m = micro_batches_per_step
+    self.out_dir = Path(out_dir) if out_dir else None
+    self.on_record = on_record
+    self.records: list[BoundaryRecord] = []
+    self.spans: list[Span] = []
+    self.run_start = 0.0
+    self._watcher: CompletionWatcher | None = None
+    self._records_file = None
+    self._last_update_ready: float | None = None
+
+  # ---------------------------------------------------------------- lifetime
+  def start(self) -> None:
+    if self.out_dir:
+      self.out_dir.mkdir(parents=True, exist_ok=True)
+      self._records_file = (self.out_dir / "records.jsonl").open("w")
+    self._watcher = CompletionWatcher(self.clock)
+    self.run_start = self.clock()
+
+  def close(self) -> str | None:
+    """Waits for every stamp, closes the records file, writes the trace; returns its path."""
+    self._watcher.drain(timeout_s=600)
+    self._watcher.close()
+    if self._records_file:
+      self._records_file.close()
+    if not self.out_dir:
+      return None
+    from orchestrator.trace import chrome_trace  # pylint: disable=import-outside-toplevel
+
+    path = self.out_dir / "trace.json"
+    path.write_text(json.dumps(chrome_trace(self.watched(), self.spans, self.records, self.run_start)))
+    return str(path)
+
+  # ---------------------------------------------------------------- what happened
+  def watch(self, key: Hashable, receipt: Receipt, *, kind: str, step: int, micro_step: int) -> None:
+    self._watcher.watch(key, receipt.ready, kind=kind, step=step, micro_step=micro_step,
+                        dispatched_at=receipt.dispatched_at)
+
+  def span(self, name: str, start: float, end: float, lane: Lane = Lane.STEP_LOOP) -> None:
+    self.spans.append(Span(name, start, end, lane))
+
+  def dispatch_spans(self, start: float, end: float, receipt: Receipt) -> None:
+    """Splits a ``fwd_bwd`` call into prepare / host wait / dispatch, as far as its receipt says."""
+    if not receipt.host_seconds_known:
+      self.span("fwd_bwd", start, end)
+      return
+    t = start
+    for name, seconds in (("prepare", receipt.mapping_s + (receipt.placement_s or 0.0)),
+                          ("host wait", receipt.host_wait_s)):
+      if seconds > 0:
+        self.span(name, t, min(end, t + seconds))
+        t = min(end, t + seconds)
+    self.span("dispatch", t, end)
+
+  def ready_at(self, key: Hashable, timeout_s: float = 600) -> float:
+    return self._watcher.ready_at(key, timeout_s=timeout_s)
+
+  def observe_ready(self, key: Hashable, at: float) -> None:
+    self._watcher.observe_ready(key, at)
+
+  def watched(self) -> list[Watched]:
+    return self._watcher.items()
+
+  # ---------------------------------------------------------------- records
+  def _micro_batch_seconds(self, k: int) -> list[float]:
+    """Per micro-batch of step k: ready minus its start (dispatch, or the previous ready)."""
+    out, prev_ready = [], self._last_update_ready
+    for i in range(self.m):
+      item = self._watcher.get(fwd_bwd_key(k, i))
+      ready = self.ready_at(item.key)
+      begin = item.dispatched_at if prev_ready is None else max(item.dispatched_at, prev_ready)
+      out.append(ready - begin)
+      prev_ready = ready
+    return out
+
+  def finish_record(self, boundary, first_dispatch: float | None) -> BoundaryRecord:
+    """Builds, keeps and writes step ``boundary.step``'s record (see ``BoundaryRecord``)."""
+    k = boundary.step
+    update = self._watcher.get(update_key(k))
+    update_ready = self.ready_at(update_key(k))
+    last_ready = self.ready_at(fwd_bwd_key(k, self.m - 1))
+    micro_s = self._micro_batch_seconds(k)
+    idle = strict = None
+    if first_dispatch is not None:
+      idle = max(0.0, first_dispatch - update_ready)
+      strict = idle + max(0.0, update.dispatched_at - last_ready)
+    step_start = self._last_update_ready
+    if step_start is None:
+      step_start = self._watcher.get(fwd_bwd_key(k, 0)).dispatched_at
+    self._last_update_ready = update_ready
+    plan, metrics, spans = boundary.plan, boundary.metrics or {}, boundary.spans
+    record = BoundaryRecord(
+        step=k, mode=boundary.mode, staged=boundary.stage is not None,
+        stage_before_update=bool(plan and plan.stage and plan.stage_before_update),
+        probe=bool(plan and plan.probe), reason=plan.reason if plan else "last step",
+        actions=[a.value for a in boundary.actions],
+        stage_s=boundary.stage.stage_s if boundary.stage else None,
+        device_wait_s=boundary.device_wait_s, low_wait=boundary.low_wait, transition=boundary.transition,
+        update_s=update_ready - max(update.dispatched_at, last_ready),
+        boundary_idle_s=idle, boundary_idle_strict_s=strict, step_s=update_ready - step_start,
+        micro_batch_s=micro_s, metrics_s=spans.get("metrics_s"), metrics_wait_s=spans.get("metrics_wait_s"),
+        checkpoint_s=spans.get("checkpoint_s"), checkpoint_path=boundary.checkpoint_path,
+        weight_sync_s=spans.get("weight_sync_s"),
+        staged_digest=boundary.stage.input_digest if boundary.stage else None,
+        loss=metrics.get("loss"), grad_norm=metrics.get("grad_norm"), tokens=metrics.get("tokens"),
+        reruns=metrics.get("reruns"), rerun_micro_batches=metrics.get("rerun_micro_batches"),
+        dropped_tokens=metrics.get("dropped_tokens"),
+        t_update_ready=update_ready - self.run_start,
+        t_next_first_dispatch=None if first_dispatch is None else first_dispatch - self.run_start,
+    )
+    self.records.append(record)
+    if self._records_file:
+      self._records_file.write(json.dumps(record.to_json()) + "\n")
+      self._records_file.flush()
+    if self.on_record:
+      self.on_record(record)
+    return record
+
+  def summary(self, policy, final_state_digest: str | None) -> dict[str, Any]:
+    """The run's summary (``summary.json``): medians, counts, the policy's story, the digest."""
+    idles = [r.boundary_idle_s for r in self.records if r.boundary_idle_s is not None]
+    stricts = [r.boundary_idle_strict_s for r in self.records if r.boundary_idle_strict_s is not None]
+    steps = [r.step_s for r in self.records]
+    return {
+        "steps": len(self.records),
+        "requested_mode": policy.requested_mode.value,
+        "final_mode": policy.mode.value,
+        "median_boundary_idle_s": statistics.median(idles) if idles else None,
+        "median_boundary_idle_strict_s": statistics.median(stricts) if stricts else None,
+        "median_step_s": statistics.median(steps) if steps else None,
+        "staged_boundaries": sum(1 for r in self.records if r.staged),
+        "auto_disables": policy.counters.get("auto_disable", 0),
+        "transitions": [dataclasses.asdict(t) | {"from_mode": t.from_mode.value, "to_mode": t.to_mode.value}
+                        for t in policy.history],
+        "policy_counters": dict(policy.counters),
+        "threshold_s": policy.threshold_s,
+        "wait_floor_max_s": max(policy.floor_samples) if policy.floor_samples else None,
+        "final_state_digest": final_state_digest,
+        "records_path": str(self.out_dir / "records.jsonl") if self.out_dir else None,
+    }
