@@ -74,11 +74,12 @@ def test_prepared_input_digest_is_content_addressed(tiny_engine, tiny_source):
 def test_prepare_changes_no_step_state(tiny_engine, tiny_source):
   e = tiny_engine
   e.fwd_bwd(tiny_source.micro_batch(0, 0))
-  before = (e.train_step, e.micro_step_count, e.total_micro_steps, len(e._throttler), e.last_dispatch)
+  before = (e.train_step, e.micro_step_count, e.total_micro_steps, e.inflight_count)
   digest = e.state_digest()
   e.prepare_fwd_bwd_input(tiny_source.micro_batch(1, 0))
-  assert (e.train_step, e.micro_step_count, e.total_micro_steps, len(e._throttler), e.last_dispatch) == before
+  assert (e.train_step, e.micro_step_count, e.total_micro_steps, e.inflight_count) == before
   assert e.state_digest() == digest
+  assert e.fwd_bwd(tiny_source.micro_batch(0, 1)).micro_step == 1  # the next micro-batch is still the second
 
 
 class _BlockingPrepare:
@@ -124,12 +125,12 @@ def test_blocking_prepare_is_caught(tiny_engine, tiny_source, long_computation):
 def test_wait_for_device_returns_seconds_blocked_and_dequeues_nothing(tiny_engine, long_computation):
   e = tiny_engine
   e._throttler.add(long_computation.dispatch())
-  queued = len(e._throttler)
+  queued = e.inflight_count
   outer_start = time.perf_counter()
   waited = e.wait_for_device()
   outer = time.perf_counter() - outer_start
   assert 0.5 * outer <= waited <= outer
-  assert len(e._throttler) == queued
+  assert e.inflight_count == queued
   idle_start = time.perf_counter()
   idle_wait = e.wait_for_device()
   assert idle_wait <= time.perf_counter() - idle_start
@@ -198,7 +199,7 @@ for before in (True, False):
   got = run_staged(e, steps, before_update=before)
   assert [m["loss"] for m in got] == [m["loss"] for m in ref], (got, ref)
   assert e.state_digest() == ref_digest
-leaf = e.params["layers"][0]["attn"]["q_proj"]["w"]
+leaf = e.export_weights()["layers"][0]["attn"]["q_proj"]["w"]
 print("sharding", leaf.sharding.spec, "devices", len(leaf.sharding.device_set))
 assert len(leaf.sharding.device_set) == {devices}
 print("CHILD-OK")

@@ -7,8 +7,8 @@ compile, micro-batch compute (dispatch → ready on an idle device), input
 mapping, placement, ``fwd_bwd`` dispatch, update compute, the
 ``wait_for_device`` floor (nothing in flight), and how long a prepare takes
 while a micro-batch computes. For MoE presets, per routing layout (fully
-dropless; replay without overflow; replay with overflow): micro-batch seconds,
-re-run seconds, replays per step and how long ``update()`` blocks the host. Reserves one host core first (see
+dropless; re-runs without overflow; re-runs with overflow): micro-batch seconds,
+re-run seconds, re-runs per step and how long ``update()`` blocks the host. Reserves one host core first (see
 ``host_threads``), as the default run does.
 """
 
@@ -59,8 +59,7 @@ def bench_preset(preset: str, repeats: int, micro_batches: int = 2) -> dict:
       dispatch.append(t1 - t0)
       compute.append(t2 - t0)
     t0 = time.perf_counter()
-    engine.update()
-    engine.last_dispatch.ready.block_until_ready()
+    engine.update().ready.block_until_ready()
     update.append(time.perf_counter() - t0)
     floor.extend(engine.wait_for_device() for _ in range(5))
   micro_s = _median(compute)
@@ -93,14 +92,14 @@ def bench_moe(preset: str, repeats: int, overflow_factor: float = 0.5) -> dict:
 
   layouts = {
       "dropless": dict(ragged_buffer_factor=-1),
-      "replay_no_overflow": dict(ragged_buffer_factor=64.0, retry_when_tokens_dropped=True),
-      "replay_overflow": dict(ragged_buffer_factor=overflow_factor, retry_when_tokens_dropped=True),
+      "rerun_no_overflow": dict(ragged_buffer_factor=64.0, retry_when_tokens_dropped=True),
+      "rerun_overflow": dict(ragged_buffer_factor=overflow_factor, retry_when_tokens_dropped=True),
   }
   out = {"preset": preset}
   for name, options in layouts.items():
     engine = build_engine(preset, **options)
     source = SyntheticRollouts(engine.preset.vocab_size, engine.rows, engine.tokens_per_row, seed=2)
-    compute, update_block, rerun, replays = [], [], [], []
+    compute, update_block, rerun, reruns = [], [], [], []
     for r in range(repeats + 1):  # the first round warms up
       payloads = source.step(r, 2)
       engine.wait_for_device()
@@ -114,7 +113,7 @@ def bench_moe(preset: str, repeats: int, overflow_factor: float = 0.5) -> dict:
       t3 = time.perf_counter()
       engine.wait_for_device()
       metrics = engine.get_metrics()
-      if engine.replay:
+      if engine.rerun_dropped:
         t4 = time.perf_counter()
         engine.fwd_bwd(payloads[0], dropless=True).ready.block_until_ready()
         t5 = time.perf_counter()
@@ -124,14 +123,14 @@ def bench_moe(preset: str, repeats: int, overflow_factor: float = 0.5) -> dict:
         continue
       compute.append(t1 - t0)
       update_block.append(t3 - t2)
-      replays.append(metrics["replays"])
-      if engine.replay:
+      reruns.append(metrics["reruns"])
+      if engine.rerun_dropped:
         rerun.append(t5 - t4)
     out[name] = {
         "micro_batch_s": _median(compute),
         "rerun_s": _median(rerun),
         "update_blocks_host_s": _median(update_block),
-        "replays_per_step": _median(replays),
+        "reruns_per_step": _median(reruns),
     }
   return out
 

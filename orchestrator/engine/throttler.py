@@ -51,6 +51,3 @@ class InflightThrottler:
     for computation in snapshot:
       jax.block_until_ready(computation)
     return time.perf_counter() - start
-
-  def pending(self) -> list[Any]:
-    return list(self._queue)

@@ -16,7 +16,8 @@ advances the count.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+import time
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -26,9 +27,11 @@ import optax
 from flax import nnx
 from tunix.sft import peft_trainer
 
+from orchestrator.contract import Receipt
+from orchestrator.data.packing import pack_payload
 from orchestrator.data.trajectory import Trajectory
 from orchestrator.engine import model as model_lib
-from orchestrator.engine.inputs import pack_payload
+from orchestrator.engine.options import EngineOptions
 from orchestrator.engine.loss import LossConfig, attention_mask, policy_loss_sum
 from orchestrator.engine.presets import load_preset
 
@@ -40,18 +43,22 @@ class TunixTrainerEngine:
     preset: model preset name (dense presets).
     micro_batches_per_step: Tunix's ``gradient_accumulation_steps``.
     rows, tokens_per_row: batch shape (default: the preset's).
-    learning_rate, seed: AdamW learning rate and weight seed.
+    learning_rate, weight_decay, max_grad_norm: AdamW with global-norm clipping.
+    clip_eps_low, clip_eps_high: the loss's ratio clipping range.
+    seed: weight seed.
   """
 
   def __init__(self, preset: str = "tiny", *, micro_batches_per_step: int, rows: int | None = None,
-               tokens_per_row: int | None = None, learning_rate: float = 1e-3, seed: int = 0):
+               tokens_per_row: int | None = None, learning_rate: float = 1e-3, weight_decay: float = 0.0,
+               max_grad_norm: float = 1.0, clip_eps_low: float = 0.2, clip_eps_high: float = 0.28,
+               seed: int = 0):
     self.preset = load_preset(preset)
     self.rows = rows or self.preset.rows
     self.tokens_per_row = tokens_per_row or self.preset.tokens_per_row
     self.micro_batches_per_step = micro_batches_per_step
     graphdefs, params, _ = model_lib.build_model(self.preset, seed)
     self.model = nnx.merge(graphdefs["capacity"], params)
-    loss_config = LossConfig()
+    loss_config = LossConfig(clip_eps_low, clip_eps_high)
 
     # Tunix calls loss_fn(model, **inputs) through nnx.value_and_grad, which needs
     # every input as a named parameter.
@@ -65,7 +72,8 @@ class TunixTrainerEngine:
 
     self.trainer = peft_trainer.PeftTrainer(
         self.model,
-        optax.adamw(learning_rate),
+        optax.chain(optax.clip_by_global_norm(max_grad_norm),
+                    optax.adamw(learning_rate, weight_decay=weight_decay)),
         peft_trainer.TrainingConfig(eval_every_n_steps=10**9,
                                     gradient_accumulation_steps=micro_batches_per_step),
     ).with_loss_fn(loss_fn)
@@ -75,19 +83,26 @@ class TunixTrainerEngine:
     self._losses: list[jax.Array] = []
     self._last: dict[str, Any] = {}
 
-  def fwd_bwd(self, payload: Sequence[Trajectory], apply_optimizer: bool = False):
+  def fwd_bwd(self, payload: Sequence[Trajectory], apply_optimizer: bool = False) -> Receipt:
     """Maps, places and runs one micro-batch through the trainer's jitted step."""
+    start = time.perf_counter()
     host = pack_payload(payload, rows=self.rows, tokens_per_row=self.tokens_per_row,
                         vocab_size=self.preset.vocab_size)
-    loss, _, grad_norm = self._train_step({k: jnp.asarray(v) for k, v in host.items()})
+    mapped = time.perf_counter()
+    loss, _, _ = self._train_step({k: jnp.asarray(v) for k, v in host.items()})
+    receipt = Receipt("fwd_bwd", self._step, self._micro, loss, time.perf_counter(),
+                      mapping_s=mapped - start)  # placement happens inside the trainer's step
     self._losses.append(loss)
     self._micro += 1
     if apply_optimizer:
       self.update()
-    return loss
+    return receipt
 
-  def update(self) -> int:
+  def update(self) -> Receipt:
     """Closes the step: Tunix's MultiSteps applied the update with the M-th micro-batch.
+
+    The update ran inside that micro-batch's program, so the receipt's handle
+    is that micro-batch's loss.
 
     Raises:
       RuntimeError: fewer or more than ``micro_batches_per_step`` micro-batches
@@ -98,10 +113,11 @@ class TunixTrainerEngine:
           f"the stock Tunix trainer updates every {self.micro_batches_per_step} micro-batches;"
           f" update() after {self._micro}"
       )
+    receipt = Receipt("update", self._step, -1, self._losses[-1], time.perf_counter())
     self._last = {"step": self._step + 1, "micro_losses": self._losses}
     self._losses, self._micro = [], 0
     self._step += 1
-    return self._step
+    return receipt
 
   def get_metrics(self) -> dict[str, Any]:
     if not self._last:
@@ -118,8 +134,40 @@ class TunixTrainerEngine:
   def micro_step_count(self) -> int:
     return self._micro
 
+  def export_weights(self) -> Any:
+    """The model's parameters as a pure dict of arrays (Tunix donates only the optimizer)."""
+    return nnx.to_pure_dict(nnx.state(self.model, nnx.Param))
+
   def state_digest(self) -> str:
     h = hashlib.sha256()
     for leaf in jax.tree.leaves(jax.device_get(nnx.to_pure_dict(nnx.state(self.model)))):
       h.update(np.ascontiguousarray(np.asarray(leaf)).tobytes())
     return h.hexdigest()
+
+
+def build_tunix_engine(preset: str, *, mesh: Mapping[str, int] | None, rows: int | None,
+                       tokens_per_row: int | None, checkpoint_dir: str | None, micro_batches_per_step: int,
+                       **options: Any) -> TunixTrainerEngine:
+  """The ``tunix_peft`` backend: a stock ``PeftTrainer`` on one device, without checkpoints.
+
+  Raises:
+    ValueError: settings the stock trainer cannot honour (a mesh of several
+      devices, checkpoints, MoE re-runs, a non-default in-flight bound).
+  """
+  devices = 1
+  for size in (mesh or {}).values():
+    devices *= int(size)
+  if devices != 1:
+    raise ValueError(f"engine.backend=tunix_peft runs on one device; the mesh asks for {devices}")
+  if checkpoint_dir:
+    raise ValueError("engine.backend=tunix_peft does not write checkpoints; drop the checkpoint settings")
+  unsupported = {k: v for k, v in options.items()
+                 if k in ("ragged_buffer_factor", "retry_when_tokens_dropped", "skip_nonfinite_updates",
+                          "max_inflight") and v != getattr(EngineOptions(), k)}
+  if unsupported:
+    raise ValueError(f"engine.backend=tunix_peft cannot honour {unsupported}; leave them at their defaults")
+  kept = {k: options[k] for k in ("learning_rate", "weight_decay", "max_grad_norm", "clip_eps_low",
+                                  "clip_eps_high", "seed") if k in options}
+  return TunixTrainerEngine(preset, micro_batches_per_step=micro_batches_per_step, rows=rows,
+                            tokens_per_row=tokens_per_row, **kept)
+

@@ -1,0 +1,86 @@
+"""Checkpoints of an engine's training state (orbax), written synchronously.
+
+The state is saved as a flat mapping (``00012['params']['layers']...`` → array)
+so that restoring needs no pytree registration, and restored onto the shardings
+of a template state of the same structure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+
+
+def flatten_state(tree: Any) -> dict[str, Any]:
+  """Leaves of ``tree`` keyed by position and path (keys sort in leaf order)."""
+  leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
+  return {f"{i:05d}{jax.tree_util.keystr(p)}": x for i, (p, x) in enumerate(leaves)}
+
+
+class Checkpointer:
+  """Saves and restores one engine's state under ``directory`` (orbax ``CheckpointManager``)."""
+
+  def __init__(self, directory: str | Path, *, max_to_keep: int = 3):
+    import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+
+    self._ocp = ocp
+    self.directory = Path(directory).absolute()
+    self._manager = ocp.CheckpointManager(
+        self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True)
+    )
+
+  def save(self, step: int, state: Any, metadata: Mapping[str, Any]) -> str:
+    """Writes ``state`` and ``metadata`` as checkpoint ``step``; returns its path once complete.
+
+    Synchronous: the engine donates its optimizer state to the next update.
+
+    Raises:
+      RuntimeError: the checkpoint library skipped the save (a checkpoint of
+        ``step`` already exists there).
+    """
+    ocp = self._ocp
+    saved = self._manager.save(
+        step,
+        args=ocp.args.Composite(
+            state=ocp.args.StandardSave(flatten_state(state)),
+            metadata=ocp.args.JsonSave({"step": step, **dict(metadata)}),
+        ),
+    )
+    self._manager.wait_until_finished()
+    if not saved:
+      raise RuntimeError(
+          f"checkpoint {step} was not written: {self.directory} already holds a checkpoint of"
+          " that step (another run's?); use a new checkpoint directory"
+      )
+    return str(self.directory / str(step))
+
+  def latest_step(self) -> int | None:
+    return self._manager.latest_step()
+
+  def restore(self, template: Any, step: int | None = None) -> tuple[Any, dict[str, Any]]:
+    """Loads checkpoint ``step`` (default: the latest) onto ``template``'s shardings.
+
+    Returns the state (same structure as ``template``) and the metadata.
+
+    Raises:
+      RuntimeError: there is no checkpoint.
+    """
+    ocp = self._ocp
+    step = self.latest_step() if step is None else step
+    if step is None:
+      raise RuntimeError(f"no checkpoint under {self.directory}")
+    target = {
+        k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding)
+        for k, v in flatten_state(template).items()
+    }
+    restored = self._manager.restore(
+        step,
+        args=ocp.args.Composite(state=ocp.args.StandardRestore(target), metadata=ocp.args.JsonRestore()),
+    )
+    _, treedef = jax.tree_util.tree_flatten(template)
+    flat = restored["state"]
+    state = jax.tree_util.tree_unflatten(treedef, [flat[k] for k in sorted(flat)])
+    return state, dict(restored["metadata"])

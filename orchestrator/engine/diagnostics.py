@@ -1,0 +1,53 @@
+"""Diagnostics: state digests and a count of XLA backend compiles.
+
+The compile counter listens to JAX's public monitoring events. It is installed
+on first use, not at import, so importing the engine changes nothing global.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from typing import Any
+
+import jax
+import numpy as np
+
+# The event JAX records once per XLA backend compile (jax.monitoring; stable across 0.4–0.10).
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+_lock = threading.Lock()
+_compiles = [0]
+_installed = [False]
+
+
+def _on_event_duration(event: str, duration_s: float, **_: Any) -> None:
+  del duration_s
+  if event == BACKEND_COMPILE_EVENT:
+    _compiles[0] += 1
+
+
+def backend_compile_count() -> int:
+  """XLA backend compiles counted in this process since the counter was first asked for.
+
+  Callers take differences (compiles during an arm, after warm-up): the first
+  call installs the listener and returns 0.
+  """
+  with _lock:
+    if not _installed[0]:
+      jax.monitoring.register_event_duration_secs_listener(_on_event_duration)
+      _installed[0] = True
+    return _compiles[0]
+
+
+def tree_digest(tree: Any) -> str:
+  """sha256 over every leaf's path, dtype, shape and bytes (read to the host)."""
+  h = hashlib.sha256()
+  leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
+  for path, leaf in leaves:
+    arr = np.asarray(jax.device_get(leaf))
+    h.update(jax.tree_util.keystr(path).encode())
+    h.update(str(arr.dtype).encode())
+    h.update(str(arr.shape).encode())
+    h.update(np.ascontiguousarray(arr).tobytes())
+  return h.hexdigest()

@@ -1,0 +1,88 @@
+"""The step's math as pure functions: accumulate one micro-batch, apply the update.
+
+No engine state lives here. The engine jits these with its shardings and
+donation; ``on_trace(name)`` is called at trace time only (tests count traces).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from orchestrator.engine import moe as moe_lib
+from orchestrator.engine.loss import LossConfig, attention_mask, policy_loss_sum
+
+
+def loss_sum_fn(graphdef: Any, loss_config: LossConfig) -> Callable:
+  """``(params, batch) -> (loss_sum, (token_count, dropped_tokens))`` for one packed micro-batch."""
+
+  def loss_sum(params, batch):
+    model = nnx.merge(graphdef, params)
+    with moe_lib.routing_scope(batch["segment_ids"] > 0) as dropped:
+      logits, _ = model(batch["input_tokens"], batch["positions"], None,
+                        attention_mask(batch["segment_ids"]))
+    total, count = policy_loss_sum(logits, batch, loss_config)
+    dropped_tokens = sum(dropped) if dropped else jnp.float32(0)
+    return total, (count, dropped_tokens)
+
+  return loss_sum
+
+
+def accumulate_fn(graphdef: Any, loss_config: LossConfig, *, mask_overflow: bool,
+                  on_trace: Callable[[], None]) -> Callable:
+  """``(params, grad_acc, loss_acc, denom_acc, batch)`` → accumulators plus this micro-batch's
+  loss sum, token count, dropped tokens and overflow flag.
+
+  With ``mask_overflow`` (dropless re-runs) a micro-batch that dropped tokens
+  adds nothing; its re-run adds its gradients once. The mask runs on the
+  device, so nothing syncs (and ``x + 0 == x``, so a discarded run leaves no trace).
+  """
+  loss_sum = loss_sum_fn(graphdef, loss_config)
+
+  def accumulate(params, grad_acc, loss_acc, denom_acc, batch):
+    on_trace()
+    (total, (count, dropped)), grads = jax.value_and_grad(loss_sum, has_aux=True)(params, batch)
+    overflow = dropped > 0
+    if mask_overflow:
+      keep = jnp.logical_not(overflow)
+      grads = jax.tree.map(lambda g: jnp.where(keep, g, jnp.zeros_like(g)), grads)
+      total = jnp.where(keep, total, 0.0)
+      count = jnp.where(keep, count, 0.0)
+    grad_acc = jax.tree.map(jnp.add, grad_acc, grads)
+    return grad_acc, loss_acc + total, denom_acc + count, total, count, dropped, overflow
+
+  return accumulate
+
+
+def mean_grads(grad_acc: Any, denom_acc: jax.Array) -> Any:
+  """Accumulated gradient sums divided by the step's token count."""
+  scale = 1.0 / jnp.maximum(denom_acc, 1.0)
+  return jax.tree.map(lambda g: g * scale, grad_acc)
+
+
+def apply_fn(optimizer: optax.GradientTransformation, *, on_trace: Callable[[], None]) -> Callable:
+  """``(params, opt_state, grad_acc, loss_acc, denom_acc)`` → new params and optimizer state,
+  zeroed accumulators, and the step's metrics (loss, grad norm, tokens)."""
+
+  def apply(params, opt_state, grad_acc, loss_acc, denom_acc):
+    on_trace()
+    grads = mean_grads(grad_acc, denom_acc)
+    grad_norm = optax.tree.norm(grads)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    metrics = {"loss": loss_acc * (1.0 / jnp.maximum(denom_acc, 1.0)),
+               "grad_norm": grad_norm, "tokens": denom_acc}
+    zeros = jax.tree.map(jnp.zeros_like, grad_acc)
+    return params, opt_state, zeros, jnp.zeros_like(loss_acc), jnp.zeros_like(denom_acc), metrics
+
+  return apply
+
+
+def grad_norm(grad_acc: Any, denom_acc: jax.Array) -> jax.Array:
+  """The norm of the step's mean gradient (the non-finite check reads it)."""
+  return optax.tree.norm(mean_grads(grad_acc, denom_acc))
