@@ -101,7 +101,8 @@ def record_main(argv: list[str]) -> int:
   args, resolved = _parse_sub(p, argv)
   if args is None:
     return resolved
-  from orchestrator.data.recording import RolloutShape, generate_groups, write_recording
+  from orchestrator.data.recording import write_recording
+  from orchestrator.data.synthetic import RolloutShape, generate_groups
   from orchestrator.engine.presets import load_preset
 
   recipe = resolved.recipe
@@ -241,7 +242,7 @@ def run(resolved: config_lib.ResolvedRecipe) -> int:
   except Exception as e:  # pylint: disable=broad-except
     print(f"run_rl: bring-up failed: {type(e).__name__}: {e}", file=sys.stderr)
     return 1
-  from orchestrator.program import format_summary, format_table
+  from orchestrator.console import format_summary, format_table
 
   try:
     result = program.run()

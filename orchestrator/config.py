@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import types
 import typing
@@ -21,6 +22,7 @@ from typing import Any
 
 import yaml
 
+from orchestrator.engine.mesh_shape import MeshConfig
 from orchestrator.engine.options import EngineOptions
 from policies import Mode
 
@@ -32,13 +34,21 @@ class RecipeError(ValueError):
   """A recipe, flag, override or environment switch that cannot be used as given."""
 
 
-@dataclasses.dataclass
-class MeshSection:
-  """Device mesh axis sizes; their product is the number of devices."""
+def _at_least(section: str, obj: Any, keys: tuple[str, ...], minimum: float) -> None:
+  for key in keys:
+    value = getattr(obj, key)
+    if value is not None and value < minimum:
+      raise RecipeError(f"{section}.{key}={value} is out of range: it must be >= {minimum}")
 
-  fsdp: int = 1
-  context: int = 1
-  expert: int = 1
+
+class MeshSection(MeshConfig):
+  """Device mesh axis sizes (``orchestrator.engine.mesh_shape.MeshConfig``); their product is the devices."""
+
+  def validate(self) -> None:
+    try:
+      MeshConfig.validate(self)
+    except ValueError as e:
+      raise RecipeError(str(e)) from None
 
 
 @dataclasses.dataclass
@@ -49,24 +59,11 @@ class BatchSection:
   rows: int | None = None  # None: the model preset's
   tokens_per_row: int | None = None
 
+  def validate(self) -> None:
+    _at_least("batch", self, ("micro_batches_per_step", "rows", "tokens_per_row"), 1)
 
-_ENGINE = EngineOptions()
 
-
-@dataclasses.dataclass
-class EngineSection:
-  """Optimizer, loss and in-flight settings of the training engine (defaults: EngineOptions')."""
-
-  learning_rate: float = _ENGINE.learning_rate
-  weight_decay: float = _ENGINE.weight_decay
-  max_grad_norm: float = _ENGINE.max_grad_norm
-  clip_eps_low: float = _ENGINE.clip_eps_low
-  clip_eps_high: float = _ENGINE.clip_eps_high
-  max_inflight: int = _ENGINE.max_inflight
-  seed: int = _ENGINE.seed
-  ragged_buffer_factor: float = _ENGINE.ragged_buffer_factor  # -1: fully dropless MoE routing
-  retry_when_tokens_dropped: bool = _ENGINE.retry_when_tokens_dropped
-  skip_nonfinite_updates: bool = _ENGINE.skip_nonfinite_updates
+ROLLOUT_SOURCES = ("synthetic", "recording")
 
 
 @dataclasses.dataclass
@@ -83,6 +80,16 @@ class RolloutsSection:
   prompt_len_median: float = 24.0
   completion_len_median: float = 16.0
 
+  def validate(self) -> None:
+    _at_least("rollouts", self, ("generations_per_group", "groups", "prompt_len_median",
+                                 "completion_len_median"), 1)
+    if not 0 < self.fill <= 1:
+      raise RecipeError(f"rollouts.fill={self.fill} is out of range: it must be in (0, 1]")
+    if self.source not in ROLLOUT_SOURCES:
+      raise RecipeError(f"rollouts.source={self.source!r}: use one of {', '.join(map(repr, ROLLOUT_SOURCES))}")
+    if self.source == "recording" and not self.recording:
+      raise RecipeError("rollouts.source=recording needs rollouts.recording=DIR")
+
 
 @dataclasses.dataclass
 class CheckpointSection:
@@ -91,6 +98,15 @@ class CheckpointSection:
   directory: str | None = None
   every: int = 0  # 0: only the scored steps
   scored_steps: list[int] = dataclasses.field(default_factory=list)
+
+  def validate(self, steps: int) -> None:
+    _at_least("checkpoint", self, ("every",), 0)
+    bad = [n for n in self.scored_steps if not 1 <= n <= steps]
+    if bad:
+      raise RecipeError(f"checkpoint.scored_steps {bad} are outside the run's steps 1..{steps}")
+    if (self.every or self.scored_steps) and not self.directory:
+      raise RecipeError("checkpoints are asked for (checkpoint.every or checkpoint.scored_steps) but"
+                        " checkpoint.directory is unset; set a directory")
 
 
 @dataclasses.dataclass
@@ -108,6 +124,33 @@ class StepBoundarySection:
   sync_before_next_step: bool = False
   calibration_samples: int = 8
 
+  @property
+  def staging_requested(self) -> bool:
+    return self.pipeline_step_boundary if self.stage_next_microbatch is None else self.stage_next_microbatch
+
+  @property
+  def mode(self) -> Mode:
+    """The policy mode the switches select."""
+    if not self.pipeline_step_boundary:
+      return Mode.OFF
+    if not self.staging_requested:
+      return Mode.PIPELINED
+    return Mode.STAGE_BEFORE_UPDATE if self.stage_before_update else Mode.STAGE_AFTER_UPDATE
+
+  def validate(self) -> None:
+    _at_least("step_boundary", self, ("disable_after", "calibration_samples", "reprobe_every"), 1)
+    t = self.wait_threshold_s
+    if t != "auto" and t < 0:
+      raise RecipeError(f"step_boundary.wait_threshold_s={t} is out of range: use 'auto' or a number >= 0")
+    if self.stage_next_microbatch and not self.pipeline_step_boundary:
+      raise RecipeError(
+          "step_boundary.stage_next_microbatch=true needs step_boundary.pipeline_step_boundary=true:"
+          " staging moves work across a pipelined boundary; turn pipelining on, or staging off")
+    if self.require_staging and not self.staging_requested:
+      off = "pipeline_step_boundary" if not self.pipeline_step_boundary else "stage_next_microbatch"
+      raise RecipeError(f"step_boundary.require_staging=true but staging is off ({off}=false);"
+                        " turn staging on or drop require_staging")
+
 
 @dataclasses.dataclass
 class SimulateSection:
@@ -122,6 +165,11 @@ class SimulateSection:
   update_waits_for_last: bool = False
   tokens_per_device: int | None = None  # None: rows × tokens_per_row ÷ devices
 
+  def validate(self) -> None:
+    _at_least("simulate", self, ("micro_batch_s", "input_copy_s", "update_s", "metrics_s", "wait_floor_s",
+                                 "dispatch_s"), 0)
+    _at_least("simulate", self, ("tokens_per_device",), 1)
+
 
 @dataclasses.dataclass
 class RunSection:
@@ -130,10 +178,17 @@ class RunSection:
   out: str | None = None  # None: runs/<recipe name>-<time>
   reserve_host_core: bool = True
 
+  def validate(self) -> None:
+    pass
+
 
 @dataclasses.dataclass
 class Recipe:
-  """A full run description; ``recipes/*.yaml`` set any subset of it."""
+  """A full run description; ``recipes/*.yaml`` set any subset of it.
+
+  A new key is one field on its section (with its check in that section's
+  ``validate``); the engine's keys are ``EngineOptions``' fields.
+  """
 
   name: str = "unnamed"
   description: str = ""
@@ -141,7 +196,7 @@ class Recipe:
   steps: int = 6
   mesh: MeshSection = dataclasses.field(default_factory=MeshSection)
   batch: BatchSection = dataclasses.field(default_factory=BatchSection)
-  engine: EngineSection = dataclasses.field(default_factory=EngineSection)
+  engine: EngineOptions = dataclasses.field(default_factory=EngineOptions)
   rollouts: RolloutsSection = dataclasses.field(default_factory=RolloutsSection)
   checkpoint: CheckpointSection = dataclasses.field(default_factory=CheckpointSection)
   step_boundary: StepBoundarySection = dataclasses.field(default_factory=StepBoundarySection)
@@ -151,18 +206,11 @@ class Recipe:
   # ---------------------------------------------------------------- derived
   @property
   def staging_requested(self) -> bool:
-    sb = self.step_boundary
-    return sb.pipeline_step_boundary if sb.stage_next_microbatch is None else sb.stage_next_microbatch
+    return self.step_boundary.staging_requested
 
   @property
   def mode(self) -> Mode:
-    """The policy mode the switches select."""
-    sb = self.step_boundary
-    if not sb.pipeline_step_boundary:
-      return Mode.OFF
-    if not self.staging_requested:
-      return Mode.PIPELINED
-    return Mode.STAGE_BEFORE_UPDATE if sb.stage_before_update else Mode.STAGE_AFTER_UPDATE
+    return self.step_boundary.mode
 
   @property
   def wait_threshold(self) -> float | None:
@@ -175,6 +223,37 @@ class Recipe:
     if not self.step_boundary.exclude_checkpoint_boundaries:
       return []
     return sorted({n - 1 for n in self.checkpoint.scored_steps})
+
+  # ---------------------------------------------------------------- validation
+  def validate(self) -> None:
+    """Raises RecipeError for out-of-range values and contradictory settings, one key at a time."""
+    if self.steps < 1:
+      raise RecipeError(f"steps={self.steps} is out of range: it must be >= 1")
+    for section in (self.mesh, self.batch, self.rollouts, self.step_boundary, self.simulate, self.run):
+      section.validate()
+    self.checkpoint.validate(self.steps)
+    from orchestrator.engine.presets import available_presets, load_preset  # no JAX import
+
+    if self.model not in available_presets():
+      raise RecipeError(f"model={self.model!r} is not a preset; available: {', '.join(available_presets())}")
+    preset = load_preset(self.model)
+    try:
+      self.engine.validate(preset)
+      self.mesh.check_batch_shape(self.batch.rows or preset.rows, self.batch.tokens_per_row or preset.tokens_per_row)
+    except ValueError as e:
+      raise RecipeError(str(e)) from None
+    if self.engine.backend == "tunix_peft":
+      self._validate_tunix_backend()
+
+  def _validate_tunix_backend(self) -> None:
+    if self.mesh.num_devices != 1:
+      raise RecipeError(f"engine.backend=tunix_peft runs on one device; the mesh asks for {self.mesh.num_devices}")
+    if self.checkpoint.every or self.checkpoint.scored_steps:
+      raise RecipeError("engine.backend=tunix_peft does not write checkpoints; set checkpoint.every=0 and no"
+                        " checkpoint.scored_steps, or use engine.backend=jax")
+    if self.step_boundary.require_staging:
+      raise RecipeError("engine.backend=tunix_peft cannot stage, and step_boundary.require_staging=true;"
+                        " drop require_staging (it falls back to PIPELINED) or use engine.backend=jax")
 
 
 # ------------------------------------------------------------------ schema walking
@@ -227,13 +306,15 @@ def parse_bool(value: Any, key: str) -> bool:
 def _parse_number(value: Any, kind: type, key: str):
   if isinstance(value, bool):
     raise RecipeError(f"{key}: expected {kind.__name__}, got boolean {value}")
-  if isinstance(value, (int, float)) and not isinstance(value, bool):
+  if isinstance(value, (int, float)):
     number = value
   else:
     try:
       number = float(str(value).strip())
     except ValueError:
       raise RecipeError(f"{key}: expected {kind.__name__}, got {value!r}") from None
+  if not math.isfinite(number):
+    raise RecipeError(f"{key}: expected a finite number, got {value!r}")
   if kind is int:
     if float(number) != int(float(number)):
       raise RecipeError(f"{key}: expected a whole number, got {value!r}")
@@ -313,14 +394,40 @@ def _section_paths() -> set[str]:
 
 
 # ------------------------------------------------------------------ loading
+class _UniqueKeyLoader(yaml.SafeLoader):
+  """A safe loader that refuses a key given twice in one mapping (the last would silently win)."""
+
+
+def _mapping_without_duplicates(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False):
+  seen: dict[Any, int] = {}
+  for key_node, _ in node.value:
+    key = loader.construct_object(key_node, deep=deep)
+    if key in seen:
+      raise yaml.constructor.ConstructorError(
+          None, None, f"key {key!r} appears twice (first on line {seen[key] + 1}); keep one", key_node.start_mark)
+    seen[key] = key_node.start_mark.line
+  return loader.construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping_without_duplicates)
+
+
 def read_recipe_file(path: str | Path) -> dict[str, Any]:
   """The recipe file's keys (dotted); RecipeError for a missing file or bad YAML."""
   path = Path(path)
+  if path.is_dir():
+    raise RecipeError(f"recipe {path} is a directory; pass a recipe YAML file")
   if not path.is_file():
     available = ", ".join(sorted(p.name for p in RECIPES_DIR.glob("*.yaml")))
     raise RecipeError(f"recipe {path} does not exist; shipped recipes in {RECIPES_DIR}: {available}")
   try:
-    raw = yaml.safe_load(path.read_text())
+    text = path.read_text(encoding="utf-8")
+  except UnicodeDecodeError as e:
+    raise RecipeError(f"recipe {path} is not UTF-8 text (byte {e.start}); save it as UTF-8 YAML") from None
+  except OSError as e:
+    raise RecipeError(f"recipe {path} cannot be read: {e.strerror}; check its permissions") from None
+  try:
+    raw = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
   except yaml.MarkedYAMLError as e:
     mark = e.problem_mark
     where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "unknown position"
@@ -410,96 +517,9 @@ def get(recipe: Recipe, key: str) -> Any:
   return target
 
 
-# ------------------------------------------------------------------ validation
 def validate(recipe: Recipe) -> None:
-  """Raises RecipeError for out-of-range values and contradictory settings."""
-  def at_least(key, minimum):
-    value = get(recipe, key)
-    if value is not None and value < minimum:
-      raise RecipeError(f"{key}={value} is out of range: it must be >= {minimum}")
-
-  for key in ("steps", "batch.micro_batches_per_step", "mesh.fsdp", "mesh.context", "mesh.expert",
-              "engine.max_inflight", "step_boundary.disable_after", "step_boundary.calibration_samples",
-              "rollouts.generations_per_group"):
-    at_least(key, 1)
-  for key in ("batch.rows", "batch.tokens_per_row", "step_boundary.reprobe_every", "rollouts.groups",
-              "rollouts.prompt_len_median", "rollouts.completion_len_median"):
-    at_least(key, 1)
-  for key in ("checkpoint.every",):
-    at_least(key, 0)
-  for key in ("engine.learning_rate", "engine.max_grad_norm"):
-    if get(recipe, key) <= 0:
-      raise RecipeError(f"{key}={get(recipe, key)} is out of range: it must be > 0")
-  for key in ("engine.clip_eps_low", "engine.clip_eps_high", "engine.weight_decay"):
-    at_least(key, 0)
-  if not 0 < recipe.rollouts.fill <= 1:
-    raise RecipeError(f"rollouts.fill={recipe.rollouts.fill} is out of range: it must be in (0, 1]")
-  t = recipe.step_boundary.wait_threshold_s
-  if t != "auto" and t < 0:
-    raise RecipeError(f"step_boundary.wait_threshold_s={t} is out of range: use 'auto' or a number >= 0")
-  factor = recipe.engine.ragged_buffer_factor
-  if factor != -1 and factor <= 0:
-    raise RecipeError(
-        f"engine.ragged_buffer_factor={factor} is out of range: use -1 (fully dropless) or a"
-        " capacity factor > 0"
-    )
-  sb = recipe.step_boundary
-  if sb.stage_next_microbatch and not sb.pipeline_step_boundary:
-    raise RecipeError(
-        "step_boundary.stage_next_microbatch=true needs step_boundary.pipeline_step_boundary=true:"
-        " staging moves work across a pipelined boundary; turn pipelining on, or staging off"
-    )
-  if sb.require_staging and not recipe.staging_requested:
-    raise RecipeError(
-        "step_boundary.require_staging=true but staging is off"
-        f" ({'pipeline_step_boundary' if not sb.pipeline_step_boundary else 'stage_next_microbatch'}"
-        "=false); turn staging on or drop require_staging"
-    )
-  if recipe.rollouts.source not in ("synthetic", "recording"):
-    raise RecipeError(
-        f"rollouts.source={recipe.rollouts.source!r}: use 'synthetic' or 'recording'"
-    )
-  if recipe.rollouts.source == "recording" and not recipe.rollouts.recording:
-    raise RecipeError("rollouts.source=recording needs rollouts.recording=DIR")
-  bad_scored = [n for n in recipe.checkpoint.scored_steps if not 1 <= n <= recipe.steps]
-  if bad_scored:
-    raise RecipeError(
-        f"checkpoint.scored_steps {bad_scored} are outside the run's steps 1..{recipe.steps}"
-    )
-  if (recipe.checkpoint.every or recipe.checkpoint.scored_steps) and not recipe.checkpoint.directory:
-    raise RecipeError(
-        "checkpoints are asked for (checkpoint.every or checkpoint.scored_steps) but"
-        " checkpoint.directory is unset; set a directory"
-    )
-  from orchestrator.engine.presets import available_presets, load_preset  # no JAX import
-
-  if recipe.model not in available_presets():
-    raise RecipeError(
-        f"model={recipe.model!r} is not a preset; available: {', '.join(available_presets())}"
-    )
-  preset = load_preset(recipe.model)
-  if recipe.engine.retry_when_tokens_dropped and not preset.is_moe:
-    raise RecipeError(
-        f"engine.retry_when_tokens_dropped=true needs an MoE model, but {recipe.model!r} is"
-        " dense; pick an MoE preset or turn the retry off"
-    )
-  if recipe.engine.retry_when_tokens_dropped and factor == -1:
-    raise RecipeError(
-        "engine.retry_when_tokens_dropped=true with engine.ragged_buffer_factor=-1 (fully"
-        " dropless) has nothing to retry; set a capacity factor > 0 or turn the retry off"
-    )
-  rows = recipe.batch.rows or preset.rows
-  tokens = recipe.batch.tokens_per_row or preset.tokens_per_row
-  row_shards = recipe.mesh.fsdp * recipe.mesh.expert
-  if rows % row_shards:
-    raise RecipeError(
-        f"batch.rows={rows} does not split over mesh.fsdp×mesh.expert={row_shards};"
-        f" use a multiple of {row_shards}"
-    )
-  if tokens % recipe.mesh.context:
-    raise RecipeError(
-        f"batch.tokens_per_row={tokens} does not split over mesh.context={recipe.mesh.context}"
-    )
+  """Raises RecipeError for out-of-range values and contradictory settings (``Recipe.validate``)."""
+  recipe.validate()
 
 
 def to_dict(recipe: Recipe) -> dict[str, Any]:

@@ -1,51 +1,72 @@
-"""Turn a validated recipe into a running program: engine, rollouts, worker, policy, progress."""
+"""Turn a validated recipe into a running program: engine, rollouts, worker, policy, progress.
+
+``policy_from_recipe`` is the one place a recipe becomes a ``StepBoundaryPolicy``
+(``run_rl``, the rig and the benches all use it).
+"""
 
 from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
 
-from orchestrator.config import Recipe, RecipeError
+from orchestrator.config import RECIPES_DIR, Recipe, RecipeError
 from orchestrator.program import ProgramConfig, RLProgram
-from orchestrator.trainer_worker import TrainerWorker
-from policies import StagingUnsupportedError, StepBoundaryPolicy
+from orchestrator.trainer_worker import TrainerWorker, WorkerCapabilities
+from policies import Mode, StagingUnsupportedError, StepBoundaryPolicy
 
 
-def engine_options(recipe: Recipe, checkpoint_dir: str | None) -> dict:
-  e = recipe.engine
-  return {
-      "rows": recipe.batch.rows,
-      "tokens_per_row": recipe.batch.tokens_per_row,
-      "learning_rate": e.learning_rate,
-      "weight_decay": e.weight_decay,
-      "max_grad_norm": e.max_grad_norm,
-      "clip_eps_low": e.clip_eps_low,
-      "clip_eps_high": e.clip_eps_high,
-      "max_inflight": e.max_inflight,
-      "seed": e.seed,
-      "checkpoint_dir": checkpoint_dir,
-      "ragged_buffer_factor": e.ragged_buffer_factor,
-      "retry_when_tokens_dropped": e.retry_when_tokens_dropped,
-      "skip_nonfinite_updates": e.skip_nonfinite_updates,
-  }
+def policy_from_recipe(recipe: Recipe, capabilities: WorkerCapabilities, *, mode: Mode | None = None,
+                       steps: int | None = None) -> StepBoundaryPolicy:
+  """The policy the recipe's ``step_boundary`` section describes, for a worker with ``capabilities``.
+
+  ``mode`` overrides the switches' mode (the rig's arms); ``steps`` bounds the
+  excluded boundaries to a shorter run.
+
+  Raises:
+    RecipeError: a staged mode with ``require_staging`` on an engine that cannot stage.
+  """
+  sb = recipe.step_boundary
+  excluded = [s for s in recipe.excluded_steps if steps is None or s < steps]
+  try:
+    return StepBoundaryPolicy(
+        mode or recipe.mode,
+        engine_can_stage=capabilities.can_stage,
+        require_staging=sb.require_staging,
+        wait_threshold_s=recipe.wait_threshold,
+        disable_after=sb.disable_after,
+        reprobe_every=sb.reprobe_every,
+        excluded_steps=excluded,
+        engine_missing=capabilities.missing_staging_methods,
+    )
+  except StagingUnsupportedError as e:
+    raise RecipeError(str(e)) from None
 
 
-def rollout_source(recipe: Recipe, engine):
-  """The per-step payload iterable the recipe names."""
+def build_engine_from_recipe(recipe: Recipe, *, checkpoint_dir: str | None = None):
+  """The engine ``engine.backend`` names, with the recipe's model, mesh, batch shape and options."""
+  from orchestrator.engine import build_backend
+
+  return build_backend(recipe.model, recipe.engine, mesh=dataclasses.asdict(recipe.mesh),
+                       rows=recipe.batch.rows, tokens_per_row=recipe.batch.tokens_per_row,
+                       checkpoint_dir=checkpoint_dir,
+                       micro_batches_per_step=recipe.batch.micro_batches_per_step)
+
+
+def rollout_source(recipe: Recipe, *, vocab_size: int, rows: int, tokens_per_row: int, steps: int | None = None):
+  """The per-step payloads the recipe names (``steps`` of them; default the recipe's)."""
   r = recipe.rollouts
+  steps = steps or recipe.steps
+  m = recipe.batch.micro_batches_per_step
   if r.source == "synthetic":
     from orchestrator.data.synthetic import SyntheticRollouts
 
-    return SyntheticRollouts(
-        engine.preset.vocab_size, engine.rows, engine.tokens_per_row,
-        generations_per_group=r.generations_per_group, fill=r.fill, seed=r.seed,
-    ).steps(recipe.steps, recipe.batch.micro_batches_per_step)
+    return SyntheticRollouts(vocab_size, rows, tokens_per_row, generations_per_group=r.generations_per_group,
+                             fill=r.fill, seed=r.seed).steps(steps, m)
   from orchestrator.data.recording import open_recording
   from orchestrator.data.replay import replay_steps
 
-  recording = open_recording(resolve_path(r.recording), vocab_size=engine.preset.vocab_size)
-  return replay_steps(recording, rows=engine.rows, tokens_per_row=engine.tokens_per_row,
-                      micro_batches_per_step=recipe.batch.micro_batches_per_step, steps=recipe.steps)
+  recording = open_recording(resolve_path(r.recording), vocab_size=vocab_size)
+  return replay_steps(recording, rows=rows, tokens_per_row=tokens_per_row, micro_batches_per_step=m, steps=steps)
 
 
 def resolve_path(path: str) -> Path:
@@ -53,9 +74,17 @@ def resolve_path(path: str) -> Path:
   given = Path(path)
   if given.exists() or given.is_absolute():
     return given
-  from orchestrator.config import RECIPES_DIR
-
   return RECIPES_DIR.parent / given
+
+
+def program_config(recipe: Recipe, out: Path | None, *, steps: int | None = None) -> ProgramConfig:
+  sb, ckpt = recipe.step_boundary, recipe.checkpoint
+  return ProgramConfig(
+      steps=steps or recipe.steps, micro_batches_per_step=recipe.batch.micro_batches_per_step,
+      checkpoint_every=ckpt.every, scored_checkpoint_steps=tuple(ckpt.scored_steps),
+      sync_before_next_step=sb.sync_before_next_step, calibration_samples=sb.calibration_samples,
+      out_dir=str(out) if out else None,
+  )
 
 
 @dataclasses.dataclass
@@ -83,53 +112,24 @@ class RunHandle:
 
 
 def build_run(recipe: Recipe, out: Path, *, progress: bool = True) -> RunHandle:
-  from orchestrator.engine import build_engine
-
   ckpt = recipe.checkpoint
-  checkpoint_dir = str(Path(ckpt.directory).absolute()) if ckpt.directory else None
-  engine = build_engine(
-      recipe.model, mesh=dataclasses.asdict(recipe.mesh), **engine_options(recipe, checkpoint_dir)
-  )
+  engine = build_engine_from_recipe(
+      recipe, checkpoint_dir=str(Path(ckpt.directory).absolute()) if ckpt.directory else None)
   worker = TrainerWorker(engine)
-  sb = recipe.step_boundary
-  try:
-    policy = StepBoundaryPolicy(
-        recipe.mode,
-        engine_can_stage=worker.capabilities.can_stage,
-        require_staging=sb.require_staging,
-        wait_threshold_s=recipe.wait_threshold,
-        disable_after=sb.disable_after,
-        reprobe_every=sb.reprobe_every,
-        excluded_steps=recipe.excluded_steps,
-        engine_missing=worker.capabilities.missing_staging_methods,
-    )
-  except StagingUnsupportedError as e:
-    raise RecipeError(str(e)) from None
-  bar = None
-  on_step = None
+  policy = policy_from_recipe(recipe, worker.capabilities)
+  bar = on_step = None
   if progress:
     from tqdm import tqdm
+
+    from orchestrator.console import progress_postfix
 
     bar = tqdm(total=recipe.steps, desc=f"{recipe.name} [{recipe.mode.value}]", unit="step")
 
     def on_step(record):
-      idle = record["boundary_idle_s"]
-      bar.set_postfix(step_s=f"{record['step_s']:.3f}",
-                      idle_s="-" if idle is None else f"{idle:.4f}",
-                      loss=f"{record['loss']:.4f}" if record["loss"] is not None else "-")
+      bar.set_postfix(progress_postfix(record))
       bar.update(1)
 
-  program = RLProgram(
-      worker, policy, rollout_source(recipe, engine),
-      ProgramConfig(
-          steps=recipe.steps,
-          micro_batches_per_step=recipe.batch.micro_batches_per_step,
-          checkpoint_every=ckpt.every,
-          scored_checkpoint_steps=tuple(ckpt.scored_steps),
-          sync_before_next_step=sb.sync_before_next_step,
-          calibration_samples=sb.calibration_samples,
-          out_dir=str(out),
-      ),
-      on_step=on_step,
-  )
+  source = rollout_source(recipe, vocab_size=engine.preset.vocab_size, rows=engine.rows,
+                          tokens_per_row=engine.tokens_per_row)
+  program = RLProgram(worker, policy, source, program_config(recipe, out), on_step=on_step)
   return RunHandle(program, bar)

@@ -128,10 +128,19 @@ def _main(argv, capsys, env=None):
         (["notakeyvalue"], {}, "override 'notakeyvalue' is not key=value"),
         (["--steps", "x"], {}, "argument --steps: invalid int value"),
         ([], {"PIPELINE_STEP_BOUNDARY": "maybe"}, "environment PIPELINE_STEP_BOUNDARY='maybe'"),
+        (["engine.backend=torch"], {}, "engine.backend='torch' is not a backend; use one of ['jax', 'tunix_peft']"),
+        (["engine.backend=tunix_peft", "mesh.fsdp=2"], {}, "engine.backend=tunix_peft runs on one device"),
+        (["engine.backend=tunix_peft", "model=tiny_moe"], {}, "engine.backend=tunix_peft trains dense models only"),
+        (["engine.backend=tunix_peft", "--require_staging"], {}, "engine.backend=tunix_peft cannot stage"),
+        (["steps=inf"], {}, "steps: expected a finite number, got 'inf'"),
+        (["engine.learning_rate=nan"], {}, "engine.learning_rate: expected a finite number"),
+        (["steps=1e400"], {}, "steps: expected a finite number, got '1e400'"),
     ],
     ids=["staging-without-pipeline", "unknown-key", "wrong-type", "not-whole", "out-of-range",
          "factor-zero", "factor-negative", "missing-recipe", "require-staging-off", "retry-dense",
-         "mesh-split", "unknown-preset", "checkpoint-no-dir", "bad-override", "bad-flag", "bad-env"],
+         "mesh-split", "unknown-preset", "checkpoint-no-dir", "bad-override", "bad-flag", "bad-env",
+         "unknown-backend", "tunix-mesh", "tunix-moe", "tunix-require-staging", "steps-inf", "lr-nan",
+         "steps-overflow"],
 )
 def test_refusals_exit_2_with_one_clear_message(argv, env, message, capsys):
   code, out, err = _main(argv, capsys, env)
@@ -150,6 +159,18 @@ def test_invalid_yaml_names_line_and_column(tmp_path, capsys):
   path = write(tmp_path, "model: tiny\nsteps: [1, 2\nname: x\n")
   code, _, err = _main(["--recipe", path], capsys)
   assert code == 2 and "is not valid YAML at line 3, column" in err
+
+
+def test_duplicate_recipe_keys_are_refused(tmp_path, capsys):
+  path = write(tmp_path, "model: tiny\nsteps: 2\nsteps: 3\n")
+  code, _, err = _main(["--recipe", path], capsys)
+  assert code == 2 and "key 'steps' appears twice (first on line 2); keep one" in err
+  assert "Traceback" not in err
+
+
+def test_recipe_path_that_is_a_directory_is_named_as_such(tmp_path, capsys):
+  code, _, err = _main(["--recipe", str(tmp_path)], capsys)
+  assert code == 2 and "is a directory; pass a recipe YAML file" in err
 
 
 def test_wrong_type_in_recipe_is_refused(tmp_path, capsys):
@@ -261,3 +282,15 @@ def test_rig_takes_the_recording_from_the_recipe_or_refuses_without_one(tmp_path
   code, _, err = _main(["rig", "model=tiny", "rollouts.source=synthetic", "rollouts.recording=null",
                         "--out", str(tmp_path)], capsys)
   assert code == 2 and "no recording: pass --recording DIR or set rollouts.recording" in err
+
+
+def test_engine_backend_tunix_peft_runs_through_run_rl_with_one_fallback_warning(tmp_path, capsys):
+  """The registry's second backend, picked by a recipe key: a stock Tunix PeftTrainer."""
+  code, out, err = _main(["model=tiny", "engine.backend=tunix_peft", "steps=3", "batch.micro_batches_per_step=2",
+                          "rollouts.source=synthetic", "run.reserve_host_core=false",
+                          "--out", str(tmp_path / "out")], capsys)
+  assert code == 0, err[-2000:]
+  assert "mode: requested stage_before_update, ended pipelined" in out
+  assert err.count("falling back to PIPELINED") == 1
+  records = [json.loads(line) for line in (tmp_path / "out" / "records.jsonl").read_text().splitlines()]
+  assert [r["mode"] for r in records] == ["pipelined"] * 3 and all(r["loss"] is not None for r in records)

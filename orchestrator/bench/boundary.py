@@ -43,11 +43,13 @@ def main(argv=None) -> int:
   import logging
 
   logging.basicConfig(level=logging.WARNING, format="%(message)s")
+  from orchestrator.config import Recipe
   from orchestrator.data.synthetic import SyntheticRollouts
   from orchestrator.engine import build_engine
   from orchestrator.program import ProgramConfig, RLProgram
+  from orchestrator.runner import policy_from_recipe
   from orchestrator.trainer_worker import TrainerWorker
-  from policies import Mode, StepBoundaryPolicy
+  from policies import Mode
 
   engine = build_engine(args.preset, rows=args.rows, tokens_per_row=args.tokens_per_row)
   source = SyntheticRollouts(engine.preset.vocab_size, engine.rows, engine.tokens_per_row, seed=11)
@@ -56,7 +58,7 @@ def main(argv=None) -> int:
   def run(mode: Mode, steps: int) -> dict:
     engine.restore(start)
     worker = TrainerWorker(engine)
-    policy = StepBoundaryPolicy(mode, engine_can_stage=worker.capabilities.can_stage)
+    policy = policy_from_recipe(Recipe(), worker.capabilities, mode=mode)  # the recipe defaults
     config = ProgramConfig(steps=steps, micro_batches_per_step=args.micro_batches)
     return RLProgram(worker, policy, source.steps(steps, args.micro_batches), config).run()
 
@@ -67,11 +69,11 @@ def main(argv=None) -> int:
     records = result.records[:-1]  # the last step has no boundary
     rows.append({
         "mode": mode.value,
-        "median_boundary_idle_s": statistics.median(r["boundary_idle_s"] for r in records),
-        "median_boundary_idle_strict_s": statistics.median(r["boundary_idle_strict_s"] for r in records),
-        "median_step_s": statistics.median(r["step_s"] for r in result.records),
-        "median_micro_batch_s": statistics.median(x for r in result.records for x in r["micro_batch_s"]),
-        "median_stage_s": statistics.median(r["stage_s"] for r in records) if mode.staged else None,
+        "median_boundary_idle_s": statistics.median(r.boundary_idle_s for r in records),
+        "median_boundary_idle_strict_s": statistics.median(r.boundary_idle_strict_s for r in records),
+        "median_step_s": statistics.median(r.step_s for r in result.records),
+        "median_micro_batch_s": statistics.median(x for r in result.records for x in r.micro_batch_s),
+        "median_stage_s": statistics.median(r.stage_s for r in records) if mode.staged else None,
         "final_state_digest": result.summary["final_state_digest"],
     })
   overhead = policy_overhead_us()

@@ -15,41 +15,10 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tunix.models.qwen3 import model as qwen3_model
 
-AXES = ("fsdp", "context", "expert")
-ROW_AXES = ("fsdp", "expert")
-TOKEN_AXIS = "context"
+from orchestrator.engine.mesh_shape import AXES, ROW_AXES, TOKEN_AXIS, MeshConfig
 
-
-@dataclasses.dataclass(frozen=True)
-class MeshConfig:
-  """Sizes of the three mesh axes; their product is the number of devices used."""
-
-  fsdp: int = 1
-  context: int = 1
-  expert: int = 1
-
-  @property
-  def num_devices(self) -> int:
-    return self.fsdp * self.context * self.expert
-
-  @property
-  def row_shards(self) -> int:
-    return self.fsdp * self.expert
-
-  @classmethod
-  def parse(cls, value: "MeshConfig | dict | None") -> "MeshConfig":
-    if value is None:
-      return cls()
-    if isinstance(value, MeshConfig):
-      return value
-    unknown = sorted(set(value) - set(AXES))
-    if unknown:
-      raise ValueError(f"mesh: unknown axes {unknown}; the axes are {list(AXES)}")
-    sizes = {k: int(v) for k, v in value.items()}
-    bad = {k: v for k, v in sizes.items() if v < 1}
-    if bad:
-      raise ValueError(f"mesh: axis sizes must be >= 1, got {bad}")
-    return cls(**sizes)
+__all__ = ["AXES", "ROW_AXES", "TOKEN_AXIS", "MeshConfig", "make_mesh", "qwen3_sharding", "batch_sharding",
+           "replicated", "check_batch_shape"]
 
 
 def make_mesh(config: MeshConfig) -> Mesh:
@@ -113,13 +82,4 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 def check_batch_shape(config: MeshConfig, rows: int, tokens_per_row: int) -> None:
   """Raises ValueError unless rows split evenly over fsdp×expert and tokens over context."""
-  if rows % config.row_shards:
-    raise ValueError(
-        f"rows={rows} does not split over fsdp×expert={config.row_shards}; use a"
-        f" multiple of {config.row_shards}"
-    )
-  if tokens_per_row % config.context:
-    raise ValueError(
-        f"tokens_per_row={tokens_per_row} does not split over context={config.context};"
-        f" use a multiple of {config.context}"
-    )
+  config.check_batch_shape(rows, tokens_per_row)

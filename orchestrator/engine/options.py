@@ -1,38 +1,46 @@
-"""Engine options: everything about the engine that is not the model's shape (no JAX import).
+"""Engine options: the recipe's ``engine`` section and the engine's settings, one type (no JAX import).
 
-The recipe schema (``orchestrator.config``) takes its engine defaults from here.
+``EngineOptions`` is both what ``build_engine(**options)`` takes and what a
+recipe's ``engine:`` section holds, so a new engine setting is one field here
+(plus its check in ``validate``). The batch shape, mesh and checkpoint
+directory live in their own recipe sections and are passed to the engine apart.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from orchestrator.engine.presets import ModelPreset
 
+#: Engine backends by recipe name (``engine.backend``): module and builder, imported on use.
+BACKENDS: dict[str, str] = {
+    "jax": "orchestrator.engine.engine:build_engine",
+    "tunix_peft": "orchestrator.engine.tunix_adapter:build_tunix_engine",
+}
 
-@dataclasses.dataclass(frozen=True)
+
+@dataclasses.dataclass
 class EngineOptions:
-  """Everything about the engine that is not the model's shape.
+  """Everything about the engine that is not the model's shape, the mesh or where checkpoints go.
 
   Attributes:
-    rows, tokens_per_row: the fixed micro-batch shape; None takes the preset's.
+    backend: which engine runs the steps (see ``BACKENDS``): ``jax`` (this
+      package's engine, stages its inputs) or ``tunix_peft`` (a stock Tunix
+      ``PeftTrainer``: dense models, one device, no staging).
     learning_rate, weight_decay, max_grad_norm: AdamW with global-norm clipping.
     clip_eps_low, clip_eps_high: the ratio clipping range of the loss.
     max_inflight: how many dispatched computations may be queued on the devices.
     seed: weight initialisation seed.
-    aot: compile ahead of time (``compile()``, or lazily on the first payload)
-      and dispatch the compiled executables; False dispatches through ``jax.jit``.
-    checkpoint_dir: where ``save_checkpoint`` writes; None disables checkpoints.
     ragged_buffer_factor: MoE expert capacity factor (see ``moe``); -1 routes
       fully dropless. No effect on a dense model.
-    retry_when_tokens_dropped: dropless replay — a micro-batch whose experts
-      overflowed is discarded and re-run with a program that drops nothing.
+    retry_when_tokens_dropped: a micro-batch whose experts dropped tokens is
+      discarded and re-run with a program that drops nothing (dropless re-run).
     skip_nonfinite_updates: ``update()`` reads the gradient norm on the host and
       skips the optimizer step when it is not finite.
   """
 
-  rows: int | None = None
-  tokens_per_row: int | None = None
+  backend: str = "jax"
   learning_rate: float = 1e-3
   weight_decay: float = 0.0
   max_grad_norm: float = 1.0
@@ -40,32 +48,49 @@ class EngineOptions:
   clip_eps_high: float = 0.28
   max_inflight: int = 2
   seed: int = 0
-  aot: bool = True
-  checkpoint_dir: str | None = None
   ragged_buffer_factor: float = -1.0
   retry_when_tokens_dropped: bool = False
   skip_nonfinite_updates: bool = False
 
-  def validate(self, preset: ModelPreset) -> None:
-    """Raises ValueError for option combinations that cannot work, naming the keys."""
+  def validate(self, preset: ModelPreset | None = None) -> None:
+    """Raises ValueError naming the ``engine.*`` key, its value and the fix."""
+    if self.backend not in BACKENDS:
+      raise ValueError(f"engine.backend={self.backend!r} is not a backend; use one of {sorted(BACKENDS)}")
+    for key in ("learning_rate", "max_grad_norm"):
+      value = getattr(self, key)
+      if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"engine.{key}={value} is out of range: it must be a finite number > 0")
+    for key in ("weight_decay", "clip_eps_low", "clip_eps_high"):
+      value = getattr(self, key)
+      if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"engine.{key}={value} is out of range: it must be a finite number >= 0")
+    if self.max_inflight < 1:
+      raise ValueError(f"engine.max_inflight={self.max_inflight} is out of range: it must be >= 1")
+    if preset is not None:
+      self._validate_for(preset)
     factor = float(self.ragged_buffer_factor)
-    if factor != -1.0 and not factor > 0:
+    if factor != -1.0 and not (math.isfinite(factor) and factor > 0):
       raise ValueError(
-          f"ragged_buffer_factor={self.ragged_buffer_factor} is invalid: use -1 (fully"
+          f"engine.ragged_buffer_factor={self.ragged_buffer_factor} is out of range: use -1 (fully"
           " dropless) or a capacity factor > 0"
-      )
-    if self.retry_when_tokens_dropped and not preset.is_moe:
-      raise ValueError(
-          f"retry_when_tokens_dropped=True needs an MoE model, but preset {preset.name!r}"
-          " is dense; pick an MoE preset (e.g. tiny_moe) or set retry_when_tokens_dropped=False"
       )
     if self.retry_when_tokens_dropped and factor == -1.0:
       raise ValueError(
-          "retry_when_tokens_dropped=True with ragged_buffer_factor=-1 (fully dropless) has"
-          " nothing to retry; set a capacity factor > 0 or retry_when_tokens_dropped=False"
+          "engine.retry_when_tokens_dropped=true with engine.ragged_buffer_factor=-1 (fully"
+          " dropless) has nothing to re-run; set a capacity factor > 0 or turn the retry off"
       )
-    if self.max_inflight < 1:
-      raise ValueError(f"max_inflight must be >= 1, got {self.max_inflight}")
+
+  def _validate_for(self, preset: ModelPreset) -> None:
+    if self.retry_when_tokens_dropped and not preset.is_moe:
+      raise ValueError(
+          f"engine.retry_when_tokens_dropped=true needs an MoE model, but {preset.name!r} is"
+          " dense; pick an MoE preset (e.g. tiny_moe) or turn the retry off"
+      )
+    if self.backend == "tunix_peft" and preset.is_moe:
+      raise ValueError(
+          f"engine.backend=tunix_peft trains dense models only, but {preset.name!r} is MoE;"
+          " use engine.backend=jax or a dense preset"
+      )
 
   @property
   def capacity_factor(self) -> float | None:
