@@ -1,4 +1,4 @@
-"""MoE capacity routing and dropless replay: replay equals dropless-from-the-start, bit for bit;
+"""MoE capacity routing and dropless re-runs: a re-run equals dropless-from-the-start, bit for bit;
 staging before update() leaves the pending overflow check alone."""
 
 from __future__ import annotations
@@ -39,12 +39,12 @@ def _payload(tokens: int, seed: int) -> list[Trajectory]:
 # Each step's last micro-batch overflows; step 1's first does too.
 PATTERN = [[SMALL, SMALL, BIG], [BIG, SMALL, BIG], [SMALL, SMALL, BIG]]
 STEPS = [[_payload(n, 100 * k + i) for i, n in enumerate(sizes)] for k, sizes in enumerate(PATTERN)]
-EXPECTED_REPLAYS = [1, 2, 1]
-EXPECTED_REPLAYED = [[2], [0, 2], [2]]
+EXPECTED_RERUNS = [1, 2, 1]
+EXPECTED_RERUN_INDICES = [[2], [0, 2], [2]]
 
 
 @pytest.fixture(scope="module")
-def replay_engine():
+def rerun_engine():
   engine = build_engine("tiny_moe", ragged_buffer_factor=FACTOR, retry_when_tokens_dropped=True)
   return engine, engine.snapshot()
 
@@ -65,26 +65,26 @@ def _summary(metrics):
 
 
 @pytest.mark.parametrize("aot", [True, False], ids=["compiled", "lazy-jit"])
-def test_replay_equals_dropless_from_the_start_bit_for_bit(replay_engine, aot):
+def test_rerun_equals_dropless_from_the_start_bit_for_bit(rerun_engine, aot):
   if aot:
-    engine, start = replay_engine
+    engine, start = rerun_engine
   else:
     engine = build_engine("tiny_moe", ragged_buffer_factor=FACTOR, retry_when_tokens_dropped=True, aot=False)
     start = engine.snapshot()
   engine.restore(start)
-  replayed = run_unstaged(engine, STEPS)
+  rerun = run_unstaged(engine, STEPS)
   digest = engine.state_digest()
   engine.restore(start)
   reference = _reference_dropless_from_the_start(engine)
   assert engine.state_digest() == digest
-  assert _summary(replayed) == _summary(reference)
-  assert [m["replays"] for m in replayed] == EXPECTED_REPLAYS
-  assert [m["replayed_micro_batches"] for m in replayed] == EXPECTED_REPLAYED
-  assert [m["replays"] for m in reference] == [0, 0, 0]
+  assert _summary(rerun) == _summary(reference)
+  assert [m["reruns"] for m in rerun] == EXPECTED_RERUNS
+  assert [m["rerun_micro_batches"] for m in rerun] == EXPECTED_RERUN_INDICES
+  assert [m["reruns"] for m in reference] == [0, 0, 0]
 
 
-def test_metrics_report_dropped_tokens_per_micro_batch(replay_engine):
-  engine, start = replay_engine
+def test_metrics_report_dropped_tokens_per_micro_batch(rerun_engine):
+  engine, start = rerun_engine
   engine.restore(start)
   metrics = run_unstaged(engine, STEPS)
   for m, sizes in zip(metrics, PATTERN):
@@ -93,19 +93,19 @@ def test_metrics_report_dropped_tokens_per_micro_batch(replay_engine):
     assert [d > 0 for d in dropped] == [n == BIG for n in sizes]
 
 
-def test_discarded_first_run_is_not_counted_twice(replay_engine):
-  """Negative control: without replay the overflowed gradients differ from dropless ones."""
-  engine, start = replay_engine
+def test_discarded_first_run_is_not_counted_twice(rerun_engine):
+  """Negative control: without re-runs the overflowed gradients differ from dropless ones."""
+  engine, start = rerun_engine
   engine.restore(start)
   reference = _reference_dropless_from_the_start(engine)
-  plain = build_engine("tiny_moe", ragged_buffer_factor=FACTOR)  # drops, never replays
+  plain = build_engine("tiny_moe", ragged_buffer_factor=FACTOR)  # drops, never re-runs
   plain_metrics = run_unstaged(plain, STEPS)
-  assert [m["replays"] for m in plain_metrics] == [0, 0, 0]
+  assert [m["reruns"] for m in plain_metrics] == [0, 0, 0]
   assert _summary(plain_metrics) != _summary(reference)
 
 
-def test_staged_order_matches_unstaged_with_replay(replay_engine):
-  engine, start = replay_engine
+def test_staged_order_matches_unstaged_with_reruns(rerun_engine):
+  engine, start = rerun_engine
   engine.restore(start)
   unstaged = run_unstaged(engine, STEPS)
   digest = engine.state_digest()
@@ -115,12 +115,12 @@ def test_staged_order_matches_unstaged_with_replay(replay_engine):
   staged = run_staged(engine, STEPS, before_update=True)
   assert engine.state_digest() == digest
   assert _summary(staged) == _summary(unstaged)
-  assert [m["replays"] for m in staged] == EXPECTED_REPLAYS
+  assert [m["reruns"] for m in staged] == EXPECTED_RERUNS
   assert backend_compile_count() == compiles and engine.trace_counts == traces
 
 
-def test_prepare_and_wait_leave_the_pending_overflow_check_alone(replay_engine):
-  engine, start = replay_engine
+def test_prepare_and_wait_leave_the_pending_overflow_check_alone(rerun_engine):
+  engine, start = rerun_engine
   engine.restore(start)
   for p in STEPS[0]:
     last = engine.fwd_bwd(p)
@@ -131,12 +131,12 @@ def test_prepare_and_wait_leave_the_pending_overflow_check_alone(replay_engine):
   assert last.ready.is_ready() and engine.overflow_check_pending
   engine.update()
   assert not engine.overflow_check_pending
-  assert engine.get_metrics()["replayed_micro_batches"] == [2]
+  assert engine.get_metrics()["rerun_micro_batches"] == [2]
 
 
-def test_replaying_the_prepared_input_instead_of_the_last_is_caught(replay_engine):
-  """Negative control: a replay that re-runs the staged input trains differently."""
-  engine, start = replay_engine
+def test_rerunning_the_prepared_input_instead_of_the_last_is_caught(rerun_engine):
+  """Negative control: a re-run of the staged input trains differently."""
+  engine, start = rerun_engine
   engine.restore(start)
   run_unstaged(engine, STEPS)
   reference = engine.state_digest()
@@ -145,8 +145,8 @@ def test_replaying_the_prepared_input_instead_of_the_last_is_caught(replay_engin
 
   def buggy_prepare(payload):
     prepared = honest_prepare(payload)
-    if engine._pending_check is not None:
-      engine._pending_check = dataclasses.replace(engine._pending_check, batch=prepared.arrays)
+    if engine._state.pending_check is not None:
+      engine._state.pending_check = dataclasses.replace(engine._state.pending_check, batch=prepared.arrays)
     return prepared
 
   engine.prepare_fwd_bwd_input = buggy_prepare
@@ -157,8 +157,8 @@ def test_replaying_the_prepared_input_instead_of_the_last_is_caught(replay_engin
   assert engine.state_digest() != reference
 
 
-def test_staging_the_next_steps_second_micro_batch_is_caught(replay_engine):
-  engine, start = replay_engine
+def test_staging_the_next_steps_second_micro_batch_is_caught(rerun_engine):
+  engine, start = rerun_engine
   engine.restore(start)
   run_unstaged(engine, STEPS)
   reference = engine.state_digest()
@@ -171,18 +171,18 @@ def test_staging_the_next_steps_second_micro_batch_is_caught(replay_engine):
 def long_micro_batch_engines():
   """Micro-batches long enough (16 x 256 tokens) that an update that does not wait returns first."""
   kw = dict(rows=16, tokens_per_row=256, max_inflight=4)
-  replay = build_engine("tiny_moe", ragged_buffer_factor=8.0, retry_when_tokens_dropped=True, **kw)
+  rerun = build_engine("tiny_moe", ragged_buffer_factor=8.0, retry_when_tokens_dropped=True, **kw)
   dropless = build_engine("tiny_moe", ragged_buffer_factor=-1, **kw)
   payload = [tr for i in range(16) for tr in _payload(200, 900 + i)][:64]
-  return replay, dropless, payload
+  return rerun, dropless, payload
 
 
-def test_update_waits_for_the_last_micro_batch_under_replay(long_micro_batch_engines):
-  replay, _, payload = long_micro_batch_engines
-  last = replay.fwd_bwd(payload)
-  replay.update()
+def test_update_waits_for_the_last_micro_batch_under_reruns(long_micro_batch_engines):
+  rerun, _, payload = long_micro_batch_engines
+  last = rerun.fwd_bwd(payload)
+  rerun.update()
   assert last.ready.is_ready()  # the overflow flag was read on the host
-  replay.wait_for_device()
+  rerun.wait_for_device()
 
 
 def test_update_does_not_wait_when_fully_dropless(long_micro_batch_engines):
@@ -197,13 +197,13 @@ def test_update_does_not_wait_when_fully_dropless(long_micro_batch_engines):
     "preset,options,message",
     [
         ("tiny", {"retry_when_tokens_dropped": True, "ragged_buffer_factor": 1.0},
-         "retry_when_tokens_dropped=True needs an MoE model, but preset 'tiny' is dense"),
-        ("tiny_moe", {"ragged_buffer_factor": 0}, "ragged_buffer_factor=0 is invalid: use -1"),
-        ("tiny_moe", {"ragged_buffer_factor": -0.5}, "ragged_buffer_factor=-0.5 is invalid"),
+         "engine.retry_when_tokens_dropped=true needs an MoE model, but 'tiny' is dense"),
+        ("tiny_moe", {"ragged_buffer_factor": 0}, "engine.ragged_buffer_factor=0 is out of range: use -1"),
+        ("tiny_moe", {"ragged_buffer_factor": -0.5}, "engine.ragged_buffer_factor=-0.5 is out of range"),
         ("tiny_moe", {"retry_when_tokens_dropped": True},
-         "retry_when_tokens_dropped=True with ragged_buffer_factor=-1"),
+         "retry_when_tokens_dropped=true with engine.ragged_buffer_factor=-1"),
     ],
-    ids=["replay-dense", "factor-zero", "factor-negative", "replay-dropless"],
+    ids=["rerun-dense", "factor-zero", "factor-negative", "rerun-dropless"],
 )
 def test_bad_config_combinations_fail_at_construction(preset, options, message):
   with pytest.raises(ValueError, match=message):
@@ -236,7 +236,7 @@ def test_without_the_guard_a_nonfinite_update_poisons_the_weights():
                        np.array([-1e30, -1e30], np.float32), 0)]
   engine = build_engine("tiny")
   engine.fwd_bwd(poison, apply_optimizer=True)
-  leaves = jax.tree.leaves(jax.device_get(engine.params))
+  leaves = jax.tree.leaves(jax.device_get(engine.export_weights()))
   assert not all(np.isfinite(x).all() for x in leaves)
 
 
@@ -246,7 +246,7 @@ from orchestrator.data.synthetic import SyntheticRollouts
 from tests.engine_helpers import run_staged, run_unstaged
 e = build_engine("tiny_moe", mesh={"fsdp": 2, "expert": 2}, rows=8, ragged_buffer_factor=0.9,
                  retry_when_tokens_dropped=True)
-spec = e.params["layers"][0]["mlp"]["gate_proj"].sharding.spec
+spec = e.export_weights()["layers"][0]["mlp"]["gate_proj"].sharding.spec
 assert tuple(spec)[:2] == ("expert", "fsdp"), spec
 src = SyntheticRollouts(512, 8, 64, seed=3)
 steps = [src.step(s, 2) for s in range(3)]
@@ -256,13 +256,13 @@ digest = e.state_digest()
 e.restore(start)
 got = run_staged(e, steps, before_update=True)
 assert e.state_digest() == digest
-assert [m["replays"] for m in got] == [m["replays"] for m in ref] and sum(m["replays"] for m in ref) > 0
+assert [m["reruns"] for m in got] == [m["reruns"] for m in ref] and sum(m["reruns"] for m in ref) > 0
 print("CHILD-OK")
 """
 
 
-def test_replay_and_staging_on_an_fsdp_by_expert_mesh():
-  """Expert weights sharded over `expert`, rows over fsdp x expert: staged == unstaged, with replays."""
+def test_reruns_and_staging_on_an_fsdp_by_expert_mesh():
+  """Expert weights sharded over `expert`, rows over fsdp x expert: staged == unstaged, with re-runss."""
   from tests.conftest import run_child
 
   run_child(MOE_MESH_CHILD, devices=4)
