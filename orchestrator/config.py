@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import re
 import os
 import types
 import typing
@@ -38,7 +39,15 @@ def _at_least(section: str, obj: Any, keys: tuple[str, ...], minimum: float) -> 
   for key in keys:
     value = getattr(obj, key)
     if value is not None and value < minimum:
-      raise RecipeError(f"{section}.{key}={value} is out of range: it must be >= {minimum}")
+      raise RecipeError(f"{section}{'.' if section else ''}{key}={value} is out of range: it must be >= {minimum}")
+
+
+def _at_most(section: str, obj: Any, keys: tuple[str, ...], maximum: float) -> None:
+  """Absurd sizes are refused up front rather than failing hours later (or exhausting memory)."""
+  for key in keys:
+    value = getattr(obj, key)
+    if value is not None and value > maximum:
+      raise RecipeError(f"{section}{'.' if section else ''}{key}={value} is out of range: it must be <= {maximum:,}")
 
 
 class MeshSection(MeshConfig):
@@ -61,6 +70,8 @@ class BatchSection:
 
   def validate(self) -> None:
     _at_least("batch", self, ("micro_batches_per_step", "rows", "tokens_per_row"), 1)
+    _at_most("batch", self, ("micro_batches_per_step",), 100_000)
+    _at_most("batch", self, ("rows", "tokens_per_row"), 1 << 24)
 
 
 ROLLOUT_SOURCES = ("synthetic", "recording")
@@ -83,6 +94,7 @@ class RolloutsSection:
   def validate(self) -> None:
     _at_least("rollouts", self, ("generations_per_group", "groups", "prompt_len_median",
                                  "completion_len_median"), 1)
+    _at_most("rollouts", self, ("generations_per_group",), 65_536)
     if not 0 < self.fill <= 1:
       raise RecipeError(f"rollouts.fill={self.fill} is out of range: it must be in (0, 1]")
     if self.source not in ROLLOUT_SOURCES:
@@ -95,8 +107,8 @@ class RolloutsSection:
 class CheckpointSection:
   """Checkpoint directory, cadence, and the steps whose checkpoints are scored."""
 
-  directory: str | None = None
-  every: int = 0  # 0: only the scored steps
+  directory: str | None = None  # None: <run directory>/checkpoints
+  every: int = 0  # 0: only the scored steps (and a stop's)
   scored_steps: list[int] = dataclasses.field(default_factory=list)
 
   def validate(self, steps: int) -> None:
@@ -104,9 +116,6 @@ class CheckpointSection:
     bad = [n for n in self.scored_steps if not 1 <= n <= steps]
     if bad:
       raise RecipeError(f"checkpoint.scored_steps {bad} are outside the run's steps 1..{steps}")
-    if (self.every or self.scored_steps) and not self.directory:
-      raise RecipeError("checkpoints are asked for (checkpoint.every or checkpoint.scored_steps) but"
-                        " checkpoint.directory is unset; set a directory")
 
 
 @dataclasses.dataclass
@@ -139,6 +148,7 @@ class StepBoundarySection:
 
   def validate(self) -> None:
     _at_least("step_boundary", self, ("disable_after", "calibration_samples", "reprobe_every"), 1)
+    _at_most("step_boundary", self, ("calibration_samples",), 10_000)
     t = self.wait_threshold_s
     if t != "auto" and t < 0:
       raise RecipeError(f"step_boundary.wait_threshold_s={t} is out of range: use 'auto' or a number >= 0")
@@ -227,8 +237,10 @@ class Recipe:
   # ---------------------------------------------------------------- validation
   def validate(self) -> None:
     """Raises RecipeError for out-of-range values and contradictory settings, one key at a time."""
-    if self.steps < 1:
-      raise RecipeError(f"steps={self.steps} is out of range: it must be >= 1")
+    _at_least("", self, ("steps",), 1)
+    _at_most("", self, ("steps",), 1_000_000_000)
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", self.name):
+      raise RecipeError(f"name={self.name!r}: use letters, digits, '.', '_' and '-' (it names the run's directory)")
     for section in (self.mesh, self.batch, self.rollouts, self.step_boundary, self.simulate, self.run):
       section.validate()
     self.checkpoint.validate(self.steps)
@@ -237,11 +249,17 @@ class Recipe:
     if self.model not in available_presets():
       raise RecipeError(f"model={self.model!r} is not a preset; available: {', '.join(available_presets())}")
     preset = load_preset(self.model)
+    rows, tokens = self.batch.rows or preset.rows, self.batch.tokens_per_row or preset.tokens_per_row
     try:
       self.engine.validate(preset)
-      self.mesh.check_batch_shape(self.batch.rows or preset.rows, self.batch.tokens_per_row or preset.tokens_per_row)
+      self.mesh.check_batch_shape(rows, tokens)
     except ValueError as e:
       raise RecipeError(str(e)) from None
+    if rows * tokens > 1 << 28:
+      raise RecipeError(f"batch.rows × batch.tokens_per_row = {rows * tokens:,} tokens per micro-batch is out of"
+                        f" range: it must be <= {1 << 28:,}")
+    if self.rollouts.source == "synthetic" and tokens < 4:
+      raise RecipeError(f"batch.tokens_per_row={tokens} is too short for synthetic rollouts: use >= 4")
     if self.engine.backend == "tunix_peft":
       self._validate_tunix_backend()
 
@@ -496,7 +514,19 @@ def resolve(
   for key in all_keys():
     sources.setdefault(key, "default")
   validate(recipe)
+  _refuse_ignored_switches(recipe, sources)
   return ResolvedRecipe(recipe, sources, str(path))
+
+
+def _refuse_ignored_switches(recipe: Recipe, sources: Mapping[str, str]) -> None:
+  """A switch given on the command line or in the environment that the mode would silently ignore."""
+  sb = recipe.step_boundary
+  given = sources.get("step_boundary.stage_before_update", "default")
+  if not sb.pipeline_step_boundary and sb.stage_before_update and given not in ("default", "recipe"):
+    raise RecipeError(
+        f"step_boundary.stage_before_update ({given}) has no effect with"
+        f" step_boundary.pipeline_step_boundary=false ({sources.get('step_boundary.pipeline_step_boundary')}):"
+        " the mode is OFF, which stages nothing; drop one of the two")
 
 
 def build(values: Mapping[str, Any]) -> Recipe:

@@ -34,6 +34,10 @@ FIELDS: dict[str, np.dtype] = {
 }
 
 
+#: Group-normalised advantages are a few units; past this a float32 loss sum over a long step overflows.
+MAX_ABS_ADVANTAGE = 1e6
+
+
 def validate_payload(
     payload: Sequence[Trajectory], *, tokens_per_row: int, vocab_size: int
 ) -> None:
@@ -74,6 +78,9 @@ def validate_payload(
       )
     if not np.isfinite(traj.advantage):
       raise ValueError(f"payload[{i}].advantage is {traj.advantage}; it must be finite")
+    if abs(traj.advantage) > MAX_ABS_ADVANTAGE:
+      raise ValueError(f"payload[{i}].advantage is {traj.advantage}; |advantage| must be <= {MAX_ABS_ADVANTAGE:g}"
+                       " (larger values overflow the float32 loss sums); normalise advantages per group")
     if traj.old_logprobs is not None:
       old = traj.old_logprobs
       if not isinstance(old, np.ndarray) or old.shape != traj.completion_ids.shape:

@@ -141,6 +141,66 @@ class Recording:
     return self.manifest["num_groups"]
 
 
+def _manifest_problem(manifest: Any, root: Path) -> str | None:
+  """What is wrong with a manifest's shape (None when nothing is): keys, types, counts, paths."""
+  if not isinstance(manifest, dict):
+    return f"must be a JSON object, got {type(manifest).__name__}"
+  required = {"schema_version": int, "files": list, "num_groups": int, "num_trajectories": int,
+              "record_digests": list}
+  for key, kind in required.items():
+    if key not in manifest:
+      return f"lacks the key {key!r}"
+    if not isinstance(manifest[key], kind) or isinstance(manifest[key], bool):
+      return f"{key} must be a {kind.__name__}, got {type(manifest[key]).__name__}"
+  if manifest["schema_version"] != SCHEMA_VERSION:
+    return (f"schema_version {manifest['schema_version']!r} is not supported (this build reads"
+            f" {SCHEMA_VERSION}); re-record it with this version")
+  files = manifest["files"]
+  if len(files) != 1 or not isinstance(files[0], dict) or not isinstance(files[0].get("path"), str) \
+      or not isinstance(files[0].get("records"), int):
+    return "files must list exactly one {\"path\": str, \"records\": int}"
+  data = (root / files[0]["path"]).resolve()
+  if not data.is_relative_to(root.resolve()):
+    return f"its data file {files[0]['path']!r} lies outside the recording directory"
+  records = files[0]["records"]
+  if manifest["num_groups"] != records:
+    return f"num_groups {manifest['num_groups']} disagrees with files[0].records {records}"
+  digests = manifest["record_digests"]
+  if len(digests) != records or not all(isinstance(d, str) and len(d) == 64 for d in digests):
+    return f"record_digests must hold {records} sha256 hex digests, one per record (it holds {len(digests)})"
+  return None
+
+
+def _verify_records(source, manifest: dict, data_path: Path, vocab_size: int | None) -> None:
+  """Every record's digest and token ids, and the trajectory count the manifest claims."""
+  digests = manifest["record_digests"]
+  trajectories = 0
+  for i in range(len(digests)):
+    try:
+      data = source[i]
+    except Exception as e:  # pylint: disable=broad-except
+      raise RecordingError(f"{data_path} record {i}: unreadable (truncated or corrupt): {e}") from None
+    if digest(data) != digests[i]:
+      raise RecordingError(f"{data_path} record {i}: content digest does not match the manifest (the file"
+                           " changed after it was recorded)")
+    try:
+      group = decode_group(data)
+    except Exception as e:  # pylint: disable=broad-except
+      raise RecordingError(f"{data_path} record {i}: not a trajectory group ({type(e).__name__}: {e})") from None
+    trajectories += len(group.completions)
+    if vocab_size is None:
+      continue
+    for name, ids in [("prompt_ids", group.prompt_ids)] + [
+        (f"completion {g}", c) for g, c in enumerate(group.completions)]:
+      if len(ids) and (ids.min() < 0 or ids.max() >= vocab_size):
+        bad = int(ids.min() if ids.min() < 0 else ids.max())
+        raise RecordingError(f"{data_path} record {i} (group {group.group_id}) {name}: token id {bad} is"
+                             f" outside the model's vocabulary [0, {vocab_size})")
+  if trajectories != manifest["num_trajectories"]:
+    raise RecordingError(f"{data_path}: holds {trajectories} trajectories but the manifest says"
+                         f" {manifest['num_trajectories']}")
+
+
 def open_recording(path: str | Path, *, vocab_size: int | None = None, verify: bool = True) -> Recording:
   """Reads and checks the manifest (and, with ``verify``, every record's digest and token ids).
 
@@ -153,15 +213,12 @@ def open_recording(path: str | Path, *, vocab_size: int | None = None, verify: b
   if not manifest_path.is_file():
     raise RecordingError(f"{manifest_path}: no manifest; record one with `run_rl record --out {root}`")
   try:
-    manifest = json.loads(manifest_path.read_text())
-  except json.JSONDecodeError as e:
+    manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
     raise RecordingError(f"{manifest_path}: not valid JSON ({e})") from None
-  version = manifest.get("schema_version")
-  if version != SCHEMA_VERSION:
-    raise RecordingError(
-        f"{manifest_path}: schema_version {version!r} is not supported (this build reads"
-        f" {SCHEMA_VERSION}); re-record it with this version"
-    )
+  problem = _manifest_problem(manifest, root)
+  if problem:
+    raise RecordingError(f"{manifest_path}: {problem}")
   recording = Recording(root, manifest)
   data_path = recording.data_path
   if not data_path.is_file():
@@ -179,25 +236,5 @@ def open_recording(path: str | Path, *, vocab_size: int | None = None, verify: b
         f"{data_path}: holds {count} records but the manifest says {expected} (truncated?)"
     )
   if verify:
-    digests = manifest["record_digests"]
-    for i in range(count):
-      try:
-        data = source[i]
-      except Exception as e:
-        raise RecordingError(f"{data_path} record {i}: unreadable (truncated or corrupt): {e}") from None
-      if digest(data) != digests[i]:
-        raise RecordingError(
-            f"{data_path} record {i}: content digest does not match the manifest (the file"
-            " changed after it was recorded)"
-        )
-      if vocab_size is not None:
-        group = decode_group(data)
-        for name, ids in [("prompt_ids", group.prompt_ids)] + [
-            (f"completion {g}", c) for g, c in enumerate(group.completions)]:
-          if len(ids) and (ids.min() < 0 or ids.max() >= vocab_size):
-            bad = int(ids.min() if ids.min() < 0 else ids.max())
-            raise RecordingError(
-                f"{data_path} record {i} (group {group.group_id}) {name}: token id {bad} is"
-                f" outside the model's vocabulary [0, {vocab_size})"
-            )
+    _verify_records(source, manifest, data_path, vocab_size)
   return recording

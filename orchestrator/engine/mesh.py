@@ -18,7 +18,7 @@ from tunix.models.qwen3 import model as qwen3_model
 from orchestrator.engine.mesh_shape import AXES, ROW_AXES, TOKEN_AXIS, MeshConfig
 
 __all__ = ["AXES", "ROW_AXES", "TOKEN_AXIS", "MeshConfig", "make_mesh", "qwen3_sharding", "batch_sharding",
-           "replicated", "check_batch_shape"]
+           "replicated", "check_batch_shape", "check_devices"]
 
 
 def make_mesh(config: MeshConfig) -> Mesh:
@@ -28,14 +28,8 @@ def make_mesh(config: MeshConfig) -> Mesh:
     ValueError: fewer devices are visible than the mesh needs (the message says
       how to get forced host devices on CPU).
   """
+  check_devices(config)
   devices = jax.devices()
-  if len(devices) < config.num_devices:
-    raise ValueError(
-        f"mesh {dataclasses.asdict(config)} needs {config.num_devices} devices but"
-        f" {len(devices)} are visible; on CPU set"
-        f" XLA_FLAGS=--xla_force_host_platform_device_count={config.num_devices}"
-        " before JAX is imported"
-    )
   shape = (config.fsdp, config.context, config.expert)
   # Tunix's Qwen3 traces under the default Explicit axis types and fails; Auto lets
   # XLA propagate shardings from the inputs and the weights.
@@ -45,6 +39,16 @@ def make_mesh(config: MeshConfig) -> Mesh:
       axis_types=(jax.sharding.AxisType.Auto,) * len(AXES),
       devices=devices[: config.num_devices],
   )
+
+
+def check_devices(config: MeshConfig) -> None:
+  """Raises ValueError when fewer devices are visible than the mesh needs (saying how to get more on CPU)."""
+  visible = len(jax.devices())
+  if visible < config.num_devices:
+    raise ValueError(
+        f"mesh {dataclasses.asdict(config)} needs {config.num_devices} devices but {visible} are visible;"
+        f" on CPU set XLA_FLAGS=--xla_force_host_platform_device_count={config.num_devices} before JAX is"
+        " imported")
 
 
 def qwen3_sharding() -> qwen3_model.ShardingConfig:

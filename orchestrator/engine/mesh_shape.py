@@ -42,10 +42,10 @@ class MeshConfig:
     return config
 
   def validate(self) -> None:
-    bad = {k: getattr(self, k) for k in AXES if getattr(self, k) < 1}
+    bad = {k: getattr(self, k) for k in AXES if not 1 <= getattr(self, k) <= 65_536}
     if bad:
       key, value = next(iter(bad.items()))
-      raise ValueError(f"mesh.{key}={value} is out of range: it must be >= 1")
+      raise ValueError(f"mesh.{key}={value} is out of range: it must be in [1, 65536]")
 
   def check_batch_shape(self, rows: int, tokens_per_row: int) -> None:
     """Raises ValueError unless rows split evenly over fsdp×expert and tokens over context."""

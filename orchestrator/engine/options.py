@@ -18,6 +18,8 @@ BACKENDS: dict[str, str] = {
     "jax": "orchestrator.engine.engine:build_engine",
     "tunix_peft": "orchestrator.engine.tunix_adapter:build_tunix_engine",
 }
+#: The backends that write checkpoints (and so can stop cleanly and resume).
+CHECKPOINTING_BACKENDS = ("jax",)
 
 
 @dataclasses.dataclass
@@ -64,8 +66,8 @@ class EngineOptions:
       value = getattr(self, key)
       if not (math.isfinite(value) and value >= 0):
         raise ValueError(f"engine.{key}={value} is out of range: it must be a finite number >= 0")
-    if self.max_inflight < 1:
-      raise ValueError(f"engine.max_inflight={self.max_inflight} is out of range: it must be >= 1")
+    if not 1 <= self.max_inflight <= 1024:
+      raise ValueError(f"engine.max_inflight={self.max_inflight} is out of range: it must be in [1, 1024]")
     if preset is not None:
       self._validate_for(preset)
     factor = float(self.ragged_buffer_factor)

@@ -1,0 +1,208 @@
+"""Bad input of every kind is refused before anything starts: exit 2, one line, no traceback, nothing written.
+
+One table across recipe values, environment switches, flags, recipe files,
+output directories and recordings (each run through ``run_rl`` in process),
+and a second across payloads (through the API: ``ValueError``).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from orchestrator import cli
+from orchestrator import config as config_lib
+from orchestrator.data.packing import pack_payload
+from orchestrator.data.recording import MANIFEST, write_recording
+from orchestrator.data.synthetic import RolloutShape, generate_groups
+from orchestrator.data.trajectory import Trajectory
+
+SHAPE = RolloutShape(groups=16, generations_per_group=4, prompt_len_median=8, completion_len_median=6,
+                     max_tokens=64, vocab_size=512, seed=5)
+ON_RECORDING = ["model=tiny", "batch.rows=16", "steps=2", "rollouts.source=recording"]
+
+
+@pytest.fixture(scope="module")
+def good_recording(tmp_path_factory):
+  path = tmp_path_factory.mktemp("rec") / "good"
+  write_recording(path, generate_groups(SHAPE), vocab_size=512, produced_by={"test": True})
+  return path
+
+
+def _recording(tmp_path, good, edit):
+  """A copy of the good recording with its manifest edited by ``edit(manifest) -> manifest``."""
+  path = tmp_path / "rec"
+  shutil.copytree(good, path)
+  manifest = json.loads((path / MANIFEST).read_text())
+  (path / MANIFEST).write_text(json.dumps(edit(manifest)))
+  return ON_RECORDING + [f"rollouts.recording={path}"]
+
+
+def _recipe_file(tmp_path, content: bytes | str):
+  path = tmp_path / "recipe.yaml"
+  path.write_bytes(content if isinstance(content, bytes) else content.encode())
+  return ["--recipe", str(path)]
+
+
+def _existing_run(tmp_path):
+  run = tmp_path / "earlier"
+  run.mkdir()
+  (run / "config.json").write_text("{}")
+  return ["--out", str(run)]
+
+
+def _file_as_out(tmp_path):
+  path = tmp_path / "a-file"
+  path.write_text("not a directory")
+  return ["--out", str(path)]
+
+
+def _drop(key):
+  def edit(m):
+    del m[key]
+    return m
+  return edit
+
+
+def _set(key, value):
+  def edit(m):
+    m[key] = value
+    return m
+  return edit
+
+
+# (id, argv or argv-maker, environment, message fragment)
+CASES = [
+    ("steps-inf", ["steps=inf"], {}, "steps: expected a finite number"),
+    ("steps-nan", ["steps=nan"], {}, "steps: expected a finite number"),
+    ("steps-1e400", ["steps=1e400"], {}, "steps: expected a finite number"),
+    ("steps-negative", ["steps=-3"], {}, "steps=-3 is out of range"),
+    ("steps-absurd", ["steps=1e12"], {}, "steps=1000000000000 is out of range: it must be <="),
+    ("steps-fraction", ["steps=2.5"], {}, "steps: expected a whole number"),
+    ("lr-nan", ["engine.learning_rate=nan"], {}, "engine.learning_rate: expected a finite number"),
+    ("lr-inf", ["engine.learning_rate=inf"], {}, "engine.learning_rate: expected a finite number"),
+    ("lr-zero", ["engine.learning_rate=0"], {}, "engine.learning_rate=0.0 is out of range"),
+    ("grad-norm-negative", ["engine.max_grad_norm=-1"], {}, "engine.max_grad_norm=-1.0 is out of range"),
+    ("weight-decay-negative", ["engine.weight_decay=-0.1"], {}, "engine.weight_decay=-0.1 is out of range"),
+    ("inflight-zero", ["engine.max_inflight=0"], {}, "engine.max_inflight=0 is out of range"),
+    ("inflight-absurd", ["engine.max_inflight=100000"], {}, "engine.max_inflight=100000 is out of range"),
+    ("factor-zero", ["engine.ragged_buffer_factor=0"], {}, "engine.ragged_buffer_factor=0.0 is out of range"),
+    ("backend-unknown", ["engine.backend=torch"], {}, "engine.backend='torch' is not a backend"),
+    ("micro-batches-zero", ["batch.micro_batches_per_step=0"], {}, "batch.micro_batches_per_step=0 is out of range"),
+    ("rows-zero", ["batch.rows=0"], {}, "batch.rows=0 is out of range"),
+    ("rows-absurd", ["batch.rows=1000000", "batch.tokens_per_row=1000000"], {}, "tokens per micro-batch is out of range"),
+    ("rows-do-not-split", ["mesh.fsdp=2", "batch.rows=3"], {}, "batch.rows=3 does not split over mesh.fsdp"),
+    ("mesh-axis-zero", ["mesh.expert=0"], {}, "mesh.expert=0 is out of range"),
+    ("mesh-too-many-devices", ["mesh.fsdp=4", "rollouts.source=synthetic"], {}, "needs 4 devices but"),
+    ("fill-above-one", ["rollouts.fill=1.5"], {}, "rollouts.fill=1.5 is out of range"),
+    ("source-unknown", ["rollouts.source=sampler"], {}, "rollouts.source='sampler': use one of"),
+    ("recording-unset", ["rollouts.source=recording", "rollouts.recording=null"], {}, "needs rollouts.recording=DIR"),
+    ("synthetic-rows-too-short", ["batch.tokens_per_row=2", "rollouts.source=synthetic"], {}, "too short for synthetic"),
+    ("disable-after-zero", ["step_boundary.disable_after=0"], {}, "step_boundary.disable_after=0 is out of range"),
+    ("threshold-negative", ["step_boundary.wait_threshold_s=-1"], {}, "wait_threshold_s=-1.0 is out of range"),
+    ("threshold-word", ["step_boundary.wait_threshold_s=soon"], {}, "wait_threshold_s: expected float"),
+    ("reprobe-zero", ["step_boundary.reprobe_every=0"], {}, "step_boundary.reprobe_every=0 is out of range"),
+    ("checkpoint-every-negative", ["checkpoint.every=-1"], {}, "checkpoint.every=-1 is out of range"),
+    ("scored-step-zero", ["checkpoint.scored_steps=[0]"], {}, "checkpoint.scored_steps [0] are outside"),
+    ("model-unknown", ["model=huge"], {}, "model='huge' is not a preset"),
+    ("name-a-path", ["name=../../elsewhere"], {}, "name='../../elsewhere': use letters, digits"),
+    ("key-unknown", ["engine.learnin_rate=1"], {}, "did you mean 'engine.learning_rate'?"),
+    ("not-key-value", ["notakeyvalue"], {}, "is not key=value"),
+    ("env-not-boolean", [], {"PIPELINE_STEP_BOUNDARY": "maybe"}, "environment PIPELINE_STEP_BOUNDARY='maybe'"),
+    ("env-factor-word", [], {"RAGGED_BUFFER_FACTOR": "abc"}, "environment RAGGED_BUFFER_FACTOR='abc'"),
+    ("env-retry-on-dense", [], {"RETRY_WHEN_TOKENS_DROPPED": "1"}, "needs an MoE model, but 'small' is dense"),
+    ("env-stage-while-off", ["--no-pipeline_step_boundary"], {"STAGE_BEFORE_UPDATE": "yes"}, "has no effect with"),
+    ("flags-stage-while-off", ["--stage_before_update", "--no-pipeline_step_boundary"], {}, "has no effect with"),
+    ("flags-require-without-staging", ["--no-stage_next_microbatch", "--require_staging"], {}, "staging is off"),
+    ("flag-steps-word", ["--steps", "x"], {}, "argument --steps: invalid int value"),
+    ("tunix-with-checkpoints", ["engine.backend=tunix_peft", "checkpoint.every=1"], {}, "does not write checkpoints"),
+    ("resume-with-recipe", ["--resume", "somewhere", "--recipe", "recipes/default.yaml"], {}, "only --steps may be given"),
+    ("resume-missing", lambda t, g: ["--resume", str(t / "no-such-run")], {}, "no such run directory"),
+    ("resume-not-a-run", lambda t, g: ["--resume", str(t)], {}, "holds no run"),
+    ("out-is-a-file", lambda t, g: _file_as_out(t), {}, "is a file, not a directory"),
+    ("out-holds-a-run", lambda t, g: _existing_run(t), {}, "already holds a run; continue it with `run_rl --resume"),
+    ("recipe-missing", ["--recipe", "no/such/recipe.yaml"], {}, "recipe no/such/recipe.yaml does not exist"),
+    ("recipe-directory", lambda t, g: ["--recipe", str(t)], {}, "is a directory; pass a recipe YAML file"),
+    ("recipe-not-utf8", lambda t, g: _recipe_file(t, b"model: \xff\xfe tiny\n"), {}, "is not UTF-8 text"),
+    ("recipe-bad-yaml", lambda t, g: _recipe_file(t, "model: tiny\nsteps: [1, 2\n"), {}, "is not valid YAML at line"),
+    ("recipe-duplicate-key", lambda t, g: _recipe_file(t, "steps: 2\nsteps: 3\n"), {}, "key 'steps' appears twice"),
+    ("recipe-duplicate-section", lambda t, g: _recipe_file(t, "engine:\n  seed: 1\nengine:\n  seed: 2\n"), {},
+     "key 'engine' appears twice"),
+    ("recipe-a-list", lambda t, g: _recipe_file(t, "- model\n- tiny\n"), {}, "must be a mapping of keys"),
+    ("recipe-unknown-section", lambda t, g: _recipe_file(t, "engines:\n  seed: 1\n"), {}, "unknown key 'engines'"),
+    ("recording-no-manifest", lambda t, g: ON_RECORDING + [f"rollouts.recording={t}"], {}, "no manifest"),
+    ("manifest-a-list", lambda t, g: _recording(t, g, lambda m: [m]), {}, "must be a JSON object, got list"),
+    ("manifest-missing-key", lambda t, g: _recording(t, g, _drop("record_digests")), {},
+     "lacks the key 'record_digests'"),
+    ("manifest-short-digests", lambda t, g: _recording(t, g, _set("record_digests", ["0" * 64])), {},
+     "record_digests must hold 16"),
+    ("manifest-path-outside", lambda t, g: _recording(
+        t, g, _set("files", [{"path": "../../etc/passwd", "records": 16}])), {}, "lies outside the recording"),
+    ("manifest-groups-disagree", lambda t, g: _recording(t, g, _set("num_groups", 99)), {},
+     "num_groups 99 disagrees with files[0].records 16"),
+    ("manifest-trajectories-disagree", lambda t, g: _recording(t, g, _set("num_trajectories", 7)), {},
+     "trajectories but the manifest says 7"),
+    ("manifest-schema-version", lambda t, g: _recording(t, g, _set("schema_version", 99)), {},
+     "schema_version 99 is not supported"),
+    ("recording-too-short", lambda t, g: ON_RECORDING[:-2] + ["steps=500", "rollouts.source=recording",
+                                                             f"rollouts.recording={g}"], {}, "500 were asked for"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_exits_2_with_one_line_and_writes_nothing(case, tmp_path, good_recording, capsys, monkeypatch):
+  _, argv, env, message = case
+  argv = argv(tmp_path, good_recording) if callable(argv) else list(argv)
+  out = tmp_path / "out"
+  if "--out" not in argv and "--resume" not in argv:
+    argv += ["--out", str(out)]
+  if "--resume" not in argv:
+    argv.append("run.reserve_host_core=false")
+  for name in config_lib.ENV_SWITCHES:
+    monkeypatch.delenv(name, raising=False)
+  for name, value in env.items():
+    monkeypatch.setenv(name, value)
+  before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+  code = cli.main(argv)
+  err = capsys.readouterr().err
+  assert code == 2, err
+  lines = [line for line in err.splitlines() if line.strip()]
+  assert len(lines) == 1 and lines[0].startswith("run_rl: error:"), err
+  assert message in lines[0]
+  assert "Traceback" not in err
+  assert not out.exists()
+  assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before  # nothing written
+
+
+def test_the_table_covers_at_least_forty_inputs():
+  assert len(CASES) + len(PAYLOADS) >= 40
+
+
+def _traj(**kw):
+  fields = dict(prompt_ids=np.array([1, 2], np.int32), completion_ids=np.array([3, 4, 5], np.int32),
+                advantage=1.0, old_logprobs=None)
+  fields.update(kw)
+  return Trajectory(**fields)
+
+
+PAYLOADS = [
+    ("old-logprobs-nan", [_traj(old_logprobs=np.array([-1.0, np.nan, -1.0], np.float32))], "non-finite"),
+    ("old-logprobs-inf", [_traj(old_logprobs=np.array([-np.inf, -1.0, -1.0], np.float32))], "non-finite"),
+    ("old-logprobs-length", [_traj(old_logprobs=np.array([-1.0], np.float32))], "must match completion_ids"),
+    ("advantage-inf", [_traj(advantage=float("inf"))], "must be finite"),
+    ("advantage-overflows", [_traj(advantage=3e38)], "|advantage| must be <="),
+    ("token-outside-vocab", [_traj(completion_ids=np.array([3, 600], np.int32))], "outside the model's vocabulary"),
+    ("empty", [], "payload is empty"),
+    ("too-long", [_traj(completion_ids=np.arange(1, 100, dtype=np.int32))], "more than tokens_per_row=64"),
+]
+
+
+@pytest.mark.parametrize("case", PAYLOADS, ids=[c[0] for c in PAYLOADS])
+def test_bad_payloads_raise_value_error_naming_the_problem(case):
+  _, payload, message = case
+  with pytest.raises(ValueError, match=message.replace("|", r"\|")):
+    pack_payload(payload, rows=4, tokens_per_row=64, vocab_size=512)
+
