@@ -50,6 +50,9 @@ class ProgramConfig:
       step k+1's first dispatch (their time then counts as boundary idle).
     calibration_samples: wait-floor samples taken at bring-up.
     out_dir: where records.jsonl and trace.json go (None: not written).
+    start_step: steps already done (a resumed run): the loop runs steps
+      ``start_step .. steps - 1`` and appends to ``records.jsonl``.
+    run_id: saved with every checkpoint, so a checkpoint names its run.
   """
 
   steps: int
@@ -59,10 +62,14 @@ class ProgramConfig:
   sync_before_next_step: bool = False
   calibration_samples: int = 8
   out_dir: str | None = None
+  start_step: int = 0
+  run_id: str | None = None
 
   def __post_init__(self):
     if self.steps < 1:
       raise ValueError(f"steps must be >= 1, got {self.steps}")
+    if not 0 <= self.start_step < self.steps:
+      raise ValueError(f"start_step must be in [0, steps), got {self.start_step} of {self.steps}")
     if self.micro_batches_per_step < 1:
       raise ValueError(f"micro_batches_per_step must be >= 1, got {self.micro_batches_per_step}")
     if self.checkpoint_every < 0:
@@ -81,6 +88,7 @@ class _Boundary:
   plan: BoundaryPlan | None
   mode: str
   actions: tuple[Action, ...]
+  stop: bool = False  # a stop was asked for: this is the run's last step, checkpointed
   last_dispatched: bool = False
   stage: StageReceipt | None = None
   device_wait_s: float | None = None
@@ -101,6 +109,9 @@ class ProgramResult:
   watched: list[Watched] = dataclasses.field(default_factory=list)  # completion stamps, dispatch order
   host_spans: list[Span] = dataclasses.field(default_factory=list)
   run_start: float = 0.0
+  ended: str = "completed"  # or "stopped": a stop was asked for and honoured at a boundary
+  last_step: int | None = None
+  checkpoint_path: str | None = None  # the last checkpoint written
 
 
 class RLProgram:
@@ -115,22 +126,34 @@ class RLProgram:
       (default: ``HostWeightStore``).
     on_step: called with each finished ``BoundaryRecord`` (progress display).
     clock: seconds, monotonic.
+    stop_requested: polled when each boundary is planned; once it returns True
+      that step is the last: its update is applied, a checkpoint is written
+      (when the engine can) and the run ends with ``ended="stopped"``.
+    previous_records: records of the steps before ``config.start_step`` (a
+      resumed run), so the summary covers the whole run.
   """
 
   def __init__(self, worker: TrainerWorker, policy: StepBoundaryPolicy, source: Iterable[Sequence[Any]],
                config: ProgramConfig, *, weight_sync: Callable[[int, Any], None] | None = None,
                on_step: Callable[[BoundaryRecord], None] | None = None,
-               clock: Callable[[], float] = time.perf_counter):
+               clock: Callable[[], float] = time.perf_counter,
+               stop_requested: Callable[[], bool] | None = None,
+               previous_records: Sequence[BoundaryRecord] = ()):
     self.worker = worker
     self.policy = policy
     self.source = source
     self.config = config
     self.weight_sync = weight_sync if weight_sync is not None else HostWeightStore()
     self.clock = clock
-    self.recorder = Recorder(clock, config.micro_batches_per_step, config.out_dir, on_step)
+    self.recorder = Recorder(clock, config.micro_batches_per_step, config.out_dir, on_step,
+                             previous_records=previous_records)
     self.current_step: int | None = None  # the step being run (for error messages)
+    self._stop_requested = stop_requested or (lambda: False)
     self._boundaries: dict[int, _Boundary] = {}
     self._payloads: dict[int, Sequence[Any]] = {}
+    self._source_iter: Iterator | None = None
+    self._source_states: dict[int, Any] = {}  # the source's position before each step was pulled
+    self._result = ProgramResult([], {}, None, None)
     if (config.checkpoint_every or config.scored_checkpoint_steps) and not worker.capabilities.can_checkpoint:
       raise ValueError("checkpoints are asked for (checkpoint_every / scored_checkpoint_steps) but the engine"
                        " has no save_checkpoint / restore_checkpoint; turn checkpoints off or use an engine"
@@ -142,8 +165,13 @@ class RLProgram:
 
   # ------------------------------------------------------------------ bring-up
   def calibrate(self) -> float | None:
-    """Samples the wait floor (nothing in flight) and calibrates the policy; returns the threshold."""
+    """Samples the wait floor (nothing in flight) and calibrates the policy; returns the threshold.
+
+    A resumed policy keeps the floor it measured before (its threshold stays the run's).
+    """
     if not self.worker.capabilities.can_stage or not self.policy.requested_mode.staged:
+      return self.policy.threshold_s
+    if self.policy.floor_samples:
       return self.policy.threshold_s
     return self.policy.calibrate(self.worker.sample_wait_floor(self.config.calibration_samples))
 
@@ -156,35 +184,49 @@ class RLProgram:
       self._loop()
     finally:
       trace_path = self.recorder.close()
-    summary = self.recorder.summary(self.policy, self.worker.state_digest())
-    summary["trace_path"] = trace_path
-    return ProgramResult(self.records, summary, summary.get("records_path"), trace_path,
-                         self.recorder.watched(), list(self.recorder.spans), self.recorder.run_start)
+    result = self._result
+    result.records, result.summary = self.records, self.recorder.summary(self.policy, self.worker.state_digest())
+    result.summary.update(trace_path=trace_path, ended=result.ended, last_step=result.last_step,
+                          checkpoint_path=result.checkpoint_path)
+    result.records_path, result.trace_path = result.summary.get("records_path"), trace_path
+    result.watched, result.host_spans = self.recorder.watched(), list(self.recorder.spans)
+    result.run_start = self.recorder.run_start
+    return result
 
-  def _steps(self) -> Iterator[Sequence[Any]]:
-    m, count = self.config.micro_batches_per_step, 0
-    for payloads in self.source:
-      if count >= self.config.steps:
-        return
-      if len(payloads) != m:
-        raise ValueError(f"step {count} has {len(payloads)} micro-batch payloads; micro_batches_per_step is {m}")
-      count += 1
-      yield payloads
-    if count == 0:
-      raise ValueError("the source yielded no steps")
-    if count < self.config.steps:
-      raise ValueError(f"the source ran out after {count} steps; {self.config.steps} were asked for")
+  def _pull(self, k: int) -> None:
+    """Takes step k's payloads from the source, noting the source's position before it."""
+    if self._source_iter is None:
+      self._source_iter = iter(self.source)
+    get_state = getattr(self._source_iter, "get_state", None)
+    self._source_states[k] = get_state() if callable(get_state) else None
+    try:
+      payloads = next(self._source_iter)
+    except StopIteration:
+      pulled = k - self.config.start_step
+      raise ValueError("the source yielded no steps" if pulled == 0 else
+                       f"the source ran out after {pulled} steps; {self.config.steps - self.config.start_step}"
+                       " were asked for") from None
+    m = self.config.micro_batches_per_step
+    if len(payloads) != m:
+      raise ValueError(f"step {k} has {len(payloads)} micro-batch payloads; micro_batches_per_step is {m}")
+    self._payloads[k] = payloads
+
+  def _source_state_before(self, k: int) -> Any:
+    """The source's position before step k (after the last step pulled, when k was never pulled)."""
+    if k in self._source_states:
+      return self._source_states[k]
+    get_state = getattr(self._source_iter, "get_state", None)
+    return get_state() if callable(get_state) else None
 
   def _loop(self) -> None:
-    steps = self._steps()
-    m = self.config.micro_batches_per_step
-    self._payloads[0] = next(steps)
-    self.current_step = 0
-    self._dispatch_micro(0, 0, self._payloads[0][0])
-    for k in range(self.config.steps):
+    m, first = self.config.micro_batches_per_step, self.config.start_step
+    self._pull(first)
+    self.current_step = first
+    self._dispatch_micro(first, 0, self._payloads[first][0])
+    for k in range(first, self.config.steps):
       self.current_step = k
       if k + 1 < self.config.steps:
-        self._payloads[k + 1] = next(steps)
+        self._pull(k + 1)
       for i in range(1, m - 1):
         self._dispatch_micro(k, i, self._payloads[k][i])
       boundary = self._boundaries.get(k) or self._open_boundary(k)
@@ -192,13 +234,18 @@ class RLProgram:
         self._execute(action, boundary)
       self.recorder.finish_record(boundary, boundary.first_dispatch)
       del self._boundaries[k], self._payloads[k]
+      self._result.last_step = k
+      if boundary.stop:
+        self._result.ended = "stopped"
+        return
 
   def _open_boundary(self, k: int) -> _Boundary:
     """Plans the boundary after step k (just before its last micro-batch is dispatched)."""
-    plan = self.policy.plan(k) if k + 1 < self.config.steps else None
+    stop = k + 1 < self.config.steps and self._stop_requested()
+    plan = self.policy.plan(k) if k + 1 < self.config.steps and not stop else None
     mode = (plan.mode if plan else self.policy.mode).value
     actions = boundary_actions(plan, sync_before_next_step=self.config.sync_before_next_step)
-    self._boundaries[k] = _Boundary(k, plan, mode, actions)
+    self._boundaries[k] = _Boundary(k, plan, mode, actions, stop=stop)
     return self._boundaries[k]
 
   def _dispatch_micro(self, k: int, i: int, payload: Any, *, staged: bool = False) -> float:
@@ -290,13 +337,18 @@ class RLProgram:
       boundary.device_wait_s = max(0.0, update_ready - boundary.stage.ended_at)
       self._observe(boundary)
 
+  def checkpoint_metadata(self, done: int) -> dict[str, Any]:
+    """What a checkpoint after ``done`` steps holds beside the engine state: the whole run's state."""
+    return {"step": done, "run_id": self.config.run_id, "mode": self.policy.mode.value,
+            "scored": done in self.config.scored_checkpoint_steps, "records_count": done,
+            "source_state": self._source_state_before(done), "policy_state": self.policy.state_dict()}
+
   def _checkpoint_and_sync(self, boundary: _Boundary) -> None:
     done = boundary.step + 1
-    if self.config.checkpoint_due(done):
+    if self.config.checkpoint_due(done) or (boundary.stop and self.worker.capabilities.can_checkpoint):
       start = self.clock()
-      scored = done in self.config.scored_checkpoint_steps
-      boundary.checkpoint_path = self.worker.save_checkpoint(
-          {"step": done, "mode": self.policy.mode.value, "scored": scored})
+      boundary.checkpoint_path = self.worker.save_checkpoint(self.checkpoint_metadata(done))
+      self._result.checkpoint_path = boundary.checkpoint_path
       boundary.spans["checkpoint_s"] = self.clock() - start
       self.recorder.span(f"checkpoint {done}", start, self.clock(), Lane.BOUNDARY_WORK)
     start = self.clock()

@@ -13,7 +13,7 @@ import dataclasses
 import enum
 import json
 import statistics
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +83,11 @@ class BoundaryRecord:
   def to_json(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
 
+  @classmethod
+  def from_json(cls, data: dict[str, Any]) -> "BoundaryRecord":
+    """A record read back from ``records.jsonl`` (unknown keys are ignored, missing ones None)."""
+    return cls(**{f.name: data.get(f.name) for f in dataclasses.fields(cls)})
+
 
 def fwd_bwd_key(step: int, micro_step: int) -> tuple:
   return ("fwd_bwd", step, micro_step)
@@ -103,12 +108,14 @@ class Recorder:
   """
 
   def __init__(self, clock: Callable[[], float], micro_batches_per_step: int, out_dir: str | None = None,
-               on_record: Callable[[BoundaryRecord], None] | None = None):
+               on_record: Callable[[BoundaryRecord], None] | None = None, *,
+               previous_records: Sequence[BoundaryRecord] = ()):
     self.clock = clock
     self.m = micro_batches_per_step
     self.out_dir = Path(out_dir) if out_dir else None
     self.on_record = on_record
-    self.records: list[BoundaryRecord] = []
+    self.records: list[BoundaryRecord] = list(previous_records)
+    self._append = bool(previous_records)
     self.spans: list[Span] = []
     self.run_start = 0.0
     self._watcher: CompletionWatcher | None = None
@@ -119,7 +126,7 @@ class Recorder:
   def start(self) -> None:
     if self.out_dir:
       self.out_dir.mkdir(parents=True, exist_ok=True)
-      self._records_file = (self.out_dir / "records.jsonl").open("w")
+      self._records_file = (self.out_dir / "records.jsonl").open("a" if self._append else "w")
     self._watcher = CompletionWatcher(self.clock)
     self.run_start = self.clock()
 

@@ -258,6 +258,41 @@ class StepBoundaryPolicy:
     log.warning("[policy] %s → %s %s: %s", transition.from_mode.name, to_mode.name, where, reason)
     return transition
 
+  # ------------------------------------------------------------------ saving and restoring
+  def state_dict(self) -> dict:
+    """Everything the policy learned during a run, JSON-able (saved with each checkpoint).
+
+    The settings (requested mode, thresholds given, ``disable_after``, ...)
+    come from the recipe and are not part of it.
+    """
+    return {
+        "mode": self.mode.value, "reason": self.reason, "threshold_s": self._threshold_s,
+        "floor_samples": list(self.floor_samples), "low_waits": list(self._low_waits),
+        "counters": dict(self.counters), "disabled_at": self._disabled_at, "probe_used": self._probe_used,
+        "reported_low": self._reported_low,
+        "history": [{"step": t.step, "from_mode": t.from_mode.value, "to_mode": t.to_mode.value,
+                     "kind": t.kind, "reason": t.reason} for t in self.history],
+    }
+
+  def load_state_dict(self, state: dict) -> None:
+    """Continues from ``state_dict()``'s output (a resumed run); logs nothing, counts nothing new.
+
+    Raises:
+      ValueError: the state is not one this policy wrote (names the key).
+    """
+    try:
+      self.mode, self.reason = Mode.parse(state["mode"]), str(state["reason"])
+      self._threshold_s = None if state["threshold_s"] is None else float(state["threshold_s"])
+      self.floor_samples = tuple(float(x) for x in state["floor_samples"])
+      self._low_waits = [float(x) for x in state["low_waits"]]
+      self.counters = {str(k): int(v) for k, v in state["counters"].items()}
+      self._disabled_at = None if state["disabled_at"] is None else int(state["disabled_at"])
+      self._probe_used, self._reported_low = bool(state["probe_used"]), bool(state["reported_low"])
+      self.history = [Transition(h["step"], Mode.parse(h["from_mode"]), Mode.parse(h["to_mode"]), h["kind"],
+                                 h["reason"]) for h in state["history"]]
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+      raise ValueError(f"policy state cannot be restored: {type(e).__name__}: {e}") from None
+
   # ------------------------------------------------------------------ calibration
   def calibrate(self, floor_samples: Sequence[float]) -> float | None:
     """Sets the low-wait threshold from wait-floor samples; returns it.

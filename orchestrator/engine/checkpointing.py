@@ -84,3 +84,24 @@ class Checkpointer:
     flat = restored["state"]
     state = jax.tree_util.tree_unflatten(treedef, [flat[k] for k in sorted(flat)])
     return state, dict(restored["metadata"])
+
+
+def read_checkpoints(directory: str | Path) -> dict[int, dict[str, Any]]:
+  """Every complete checkpoint under ``directory`` and its metadata, read-only (nothing is created).
+
+  A checkpoint whose metadata cannot be read maps to an empty dict.
+  """
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+
+  path = Path(directory).absolute()
+  if not path.is_dir():
+    return {}
+  manager = ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(read_only=True, create=False))
+  out = {}
+  for step in manager.all_steps():
+    try:
+      restored = manager.restore(step, args=ocp.args.Composite(metadata=ocp.args.JsonRestore()))
+      out[int(step)] = dict(restored["metadata"])
+    except Exception:  # pylint: disable=broad-except  # a foreign or damaged checkpoint still counts
+      out[int(step)] = {}
+  return out
