@@ -1,21 +1,22 @@
 """``run_rl``: run the RL program from a recipe, with the step-boundary switches.
 
     run_rl [--recipe PATH] [--stage_before_update | --no-stage_before_update] ... [key=value ...]
+    run_rl --resume DIR [--steps N]                          continue a stopped run
     run_rl record --recipe R --out DIR                      write a recording
     run_rl rig --recipe R --recording DIR --arms ... --out DIR   A/B the modes
     run_rl simulate --recipe R                              plan with the boundary model
 
-Exit codes: 0 success; 2 bad usage or an invalid recipe (one message, no
-traceback, nothing started); 1 a failure during the run (the message names the
-step; records written so far are kept).
+Exit codes: 0 success; 2 bad usage, an invalid recipe, recording or output
+directory (one message, no traceback, nothing started or written); 1 a failure
+during the run (the message names the step; records are kept, the traceback is
+in DIR/error.log); 130 / 143 stopped by SIGINT / SIGTERM at a boundary, with a
+checkpoint to resume from.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
-import json
 import logging
 import sys
 from pathlib import Path
@@ -60,7 +61,10 @@ def make_parser() -> argparse.ArgumentParser:
   p.add_argument("--require_staging", action="store_true", default=None,
                  help="fail at bring-up if the engine cannot stage, instead of falling back")
   p.add_argument("--steps", type=int, help="optimizer steps to run")
-  p.add_argument("--out", help="output directory (records.jsonl, trace.json, summary.json)")
+  p.add_argument("--out", help="output directory for a new run (records.jsonl, trace.json, summary.json,"
+                 " checkpoints/); refused if it already holds a run")
+  p.add_argument("--resume", metavar="DIR",
+                 help="continue the run in DIR from its latest complete checkpoint (--steps N may extend it)")
   p.add_argument("--print-config", action="store_true",
                  help="print the resolved config with each value's source, and exit")
   p.add_argument("overrides", nargs="*", metavar="key=value")
@@ -87,7 +91,7 @@ def _sub_parser(name: str, description: str) -> argparse.ArgumentParser:
 def _parse_sub(parser: argparse.ArgumentParser, argv: list[str]):
   """(args, resolved recipe), or (None, exit code 2) after printing the one error line."""
   try:
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     return args, config_lib.resolve(args.recipe, overrides=args.overrides)
   except (UsageError, config_lib.RecipeError) as e:
     print(f"{parser.prog}: error: {e}", file=sys.stderr)
@@ -145,8 +149,12 @@ def rig_main(argv: list[str]) -> int:
     print("run_rl rig: error: no recording: pass --recording DIR or set rollouts.recording in"
           " the recipe", file=sys.stderr)
     return 2
-  out = args.out or str(_out_dir(recipe).with_name(
-      f"{recipe.name}-rig-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}"))
+  from orchestrator.run_dir import default_out
+
+  out = args.out or str(default_out(f"{recipe.name}-rig"))
+  if any((Path(out) / name).exists() for name in ("predictions.json", "report.json")):
+    print(f"run_rl rig: error: --out {out} already holds a rig report; choose a new --out", file=sys.stderr)
+    return 2
   if recipe.run.reserve_host_core:
     from orchestrator.engine.host_threads import reserve_host_core
 
@@ -187,11 +195,35 @@ SUBCOMMANDS = {"record": record_main, "rig": rig_main, "simulate": simulate_main
 
 
 def main(argv: list[str] | None = None) -> int:
-  argv = sys.argv[1:] if argv is None else argv
+  try:
+    return _main(sys.argv[1:] if argv is None else argv)
+  except KeyboardInterrupt:  # outside a run's own handlers (start-up, imports, a subcommand)
+    print("run_rl: interrupted", file=sys.stderr)
+    return 130
+
+
+def _resume_main(args: argparse.Namespace) -> int:
+  given = [f"--{name}" for name in FLAG_KEYS if name not in ("steps",) and getattr(args, name) is not None]
+  given += ["--recipe"] * bool(args.recipe) + ["--print-config"] * bool(args.print_config) + list(args.overrides)
+  if given:
+    print(f"run_rl: error: --resume continues a run as it was configured; only --steps may be given with it"
+          f" (got {' '.join(given)})", file=sys.stderr)
+    return 2
+  if args.steps is not None and args.steps < 1:
+    print(f"run_rl: error: --steps {args.steps} is out of range: it must be >= 1", file=sys.stderr)
+    return 2
+  from orchestrator import launch
+
+  return launch.resume(Path(args.resume), args.steps)
+
+
+def _main(argv: list[str]) -> int:
   if argv and argv[0] in SUBCOMMANDS:
     return SUBCOMMANDS[argv[0]](argv[1:])
   try:
-    args = make_parser().parse_args(argv)
+    args = make_parser().parse_intermixed_args(argv)
+    if args.resume is not None:
+      return _resume_main(args)
     resolved = resolve_from_args(args)
   except (UsageError, config_lib.RecipeError) as e:
     print(f"run_rl: error: {e}", file=sys.stderr)
@@ -199,68 +231,9 @@ def main(argv: list[str] | None = None) -> int:
   if args.print_config:
     print(config_lib.format_config(resolved))
     return 0
-  return run(resolved)
+  from orchestrator import launch
 
-
-def _out_dir(recipe: config_lib.Recipe) -> Path:
-  if recipe.run.out:
-    return Path(recipe.run.out)
-  stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-  return Path("runs") / f"{recipe.name}-{stamp}"
-
-
-def run(resolved: config_lib.ResolvedRecipe) -> int:
-  """Builds everything the recipe names and runs it; returns the exit code."""
-  recipe = resolved.recipe
-  if recipe.run.reserve_host_core:
-    from orchestrator.engine.host_threads import reserve_host_core  # before JAX starts
-
-    reservation = reserve_host_core()
-  else:
-    reservation = None
-  logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr, force=True)
-  for noisy in ("absl", "jax", "orbax", "etils"):
-    logging.getLogger(noisy).setLevel(logging.WARNING)
-  from orchestrator.runner import build_run  # imports JAX
-
-  out = _out_dir(recipe)
-  out.mkdir(parents=True, exist_ok=True)
-  (out / "config.json").write_text(json.dumps(
-      {"recipe": resolved.path, "config": config_lib.to_dict(recipe), "sources": resolved.sources},
-      indent=2, default=str))
-  print(f"run_rl: recipe {resolved.path} ({recipe.name}), mode {recipe.mode.name},"
-        f" model {recipe.model}, {recipe.steps} steps × {recipe.batch.micro_batches_per_step}"
-        f" micro-batches; host core reserved: {reservation.reason if reservation else 'no'}",
-        file=sys.stderr)
-  from orchestrator.data.recording import RecordingError
-
-  try:
-    program = build_run(recipe, out)
-  except (config_lib.RecipeError, RecordingError) as e:
-    print(f"run_rl: error: {e}", file=sys.stderr)
-    return 2
-  except Exception as e:  # pylint: disable=broad-except
-    print(f"run_rl: bring-up failed: {type(e).__name__}: {e}", file=sys.stderr)
-    return 1
-  from orchestrator.console import format_summary, format_table
-
-  try:
-    result = program.run()
-  except Exception as e:  # pylint: disable=broad-except
-    step = program.current_step
-    print(
-        f"run_rl: the run failed at step {step}: {type(e).__name__}: {e}\n"
-        f"run_rl: records written so far are kept in {out / 'records.jsonl'}",
-        file=sys.stderr,
-    )
-    return 1
-  finally:
-    program.close_progress()
-  (out / "summary.json").write_text(json.dumps(result.summary, indent=2))
-  print(format_table(result.records))
-  print()
-  print(format_summary(result.summary))
-  return 0
+  return launch.start(resolved, None)
 
 
 if __name__ == "__main__":

@@ -52,21 +52,38 @@ def build_engine_from_recipe(recipe: Recipe, *, checkpoint_dir: str | None = Non
                        micro_batches_per_step=recipe.batch.micro_batches_per_step)
 
 
-def rollout_source(recipe: Recipe, *, vocab_size: int, rows: int, tokens_per_row: int, steps: int | None = None):
-  """The per-step payloads the recipe names (``steps`` of them; default the recipe's)."""
-  r = recipe.rollouts
-  steps = steps or recipe.steps
-  m = recipe.batch.micro_batches_per_step
+def batch_shape(recipe: Recipe) -> tuple[int, int, int]:
+  """(vocab size, rows, tokens per row) the recipe's model and batch section give (no JAX)."""
+  from orchestrator.engine.presets import load_preset
+
+  preset = load_preset(recipe.model)
+  return preset.vocab_size, recipe.batch.rows or preset.rows, recipe.batch.tokens_per_row or preset.tokens_per_row
+
+
+def rollout_source(recipe: Recipe, *, steps: int | None = None):
+  """The step source the recipe names, with a position that can be saved (``orchestrator.data.sources``).
+
+  A recording is opened and verified, and must hold ``steps`` steps (default
+  the recipe's): a bad or short recording is refused here, before anything runs.
+
+  Raises:
+    RecordingError: the recording cannot be replayed for this run.
+  """
+  from orchestrator.data.sources import ReplaySteps, SyntheticSteps
+
+  vocab_size, rows, tokens_per_row = batch_shape(recipe)
+  r, m = recipe.rollouts, recipe.batch.micro_batches_per_step
   if r.source == "synthetic":
     from orchestrator.data.synthetic import SyntheticRollouts
 
-    return SyntheticRollouts(vocab_size, rows, tokens_per_row, generations_per_group=r.generations_per_group,
-                             fill=r.fill, seed=r.seed).steps(steps, m)
+    return SyntheticSteps(SyntheticRollouts(vocab_size, rows, tokens_per_row, generations_per_group=r.generations_per_group,
+                                            fill=r.fill, seed=r.seed), m)
   from orchestrator.data.recording import open_recording
-  from orchestrator.data.replay import replay_steps
 
   recording = open_recording(resolve_path(r.recording), vocab_size=vocab_size)
-  return replay_steps(recording, rows=rows, tokens_per_row=tokens_per_row, micro_batches_per_step=m, steps=steps)
+  source = ReplaySteps(recording, rows=rows, tokens_per_row=tokens_per_row, micro_batches_per_step=m)
+  source.require_steps(steps or recipe.steps)
+  return source
 
 
 def resolve_path(path: str) -> Path:
@@ -77,13 +94,38 @@ def resolve_path(path: str) -> Path:
   return RECIPES_DIR.parent / given
 
 
-def program_config(recipe: Recipe, out: Path | None, *, steps: int | None = None) -> ProgramConfig:
+def checkpoint_dir_for(recipe: Recipe, out: Path) -> str | None:
+  """Where the run's checkpoints go: the recipe's directory, else ``OUT/checkpoints``; None for a
+  backend that cannot checkpoint."""
+  from orchestrator.engine.options import CHECKPOINTING_BACKENDS
+  from orchestrator.run_dir import CHECKPOINTS
+
+  if recipe.engine.backend not in CHECKPOINTING_BACKENDS:
+    return None
+  return str(Path(recipe.checkpoint.directory or out / CHECKPOINTS).absolute())
+
+
+@dataclasses.dataclass
+class ResumePoint:
+  """Where a stopped run continues: its latest complete checkpoint and the records it covers."""
+
+  checkpoint_step: int
+  metadata: dict
+  previous_records: list
+
+  @property
+  def steps_done(self) -> int:
+    return int(self.metadata["step"])
+
+
+def program_config(recipe: Recipe, out: Path | None, *, steps: int | None = None, start_step: int = 0,
+                   run_id: str | None = None) -> ProgramConfig:
   sb, ckpt = recipe.step_boundary, recipe.checkpoint
   return ProgramConfig(
       steps=steps or recipe.steps, micro_batches_per_step=recipe.batch.micro_batches_per_step,
       checkpoint_every=ckpt.every, scored_checkpoint_steps=tuple(ckpt.scored_steps),
       sync_before_next_step=sb.sync_before_next_step, calibration_samples=sb.calibration_samples,
-      out_dir=str(out) if out else None,
+      out_dir=str(out) if out else None, start_step=start_step, run_id=run_id,
   )
 
 
@@ -111,25 +153,37 @@ class RunHandle:
       self.progress.close()
 
 
-def build_run(recipe: Recipe, out: Path, *, progress: bool = True) -> RunHandle:
-  ckpt = recipe.checkpoint
-  engine = build_engine_from_recipe(
-      recipe, checkpoint_dir=str(Path(ckpt.directory).absolute()) if ckpt.directory else None)
+def build_run(recipe: Recipe, out: Path, *, source, run_id: str, resume: ResumePoint | None = None,
+              stop_requested=None, progress: bool = True) -> RunHandle:
+  """Builds the engine, worker, policy and program for a validated recipe and a checked source.
+
+  With ``resume``, the engine restores that checkpoint, the source and the
+  policy continue from the positions it saved, and records are appended.
+  """
+  from orchestrator.recorder import BoundaryRecord
+
+  engine = build_engine_from_recipe(recipe, checkpoint_dir=checkpoint_dir_for(recipe, out))
   worker = TrainerWorker(engine)
   policy = policy_from_recipe(recipe, worker.capabilities)
+  start_step, previous = 0, []
+  if resume is not None:
+    worker.restore_checkpoint(resume.checkpoint_step)
+    source.set_state(resume.metadata["source_state"])
+    policy.load_state_dict(resume.metadata["policy_state"])
+    start_step, previous = resume.steps_done, [BoundaryRecord.from_json(r) for r in resume.previous_records]
   bar = on_step = None
   if progress:
     from tqdm import tqdm
 
     from orchestrator.console import progress_postfix
 
-    bar = tqdm(total=recipe.steps, desc=f"{recipe.name} [{recipe.mode.value}]", unit="step")
+    bar = tqdm(total=recipe.steps, initial=start_step, desc=f"{recipe.name} [{recipe.mode.value}]", unit="step")
 
     def on_step(record):
       bar.set_postfix(progress_postfix(record))
       bar.update(1)
 
-  source = rollout_source(recipe, vocab_size=engine.preset.vocab_size, rows=engine.rows,
-                          tokens_per_row=engine.tokens_per_row)
-  program = RLProgram(worker, policy, source, program_config(recipe, out), on_step=on_step)
+  config = program_config(recipe, out, start_step=start_step, run_id=run_id)
+  program = RLProgram(worker, policy, source, config, on_step=on_step, stop_requested=stop_requested,
+                      previous_records=previous)
   return RunHandle(program, bar)

@@ -18,7 +18,7 @@ RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
 
 
 def resolve(argv, env=None):
-  args = cli.make_parser().parse_args(argv)
+  args = cli.make_parser().parse_intermixed_args(argv)
   return cli.resolve_from_args(args, env=env or {})
 
 
@@ -37,7 +37,7 @@ def test_every_shipped_recipe_validates(recipe):
 @pytest.mark.parametrize(
     "pipeline,staging,before,mode",
     [
-        (False, None, True, Mode.OFF),
+        (False, None, False, Mode.OFF),
         (True, False, True, Mode.PIPELINED),
         (True, None, True, Mode.STAGE_BEFORE_UPDATE),
         (True, True, False, Mode.STAGE_AFTER_UPDATE),
@@ -50,6 +50,14 @@ def test_switches_map_to_policy_modes(pipeline, staging, before, mode):
     argv.append("--stage_next_microbatch" if staging else "--no-stage_next_microbatch")
   argv.append("--stage_before_update" if before else "--no-stage_before_update")
   assert resolve(argv).recipe.mode is mode
+
+
+def test_a_stage_asked_for_while_pipelining_is_off_is_refused_not_ignored():
+  with pytest.raises(config_lib.RecipeError, match="has no effect with step_boundary.pipeline_step_boundary=false"):
+    resolve(["--no-pipeline_step_boundary", "--stage_before_update"])
+  with pytest.raises(config_lib.RecipeError, match=r"\(env STAGE_BEFORE_UPDATE\) has no effect"):
+    resolve(["--no-pipeline_step_boundary"], env={"STAGE_BEFORE_UPDATE": "1"})
+  assert resolve(["--no-pipeline_step_boundary"]).recipe.mode is Mode.OFF  # the recipe's own value is fine
 
 
 def test_precedence_recipe_then_env_then_flags_then_overrides(tmp_path):
@@ -124,7 +132,6 @@ def _main(argv, capsys, env=None):
         (["engine.retry_when_tokens_dropped=true"], {}, "needs an MoE model, but 'small' is dense"),
         (["mesh.fsdp=3"], {}, "batch.rows=8 does not split over mesh.fsdp×mesh.expert=3"),
         (["model=huge"], {}, "model='huge' is not a preset; available:"),
-        (["checkpoint.every=2"], {}, "checkpoint.directory is unset"),
         (["notakeyvalue"], {}, "override 'notakeyvalue' is not key=value"),
         (["--steps", "x"], {}, "argument --steps: invalid int value"),
         ([], {"PIPELINE_STEP_BOUNDARY": "maybe"}, "environment PIPELINE_STEP_BOUNDARY='maybe'"),
@@ -138,7 +145,7 @@ def _main(argv, capsys, env=None):
     ],
     ids=["staging-without-pipeline", "unknown-key", "wrong-type", "not-whole", "out-of-range",
          "factor-zero", "factor-negative", "missing-recipe", "require-staging-off", "retry-dense",
-         "mesh-split", "unknown-preset", "checkpoint-no-dir", "bad-override", "bad-flag", "bad-env",
+         "mesh-split", "unknown-preset", "bad-override", "bad-flag", "bad-env",
          "unknown-backend", "tunix-mesh", "tunix-moe", "tunix-require-staging", "steps-inf", "lr-nan",
          "steps-overflow"],
 )
@@ -205,11 +212,15 @@ def test_failure_during_the_run_exits_1_naming_the_step(tmp_path, capsys, monkey
     def close_progress(self):
       pass
 
-  monkeypatch.setattr(runner, "build_run", lambda recipe, out: Boom())
-  code, _, err = _main(["model=tiny", "run.reserve_host_core=false", "--out", str(tmp_path / "out")], capsys)
+  monkeypatch.setattr(runner, "build_run", lambda recipe, out, **kw: Boom())
+  code, _, err = _main(["model=tiny", "rollouts.source=synthetic", "run.reserve_host_core=false", "--out",
+                        str(tmp_path / "out")], capsys)
   assert code == 1
   assert "the run failed at step 2: RuntimeError: device lost" in err
-  assert "records written so far are kept" in err
+  assert "records written so far are kept" in err and "Traceback" not in err
+  assert f"traceback in {tmp_path / 'out' / 'error.log'}" in err
+  assert "RuntimeError: device lost" in (tmp_path / "out" / "error.log").read_text()
+  assert json.loads((tmp_path / "out" / "summary.json").read_text())["ended"] == "error"
   assert (tmp_path / "out" / "records.jsonl").read_text() == '{"step": 0}\n'
 
 
@@ -267,6 +278,11 @@ def test_rig_command_runs_and_prints_the_verdict(tmp_path, capsys):
   assert code == 0, out
   assert "# Rig report" in out and out.strip().splitlines()[-1].startswith("verdict:")
   assert (tmp_path / "rig" / "timeline.png").is_file()
+  report = (tmp_path / "rig" / "report.json").read_bytes()
+  code, _, err = _main(["rig", "model=tiny", "batch.rows=16", "steps=2", "run.reserve_host_core=false",
+                        "--recording", "recordings/rig_small", "--out", str(tmp_path / "rig")], capsys)
+  assert code == 2 and "already holds a rig report" in err
+  assert (tmp_path / "rig" / "report.json").read_bytes() == report
 
 
 def test_recipe_validation_does_not_import_jax():

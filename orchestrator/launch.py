@@ -1,0 +1,249 @@
+"""Starting, stopping and resuming a run: the part of ``run_rl`` that owns a run directory.
+
+Order of a run, so that bad input is refused before anything is built or written:
+
+1. the recipe is resolved and validated (``orchestrator.config``);
+2. the output directory is checked (``run_dir.check_new``), the host core reserved;
+3. preflight: the rollout source is opened (a recording is verified and must
+   hold the steps), the mesh's devices are counted, the checkpoint directory
+   must hold no other run's checkpoints;
+4. only then is the run directory claimed (``config.json``, with the run's id),
+   the engine built and the program run.
+
+SIGINT or SIGTERM asks the program to stop at the next boundary: the step in
+flight finishes, its update is applied, a checkpoint is written, ``summary.json``
+says ``"ended": "signal"``, and the exit code is 130 or 143. A second signal
+stops at once. ``--resume DIR`` continues from the latest complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+from orchestrator import config as config_lib
+from orchestrator import run_dir
+from orchestrator.data.recording import RecordingError
+from orchestrator.data.sources import SourceStateError
+from orchestrator.run_dir import RunDirError
+
+EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
+# What a user's input can cause before the run starts: one line, exit 2.
+REFUSALS = (config_lib.RecipeError, RunDirError, RecordingError, SourceStateError)
+
+
+class StopSignals:
+  """First SIGINT/SIGTERM: stop at the next boundary. Second: stop at once, with one line."""
+
+  def __init__(self, out: Path):
+    self.out = out
+    self.received: signal.Signals | None = None
+    self._previous: dict[int, Any] = {}
+
+  def __enter__(self) -> "StopSignals":
+    for sig in EXIT_CODES:
+      self._previous[sig] = signal.signal(sig, self._handle)
+    return self
+
+  def __exit__(self, *exc) -> None:
+    for sig, handler in self._previous.items():
+      signal.signal(sig, handler)
+
+  def _handle(self, signum: int, frame) -> None:
+    del frame
+    sig = signal.Signals(signum)
+    if self.received is None:
+      self.received = sig
+      print(f"\nrun_rl: {sig.name} received: stopping after the step in flight (its update applied and"
+            f" checkpointed); {sig.name} again stops at once", file=sys.stderr, flush=True)
+      return
+    print(f"run_rl: second {sig.name}: stopped at once; records so far are in {self.out / run_dir.RECORDS};"
+          f" `run_rl --resume {self.out}` continues from the last complete checkpoint", file=sys.stderr, flush=True)
+    os._exit(EXIT_CODES.get(sig, 130))
+
+  def requested(self) -> bool:
+    return self.received is not None
+
+
+def _setup_host(recipe) -> str:
+  reason = "no"
+  if recipe.run.reserve_host_core:
+    from orchestrator.engine.host_threads import reserve_host_core  # before JAX starts
+
+    reason = reserve_host_core().reason
+  logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr, force=True)
+  for noisy in ("absl", "jax", "orbax", "etils"):
+    logging.getLogger(noisy).setLevel(logging.WARNING)
+  return reason
+
+
+def preflight(recipe, out: Path, *, run_id: str | None, steps: int | None = None):
+  """Everything that can refuse the run before it writes: the source, the devices, the checkpoints.
+
+  Returns the rollout source. Raises RecipeError / RecordingError / RunDirError (exit 2).
+  """
+  from orchestrator.engine.checkpointing import read_checkpoints
+  from orchestrator.engine.mesh import check_devices
+  from orchestrator.runner import checkpoint_dir_for, rollout_source
+
+  source = rollout_source(recipe, steps=steps)
+  try:
+    check_devices(recipe.mesh)
+  except ValueError as e:
+    raise config_lib.RecipeError(str(e)) from None
+  ckpt_dir = checkpoint_dir_for(recipe, out)
+  if ckpt_dir:
+    foreign = {step: meta.get("run_id") for step, meta in read_checkpoints(ckpt_dir).items()
+               if meta.get("run_id") != run_id or run_id is None}
+    if foreign:
+      raise RunDirError(
+          f"checkpoint directory {ckpt_dir} holds checkpoints of another run (steps {sorted(foreign)}, run"
+          f" {sorted(set(map(str, foreign.values())))[0]}); use a new checkpoint.directory, or continue that"
+          " run with `run_rl --resume` on its run directory")
+  return source
+
+
+def start(resolved: config_lib.ResolvedRecipe, out: Path | None) -> int:
+  """A new run of ``resolved`` in ``out`` (default ``runs/<name>-<time>``); returns the exit code."""
+  recipe = resolved.recipe
+  out = out or (Path(recipe.run.out) if recipe.run.out else run_dir.default_out(recipe.name))
+  run_id = run_dir.new_run_id()
+  try:
+    run_dir.check_new(out)
+    host = _setup_host(recipe)
+    source = preflight(recipe, out, run_id=run_id)
+  except REFUSALS as e:
+    return _refuse(e)
+  run_dir.claim_new(out, {"run_id": run_id, "recipe": resolved.path, "config": config_lib.to_dict(recipe),
+                          "sources": resolved.sources})
+  print(f"run_rl: recipe {resolved.path} ({recipe.name}), mode {recipe.mode.name}, model {recipe.model},"
+        f" {recipe.steps} steps × {recipe.batch.micro_batches_per_step} micro-batches; out {out};"
+        f" host core reserved: {host}", file=sys.stderr)
+  return _run(recipe, out, source=source, run_id=run_id, resume=None)
+
+
+def _refuse(e: Exception) -> int:
+  print(f"run_rl: error: {e}", file=sys.stderr)
+  return 2
+
+
+def resume(path: Path, steps: int | None) -> int:
+  """Continues the run in ``path`` from its latest complete checkpoint; ``steps`` may extend it."""
+  try:
+    config = run_dir.read_config(path)
+    resolved = resolved_from_saved(config, steps)
+    recipe = resolved.recipe
+    _setup_host(recipe)
+    point = resume_point(recipe, path, config["run_id"])
+    source = preflight(recipe, path, run_id=config["run_id"], steps=recipe.steps)
+  except REFUSALS as e:
+    return _refuse(e)
+  print(f"run_rl: resuming {path} ({recipe.name}, mode {recipe.mode.name}) after step {point.steps_done - 1}"
+        f" from checkpoint {point.checkpoint_step}; {recipe.steps - point.steps_done} steps to go",
+        file=sys.stderr)
+  return _run(recipe, path, source=source, run_id=config["run_id"], resume=point)
+
+
+def resolved_from_saved(config: dict, steps: int | None) -> config_lib.ResolvedRecipe:
+  """The recipe a run directory's config.json describes, with ``steps`` extended if given."""
+  values = config_lib.flatten(config["config"], where="config.json")
+  if steps is not None:
+    values["steps"] = steps
+  recipe = config_lib.build({k: config_lib.coerce(k, v) for k, v in values.items()})
+  recipe.validate()
+  sources = dict(config.get("sources", {}))
+  if steps is not None:
+    sources["steps"] = "flag --steps (resume)"
+  return config_lib.ResolvedRecipe(recipe, sources, str(config.get("recipe")))
+
+
+def resume_point(recipe, path: Path, run_id: str):
+  """The latest complete checkpoint of run ``run_id`` and the records it covers.
+
+  Raises:
+    RunDirError: no complete checkpoint, one of another run, or nothing left to run.
+  """
+  from orchestrator.engine.checkpointing import read_checkpoints
+  from orchestrator.runner import ResumePoint, checkpoint_dir_for
+
+  ckpt_dir = checkpoint_dir_for(recipe, path)
+  checkpoints = read_checkpoints(ckpt_dir) if ckpt_dir else {}
+  if not checkpoints:
+    raise RunDirError(f"--resume {path}: no complete checkpoint in {ckpt_dir}; nothing to resume from"
+                      " (start a new run with --out)")
+  step = max(checkpoints)
+  metadata = checkpoints[step]
+  if metadata.get("run_id") != run_id:
+    raise RunDirError(f"--resume {path}: checkpoint {step} in {ckpt_dir} belongs to another run"
+                      f" ({metadata.get('run_id')!r}, not {run_id!r}); it cannot continue this one")
+  if "policy_state" not in metadata or "source_state" not in metadata:
+    raise RunDirError(f"--resume {path}: checkpoint {step} holds no run state (written by an older version)")
+  done = int(metadata["step"])
+  if done >= recipe.steps:
+    raise RunDirError(f"--resume {path}: the run already did {done} of {recipe.steps} steps;"
+                      f" pass --steps N with N > {done} to extend it")
+  kept = run_dir.keep_records(path, int(metadata["records_count"]))
+  if len(kept) < int(metadata["records_count"]):
+    logging.getLogger("step_boundary.run").warning(
+        "run_rl: records.jsonl holds %d of the %d records checkpoint %d covers (the run was killed between"
+        " the checkpoint and its record); the missing step's record is lost", len(kept),
+        metadata["records_count"], step)
+  return ResumePoint(step, metadata, kept)
+
+
+def _run(recipe, out: Path, *, source, run_id: str, resume) -> int:
+  with StopSignals(out) as stop:  # held until the end, so a late Ctrl-C gets no traceback either
+    handle = None
+    try:
+      from orchestrator.runner import build_run
+
+      previous_trace = run_dir.read_trace_events(out) if resume else []
+      handle = build_run(recipe, out, source=source, run_id=run_id, resume=resume, stop_requested=stop.requested)
+      result = handle.run()
+    except config_lib.RecipeError as e:
+      return _refuse(e)
+    except Exception as e:  # pylint: disable=broad-except
+      return _fail(out, e, None if handle is None else handle.current_step)
+    finally:
+      if handle is not None:
+        handle.close_progress()
+    if previous_trace:
+      run_dir.merge_trace(out, previous_trace, resumed_at=resume.steps_done)
+    return _report(out, result, run_id, stop)
+
+
+def _report(out: Path, result, run_id: str, stop: StopSignals) -> int:
+  from orchestrator.console import format_summary, format_table
+
+  summary = dict(result.summary, run_id=run_id)
+  stopped = result.ended == "stopped"  # a signal that came after the last step changes nothing
+  if stopped:
+    summary.update(ended="signal", signal=stop.received.name, resume_command=f"run_rl --resume {out}")
+  run_dir.write_summary(out, summary)
+  print(format_table(result.records))
+  print()
+  print(format_summary(summary))
+  if not stopped:
+    return 0
+  where = (f"checkpoint {result.checkpoint_path}; continue with `run_rl --resume {out}`"
+           if result.checkpoint_path else "no checkpoint (this engine cannot write one); it cannot be resumed")
+  print(f"run_rl: stopped by {stop.received.name} after step {result.last_step}: {where}", file=sys.stderr)
+  return EXIT_CODES[stop.received]
+
+
+def _fail(out: Path, error: Exception, step: int | None) -> int:
+  """An unexpected failure: exit 1, one line, the traceback in error.log, the records kept."""
+  log_path = out / run_dir.ERROR_LOG
+  log_path.write_text("".join(traceback.format_exception(error)), encoding="utf-8")
+  where = "during bring-up" if step is None else f"at step {step}"
+  run_dir.write_summary(out, {"ended": "error", "last_step": step, "error": f"{type(error).__name__}: {error}"})
+  print(f"run_rl: the run failed {where}: {type(error).__name__}: {error}\n"
+        f"run_rl: records written so far are kept in {out / run_dir.RECORDS}; traceback in {log_path}",
+        file=sys.stderr)
+  return 1
+

@@ -1,0 +1,209 @@
+"""Runs that survive: resume equals an uninterrupted run, clean stops on signals, no clobbered outputs.
+
+The signal and kill tests run ``run_rl`` as a child process (marked slow: they
+are few, and CI runs them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from orchestrator import cli
+from orchestrator import config as config_lib
+from policies import Mode
+from tests.conftest import REPO
+
+DENSE = ["model=tiny", "rollouts.source=synthetic", "batch.micro_batches_per_step=2", "run.reserve_host_core=false"]
+MOE = DENSE[1:] + ["model=tiny_moe", "engine.ragged_buffer_factor=0.9", "engine.retry_when_tokens_dropped=true"]
+# Slower steps for the child-process tests, so a signal lands mid-run.
+CHILD = DENSE + ["batch.rows=16"]
+MODE_FLAGS = {
+    Mode.OFF: ["--no-pipeline_step_boundary", "--no-stage_before_update"],
+    Mode.PIPELINED: ["--no-stage_next_microbatch"],
+    Mode.STAGE_AFTER_UPDATE: ["--no-stage_before_update"],
+    Mode.STAGE_BEFORE_UPDATE: [],
+}
+
+
+@pytest.fixture(autouse=True)
+def _no_env_switches(monkeypatch):
+  for name in config_lib.ENV_SWITCHES:
+    monkeypatch.delenv(name, raising=False)
+
+
+def _run(argv, capsys=None) -> tuple[int, str]:
+  code = cli.main(argv)
+  out = capsys.readouterr().out if capsys else ""
+  return code, out
+
+
+def _summary(run_dir: Path) -> dict:
+  return json.loads((run_dir / "summary.json").read_text())
+
+
+def _records(run_dir: Path) -> list[dict]:
+  return [json.loads(line) for line in (run_dir / "records.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def reference_digests(tmp_path_factory):
+  """Uninterrupted 4-step runs (all modes train to the same digest, so one per model)."""
+  out = {}
+  for name, base in (("dense", DENSE), ("moe", MOE)):
+    run = tmp_path_factory.mktemp("ref") / name
+    assert cli.main(base + ["steps=4", "--out", str(run)]) == 0
+    out[name] = _summary(run)["final_state_digest"]
+  return out
+
+
+@pytest.mark.parametrize("model", ["dense", "moe"])
+@pytest.mark.parametrize("mode", list(Mode), ids=lambda m: m.name)
+def test_a_resumed_run_trains_like_an_uninterrupted_one(model, mode, reference_digests, tmp_path):
+  base = DENSE if model == "dense" else MOE
+  run = tmp_path / "run"
+  assert cli.main(base + MODE_FLAGS[mode] + ["steps=2", "checkpoint.every=2", "--out", str(run)]) == 0
+  assert cli.main(["--resume", str(run), "--steps", "4"]) == 0
+  summary = _summary(run)
+  assert summary["final_state_digest"] == reference_digests[model]
+  assert [r["step"] for r in _records(run)] == [0, 1, 2, 3] and summary["steps"] == 4
+  assert summary["ended"] == "completed" and summary["requested_mode"] == mode.value
+  trace = json.loads((run / "trace.json").read_text())["traceEvents"]
+  assert len({e["pid"] for e in trace}) == 4  # device and host, for each of the two segments
+
+
+def test_resume_without_a_checkpoint_is_refused(tmp_path, capsys):
+  run = tmp_path / "run"
+  assert cli.main(DENSE + ["steps=2", "--out", str(run)]) == 0
+  capsys.readouterr()
+  assert cli.main(["--resume", str(run), "--steps", "4"]) == 2
+  assert "no complete checkpoint" in capsys.readouterr().err
+
+
+def test_resuming_a_finished_run_needs_more_steps(tmp_path, capsys):
+  run = tmp_path / "run"
+  assert cli.main(DENSE + ["steps=2", "checkpoint.every=1", "--out", str(run)]) == 0
+  capsys.readouterr()
+  assert cli.main(["--resume", str(run)]) == 2
+  assert "already did 2 of 2 steps; pass --steps N with N > 2" in capsys.readouterr().err
+
+
+def test_out_over_a_run_is_refused_and_nothing_in_it_changes(tmp_path, capsys):
+  run = tmp_path / "run"
+  assert cli.main(DENSE + ["steps=2", "checkpoint.every=1", "--out", str(run)]) == 0
+  before = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in run.rglob("*") if p.is_file()}
+  capsys.readouterr()
+  assert cli.main(DENSE + ["steps=3", "--out", str(run)]) == 2
+  assert "already holds a run; continue it with `run_rl --resume" in capsys.readouterr().err
+  assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in run.rglob("*") if p.is_file()} == before
+
+
+def test_a_checkpoint_directory_of_another_run_is_refused(tmp_path, capsys):
+  shared = tmp_path / "ckpt"
+  assert cli.main(DENSE + ["steps=2", "checkpoint.every=1", f"checkpoint.directory={shared}",
+                           "--out", str(tmp_path / "a")]) == 0
+  capsys.readouterr()
+  code = cli.main(DENSE + ["steps=2", "checkpoint.every=1", f"checkpoint.directory={shared}",
+                           "--out", str(tmp_path / "b")])
+  err = capsys.readouterr().err
+  assert code == 2 and "holds checkpoints of another run (steps [1, 2]" in err
+  assert not (tmp_path / "b").exists()
+
+
+def test_a_save_the_checkpoint_library_skips_is_an_error(tmp_path):
+  from orchestrator.engine import build_engine
+
+  engine = build_engine("tiny", checkpoint_dir=str(tmp_path / "ckpt"))
+  engine.save_checkpoint({"run_id": "a"})
+  with pytest.raises(RuntimeError, match="checkpoint 0 was not written: .* already holds a checkpoint of that step"):
+    engine.save_checkpoint({"run_id": "b"})
+
+
+# ---------------------------------------------------------------------------- child processes
+def _child(argv) -> subprocess.Popen:
+  env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+  for name in config_lib.ENV_SWITCHES:
+    env.pop(name, None)
+  return subprocess.Popen([sys.executable, "-m", "orchestrator.cli", *argv], cwd=REPO, env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for_records(proc, run: Path, count: int, timeout_s: float = 300) -> None:
+  deadline = time.monotonic() + timeout_s
+  while time.monotonic() < deadline:
+    path = run / "records.jsonl"
+    if path.exists() and len(path.read_text().splitlines()) >= count:
+      return
+    if proc.poll() is not None:
+      pytest.fail(f"the run ended early (rc={proc.returncode}): {proc.stderr.read()[-2000:]}")
+    time.sleep(0.02)
+  proc.kill()
+  pytest.fail(f"no {count} records within {timeout_s} s")
+
+
+def _reference(tmp_path: Path, steps: int) -> str:
+  run = tmp_path / f"reference-{steps}"
+  assert cli.main(CHILD + [f"steps={steps}", "--out", str(run)]) == 0
+  return _summary(run)["final_state_digest"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_stops_at_the_next_boundary_with_a_checkpoint_and_resumes(sig, code, tmp_path):
+  run = tmp_path / "run"
+  proc = _child(CHILD + ["steps=5000", "--out", str(run)])
+  _wait_for_records(proc, run, 3)
+  proc.send_signal(sig)
+  _, err = proc.communicate(timeout=300)
+  assert proc.returncode == code, err[-2000:]
+  assert "Traceback" not in err
+  summary = _summary(run)
+  last = summary["last_step"]
+  assert summary["ended"] == "signal" and summary["signal"] == sig.name
+  assert summary["checkpoint_path"].endswith(f"checkpoints/{last + 1}")
+  assert f"stopped by {sig.name} after step {last}" in err and f"run_rl --resume {run}" in err
+  assert [r["step"] for r in _records(run)] == list(range(last + 1))
+  assert cli.main(["--resume", str(run), "--steps", str(last + 4)]) == 0
+  assert _summary(run)["final_state_digest"] == _reference(tmp_path, last + 4)
+
+
+@pytest.mark.slow
+def test_a_second_sigint_stops_at_once_with_one_line(tmp_path):
+  run = tmp_path / "run"
+  proc = _child(CHILD + ["steps=5000", "--out", str(run)])
+  _wait_for_records(proc, run, 2)
+  proc.send_signal(signal.SIGINT)
+  time.sleep(0.01)
+  proc.send_signal(signal.SIGINT)
+  _, err = proc.communicate(timeout=300)
+  assert proc.returncode == 130
+  assert "Traceback" not in err and err.count("second SIGINT: stopped at once") <= 1
+  assert "second SIGINT: stopped at once" in err or "stopped by SIGINT after step" in err
+
+
+@pytest.mark.slow
+def test_a_killed_run_resumes_from_its_last_complete_checkpoint(tmp_path):
+  """SIGKILL at several points (early, mid, around checkpoints): every resume trains like no kill."""
+  steps = 24
+  reference = _reference(tmp_path, steps)
+  resumed = []
+  for records_seen in (2, 9, 17):
+    run = tmp_path / f"killed-after-{records_seen}"
+    proc = _child(CHILD + [f"steps={steps}", "checkpoint.every=4", "--out", str(run)])
+    _wait_for_records(proc, run, records_seen)
+    proc.kill()
+    proc.communicate(timeout=60)
+    if not any(p.name.isdigit() for p in (run / "checkpoints").glob("*")):
+      continue  # killed before the first checkpoint completed: nothing to resume, nothing claimed
+    assert cli.main(["--resume", str(run)]) == 0, records_seen
+    assert _summary(run)["final_state_digest"] == reference, records_seen
+    assert [r["step"] for r in _records(run)] == list(range(steps)), records_seen
+    resumed.append(records_seen)
+  assert resumed[-2:] == [9, 17]  # the later kills always had a complete checkpoint to resume from
