@@ -27,7 +27,7 @@ from orchestrator.recorder import BoundaryRecord, Lane, Recorder, Span, fwd_bwd_
 from orchestrator.trainer_worker import StageReceipt, TrainerWorker
 from orchestrator.watcher import Watched
 from orchestrator.weight_sync import HostWeightStore
-from policies import BoundaryPlan, StepBoundaryPolicy
+from policies import BoundaryPlan, Mode, StepBoundaryPolicy
 from policies.call_order import Action, boundary_actions
 from policies.step_boundary import format_seconds
 
@@ -78,6 +78,14 @@ class ProgramConfig:
   def checkpoint_due(self, steps_done: int) -> bool:
     every = self.checkpoint_every
     return bool(every and steps_done % every == 0) or steps_done in self.scored_checkpoint_steps
+
+
+def plan_to_json(plan: BoundaryPlan) -> dict[str, Any]:
+  return dict(dataclasses.asdict(plan), mode=plan.mode.value)
+
+
+def plan_from_json(data: dict[str, Any]) -> BoundaryPlan:
+  return BoundaryPlan(**dict(data, mode=Mode(data["mode"])))
 
 
 @dataclasses.dataclass
@@ -131,6 +139,9 @@ class RLProgram:
       (when the engine can) and the run ends with ``ended="stopped"``.
     previous_records: records of the steps before ``config.start_step`` (a
       resumed run), so the summary covers the whole run.
+    first_plan: the plan a resumed run's first boundary was already given
+      before the checkpoint (with one micro-batch per step it is planned
+      inside the previous boundary), so the policy is not asked twice.
   """
 
   def __init__(self, worker: TrainerWorker, policy: StepBoundaryPolicy, source: Iterable[Sequence[Any]],
@@ -138,7 +149,7 @@ class RLProgram:
                on_step: Callable[[BoundaryRecord], None] | None = None,
                clock: Callable[[], float] = time.perf_counter,
                stop_requested: Callable[[], bool] | None = None,
-               previous_records: Sequence[BoundaryRecord] = ()):
+               previous_records: Sequence[BoundaryRecord] = (), first_plan: BoundaryPlan | None = None):
     self.worker = worker
     self.policy = policy
     self.source = source
@@ -149,6 +160,7 @@ class RLProgram:
                              previous_records=previous_records)
     self.current_step: int | None = None  # the step being run (for error messages)
     self._stop_requested = stop_requested or (lambda: False)
+    self._first_plan = first_plan
     self._boundaries: dict[int, _Boundary] = {}
     self._payloads: dict[int, Sequence[Any]] = {}
     self._source_iter: Iterator | None = None
@@ -242,7 +254,11 @@ class RLProgram:
   def _open_boundary(self, k: int) -> _Boundary:
     """Plans the boundary after step k (just before its last micro-batch is dispatched)."""
     stop = k + 1 < self.config.steps and self._stop_requested()
-    plan = self.policy.plan(k) if k + 1 < self.config.steps and not stop else None
+    plan = None
+    if k == self.config.start_step and self._first_plan is not None and not stop:
+      plan = self._first_plan
+    elif k + 1 < self.config.steps and not stop:
+      plan = self.policy.plan(k)
     mode = (plan.mode if plan else self.policy.mode).value
     actions = boundary_actions(plan, sync_before_next_step=self.config.sync_before_next_step)
     self._boundaries[k] = _Boundary(k, plan, mode, actions, stop=stop)
@@ -339,9 +355,11 @@ class RLProgram:
 
   def checkpoint_metadata(self, done: int) -> dict[str, Any]:
     """What a checkpoint after ``done`` steps holds beside the engine state: the whole run's state."""
+    planned = self._boundaries.get(done)  # one micro-batch per step: planned before this checkpoint
     return {"step": done, "run_id": self.config.run_id, "mode": self.policy.mode.value,
             "scored": done in self.config.scored_checkpoint_steps, "records_count": done,
-            "source_state": self._source_state_before(done), "policy_state": self.policy.state_dict()}
+            "source_state": self._source_state_before(done), "policy_state": self.policy.state_dict(),
+            "next_plan": plan_to_json(planned.plan) if planned and planned.plan else None}
 
   def _checkpoint_and_sync(self, boundary: _Boundary) -> None:
     done = boundary.step + 1

@@ -160,17 +160,20 @@ def build_run(recipe: Recipe, out: Path, *, source, run_id: str, resume: ResumeP
   With ``resume``, the engine restores that checkpoint, the source and the
   policy continue from the positions it saved, and records are appended.
   """
+  from orchestrator.program import plan_from_json
   from orchestrator.recorder import BoundaryRecord
 
   engine = build_engine_from_recipe(recipe, checkpoint_dir=checkpoint_dir_for(recipe, out))
   worker = TrainerWorker(engine)
   policy = policy_from_recipe(recipe, worker.capabilities)
-  start_step, previous = 0, []
+  start_step, previous, first_plan = 0, [], None
   if resume is not None:
     worker.restore_checkpoint(resume.checkpoint_step)
     source.set_state(resume.metadata["source_state"])
     policy.load_state_dict(resume.metadata["policy_state"])
     start_step, previous = resume.steps_done, [BoundaryRecord.from_json(r) for r in resume.previous_records]
+    if resume.metadata.get("next_plan"):
+      first_plan = plan_from_json(resume.metadata["next_plan"])
   bar = on_step = None
   if progress:
     from tqdm import tqdm
@@ -185,5 +188,5 @@ def build_run(recipe: Recipe, out: Path, *, source, run_id: str, resume: ResumeP
 
   config = program_config(recipe, out, start_step=start_step, run_id=run_id)
   program = RLProgram(worker, policy, source, config, on_step=on_step, stop_requested=stop_requested,
-                      previous_records=previous)
+                      previous_records=previous, first_plan=first_plan)
   return RunHandle(program, bar)

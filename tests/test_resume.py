@@ -207,3 +207,26 @@ def test_a_killed_run_resumes_from_its_last_complete_checkpoint(tmp_path):
     assert [r["step"] for r in _records(run)] == list(range(steps)), records_seen
     resumed.append(records_seen)
   assert resumed[-2:] == [9, 17]  # the later kills always had a complete checkpoint to resume from
+
+
+@pytest.mark.parametrize("micro", [1, 2])
+def test_resuming_from_a_mid_run_checkpoint_repeats_the_run_exactly(micro, tmp_path):
+  """Drop the last checkpoint of a finished run and resume from the one before: the steps after it
+  are run again with the same plans, policy counters and weights (with one micro-batch per step the
+  next boundary is planned before the checkpoint; the checkpoint carries that plan)."""
+  import shutil
+
+  run = tmp_path / "run"
+  # A pinned zero threshold never judges a wait low: the policy's path does not depend on timing.
+  argv = DENSE[:-2] + [f"batch.micro_batches_per_step={micro}", "run.reserve_host_core=false",
+                       "step_boundary.wait_threshold_s=0"]
+  assert cli.main(argv + ["steps=4", "checkpoint.every=2", "--out", str(run)]) == 0
+  first = _summary(run)
+  first_records = _records(run)
+  shutil.rmtree(run / "checkpoints" / "4")
+  assert cli.main(["--resume", str(run)]) == 0
+  again = _summary(run)
+  assert again["final_state_digest"] == first["final_state_digest"]
+  assert again["policy_counters"] == first["policy_counters"]
+  keys = ("step", "mode", "staged", "stage_before_update", "reason", "actions", "tokens")
+  assert [{k: r[k] for k in keys} for r in _records(run)] == [{k: r[k] for k in keys} for r in first_records]

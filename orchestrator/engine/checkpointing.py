@@ -7,6 +7,7 @@ of a template state of the same structure.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -96,7 +97,14 @@ def read_checkpoints(directory: str | Path) -> dict[int, dict[str, Any]]:
   path = Path(directory).absolute()
   if not path.is_dir():
     return {}
-  manager = ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(read_only=True, create=False))
+  absl_log = logging.getLogger("absl")
+  level = absl_log.level
+  absl_log.setLevel(logging.ERROR)  # orbax announces read-only mode as a warning; it is what we asked for
+  try:
+    manager = ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(
+        read_only=True, create=False, save_interval_steps=0, max_to_keep=None))
+  finally:
+    absl_log.setLevel(level)
   out = {}
   for step in manager.all_steps():
     try:
