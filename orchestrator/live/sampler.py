@@ -1,0 +1,98 @@
+"""Sampling completions from the model being trained, with Tunix's sampler, on weights the sync delivers.
+
+The sampler holds its own copy of the weights (a version number says which
+update produced them) and a Tunix ``Sampler`` over the same Qwen3 graph the
+engine trains. ``sync`` replaces the weights with the trainer's exported ones;
+``sample`` draws completions with a caller-given seed, so a (seed, step, group)
+key gives the same completions in any process and in any boundary mode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tunix.generate import sampler as sampler_lib
+
+from orchestrator.engine import model as model_lib
+from orchestrator.engine.presets import ModelPreset
+from orchestrator.live.tokenizer import BOS, EOS, PAD, CharTokenizer
+
+
+@dataclasses.dataclass(frozen=True)
+class Samples:
+  """Completions of ``prompts`` (one per prompt), with their per-token log-probs under the sampler.
+
+  ``completion_ids[i]`` ends with the eos id when the model produced one.
+  """
+
+  prompts: list[str]
+  prompt_ids: list[np.ndarray]
+  completion_ids: list[np.ndarray]
+  logprobs: list[np.ndarray]
+  texts: list[str]
+  weights_version: int
+
+
+class LiveSampler:
+  """Tunix's sampler over the trained Qwen3, restricted to the tokenizer's ids.
+
+  Args:
+    preset: the model preset the engine trains (same graph, same initial seed).
+    tokenizer: the character tokenizer (its ids must fit the preset's vocabulary).
+    seed: the weight seed, so version 0 equals the engine's initial weights.
+    max_prompt_length, max_generation_steps: fixed sizes (no recompiles).
+  """
+
+  def __init__(self, preset: ModelPreset, tokenizer: CharTokenizer, *, seed: int, max_prompt_length: int,
+               max_generation_steps: int):
+    if tokenizer.vocab_size > preset.vocab_size:
+      raise ValueError(f"the tokenizer's {tokenizer.vocab_size} ids do not fit {preset.name}'s vocabulary"
+                       f" of {preset.vocab_size}")
+    graphdefs, params, _ = model_lib.build_model(preset, seed)
+    self._graphdef = graphdefs["dropless"]  # sampling never drops tokens
+    self.tokenizer = tokenizer
+    self.max_prompt_length = max_prompt_length
+    self.max_generation_steps = max_generation_steps
+    cache = sampler_lib.CacheConfig(cache_size=max_prompt_length + max_generation_steps,
+                                    num_layers=preset.num_layers, num_kv_heads=preset.num_kv_heads,
+                                    head_dim=preset.head_dim)
+    self._sampler = sampler_lib.Sampler(nnx.merge(self._graphdef, params), tokenizer, cache)
+    # Ids the tokenizer does not produce, and pad/bos, are never sampled.
+    self._forbidden = [PAD, BOS] + list(range(tokenizer.vocab_size, preset.vocab_size))
+    self.weights_version = 0
+
+  def sync(self, weights: Any, version: int) -> None:
+    """Takes the trainer's weights (any placement; copied to host, then to the sampler's device)."""
+    host = jax.device_get(weights)
+    model = nnx.merge(self._graphdef, jax.tree.map(jnp.asarray, host))
+    self._sampler.transformer_state = nnx.variables(model)
+    self.weights_version = int(version)
+
+  def sample(self, prompts: Sequence[str], *, seed: int, temperature: float = 1.0) -> Samples:
+    """One completion per prompt (repeat a prompt for a group), drawn with ``seed``."""
+    out = self._sampler(list(prompts), max_generation_steps=self.max_generation_steps,
+                        max_prompt_length=self.max_prompt_length, temperature=temperature, top_p=1.0,
+                        seed=int(seed), return_logprobs=True, forbidden_tokens=self._forbidden)
+    return self._samples(prompts, out)
+
+  def greedy(self, prompts: Sequence[str]) -> list[str]:
+    """The most likely completion of each prompt (evaluation)."""
+    out = self._sampler(list(prompts), max_generation_steps=self.max_generation_steps,
+                        max_prompt_length=self.max_prompt_length, forbidden_tokens=self._forbidden)
+    return [self.tokenizer.decode(ids) for ids in out.tokens]
+
+  def _samples(self, prompts: Sequence[str], out) -> Samples:
+    completions, logprobs = [], []
+    for ids, lp in zip(out.tokens, out.logprobs):
+      ids = np.asarray(ids, np.int32)
+      end = int(np.argmax(ids == EOS)) + 1 if np.any(ids == EOS) else len(ids)
+      completions.append(ids[:end])
+      logprobs.append(np.asarray(lp, np.float32)[:end])
+    return Samples(list(prompts), [np.asarray(self.tokenizer.encode(p), np.int32) for p in prompts],
+                   completions, logprobs, [self.tokenizer.decode(c) for c in completions], self.weights_version)

@@ -1,0 +1,110 @@
+"""Parts of the live RL loop: the character tokenizer, tasks and rewards, GRPO advantages, the sampler."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from orchestrator.live.tasks import ModularAddition, Problem, ReverseString, group_advantages, make_task
+from orchestrator.live.tokenizer import EOS, CharTokenizer
+
+
+def test_tokenizer_round_trips_and_stops_at_eos():
+  tok = CharTokenizer()
+  ids = tok.encode("3+4%7=")
+  assert tok.decode(ids) == "3+4%7=" and min(ids) >= 3 and max(ids) < tok.vocab_size
+  assert tok.decode(ids + [EOS] + tok.encode("junk")) == "3+4%7="
+  assert tok.decode([0, 1] + ids + [10_000]) == "3+4%7="  # pad, bos and unknown ids are skipped
+  with pytest.raises(ValueError, match="character 'Q' at 1 of 'aQ' is not in the tokenizer's alphabet"):
+    tok.encode("aQ")
+
+
+@pytest.mark.parametrize("task", [ModularAddition(), ReverseString()], ids=lambda t: t.name)
+def test_problems_are_deterministic_and_held_out_problems_never_train(task):
+  train = {task.problem(0, "train", i).prompt for i in range(300)}
+  held_out = {task.problem(0, "eval", i).prompt for i in range(100)}
+  assert task.problem(0, "train", 5) == task.problem(0, "train", 5)
+  assert task.problem(0, "train", 5) != task.problem(1, "train", 5) or task.problem(0, "train", 6) != task.problem(
+      1, "train", 6)
+  assert train and held_out and not train & held_out
+
+
+@pytest.mark.parametrize(
+    "problem,completion,reward",
+    [
+        (Problem("3+4%7=", "0"), "0", 1.0),
+        (Problem("3+4%7=", "0"), " 0 ", 1.0),
+        (Problem("3+4%7=", "0"), "7", 0.0),
+        (Problem("3+4%7=", "0"), "00", 0.0),
+        (Problem("3+4%7=", "0"), "", 0.0),
+        (Problem("3+4%7=", "0"), "0+", 0.0),
+        (Problem("rev:abc>", "cba"), "cba", 1.0),
+        (Problem("rev:abc>", "cba"), "abc", 0.0),
+        (Problem("rev:abc>", "cba"), "cb", 0.0),
+        (Problem("rev:abc>", "cba"), None, 0.0),
+    ],
+)
+def test_rewards_on_hand_made_completions(problem, completion, reward):
+  task = ModularAddition() if "%" in problem.prompt else ReverseString()
+  assert task.reward(problem, completion) == reward
+
+
+def test_answers_are_right():
+  p = ModularAddition(modulus=7).problem(3, "train", 0)
+  a, rest = p.prompt.split("+")
+  b = rest.split("%")[0]
+  assert p.answer == str((int(a) + int(b)) % 7)
+  r = ReverseString(length=4).problem(3, "train", 0)
+  assert r.answer == r.prompt[len("rev:"):-1][::-1]
+
+
+def test_make_task_refuses_unknown_names_and_settings():
+  assert make_task("reverse", length=2).length == 2
+  with pytest.raises(ValueError, match="task.name='sort' is not a task"):
+    make_task("sort")
+  with pytest.raises(ValueError, match="has no settings \\['width'\\]"):
+    make_task("modular_addition", width=3)
+
+
+def test_group_advantages_center_each_group():
+  adv = group_advantages(np.array([1, 0, 0, 0, 1, 1, 1, 1], np.float32), 4)
+  assert adv[:4].sum() == pytest.approx(0, abs=1e-5) and adv[0] > 0 > adv[1]
+  assert np.allclose(adv[4:], 0)  # a group that all agrees teaches nothing
+  with pytest.raises(ValueError, match="do not split into groups of 3"):
+    group_advantages(np.ones(4), 3)
+
+
+@pytest.fixture(scope="module")
+def sampler():
+  from orchestrator.engine.presets import load_preset
+  from orchestrator.live.sampler import LiveSampler
+
+  return LiveSampler(load_preset("tiny"), CharTokenizer(), seed=0, max_prompt_length=16, max_generation_steps=4)
+
+
+def test_sampling_is_a_function_of_the_seed_and_stays_in_the_alphabet(sampler):
+  tok = sampler.tokenizer
+  a = sampler.sample(["3+4%7="] * 4, seed=11)
+  b = sampler.sample(["3+4%7="] * 4, seed=11)
+  c = sampler.sample(["3+4%7="] * 4, seed=12)
+  assert [x.tolist() for x in a.completion_ids] == [x.tolist() for x in b.completion_ids]
+  assert [x.tolist() for x in a.completion_ids] != [x.tolist() for x in c.completion_ids]
+  for ids, lp in zip(a.completion_ids, a.logprobs):
+    assert len(ids) == len(lp) and np.all(lp <= 0) and np.all(ids >= 2) and np.all(ids < tok.vocab_size)
+  assert a.weights_version == 0
+
+
+def test_synced_weights_change_what_is_sampled(sampler):
+  import jax
+
+  from orchestrator.engine import model as model_lib
+  from orchestrator.engine.presets import load_preset
+
+  before = sampler.greedy(["3+4%7=", "rev:abc>"])
+  _, other, _ = model_lib.build_model(load_preset("tiny"), 5)
+  sampler.sync(jax.device_put(other), version=3)
+  assert sampler.weights_version == 3
+  assert sampler.greedy(["3+4%7=", "rev:abc>"]) != before
+  _, original, _ = model_lib.build_model(load_preset("tiny"), 0)
+  sampler.sync(original, version=4)
+  assert sampler.greedy(["3+4%7=", "rev:abc>"]) == before
