@@ -74,18 +74,22 @@ class BatchSection:
     _at_most("batch", self, ("rows", "tokens_per_row"), 1 << 24)
 
 
-ROLLOUT_SOURCES = ("synthetic", "recording")
+ROLLOUT_SOURCES = ("synthetic", "recording", "sampler")
 
 
 @dataclasses.dataclass
 class RolloutsSection:
-  """Where each step's trajectories come from."""
+  """Where each step's trajectories come from: ``sampler`` samples them live from the model being trained."""
 
-  source: str = "synthetic"  # synthetic | recording
+  source: str = "synthetic"  # synthetic | recording | sampler
   recording: str | None = None
   seed: int = 0
   generations_per_group: int = 4
   fill: float = 0.85
+  # The live loop (source: sampler).
+  max_staleness: int = 1  # step s trains on rollouts of weights version max(0, s - max_staleness); 0 = on-policy
+  groups_per_micro_batch: int = 4
+  temperature: float = 1.0
   # Shape of recordings made by `run_rl record` (log-normal lengths, medians in tokens).
   groups: int = 256
   prompt_len_median: float = 24.0
@@ -95,12 +99,50 @@ class RolloutsSection:
     _at_least("rollouts", self, ("generations_per_group", "groups", "prompt_len_median",
                                  "completion_len_median"), 1)
     _at_most("rollouts", self, ("generations_per_group",), 65_536)
+    _at_least("rollouts", self, ("max_staleness",), 0)
+    _at_most("rollouts", self, ("max_staleness",), 16)
+    _at_least("rollouts", self, ("groups_per_micro_batch",), 1)
+    _at_most("rollouts", self, ("groups_per_micro_batch",), 4096)
+    if self.source == "sampler" and self.generations_per_group < 2:
+      raise RecipeError(f"rollouts.generations_per_group={self.generations_per_group} is out of range for the"
+                        " live loop: GRPO compares a group's completions, use >= 2")
+    if not (self.temperature > 0 and math.isfinite(self.temperature)):
+      raise RecipeError(f"rollouts.temperature={self.temperature} is out of range: it must be a finite number > 0")
     if not 0 < self.fill <= 1:
       raise RecipeError(f"rollouts.fill={self.fill} is out of range: it must be in (0, 1]")
     if self.source not in ROLLOUT_SOURCES:
       raise RecipeError(f"rollouts.source={self.source!r}: use one of {', '.join(map(repr, ROLLOUT_SOURCES))}")
     if self.source == "recording" and not self.recording:
       raise RecipeError("rollouts.source=recording needs rollouts.recording=DIR")
+
+
+@dataclasses.dataclass
+class TaskSection:
+  """The live loop's task (``rollouts.source: sampler``): its name and sizes."""
+
+  name: str = "modular_addition"  # modular_addition | reverse | first_letter
+  modulus: int = 7  # modular_addition: answers 0 .. modulus-1
+  length: int = 3  # reverse, first_letter: the word's length
+  letters: int = 4  # reverse, first_letter: the alphabet's size
+  eval_prompts: int = 64  # held-out prompts for the greedy evaluation at the start and the end
+
+  def validate(self) -> None:
+    from orchestrator.live.tasks import TASKS  # pylint: disable=import-outside-toplevel  # no JAX
+
+    if self.name not in TASKS:
+      raise RecipeError(f"task.name={self.name!r} is not a task; use one of {', '.join(sorted(TASKS))}")
+    for key, low, high in (("modulus", 2, 999), ("length", 1, 10), ("letters", 2, 26), ("eval_prompts", 1, 4096)):
+      value = getattr(self, key)
+      if not low <= value <= high:
+        raise RecipeError(f"task.{key}={value} is out of range: it must be in [{low}, {high}]")
+
+  def make(self):
+    from orchestrator.live.tasks import make_task  # pylint: disable=import-outside-toplevel
+
+    sizes = {"modular_addition": {"modulus": self.modulus},
+             "reverse": {"length": self.length, "letters": self.letters},
+             "first_letter": {"length": self.length, "letters": self.letters}}[self.name]
+    return make_task(self.name, **sizes)
 
 
 @dataclasses.dataclass
@@ -208,6 +250,7 @@ class Recipe:
   batch: BatchSection = dataclasses.field(default_factory=BatchSection)
   engine: EngineOptions = dataclasses.field(default_factory=EngineOptions)
   rollouts: RolloutsSection = dataclasses.field(default_factory=RolloutsSection)
+  task: TaskSection = dataclasses.field(default_factory=TaskSection)
   checkpoint: CheckpointSection = dataclasses.field(default_factory=CheckpointSection)
   step_boundary: StepBoundarySection = dataclasses.field(default_factory=StepBoundarySection)
   simulate: SimulateSection = dataclasses.field(default_factory=SimulateSection)
@@ -241,7 +284,7 @@ class Recipe:
     _at_most("", self, ("steps",), 1_000_000_000)
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", self.name):
       raise RecipeError(f"name={self.name!r}: use letters, digits, '.', '_' and '-' (it names the run's directory)")
-    for section in (self.mesh, self.batch, self.rollouts, self.step_boundary, self.simulate, self.run):
+    for section in (self.mesh, self.batch, self.rollouts, self.task, self.step_boundary, self.simulate, self.run):
       section.validate()
     self.checkpoint.validate(self.steps)
     from orchestrator.engine.presets import available_presets, load_preset  # no JAX import
@@ -260,8 +303,29 @@ class Recipe:
                         f" range: it must be <= {1 << 28:,}")
     if self.rollouts.source == "synthetic" and tokens < 4:
       raise RecipeError(f"batch.tokens_per_row={tokens} is too short for synthetic rollouts: use >= 4")
+    if self.rollouts.source == "sampler":
+      self._validate_live(preset, rows, tokens)
     if self.engine.backend == "tunix_peft":
       self._validate_tunix_backend()
+
+  def _validate_live(self, preset, rows: int, tokens: int) -> None:
+    from orchestrator.live.tokenizer import CharTokenizer  # pylint: disable=import-outside-toplevel
+
+    if self.mesh.num_devices != 1 or self.engine.backend != "jax":
+      raise RecipeError("rollouts.source=sampler runs the live loop on one device with engine.backend=jax;"
+                        " use mesh sizes of 1")
+    if CharTokenizer().vocab_size > preset.vocab_size:
+      raise RecipeError(f"model={self.model!r} has too small a vocabulary for the live loop's tokenizer")
+    r = self.rollouts
+    trajectories = r.groups_per_micro_batch * r.generations_per_group
+    from orchestrator.live.tasks import MAX_PROMPT_LENGTH, max_generation_steps  # pylint: disable=import-outside-toplevel
+
+    per_trajectory = MAX_PROMPT_LENGTH + max_generation_steps(self.task.make())
+    if tokens < per_trajectory or trajectories > rows * (tokens // per_trajectory):
+      raise RecipeError(
+          f"rollouts.groups_per_micro_batch × generations_per_group = {trajectories} trajectories of up to"
+          f" {per_trajectory} tokens may not fit batch.rows={rows} × batch.tokens_per_row={tokens};"
+          " raise rows or tokens_per_row, or sample fewer groups per micro-batch")
 
   def _validate_tunix_backend(self) -> None:
     if self.mesh.num_devices != 1:
@@ -562,5 +626,6 @@ def format_config(resolved: ResolvedRecipe) -> str:
   width = max(len(k) for k in all_keys())
   for key in all_keys():
     value = get(resolved.recipe, key)
-    lines.append(f"{key:<{width}}  {yaml.safe_dump(value, default_flow_style=True).strip().removesuffix('...').strip():<24}  # {resolved.sources[key]}")
+    shown = yaml.safe_dump(value, default_flow_style=True, width=float("inf")).strip().removesuffix("...").strip()
+    lines.append(f"{key:<{width}}  {shown:<24}  # {resolved.sources[key]}")
   return "\n".join(lines)

@@ -12,17 +12,31 @@ def _cell(x, width=9, prec=4) -> str:
   return f"{x:{width}.{prec}f}" if isinstance(x, (int, float)) else f"{'-':>{width}}"
 
 
-def format_table(records: Sequence[BoundaryRecord]) -> str:
-  """The per-step table printed at the end of a run."""
+def format_table(records: Sequence[BoundaryRecord], *, max_rows: int = 40) -> str:
+  """The per-step table printed at the end of a run (a long run shows its first and last steps).
+
+  A live run adds the rollouts' columns: mean reward, accuracy, the weights
+  version they were sampled with, and how long the boundary waited for them.
+  """
+  live = any(r.reward_mean is not None for r in records)
   header = (f"{'step':>4}  {'mode':<19} {'staged':<6} {'stage_s':>9} {'wait_s':>9} {'update_s':>9}"
             f" {'idle_s':>9} {'strict_s':>9} {'step_s':>9} {'loss':>9}")
+  if live:
+    header += f" {'reward':>7} {'acc':>6} {'ver':>4} {'rollout_s':>9}"
   lines = [header, "-" * len(header)]
-  for r in records:
-    lines.append(
-        f"{r.step:>4}  {r.mode:<19} {('yes' if r.staged else 'no'):<6} {_cell(r.stage_s)}"
-        f" {_cell(r.device_wait_s)} {_cell(r.update_s)} {_cell(r.boundary_idle_s)}"
-        f" {_cell(r.boundary_idle_strict_s)} {_cell(r.step_s)} {_cell(r.loss)}"
-    )
+  shown = list(records) if len(records) <= max_rows else list(records[: max_rows // 2]) + [None] + list(
+      records[-max_rows // 2:])
+  for r in shown:
+    if r is None:
+      lines.append(f"{'...':>4}  ({len(records) - max_rows} more steps in records.jsonl)")
+      continue
+    line = (f"{r.step:>4}  {r.mode:<19} {('yes' if r.staged else 'no'):<6} {_cell(r.stage_s)}"
+            f" {_cell(r.device_wait_s)} {_cell(r.update_s)} {_cell(r.boundary_idle_s)}"
+            f" {_cell(r.boundary_idle_strict_s)} {_cell(r.step_s)} {_cell(r.loss)}")
+    if live:
+      line += (f" {_cell(r.reward_mean, 7, 3)} {_cell(r.accuracy, 6, 3)}"
+               f" {r.weights_version if r.weights_version is not None else '-':>4} {_cell(r.rollout_wait_s)}")
+    lines.append(line)
   return "\n".join(lines)
 
 
@@ -38,6 +52,12 @@ def format_summary(summary: dict) -> str:
       f"low-wait threshold: {s(summary['threshold_s'])} (wait floor max {s(summary['wait_floor_max_s'])})",
       f"final state digest: {summary['final_state_digest']}",
   ]
+  if summary.get("reward_first_step") is not None:
+    lines.append(f"reward: first step {summary['reward_first_step']:.3f}, last 10 steps"
+                 f" {summary['reward_last_10_steps']:.3f}; median rollout wait {s(summary['median_rollout_wait_s'])}")
+  if summary.get("eval_accuracy_end") is not None:
+    lines.append(f"held-out greedy accuracy ({summary['eval_prompts']} prompts):"
+                 f" {summary['eval_accuracy_start']:.3f} at the start, {summary['eval_accuracy_end']:.3f} at the end")
   if summary.get("records_path"):
     lines.append(f"records: {summary['records_path']}")
   if summary.get("trace_path"):
@@ -48,5 +68,9 @@ def format_summary(summary: dict) -> str:
 def progress_postfix(record: BoundaryRecord) -> dict[str, str]:
   """The progress bar's fields after one step."""
   idle = record.boundary_idle_s
-  return {"step_s": f"{record.step_s:.3f}", "idle_s": "-" if idle is None else f"{idle:.4f}",
-          "loss": "-" if record.loss is None else f"{record.loss:.4f}"}
+  fields = {"step_s": f"{record.step_s:.3f}", "idle_s": "-" if idle is None else f"{idle:.4f}",
+            "loss": "-" if record.loss is None else f"{record.loss:.4f}"}
+  if record.reward_mean is not None:
+    fields.update(reward=f"{record.reward_mean:.3f}", acc=f"{record.accuracy:.2f}",
+                  ver=str(record.weights_version), tok_s=f"{record.sampled_tokens_per_s or 0:.0f}")
+  return fields

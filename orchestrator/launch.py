@@ -221,6 +221,12 @@ def _report(out: Path, result, run_id: str, stop: StopSignals) -> int:
   from orchestrator.console import format_summary, format_table
 
   summary = dict(result.summary, run_id=run_id)
+  from orchestrator.live.plot import plot_rewards
+
+  modes = " → ".join(dict.fromkeys(r.mode for r in result.records))
+  plot = plot_rewards(result.records, out / "reward.png", title=f"{out.name}: reward per step ({modes})")
+  if plot:
+    summary["reward_plot"] = str(plot)
   stopped = result.ended == "stopped"  # a signal that came after the last step changes nothing
   if stopped:
     summary.update(ended="signal", signal=stop.received.name, resume_command=f"run_rl --resume {out}")

@@ -105,6 +105,9 @@ class _Boundary:
   metrics: dict | None = None
   checkpoint_path: str | None = None
   first_dispatch: float | None = None
+  next_ready: bool | None = None  # None: the run's last step
+  rollout_wait_s: float | None = None  # how long the next step's rollouts kept this boundary waiting
+  rollout: dict | None = None  # what sampling this step's rollouts measured (a live source)
   spans: dict = dataclasses.field(default_factory=dict)
 
 
@@ -205,14 +208,32 @@ class RLProgram:
     result.run_start = self.recorder.run_start
     return result
 
-  def _pull(self, k: int) -> None:
-    """Takes step k's payloads from the source, noting the source's position before it."""
+  def _source(self) -> Iterator:
     if self._source_iter is None:
       self._source_iter = iter(self.source)
-    get_state = getattr(self._source_iter, "get_state", None)
+    return self._source_iter
+
+  def _payload(self, k: int, i: int) -> Any:
+    """Micro-batch i of step k, taking step k from the source when it is first needed."""
+    if k not in self._payloads:
+      self._pull(k)
+      waited = getattr(self._source(), "last_wait_s", None)  # a source that samples says how long it blocked
+      if k - 1 in self._boundaries and waited is not None:
+        self._boundaries[k - 1].rollout_wait_s = waited
+    return self._payloads[k][i]
+
+  def _next_ready(self, k: int) -> bool:
+    """Whether step k's first micro-batch can exist before this boundary's weight sync (a live source says)."""
+    blocked = getattr(self._source(), "blocked_on_sync", None)
+    return not (callable(blocked) and blocked(k))
+
+  def _pull(self, k: int) -> None:
+    """Takes step k's payloads from the source, noting the source's position before it."""
+    source = self._source()
+    get_state = getattr(source, "get_state", None)
     self._source_states[k] = get_state() if callable(get_state) else None
     try:
-      payloads = next(self._source_iter)
+      payloads = next(source)
     except StopIteration:
       pulled = k - self.config.start_step
       raise ValueError("the source yielded no steps" if pulled == 0 else
@@ -232,18 +253,17 @@ class RLProgram:
 
   def _loop(self) -> None:
     m, first = self.config.micro_batches_per_step, self.config.start_step
-    self._pull(first)
     self.current_step = first
-    self._dispatch_micro(first, 0, self._payloads[first][0])
+    self._dispatch_micro(first, 0, self._payload(first, 0))
     for k in range(first, self.config.steps):
       self.current_step = k
-      if k + 1 < self.config.steps:
-        self._pull(k + 1)
       for i in range(1, m - 1):
-        self._dispatch_micro(k, i, self._payloads[k][i])
+        self._dispatch_micro(k, i, self._payload(k, i))
       boundary = self._boundaries.get(k) or self._open_boundary(k)
       for action in boundary.actions:
         self._execute(action, boundary)
+      stats = getattr(self._source(), "step_stats", None)
+      boundary.rollout = stats(k) if callable(stats) else None
       self.recorder.finish_record(boundary, boundary.first_dispatch)
       del self._boundaries[k], self._payloads[k]
       self._result.last_step = k
@@ -253,15 +273,22 @@ class RLProgram:
 
   def _open_boundary(self, k: int) -> _Boundary:
     """Plans the boundary after step k (just before its last micro-batch is dispatched)."""
+    check = getattr(self._source(), "check", None)
+    if callable(check):
+      check()  # a failed rollout thread surfaces here, at the boundary
     stop = k + 1 < self.config.steps and self._stop_requested()
+    has_next = k + 1 < self.config.steps and not stop
+    next_ready = self._next_ready(k + 1) if has_next else None
     plan = None
     if k == self.config.start_step and self._first_plan is not None and not stop:
       plan = self._first_plan
-    elif k + 1 < self.config.steps and not stop:
-      plan = self.policy.plan(k)
+    elif has_next:
+      plan = self.policy.plan(k, next_ready=next_ready)
     mode = (plan.mode if plan else self.policy.mode).value
-    actions = boundary_actions(plan, sync_before_next_step=self.config.sync_before_next_step)
-    self._boundaries[k] = _Boundary(k, plan, mode, actions, stop=stop)
+    # Rollouts that need this boundary's weights can only be sampled after its sync.
+    sync_first = self.config.sync_before_next_step or next_ready is False
+    actions = boundary_actions(plan, sync_before_next_step=sync_first)
+    self._boundaries[k] = _Boundary(k, plan, mode, actions, stop=stop, next_ready=next_ready)
     return self._boundaries[k]
 
   def _dispatch_micro(self, k: int, i: int, payload: Any, *, staged: bool = False) -> float:
@@ -285,9 +312,10 @@ class RLProgram:
     k, m = boundary.step, self.config.micro_batches_per_step
     if action in (Action.DISPATCH_LAST, Action.DISPATCH_LAST_DEFERRED):
       if not boundary.last_dispatched:  # with M = 1 the boundary before dispatched it as a first
-        self._dispatch_micro(k, m - 1, self._payloads[k][m - 1])
+        self._dispatch_micro(k, m - 1, self._payload(k, m - 1))
     elif action is Action.STAGE_FIRST:
-      boundary.stage = self.worker.stage_fwd_bwd(self._payloads[k + 1][0])
+      payload = self._payload(k + 1, 0)
+      boundary.stage = self.worker.stage_fwd_bwd(payload)
       self.recorder.span("stage", boundary.stage.started_at, boundary.stage.ended_at)
     elif action is Action.WAIT_AND_UPDATE:
       applied = self.worker.apply_deferred_update()
@@ -304,7 +332,7 @@ class RLProgram:
     elif action.dispatches_first:
       self.current_step = k + 1
       boundary.first_dispatch = self._dispatch_micro(
-          k + 1, 0, self._payloads[k + 1][0], staged=action is Action.DISPATCH_FIRST_STAGED)
+          k + 1, 0, self._payload(k + 1, 0), staged=action is Action.DISPATCH_FIRST_STAGED)
       self.current_step = k
     elif action is Action.METRICS:
       self._read_metrics(boundary)
@@ -326,7 +354,8 @@ class RLProgram:
       except (KeyError, TimeoutError):
         delay = None
     obs = self.policy.observe(boundary.step, stage_s=boundary.stage.stage_s,
-                              device_wait_s=boundary.device_wait_s, probe=plan.probe, update_delay_s=delay)
+                              device_wait_s=boundary.device_wait_s, probe=plan.probe, update_delay_s=delay,
+                              rollout_wait_s=boundary.rollout_wait_s or 0.0)
     boundary.low_wait = obs.low
     boundary.transition = obs.transition.kind if obs.transition else None
     where = "before" if plan.stage_before_update else "after"

@@ -79,6 +79,15 @@ class BoundaryRecord:
   dropped_tokens: list[int] | None
   t_update_ready: float
   t_next_first_dispatch: float | None
+  # A live source: whether the next step could be staged, what waiting for it cost, what was sampled.
+  next_ready: bool | None = None
+  rollout_wait_s: float | None = None
+  weights_version: int | None = None
+  staleness: int | None = None
+  reward_mean: float | None = None
+  reward_std: float | None = None
+  accuracy: float | None = None
+  sampled_tokens_per_s: float | None = None
 
   def to_json(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
@@ -220,6 +229,7 @@ class Recorder:
         dropped_tokens=metrics.get("dropped_tokens"),
         t_update_ready=update_ready - self.run_start,
         t_next_first_dispatch=None if first_dispatch is None else first_dispatch - self.run_start,
+        next_ready=boundary.next_ready, rollout_wait_s=boundary.rollout_wait_s, **(boundary.rollout or {}),
     )
     self.records.append(record)
     if self._records_file:
@@ -250,4 +260,14 @@ class Recorder:
         "wait_floor_max_s": max(policy.floor_samples) if policy.floor_samples else None,
         "final_state_digest": final_state_digest,
         "records_path": str(self.out_dir / "records.jsonl") if self.out_dir else None,
+        **self._live_summary(),
     }
+
+  def _live_summary(self) -> dict[str, Any]:
+    rewards = [r.reward_mean for r in self.records if r.reward_mean is not None]
+    if not rewards:
+      return {}
+    waits = [r.rollout_wait_s for r in self.records if r.rollout_wait_s is not None]
+    return {"reward_first_step": rewards[0], "reward_last_10_steps": statistics.fmean(rewards[-10:]),
+            "median_rollout_wait_s": statistics.median(waits) if waits else None,
+            "boundaries_next_not_ready": sum(1 for r in self.records if r.next_ready is False)}

@@ -73,6 +73,8 @@ def rollout_source(recipe: Recipe, *, steps: int | None = None):
 
   vocab_size, rows, tokens_per_row = batch_shape(recipe)
   r, m = recipe.rollouts, recipe.batch.micro_batches_per_step
+  if r.source == "sampler":
+    return live_source(recipe, steps=steps)
   if r.source == "synthetic":
     from orchestrator.data.synthetic import SyntheticRollouts
 
@@ -84,6 +86,23 @@ def rollout_source(recipe: Recipe, *, steps: int | None = None):
   source = ReplaySteps(recording, rows=rows, tokens_per_row=tokens_per_row, micro_batches_per_step=m)
   source.require_steps(steps or recipe.steps)
   return source
+
+
+def live_source(recipe: Recipe, *, steps: int | None = None):
+  """The live loop's source: a sampler over the trained model (same preset and seed), on the recipe's task."""
+  from orchestrator.engine.presets import load_preset
+  from orchestrator.live.rollouts import LiveRollouts, LiveShape
+  from orchestrator.live.sampler import LiveSampler
+  from orchestrator.live.tasks import MAX_PROMPT_LENGTH, max_generation_steps
+  from orchestrator.live.tokenizer import CharTokenizer
+
+  task, r = recipe.task.make(), recipe.rollouts
+  sampler = LiveSampler(load_preset(recipe.model), CharTokenizer(), seed=recipe.engine.seed,
+                        max_prompt_length=MAX_PROMPT_LENGTH, max_generation_steps=max_generation_steps(task),
+                        alphabet=task.answer_alphabet)
+  shape = LiveShape(steps or recipe.steps, recipe.batch.micro_batches_per_step, r.groups_per_micro_batch,
+                    r.generations_per_group, r.max_staleness, r.temperature, r.seed)
+  return LiveRollouts(sampler, task, shape)
 
 
 def resolve_path(path: str) -> Path:
@@ -131,18 +150,37 @@ def program_config(recipe: Recipe, out: Path | None, *, steps: int | None = None
 
 @dataclasses.dataclass
 class RunHandle:
-  """A built run: ``run()`` it; ``current_step`` names the step if it fails."""
+  """A built run: ``run()`` it; ``current_step`` names the step if it fails.
+
+  With a live source it also evaluates greedy accuracy on held-out prompts
+  before the first step and after the last (``eval_accuracy_start`` / ``_end``).
+  """
 
   program: RLProgram
   progress: object | None
+  eval_prompts: int = 0
 
   def run(self):
-    if self.progress is None:
-      return self.program.run()
-    from tqdm.contrib.logging import logging_redirect_tqdm
+    source = self.program.source
+    evaluate = getattr(source, "evaluate", None) if self.eval_prompts else None
+    worker, start = self.program.worker, self.program.config.start_step
+    before = evaluate(worker.export_weights(), start, self.eval_prompts) if evaluate else None
+    try:
+      if self.progress is None:
+        result = self.program.run()
+      else:
+        from tqdm.contrib.logging import logging_redirect_tqdm
 
-    with logging_redirect_tqdm():
-      return self.program.run()
+        with logging_redirect_tqdm():
+          result = self.program.run()
+    finally:
+      if callable(getattr(source, "close", None)):
+        source.close()
+    if evaluate:
+      done = (result.last_step or 0) + 1
+      result.summary.update(eval_accuracy_start=before, eval_prompts=self.eval_prompts,
+                            eval_accuracy_end=evaluate(worker.export_weights(), done, self.eval_prompts))
+    return result
 
   @property
   def current_step(self):
@@ -170,6 +208,8 @@ def build_run(recipe: Recipe, out: Path, *, source, run_id: str, resume: ResumeP
   if resume is not None:
     worker.restore_checkpoint(resume.checkpoint_step)
     source.set_state(resume.metadata["source_state"])
+    if callable(getattr(source, "sync", None)):  # a live source samples the next steps from these weights
+      source.sync(resume.steps_done, worker.export_weights())
     policy.load_state_dict(resume.metadata["policy_state"])
     start_step, previous = resume.steps_done, [BoundaryRecord.from_json(r) for r in resume.previous_records]
     if resume.metadata.get("next_plan"):
@@ -187,6 +227,8 @@ def build_run(recipe: Recipe, out: Path, *, source, run_id: str, resume: ResumeP
       bar.update(1)
 
   config = program_config(recipe, out, start_step=start_step, run_id=run_id)
+  live = recipe.rollouts.source == "sampler"
   program = RLProgram(worker, policy, source, config, on_step=on_step, stop_requested=stop_requested,
-                      previous_records=previous, first_plan=first_plan)
-  return RunHandle(program, bar)
+                      previous_records=previous, first_plan=first_plan,
+                      weight_sync=source.sync if live else None)
+  return RunHandle(program, bar, recipe.task.eval_prompts if live else 0)

@@ -28,6 +28,10 @@ staged (requested)   bring-up                             engine lacks staging m
 staged (requested)   bring-up                             engine lacks staging methods,         error at bring-up
                                                           ``require_staging`` set               (StagingUnsupportedError)
 staged               ``plan(step)``                       ``step`` in ``excluded_steps``        unchanged; no stage there
+staged, or a probe   ``plan(step, next_ready=False)``     the next step's rollouts wait for     unchanged; no stage there
+                                                          this boundary's weight sync           (``next_not_ready``)
+staged               ``observe`` (stage waited for        —                                     unchanged; not judged
+                     rollouts)                                                                  (``rollout_waits``)
 staged               ``observe`` (not low)                —                                     unchanged; low count → 0
 staged               ``observe`` (low)                    fewer than N low in a row             unchanged; reported
                                                                                                 (``stage_outlasted_compute``)
@@ -218,6 +222,8 @@ class StepBoundaryPolicy:
         "excluded_boundaries": 0,
         "staged_boundaries": 0,
         "probes": 0,
+        "next_not_ready": 0,
+        "rollout_waits": 0,
     }
     self._low_waits: list[float] = []
     self._disabled_at: int | None = None
@@ -319,11 +325,20 @@ class StepBoundaryPolicy:
     return self._threshold_s
 
   # ------------------------------------------------------------------ plans
-  def plan(self, step: int) -> BoundaryPlan:
-    """What to do at the boundary after ``step``."""
+  def plan(self, step: int, *, next_ready: bool = True) -> BoundaryPlan:
+    """What to do at the boundary after ``step``.
+
+    ``next_ready`` False says the next step's first micro-batch cannot exist
+    before this boundary's weight sync (on-policy rollouts): nothing can be
+    staged, whatever the mode, and the boundary is not judged.
+    """
     mode = self.mode
     if mode is Mode.OFF:
       return BoundaryPlan(step, mode, False, False, True, "pipelining off")
+    if not next_ready and (mode.staged or self._probe_due(step)):
+      self.counters["next_not_ready"] += 1
+      return BoundaryPlan(step, mode, False, False, False,
+                          "the next step's rollouts need this boundary's weight sync (on-policy)")
     if mode is Mode.PIPELINED:
       if self._probe_due(step):
         self._probe_used = True
@@ -357,14 +372,20 @@ class StepBoundaryPolicy:
       device_wait_s: float,
       probe: bool = False,
       update_delay_s: float | None = None,
+      rollout_wait_s: float = 0.0,
   ) -> Observation:
     """Feeds one staged boundary's stage seconds and device wait; may change the mode.
 
     ``update_delay_s``, when the caller knows it (from completion times), is how
     long the update was held up after the last micro-batch finished; without
-    it the report bounds the delay by the stage seconds.
+    it the report bounds the delay by the stage seconds. ``rollout_wait_s`` > 0
+    says the stage first waited for the next step's rollouts: a low device wait
+    then says nothing about staging, and the boundary is not judged.
     """
     threshold = self._threshold_s
+    if rollout_wait_s > 0 and not probe:
+      self.counters["rollout_waits"] += 1
+      return Observation(step, stage_s, device_wait_s, None, len(self._low_waits), None)
     low = None if threshold is None else device_wait_s < threshold
     transition = None
     if probe:

@@ -21,7 +21,7 @@ from tunix.generate import sampler as sampler_lib
 
 from orchestrator.engine import model as model_lib
 from orchestrator.engine.presets import ModelPreset
-from orchestrator.live.tokenizer import BOS, EOS, PAD, CharTokenizer
+from orchestrator.live.tokenizer import EOS, CharTokenizer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,10 +47,11 @@ class LiveSampler:
     tokenizer: the character tokenizer (its ids must fit the preset's vocabulary).
     seed: the weight seed, so version 0 equals the engine's initial weights.
     max_prompt_length, max_generation_steps: fixed sizes (no recompiles).
+    alphabet: the characters completions may use (default: the tokenizer's).
   """
 
   def __init__(self, preset: ModelPreset, tokenizer: CharTokenizer, *, seed: int, max_prompt_length: int,
-               max_generation_steps: int):
+               max_generation_steps: int, alphabet: str | None = None):
     if tokenizer.vocab_size > preset.vocab_size:
       raise ValueError(f"the tokenizer's {tokenizer.vocab_size} ids do not fit {preset.name}'s vocabulary"
                        f" of {preset.vocab_size}")
@@ -63,8 +64,9 @@ class LiveSampler:
                                     num_layers=preset.num_layers, num_kv_heads=preset.num_kv_heads,
                                     head_dim=preset.head_dim)
     self._sampler = sampler_lib.Sampler(nnx.merge(self._graphdef, params), tokenizer, cache)
-    # Ids the tokenizer does not produce, and pad/bos, are never sampled.
-    self._forbidden = [PAD, BOS] + list(range(tokenizer.vocab_size, preset.vocab_size))
+    # Only the answer's characters (and eos) are ever sampled.
+    allowed = {EOS} | set(tokenizer.encode(alphabet if alphabet is not None else tokenizer.alphabet))
+    self._forbidden = [i for i in range(preset.vocab_size) if i not in allowed]
     self.weights_version = 0
 
   def sync(self, weights: Any, version: int) -> None:

@@ -1,6 +1,8 @@
 """Tasks with verifiable rewards: prompts drawn by (seed, split, index), and a reward per completion.
 
-A random model cannot do these; a tiny one can learn them. Each task names its
+A random model cannot do these; a tiny one can learn them. Answers have a
+fixed length and are sampled from the task's ``answer_alphabet`` only, so a
+random model scores 1 / len(alphabet) ** length (chance). Each task names its
 reward function (``reward``: 1.0 for a correct answer, 0.0 otherwise, and 0.0
 for a malformed completion), so a recipe picks a task by name (``task.name``)
 and its sizes by key (``task.*``). Prompts of the ``eval`` split never appear
@@ -14,6 +16,9 @@ import hashlib
 from collections.abc import Callable
 
 import numpy as np
+
+#: Prompt tokens the sampler and the packing allow (bos included): every task's prompts fit.
+MAX_PROMPT_LENGTH = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +41,10 @@ def _held_out(key: str, eval_share: float) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class ModularAddition:
-  """``a+b%m=`` → ``(a + b) mod m`` in decimal; chance is about 1/m for a model that only writes digits."""
+  """``a+b%m=`` → ``(a + b) mod m``, zero-padded to the width of ``m - 1``.
+
+  Completions are sampled from the answer's digits only, so chance is 1/m.
+  """
 
   modulus: int = 7
   eval_share: float = 0.2
@@ -48,10 +56,18 @@ class ModularAddition:
       a, b = (int(x) for x in rng.integers(0, self.modulus, 2))
       prompt = f"{a}+{b}%{self.modulus}="
       if _held_out(prompt, self.eval_share) == (split == "eval"):
-        return Problem(prompt, str((a + b) % self.modulus))
+        return Problem(prompt, f"{(a + b) % self.modulus:0{self.max_answer_length}d}")
+
+  @property
+  def answer_alphabet(self) -> str:
+    return "0123456789"[: min(10, self.modulus)]
 
   def reward(self, problem: Problem, completion: str) -> float:
     return exact_answer(problem, completion)
+
+  @property
+  def max_answer_length(self) -> int:
+    return len(str(self.modulus - 1))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,8 +88,51 @@ class ReverseString:
       if _held_out(prompt, self.eval_share) == (split == "eval"):
         return Problem(prompt, word[::-1])
 
+  @property
+  def answer_alphabet(self) -> str:
+    return "abcdefghijklmnopqrstuvwxyz"[: self.letters]
+
   def reward(self, problem: Problem, completion: str) -> float:
     return exact_answer(problem, completion)
+
+  @property
+  def max_answer_length(self) -> int:
+    return self.length
+
+
+@dataclasses.dataclass(frozen=True)
+class FirstLetter:
+  """``1st:cadb>`` → ``c``: copy the word's first letter (an algorithm, so held-out words test it)."""
+
+  length: int = 4
+  letters: int = 8
+  eval_share: float = 0.2
+  name = "first_letter"
+
+  def problem(self, seed: int, split: str, index: int) -> Problem:
+    rng = _rng(seed, split, index)
+    alphabet = "abcdefghijklmnopqrstuvwxyz"[: self.letters]
+    while True:
+      word = "".join(alphabet[i] for i in rng.integers(0, self.letters, self.length))
+      prompt = f"1st:{word}>"
+      if _held_out(prompt, self.eval_share) == (split == "eval"):
+        return Problem(prompt, word[0])
+
+  def reward(self, problem: Problem, completion: str) -> float:
+    return exact_answer(problem, completion)
+
+  @property
+  def max_answer_length(self) -> int:
+    return 1
+
+  @property
+  def answer_alphabet(self) -> str:
+    return "abcdefghijklmnopqrstuvwxyz"[: self.letters]
+
+
+def max_generation_steps(task) -> int:
+  """Tokens a completion takes: answers have a fixed length, so no eos is needed."""
+  return task.max_answer_length
 
 
 def exact_answer(problem: Problem, completion: str) -> float:
@@ -83,7 +142,8 @@ def exact_answer(problem: Problem, completion: str) -> float:
   return 1.0 if completion.strip() == problem.answer else 0.0
 
 
-TASKS: dict[str, Callable[..., object]] = {"modular_addition": ModularAddition, "reverse": ReverseString}
+TASKS: dict[str, Callable[..., object]] = {"modular_addition": ModularAddition, "reverse": ReverseString,
+                                           "first_letter": FirstLetter}
 
 
 def make_task(name: str, **sizes):

@@ -1,0 +1,31 @@
+"""``reward.png``: a live run's mean reward and accuracy per step, with its boundary mode."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+
+def plot_rewards(records: Sequence, path: Path, *, title: str) -> Path | None:
+  """Draws the plot when the records carry rewards; returns its path (None: nothing to draw)."""
+  points = [(r.step, r.reward_mean, r.accuracy) for r in records if r.reward_mean is not None]
+  if not points:
+    return None
+  import matplotlib  # pylint: disable=import-outside-toplevel
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+
+  steps, rewards, accuracy = zip(*points)
+  fig, ax = plt.subplots(figsize=(8, 3.6))
+  ax.plot(steps, rewards, label="mean reward", color="#4C78A8", linewidth=1)
+  ax.plot(steps, accuracy, label="accuracy (reward = 1)", color="#F58518", linewidth=1, linestyle="--")
+  ax.set_xlabel("optimizer step")
+  ax.set_ylim(-0.02, 1.02)
+  ax.set_title(title, fontsize=10)
+  ax.legend(loc="lower right", fontsize=8)
+  ax.grid(alpha=0.3)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return path

@@ -1,0 +1,266 @@
+"""Live rollouts: a sampler thread that produces each step's micro-batches ahead, under a staleness bound.
+
+Step ``s`` trains on rollouts sampled with weights version ``max(0, s - S)``
+(``S`` = ``max_staleness``; version v = the weights after v updates), never
+"whatever is newest", and every micro-batch's sampling seed derives from
+(seed, step, micro-batch). So what a step trains on is a fixed function of the
+recipe — the same in every boundary mode — and only *when* it is ready varies.
+
+With ``S = 0`` step s+1 needs the weights of update s: its rollouts cannot
+exist before that boundary's weight sync, so nothing can be staged there
+(``blocked_on_sync``). With ``S >= 1`` they are sampled while step s trains.
+
+The source is an iterator of steps like the others (``orchestrator.data.sources``):
+``next`` blocks until the next step is sampled; ``get_state`` is its position
+plus the already-sampled steps a resumed run cannot sample again (their
+weights are older than the checkpoint's).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from orchestrator.data.sources import SourceStateError
+from orchestrator.data.trajectory import Trajectory
+from orchestrator.live.sampler import LiveSampler
+from orchestrator.live.tasks import group_advantages
+
+
+class RolloutError(RuntimeError):
+  """The rollout thread failed; the message names the step it was sampling."""
+
+
+@dataclasses.dataclass
+class StepRollouts:
+  """One step's micro-batches and what sampling them measured."""
+
+  step: int
+  payloads: list[list[Trajectory]]
+  weights_version: int
+  reward_mean: float
+  reward_std: float
+  accuracy: float
+  sampled_tokens: int
+  sampling_s: float
+
+  def stats(self) -> dict[str, Any]:
+    return {"weights_version": self.weights_version, "staleness": self.step - self.weights_version,
+            "reward_mean": self.reward_mean, "reward_std": self.reward_std, "accuracy": self.accuracy,
+            "sampled_tokens_per_s": self.sampled_tokens / self.sampling_s if self.sampling_s > 0 else None}
+
+  def to_json(self) -> dict[str, Any]:
+    payloads = [[{"prompt_ids": t.prompt_ids.tolist(), "completion_ids": t.completion_ids.tolist(),
+                  "advantage": float(t.advantage), "old_logprobs": t.old_logprobs.tolist(), "group_id": t.group_id}
+                 for t in payload] for payload in self.payloads]
+    return dict(dataclasses.asdict(self), payloads=payloads)
+
+  @classmethod
+  def from_json(cls, data: dict[str, Any]) -> "StepRollouts":
+    payloads = [[Trajectory(np.asarray(t["prompt_ids"], np.int32), np.asarray(t["completion_ids"], np.int32),
+                            float(t["advantage"]), np.asarray(t["old_logprobs"], np.float32), int(t["group_id"]))
+                 for t in payload] for payload in data["payloads"]]
+    return cls(**dict(data, payloads=payloads))
+
+
+@dataclasses.dataclass(frozen=True)
+class LiveShape:
+  """How many rollouts a step holds."""
+
+  steps: int
+  micro_batches_per_step: int
+  groups_per_micro_batch: int
+  generations_per_group: int
+  max_staleness: int
+  temperature: float = 1.0
+  seed: int = 0
+
+
+class LiveRollouts:
+  """Samples steps on a background thread, each from its fixed weights version."""
+
+  kind = "live"
+
+  def __init__(self, sampler: LiveSampler, task, shape: LiveShape):
+    self._sampler = sampler
+    self._task = task
+    self.shape = shape
+    self._cond = threading.Condition()
+    self._sampler_lock = threading.Lock()
+    self._weights: dict[int, Any] = {0: None}  # version -> host weights; None: the sampler's own (version 0)
+    self._synced = 0
+    self._ready: dict[int, StepRollouts] = {}
+    self._delivered: dict[int, StepRollouts] = {}
+    self._next = 0
+    self._produce_from = 0
+    self._error: BaseException | None = None
+    self._closed = False
+    self._thread: threading.Thread | None = None
+    self.last_wait_s = 0.0  # how long the last ``next`` blocked for its step to be sampled
+    self._state_wait_s = 0.0  # the part of that wait spent in ``get_state`` just before it
+
+  # ---------------------------------------------------------------- the schedule
+  def version_for(self, step: int) -> int:
+    return max(0, step - self.shape.max_staleness)
+
+  def blocked_on_sync(self, step: int) -> bool:
+    """True when ``step``'s rollouts need weights that have not been synced yet."""
+    with self._cond:
+      return step < self.shape.steps and self.version_for(step) > self._synced
+
+  def sync(self, version: int, weights: Any) -> None:
+    """The weight sync: keeps the weights of ``version`` (copied to host) for the steps that need them."""
+    if weights is None:
+      return
+    import jax  # pylint: disable=import-outside-toplevel
+
+    host = jax.device_get(weights)
+    with self._cond:
+      self._weights[int(version)] = host
+      self._synced = max(self._synced, int(version))
+      self._cond.notify_all()
+
+  # ---------------------------------------------------------------- the iterator
+  def __iter__(self) -> "LiveRollouts":
+    return self
+
+  def __next__(self) -> list[list[Trajectory]]:
+    self._start()
+    with self._cond:
+      step = self._next
+      if step >= self.shape.steps:
+        raise StopIteration
+      start = time.perf_counter()
+      ready = step in self._ready
+      self._cond.wait_for(lambda: step in self._ready or self._error is not None)
+      self.last_wait_s = self._state_wait_s + (0.0 if ready else time.perf_counter() - start)
+      self._state_wait_s = 0.0
+      self._raise_error()
+      rollouts = self._ready.pop(step)
+      self._delivered[step] = rollouts
+      self._delivered.pop(step - self.shape.max_staleness - 2, None)
+      self._next += 1
+      return rollouts.payloads
+
+  def step_stats(self, step: int) -> dict[str, Any] | None:
+    with self._cond:
+      rollouts = self._delivered.get(step)
+    return rollouts.stats() if rollouts else None
+
+  def check(self) -> None:
+    """Raises the rollout thread's error, if it failed (the program checks at every boundary)."""
+    with self._cond:
+      self._raise_error()
+
+  def _raise_error(self) -> None:
+    if self._error is not None:
+      raise RolloutError(str(self._error)) from self._error
+
+  # ---------------------------------------------------------------- position
+  def get_state(self) -> dict[str, Any]:
+    """The position before the next step, with the sampled steps a resume could not sample again."""
+    self._start()
+    with self._cond:
+      first = self._next
+      older = [s for s in range(first, min(first + self.shape.max_staleness, self.shape.steps))
+               if self.version_for(s) < first]
+      start = time.perf_counter()
+      ready = all(s in self._ready for s in older)
+      self._cond.wait_for(lambda: all(s in self._ready for s in older) or self._error is not None)
+      self._state_wait_s = 0.0 if ready else time.perf_counter() - start
+      self._raise_error()
+      return {"kind": self.kind, "next_step": first, "sampled": [self._ready[s].to_json() for s in older]}
+
+  def set_state(self, state: dict[str, Any]) -> None:
+    """Continues from ``get_state()``'s output; call before the first ``next`` and sync the checkpoint's weights."""
+    if not isinstance(state, dict) or state.get("kind") != self.kind:
+      raise SourceStateError(f"a saved rollout position of kind {state.get('kind') if isinstance(state, dict) else state!r}"
+                             f" cannot restore a {self.kind!r} source")
+    if self._thread is not None:
+      raise RuntimeError("set_state must come before the first step is taken")
+    self._next = int(state["next_step"])
+    self._ready = {r["step"]: StepRollouts.from_json(r) for r in state["sampled"]}
+    self._produce_from = self._next + len(self._ready)
+    self._synced = self._next  # the checkpoint's weights; sync() delivers them
+    self._weights = {}
+
+  # ---------------------------------------------------------------- the thread
+  def _start(self) -> None:
+    if self._thread is None:
+      self._thread = threading.Thread(target=self._produce, name="rollouts", daemon=True)
+      self._thread.start()
+
+  def close(self) -> None:
+    with self._cond:
+      self._closed = True
+      self._cond.notify_all()
+
+  def _produce(self) -> None:
+    step = self._produce_from
+    try:
+      while step < self.shape.steps:
+        version = self.version_for(step)
+        with self._cond:
+          self._cond.wait_for(lambda: self._closed or (version <= self._synced and version in self._weights))
+          if self._closed:
+            return
+          weights = self._weights[version]
+          for old in [v for v in self._weights if v < version]:
+            del self._weights[old]
+        rollouts = self.sample_step(step, version, weights)
+        with self._cond:
+          self._ready[step] = rollouts
+          self._cond.notify_all()
+        step += 1
+    except BaseException as e:  # pylint: disable=broad-except  # surfaced at the next boundary
+      with self._cond:
+        self._error = RuntimeError(f"the rollout thread failed while sampling step {step}: {type(e).__name__}: {e}")
+        self._cond.notify_all()
+
+  def sample_step(self, step: int, version: int, weights: Any) -> StepRollouts:
+    """Samples every micro-batch of ``step`` with weights ``version`` (deterministic in its arguments)."""
+    sh = self.shape
+    start = time.perf_counter()
+    with self._sampler_lock:
+      if weights is not None and self._sampler.weights_version != version:
+        self._sampler.sync(weights, version)
+      payloads, rewards, tokens = [], [], 0
+      for i in range(sh.micro_batches_per_step):
+        payload, micro_rewards, micro_tokens = self._sample_micro_batch(step, i)
+        payloads.append(payload)
+        rewards.append(micro_rewards)
+        tokens += micro_tokens
+    rewards = np.concatenate(rewards)
+    return StepRollouts(step, payloads, version, float(rewards.mean()), float(rewards.std()),
+                        float(np.mean(rewards == 1.0)), tokens, time.perf_counter() - start)
+
+  def _sample_micro_batch(self, step: int, i: int):
+    sh, g = self.shape, self.shape.generations_per_group
+    first_group = (step * sh.micro_batches_per_step + i) * sh.groups_per_micro_batch
+    problems = [self._task.problem(sh.seed, "train", first_group + j) for j in range(sh.groups_per_micro_batch)]
+    prompts = [p.prompt for p in problems for _ in range(g)]
+    seed = int(np.random.default_rng((sh.seed, step, i)).integers(2**31 - 1))
+    samples = self._sampler.sample(prompts, seed=seed, temperature=sh.temperature)
+    rewards = np.array([self._task.reward(problems[k // g], text) for k, text in enumerate(samples.texts)],
+                       np.float32)
+    advantages = group_advantages(rewards, g)
+    prompt_ids = [np.concatenate([[self._sampler.tokenizer.bos_id()], ids]).astype(np.int32)
+                  for ids in samples.prompt_ids]
+    payload = [Trajectory(prompt_ids[k], samples.completion_ids[k], float(advantages[k]), samples.logprobs[k],
+                          first_group + k // g)
+               for k in range(len(prompts)) if len(samples.completion_ids[k])]
+    return payload, rewards, int(sum(len(c) for c in samples.completion_ids))
+
+  # ---------------------------------------------------------------- evaluation
+  def evaluate(self, weights: Any, version: int, prompts: int) -> float:
+    """Greedy accuracy on ``prompts`` held-out problems with the given weights."""
+    problems = [self._task.problem(self.shape.seed, "eval", j) for j in range(prompts)]
+    with self._sampler_lock:
+      if weights is not None:
+        self._sampler.sync(weights, version)
+      answers = self._sampler.greedy([p.prompt for p in problems])
+    return float(np.mean([self._task.reward(p, a) for p, a in zip(problems, answers)]))

@@ -1,0 +1,123 @@
+"""The live RL loop: staleness decides whether a boundary can stage, and every mode trains identically."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from orchestrator import cli
+from orchestrator import config as config_lib
+from orchestrator.live.rollouts import LiveRollouts, LiveShape, RolloutError
+from orchestrator.live.tasks import FirstLetter
+from orchestrator.program import ProgramConfig, RLProgram
+from orchestrator.trainer_worker import TrainerWorker
+from policies import Mode, StepBoundaryPolicy
+
+STEPS, MICRO = 4, 2
+TASK = FirstLetter(length=4, letters=8)
+
+
+@pytest.fixture(scope="module")
+def rig():
+  """One compiled engine and one sampler, returned to their start before every run."""
+  from orchestrator.engine import build_engine
+  from orchestrator.engine.presets import load_preset
+  from orchestrator.live.sampler import LiveSampler
+  from orchestrator.live.tokenizer import CharTokenizer
+
+  engine = build_engine("tiny", rows=4, learning_rate=3e-3)
+  sampler = LiveSampler(load_preset("tiny"), CharTokenizer(), seed=0, max_prompt_length=16, max_generation_steps=1,
+                        alphabet=TASK.answer_alphabet)
+  return engine, engine.snapshot(), engine.export_weights(), sampler
+
+
+def _run(rig, mode, staleness, task=TASK):
+  engine, start, initial, sampler = rig
+  engine.restore(start)
+  sampler.sync(initial, 0)
+  source = LiveRollouts(sampler, task, LiveShape(STEPS, MICRO, 2, 4, staleness, seed=3))
+  worker = TrainerWorker(engine)
+  policy = StepBoundaryPolicy(mode, wait_threshold_s=0.0)
+  program = RLProgram(worker, policy, source, ProgramConfig(steps=STEPS, micro_batches_per_step=MICRO),
+                      weight_sync=source.sync)
+  try:
+    return program.run(), policy
+  finally:
+    source.close()
+
+
+@pytest.fixture(scope="module")
+def runs(rig):
+  return {(mode, s): _run(rig, mode, s) for s in (0, 1) for mode in Mode}
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_every_mode_trains_to_the_same_digest(runs, staleness):
+  digests = {mode: runs[(mode, staleness)][0].summary["final_state_digest"] for mode in Mode}
+  assert len(set(digests.values())) == 1, digests
+  rewards = {mode: [r.reward_mean for r in runs[(mode, staleness)][0].records] for mode in Mode}
+  assert len({tuple(v) for v in rewards.values()}) == 1
+
+
+def test_staleness_changes_what_trains(runs):
+  """Negative control: the weights version is part of what a step trains on."""
+  assert (runs[(Mode.OFF, 0)][0].summary["final_state_digest"]
+          != runs[(Mode.OFF, 1)][0].summary["final_state_digest"])
+
+
+@pytest.mark.parametrize("mode", [Mode.STAGE_BEFORE_UPDATE, Mode.STAGE_AFTER_UPDATE], ids=lambda m: m.name)
+def test_on_policy_boundaries_cannot_stage_and_the_records_say_why(runs, mode):
+  result, policy = runs[(mode, 0)]
+  boundaries = result.records[:-1]
+  assert [r.staged for r in boundaries] == [False] * (STEPS - 1)
+  assert all(r.next_ready is False and "on-policy" in r.reason for r in boundaries)
+  assert policy.counters["next_not_ready"] == STEPS - 1 and policy.counters["auto_disable"] == 0
+  assert [r.weights_version for r in result.records] == [0, 1, 2, 3]  # version = step at staleness 0
+
+
+@pytest.mark.parametrize("mode", [Mode.STAGE_BEFORE_UPDATE, Mode.STAGE_AFTER_UPDATE], ids=lambda m: m.name)
+def test_with_one_step_of_staleness_every_boundary_stages(runs, mode):
+  result, policy = runs[(mode, 1)]
+  assert [r.staged for r in result.records[:-1]] == [True] * (STEPS - 1)
+  assert all(r.next_ready for r in result.records[:-1])
+  assert [r.weights_version for r in result.records] == [0, 0, 1, 2]
+  assert [r.staleness for r in result.records] == [0, 1, 1, 1]
+  assert policy.mode is mode and policy.counters["auto_disable"] == 0
+  for r in result.records:
+    assert 0 <= r.reward_mean <= 1 and r.sampled_tokens_per_s > 0
+
+
+class _FailingTask(FirstLetter):
+  def problem(self, seed, split, index):
+    if split == "train" and index >= 2 * 2 * 2:  # step 2's first group
+      raise ValueError("the task's prompt file is gone")
+    return super().problem(seed, split, index)
+
+
+def test_a_failing_rollout_thread_surfaces_at_the_next_boundary_with_records_kept(rig):
+  with pytest.raises(RolloutError, match="failed while sampling step 2: ValueError: the task's prompt file is gone"):
+    _run(rig, Mode.STAGE_BEFORE_UPDATE, 1, task=_FailingTask(length=4, letters=8))
+
+
+def test_run_rl_runs_the_live_loop_and_resumes_it_exactly(tmp_path, monkeypatch):
+  """Through run_rl: reward and accuracy are recorded, the plot is drawn, and a resume from a mid-run
+  checkpoint (whose next step was sampled with older weights) repeats the run bit for bit."""
+  for name in config_lib.ENV_SWITCHES:
+    monkeypatch.delenv(name, raising=False)
+  run = tmp_path / "run"
+  argv = ["steps=4", "rollouts.groups_per_micro_batch=2", "batch.rows=4", "task.eval_prompts=8",
+          "checkpoint.every=2", "run.reserve_host_core=false", "--out", str(run)]
+  assert cli.main(argv) == 0
+  first = json.loads((run / "summary.json").read_text())
+  assert first["eval_accuracy_start"] is not None and first["reward_first_step"] is not None
+  assert (run / "reward.png").is_file()
+  records = [json.loads(line) for line in (run / "records.jsonl").read_text().splitlines()]
+  assert all(r["reward_mean"] is not None and r["weights_version"] == max(0, r["step"] - 1) for r in records)
+  shutil.rmtree(run / "checkpoints" / "4")
+  assert cli.main(["--resume", str(run)]) == 0
+  again = json.loads((run / "summary.json").read_text())
+  assert again["final_state_digest"] == first["final_state_digest"]
+  again_records = [json.loads(line) for line in (run / "records.jsonl").read_text().splitlines()]
+  assert [r["reward_mean"] for r in again_records] == [r["reward_mean"] for r in records]
