@@ -99,7 +99,8 @@ def _parse_sub(parser: argparse.ArgumentParser, argv: list[str]):
 
 
 def record_main(argv: list[str]) -> int:
-  """``run_rl record --recipe R --out DIR``: write a recording in the recipe's shapes."""
+  """``run_rl record --recipe R --out DIR``: write a recording in the recipe's shapes, or, for a live
+  recipe (``rollouts.source: sampler``), run it and record the rollouts it trained on."""
   p = _sub_parser("record", "Write trajectory groups (ArrayRecord + manifest) in the recipe's shapes.")
   p.add_argument("--out", required=True, help="recording directory to create")
   args, resolved = _parse_sub(p, argv)
@@ -110,6 +111,11 @@ def record_main(argv: list[str]) -> int:
   from orchestrator.engine.presets import load_preset
 
   recipe = resolved.recipe
+  if recipe.rollouts.source == "sampler":  # record a live run: the rollouts it trains on, as it trains
+    from orchestrator import launch
+
+    resolved.recipe.rollouts.record_to = args.out
+    return launch.start(resolved, None)
   preset = load_preset(recipe.model)
   r = recipe.rollouts
   shape = RolloutShape(

@@ -90,6 +90,7 @@ class RolloutsSection:
   max_staleness: int = 1  # step s trains on rollouts of weights version max(0, s - max_staleness); 0 = on-policy
   groups_per_micro_batch: int = 4
   temperature: float = 1.0
+  record_to: str | None = None  # a live run writes the rollouts it trained on as a recording there
   # Shape of recordings made by `run_rl record` (log-normal lengths, medians in tokens).
   groups: int = 256
   prompt_len_median: float = 24.0

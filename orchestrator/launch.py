@@ -18,6 +18,7 @@ stops at once. ``--resume DIR`` continues from the latest complete checkpoint.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -115,6 +116,10 @@ def start(resolved: config_lib.ResolvedRecipe, out: Path | None) -> int:
   run_id = run_dir.new_run_id()
   try:
     run_dir.check_new(out)
+    record_to = recipe.rollouts.record_to
+    if record_to and Path(record_to).exists():
+      raise RunDirError(f"rollouts.record_to={record_to} already exists; recordings are read-only, choose a new"
+                        " directory")
     host = _setup_host(recipe)
     source = preflight(recipe, out, run_id=run_id)
   except REFUSALS as e:
@@ -214,7 +219,26 @@ def _run(recipe, out: Path, *, source, run_id: str, resume) -> int:
         handle.close_progress()
     if previous_trace:
       run_dir.merge_trace(out, previous_trace, resumed_at=resume.steps_done)
+    _write_recording(recipe, handle.program.source, result)
     return _report(out, result, run_id, stop)
+
+
+def _write_recording(recipe, source, result) -> None:
+  """A live run with ``rollouts.record_to`` writes what it trained on, replayable as a recording."""
+  record_to = recipe.rollouts.record_to
+  if not record_to or getattr(source, "recorded", None) is None:
+    return
+  from orchestrator.data.recording import write_recording
+  from orchestrator.engine.presets import load_preset
+  from orchestrator.live.rollouts import recorded_groups
+
+  manifest = write_recording(Path(record_to), recorded_groups(source.recorded, recipe.rollouts.generations_per_group),
+                             vocab_size=load_preset(recipe.model).vocab_size,
+                             produced_by={"tool": "run_rl (live loop)", "recipe": recipe.name,
+                                          "task": dataclasses.asdict(recipe.task), "steps": result.last_step + 1})
+  result.summary["recording"] = {"path": record_to, "groups": manifest["num_groups"]}
+  print(f"run_rl: wrote the {manifest['num_groups']} groups this run trained on to {record_to}"
+        f" (replay them with rollouts.source=recording rollouts.recording={record_to})", file=sys.stderr)
 
 
 def _report(out: Path, result, run_id: str, stop: StopSignals) -> int:

@@ -102,7 +102,10 @@ def live_source(recipe: Recipe, *, steps: int | None = None):
                         alphabet=task.answer_alphabet)
   shape = LiveShape(steps or recipe.steps, recipe.batch.micro_batches_per_step, r.groups_per_micro_batch,
                     r.generations_per_group, r.max_staleness, r.temperature, r.seed)
-  return LiveRollouts(sampler, task, shape)
+  source = LiveRollouts(sampler, task, shape)
+  if r.record_to:
+    source.recorded = []
+  return source
 
 
 def resolve_path(path: str) -> Path:

@@ -251,11 +251,12 @@ def test_run_rl_end_to_end_on_the_tiny_preset(tmp_path):
 
 def test_record_writes_a_recording_and_refuses_to_overwrite_one(tmp_path, capsys):
   out = tmp_path / "rec"
-  code, stdout, _ = _main(["record", "model=tiny", "rollouts.groups=8", "--out", str(out)], capsys)
+  code, stdout, _ = _main(["record", "model=tiny", "rollouts.source=synthetic", "rollouts.groups=8", "--out", str(out)],
+                          capsys)
   assert code == 0 and "wrote 8 groups" in stdout
   manifest = json.loads((out / "manifest.json").read_text())
   assert manifest["num_groups"] == 8 and manifest["produced_by"]["tool"] == "run_rl record"
-  code, _, err = _main(["record", "model=tiny", "--out", str(out)], capsys)
+  code, _, err = _main(["record", "model=tiny", "rollouts.source=synthetic", "--out", str(out)], capsys)
   assert code == 2 and "already holds a recording; recordings are read-only" in err
 
 

@@ -121,3 +121,17 @@ def test_run_rl_runs_the_live_loop_and_resumes_it_exactly(tmp_path, monkeypatch)
   assert again["final_state_digest"] == first["final_state_digest"]
   again_records = [json.loads(line) for line in (run / "records.jsonl").read_text().splitlines()]
   assert [r["reward_mean"] for r in again_records] == [r["reward_mean"] for r in records]
+
+
+def test_a_live_run_records_the_rollouts_it_trained_on_and_they_replay(tmp_path, monkeypatch):
+  for name in config_lib.ENV_SWITCHES:
+    monkeypatch.delenv(name, raising=False)
+  recording = tmp_path / "recording"
+  shape = ["rollouts.groups_per_micro_batch=2", "batch.rows=4", "task.eval_prompts=4", "run.reserve_host_core=false"]
+  assert cli.main(["record", "steps=3", *shape, f"run.out={tmp_path / 'run'}", "--out", str(recording)]) == 0
+  manifest = json.loads((recording / "manifest.json").read_text())
+  assert manifest["num_groups"] == 3 * MICRO * 2 and manifest["produced_by"]["tool"] == "run_rl (live loop)"
+  replay = ["steps=1", "rollouts.source=recording", f"rollouts.recording={recording}", *shape,
+            "--out", str(tmp_path / "replay")]
+  assert cli.main(replay) == 0
+  assert cli.main(["record", "steps=3", *shape, f"run.out={tmp_path / 'run2'}", "--out", str(recording)]) == 2

@@ -41,6 +41,7 @@ class StepRollouts:
 
   step: int
   payloads: list[list[Trajectory]]
+  rewards: list[list[float]]  # per trajectory, aligned with payloads
   weights_version: int
   reward_mean: float
   reward_std: float
@@ -100,6 +101,7 @@ class LiveRollouts:
     self._error: BaseException | None = None
     self._closed = False
     self._thread: threading.Thread | None = None
+    self.recorded: list[StepRollouts] | None = None  # every step taken, when the run records its rollouts
     self.last_wait_s = 0.0  # how long the last ``next`` blocked for its step to be sampled
     self._state_wait_s = 0.0  # the part of that wait spent in ``get_state`` just before it
 
@@ -142,6 +144,8 @@ class LiveRollouts:
       self._raise_error()
       rollouts = self._ready.pop(step)
       self._delivered[step] = rollouts
+      if self.recorded is not None:
+        self.recorded.append(rollouts)
       self._delivered.pop(step - self.shape.max_staleness - 2, None)
       self._next += 1
       return rollouts.payloads
@@ -234,9 +238,9 @@ class LiveRollouts:
         payloads.append(payload)
         rewards.append(micro_rewards)
         tokens += micro_tokens
-    rewards = np.concatenate(rewards)
-    return StepRollouts(step, payloads, version, float(rewards.mean()), float(rewards.std()),
-                        float(np.mean(rewards == 1.0)), tokens, time.perf_counter() - start)
+    flat = np.concatenate(rewards)
+    return StepRollouts(step, payloads, [r.tolist() for r in rewards], version, float(flat.mean()),
+                        float(flat.std()), float(np.mean(flat == 1.0)), tokens, time.perf_counter() - start)
 
   def _sample_micro_batch(self, step: int, i: int):
     sh, g = self.shape, self.shape.generations_per_group
@@ -250,9 +254,10 @@ class LiveRollouts:
     advantages = group_advantages(rewards, g)
     prompt_ids = [np.concatenate([[self._sampler.tokenizer.bos_id()], ids]).astype(np.int32)
                   for ids in samples.prompt_ids]
+    if any(len(c) == 0 for c in samples.completion_ids):
+      raise RuntimeError(f"the sampler returned an empty completion at step {step}, micro-batch {i}")
     payload = [Trajectory(prompt_ids[k], samples.completion_ids[k], float(advantages[k]), samples.logprobs[k],
-                          first_group + k // g)
-               for k in range(len(prompts)) if len(samples.completion_ids[k])]
+                          first_group + k // g) for k in range(len(prompts))]
     return payload, rewards, int(sum(len(c) for c in samples.completion_ids))
 
   # ---------------------------------------------------------------- evaluation
@@ -264,3 +269,18 @@ class LiveRollouts:
         self._sampler.sync(weights, version)
       answers = self._sampler.greedy([p.prompt for p in problems])
     return float(np.mean([self._task.reward(p, a) for p, a in zip(problems, answers)]))
+
+
+def recorded_groups(steps: list[StepRollouts], generations: int):
+  """The groups of recorded steps, as a recording stores them (``orchestrator.data.recording``)."""
+  from orchestrator.data.trajectory import TrajectoryGroup  # pylint: disable=import-outside-toplevel
+
+  for rollouts in steps:
+    for payload, rewards in zip(rollouts.payloads, rollouts.rewards):
+      for first in range(0, len(payload), generations):
+        group = payload[first:first + generations]
+        yield TrajectoryGroup(group[0].group_id, group[0].prompt_ids, [t.completion_ids for t in group],
+                              np.asarray(rewards[first:first + generations], np.float32),
+                              np.asarray([t.advantage for t in group], np.float32),
+                              [t.old_logprobs for t in group], np.arange(len(group), dtype=np.int32),
+                              rollouts.weights_version)

@@ -64,8 +64,9 @@ class LiveSampler:
                                     num_layers=preset.num_layers, num_kv_heads=preset.num_kv_heads,
                                     head_dim=preset.head_dim)
     self._sampler = sampler_lib.Sampler(nnx.merge(self._graphdef, params), tokenizer, cache)
-    # Only the answer's characters (and eos) are ever sampled.
-    allowed = {EOS} | set(tokenizer.encode(alphabet if alphabet is not None else tokenizer.alphabet))
+    # Only the answer's characters are ever sampled: answers have a fixed length, so no eos is needed,
+    # and every completion has exactly max_generation_steps tokens.
+    allowed = set(tokenizer.encode(alphabet if alphabet is not None else tokenizer.alphabet))
     self._forbidden = [i for i in range(preset.vocab_size) if i not in allowed]
     self.weights_version = 0
 
