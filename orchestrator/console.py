@@ -72,5 +72,6 @@ def progress_postfix(record: BoundaryRecord) -> dict[str, str]:
             "loss": "-" if record.loss is None else f"{record.loss:.4f}"}
   if record.reward_mean is not None:
     fields.update(reward=f"{record.reward_mean:.3f}", acc=f"{record.accuracy:.2f}",
-                  ver=str(record.weights_version), tok_s=f"{record.sampled_tokens_per_s or 0:.0f}")
+                  ver=str(record.weights_version), tok_s=f"{record.sampled_tokens_per_s or 0:.0f}",
+                  rollout_wait_s="-" if record.rollout_wait_s is None else f"{record.rollout_wait_s:.3f}")
   return fields
