@@ -334,9 +334,6 @@ class Recipe:
     if self.checkpoint.every or self.checkpoint.scored_steps:
       raise RecipeError("engine.backend=tunix_peft does not write checkpoints; set checkpoint.every=0 and no"
                         " checkpoint.scored_steps, or use engine.backend=jax")
-    if self.step_boundary.require_staging:
-      raise RecipeError("engine.backend=tunix_peft cannot stage, and step_boundary.require_staging=true;"
-                        " drop require_staging (it falls back to PIPELINED) or use engine.backend=jax")
 
 
 # ------------------------------------------------------------------ schema walking

@@ -138,7 +138,6 @@ def _main(argv, capsys, env=None):
         (["engine.backend=torch"], {}, "engine.backend='torch' is not a backend; use one of ['jax', 'tunix_peft']"),
         (["engine.backend=tunix_peft", "mesh.fsdp=2", "rollouts.source=synthetic"], {}, "engine.backend=tunix_peft runs on one device"),
         (["engine.backend=tunix_peft", "model=tiny_moe"], {}, "engine.backend=tunix_peft trains dense models only"),
-        (["engine.backend=tunix_peft", "--require_staging", "rollouts.source=synthetic"], {}, "engine.backend=tunix_peft cannot stage"),
         (["steps=inf"], {}, "steps: expected a finite number, got 'inf'"),
         (["engine.learning_rate=nan"], {}, "engine.learning_rate: expected a finite number"),
         (["steps=1e400"], {}, "steps: expected a finite number, got '1e400'"),
@@ -146,7 +145,7 @@ def _main(argv, capsys, env=None):
     ids=["staging-without-pipeline", "unknown-key", "wrong-type", "not-whole", "out-of-range",
          "factor-zero", "factor-negative", "missing-recipe", "require-staging-off", "retry-dense",
          "mesh-split", "unknown-preset", "bad-override", "bad-flag", "bad-env",
-         "unknown-backend", "tunix-mesh", "tunix-moe", "tunix-require-staging", "steps-inf", "lr-nan",
+         "unknown-backend", "tunix-mesh", "tunix-moe", "steps-inf", "lr-nan",
          "steps-overflow"],
 )
 def test_refusals_exit_2_with_one_clear_message(argv, env, message, capsys):
@@ -301,13 +300,13 @@ def test_rig_takes_the_recording_from_the_recipe_or_refuses_without_one(tmp_path
   assert code == 2 and "no recording: pass --recording DIR or set rollouts.recording" in err
 
 
-def test_engine_backend_tunix_peft_runs_through_run_rl_with_one_fallback_warning(tmp_path, capsys):
-  """The registry's second backend, picked by a recipe key: a stock Tunix PeftTrainer."""
+def test_engine_backend_tunix_peft_runs_through_run_rl_and_stages(tmp_path, capsys):
+  """The registry's second backend, picked by a recipe key: a stock Tunix PeftTrainer, staging."""
   code, out, err = _main(["model=tiny", "engine.backend=tunix_peft", "steps=3", "batch.micro_batches_per_step=2",
                           "rollouts.source=synthetic", "run.reserve_host_core=false",
                           "--out", str(tmp_path / "out")], capsys)
   assert code == 0, err[-2000:]
-  assert "mode: requested stage_before_update, ended pipelined" in out
-  assert err.count("falling back to PIPELINED") == 1
+  assert "mode: requested stage_before_update, ended stage_before_update" in out
+  assert "falling back" not in err
   records = [json.loads(line) for line in (tmp_path / "out" / "records.jsonl").read_text().splitlines()]
-  assert [r["mode"] for r in records] == ["pipelined"] * 3 and all(r["loss"] is not None for r in records)
+  assert [r["staged"] for r in records] == [True, True, False] and all(r["loss"] is not None for r in records)

@@ -134,19 +134,37 @@ def test_every_mode_trains_bit_identically_with_moe_reruns(moe_rerun_digests_per
   assert sum(moe_rerun_digests_per_mode[Mode.OFF][2]) > 0  # re-runs really happened
 
 
-def test_stock_tunix_trainer_falls_back_to_pipelined_and_trains_the_same(tiny_source, caplog):
-  """The case users hit first: a stock Tunix PeftTrainer behind the adapter has no staging methods."""
-  import logging
-
+def test_stock_tunix_trainer_stages_and_trains_the_same_in_every_mode(tiny_source):
+  """The trainer users already have: a stock Tunix PeftTrainer behind the adapter, which stages."""
+  from orchestrator.contract import StagingEngine
   from orchestrator.engine.tunix_adapter import TunixTrainerEngine
 
   digests = {}
-  for mode in (Mode.PIPELINED, Mode.STAGE_BEFORE_UPDATE):
+  for mode in Mode:
     engine = TunixTrainerEngine("tiny", micro_batches_per_step=MICRO)
-    with caplog.at_level(logging.WARNING):
-      result, policy = _run(engine, tiny_source, mode, steps=3)
-    digests[mode] = (result.summary["final_state_digest"], [r.loss for r in result.records])
-    assert policy.mode is Mode.PIPELINED and len(result.records) == 3
-  fallback = [r for r in caplog.records if r.name == "step_boundary.policy" and "lacks" in r.getMessage()]
-  assert len(fallback) == 1
-  assert digests[Mode.STAGE_BEFORE_UPDATE] == digests[Mode.PIPELINED]
+    assert isinstance(engine, StagingEngine)
+    result, policy = _run(engine, tiny_source, mode, steps=3, wait_threshold_s=0.0)
+    digests[mode] = (result.summary["final_state_digest"], tuple(r.loss for r in result.records))
+    assert policy.mode is mode and [r.staged for r in result.records] == [mode.staged] * 2 + [False]
+    if mode.staged:  # the staged input is the next step's first micro-batch
+      for r in result.records[:-1]:
+        assert r.staged_digest == engine.prepare_fwd_bwd_input(tiny_source.micro_batch(r.step + 1, 0)).digest
+  assert len(set(digests.values())) == 1
+
+
+def test_staging_the_wrong_micro_batch_on_the_tunix_adapter_changes_training(tiny_source):
+  """Negative control for the test above: a prepared input really is what trains."""
+  from orchestrator.engine.tunix_adapter import TunixTrainerEngine
+
+  results = []
+  for swap in (False, True):
+    engine = TunixTrainerEngine("tiny", micro_batches_per_step=MICRO)
+    steps = [tiny_source.step(k, MICRO) for k in range(2)]
+    for k, payloads in enumerate(steps):
+      first = engine.prepare_fwd_bwd_input(payloads[1 if swap and k == 1 else 0])
+      engine.fwd_bwd(first)
+      engine.fwd_bwd(payloads[1])
+      engine.wait_for_device()
+      engine.update()
+    results.append(engine.state_digest())
+  assert results[0] != results[1]

@@ -29,7 +29,7 @@ class EngineOptions:
   Attributes:
     backend: which engine runs the steps (see ``BACKENDS``): ``jax`` (this
       package's engine, stages its inputs) or ``tunix_peft`` (a stock Tunix
-      ``PeftTrainer``: dense models, one device, no staging).
+      ``PeftTrainer`` with staging added: dense models, one device, no checkpoints).
     learning_rate, weight_decay, max_grad_norm: AdamW with global-norm clipping.
     clip_eps_low, clip_eps_high: the ratio clipping range of the loss.
     max_inflight: how many dispatched computations may be queued on the devices.

@@ -1,20 +1,27 @@
-"""An engine over a stock Tunix ``PeftTrainer``: the required contract only, no staging methods.
+"""An engine over a stock Tunix ``PeftTrainer``, with the staging methods.
 
-This is what most users have before they adopt the staging methods: a trainer
-whose step maps and places its own inputs. The adapter gives it ``fwd_bwd`` /
-``update`` / ``get_metrics`` so the program can drive it; the policy then finds
-no ``prepare_fwd_bwd_input`` / ``wait_for_device`` and falls back to
-``PIPELINED`` (or refuses, with ``require_staging``).
+This is the trainer most users already have: its jitted train step maps
+nothing itself, so the adapter packs each payload and places it on the
+trainer's device — the same work for a payload given to ``fwd_bwd`` and for
+one staged ahead with ``prepare_fwd_bwd_input`` (one path, so staged and
+unstaged inputs train bit for bit alike and trigger no retrace).
+``wait_for_device`` blocks on the micro-batches still in flight.
 
 Gradient accumulation is Tunix's own (``optax.MultiSteps`` over
 ``gradient_accumulation_steps``): it averages per-micro-batch mean losses and
-applies the update on every M-th micro-batch inside the trainer's jitted step.
-``update()`` therefore only checks that a whole step was accumulated and
-advances the count.
+applies the update inside the M-th micro-batch's program. ``update()`` is
+therefore a no-op on the host — it checks that a whole step was accumulated
+and advances the count — and a *deferred* update (STAGE_BEFORE_UPDATE) defers
+nothing real: the stage still runs while the last micro-batch (which carries
+the update) computes, and the wait before the no-op update is what the policy
+measures.
 """
 
 from __future__ import annotations
 
+import collections
+import dataclasses
+import functools
 import hashlib
 import time
 from collections.abc import Mapping, Sequence
@@ -28,12 +35,27 @@ from flax import nnx
 from tunix.sft import peft_trainer
 
 from orchestrator.contract import Receipt
-from orchestrator.data.packing import pack_payload
+from orchestrator.data.packing import content_digest, count_loss_tokens, pack_payload
 from orchestrator.data.trajectory import Trajectory
 from orchestrator.engine import model as model_lib
 from orchestrator.engine.options import EngineOptions
 from orchestrator.engine.loss import LossConfig, attention_mask, policy_loss_sum
 from orchestrator.engine.presets import load_preset
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TunixPreparedInput:
+  """A payload packed and placed on the trainer's device (read-only host arrays kept for the digest)."""
+
+  arrays: dict
+  host_arrays: dict = dataclasses.field(repr=False)
+  loss_tokens: int
+  mapping_s: float
+  placement_s: float
+
+  @functools.cached_property
+  def digest(self) -> str:
+    return content_digest(self.host_arrays)
 
 
 class TunixTrainerEngine:
@@ -81,17 +103,37 @@ class TunixTrainerEngine:
     self._micro = 0
     self._step = 0
     self._losses: list[jax.Array] = []
+    self._inflight: collections.deque = collections.deque(maxlen=2)  # the last dispatched micro-batches
     self._last: dict[str, Any] = {}
 
-  def fwd_bwd(self, payload: Sequence[Trajectory], apply_optimizer: bool = False) -> Receipt:
-    """Maps, places and runs one micro-batch through the trainer's jitted step."""
+  def prepare_fwd_bwd_input(self, payload: Sequence[Trajectory]) -> TunixPreparedInput:
+    """Packs ``payload`` and starts its copy to the trainer's device; waits for nothing, changes nothing."""
     start = time.perf_counter()
     host = pack_payload(payload, rows=self.rows, tokens_per_row=self.tokens_per_row,
                         vocab_size=self.preset.vocab_size)
     mapped = time.perf_counter()
-    loss, _, _ = self._train_step({k: jnp.asarray(v) for k, v in host.items()})
-    receipt = Receipt("fwd_bwd", self._step, self._micro, loss, time.perf_counter(),
-                      mapping_s=mapped - start)  # placement happens inside the trainer's step
+    arrays = {k: jax.device_put(v) for k, v in host.items()}
+    placed = time.perf_counter()
+    for array in host.values():
+      array.flags.writeable = False  # the placed arrays may alias these on CPU
+    return TunixPreparedInput(arrays, host, count_loss_tokens(payload), mapped - start, placed - mapped)
+
+  def wait_for_device(self) -> float:
+    """Blocks until the micro-batches in flight are done; returns the seconds it blocked."""
+    start = time.perf_counter()
+    jax.block_until_ready(list(self._inflight))
+    return time.perf_counter() - start
+
+  def fwd_bwd(self, payload_or_prepared, apply_optimizer: bool = False) -> Receipt:
+    """Runs one micro-batch through the trainer's jitted step (a payload is prepared first)."""
+    if isinstance(payload_or_prepared, TunixPreparedInput):
+      prepared, mapping_s, placement_s = payload_or_prepared, 0.0, 0.0
+    else:
+      prepared = self.prepare_fwd_bwd_input(payload_or_prepared)
+      mapping_s, placement_s = prepared.mapping_s, prepared.placement_s
+    loss, _, _ = self._train_step(prepared.arrays)
+    receipt = Receipt("fwd_bwd", self._step, self._micro, loss, time.perf_counter(), mapping_s, placement_s)
+    self._inflight.append(loss)
     self._losses.append(loss)
     self._micro += 1
     if apply_optimizer:
