@@ -124,8 +124,11 @@ def start(resolved: config_lib.ResolvedRecipe, out: Path | None) -> int:
     source = preflight(recipe, out, run_id=run_id)
   except REFUSALS as e:
     return _refuse(e)
-  run_dir.claim_new(out, {"run_id": run_id, "recipe": resolved.path, "config": config_lib.to_dict(recipe),
-                          "sources": resolved.sources})
+  try:
+    run_dir.claim_new(out, {"run_id": run_id, "recipe": resolved.path, "config": config_lib.to_dict(recipe),
+                            "sources": resolved.sources})
+  except RunDirError as e:  # another run claimed the directory between the check and now
+    return _refuse(e)
   print(f"run_rl: recipe {resolved.path} ({recipe.name}), mode {recipe.mode.name}, model {recipe.model},"
         f" {recipe.steps} steps × {recipe.batch.micro_batches_per_step} micro-batches; out {out};"
         f" host core reserved: {host}", file=sys.stderr)

@@ -33,6 +33,22 @@ def _rng(seed: int, split: str, index: int) -> np.random.Generator:
   return np.random.default_rng((seed, 0 if split == "train" else 1, index))
 
 
+def _draw(seed: int, split: str, index: int, eval_share: float, make: Callable) -> Problem:
+  """Draws problems from ``make(rng)`` until one falls on ``split``'s side of the held-out split."""
+  rng = _rng(seed, split, index)
+  while True:
+    problem = make(rng)
+    if _held_out(problem.prompt, eval_share) == (split == "eval"):
+      return problem
+
+
+def _word(rng: np.random.Generator, letters: int, length: int) -> str:
+  return "".join(LETTERS[i] for i in rng.integers(0, letters, length))
+
+
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
 def _held_out(key: str, eval_share: float) -> bool:
   """A stable split of the problem space: the same problems are held out in every process."""
   h = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=4).digest(), "big")
@@ -51,12 +67,11 @@ class ModularAddition:
   name = "modular_addition"
 
   def problem(self, seed: int, split: str, index: int) -> Problem:
-    rng = _rng(seed, split, index)
-    while True:
+    def make(rng):
       a, b = (int(x) for x in rng.integers(0, self.modulus, 2))
-      prompt = f"{a}+{b}%{self.modulus}="
-      if _held_out(prompt, self.eval_share) == (split == "eval"):
-        return Problem(prompt, f"{(a + b) % self.modulus:0{self.max_answer_length}d}")
+      return Problem(f"{a}+{b}%{self.modulus}=", f"{(a + b) % self.modulus:0{self.max_answer_length}d}")
+
+    return _draw(seed, split, index, self.eval_share, make)
 
   @property
   def answer_alphabet(self) -> str:
@@ -80,17 +95,15 @@ class ReverseString:
   name = "reverse"
 
   def problem(self, seed: int, split: str, index: int) -> Problem:
-    rng = _rng(seed, split, index)
-    alphabet = "abcdefghijklmnopqrstuvwxyz"[: self.letters]
-    while True:
-      word = "".join(alphabet[i] for i in rng.integers(0, self.letters, self.length))
-      prompt = f"rev:{word}>"
-      if _held_out(prompt, self.eval_share) == (split == "eval"):
-        return Problem(prompt, word[::-1])
+    def make(rng):
+      word = _word(rng, self.letters, self.length)
+      return Problem(f"rev:{word}>", word[::-1])
+
+    return _draw(seed, split, index, self.eval_share, make)
 
   @property
   def answer_alphabet(self) -> str:
-    return "abcdefghijklmnopqrstuvwxyz"[: self.letters]
+    return LETTERS[: self.letters]
 
   def reward(self, problem: Problem, completion: str) -> float:
     return exact_answer(problem, completion)
@@ -110,13 +123,11 @@ class FirstLetter:
   name = "first_letter"
 
   def problem(self, seed: int, split: str, index: int) -> Problem:
-    rng = _rng(seed, split, index)
-    alphabet = "abcdefghijklmnopqrstuvwxyz"[: self.letters]
-    while True:
-      word = "".join(alphabet[i] for i in rng.integers(0, self.letters, self.length))
-      prompt = f"1st:{word}>"
-      if _held_out(prompt, self.eval_share) == (split == "eval"):
-        return Problem(prompt, word[0])
+    def make(rng):
+      word = _word(rng, self.letters, self.length)
+      return Problem(f"1st:{word}>", word[0])
+
+    return _draw(seed, split, index, self.eval_share, make)
 
   def reward(self, problem: Problem, completion: str) -> float:
     return exact_answer(problem, completion)
@@ -127,7 +138,7 @@ class FirstLetter:
 
   @property
   def answer_alphabet(self) -> str:
-    return "abcdefghijklmnopqrstuvwxyz"[: self.letters]
+    return LETTERS[: self.letters]
 
 
 def max_generation_steps(task) -> int:
