@@ -188,11 +188,23 @@ def rig_main(argv: list[str]) -> int:
 def simulate_main(argv: list[str]) -> int:
   """``run_rl simulate``: the boundary model fed from the recipe's ``simulate`` section."""
   p = _sub_parser("simulate", "Predict boundary idle and step time per mode from component times.")
+  p.add_argument("--from", dest="run_dir", metavar="RUN_DIR",
+                 help="fit the components from a run directory's records instead of the recipe's simulate section")
   args, resolved = _parse_sub(p, argv)
   if args is None:
     return resolved
-  from orchestrator.simulate import format_simulation, simulate
+  from orchestrator.simulate import components_from_run, format_fit, format_simulation, simulate
 
+  if args.run_dir:
+    from orchestrator.run_dir import RunDirError
+
+    try:
+      components, measured = components_from_run(args.run_dir)
+    except (RunDirError, KeyError, ValueError) as e:
+      print(f"run_rl simulate: error: {e}", file=sys.stderr)
+      return 2
+    print(format_fit(args.run_dir, components, measured))
+    return 0
   print(format_simulation(resolved.recipe, simulate(resolved.recipe)))
   return 0
 

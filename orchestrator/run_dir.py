@@ -86,23 +86,23 @@ def claim_new(path: Path, config: dict[str, Any]) -> None:
                       " choose a new --out") from None
 
 
-def read_config(path: Path) -> dict[str, Any]:
-  """The config of the run in ``path`` (for ``--resume``).
+def read_config(path: Path, flag: str = "--resume") -> dict[str, Any]:
+  """The config of the run in ``path`` (for ``--resume``, or ``flag``).
 
   Raises:
     RunDirError: no run there, or its config.json is unreadable.
   """
   if not path.is_dir():
-    raise RunDirError(f"--resume {path}: no such run directory")
+    raise RunDirError(f"{flag} {path}: no such run directory")
   config_path = path / CONFIG
   if not config_path.is_file():
-    raise RunDirError(f"--resume {path}: it holds no run ({CONFIG} is missing); start one with --out {path}")
+    raise RunDirError(f"{flag} {path}: it holds no run ({CONFIG} is missing); start one with --out {path}")
   try:
     config = json.loads(config_path.read_text(encoding="utf-8"))
   except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-    raise RunDirError(f"--resume {path}: {config_path} cannot be read ({e}); the run cannot be resumed") from None
+    raise RunDirError(f"{flag} {path}: {config_path} cannot be read ({e})") from None
   if not isinstance(config, dict) or not isinstance(config.get("config"), dict) or not config.get("run_id"):
-    raise RunDirError(f"--resume {path}: {config_path} is not a run config written by run_rl")
+    raise RunDirError(f"{flag} {path}: {config_path} is not a run config written by run_rl")
   return config
 
 

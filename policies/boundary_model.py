@@ -21,9 +21,15 @@ gap between update k finishing and step k+1's first micro-batch being
 dispatched; ``step_s`` adds it, and any delay of the update's start, to the
 compute-only bound ``M × micro_batch_s + update_s``.
 
-Known biases: it assumes the copy issued by ``prepare`` is complete when the
-micro-batch is dispatched (pessimistic where copies overlap compute on a real
-transfer engine — the copy is then partly hidden even unstaged), that boundary
+A device wait that starts while compute still runs costs the larger of the
+remaining compute and the wait floor (a remote runtime's round trip overlaps
+the compute). ``copy_s`` is the device-side transfer of one micro-batch's
+inputs (0: it is inside ``prepare_s``); a staged copy runs beside the compute,
+and with ``sync_copy`` an unstaged ``fwd_bwd`` queues its copy behind the
+update on the compute stream — there STAGE_AFTER_UPDATE hides more than PIPELINED.
+
+Known biases: with ``copy_s`` 0 it assumes the copy issued by ``prepare`` is
+complete when the micro-batch is dispatched, that boundary
 work never contends with compute (optimistic on a 2-core CPU, where host work
 and XLA share the memory bus), and a wait floor that is paid once per deferred
 update (pessimistic for runtimes whose floor overlaps the wait).
@@ -51,6 +57,8 @@ class Components:
   update_waits_for_last: bool = False
   reruns_per_step: float = 0.0  # dropless re-runs per step (on average)
   rerun_s: float = 0.0
+  copy_s: float = 0.0  # device-side transfer of one micro-batch's inputs (0: part of prepare_s on the host)
+  sync_copy: bool = False  # an unstaged fwd_bwd's copy queues on the compute stream, behind the update
 
   @property
   def compute_bound_s(self) -> float:
@@ -107,6 +115,7 @@ class _Timeline:
   update_dispatch: float | None = None
   update_done: float | None = None
   first_dispatch: float | None = None
+  first_inputs_ready: float = 0.0  # when the first micro-batch's inputs are on the device
 
   @property
   def last_done(self) -> float:
@@ -132,8 +141,10 @@ def _step(t: _Timeline, action: Action, mode: Mode) -> None:
   c, d = t.c, t.c.dispatch_s
   if action is Action.STAGE_FIRST:
     t.host_segment("stage", c.prepare_s)
+    t.first_inputs_ready = t.host + c.copy_s  # a staged copy runs beside the compute
   elif action is Action.WAIT_AND_UPDATE:
-    wait_end = max(t.host, t.last_done) + c.wait_floor_s
+    # A wait that starts while compute still runs costs the larger of the remaining compute and the floor.
+    wait_end = max(t.last_done, t.host + c.wait_floor_s)
     t.segments.append(Segment("host", "wait", t.host, wait_end))
     t.host = wait_end
     t.dispatch_update(wait_end + d)
@@ -145,6 +156,8 @@ def _step(t: _Timeline, action: Action, mode: Mode) -> None:
   elif action is Action.DISPATCH_FIRST:  # maps and places inside the call
     t.host_segment("stage" if mode is Mode.STAGE_AFTER_UPDATE else "prepare", c.prepare_s)
     t.first_dispatch = t.host + d
+    # A synchronous copy queues behind the update on the compute stream; an asynchronous one runs beside it.
+    t.first_inputs_ready = (max(t.update_done, t.first_dispatch) if c.sync_copy else t.first_dispatch) + c.copy_s
   elif action is Action.DISPATCH_FIRST_STAGED:
     t.first_dispatch = t.host + d
 
@@ -159,10 +172,10 @@ def predict(c: Components, mode: Mode) -> Prediction:
     if t.first_dispatch is not None:
       break
     _step(t, action, mode)
-  idle = max(0.0, t.first_dispatch - t.update_done)
+  first_start = max(t.update_done, t.first_dispatch, t.first_inputs_ready)
+  idle = max(0.0, first_start - t.update_done)
   if idle > 0:
-    t.segments.append(Segment("device", "idle", t.update_done, t.first_dispatch))
-  first_start = max(t.update_done, t.first_dispatch)
+    t.segments.append(Segment("device", "idle", t.update_done, first_start))
   t.segments.append(Segment("device", "first micro-batch", first_start, first_start + c.micro_batch_s))
   update_delay = max(0.0, t.update_dispatch - t.last_done)
   # Re-runs of earlier micro-batches sit inside the step; the last one's is already in update_done.

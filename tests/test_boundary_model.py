@@ -48,10 +48,25 @@ def test_a_stage_that_outlasts_the_micro_batch_delays_the_update():
   assert p.step_s == pytest.approx(c.compute_bound_s + 0.2)
 
 
-def test_wait_floor_is_paid_by_the_deferred_update():
+def test_a_wait_floor_overlaps_the_remaining_compute():
+  """The wait costs max(remaining compute, floor), not their sum: 0.1 s stage + 2.8 s floor vs 1 s compute."""
   c = Components(micro_batch_s=1.0, prepare_s=0.1, update_s=0.05, boundary_work_s=0.0, dispatch_s=0.0,
                  wait_floor_s=2.8, micro_batches_per_step=1)
-  assert predict(c, Mode.STAGE_BEFORE_UPDATE).update_delay_s == pytest.approx(2.8)
+  assert predict(c, Mode.STAGE_BEFORE_UPDATE).update_delay_s == pytest.approx(0.1 + 2.8 - 1.0)
+  short = Components(micro_batch_s=1.0, prepare_s=0.1, update_s=0.05, boundary_work_s=0.0, dispatch_s=0.0,
+                     wait_floor_s=0.5, micro_batches_per_step=1)
+  assert predict(short, Mode.STAGE_BEFORE_UPDATE).update_delay_s == 0.0  # hidden by the compute
+
+
+def test_a_synchronous_copy_makes_staging_after_the_update_hide_more_than_pipelining():
+  c = Components(micro_batch_s=1.0, prepare_s=0.05, update_s=0.3, boundary_work_s=0.0, dispatch_s=0.0,
+                 copy_s=0.5, sync_copy=True, micro_batches_per_step=2)
+  pipelined, after, before = (predict(c, m).boundary_idle_s for m in
+                              (Mode.PIPELINED, Mode.STAGE_AFTER_UPDATE, Mode.STAGE_BEFORE_UPDATE))
+  assert pipelined == pytest.approx(0.5)  # the copy waits for the update, then the device waits for the copy
+  assert after == 0.0 and before == 0.0  # a staged copy runs beside the last micro-batch and the update
+  asynchronous = Components(**{**c.__dict__, "sync_copy": False})
+  assert predict(asynchronous, Mode.PIPELINED).boundary_idle_s == 0.0  # an async copy hides the same way
 
 
 def test_band_is_symmetric_with_a_floor():
@@ -70,3 +85,25 @@ def test_simulate_prints_every_mode_for_a_production_template(capsys):
 def test_simulate_refuses_a_bad_override(capsys):
   assert cli.main(["simulate", "simulate.micro_batch_s=fast"]) == 2
   assert "simulate.micro_batch_s: expected float" in capsys.readouterr().err
+
+
+def test_simulate_from_a_run_fits_its_components_and_shows_what_it_measured(tmp_path, capsys, monkeypatch):
+  from orchestrator import config as config_lib
+
+  for name in config_lib.ENV_SWITCHES:
+    monkeypatch.delenv(name, raising=False)
+  run = tmp_path / "run"
+  assert cli.main(["model=tiny", "rollouts.source=synthetic", "steps=4", "batch.micro_batches_per_step=2",
+                   "run.reserve_host_core=false", "--out", str(run)]) == 0
+  capsys.readouterr()
+  assert cli.main(["simulate", "--from", str(run)]) == 0
+  out = capsys.readouterr().out
+  lines = {line.split()[0]: line for line in out.splitlines()[3:] if line.strip()}
+  assert set(lines) == {m.value for m in Mode}
+  assert "%" in lines["stage_before_update"] and lines["off"].rstrip().endswith("-")  # measured only for its mode
+  assert "2 micro-batches of" in out
+
+
+def test_simulate_from_a_directory_without_a_run_is_refused(tmp_path, capsys):
+  assert cli.main(["simulate", "--from", str(tmp_path)]) == 2
+  assert "simulate --from" in capsys.readouterr().err
