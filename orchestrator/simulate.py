@@ -115,6 +115,7 @@ def components_from_run(path) -> tuple[Components, dict]:
       update_waits_for_last=bool(engine.get("retry_when_tokens_dropped") or engine.get("skip_nonfinite_updates")),
       reruns_per_step=med([r.get("reruns") or 0 for r in records]),
       rerun_s=med([x for r in records for x in r["micro_batch_s"]]),
+      rollout_wait_s=med([r["rollout_wait_s"] for r in records if r.get("rollout_wait_s") is not None]),
   )
   measured = {}
   for mode in {r["mode"] for r in records}:
@@ -130,7 +131,8 @@ def format_fit(path, components: Components, measured: dict) -> str:
   lines = [
       f"simulate --from {path}: {c.micro_batches_per_step} micro-batches of {format_seconds(c.micro_batch_s)},"
       f" stage {format_seconds(c.prepare_s)}, update {format_seconds(c.update_s)}, boundary work"
-      f" {format_seconds(c.boundary_work_s)}, wait floor {format_seconds(c.wait_floor_s)} (fitted from its records)",
+      f" {format_seconds(c.boundary_work_s)}, wait floor {format_seconds(c.wait_floor_s)}, rollout wait"
+      f" {format_seconds(c.rollout_wait_s)} (fitted from its records)",
       "",
       f"{'mode':<20} {'predicted idle':>15} {'predicted step':>15} {'measured idle':>14} {'measured step':>14}"
       f" {'step error':>11}",

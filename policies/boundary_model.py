@@ -58,6 +58,7 @@ class Components:
   reruns_per_step: float = 0.0  # dropless re-runs per step (on average)
   rerun_s: float = 0.0
   copy_s: float = 0.0  # device-side transfer of one micro-batch's inputs (0: part of prepare_s on the host)
+  rollout_wait_s: float = 0.0  # how long the next step's rollouts keep the stage or the first dispatch waiting
   sync_copy: bool = False  # an unstaged fwd_bwd's copy queues on the compute stream, behind the update
 
   @property
@@ -140,6 +141,8 @@ def _step(t: _Timeline, action: Action, mode: Mode) -> None:
   """Advances the timeline by one action (actions after the first dispatch hide behind compute)."""
   c, d = t.c, t.c.dispatch_s
   if action is Action.STAGE_FIRST:
+    if c.rollout_wait_s:
+      t.host_segment("rollout wait", c.rollout_wait_s)
     t.host_segment("stage", c.prepare_s)
     t.first_inputs_ready = t.host + c.copy_s  # a staged copy runs beside the compute
   elif action is Action.WAIT_AND_UPDATE:
@@ -154,6 +157,8 @@ def _step(t: _Timeline, action: Action, mode: Mode) -> None:
     t.host = max(t.host, t.update_done)  # the metrics read waits for the update
     t.host_segment("boundary work", c.boundary_work_s)  # metrics, logging, checkpoint and sync
   elif action is Action.DISPATCH_FIRST:  # maps and places inside the call
+    if c.rollout_wait_s:
+      t.host_segment("rollout wait", c.rollout_wait_s)
     t.host_segment("stage" if mode is Mode.STAGE_AFTER_UPDATE else "prepare", c.prepare_s)
     t.first_dispatch = t.host + d
     # A synchronous copy queues behind the update on the compute stream; an asynchronous one runs beside it.

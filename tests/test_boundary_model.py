@@ -58,6 +58,15 @@ def test_a_wait_floor_overlaps_the_remaining_compute():
   assert predict(short, Mode.STAGE_BEFORE_UPDATE).update_delay_s == 0.0  # hidden by the compute
 
 
+def test_waiting_for_rollouts_delays_whichever_dispatch_or_stage_needs_them():
+  c = Components(micro_batch_s=1.0, prepare_s=0.1, update_s=0.05, boundary_work_s=0.0, dispatch_s=0.0,
+                 micro_batches_per_step=2, rollout_wait_s=1.5)
+  before = predict(c, Mode.STAGE_BEFORE_UPDATE)
+  assert before.boundary_idle_s == 0.0 and before.update_delay_s == pytest.approx(1.5 + 0.1 - 1.0)
+  assert predict(c, Mode.PIPELINED).boundary_idle_s == pytest.approx(1.5 + 0.1 - 1.05)
+  assert predict(Components(**{**c.__dict__, "rollout_wait_s": 0.0}), Mode.PIPELINED).boundary_idle_s == 0.0
+
+
 def test_a_synchronous_copy_makes_staging_after_the_update_hide_more_than_pipelining():
   c = Components(micro_batch_s=1.0, prepare_s=0.05, update_s=0.3, boundary_work_s=0.0, dispatch_s=0.0,
                  copy_s=0.5, sync_copy=True, micro_batches_per_step=2)
