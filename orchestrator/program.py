@@ -245,11 +245,14 @@ class RLProgram:
     self._payloads[k] = payloads
 
   def _source_state_before(self, k: int) -> Any:
-    """The source's position before step k (after the last step pulled, when k was never pulled)."""
+    """The source's position before step k (after the last step pulled, when k was never pulled), as JSON."""
     if k in self._source_states:
-      return self._source_states[k]
-    get_state = getattr(self._source_iter, "get_state", None)
-    return get_state() if callable(get_state) else None
+      state = self._source_states[k]
+    else:
+      get_state = getattr(self._source_iter, "get_state", None)
+      state = get_state() if callable(get_state) else None
+    to_json = getattr(self._source_iter, "state_json", None)
+    return to_json(state) if callable(to_json) and state is not None else state
 
   def _loop(self) -> None:
     m, first = self.config.micro_batches_per_step, self.config.start_step
@@ -266,6 +269,7 @@ class RLProgram:
       boundary.rollout = stats(k) if callable(stats) else None
       self.recorder.finish_record(boundary, boundary.first_dispatch)
       del self._boundaries[k], self._payloads[k]
+      self._source_states.pop(k, None)  # only the position before step k+1 can still be checkpointed
       self._result.last_step = k
       if boundary.stop:
         self._result.ended = "stopped"

@@ -166,7 +166,11 @@ class LiveRollouts:
 
   # ---------------------------------------------------------------- position
   def get_state(self) -> dict[str, Any]:
-    """The position before the next step, with the sampled steps a resume could not sample again."""
+    """The position before the next step, with the sampled steps a resume could not sample again.
+
+    Called before every step is taken, so it keeps references only; ``state_json``
+    serialises a state when a checkpoint actually needs it.
+    """
     self._start()
     with self._cond:
       first = self._next
@@ -177,7 +181,11 @@ class LiveRollouts:
       self._cond.wait_for(lambda: all(s in self._ready for s in older) or self._error is not None)
       self._state_wait_s = 0.0 if ready else time.perf_counter() - start
       self._raise_error()
-      return {"kind": self.kind, "next_step": first, "sampled": [self._ready[s].to_json() for s in older]}
+      return {"kind": self.kind, "next_step": first, "sampled": [self._ready[s] for s in older]}
+
+  def state_json(self, state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` as JSON (the sampled steps' arrays as lists), for a checkpoint's metadata."""
+    return dict(state, sampled=[r.to_json() for r in state["sampled"]])
 
   def set_state(self, state: dict[str, Any]) -> None:
     """Continues from ``get_state()``'s output; call before the first ``next`` and sync the checkpoint's weights."""
@@ -188,6 +196,13 @@ class LiveRollouts:
       raise RuntimeError("set_state must come before the first step is taken")
     self._next = int(state["next_step"])
     self._ready = {r["step"]: StepRollouts.from_json(r) for r in state["sampled"]}
+    # Steps that need weights older than the checkpoint's cannot be sampled again: the state must carry them.
+    owed = [s for s in range(self._next, min(self._next + self.shape.max_staleness, self.shape.steps))
+            if self.version_for(s) < self._next]
+    if sorted(self._ready) != owed:
+      raise SourceStateError(f"the saved rollout position before step {self._next} carries steps {sorted(self._ready)},"
+                             f" but max_staleness {self.shape.max_staleness} needs {owed}; the run cannot be resumed"
+                             " from this checkpoint")
     self._produce_from = self._next + len(self._ready)
     self._synced = self._next  # the checkpoint's weights; sync() delivers them
     self._weights = {}

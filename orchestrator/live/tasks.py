@@ -86,12 +86,27 @@ class ModularAddition:
 
 
 @dataclasses.dataclass(frozen=True)
-class ReverseString:
+class _WordTask:
+  """A task on a random word of ``length`` letters drawn from the first ``letters`` of the alphabet."""
+
+  length: int
+  letters: int
+  eval_share: float = 0.2
+
+  def reward(self, problem: Problem, completion: str) -> float:
+    return exact_answer(problem, completion)
+
+  @property
+  def answer_alphabet(self) -> str:
+    return LETTERS[: self.letters]
+
+
+@dataclasses.dataclass(frozen=True)
+class ReverseString(_WordTask):
   """``rev:abc>`` → ``cba``: reverse a short lower-case string."""
 
   length: int = 3
   letters: int = 4
-  eval_share: float = 0.2
   name = "reverse"
 
   def problem(self, seed: int, split: str, index: int) -> Problem:
@@ -102,24 +117,16 @@ class ReverseString:
     return _draw(seed, split, index, self.eval_share, make)
 
   @property
-  def answer_alphabet(self) -> str:
-    return LETTERS[: self.letters]
-
-  def reward(self, problem: Problem, completion: str) -> float:
-    return exact_answer(problem, completion)
-
-  @property
   def max_answer_length(self) -> int:
     return self.length
 
 
 @dataclasses.dataclass(frozen=True)
-class FirstLetter:
+class FirstLetter(_WordTask):
   """``1st:cadb>`` → ``c``: copy the word's first letter (an algorithm, so held-out words test it)."""
 
   length: int = 4
   letters: int = 8
-  eval_share: float = 0.2
   name = "first_letter"
 
   def problem(self, seed: int, split: str, index: int) -> Problem:
@@ -129,16 +136,9 @@ class FirstLetter:
 
     return _draw(seed, split, index, self.eval_share, make)
 
-  def reward(self, problem: Problem, completion: str) -> float:
-    return exact_answer(problem, completion)
-
   @property
   def max_answer_length(self) -> int:
     return 1
-
-  @property
-  def answer_alphabet(self) -> str:
-    return LETTERS[: self.letters]
 
 
 def max_generation_steps(task) -> int:
