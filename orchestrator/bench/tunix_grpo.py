@@ -1,0 +1,269 @@
+"""Stock Tunix GRPO against the same run with the step-boundary add-on, side by side.
+
+    python -m orchestrator.bench.tunix_grpo [--global-steps 8] [--repeats 2]
+
+A tiny random Qwen3 learns the ``first_letter`` task with Tunix's own
+``RLCluster`` and ``GRPOLearner`` (vanilla rollout, the character tokenizer).
+Each arm runs in its own child process with two forced CPU devices, the same
+seeds and data, so every arm must reach the same weights (the digest column).
+Two layouts: (a) ``shared`` — one mesh for trainer and sampler, one mini-batch
+per global step (little to stage); (b) ``split`` — the sampler on its own
+device, several mini-batches per global step (the next mini-batch's rollouts
+exist before the update). Prints seconds per optimizer step after the first
+two global steps (compiles), host blocks per step and the share of boundaries
+staged; then one JSON object.
+
+``build_learner`` and ``run_arm`` are also what the tests use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+WARMUP_GLOBAL_STEPS = 2
+#: Tokens sampled per completion (answers are shorter; the rest is scored by the shaped reward).
+GENERATION_STEPS = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Toy:
+  """One toy GRPO configuration.
+
+  Attributes:
+    layout: ``shared`` (trainer and sampler on one mesh, sharing weights) or
+      ``split`` (the sampler on its own device, synced each global step).
+    mini_batches: optimizer steps per global step.
+    micro_batches: micro-batches per optimizer step (gradient accumulation).
+    prompts: prompts per micro-batch (each sampled ``generations`` times).
+    global_steps: global steps to train.
+    num_iterations: GRPO's μ (each micro-batch trained this often).
+    preset: the model preset.
+    task: the live task (``first_letter``, ``reverse``, ``modular_addition``).
+  """
+
+  layout: str = "shared"
+  mini_batches: int = 1
+  micro_batches: int = 2
+  prompts: int = 2
+  generations: int = 4
+  global_steps: int = 3
+  num_iterations: int = 1
+  preset: str = "tiny"
+  task: str = "first_letter"
+  learning_rate: float = 3e-3
+  seed: int = 0
+
+
+def _meshes(layout: str):
+  import jax
+  import numpy as np
+
+  def mesh_on(devices):
+    return jax.sharding.Mesh(np.array(devices).reshape(len(devices), 1, 1), ("fsdp", "context", "expert"),
+                             axis_types=(jax.sharding.AxisType.Auto,) * 3)
+
+  devices = jax.devices()
+  if layout == "split" and len(devices) < 2:
+    raise ValueError("the split layout needs two devices (XLA_FLAGS=--xla_force_host_platform_device_count=2)")
+  actor = mesh_on(devices[:1])
+  return actor, (mesh_on(devices[1:2]) if layout == "split" else actor)
+
+
+def build_learner(toy: Toy):
+  """A stock Tunix ``GRPOLearner`` for ``toy`` and its training data (a list of global batches)."""
+  import jax
+  import numpy as np
+  import optax
+  from flax import nnx
+  from tunix.rl import rl_cluster as rlc
+  from tunix.rl.grpo import grpo_learner
+  from tunix.rl.rollout import base_rollout
+
+  from orchestrator.engine import model as model_lib
+  from orchestrator.engine.presets import load_preset
+  from orchestrator.live import tasks as tasks_lib
+  from orchestrator.live.tokenizer import CharTokenizer
+
+  actor_mesh, rollout_mesh = _meshes(toy.layout)
+  # The model's vocabulary is cut to the tokenizer's (rounded up), so sampled ids mostly decode to
+  # characters and rewards differ within a group from the first step: GRPO has a signal to learn from.
+  tokenizer = CharTokenizer()
+  preset = load_preset(toy.preset, vocab_size=-(-tokenizer.vocab_size // 16) * 16)
+  graphdefs, params, specs = model_lib.build_model(preset, toy.seed)
+  placed = jax.tree.map(lambda x, spec: jax.device_put(np.asarray(x), jax.sharding.NamedSharding(actor_mesh, spec)),
+                        params, specs)
+  task = tasks_lib.make_task(toy.task)
+  micro = toy.prompts
+  mini = micro * toy.micro_batches
+  full = mini * toy.mini_batches
+  config = rlc.ClusterConfig(
+      role_to_mesh={rlc.Role.ACTOR: actor_mesh, rlc.Role.REFERENCE: actor_mesh, rlc.Role.ROLLOUT: rollout_mesh},
+      rollout_engine="vanilla", offload_to_cpu=False,
+      training_config=rlc.RLTrainingConfig(
+          actor_optimizer=optax.adamw(toy.learning_rate), eval_every_n_steps=10**6,
+          max_steps=toy.global_steps * toy.mini_batches * toy.num_iterations,
+          mini_batch_size=mini, train_micro_batch_size=micro),
+      rollout_config=base_rollout.RolloutConfig(
+          max_tokens_to_generate=GENERATION_STEPS, max_prompt_length=tasks_lib.MAX_PROMPT_LENGTH,
+          kv_cache_size=tasks_lib.MAX_PROMPT_LENGTH + GENERATION_STEPS, temperature=1.0, seed=toy.seed))
+  cluster = rlc.RLCluster(actor=nnx.merge(graphdefs["dropless"], placed), tokenizer=tokenizer,
+                          cluster_config=config)
+  alphabet = set(task.answer_alphabet)
+
+  def answer_reward(prompts, completions, answer, **_):
+    """1 for the exact answer; otherwise up to 0.25 for a completion made of answer characters."""
+    out = []
+    for completion, expected in zip(completions, answer):
+      text = str(completion).strip()
+      shaped = 0.25 * sum(ch in alphabet for ch in text) / len(text) if text else 0.0
+      out.append(1.0 if text == str(expected) else shaped)
+    return out
+
+  learner = grpo_learner.GRPOLearner(
+      rl_cluster=cluster, reward_fns=answer_reward,
+      algo_config=grpo_learner.GRPOConfig(num_generations=toy.generations, num_iterations=toy.num_iterations,
+                                          beta=0.0))
+  problems = [task.problem(toy.seed, "train", i) for i in range(full * toy.global_steps)]
+  data = [{"prompts": np.array([p.prompt for p in problems[i:i + full]]),
+           "answer": np.array([p.answer for p in problems[i:i + full]])}
+          for i in range(0, len(problems), full)]
+  return learner, data
+
+
+def _time_global_steps(learner) -> list[float]:
+  """Wraps the learner's per-global-step loop (stock or the add-on's) with a clock."""
+  times: list[float] = []
+  inner = learner._run_global_step
+
+  def timed(*args, **kwargs):
+    start = time.perf_counter()
+    inner(*args, **kwargs)
+    times.append(time.perf_counter() - start)
+
+  learner._run_global_step = timed
+  return times
+
+
+def _count_placements() -> dict[str, int]:
+  """Counts Tunix's input placements (``shard_input`` → ``make_array_from_process_local_data``) by thread."""
+  import threading
+
+  import jax
+
+  counts = {"trainer_thread": 0, "other_threads": 0}
+  inner = jax.make_array_from_process_local_data
+
+  def counted(*args, **kwargs):
+    main = threading.current_thread() is threading.main_thread()
+    counts["trainer_thread" if main else "other_threads"] += 1
+    return inner(*args, **kwargs)
+
+  jax.make_array_from_process_local_data = counted
+  return counts
+
+
+def run_arm(toy: Toy, mode: str | None, *, corrupt_staging: bool = False) -> dict:
+  """Trains ``toy`` stock (``mode`` None) or with the add-on in ``mode``; returns digest and figures."""
+  from flax import nnx
+
+  from orchestrator.engine.diagnostics import tree_digest
+  from orchestrator.tunix_grpo import install
+  from orchestrator.tunix_grpo.throttle import instrument_stock
+
+  learner, data = build_learner(toy)
+  addon = None
+  if mode is None:
+    throttler = instrument_stock(learner)
+  else:
+    addon = install(learner, mode)
+    throttler = addon.throttler
+    if corrupt_staging:  # negative control: every staged micro-batch's advantages flipped
+      place = addon._place
+      addon._place = lambda item: [dataclasses.replace(ex, advantages=-ex.advantages) for ex in place(item)]
+  times = _time_global_steps(learner)
+  placements = _count_placements()
+  learner.train(data)
+  trainer = learner.rl_cluster.actor_trainer
+  steps = trainer.train_steps
+  timed = times[WARMUP_GLOBAL_STEPS:] or times
+  out = {
+      "mode": mode or "stock", "layout": toy.layout, "optimizer_steps": steps,
+      "digest": tree_digest(nnx.state(trainer.model, nnx.Param)),
+      "host_blocks": throttler.host_blocks, "host_blocks_per_step": throttler.host_blocks / max(steps, 1),
+      "seconds_per_step": statistics.median(timed) / (toy.mini_batches * toy.num_iterations),
+      "staged_share": 0.0, "prefetched": 0, "placements": placements,
+  }
+  if addon is not None:
+    summary = addon.summary()
+    out.update(staged_share=summary["staged_share"] or 0.0, prefetched=summary["prefetched"],
+               median_idle_s=summary["median_idle_s"], policy_counters=summary["policy_counters"],
+               final_mode=summary["final_mode"], records=[r.to_json() for r in addon.records])
+  return out
+
+
+def run_arm_in_child(toy: Toy, mode: str | None, *, timeout_s: float = 900, **flags) -> dict:
+  """``run_arm`` in a fresh process with two forced CPU devices (the split layout needs them)."""
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+  request = json.dumps({"toy": dataclasses.asdict(toy), "mode": mode, "flags": flags})
+  proc = subprocess.run([sys.executable, "-m", "orchestrator.bench.tunix_grpo", "--child", request],
+                        capture_output=True, text=True, timeout=timeout_s, env=env, check=False)
+  if proc.returncode != 0:
+    raise RuntimeError(f"arm {mode or 'stock'} ({toy.layout}) failed:\n{proc.stderr[-4000:]}")
+  return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+CONFIGS = {
+    "a_shared_one_mini_batch": Toy(layout="shared", mini_batches=1, micro_batches=2),
+    "b_split_four_mini_batches": Toy(layout="split", mini_batches=4, micro_batches=2),
+}
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--global-steps", type=int, default=8)
+  parser.add_argument("--repeats", type=int, default=2, help="runs of each arm, alternating (medians reported)")
+  parser.add_argument("--preset", default="tiny")
+  parser.add_argument("--task", default="first_letter")
+  parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated: " + ", ".join(CONFIGS))
+  parser.add_argument("--no-reserve-host-core", dest="reserve", action="store_false",
+                      help="let XLA take every core (host work then cannot overlap compute)")
+  parser.add_argument("--child", help=argparse.SUPPRESS)
+  args = parser.parse_args(argv)
+  if args.child:
+    request = json.loads(args.child)
+    if request["flags"].pop("reserve_host_core", False):
+      from orchestrator.engine.host_threads import reserve_host_core
+
+      reserve_host_core()
+    print(json.dumps(run_arm(Toy(**request["toy"]), request["mode"], **request["flags"])))
+    return 0
+  rows = []
+  for name in args.configs.split(","):
+    toy = dataclasses.replace(CONFIGS[name], global_steps=args.global_steps, preset=args.preset, task=args.task)
+    arms = {"stock": [], "stage_before_update": []}
+    for _ in range(args.repeats):
+      for arm in arms:
+        arms[arm].append(run_arm_in_child(toy, None if arm == "stock" else arm, reserve_host_core=args.reserve))
+    stock_s = statistics.median(r["seconds_per_step"] for r in arms["stock"])
+    for arm, runs in arms.items():
+      seconds = statistics.median(r["seconds_per_step"] for r in runs)
+      rows.append({"config": name, "arm": arm, "seconds_per_step": seconds, "vs_stock": seconds / stock_s - 1,
+                   "host_blocks_per_step": runs[0]["host_blocks_per_step"], "staged_share": runs[0]["staged_share"],
+                   "digest": runs[0]["digest"][:12], "same_digest_all_runs": len({r["digest"] for r in runs}) == 1})
+  print(f"{'config':28} {'arm':20} {'s/step':>9} {'vs stock':>9} {'blocks/step':>12} {'staged':>7} digest")
+  for r in rows:
+    print(f"{r['config']:28} {r['arm']:20} {r['seconds_per_step']:9.4f} {100 * r['vs_stock']:+8.1f}%"
+          f" {r['host_blocks_per_step']:12.2f} {100 * r['staged_share']:6.0f}% {r['digest']}")
+  print(json.dumps(rows))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

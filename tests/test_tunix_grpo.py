@@ -1,0 +1,158 @@
+"""The add-on for Tunix's GRPO learner: bit-identical to stock, fewer host blocks, clean refusals."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+
+import pytest
+
+from orchestrator.tunix_grpo import compat
+from orchestrator.tunix_grpo.compat import UnsupportedTunixError
+from orchestrator.tunix_grpo.throttle import CountingThrottler
+
+
+# ---------------------------------------------------------------- refusals (no model needed)
+def _fake_learner(**overrides):
+  trainer = types.SimpleNamespace(
+      _throttler=CountingThrottler(2, drain_each_call=True), _train_steps=0, _iter_steps=0,
+      config=types.SimpleNamespace(data_sharding_axis=("fsdp",), max_inflight_computations=2))
+  cluster = types.SimpleNamespace(_actor_trainer=trainer, _get_mesh_and_logical_axis_rules_cm=None, global_steps=0,
+                                  cluster_config=types.SimpleNamespace(offload_to_cpu=False))
+  learner = types.SimpleNamespace(**{name: None for name, _ in compat.LEARNER_ATTRIBUTES})
+  learner.rl_cluster = cluster
+  learner._training_config = types.SimpleNamespace(max_seq_token_per_tpu=None)
+  for path, value in overrides.items():
+    obj, _, name = path.rpartition(".")
+    target = {"": learner, "cluster": cluster, "trainer": trainer}[obj]
+    if value is _DELETE:
+      delattr(target, name)
+    else:
+      setattr(target, name, value)
+  return learner
+
+
+_DELETE = object()
+
+
+def test_a_complete_learner_passes_the_check():
+  compat.check(_fake_learner())
+
+
+def _one_line(excinfo) -> str:
+  message = str(excinfo.value)
+  assert "\n" not in message
+  return message
+
+
+def test_another_tunix_version_is_refused_in_one_line():
+  with pytest.raises(UnsupportedTunixError) as excinfo:
+    compat.check(_fake_learner(), version="0.2.0")
+  message = _one_line(excinfo)
+  assert "google-tunix 0.2.0" in message and "google-tunix==0.1.7" in message
+
+
+def test_no_tunix_installed_is_refused(monkeypatch):
+  monkeypatch.setattr(compat, "installed_version", lambda: None)
+  with pytest.raises(UnsupportedTunixError, match="google-tunix is not installed"):
+    compat.check(_fake_learner())
+
+
+@pytest.mark.parametrize("path, named", [
+    ("cluster._actor_trainer", "_actor_trainer"),
+    ("trainer._throttler", "_throttler"),
+    ("_run_all_micro_batch_steps", "_run_all_micro_batch_steps"),
+    ("executor", "executor"),
+])
+def test_a_missing_private_attribute_is_refused_by_name(path, named):
+  with pytest.raises(UnsupportedTunixError) as excinfo:
+    compat.check(_fake_learner(**{path: _DELETE}))
+  assert named in _one_line(excinfo)
+
+
+@pytest.mark.parametrize("path, value, named", [
+    ("_training_config", types.SimpleNamespace(max_seq_token_per_tpu=256), "max_seq_token_per_tpu=256"),
+    ("cluster._critic_trainer", object(), "critic"),
+    ("cluster.cluster_config", types.SimpleNamespace(offload_to_cpu=True), "offload_to_cpu=True"),
+    ("trainer._throttler", object(), "lacks add_computation()"),
+])
+def test_settings_the_add_on_cannot_reproduce_are_refused(path, value, named):
+  with pytest.raises(UnsupportedTunixError) as excinfo:
+    compat.check(_fake_learner(**{path: value}))
+  assert named in _one_line(excinfo)
+
+
+# ---------------------------------------------------------------- the throttle
+class _Handle:
+  def __init__(self, log):
+    self.log = log
+
+  def block_until_ready(self):
+    self.log.append(self)
+    return self
+
+
+def test_the_throttle_drains_each_call_only_when_asked(monkeypatch):
+  waited = []
+  monkeypatch.setattr("jax.block_until_ready", lambda x: x.block_until_ready())
+  stock = CountingThrottler(2, drain_each_call=True)
+  stock.add_computation(_Handle(waited))
+  stock.wait_for_all()
+  assert len(waited) == 1 and stock.waits == 1 and len(stock) == 0
+  addon = CountingThrottler(2, drain_each_call=False)
+  for _ in range(3):
+    addon.wait_for_next()
+    addon.add_computation(_Handle(waited))
+    addon.wait_for_all()
+  # Only the in-flight bound waited: before the third dispatch, on the first.
+  assert len(waited) == 2 and addon.waits == 1 and len(addon) == 2
+  addon.drain()
+  assert len(addon) == 0 and addon.waits == 3
+
+
+# ---------------------------------------------------------------- real Tunix runs (child processes)
+@pytest.fixture(scope="module")
+def bench():
+  from orchestrator.bench import tunix_grpo
+
+  return tunix_grpo
+
+
+@pytest.fixture(scope="module")
+def shared(bench):
+  """The shared-mesh toy and its stock run."""
+  toy = bench.Toy(layout="shared", mini_batches=1, micro_batches=2, global_steps=3)
+  return toy, bench.run_arm_in_child(toy, None)
+
+
+def test_shared_mesh_add_on_reaches_stock_weights_bit_for_bit(bench, shared):
+  toy, stock = shared
+  staged = bench.run_arm_in_child(toy, "stage_before_update")
+  assert stock["optimizer_steps"] == staged["optimizer_steps"] == 3
+  assert staged["digest"] == stock["digest"]
+  # Stock drains after every micro-batch; the add-on does not.
+  assert staged["host_blocks"] < stock["host_blocks"]
+  # Shared weights: every next mini-batch samples on the update, so nothing is produced ahead,
+  # but each micro-batch is placed by the producer thread, never by the trainer thread.
+  assert staged["prefetched"] == 0 and staged["policy_counters"]["next_not_ready"] == 3
+  assert stock["placements"]["other_threads"] == 0 and stock["placements"]["trainer_thread"] > 0
+  assert staged["placements"]["trainer_thread"] == 0 and staged["placements"]["other_threads"] > 0
+
+
+def test_split_layout_add_on_reaches_stock_weights_in_every_mode(bench):
+  toy = bench.Toy(layout="split", mini_batches=2, micro_batches=2, global_steps=3)
+  stock = bench.run_arm_in_child(toy, None)
+  runs = {mode: bench.run_arm_in_child(toy, mode) for mode in ("off", "pipelined", "stage_before_update")}
+  assert {r["digest"] for r in runs.values()} == {stock["digest"]}
+  staged = runs["stage_before_update"]
+  # Within a global step the sampler's weights do not change: the next mini-batch is produced ahead.
+  assert staged["prefetched"] == 3 and staged["staged_share"] > 0
+  assert staged["host_blocks"] < stock["host_blocks"]
+  assert runs["off"]["prefetched"] == 0 and runs["off"]["placements"]["other_threads"] == 0
+
+
+def test_a_wrongly_staged_micro_batch_changes_the_weights(bench, shared):
+  """Negative control: the identity tests would catch a stage that placed different data."""
+  toy, stock = shared
+  wrong = bench.run_arm_in_child(toy, "stage_before_update", corrupt_staging=True)
+  assert wrong["digest"] != stock["digest"]
