@@ -5,6 +5,7 @@
     run_rl record --recipe R --out DIR                      write a recording
     run_rl rig --recipe R --recording DIR --arms ... --out DIR   A/B the modes
     run_rl simulate --recipe R                              plan with the boundary model
+    run_rl serve-trainer --recipe R --listen HOST:PORT      host the trainer for a remote driver
 
 Exit codes: 0 success; 2 bad usage, an invalid recipe, recording or output
 directory (one message, no traceback, nothing started or written); 1 a failure
@@ -209,7 +210,15 @@ def simulate_main(argv: list[str]) -> int:
   return 0
 
 
-SUBCOMMANDS = {"record": record_main, "rig": rig_main, "simulate": simulate_main}
+def serve_trainer_main(argv: list[str]) -> int:
+  """``run_rl serve-trainer``: host the recipe's trainer behind gRPC; see orchestrator.remote.serve."""
+  from orchestrator.remote.serve import serve_main
+
+  return serve_main(argv)
+
+
+SUBCOMMANDS = {"record": record_main, "rig": rig_main, "simulate": simulate_main,
+               "serve-trainer": serve_trainer_main}
 
 
 def main(argv: list[str] | None = None) -> int:

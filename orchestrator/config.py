@@ -225,6 +225,45 @@ class SimulateSection:
 
 
 @dataclasses.dataclass
+class TrainerSection:
+  """Where the trainer runs: in this process, or behind ``run_rl serve-trainer`` (docs/design.md §11)."""
+
+  location: str = "local"  # local | remote
+  address: str | None = None  # remote: HOST:PORT of serve-trainer (spawn: loopback, default a free port)
+  spawn: bool = False  # remote: start serve-trainer on loopback as a child, drive it, stop it
+  token_file: str | None = None  # the shared token (else $STEP_BOUNDARY_TRAINER_TOKEN)
+  timeout_s: float = 120.0  # every call's deadline; a silent trainer ends the run within it
+  max_message_bytes: int = 1 << 30  # per message, both ways
+
+  def validate(self) -> None:
+    from orchestrator.remote import protocol  # pylint: disable=import-outside-toplevel  (no JAX, no gRPC)
+
+    if self.location not in ("local", "remote"):
+      raise RecipeError(f"trainer.location={self.location!r}: use local or remote")
+    _at_least("trainer", self, ("timeout_s",), 0.1)
+    _at_most("trainer", self, ("timeout_s",), 86_400)
+    _at_least("trainer", self, ("max_message_bytes",), 1 << 20)
+    _at_most("trainer", self, ("max_message_bytes",), 1 << 34)
+    if self.location == "local":
+      if self.spawn or self.address:
+        key = "spawn" if self.spawn else "address"
+        raise RecipeError(f"trainer.{key} is set but trainer.location=local; set trainer.location=remote or drop it")
+      return
+    if not self.spawn and not self.address:
+      raise RecipeError("trainer.location=remote needs trainer.address=HOST:PORT of a running serve-trainer,"
+                        " or trainer.spawn=true to start one on loopback")
+    try:
+      host, port = protocol.split_address(self.address or "127.0.0.1:0")
+    except protocol.AddressError as e:
+      raise RecipeError(f"trainer.address: {e}") from None
+    if self.spawn and not protocol.is_loopback(host):
+      raise RecipeError(f"trainer.spawn=true starts the trainer on loopback; trainer.address={self.address} is"
+                        " not a loopback address (use 127.0.0.1:PORT, or drop spawn and start serve-trainer there)")
+    if not self.spawn and port == 0:
+      raise RecipeError(f"trainer.address={self.address}: give the port serve-trainer listens on")
+
+
+@dataclasses.dataclass
 class RunSection:
   """Where outputs go and how the host is set up."""
 
@@ -255,6 +294,7 @@ class Recipe:
   checkpoint: CheckpointSection = dataclasses.field(default_factory=CheckpointSection)
   step_boundary: StepBoundarySection = dataclasses.field(default_factory=StepBoundarySection)
   simulate: SimulateSection = dataclasses.field(default_factory=SimulateSection)
+  trainer: TrainerSection = dataclasses.field(default_factory=TrainerSection)
   run: RunSection = dataclasses.field(default_factory=RunSection)
 
   # ---------------------------------------------------------------- derived
@@ -285,7 +325,8 @@ class Recipe:
     _at_most("", self, ("steps",), 1_000_000_000)
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", self.name):
       raise RecipeError(f"name={self.name!r}: use letters, digits, '.', '_' and '-' (it names the run's directory)")
-    for section in (self.mesh, self.batch, self.rollouts, self.task, self.step_boundary, self.simulate, self.run):
+    for section in (self.mesh, self.batch, self.rollouts, self.task, self.step_boundary, self.simulate, self.trainer,
+                    self.run):
       section.validate()
     self.checkpoint.validate(self.steps)
     from orchestrator.engine.presets import available_presets, load_preset  # no JAX import

@@ -93,11 +93,15 @@ def preflight(recipe, out: Path, *, run_id: str | None, steps: int | None = None
   from orchestrator.runner import checkpoint_dir_for, rollout_source
 
   source = rollout_source(recipe, steps=steps)
-  try:
-    check_devices(recipe.mesh)
-  except ValueError as e:
-    raise config_lib.RecipeError(str(e)) from None
-  ckpt_dir = checkpoint_dir_for(recipe, out)
+  remote = recipe.trainer.location == "remote"
+  if not remote:  # a remote trainer checks its own devices
+    try:
+      check_devices(recipe.mesh)
+    except ValueError as e:
+      raise config_lib.RecipeError(str(e)) from None
+  else:
+    _check_trainer_token(recipe)
+  ckpt_dir = checkpoint_dir_for(recipe, out) if not remote or recipe.trainer.spawn else None
   if ckpt_dir:
     foreign = {step: meta.get("run_id") for step, meta in read_checkpoints(ckpt_dir).items()
                if meta.get("run_id") != run_id or run_id is None}
@@ -107,6 +111,21 @@ def preflight(recipe, out: Path, *, run_id: str | None, steps: int | None = None
           f" {sorted(set(map(str, foreign.values())))[0]}); use a new checkpoint.directory, or continue that"
           " run with `run_rl --resume` on its run directory")
   return source
+
+
+def _check_trainer_token(recipe) -> None:
+  """A remote trainer off loopback is reached with a token: one must be readable before anything starts."""
+  from orchestrator.remote import protocol
+
+  t = recipe.trainer
+  try:
+    token = protocol.read_token(t.token_file)
+  except protocol.AddressError as e:
+    raise config_lib.RecipeError(f"trainer.token_file: {e}") from None
+  if not t.spawn and token is None and not protocol.is_loopback(protocol.split_address(t.address)[0]):
+    raise config_lib.RecipeError(
+        f"trainer.address={t.address} is not loopback and no token is set; give the server's token with"
+        f" trainer.token_file=FILE or ${protocol.TOKEN_ENV}")
 
 
 def start(resolved: config_lib.ResolvedRecipe, out: Path | None) -> int:
@@ -219,7 +238,7 @@ def _run(recipe, out: Path, *, source, run_id: str, resume) -> int:
       return _fail(out, e, None if handle is None else handle.current_step)
     finally:
       if handle is not None:
-        handle.close_progress()
+        handle.close()
     if previous_trace:
       run_dir.merge_trace(out, previous_trace, resumed_at=resume.steps_done)
     _write_recording(recipe, handle.program.source, result)

@@ -162,6 +162,8 @@ class RunHandle:
   program: RLProgram
   progress: object | None
   eval_prompts: int = 0
+  closers: list = dataclasses.field(default_factory=list)
+  trainer_info: dict | None = None
 
   def run(self):
     source = self.program.source
@@ -183,15 +185,48 @@ class RunHandle:
       done = (result.last_step or 0) + 1
       result.summary.update(eval_accuracy_start=before, eval_prompts=self.eval_prompts,
                             eval_accuracy_end=evaluate(worker.export_weights(), done, self.eval_prompts))
+    if self.trainer_info:
+      result.summary["trainer"] = self.trainer_info
     return result
 
   @property
   def current_step(self):
     return self.program.current_step
 
-  def close_progress(self):
+  def close(self):
+    """Closes the progress bar, then the remote trainer (and a spawned one's process), if any."""
     if self.progress is not None:
       self.progress.close()
+    while self.closers:
+      self.closers.pop()()
+
+
+def make_worker(recipe: Recipe, out: Path, closers: list):
+  """The trainer the recipe names: a ``TrainerWorker`` here, or a ``RemoteTrainerWorker`` (spawning its server).
+
+  Appends what must be closed after the run to ``closers``; returns ``(worker, trainer_info)``.
+  """
+  t = recipe.trainer
+  if t.location == "local":
+    return TrainerWorker(build_engine_from_recipe(recipe, checkpoint_dir=checkpoint_dir_for(recipe, out))), None
+  from orchestrator import config as config_lib
+  from orchestrator.remote import protocol
+  from orchestrator.remote.client import RemoteTrainerWorker
+
+  limits = protocol.Limits(max_message_bytes=t.max_message_bytes, timeout_s=t.timeout_s)
+  address, token = t.address, protocol.read_token(t.token_file)
+  if t.spawn:
+    from orchestrator.remote.spawn import SpawnedTrainer
+
+    child = SpawnedTrainer(config_lib.to_dict(recipe), recipe_path=out / "trainer_recipe.json",
+                           checkpoint_dir=checkpoint_dir_for(recipe, out), address=address or "127.0.0.1:0",
+                           timeout_s=max(t.timeout_s, 60.0), log_path=out / "trainer.log")
+    closers.append(child.stop)
+    address, token = child.address, child.token
+  worker = RemoteTrainerWorker(address, recipe_digest=protocol.recipe_digest(recipe), token=token, limits=limits)
+  closers.append(worker.close)
+  return worker, {"location": "remote", "address": address, "spawned": t.spawn,
+                  "clock_offset_s": worker.offset_s, "clock_offset_error_s": worker.offset_error_s}
 
 
 def build_run(recipe: Recipe, out: Path, *, source, run_id: str, resume: ResumePoint | None = None,
@@ -201,11 +236,24 @@ def build_run(recipe: Recipe, out: Path, *, source, run_id: str, resume: ResumeP
   With ``resume``, the engine restores that checkpoint, the source and the
   policy continue from the positions it saved, and records are appended.
   """
+  closers: list = []
+  try:
+    worker, trainer_info = make_worker(recipe, out, closers)
+    handle = _build_program(recipe, out, worker, source=source, run_id=run_id, resume=resume,
+                            stop_requested=stop_requested, progress=progress)
+  except BaseException:
+    while closers:
+      closers.pop()()
+    raise
+  handle.closers, handle.trainer_info = closers, trainer_info
+  return handle
+
+
+def _build_program(recipe: Recipe, out: Path, worker, *, source, run_id: str, resume, stop_requested,
+                   progress: bool) -> RunHandle:
   from orchestrator.program import plan_from_json
   from orchestrator.recorder import BoundaryRecord
 
-  engine = build_engine_from_recipe(recipe, checkpoint_dir=checkpoint_dir_for(recipe, out))
-  worker = TrainerWorker(engine)
   policy = policy_from_recipe(recipe, worker.capabilities)
   start_step, previous, first_plan = 0, [], None
   if resume is not None:

@@ -77,6 +77,11 @@ class CompletionWatcher:
       except BaseException as e:  # pylint: disable=broad-except
         error = e
       now = self._clock()
+      # A handle that knows when its computation finished (a remote trainer's, stamped
+      # where it ran) is more exact than this thread's wake-up.
+      stamped = getattr(handle, "ready_at", None)
+      if isinstance(stamped, float) and error is None:
+        now = min(now, stamped)
       with self._cond:
         item.ready_at = now if item.ready_at is None else min(item.ready_at, now)
         item.error = error

@@ -208,7 +208,7 @@ def test_failure_during_the_run_exits_1_naming_the_step(tmp_path, capsys, monkey
       (tmp_path / "out" / "records.jsonl").write_text('{"step": 0}\n')
       raise RuntimeError("device lost")
 
-    def close_progress(self):
+    def close(self):
       pass
 
   monkeypatch.setattr(runner, "build_run", lambda recipe, out, **kw: Boom())

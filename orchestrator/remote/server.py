@@ -1,0 +1,268 @@
+"""The trainer server: one ``TrainerWorker`` behind gRPC, driven by one client at a time.
+
+``TrainerService`` owns its worker privately (built by ``make_worker``) and
+serves the methods in ``protocol``. Worker calls run one at a time, in arrival
+order; ``wait_ready`` (a completion time) does not take that lock, so the
+driver's completion watcher never waits behind a dispatch. Receipts carry
+server-clock times and a completion id; the server's own watcher stamps when
+each computation finished, where it ran.
+
+A driver that goes away — its ``Attach`` stream ends — takes its partial step
+with it: the worker it drove is discarded (its owed update, staged input and
+accumulated gradients are never applied) and the next driver gets a fresh one
+(and restores a checkpoint to resume).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+
+from orchestrator.remote import protocol, wire
+from orchestrator.trainer_worker import WorkerUsageError
+from orchestrator.watcher import CompletionWatcher
+
+log = logging.getLogger("step_boundary.remote")
+
+
+def _receipt_json(receipt, ids: Callable[[Any, str, int, int], int | None]) -> dict | None:
+  if receipt is None:
+    return None
+  return {"kind": receipt.kind, "step": receipt.step, "micro_step": receipt.micro_step,
+          "id": ids(receipt.ready, receipt.kind, receipt.step, receipt.micro_step),
+          "dispatched_at": receipt.dispatched_at, "mapping_s": receipt.mapping_s,
+          "placement_s": receipt.placement_s, "host_wait_s": receipt.host_wait_s,
+          "update": _receipt_json(receipt.update, ids)}
+
+
+def _number(value: Any) -> Any:
+  try:
+    return float(value)
+  except (TypeError, ValueError):
+    return str(value)
+
+
+class TrainerService:
+  """The gRPC handlers; see the module docstring.
+
+  Args:
+    make_worker: builds a fresh ``TrainerWorker`` (called at start and after a driver is lost).
+    recipe_digest: ``protocol.recipe_digest`` of the recipe the worker was built from.
+    token: the shared token, or None (loopback only; checked by ``serve``).
+    limits: message size limit.
+  """
+
+  def __init__(self, make_worker: Callable[[], Any], *, recipe_digest: str, token: str | None,
+               limits: protocol.Limits = protocol.Limits()):
+    self._make_worker = make_worker
+    self._worker = make_worker()
+    self._used = False
+    self._recipe_digest = recipe_digest
+    self._token = token
+    self._limits = limits
+    self._driver: str | None = None
+    self._driver_since = 0.0
+    self._state = threading.Lock()
+    self._calls = threading.Lock()
+    self._watcher = CompletionWatcher()
+    self._next_id = 0
+
+  # ------------------------------------------------------------------ access
+  def _check(self, context, *, session: bool = True) -> None:
+    meta = dict(context.invocation_metadata())
+    if not protocol.tokens_match(meta.get(protocol.TOKEN_HEADER), self._token):
+      context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                    "wrong or missing trainer token; give the server's token (trainer.token_file or"
+                    f" ${protocol.TOKEN_ENV})")
+    if session and meta.get(protocol.SESSION_HEADER) != self._driver:
+      context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                    "this client is not the trainer's current driver (it was dropped, or never said Hello);"
+                    " reconnect")
+
+  def hello(self, request: bytes, context) -> bytes:
+    self._check(context, session=False)
+    header, _ = self._decode(request, context)
+    if header.get("protocol") != protocol.PROTOCOL_VERSION:
+      context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                    f"protocol version {header.get('protocol')!r} does not match the trainer's"
+                    f" {protocol.PROTOCOL_VERSION}; run the same step-boundary version on both ends")
+    if header.get("recipe_digest") != self._recipe_digest:
+      context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                    f"the driver's recipe (model/engine/batch/mesh digest {header.get('recipe_digest')}) is not"
+                    f" the one the trainer was started with ({self._recipe_digest}); start serve-trainer with"
+                    " the same recipe")
+    with self._state:
+      if self._driver is not None:
+        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                      f"another driver has held this trainer for {time.time() - self._driver_since:.0f} s;"
+                      " one driver at a time: stop it, or wait for it to finish")
+      if self._used:  # the previous driver's state (and any partial step) goes with it
+        self._worker = self._make_worker()
+      self._used = False
+      self._driver, self._driver_since = uuid.uuid4().hex, time.time()
+      caps = self._worker.capabilities
+      return wire.encode({"session": self._driver, "protocol": protocol.PROTOCOL_VERSION,
+                          "server_time": time.perf_counter(),
+                          "capabilities": {"can_stage": caps.can_stage,
+                                           "missing_staging_methods": list(caps.missing_staging_methods),
+                                           "can_checkpoint": caps.can_checkpoint,
+                                           "can_export_weights": caps.can_export_weights}})
+
+  def clock(self, request: bytes, context) -> bytes:
+    self._check(context, session=False)
+    return wire.encode({"server_time": time.perf_counter()})
+
+  def attach(self, request: bytes, context) -> Iterator[bytes]:
+    """The driver's lifeline: heartbeats until it goes; then its state is dropped."""
+    self._check(context)
+    session = dict(context.invocation_metadata()).get(protocol.SESSION_HEADER)
+    gone = threading.Event()
+    context.add_callback(gone.set)
+    try:
+      while not gone.wait(protocol.HEARTBEAT_S) and context.is_active():
+        yield wire.encode({"server_time": time.perf_counter()})
+    finally:
+      self._release(session, "its connection ended")
+
+  def _release(self, session: str | None, why: str) -> None:
+    with self._state:
+      if session is None or session != self._driver:
+        return
+      self._driver = None
+      owed = self._worker.update_owed or self._worker.has_staged
+      self._used = True
+      log.warning("trainer: the driver left (%s)%s; a new driver gets a fresh trainer", why,
+                  "; its owed update and staged input were dropped" if owed else "")
+
+  # ------------------------------------------------------------------ calls
+  def _decode(self, message: bytes, context):
+    try:
+      return wire.decode(message)
+    except wire.WireError as e:
+      context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+  def invoke(self, request_iterator, context) -> Iterator[bytes]:
+    self._check(context)
+    try:
+      message = wire.join(request_iterator, self._limits.max_message_bytes)
+    except wire.MessageTooLarge as e:
+      context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+    header, arrays = self._decode(message, context)
+    method = header.get("method")
+    if method == "wait_ready":  # never behind the worker lock
+      reply = self._wait_ready(header, context)
+    elif method == "bye":
+      self._release(dict(context.invocation_metadata()).get(protocol.SESSION_HEADER), "it said goodbye")
+      reply = wire.encode({})
+    else:
+      handler = getattr(self, f"_do_{method}", None) if isinstance(method, str) else None
+      if handler is None:
+        context.abort(grpc.StatusCode.UNIMPLEMENTED, f"unknown trainer method {method!r}")
+      with self._calls:
+        self._used = True
+        try:
+          reply = handler(header, arrays)
+        except WorkerUsageError as e:
+          context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"WorkerUsageError: {e}")
+        except (ValueError, wire.WireError) as e:
+          context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"ValueError: {e}")
+    yield from wire.chunks(reply)
+
+  def _watch(self, ready, kind: str, step: int, micro_step: int) -> int:
+    self._next_id += 1
+    self._watcher.watch(self._next_id, ready, kind=kind, step=step, micro_step=micro_step,
+                        dispatched_at=time.perf_counter())
+    return self._next_id
+
+  def _wait_ready(self, header, context) -> bytes:
+    try:
+      ready_at = self._watcher.ready_at(int(header["id"]), timeout_s=float(header.get("timeout_s", 60)))
+    except KeyError:
+      context.abort(grpc.StatusCode.NOT_FOUND, f"no computation {header.get('id')!r} on this trainer")
+    except TimeoutError as e:
+      context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
+    item = self._watcher.get(int(header["id"]))
+    if item is not None and item.error is not None:
+      context.abort(grpc.StatusCode.INTERNAL, f"the computation failed: {item.error!r}")
+    return wire.encode({"ready_at": ready_at})
+
+  def _receipt(self, receipt) -> bytes:
+    return wire.encode({"receipt": _receipt_json(receipt, self._watch)})
+
+  def _do_fwd_bwd(self, header, arrays) -> bytes:
+    payload = wire.decode_payload(header, arrays)
+    return self._receipt(self._worker.fwd_bwd(payload, apply_optimizer=bool(header.get("apply_optimizer")),
+                                              defer_update=bool(header.get("defer_update"))))
+
+  def _do_stage(self, header, arrays) -> bytes:
+    stage = self._worker.stage_fwd_bwd(wire.decode_payload(header, arrays))
+    return wire.encode({"stage_s": stage.stage_s, "input_digest": stage.input_digest})
+
+  def _do_fwd_bwd_staged(self, header, arrays) -> bytes:
+    return self._receipt(self._worker.fwd_bwd_staged(apply_optimizer=bool(header.get("apply_optimizer")),
+                                                     defer_update=bool(header.get("defer_update"))))
+
+  def _do_apply_deferred_update(self, header, arrays) -> bytes:
+    start = time.perf_counter()
+    applied = self._worker.apply_deferred_update()
+    return wire.encode({"device_wait_s": applied.device_wait_s, "call_s": time.perf_counter() - start,
+                        "receipt": _receipt_json(applied.update, self._watch)})
+
+  def _do_update(self, header, arrays) -> bytes:
+    return self._receipt(self._worker.update())
+
+  def _do_wait_floor(self, header, arrays) -> bytes:
+    return wire.encode({"samples": self._worker.sample_wait_floor(int(header.get("samples", 1)))})
+
+  def _do_wait_for_device(self, header, arrays) -> bytes:
+    return wire.encode({"waited_s": self._worker.sample_wait_floor(1)[0] if self._worker.capabilities.can_stage
+                        else 0.0})
+
+  def _do_get_metrics(self, header, arrays) -> bytes:
+    return wire.encode({"metrics": {k: _number(v) for k, v in self._worker.get_metrics().items()}})
+
+  def _do_export_weights(self, header, arrays) -> bytes:
+    import jax  # pylint: disable=import-outside-toplevel
+
+    weights = self._worker.export_weights()
+    if weights is None:
+      return wire.encode({"none": True})
+    return wire.encode_tree(jax.device_get(weights))
+
+  def _do_state_digest(self, header, arrays) -> bytes:
+    return wire.encode({"digest": self._worker.state_digest()})
+
+  def _do_save_checkpoint(self, header, arrays) -> bytes:
+    return wire.encode({"path": str(self._worker.save_checkpoint(header.get("metadata")))})
+
+  def _do_restore_checkpoint(self, header, arrays) -> bytes:
+    return wire.encode({"metadata": self._worker.restore_checkpoint(header.get("step"))})
+
+  # ------------------------------------------------------------------ gRPC wiring
+  def handler(self) -> grpc.GenericRpcHandler:
+    return grpc.method_handlers_generic_handler(protocol.SERVICE, {
+        "Hello": grpc.unary_unary_rpc_method_handler(self.hello),
+        "Clock": grpc.unary_unary_rpc_method_handler(self.clock),
+        "Attach": grpc.unary_stream_rpc_method_handler(self.attach),
+        "Invoke": grpc.stream_stream_rpc_method_handler(self.invoke),
+    })
+
+
+def start_server(service: TrainerService, listen: str, limits: protocol.Limits) -> tuple[grpc.Server, int]:
+  """Binds ``listen`` (port 0: a free one) and starts serving; returns the server and its port."""
+  from concurrent import futures  # pylint: disable=import-outside-toplevel
+
+  server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), options=limits.grpc_options(),
+                       maximum_concurrent_rpcs=64)
+  server.add_generic_rpc_handlers((service.handler(),))
+  port = server.add_insecure_port(listen)
+  if port == 0:
+    raise protocol.AddressError(f"cannot listen on {listen}: the address is in use or not on this host")
+  server.start()
+  return server, port

@@ -1,0 +1,235 @@
+"""The trainer behind gRPC: the wire layout, the handshake's refusals, and remote = local bit for bit."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import grpc
+import numpy as np
+import pytest
+
+from orchestrator import cli
+from orchestrator import config as config_lib
+from orchestrator.data.trajectory import Trajectory
+from orchestrator.remote import protocol, wire
+
+TOKEN = "test-token-0123456789"
+BASE = ["model=tiny", "rollouts.source=synthetic", "steps=3", "batch.micro_batches_per_step=2",
+        "run.reserve_host_core=false"]
+
+
+# ---------------------------------------------------------------- the wire layout
+def _payload():
+  return [Trajectory(np.arange(5, dtype=np.int32), np.arange(3, dtype=np.int32), 0.1 + 0.2,
+                     np.array([-0.5, -1.25, -2.0], np.float32), 3),
+          Trajectory(np.arange(2, dtype=np.int64), np.arange(4, dtype=np.int32), -1e-300, None, 1)]
+
+
+def test_a_payload_round_trips_bit_for_bit_through_chunks():
+  message = wire.encode_payload("fwd_bwd", _payload(), defer_update=True)
+  header, arrays = wire.decode(wire.join(wire.chunks(message, 7), 1 << 20))
+  assert header["method"] == "fwd_bwd" and header["defer_update"] is True
+  for sent, got in zip(_payload(), wire.decode_payload(header, arrays)):
+    assert sent.advantage == got.advantage and sent.group_id == got.group_id
+    for field in ("prompt_ids", "completion_ids", "old_logprobs"):
+      a, b = getattr(sent, field), getattr(got, field)
+      assert (a is None and b is None) or (a.dtype == b.dtype and np.array_equal(a, b))
+
+
+def test_a_weight_tree_keeps_its_integer_keys_and_dtypes():
+  import ml_dtypes
+
+  tree = {"layers": {0: {"w": np.ones((2, 2), ml_dtypes.bfloat16)}, 1: {"w": np.zeros(3)}}, "emb": np.arange(4.0)}
+  header, arrays = wire.decode(wire.encode_tree(tree))
+  got = wire.decode_tree(header, arrays)
+  assert set(got["layers"]) == {0, 1} and got["layers"][0]["w"].dtype == ml_dtypes.bfloat16
+  assert np.array_equal(got["emb"], tree["emb"])
+
+
+@pytest.mark.parametrize("mutate, named", [
+    (lambda m: b"XXXX" + m[4:], "not a trainer message"),
+    (lambda m: m + b"\0", "bytes follow the last array"),
+    (lambda m: m[:-1], "does not match"),
+    (lambda m: m.replace(b'"int32"', b'"obj32"', 1), "not one of the plain numeric types"),
+    (lambda m: m[:8] + b"\xff" + m[9:], "not UTF-8 JSON"),
+])
+def test_a_malformed_message_is_refused_by_name(mutate, named):
+  message = wire.encode({"method": "x"}, {"a": np.arange(4, dtype=np.int32)})
+  with pytest.raises(wire.WireError, match=named):
+    wire.decode(mutate(message))
+
+
+def test_a_stream_past_the_limit_is_refused_before_it_is_all_read():
+  read = []
+
+  def pieces():
+    for _ in range(10):
+      read.append(1)
+      yield b"x" * 1000
+
+  with pytest.raises(wire.MessageTooLarge, match="2,500-byte limit"):
+    wire.join(pieces(), 2500)
+  assert len(read) == 3
+
+
+def test_addresses_and_tokens():
+  assert protocol.split_address("[::1]:50051") == ("::1", 50051)
+  assert protocol.is_loopback("127.0.0.5") and protocol.is_loopback("localhost") and protocol.is_loopback("::1")
+  assert not protocol.is_loopback("0.0.0.0") and not protocol.is_loopback("10.1.2.3")
+  with pytest.raises(protocol.AddressError, match="HOST:PORT"):
+    protocol.split_address("localhost")
+  assert protocol.tokens_match("a", None) and protocol.tokens_match("abc", "abc")
+  assert not protocol.tokens_match("abd", "abc") and not protocol.tokens_match(None, "abc")
+
+
+# ---------------------------------------------------------------- a server in this process
+def _recipe(*overrides):
+  return config_lib.resolve(None, overrides=[*BASE, *overrides]).recipe
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+  """A tiny-model trainer on a free loopback port, with a token; yields its address."""
+  from orchestrator.remote.server import TrainerService, start_server
+  from orchestrator.runner import build_engine_from_recipe
+  from orchestrator.trainer_worker import TrainerWorker
+
+  recipe = _recipe()
+  ckpt = str(tmp_path_factory.mktemp("server-ckpt"))
+  limits = protocol.Limits(max_message_bytes=2 << 20, timeout_s=60)
+  service = TrainerService(lambda: TrainerWorker(build_engine_from_recipe(recipe, checkpoint_dir=ckpt)),
+                           recipe_digest=protocol.recipe_digest(recipe), token=TOKEN, limits=limits)
+  grpc_server, port = start_server(service, "127.0.0.1:0", limits)
+  yield f"127.0.0.1:{port}"
+  grpc_server.stop(0)
+
+
+def _connect(address, token=TOKEN, recipe=None, **limits):
+  from orchestrator.remote.client import RemoteTrainerWorker
+
+  return RemoteTrainerWorker(address, recipe_digest=protocol.recipe_digest(recipe or _recipe()), token=token,
+                             limits=protocol.Limits(timeout_s=30, **limits))
+
+
+def _refusal(excinfo) -> str:
+  message = str(excinfo.value)
+  assert "\n" not in message
+  return message
+
+
+def test_a_wrong_or_missing_token_is_refused(server):
+  from orchestrator.remote.client import TrainerRefusedError
+
+  for token in ("wrong", None):
+    with pytest.raises(TrainerRefusedError) as excinfo:
+      _connect(server, token=token)
+    assert "wrong or missing trainer token" in _refusal(excinfo)
+
+
+def test_another_protocol_version_is_refused(server):
+  channel = grpc.insecure_channel(server)
+  hello = channel.unary_unary(f"/{protocol.SERVICE}/Hello")
+  with pytest.raises(grpc.RpcError) as excinfo:
+    hello(wire.encode({"protocol": 999, "recipe_digest": protocol.recipe_digest(_recipe())}),
+          metadata=[(protocol.TOKEN_HEADER, TOKEN)], timeout=30)
+  assert excinfo.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+  assert "protocol version 999 does not match the trainer's 1" in excinfo.value.details()
+  channel.close()
+
+
+def test_another_recipe_and_a_second_driver_are_refused(server):
+  from orchestrator.remote.client import TrainerRefusedError
+
+  with pytest.raises(TrainerRefusedError) as excinfo:
+    _connect(server, recipe=_recipe("engine.learning_rate=0.5"))
+  assert "is not the one the trainer was started with" in _refusal(excinfo)
+  first = _connect(server)
+  try:
+    with pytest.raises(TrainerRefusedError) as excinfo:
+      _connect(server)
+    assert "one driver at a time" in _refusal(excinfo)
+  finally:
+    first.close()
+  _connect(server).close()  # free again
+
+
+def test_an_oversized_message_is_refused_on_either_side(server):
+  from orchestrator.remote.client import TrainerRefusedError
+
+  big = [Trajectory(np.zeros(700_000, np.int32), np.zeros(4, np.int32), 0.0)]  # ~2.8 MB
+  worker = _connect(server, max_message_bytes=1 << 30)
+  try:
+    with pytest.raises(TrainerRefusedError) as excinfo:
+      worker.fwd_bwd(big)
+    assert "2,097,152-byte limit" in _refusal(excinfo)
+  finally:
+    worker.close()
+  worker = _connect(server, max_message_bytes=1 << 20)
+  try:
+    with pytest.raises(wire.MessageTooLarge, match="over the 1,048,576-byte limit"):
+      worker.fwd_bwd(big)
+  finally:
+    worker.close()
+
+
+def _run(tmp_path, name, capsys, *args, env=None):
+  out = tmp_path / name
+  old = dict(os.environ)
+  try:
+    for key in config_lib.ENV_SWITCHES:
+      os.environ.pop(key, None)
+    os.environ.update(env or {})
+    code = cli.main([*BASE, *args, "--out", str(out)])
+  finally:
+    os.environ.clear()
+    os.environ.update(old)
+  err = capsys.readouterr().err
+  assert code == 0, err
+  return json.loads((out / "summary.json").read_text())
+
+
+MODES = {"stage_before_update": [], "stage_after_update": ["--no-stage_before_update"],
+         "pipelined": ["--no-stage_next_microbatch"], "off": ["--no-pipeline_step_boundary"]}
+
+
+def test_remote_and_local_trainers_reach_the_same_digest_in_every_mode(server, tmp_path, capsys):
+  local = _run(tmp_path, "local", capsys)
+  remote = {}
+  for mode, flags in MODES.items():
+    summary = _run(tmp_path, mode, capsys, *flags, "trainer.location=remote", f"trainer.address={server}",
+                   env={protocol.TOKEN_ENV: TOKEN})
+    remote[mode] = summary["final_state_digest"]
+    assert summary["trainer"]["location"] == "remote"
+    assert abs(summary["trainer"]["clock_offset_s"]) < 1.0  # one host: the clocks agree to within a round trip
+  assert set(remote.values()) == {local["final_state_digest"]}
+
+
+def test_a_remote_run_without_the_token_is_refused_before_it_starts(server, tmp_path, capsys):
+  code = cli.main([*BASE, "trainer.location=remote", "trainer.address=10.9.9.9:50051", "--out",
+                   str(tmp_path / "x")])
+  err = capsys.readouterr().err
+  assert code == 2 and "is not loopback and no token is set" in err and len(err.strip().splitlines()) == 1
+  assert not (tmp_path / "x").exists()
+
+
+def test_serve_trainer_refuses_a_non_loopback_bind_without_a_token(tmp_path):
+  env = {k: v for k, v in os.environ.items() if k != protocol.TOKEN_ENV}
+  proc = subprocess.run([sys.executable, "-m", "orchestrator.cli", "serve-trainer", "model=tiny",
+                         "--listen", "0.0.0.0:0"], capture_output=True, text=True, env=env, timeout=120, check=False)
+  assert proc.returncode == 2
+  assert proc.stderr.strip().splitlines() == [
+      "run_rl serve-trainer: error: --listen 0.0.0.0:0 is not a loopback address and no token is set; a trainer"
+      f" reachable from other hosts needs one: set ${protocol.TOKEN_ENV} or --token-file"]
+
+
+def test_spawned_trainer_runs_and_stops_with_the_run(tmp_path, capsys):
+  summary = _run(tmp_path, "spawned", capsys, "trainer.location=remote", "trainer.spawn=true")
+  assert summary["trainer"]["spawned"] is True
+  local = _run(tmp_path, "local", capsys)
+  assert summary["final_state_digest"] == local["final_state_digest"]
+  leftover = subprocess.run(["pgrep", "-f", str(tmp_path / "spawned" / "trainer_recipe.json")],
+                            capture_output=True, text=True, check=False)
+  assert leftover.stdout.strip() == ""
