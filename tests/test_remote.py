@@ -233,3 +233,75 @@ def test_spawned_trainer_runs_and_stops_with_the_run(tmp_path, capsys):
   leftover = subprocess.run(["pgrep", "-f", str(tmp_path / "spawned" / "trainer_recipe.json")],
                             capture_output=True, text=True, check=False)
   assert leftover.stdout.strip() == ""
+
+
+# ---------------------------------------------------------------- faults (child processes)
+def _wait_for(predicate, timeout_s: float, what: str):
+  import time
+
+  deadline = time.monotonic() + timeout_s
+  while time.monotonic() < deadline:
+    if predicate():
+      return
+    time.sleep(0.1)
+  raise AssertionError(f"timed out waiting for {what}")
+
+
+def _child_env():
+  env = {k: v for k, v in os.environ.items() if k not in config_lib.ENV_SWITCHES}
+  return dict(env, **{protocol.TOKEN_ENV: TOKEN})
+
+
+@pytest.mark.slow
+def test_a_trainer_killed_mid_run_ends_the_driver_within_its_timeout(tmp_path):
+  import time
+
+  out = tmp_path / "run"
+  driver = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", *BASE, "steps=100000", "trainer.location=remote",
+                             "trainer.spawn=true", "trainer.timeout_s=10", "--out", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_child_env())
+  records = out / "records.jsonl"
+  _wait_for(lambda: records.exists() and len(records.read_text().splitlines()) >= 3, 180, "three steps")
+  subprocess.run(["pkill", "-9", "-f", str(out / "trainer_recipe.json")], check=True)
+  killed = time.monotonic()
+  _, err = driver.communicate(timeout=60)
+  assert time.monotonic() - killed < 10
+  assert driver.returncode == 1
+  [failure] = [line for line in err.splitlines() if "the run failed" in line]
+  assert "TrainerLostError: the trainer at 127.0.0.1:" in failure
+  assert "stopped answering during step" in failure and "micro-batch" in failure
+  assert "Traceback" not in err and len(records.read_text().splitlines()) >= 3
+  assert json.loads((out / "summary.json").read_text())["ended"] == "error"
+
+
+@pytest.mark.slow
+def test_a_driver_killed_mid_run_leaves_the_trainer_ready_to_resume(tmp_path, capsys):
+  ckpt = tmp_path / "ckpt"
+  server = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "serve-trainer", *BASE, "--listen",
+                             "127.0.0.1:0", "--checkpoint-dir", str(ckpt)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_child_env())
+  try:
+    line = server.stdout.readline()
+    address = line.split("listening on ")[1].split()[0]
+    remote = ["trainer.location=remote", f"trainer.address={address}", f"checkpoint.directory={ckpt}",
+              "checkpoint.every=2"]
+    out = tmp_path / "run"
+    driver = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", *BASE, *remote, "steps=100000", "--out",
+                               str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_child_env())
+    _wait_for(lambda: (ckpt / "4").is_dir(), 180, "a checkpoint at step 4")
+    driver.kill()
+    driver.wait()
+    # The trainer notices, drops the partial step and takes a new driver, which resumes.
+    os.environ[protocol.TOKEN_ENV] = TOKEN
+    try:
+      code = cli.main(["--resume", str(out), "--steps", "8"])
+    finally:
+      del os.environ[protocol.TOKEN_ENV]
+    assert code == 0, capsys.readouterr().err
+    resumed = json.loads((out / "summary.json").read_text())["final_state_digest"]
+  finally:
+    server.terminate()
+    _, server_err = server.communicate(timeout=30)
+  assert "the driver left" in server_err
+  reference = _run(tmp_path, "reference", capsys, "steps=8", "checkpoint.every=2")
+  assert resumed == reference["final_state_digest"]
