@@ -29,8 +29,9 @@ def _payload():
 
 
 def test_a_payload_round_trips_bit_for_bit_through_chunks():
-  message = wire.encode_payload("fwd_bwd", _payload(), defer_update=True)
-  header, arrays = wire.decode(wire.join(wire.chunks(message, 7), 1 << 20))
+  parts = wire.encode_payload("fwd_bwd", _payload(), defer_update=True)
+  header, arrays = wire.decode(wire.join(wire.chunks(parts, 7), 1 << 20))
+  assert wire.join(wire.chunks(parts, 7), 1 << 20) == wire.join(wire.chunks(b"".join(parts), 5), 1 << 20)
   assert header["method"] == "fwd_bwd" and header["defer_update"] is True
   for sent, got in zip(_payload(), wire.decode_payload(header, arrays)):
     assert sent.advantage == got.advantage and sent.group_id == got.group_id
@@ -43,7 +44,7 @@ def test_a_weight_tree_keeps_its_integer_keys_and_dtypes():
   import ml_dtypes
 
   tree = {"layers": {0: {"w": np.ones((2, 2), ml_dtypes.bfloat16)}, 1: {"w": np.zeros(3)}}, "emb": np.arange(4.0)}
-  header, arrays = wire.decode(wire.encode_tree(tree))
+  header, arrays = wire.decode(b"".join(wire.encode_tree(tree)))
   got = wire.decode_tree(header, arrays)
   assert set(got["layers"]) == {0, 1} and got["layers"][0]["w"].dtype == ml_dtypes.bfloat16
   assert np.array_equal(got["emb"], tree["emb"])

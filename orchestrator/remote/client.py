@@ -135,12 +135,13 @@ class RemoteTrainerWorker:
       self._raise(e, name, started)
     return wire.decode(reply)[0]
 
-  def _call(self, header: dict, arrays_message: bytes | None = None) -> tuple[dict, dict]:
-    """One worker call: the request streamed in chunks, the reply joined and decoded."""
-    message = arrays_message if arrays_message is not None else wire.encode(header)
-    if len(message) > self.limits.max_message_bytes:
+  def _call(self, header: dict, parts: list | None = None) -> tuple[dict, dict]:
+    """One worker call: the request (``wire.encode_parts``) streamed in chunks, the reply joined and decoded."""
+    message = parts if parts is not None else wire.encode_parts(header)
+    size = wire.message_size(message)
+    if size > self.limits.max_message_bytes:
       raise wire.MessageTooLarge(
-          f"{header.get('method')}: the request is {len(message):,} bytes, over the {self.limits.max_message_bytes:,}-byte"
+          f"{header.get('method')}: the request is {size:,} bytes, over the {self.limits.max_message_bytes:,}-byte"
           " limit (trainer.max_message_bytes); raise it on both ends or send smaller micro-batches")
     started = time.perf_counter()
     try:

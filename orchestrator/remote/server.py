@@ -42,6 +42,11 @@ def _receipt_json(receipt, ids: Callable[[Any, str, int, int], int | None]) -> d
 
 
 def _number(value: Any) -> Any:
+  """A metric as JSON: numbers keep their kind (an int stays an int), anything else becomes its text."""
+  if hasattr(value, "item") and getattr(value, "size", 1) == 1:
+    value = value.item()
+  if value is None or isinstance(value, (bool, int, float, str)):
+    return value
   try:
     return float(value)
   except (TypeError, ValueError):
@@ -234,6 +239,10 @@ class TrainerService:
     if weights is None:
       return wire.encode({"none": True})
     return wire.encode_tree(jax.device_get(weights))
+
+  def _do_echo(self, header, arrays) -> bytes:
+    """Receives a message and answers its size: the wire's own cost, for benchmarks."""
+    return wire.encode({"bytes": sum(a.nbytes for a in arrays.values())})
 
   def _do_state_digest(self, header, arrays) -> bytes:
     return wire.encode({"digest": self._worker.state_digest()})

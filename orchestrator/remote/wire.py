@@ -51,19 +51,30 @@ def _dtype(name: str) -> np.dtype:
   return np.dtype(name).newbyteorder("<")
 
 
-def encode(header: Mapping[str, Any], arrays: Mapping[str, np.ndarray] | None = None) -> bytes:
-  """One message: ``header`` (JSON-able, without an "arrays" key) and ``arrays`` by name."""
+def encode_parts(header: Mapping[str, Any], arrays: Mapping[str, np.ndarray] | None = None) -> list:
+  """One message as a list of buffers (the arrays' own memory, not copied); ``encode`` joins them."""
   specs, blobs = [], []
   for name, value in (arrays or {}).items():
     array = np.asarray(value)
     dtype = array.dtype.name
     _dtype(dtype)
-    data = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<") if dtype != "bfloat16" else None)
-    blob = data.tobytes()
+    if dtype != "bfloat16" and array.dtype.byteorder == ">":
+      array = array.astype(array.dtype.newbyteorder("<"))
+    # Viewed as bytes, not copied (a uint8 view also carries dtypes the buffer protocol lacks, e.g. bfloat16).
+    blob = memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8)) if array.size else b""
     specs.append({"name": name, "dtype": dtype, "shape": list(array.shape), "nbytes": len(blob)})
     blobs.append(blob)
   head = json.dumps({**header, "arrays": specs}, allow_nan=False, separators=(",", ":")).encode()
-  return b"".join([MAGIC, struct.pack("<I", len(head)), head, *blobs])
+  return [MAGIC + struct.pack("<I", len(head)) + head, *blobs]
+
+
+def encode(header: Mapping[str, Any], arrays: Mapping[str, np.ndarray] | None = None) -> bytes:
+  """One message: ``header`` (JSON-able, without an "arrays" key) and ``arrays`` by name."""
+  return b"".join(encode_parts(header, arrays))
+
+
+def message_size(parts: list) -> int:
+  return sum(len(p) for p in parts)
 
 
 def decode(message: bytes) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
@@ -103,11 +114,31 @@ def decode(message: bytes) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
   return header, arrays
 
 
-def chunks(message: bytes, chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
-  """``message`` cut into pieces gRPC will carry (one empty chunk for an empty message)."""
-  view = memoryview(message)
-  for start in range(0, max(len(view), 1), chunk_bytes):
-    yield bytes(view[start:start + chunk_bytes])
+def chunks(message, chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
+  """A message (bytes, or ``encode_parts``' buffers) cut into pieces gRPC will carry, one copy each.
+
+  Small buffers are packed together; one empty chunk stands for an empty message.
+  """
+  parts = [message] if isinstance(message, (bytes, bytearray, memoryview)) else message
+  pending = bytearray()
+  sent = False
+  for part in parts:
+    view = memoryview(part).cast("B") if not isinstance(part, bytes) else memoryview(part)
+    while len(view):
+      if not pending and len(view) >= chunk_bytes:
+        yield bytes(view[:chunk_bytes])
+        sent = True
+        view = view[chunk_bytes:]
+        continue
+      take = min(len(view), chunk_bytes - len(pending))
+      pending += view[:take]
+      view = view[take:]
+      if len(pending) == chunk_bytes:
+        yield bytes(pending)
+        sent = True
+        pending = bytearray()
+  if pending or not sent:
+    yield bytes(pending)
 
 
 def join(pieces: Iterable[bytes], max_bytes: int) -> bytes:
@@ -127,8 +158,8 @@ def join(pieces: Iterable[bytes], max_bytes: int) -> bytes:
 
 
 # ------------------------------------------------------------------ typed payloads
-def encode_payload(method: str, payload: list, **header) -> bytes:
-  """A micro-batch's trajectories, each array under ``t<i>.<field>``; scalars in the header."""
+def encode_payload(method: str, payload: list, **header) -> list:
+  """A micro-batch's trajectories (``encode_parts`` buffers), each array under ``t<i>.<field>``; scalars in the header."""
   arrays, rows = {}, []
   for i, t in enumerate(payload):
     arrays[f"t{i}.prompt_ids"] = t.prompt_ids
@@ -136,7 +167,7 @@ def encode_payload(method: str, payload: list, **header) -> bytes:
     if t.old_logprobs is not None:
       arrays[f"t{i}.old_logprobs"] = t.old_logprobs
     rows.append({"advantage": float(t.advantage), "group_id": int(t.group_id)})
-  return encode({"method": method, "trajectories": rows, **header}, arrays)
+  return encode_parts({"method": method, "trajectories": rows, **header}, arrays)
 
 
 def decode_payload(header: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> list:
@@ -155,7 +186,7 @@ def decode_payload(header: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) 
   return out
 
 
-def encode_tree(tree: Any, **header) -> bytes:
+def encode_tree(tree: Any, **header) -> list:
   """A nested dict of arrays (weights): leaf i is array ``w<i>``, its key path (ints kept ints) in the header."""
   arrays, paths = {}, []
 
@@ -170,7 +201,7 @@ def encode_tree(tree: Any, **header) -> bytes:
       paths.append(list(path))
 
   walk(tree, ())
-  return encode({**header, "paths": paths}, arrays)
+  return encode_parts({**header, "paths": paths}, arrays)
 
 
 def decode_tree(header: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> dict:
