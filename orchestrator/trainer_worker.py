@@ -200,6 +200,16 @@ class TrainerWorker:
     self._engine.wait_for_device()
     return [self._engine.wait_for_device() for _ in range(samples)]
 
+  def wait_for_device(self) -> float:
+    """One wait for the device (the engine's ``wait_for_device``); returns the seconds it took.
+
+    Raises:
+      WorkerUsageError: the engine cannot stage (it has no ``wait_for_device``).
+    """
+    if not self.capabilities.can_stage:
+      raise WorkerUsageError("wait_for_device: the engine has none")
+    return self._engine.wait_for_device()
+
   def get_metrics(self) -> Mapping[str, Any]:
     """The engine's metrics of its last update (may block until that update is done)."""
     return self._engine.get_metrics()

@@ -96,12 +96,11 @@ def server(tmp_path_factory):
   """A tiny-model trainer on a free loopback port, with a token; yields its address."""
   from orchestrator.remote.server import TrainerService, start_server
   from orchestrator.runner import build_engine_from_recipe
-  from orchestrator.trainer_worker import TrainerWorker
 
   recipe = _recipe()
   ckpt = str(tmp_path_factory.mktemp("server-ckpt"))
   limits = protocol.Limits(max_message_bytes=2 << 20, timeout_s=60)
-  service = TrainerService(lambda: TrainerWorker(build_engine_from_recipe(recipe, checkpoint_dir=ckpt)),
+  service = TrainerService(lambda: build_engine_from_recipe(recipe, checkpoint_dir=ckpt),
                            recipe_digest=protocol.recipe_digest(recipe), token=TOKEN, limits=limits)
   grpc_server, port = start_server(service, "127.0.0.1:0", limits)
   yield f"127.0.0.1:{port}"

@@ -260,6 +260,18 @@ class RemoteTrainerWorker:
     self._step, self._micro = int(metadata.get("step", self._step)), 0
     return metadata
 
+  # ------------------------------------------------------------------ the rig's hooks (orchestrator.rig)
+  def rig_begin_arm(self, fault: str | None) -> dict:
+    """The trainer returns to the rig's starting state and records its engine calls; returns its batch shape."""
+    header, _ = self._call({"method": "rig_begin_arm", "fault": fault})
+    self._step, self._micro, self._staged, self._update_owed = 0, 0, None, False
+    return header
+
+  def rig_end_arm(self) -> tuple[list, int]:
+    """The arm's engine calls as (kind, content digest) and the compiles it caused."""
+    header, _ = self._call({"method": "rig_end_arm"})
+    return header["events"], header["compiles"]
+
   def close(self) -> None:
     """Says goodbye (the server frees itself for the next driver) and closes the channel."""
     try:

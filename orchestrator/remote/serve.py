@@ -62,7 +62,6 @@ def _serve(recipe, listen: str, checkpoint_dir: str, token: str | None) -> int:
   from orchestrator.engine.mesh import check_devices  # pylint: disable=import-outside-toplevel
   from orchestrator.remote.server import TrainerService, start_server  # pylint: disable=import-outside-toplevel
   from orchestrator.runner import build_engine_from_recipe  # pylint: disable=import-outside-toplevel
-  from orchestrator.trainer_worker import TrainerWorker  # pylint: disable=import-outside-toplevel
 
   try:
     check_devices(recipe.mesh)
@@ -72,10 +71,10 @@ def _serve(recipe, listen: str, checkpoint_dir: str, token: str | None) -> int:
     logging.getLogger(noisy).setLevel(logging.WARNING)
   limits = protocol.Limits(max_message_bytes=recipe.trainer.max_message_bytes, timeout_s=recipe.trainer.timeout_s)
 
-  def make_worker():
-    return TrainerWorker(build_engine_from_recipe(recipe, checkpoint_dir=checkpoint_dir))
+  def make_engine():
+    return build_engine_from_recipe(recipe, checkpoint_dir=checkpoint_dir)
 
-  service = TrainerService(make_worker, recipe_digest=protocol.recipe_digest(recipe), token=token, limits=limits)
+  service = TrainerService(make_engine, recipe_digest=protocol.recipe_digest(recipe), token=token, limits=limits)
   try:
     server, port = start_server(service, listen, limits)
   except (protocol.AddressError, RuntimeError) as e:

@@ -25,7 +25,7 @@ from typing import Any
 import grpc
 
 from orchestrator.remote import protocol, wire
-from orchestrator.trainer_worker import WorkerUsageError
+from orchestrator.trainer_worker import TrainerWorker, WorkerUsageError
 from orchestrator.watcher import CompletionWatcher
 
 log = logging.getLogger("step_boundary.remote")
@@ -57,16 +57,17 @@ class TrainerService:
   """The gRPC handlers; see the module docstring.
 
   Args:
-    make_worker: builds a fresh ``TrainerWorker`` (called at start and after a driver is lost).
+    make_engine: builds a fresh engine (called at start and after a driver is lost); the
+      service wraps it in a ``TrainerWorker`` it owns.
     recipe_digest: ``protocol.recipe_digest`` of the recipe the worker was built from.
     token: the shared token, or None (loopback only; checked by ``serve``).
     limits: message size limit.
   """
 
-  def __init__(self, make_worker: Callable[[], Any], *, recipe_digest: str, token: str | None,
+  def __init__(self, make_engine: Callable[[], Any], *, recipe_digest: str, token: str | None,
                limits: protocol.Limits = protocol.Limits()):
-    self._make_worker = make_worker
-    self._worker = make_worker()
+    self._make_engine = make_engine
+    self._new_worker()
     self._used = False
     self._recipe_digest = recipe_digest
     self._token = token
@@ -77,6 +78,13 @@ class TrainerService:
     self._calls = threading.Lock()
     self._watcher = CompletionWatcher()
     self._next_id = 0
+
+  def _new_worker(self) -> None:
+    from orchestrator.remote.rig_host import RigHost  # pylint: disable=import-outside-toplevel
+
+    self._engine = self._make_engine()
+    self._worker = TrainerWorker(self._engine)
+    self._rig = RigHost(self._engine)
 
   # ------------------------------------------------------------------ access
   def _check(self, context, *, session: bool = True) -> None:
@@ -108,7 +116,7 @@ class TrainerService:
                       f"another driver has held this trainer for {time.time() - self._driver_since:.0f} s;"
                       " one driver at a time: stop it, or wait for it to finish")
       if self._used:  # the previous driver's state (and any partial step) goes with it
-        self._worker = self._make_worker()
+        self._new_worker()
       self._used = False
       self._driver, self._driver_since = uuid.uuid4().hex, time.time()
       caps = self._worker.capabilities
@@ -222,12 +230,8 @@ class TrainerService:
   def _do_update(self, header, arrays) -> bytes:
     return self._receipt(self._worker.update())
 
-  def _do_wait_floor(self, header, arrays) -> bytes:
-    return wire.encode({"samples": self._worker.sample_wait_floor(int(header.get("samples", 1)))})
-
   def _do_wait_for_device(self, header, arrays) -> bytes:
-    return wire.encode({"waited_s": self._worker.sample_wait_floor(1)[0] if self._worker.capabilities.can_stage
-                        else 0.0})
+    return wire.encode({"waited_s": self._worker.wait_for_device()})
 
   def _do_get_metrics(self, header, arrays) -> bytes:
     return wire.encode({"metrics": {k: _number(v) for k, v in self._worker.get_metrics().items()}})
@@ -243,6 +247,17 @@ class TrainerService:
   def _do_echo(self, header, arrays) -> bytes:
     """Receives a message and answers its size: the wire's own cost, for benchmarks."""
     return wire.encode({"bytes": sum(a.nbytes for a in arrays.values())})
+
+  def _do_rig_begin_arm(self, header, arrays) -> bytes:
+    """The rig: back to the state the first arm started from, with the engine's calls recorded."""
+    self._worker = TrainerWorker(self._rig.begin_arm(header.get("fault")))
+    return wire.encode(self._rig.info())
+
+  def _do_rig_end_arm(self, header, arrays) -> bytes:
+    """The rig: the arm's engine calls (kind, content digest) and the compiles it caused."""
+    events, compiles = self._rig.end_arm()
+    self._worker = TrainerWorker(self._engine)
+    return wire.encode({"events": events, "compiles": compiles})
 
   def _do_state_digest(self, header, arrays) -> bytes:
     return wire.encode({"digest": self._worker.state_digest()})

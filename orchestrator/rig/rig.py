@@ -73,9 +73,10 @@ class CallRecordingEngine:
   update of step 1.
   """
 
-  def __init__(self, engine, digests: dict[int, str], fault: str | None = None):
+  def __init__(self, engine, digests: dict[int, str], fault: str | None = None, digest_of=None):
     self._engine = engine
     self._digests = digests
+    self._digest_of = digest_of  # payload -> content digest, for payloads ``digests`` does not know
     self._fault = fault
     self.events: list[tuple[str, Any]] = []  # (kind, payload or prepared input); see digest_events
     self._updates_seen = 0
@@ -85,7 +86,11 @@ class CallRecordingEngine:
 
   def digest_events(self) -> list[tuple[str, str | None]]:
     """The call log with content digests (prepared inputs are hashed here, after the arm)."""
-    return [(kind, getattr(x, "digest", None) or self._digests.get(id(x))) for kind, x in self.events]
+    def digest(x):
+      known = getattr(x, "digest", None) or self._digests.get(id(x))
+      return known if known or x is None or self._digest_of is None else self._digest_of(x)
+
+    return [(kind, digest(x)) for kind, x in self.events]
 
   def fwd_bwd(self, x, apply_optimizer=False):
     self.events.append(("fwd_bwd", x))
@@ -307,13 +312,13 @@ class _Plan:
   digest_by_payload: dict[int, str]
 
 
-def _replay_plan(engine, recording, m: int, steps: int) -> _Plan:
+def _replay_plan(shape, recording, m: int, steps: int) -> _Plan:
   from orchestrator.data.replay import replay_steps
 
-  plan = replay_steps(recording, rows=engine.rows, tokens_per_row=engine.tokens_per_row,
+  plan = replay_steps(recording, rows=shape.rows, tokens_per_row=shape.tokens_per_row,
                       micro_batches_per_step=m, steps=steps)
-  expected = [[content_digest(pack_payload(p, rows=engine.rows, tokens_per_row=engine.tokens_per_row,
-                                           vocab_size=engine.preset.vocab_size)) for p in step]
+  expected = [[content_digest(pack_payload(p, rows=shape.rows, tokens_per_row=shape.tokens_per_row,
+                                           vocab_size=shape.vocab_size)) for p in step]
               for step in plan]
   # Each payload's true content digest, by identity: an arm fed another order shows it.
   by_payload = {id(p): d for step, ds in zip(plan, expected) for p, d in zip(step, ds)}
@@ -398,7 +403,6 @@ def run_rig(recipe, recording_dir: str | Path, arm_names: Sequence[str], out_dir
             progress=None) -> RigResult:
   """Runs the rig; see the module docstring. ``faults`` maps arm names to an injected fault."""
   from orchestrator.data.recording import open_recording
-  from orchestrator.engine import build_engine
 
   out = Path(out_dir)
   arms = parse_arms(arm_names)
@@ -406,33 +410,30 @@ def run_rig(recipe, recording_dir: str | Path, arm_names: Sequence[str], out_dir
   steps = steps or recipe.steps
   if steps < 2:
     raise RigError(f"the rig needs at least 2 steps (a boundary), got {steps}")
-  if recipe.engine.backend != "jax":
+  if recipe.engine.backend != "jax" and recipe.trainer.location == "local":
     raise RigError(f"the rig drives the JAX engine (it snapshots and times its parts);"
                    f" engine.backend={recipe.engine.backend!r} is not supported here")
   m = recipe.batch.micro_batches_per_step
-  options = {f.name: getattr(recipe.engine, f.name) for f in dataclasses.fields(recipe.engine)
-             if f.name != "backend"}
-  engine = build_engine(recipe.model, mesh=dataclasses.asdict(recipe.mesh), rows=recipe.batch.rows,
-                        tokens_per_row=recipe.batch.tokens_per_row, **options)
-  recording = open_recording(recording_dir, vocab_size=engine.preset.vocab_size)
-  plan = _replay_plan(engine, recording, m, steps)
+  from orchestrator.rig.trainers import LocalRigTrainer, RemoteRigTrainer
+
+  trainer = RemoteRigTrainer(recipe, out) if recipe.trainer.location == "remote" else LocalRigTrainer(recipe)
+  try:
+    return _run_arms(recipe, trainer, open_recording(recording_dir, vocab_size=trainer.shape.vocab_size),
+                     arms, out, steps, m, warmup_steps, progress)
+  finally:
+    trainer.close()
+
+
+def _run_arms(recipe, trainer, recording, arms, out: Path, steps: int, m: int, warmup_steps: int,
+              progress) -> RigResult:
+  plan = _replay_plan(trainer.shape, recording, m, steps)
   out.mkdir(parents=True, exist_ok=True)
-  snapshot = engine.snapshot()
 
   def run_arm(arm: Arm, arm_steps, n_steps):
-    engine.restore(snapshot)
-    proxy = CallRecordingEngine(engine, plan.digest_by_payload, arm.fault)
-    worker = TrainerWorker(proxy)
-    policy = policy_from_recipe(recipe, worker.capabilities, mode=arm.mode, steps=n_steps)
-    config = dataclasses.replace(program_config(recipe, None, steps=n_steps), checkpoint_every=0,
-                                 scored_checkpoint_steps=())
-    compiles = backend_compile_count()
-    result = RLProgram(worker, policy, arm_steps[:n_steps], config).run()
-    engine.wait_for_device()
-    return result, proxy.digest_events(), backend_compile_count() - compiles, policy
+    return trainer.run_arm(arm, arm_steps, n_steps, plan.digest_by_payload)
 
   run_arm(Arm("warmup", Mode.STAGE_BEFORE_UPDATE), plan.steps, min(warmup_steps, steps))  # absorbs compiles
-  components, noise = calibrate(engine, plan.steps, snapshot)
+  components, noise = trainer.calibrate(plan.steps)
   predictions = _predictions(arms, components, noise)
   (out / "predictions.json").write_text(json.dumps(predictions, indent=2))  # before any scored arm
 

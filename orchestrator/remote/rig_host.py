@@ -1,0 +1,58 @@
+"""The trainer side of the rig over a remote trainer: one snapshot, recorded calls per arm.
+
+The rig (``orchestrator.rig``) needs what only the trainer's host can give: a
+return to the same starting state before every arm, the engine calls each arm
+made (with content digests of what they were given) and the compiles it
+caused. ``RigHost`` wraps the served engine in the rig's own
+``CallRecordingEngine`` for the length of an arm.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class RigHost:
+  """Per-arm engine instrumentation on the trainer's host (used by ``TrainerService``'s ``rig_*`` calls)."""
+
+  def __init__(self, engine: Any):
+    self._engine = engine
+    self._snapshot = None
+    self._proxy = None
+    self._compiles_at_start = 0
+
+  def info(self) -> dict:
+    e = self._engine
+    return {"rows": e.rows, "tokens_per_row": e.tokens_per_row, "vocab_size": e.preset.vocab_size,
+            "rerun_dropped": bool(getattr(e, "rerun_dropped", False))}
+
+  def _payload_digest(self, payload) -> str:
+    from orchestrator.data.packing import content_digest, pack_payload  # pylint: disable=import-outside-toplevel
+
+    e = self._engine
+    return content_digest(pack_payload(payload, rows=e.rows, tokens_per_row=e.tokens_per_row,
+                                       vocab_size=e.preset.vocab_size))
+
+  def begin_arm(self, fault: str | None):
+    """Restores the first arm's starting state and returns the recording proxy to drive."""
+    from orchestrator.engine.diagnostics import backend_compile_count  # pylint: disable=import-outside-toplevel
+    from orchestrator.rig.rig import CallRecordingEngine  # pylint: disable=import-outside-toplevel
+
+    self._engine.wait_for_device()
+    if self._snapshot is None:
+      self._snapshot = self._engine.snapshot()
+    else:
+      self._engine.restore(self._snapshot)
+    self._proxy = CallRecordingEngine(self._engine, {}, fault, digest_of=self._payload_digest)
+    self._compiles_at_start = backend_compile_count()
+    return self._proxy
+
+  def end_arm(self) -> tuple[list[list], int]:
+    from orchestrator.engine.diagnostics import backend_compile_count  # pylint: disable=import-outside-toplevel
+
+    if self._proxy is None:
+      raise ValueError("rig_end_arm without rig_begin_arm")
+    self._engine.wait_for_device()
+    events = [list(event) for event in self._proxy.digest_events()]
+    self._proxy = None
+    return events, backend_compile_count() - self._compiles_at_start
