@@ -223,7 +223,8 @@ def make_worker(recipe: Recipe, out: Path, closers: list):
                            timeout_s=max(t.timeout_s, 60.0), log_path=out / "trainer.log")
     closers.append(child.stop)
     address, token = child.address, child.token
-  worker = RemoteTrainerWorker(address, recipe_digest=protocol.recipe_digest(recipe), token=token, limits=limits)
+  worker = RemoteTrainerWorker(address, recipe_digest=protocol.recipe_digest(recipe), token=token, limits=limits,
+                               micro_batches_per_step=recipe.batch.micro_batches_per_step)
   closers.append(worker.close)
   return worker, {"location": "remote", "address": address, "spawned": t.spawn,
                   "clock_offset_s": worker.offset_s, "clock_offset_error_s": worker.offset_error_s}

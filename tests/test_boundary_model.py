@@ -110,6 +110,7 @@ def test_simulate_from_a_run_fits_its_components_and_shows_what_it_measured(tmp_
   lines = {line.split()[0]: line for line in out.splitlines()[3:] if line.strip()}
   assert set(lines) == {m.value for m in Mode}
   assert "%" in lines["stage_before_update"] and lines["off"].rstrip().endswith("-")  # measured only for its mode
+  assert lines["stage_before_update"].rstrip().endswith(("yes", "no"))
   assert "2 micro-batches of" in out
 
 

@@ -108,3 +108,28 @@ def test_arm_names_and_faults_are_checked():
       "off", "stage_before_update", "off#2"]
   with pytest.raises(RigError, match="unknown arm 'sideways'"):
     parse_arms(["sideways"])
+
+
+def test_the_rig_runs_over_a_remote_trainer_with_the_same_verdicts(rig_inputs, clean_rig, capsys):
+  """The arms drive a spawned serve-trainer; its host records the calls. A skipped update there still fails."""
+  import dataclasses
+
+  from orchestrator import cli
+
+  recipe, rec, root = rig_inputs
+  remote = dataclasses.replace(recipe, trainer=dataclasses.replace(recipe.trainer, location="remote", spawn=True))
+  result = run_rig(remote, rec, ["off", "stage_before_update", "pipelined"], root / "remote",
+                   faults={"pipelined": "skip_update"})
+  report = result.report
+  correctness = [c for c in report["checks"] if not c["name"].startswith("prediction_")]
+  assert [c for c in correctness if c["arm"] != "pipelined" and c["status"] != "pass"] == []
+  assert _status(report, "update_before_next_step", "pipelined") == ["fail"]
+  digests = {a["name"]: a["final_state_digest"] for a in result.arms}
+  local = {a["name"]: a["final_state_digest"] for a in clean_rig.arms}
+  assert digests["off"] == digests["stage_before_update"] == local["off"]
+  assert digests["pipelined"] != local["off"]
+  # The fit of that run's records: every arm, with the tolerances it is judged by.
+  assert cli.main(["simulate", "--from", str(root / "remote")]) == 0
+  out = capsys.readouterr().out
+  assert "within (step 5%" in out and {"off", "stage_before_update", "pipelined"} <= {
+      line.split()[0] for line in out.splitlines()[3:] if line.strip()}

@@ -72,6 +72,9 @@ class RemoteTrainerWorker:
   Args:
     address: ``host:port`` of ``run_rl serve-trainer``.
     recipe_digest: ``protocol.recipe_digest`` of the driver's recipe (must match the server's).
+    micro_batches_per_step: with more than one, a step's first micro-batch never defers an update,
+      so a staged input is dispatched in the same round trip as the deferred update before it
+      (``policies.call_order``: DISPATCH_FIRST_STAGED follows WAIT_AND_UPDATE).
     token: the shared token, or None for a loopback server started without one.
     limits: message size limit and per-call timeout.
 
@@ -81,8 +84,10 @@ class RemoteTrainerWorker:
   """
 
   def __init__(self, address: str, *, recipe_digest: str, token: str | None = None,
-               limits: protocol.Limits = protocol.Limits()):
+               limits: protocol.Limits = protocol.Limits(), micro_batches_per_step: int = 1):
     self.address = address
+    self._early_dispatch = micro_batches_per_step > 1
+    self._early: Receipt | None = None
     self.limits = limits
     self._token = token
     self._channel = grpc.insecure_channel(address, options=limits.grpc_options())
@@ -196,6 +201,9 @@ class RemoteTrainerWorker:
     return self._staged is not None
 
   def fwd_bwd(self, payload: Any, apply_optimizer: bool = False, defer_update: bool = False) -> Receipt:
+    if self._early is not None:
+      raise WorkerUsageError("fwd_bwd: the staged input was already dispatched with the deferred update;"
+                             " take it with fwd_bwd_staged() first")
     message = wire.encode_payload("fwd_bwd", list(payload), apply_optimizer=apply_optimizer,
                                   defer_update=defer_update)
     header, _ = self._call({"method": "fwd_bwd"}, message)
@@ -209,6 +217,12 @@ class RemoteTrainerWorker:
     return StageReceipt(end - start, start, end, self._staged)
 
   def fwd_bwd_staged(self, apply_optimizer: bool = False, defer_update: bool = False) -> Receipt:
+    if self._early is not None:
+      if apply_optimizer or defer_update:
+        raise WorkerUsageError("fwd_bwd_staged: the staged input went out with the deferred update as a step's"
+                               " first micro-batch; it cannot also apply or defer an update")
+      receipt, self._early, self._staged = self._early, None, None
+      return self._after_dispatch(receipt, False)
     header, _ = self._call({"method": "fwd_bwd_staged", "apply_optimizer": apply_optimizer,
                             "defer_update": defer_update})
     self._staged = None
@@ -216,11 +230,13 @@ class RemoteTrainerWorker:
 
   def apply_deferred_update(self) -> DeferredUpdate:
     started = time.perf_counter()
-    header, _ = self._call({"method": "apply_deferred_update"})
+    early = self._early_dispatch and self._staged is not None
+    header, _ = self._call({"method": "apply_deferred_update", "then_dispatch_staged": early})
     elapsed = time.perf_counter() - started
     update = self._receipt(header["receipt"])
     self._update_owed = False
     self._step, self._micro = self._step + 1, 0
+    self._early = self._receipt(header["staged_receipt"])
     # What the driver waited: the call less the update's own time on the server.
     return DeferredUpdate(max(0.0, elapsed - (header["call_s"] - header["device_wait_s"])), started, update)
 

@@ -222,10 +222,14 @@ class TrainerService:
                                                      defer_update=bool(header.get("defer_update"))))
 
   def _do_apply_deferred_update(self, header, arrays) -> bytes:
+    """The owed update; with ``then_dispatch_staged``, the staged input right after it (one round trip)."""
     start = time.perf_counter()
     applied = self._worker.apply_deferred_update()
-    return wire.encode({"device_wait_s": applied.device_wait_s, "call_s": time.perf_counter() - start,
-                        "receipt": _receipt_json(applied.update, self._watch)})
+    call_s = time.perf_counter() - start
+    staged = self._worker.fwd_bwd_staged() if header.get("then_dispatch_staged") else None
+    return wire.encode({"device_wait_s": applied.device_wait_s, "call_s": call_s,
+                        "receipt": _receipt_json(applied.update, self._watch),
+                        "staged_receipt": _receipt_json(staged, self._watch)})
 
   def _do_update(self, header, arrays) -> bytes:
     return self._receipt(self._worker.update())
