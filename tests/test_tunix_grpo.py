@@ -120,14 +120,15 @@ def bench():
 
 @pytest.fixture(scope="module")
 def shared(bench):
-  """The shared-mesh toy and its stock run."""
+  """The shared-mesh toy: stock, the add-on, and the add-on staging wrong data (one process, three learners)."""
   toy = bench.Toy(layout="shared", mini_batches=1, micro_batches=2, global_steps=3)
-  return toy, bench.run_arm_in_child(toy, None)
+  stock, staged, wrong = bench.run_arms_in_child(toy, [(None, {}), ("stage_before_update", {}),
+                                                       ("stage_before_update", {"corrupt_staging": True})])
+  return stock, staged, wrong
 
 
-def test_shared_mesh_add_on_reaches_stock_weights_bit_for_bit(bench, shared):
-  toy, stock = shared
-  staged = bench.run_arm_in_child(toy, "stage_before_update")
+def test_shared_mesh_add_on_reaches_stock_weights_bit_for_bit(shared):
+  stock, staged, _ = shared
   assert stock["optimizer_steps"] == staged["optimizer_steps"] == 3
   assert staged["digest"] == stock["digest"]
   # Stock drains after every micro-batch; the add-on does not.
@@ -141,8 +142,9 @@ def test_shared_mesh_add_on_reaches_stock_weights_bit_for_bit(bench, shared):
 
 def test_split_layout_add_on_reaches_stock_weights_in_every_mode(bench):
   toy = bench.Toy(layout="split", mini_batches=2, micro_batches=2, global_steps=3)
-  stock = bench.run_arm_in_child(toy, None)
-  runs = {mode: bench.run_arm_in_child(toy, mode) for mode in ("off", "pipelined", "stage_before_update")}
+  modes = ("off", "pipelined", "stage_before_update")
+  stock, *arms = bench.run_arms_in_child(toy, [(None, {})] + [(mode, {}) for mode in modes])
+  runs = dict(zip(modes, arms))
   assert {r["digest"] for r in runs.values()} == {stock["digest"]}
   staged = runs["stage_before_update"]
   # Within a global step the sampler's weights do not change: the next mini-batch is produced ahead.
@@ -151,8 +153,7 @@ def test_split_layout_add_on_reaches_stock_weights_in_every_mode(bench):
   assert runs["off"]["prefetched"] == 0 and runs["off"]["placements"]["other_threads"] == 0
 
 
-def test_a_wrongly_staged_micro_batch_changes_the_weights(bench, shared):
+def test_a_wrongly_staged_micro_batch_changes_the_weights(shared):
   """Negative control: the identity tests would catch a stage that placed different data."""
-  toy, stock = shared
-  wrong = bench.run_arm_in_child(toy, "stage_before_update", corrupt_staging=True)
+  stock, _, wrong = shared
   assert wrong["digest"] != stock["digest"]

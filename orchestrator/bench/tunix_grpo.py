@@ -151,22 +151,29 @@ def _time_global_steps(learner) -> list[float]:
   return times
 
 
-def _count_placements() -> dict[str, int]:
+class _CountPlacements:
   """Counts Tunix's input placements (``shard_input`` → ``make_array_from_process_local_data``) by thread."""
-  import threading
 
-  import jax
+  def __enter__(self) -> dict[str, int]:
+    import threading
 
-  counts = {"trainer_thread": 0, "other_threads": 0}
-  inner = jax.make_array_from_process_local_data
+    import jax
 
-  def counted(*args, **kwargs):
-    main = threading.current_thread() is threading.main_thread()
-    counts["trainer_thread" if main else "other_threads"] += 1
-    return inner(*args, **kwargs)
+    counts = {"trainer_thread": 0, "other_threads": 0}
+    self._inner = inner = jax.make_array_from_process_local_data
 
-  jax.make_array_from_process_local_data = counted
-  return counts
+    def counted(*args, **kwargs):
+      main = threading.current_thread() is threading.main_thread()
+      counts["trainer_thread" if main else "other_threads"] += 1
+      return inner(*args, **kwargs)
+
+    jax.make_array_from_process_local_data = counted
+    return counts
+
+  def __exit__(self, *exc) -> None:
+    import jax
+
+    jax.make_array_from_process_local_data = self._inner
 
 
 def run_arm(toy: Toy, mode: str | None, *, corrupt_staging: bool = False) -> dict:
@@ -188,8 +195,8 @@ def run_arm(toy: Toy, mode: str | None, *, corrupt_staging: bool = False) -> dic
       place = addon._place
       addon._place = lambda item: [dataclasses.replace(ex, advantages=-ex.advantages) for ex in place(item)]
   times = _time_global_steps(learner)
-  placements = _count_placements()
-  learner.train(data)
+  with _CountPlacements() as placements:
+    learner.train(data)
   trainer = learner.rl_cluster.actor_trainer
   steps = trainer.train_steps
   timed = times[WARMUP_GLOBAL_STEPS:] or times
@@ -208,15 +215,24 @@ def run_arm(toy: Toy, mode: str | None, *, corrupt_staging: bool = False) -> dic
   return out
 
 
-def run_arm_in_child(toy: Toy, mode: str | None, *, timeout_s: float = 900, **flags) -> dict:
-  """``run_arm`` in a fresh process with two forced CPU devices (the split layout needs them)."""
+def run_arms_in_child(toy: Toy, arms: list[tuple[str | None, dict]], *, reserve_host_core: bool = False,
+                      timeout_s: float = 900) -> list[dict]:
+  """``run_arm`` for each (mode, flags) in order, in one fresh process with two forced CPU devices.
+
+  Each arm builds its own learner from the same seeds; the process is shared only to import once.
+  """
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
-  request = json.dumps({"toy": dataclasses.asdict(toy), "mode": mode, "flags": flags})
+  request = json.dumps({"toy": dataclasses.asdict(toy), "arms": arms, "reserve_host_core": reserve_host_core})
   proc = subprocess.run([sys.executable, "-m", "orchestrator.bench.tunix_grpo", "--child", request],
                         capture_output=True, text=True, timeout=timeout_s, env=env, check=False)
   if proc.returncode != 0:
-    raise RuntimeError(f"arm {mode or 'stock'} ({toy.layout}) failed:\n{proc.stderr[-4000:]}")
+    raise RuntimeError(f"arms {[m or 'stock' for m, _ in arms]} ({toy.layout}) failed:\n{proc.stderr[-4000:]}")
   return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def run_arm_in_child(toy: Toy, mode: str | None, *, reserve_host_core: bool = False, **flags) -> dict:
+  """One arm in its own process (what the benchmark does, so arms never share a warm process)."""
+  return run_arms_in_child(toy, [(mode, flags)], reserve_host_core=reserve_host_core)[0]
 
 
 CONFIGS = {
@@ -238,11 +254,12 @@ def main(argv=None) -> int:
   args = parser.parse_args(argv)
   if args.child:
     request = json.loads(args.child)
-    if request["flags"].pop("reserve_host_core", False):
+    if request["reserve_host_core"]:
       from orchestrator.engine.host_threads import reserve_host_core
 
       reserve_host_core()
-    print(json.dumps(run_arm(Toy(**request["toy"]), request["mode"], **request["flags"])))
+    toy = Toy(**request["toy"])
+    print(json.dumps([run_arm(toy, mode, **flags) for mode, flags in request["arms"]]))
     return 0
   rows = []
   for name in args.configs.split(","):
