@@ -8,8 +8,9 @@ Each arm runs in its own child process with two forced CPU devices, the same
 seeds and data, so every arm must reach the same weights (the digest column).
 Two layouts: (a) ``shared`` — one mesh for trainer and sampler, one mini-batch
 per global step (little to stage); (b) ``split`` — the sampler on its own
-device, several mini-batches per global step (the next mini-batch's rollouts
-exist before the update). Prints seconds per optimizer step after the first
+device, four mini-batches per global step, each trained twice (GRPO's
+``num_iterations`` = 2), so the next mini-batch's rollouts can be sampled while
+the trainer works. Prints seconds per optimizer step after the first
 two global steps (compiles), host blocks per step and the share of boundaries
 staged; then one JSON object.
 
@@ -237,7 +238,7 @@ def run_arm_in_child(toy: Toy, mode: str | None, *, reserve_host_core: bool = Fa
 
 CONFIGS = {
     "a_shared_one_mini_batch": Toy(layout="shared", mini_batches=1, micro_batches=2),
-    "b_split_four_mini_batches": Toy(layout="split", mini_batches=4, micro_batches=2),
+    "b_split_four_mini_batches": Toy(layout="split", mini_batches=4, micro_batches=2, num_iterations=2),
 }
 
 

@@ -11,12 +11,14 @@ instance (docs/design.md §10):
    placed onto the actor's data sharding (with Tunix's own ``shard_input``,
    under the actor's mesh) as the producer thread queues it, so the trainer
    thread's ``shard_input`` finds it placed and passes it through.
-3. **The next mini-batch produced ahead.** At a boundary the policy plans
-   (``StepBoundaryPolicy.plan``); where it stages and the next mini-batch's
-   rollouts do not depend on this update — the sampler holds its own weights,
-   synced only at the end of the global step, and no evaluation comes first —
-   the next mini-batch's producer starts now, behind the current one on the
-   learner's one-thread executor, instead of after the trainer has finished.
+3. **The next mini-batch produced ahead.** Where the next mini-batch's
+   rollouts cannot depend on the updates in flight — the sampler holds its own
+   weights, synced only at the end of the global step, and no evaluation comes
+   first — the producer thread goes straight on to the next mini-batch of the
+   global step when it has queued this one (in a staged mode), instead of
+   waiting for the trainer to finish. At each boundary the policy plans
+   (``StepBoundaryPolicy.plan``, with ``next_ready`` saying whether the next
+   step's data could exist) and the record says whether it was produced ahead.
 
 Nothing else changes: the same producer (sampling, rewards, advantages), the
 same queue order, the same train step, in the same order on the device. The
@@ -29,6 +31,7 @@ defer.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -65,6 +68,24 @@ class _PlacingQueue:
 
   def get(self, block: bool = True, timeout: float | None = None):
     return self._inner.get(block=block, timeout=timeout)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Producer:
+  """What one mini-batch's production needs, and where it sits in its global step."""
+
+  train_iterator: Any
+  service_target_batch_size: int
+  grad_acc_steps: int
+  eval_ds: Any
+  train_steps_at_start: int
+  mini_batches_left: int  # after this one, in the same global step
+
+  def next_in_global_step(self, num_iterations: int) -> "_Producer | None":
+    if self.mini_batches_left == 0:
+      return None
+    return dataclasses.replace(self, train_steps_at_start=self.train_steps_at_start + num_iterations,
+                               mini_batches_left=self.mini_batches_left - 1)
 
 
 class StepBoundaryAddon:
@@ -132,16 +153,35 @@ class StepBoundaryAddon:
         # ahead was given this same value when it started and has counted on from it.
         learner._iter_steps = self._trainer.iter_steps
 
-  def _start_producer(self, train_iterator, service_target_batch_size: int, grad_acc_steps: int):
+  def _start_producer(self, producer: "_Producer", *, start_iter: int | None = None):
+    """Submits one mini-batch's production (``_prepare_data``) to the learner's executor."""
     learner = self._learner
-    inner = queue_lib.SimpleDataQueue(maxsize=grad_acc_steps * learner._num_iterations() + 1)
+    inner = queue_lib.SimpleDataQueue(maxsize=producer.grad_acc_steps * learner._num_iterations() + 1)
     place = self._place if self.policy.mode.staged else None
-    future = learner.executor.submit(
-        learner._prepare_data, iterator=train_iterator, proceed_num_steps=grad_acc_steps,
-        sample_repeat=learner._num_generations(), batch_repeat=learner._num_iterations(),
-        service_target_batch_size=service_target_batch_size, data_queue=_PlacingQueue(inner, place),
-        async_loading=learner.can_enable_async_rollout, mode=rl_cluster_lib.Mode.TRAIN)
+    future = learner.executor.submit(self._produce, producer, _PlacingQueue(inner, place), start_iter)
     return inner, future
+
+  def _produce(self, producer: "_Producer", target: "_PlacingQueue", start_iter: int | None) -> None:
+    """Runs on the producer thread: one mini-batch, then — where its rollouts cannot depend on the
+    update in flight — the next mini-batch of the global step at once, queued behind it."""
+    learner = self._learner
+    if start_iter is not None:
+      learner._iter_steps = start_iter  # what Tunix's loop would have set before this producer
+    first_iter = learner._iter_steps
+    learner._prepare_data(
+        iterator=producer.train_iterator, proceed_num_steps=producer.grad_acc_steps,
+        sample_repeat=learner._num_generations(), batch_repeat=learner._num_iterations(),
+        service_target_batch_size=producer.service_target_batch_size, data_queue=target,
+        async_loading=learner.can_enable_async_rollout, mode=rl_cluster_lib.Mode.TRAIN)
+    after = producer.next_in_global_step(learner._num_iterations())
+    if after is not None and self.policy.mode.staged and self._next_ready_ahead(after):
+      self._prefetched = self._start_producer(
+          after, start_iter=first_iter + producer.grad_acc_steps * learner._num_iterations())
+
+  def _next_ready_ahead(self, producer: "_Producer") -> bool:
+    """Whether the mini-batch ``producer`` makes can be sampled before the trainer reaches it."""
+    every = self._learner._training_config.eval_every_n_steps
+    return self._learner.should_sync_weights and not (producer.eval_ds and producer.train_steps_at_start % every == 0)
 
   def _place(self, item: list) -> list:
     """Tunix's own ``shard_input`` under the actor's mesh: the trainer thread's call then passes it through."""
@@ -153,10 +193,10 @@ class StepBoundaryAddon:
                                  train_iterator, eval_ds, skip_jit) -> None:
     """Tunix's per-mini-batch consumer loop, with boundaries planned and the next producer started ahead."""
     learner, cluster, trainer = self._learner, self._cluster, self._trainer
-    inner, future = self._prefetched or self._start_producer(
-        train_iterator, service_target_batch_size, grad_acc_steps)
+    producer = _Producer(train_iterator, service_target_batch_size, grad_acc_steps, eval_ds,
+                         trainer.train_steps, self._mini_batches_left)
+    inner, future = self._prefetched or self._start_producer(producer)
     self._prefetched = None
-    producer = (train_iterator, service_target_batch_size, grad_acc_steps)
     items_per_mini_batch = grad_acc_steps * learner._num_iterations()
     consumed = 0
     curr_eval_ds = None
@@ -180,9 +220,11 @@ class StepBoundaryAddon:
         self._micro_batches += 1
         consumed += 1
         if trainer.train_steps != steps_before:
-          self._at_boundary(end_of_mini_batch=consumed >= items_per_mini_batch, producer=producer,
-                            eval_ds=eval_ds)
+          self._at_boundary(end_of_mini_batch=consumed >= items_per_mini_batch, eval_ds=eval_ds)
     future.result()
+    # The producer thread has decided by now whether the next mini-batch is being produced ahead.
+    if self.records and self.records[-1].step == trainer.train_steps:
+      self.records[-1].prefetched = self._prefetched is not None
 
   def _evaluate(self, eval_ds, service_target_batch_size: int):
     """Tunix's evaluation pass, unchanged (synchronous, on this thread)."""
@@ -207,7 +249,7 @@ class StepBoundaryAddon:
       return False, "the next mini-batch starts with an evaluation on the sampler"
     return True, "the sampler's weights change only at the global step's sync"
 
-  def _at_boundary(self, *, end_of_mini_batch: bool, producer, eval_ds) -> None:
+  def _at_boundary(self, *, end_of_mini_batch: bool, eval_ds) -> None:
     now = time.perf_counter()
     step = self._trainer.train_steps
     self._watcher.watch(step, self.throttler.last_computation, kind="micro_batch", step=step,
@@ -215,14 +257,10 @@ class StepBoundaryAddon:
     self._settle(wait=False)
     next_ready, why = self._next_ready(end_of_mini_batch, eval_ds)
     plan = self.policy.plan(step, next_ready=next_ready)
-    prefetch = plan.stage and end_of_mini_batch and next_ready and self._mini_batches_left > 0
-    if prefetch:
-      self._learner._iter_steps = self._trainer.iter_steps
-      self._prefetched = self._start_producer(*producer)
     blocks = self.throttler.host_blocks - self._blocks_at_boundary
     self._blocks_at_boundary = self.throttler.host_blocks
     record = GrpoBoundary(step=step, global_step=self._cluster.global_steps, mode=plan.mode.value,
-                          stage=plan.stage, next_ready=next_ready, prefetched=prefetch,
+                          stage=plan.stage, next_ready=next_ready, prefetched=False,
                           reason=plan.reason if next_ready else why, at=now, host_blocks=blocks)
     self.records.append(record)
     self._pending = record
