@@ -141,14 +141,16 @@ def test_shared_mesh_add_on_reaches_stock_weights_bit_for_bit(shared):
 
 
 def test_split_layout_add_on_reaches_stock_weights_in_every_mode(bench):
-  toy = bench.Toy(layout="split", mini_batches=2, micro_batches=2, global_steps=3)
+  """Four mini-batches per global step, each trained twice: the producer runs ahead of the trainer."""
+  toy = bench.Toy(layout="split", mini_batches=4, micro_batches=2, global_steps=2, num_iterations=2)
   modes = ("off", "pipelined", "stage_before_update")
   stock, *arms = bench.run_arms_in_child(toy, [(None, {})] + [(mode, {}) for mode in modes])
   runs = dict(zip(modes, arms))
+  assert stock["optimizer_steps"] == 16
   assert {r["digest"] for r in runs.values()} == {stock["digest"]}
   staged = runs["stage_before_update"]
-  # Within a global step the sampler's weights do not change: the next mini-batch is produced ahead.
-  assert staged["prefetched"] == 3 and staged["staged_share"] > 0
+  # Within a global step the sampler's weights do not change: each next mini-batch is produced ahead.
+  assert staged["prefetched"] == 2 * 3 and staged["staged_share"] > 0
   assert staged["host_blocks"] < stock["host_blocks"]
   assert runs["off"]["prefetched"] == 0 and runs["off"]["placements"]["other_threads"] == 0
 

@@ -27,6 +27,7 @@ import statistics
 import subprocess
 import sys
 import time
+import zlib
 
 WARMUP_GLOBAL_STEPS = 2
 #: Tokens sampled per completion (answers are shorter; the rest is scored by the shaped reward).
@@ -118,13 +119,18 @@ def build_learner(toy: Toy):
                           cluster_config=config)
   alphabet = set(task.answer_alphabet)
 
-  def answer_reward(prompts, completions, answer, **_):
-    """1 for the exact answer; otherwise up to 0.25 for a completion made of answer characters."""
+  def answer_reward(prompts, completions, answer, trajectory_ids, **_):
+    """1 for the exact answer; otherwise up to 0.25 for a completion made of answer characters.
+
+    Plus a small bonus keyed on Tunix's trajectory id, so that a run which named trajectories
+    differently from stock would train differently (the identity tests would see it).
+    """
     out = []
-    for completion, expected in zip(completions, answer):
+    for completion, expected, trajectory in zip(completions, answer, trajectory_ids):
       text = str(completion).strip()
       shaped = 0.25 * sum(ch in alphabet for ch in text) / len(text) if text else 0.0
-      out.append(1.0 if text == str(expected) else shaped)
+      bonus = 0.01 * (zlib.crc32(str(trajectory).encode()) % 4)
+      out.append((1.0 if text == str(expected) else shaped) + bonus)
     return out
 
   learner = grpo_learner.GRPOLearner(

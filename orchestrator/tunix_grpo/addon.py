@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from typing import Any
 
@@ -88,6 +89,42 @@ class _Producer:
                                mini_batches_left=self.mini_batches_left - 1)
 
 
+class _AheadSlot:
+  """The one mini-batch produced ahead of the trainer, and the next one waiting to start.
+
+  The producer thread ``offer``s the mini-batch after its own when it has queued its own; the trainer
+  thread ``take``s one when it starts a mini-batch. One lock, so never two producers for one mini-batch,
+  and at most one produced ahead (its inputs are already on the trainer's devices in a staged mode).
+  """
+
+  def __init__(self, start):
+    self._start = start
+    self._lock = threading.Lock()
+    self._started = None
+    self._waiting = None
+
+  def offer(self, producer: "_Producer", start_iter: int) -> None:
+    with self._lock:
+      if self._started is None:
+        self._started = self._start(producer, start_iter=start_iter)
+      else:
+        self._waiting = (producer, start_iter)
+
+  def take(self):
+    with self._lock:
+      taken, self._started = self._started, None
+      if self._waiting is not None:
+        producer, start_iter = self._waiting
+        self._waiting = None
+        self._started = self._start(producer, start_iter=start_iter)
+      return taken
+
+  def busy(self) -> bool:
+    """Whether a producer is running or due ahead (it then owns the learner's micro-batch count)."""
+    with self._lock:
+      return self._started is not None or self._waiting is not None
+
+
 class StepBoundaryAddon:
   """Drives one Tunix RL learner's boundaries with a ``StepBoundaryPolicy``; see the module docstring.
 
@@ -104,7 +141,7 @@ class StepBoundaryAddon:
     self.throttler = CountingThrottler(inflight, drain_each_call=policy.mode is Mode.OFF)
     self.records: list[GrpoBoundary] = []
     self._watcher = CompletionWatcher()
-    self._prefetched = None
+    self._ahead = _AheadSlot(self._start_producer)
     self._mini_batches_left = 0
     self._pending: GrpoBoundary | None = None
     self._micro_batches = 0
@@ -148,7 +185,7 @@ class StepBoundaryAddon:
       with learner.rl_cluster.perf.span_group("mini_batch_step"):
         learner._run_mini_batch_step(learner._iter_steps, service_target_batch_size, grad_acc_steps,
                                      train_iterator, eval_ds, skip_jit)
-      if self._prefetched is None:
+      if not self._ahead.busy():
         # As Tunix does: the producer's count follows the trainer's. A producer started
         # ahead was given this same value when it started and has counted on from it.
         learner._iter_steps = self._trainer.iter_steps
@@ -175,8 +212,7 @@ class StepBoundaryAddon:
         async_loading=learner.can_enable_async_rollout, mode=rl_cluster_lib.Mode.TRAIN)
     after = producer.next_in_global_step(learner._num_iterations())
     if after is not None and self.policy.mode.staged and self._next_ready_ahead(after):
-      self._prefetched = self._start_producer(
-          after, start_iter=first_iter + producer.grad_acc_steps * learner._num_iterations())
+      self._ahead.offer(after, first_iter + producer.grad_acc_steps * learner._num_iterations())
 
   def _next_ready_ahead(self, producer: "_Producer") -> bool:
     """Whether the mini-batch ``producer`` makes can be sampled before the trainer reaches it."""
@@ -195,8 +231,7 @@ class StepBoundaryAddon:
     learner, cluster, trainer = self._learner, self._cluster, self._trainer
     producer = _Producer(train_iterator, service_target_batch_size, grad_acc_steps, eval_ds,
                          trainer.train_steps, self._mini_batches_left)
-    inner, future = self._prefetched or self._start_producer(producer)
-    self._prefetched = None
+    inner, future = self._ahead.take() or self._start_producer(producer)
     items_per_mini_batch = grad_acc_steps * learner._num_iterations()
     consumed = 0
     curr_eval_ds = None
@@ -224,7 +259,7 @@ class StepBoundaryAddon:
     future.result()
     # The producer thread has decided by now whether the next mini-batch is being produced ahead.
     if self.records and self.records[-1].step == trainer.train_steps:
-      self.records[-1].prefetched = self._prefetched is not None
+      self.records[-1].prefetched = self._ahead.busy()
 
   def _evaluate(self, eval_ds, service_target_batch_size: int):
     """Tunix's evaluation pass, unchanged (synchronous, on this thread)."""
@@ -274,18 +309,21 @@ class StepBoundaryAddon:
     return record
 
   def _settle(self, wait: bool) -> None:
-    """Fills in finish times and dispatch times, and feeds staged boundaries to the policy."""
+    """Fills in when each boundary's last micro-batch finished (from the watcher).
+
+    The policy is not asked to judge these waits: its auto-disable protects an update that a
+    stage could hold up, and under ``optax.MultiSteps`` the update went out with the last
+    micro-batch, before the boundary, so nothing staged can delay it. The waits are reported
+    (``summary()['low_device_waits']`` counts those under the calibrated threshold).
+    """
     for record in self.records:
-      if record.observed or record.next_dispatch_at is None:
+      if record.settled or record.next_dispatch_at is None:
         continue
       item = self._watcher.get(record.step)
       if item.ready_at is None and not wait:
         continue
       record.last_ready_at = self._watcher.ready_at(record.step)
-      record.observed = True
-      if record.stage:
-        self.policy.observe(record.step, stage_s=record.stage_s, device_wait_s=record.device_wait_s,
-                            rollout_wait_s=record.rollout_wait_s or 0.0)
+      record.settled = True
 
   # ------------------------------------------------------------------ reports
   def summary(self) -> dict[str, Any]:

@@ -35,7 +35,7 @@ class GrpoBoundary:
   next_input_at: float | None = None
   next_dispatch_at: float | None = None
   rollout_wait_s: float | None = None
-  observed: bool = False
+  settled: bool = False
 
   @property
   def idle_s(self) -> float | None:
@@ -80,6 +80,8 @@ def summarize(records: list[GrpoBoundary], policy, *, host_blocks: int, micro_ba
       "prefetched": sum(r.prefetched for r in records),
       "median_idle_s": _median(r.idle_s for r in between),
       "median_device_wait_s": _median(r.device_wait_s for r in between if r.stage),
+      "low_device_waits": sum(1 for r in between if r.stage and r.device_wait_s is not None
+                              and policy.threshold_s is not None and r.device_wait_s < policy.threshold_s),
       "policy_counters": dict(policy.counters),
       "threshold_s": policy.threshold_s,
       "transitions": [f"{t.from_mode.value}->{t.to_mode.value} ({t.kind}) at step {t.step}"
@@ -99,7 +101,7 @@ def format_summary(summary: dict[str, Any]) -> str:
       f" {summary['prefetched']} next mini-batches produced ahead",
       f"  median device idle at a boundary {format_seconds(summary['median_idle_s'])},"
       f" median device wait when staged {format_seconds(summary['median_device_wait_s'])}"
-      f" (threshold {format_seconds(summary['threshold_s'])})",
+      f" ({summary['low_device_waits']} under the threshold {format_seconds(summary['threshold_s'])})",
   ]
   lines += [f"  {t}" for t in summary["transitions"]]
   return "\n".join(lines)
