@@ -138,6 +138,10 @@ def test_shared_mesh_add_on_reaches_stock_weights_bit_for_bit(shared):
   assert staged["prefetched"] == 0 and staged["policy_counters"]["next_not_ready"] == 3
   assert stock["placements"]["other_threads"] == 0 and stock["placements"]["trainer_thread"] > 0
   assert staged["placements"]["trainer_thread"] == 0 and staged["placements"]["other_threads"] > 0
+  # The report a user prints, and uninstall() puts Tunix's own throttler and loop methods back.
+  assert "host blocks per step 0.00" in staged["summary_text"] and "0 next mini-batches produced ahead" in (
+      staged["summary_text"])
+  assert staged["uninstalled"] is True
 
 
 def test_split_layout_add_on_reaches_stock_weights_in_every_mode(bench):

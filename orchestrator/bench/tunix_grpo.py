@@ -218,7 +218,12 @@ def run_arm(toy: Toy, mode: str | None, *, corrupt_staging: bool = False) -> dic
     summary = addon.summary()
     out.update(staged_share=summary["staged_share"] or 0.0, prefetched=summary["prefetched"],
                median_idle_s=summary["median_idle_s"], policy_counters=summary["policy_counters"],
-               final_mode=summary["final_mode"], records=[r.to_json() for r in addon.records])
+               final_mode=summary["final_mode"], records=[r.to_json() for r in addon.records],
+               summary_text=addon.format_summary())
+    addon.uninstall()
+    out["uninstalled"] = (type(trainer._throttler).__name__ == "InflightThrottler"
+                          and "_run_all_micro_batch_steps" not in vars(learner)
+                          and "_run_global_step" not in vars(learner))
   return out
 
 
