@@ -197,8 +197,8 @@ class TrainerWorker:
     """
     if not self.capabilities.can_stage:
       raise WorkerUsageError("sample_wait_floor: the engine has no wait_for_device")
-    self._engine.wait_for_device()
-    return [self._engine.wait_for_device() for _ in range(samples)]
+    self.wait_for_device()
+    return [self.wait_for_device() for _ in range(samples)]
 
   def wait_for_device(self) -> float:
     """One wait for the device (the engine's ``wait_for_device``); returns the seconds it took.

@@ -27,11 +27,10 @@ class RigHost:
             "rerun_dropped": bool(getattr(e, "rerun_dropped", False))}
 
   def _payload_digest(self, payload) -> str:
-    from orchestrator.data.packing import content_digest, pack_payload  # pylint: disable=import-outside-toplevel
+    from orchestrator.rig.rig import payload_digest  # pylint: disable=import-outside-toplevel
 
     e = self._engine
-    return content_digest(pack_payload(payload, rows=e.rows, tokens_per_row=e.tokens_per_row,
-                                       vocab_size=e.preset.vocab_size))
+    return payload_digest(payload, rows=e.rows, tokens_per_row=e.tokens_per_row, vocab_size=e.preset.vocab_size)
 
   def begin_arm(self, fault: str | None):
     """Restores the first arm's starting state and returns the recording proxy to drive."""

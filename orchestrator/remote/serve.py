@@ -38,9 +38,12 @@ def serve_main(argv: list[str]) -> int:
   recipe = resolved.recipe
   try:
     host, _ = protocol.split_address(args.listen)
+  except protocol.AddressError as e:
+    return _refuse(f"--listen: {e}")
+  try:
     token = protocol.read_token(args.token_file or recipe.trainer.token_file)
   except protocol.AddressError as e:
-    return _refuse(f"--listen: {e}" if "address" in str(e) else str(e))
+    return _refuse(str(e))
   if not protocol.is_loopback(host) and token is None:
     return _refuse(f"--listen {args.listen} is not a loopback address and no token is set; a trainer reachable"
                    f" from other hosts needs one: set ${protocol.TOKEN_ENV} or --token-file")

@@ -28,10 +28,6 @@ from typing import Any
 import jax
 
 from orchestrator.data.packing import content_digest, count_loss_tokens, pack_payload
-from orchestrator.engine import backend_compile_count
-from orchestrator.program import RLProgram
-from orchestrator.runner import policy_from_recipe, program_config
-from orchestrator.trainer_worker import TrainerWorker
 from orchestrator.weight_sync import HostWeightStore
 from policies import BoundaryPlan, Mode
 from policies.boundary_model import Components, band, predict
@@ -312,13 +308,18 @@ class _Plan:
   digest_by_payload: dict[int, str]
 
 
+def payload_digest(payload, *, rows: int, tokens_per_row: int, vocab_size: int) -> str:
+  """The content digest of a payload as the engine packs it (what a prepared input's ``digest`` gives)."""
+  return content_digest(pack_payload(payload, rows=rows, tokens_per_row=tokens_per_row, vocab_size=vocab_size))
+
+
 def _replay_plan(shape, recording, m: int, steps: int) -> _Plan:
   from orchestrator.data.replay import replay_steps
 
   plan = replay_steps(recording, rows=shape.rows, tokens_per_row=shape.tokens_per_row,
                       micro_batches_per_step=m, steps=steps)
-  expected = [[content_digest(pack_payload(p, rows=shape.rows, tokens_per_row=shape.tokens_per_row,
-                                           vocab_size=shape.vocab_size)) for p in step]
+  expected = [[payload_digest(p, rows=shape.rows, tokens_per_row=shape.tokens_per_row,
+                              vocab_size=shape.vocab_size) for p in step]
               for step in plan]
   # Each payload's true content digest, by identity: an arm fed another order shows it.
   by_payload = {id(p): d for step, ds in zip(plan, expected) for p, d in zip(step, ds)}

@@ -216,8 +216,12 @@ class StepBoundaryAddon:
 
   def _next_ready_ahead(self, producer: "_Producer") -> bool:
     """Whether the mini-batch ``producer`` makes can be sampled before the trainer reaches it."""
-    every = self._learner._training_config.eval_every_n_steps
-    return self._learner.should_sync_weights and not (producer.eval_ds and producer.train_steps_at_start % every == 0)
+    return self._learner.should_sync_weights and not self._evaluation_first(producer.eval_ds,
+                                                                            producer.train_steps_at_start)
+
+  def _evaluation_first(self, eval_ds, train_steps: int) -> bool:
+    """Whether a mini-batch starting at ``train_steps`` begins with Tunix's evaluation (on the sampler)."""
+    return bool(eval_ds) and train_steps % self._learner._training_config.eval_every_n_steps == 0
 
   def _place(self, item: list) -> list:
     """Tunix's own ``shard_input`` under the actor's mesh: the trainer thread's call then passes it through."""
@@ -245,7 +249,7 @@ class StepBoundaryAddon:
         if learner.can_enable_async_rollout:
           cluster.buffer_metrics({"actor_dequeue_time": (got_at - asked_at, np.mean)},
                                  mode=rl_cluster_lib.Mode.TRAIN)
-        if eval_ds and not curr_eval_ds and trainer.train_steps % learner._training_config.eval_every_n_steps == 0:
+        if not curr_eval_ds and self._evaluation_first(eval_ds, trainer.train_steps):
           curr_eval_ds = self._evaluate(eval_ds, service_target_batch_size)
         awaiting_dispatch = self._note_next_input(got_at, got_at - asked_at)
         steps_before = trainer.train_steps
@@ -280,7 +284,7 @@ class StepBoundaryAddon:
       return False, "the next global step samples on the weights this boundary's sync delivers"
     if not self._learner.should_sync_weights:
       return False, "the sampler shares the trained weights: the next mini-batch samples on this update"
-    if eval_ds and self._trainer.train_steps % self._learner._training_config.eval_every_n_steps == 0:
+    if self._evaluation_first(eval_ds, self._trainer.train_steps):
       return False, "the next mini-batch starts with an evaluation on the sampler"
     return True, "the sampler's weights change only at the global step's sync"
 
