@@ -305,3 +305,37 @@ def test_a_driver_killed_mid_run_leaves_the_trainer_ready_to_resume(tmp_path, ca
   assert "the driver left" in server_err
   reference = _run(tmp_path, "reference", capsys, "steps=8", "checkpoint.every=2")
   assert resumed == reference["final_state_digest"]
+
+
+@pytest.mark.slow
+def test_ctrl_c_on_a_spawned_trainer_run_stops_cleanly_and_leaves_no_trainer(tmp_path):
+  """SIGINT to the whole process group, as a terminal sends it: the driver checkpoints through its trainer."""
+  import signal
+
+  out = tmp_path / "run"
+  driver = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", *BASE, "steps=100000", "trainer.location=remote",
+                             "trainer.spawn=true", "--out", str(out)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, env=_child_env(), start_new_session=True)
+  records = out / "records.jsonl"
+  _wait_for(lambda: records.exists() and len(records.read_text().splitlines()) >= 3, 180, "three steps")
+  os.killpg(driver.pid, signal.SIGINT)
+  _, err = driver.communicate(timeout=120)
+  assert driver.returncode == 130, err
+  summary = json.loads((out / "summary.json").read_text())
+  assert summary["ended"] == "signal" and "TrainerLostError" not in err
+  assert any((out / "checkpoints").iterdir())
+  _wait_for(lambda: subprocess.run(["pgrep", "-f", str(out / "trainer_recipe.json")], capture_output=True,
+                                   check=False).returncode == 1, 30, "the spawned trainer to exit")
+
+
+@pytest.mark.slow
+def test_a_spawned_trainer_exits_when_its_driver_is_killed(tmp_path):
+  out = tmp_path / "run"
+  driver = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", *BASE, "steps=100000", "trainer.location=remote",
+                             "trainer.spawn=true", "--out", str(out)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, env=_child_env())
+  _wait_for(lambda: (out / "records.jsonl").exists(), 180, "the first step")
+  driver.kill()
+  driver.wait()
+  _wait_for(lambda: subprocess.run(["pgrep", "-f", str(out / "trainer_recipe.json")], capture_output=True,
+                                   check=False).returncode == 1, 30, "the orphaned trainer to exit")

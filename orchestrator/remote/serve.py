@@ -32,6 +32,8 @@ def serve_main(argv: list[str]) -> int:
   p.add_argument("--checkpoint-dir", help="where checkpoints are written (default: the recipe's"
                  " checkpoint.directory, else runs/<recipe>-trainer-<time>/checkpoints)")
   p.add_argument("--token-file", help="file holding the shared token (default: $STEP_BOUNDARY_TRAINER_TOKEN)")
+  p.add_argument("--exit-with-driver", action="store_true",
+                 help="stop when the first driver leaves, however it left (trainer.spawn uses this)")
   args, resolved = _parse_sub(p, argv)
   if args is None:
     return resolved
@@ -58,10 +60,11 @@ def serve_main(argv: list[str]) -> int:
     except OSError:
       pass
   _setup_host(recipe)
-  return _serve(recipe, args.listen, str(Path(checkpoint_dir).absolute()), token)
+  return _serve(recipe, args.listen, str(Path(checkpoint_dir).absolute()), token,
+                exit_with_driver=args.exit_with_driver)
 
 
-def _serve(recipe, listen: str, checkpoint_dir: str, token: str | None) -> int:
+def _serve(recipe, listen: str, checkpoint_dir: str, token: str | None, *, exit_with_driver: bool) -> int:
   from orchestrator.engine.mesh import check_devices  # pylint: disable=import-outside-toplevel
   from orchestrator.remote.server import TrainerService, start_server  # pylint: disable=import-outside-toplevel
   from orchestrator.runner import build_engine_from_recipe  # pylint: disable=import-outside-toplevel
@@ -77,13 +80,14 @@ def _serve(recipe, listen: str, checkpoint_dir: str, token: str | None) -> int:
   def make_engine():
     return build_engine_from_recipe(recipe, checkpoint_dir=checkpoint_dir)
 
-  service = TrainerService(make_engine, recipe_digest=protocol.recipe_digest(recipe), token=token, limits=limits)
+  stop = threading.Event()
+  service = TrainerService(make_engine, recipe_digest=protocol.recipe_digest(recipe), token=token, limits=limits,
+                           on_driver_left=stop.set if exit_with_driver else None)
   try:
     server, port = start_server(service, listen, limits)
   except (protocol.AddressError, RuntimeError) as e:
     return _refuse(str(e))
   host, _ = protocol.split_address(listen)
-  stop = threading.Event()
   for sig in (signal.SIGINT, signal.SIGTERM):  # a stop request is the normal end of a server: exit 0
     signal.signal(sig, lambda signum, frame: stop.set())
   print(f"run_rl serve-trainer: listening on {host}:{port} (recipe {recipe.name}, model {recipe.model},"

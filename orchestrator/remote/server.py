@@ -62,10 +62,12 @@ class TrainerService:
     recipe_digest: ``protocol.recipe_digest`` of the recipe the worker was built from.
     token: the shared token, or None (loopback only; checked by ``serve``).
     limits: message size limit.
+    on_driver_left: called (outside any lock) after a driver leaves, however it left.
   """
 
   def __init__(self, make_engine: Callable[[], Any], *, recipe_digest: str, token: str | None,
-               limits: protocol.Limits = protocol.Limits()):
+               limits: protocol.Limits = protocol.Limits(), on_driver_left: Callable[[], None] | None = None):
+    self._on_driver_left = on_driver_left
     self._make_engine = make_engine
     self._new_worker()
     self._used = False
@@ -152,6 +154,8 @@ class TrainerService:
       self._used = True
       log.warning("trainer: the driver left (%s)%s; a new driver gets a fresh trainer", why,
                   "; its owed update and staged input were dropped" if owed else "")
+    if self._on_driver_left is not None:
+      self._on_driver_left()
 
   # ------------------------------------------------------------------ calls
   def _decode(self, message: bytes, context):

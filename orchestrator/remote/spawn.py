@@ -2,7 +2,9 @@
 
 The child gets the driver's resolved recipe (as JSON, which is YAML), a fresh
 random token in its environment and the run's checkpoint directory; it takes
-every core back and reserves its own host core, as a local run does. Its first stdout
+every core back and reserves its own host core, as a local run does. It runs
+in its own session (a terminal's Ctrl-C is the driver's to handle) and exits
+when its driver leaves (``--exit-with-driver``). Its first stdout
 line names the port it bound.
 """
 
@@ -34,13 +36,16 @@ class SpawnedTrainer:
     env = dict(os.environ, **{protocol.TOKEN_ENV: self.token})
     env.pop("PJRT_NPROC", None)  # the child sizes XLA's pool itself
     cmd = [sys.executable, "-m", "orchestrator.cli", "serve-trainer", "--recipe", str(recipe_path),
-           "--listen", address]
+           "--listen", address, "--exit-with-driver"]
     if checkpoint_dir:
       cmd += ["--checkpoint-dir", checkpoint_dir]
     self.log_path = log_path
     self._log = open(log_path, "ab")  # pylint: disable=consider-using-with
+    # Its own session: a Ctrl-C at the terminal reaches the driver alone, which stops at a boundary,
+    # checkpoints through this trainer and then stops it. It exits by itself when its driver leaves,
+    # so a driver killed outright leaves no trainer behind.
     self.process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log, stdin=subprocess.DEVNULL,
-                                    env=env)
+                                    env=env, start_new_session=True)
     self.address = self._wait_for_port(address, timeout_s)
 
   def _wait_for_port(self, address: str, timeout_s: float) -> str:
