@@ -264,6 +264,65 @@ class TrainerSection:
 
 
 @dataclasses.dataclass
+class DistributedSection:
+  """Several JAX processes (multi-controller) training one model (docs/design.md §12).
+
+  ``num_processes`` unset: one process and no distributed runtime. Set alone,
+  ``run_rl`` starts that many local processes itself (CPU devices split among
+  them). With ``process_id`` and ``coordinator_address`` this process is one
+  member of a job started elsewhere (one ``run_rl`` per host);
+  ``detect_cluster`` lets JAX read all three from the cluster instead.
+  """
+
+  num_processes: int | None = None  # None: no distributed runtime; N >= 1: a job of N processes
+  process_id: int | None = None  # this process's id in [0, num_processes) (or $STEP_BOUNDARY_PROCESS_ID)
+  coordinator_address: str | None = None  # HOST:PORT where process 0 serves the coordinator
+  detect_cluster: bool = False  # JAX finds the coordinator, the count and this id (TPU pod slice, SLURM, ...)
+  timeout_s: float = 60.0  # a process silent this long ends the others; bring-up's limit too
+
+  @property
+  def enabled(self) -> bool:
+    return self.num_processes is not None or self.detect_cluster
+
+  @property
+  def launches_local(self) -> bool:
+    """This ``run_rl`` starts the processes itself (no identity given, no cluster to detect)."""
+    return self.enabled and not self.detect_cluster and self.process_id is None and self.coordinator_address is None
+
+  def validate(self) -> None:
+    _at_least("distributed", self, ("num_processes",), 1)
+    _at_most("distributed", self, ("num_processes",), 4096)
+    _at_least("distributed", self, ("timeout_s",), 1.0)
+    _at_most("distributed", self, ("timeout_s",), 86_400)
+    given = [k for k in ("num_processes", "process_id", "coordinator_address") if getattr(self, k) is not None]
+    if self.detect_cluster:
+      if given:
+        raise RecipeError(f"distributed.{given[0]}={getattr(self, given[0])} is set with distributed.detect_cluster="
+                          "true, which reads it from the cluster; drop one of the two")
+      return
+    if self.process_id is not None and self.num_processes is None:
+      raise RecipeError(f"distributed.process_id={self.process_id} needs distributed.num_processes (the job's size)")
+    if self.process_id is not None and not 0 <= self.process_id < self.num_processes:
+      raise RecipeError(f"distributed.process_id={self.process_id} is out of range: it must be in"
+                        f" [0, {self.num_processes - 1}] for distributed.num_processes={self.num_processes}")
+    if (self.process_id is None) != (self.coordinator_address is None):
+      have, missing = (("process_id", "coordinator_address") if self.coordinator_address is None
+                       else ("coordinator_address", "process_id"))
+      raise RecipeError(f"distributed.{have} is set but distributed.{missing} is not: a process of a job started"
+                        " elsewhere needs both (or neither, and run_rl starts the processes here)")
+    if self.coordinator_address is not None:
+      from orchestrator.remote import protocol  # pylint: disable=import-outside-toplevel  (no JAX, no gRPC)
+
+      try:
+        _, port = protocol.split_address(self.coordinator_address)
+      except protocol.AddressError as e:
+        raise RecipeError(f"distributed.coordinator_address: {e}") from None
+      if port == 0:
+        raise RecipeError(f"distributed.coordinator_address={self.coordinator_address}: give the port process 0"
+                          " serves the coordinator on (every process must name the same one)")
+
+
+@dataclasses.dataclass
 class RunSection:
   """Where outputs go and how the host is set up."""
 
@@ -295,6 +354,7 @@ class Recipe:
   step_boundary: StepBoundarySection = dataclasses.field(default_factory=StepBoundarySection)
   simulate: SimulateSection = dataclasses.field(default_factory=SimulateSection)
   trainer: TrainerSection = dataclasses.field(default_factory=TrainerSection)
+  distributed: DistributedSection = dataclasses.field(default_factory=DistributedSection)
   run: RunSection = dataclasses.field(default_factory=RunSection)
 
   # ---------------------------------------------------------------- derived
@@ -326,7 +386,7 @@ class Recipe:
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", self.name):
       raise RecipeError(f"name={self.name!r}: use letters, digits, '.', '_' and '-' (it names the run's directory)")
     for section in (self.mesh, self.batch, self.rollouts, self.task, self.step_boundary, self.simulate, self.trainer,
-                    self.run):
+                    self.distributed, self.run):
       section.validate()
     self.checkpoint.validate(self.steps)
     from orchestrator.engine.presets import available_presets, load_preset  # no JAX import
@@ -349,6 +409,8 @@ class Recipe:
       self._validate_live(preset, rows, tokens)
     if self.engine.backend == "tunix_peft":
       self._validate_tunix_backend()
+    if self.distributed.enabled:
+      self._validate_distributed()
 
   def _validate_live(self, preset, rows: int, tokens: int) -> None:
     from orchestrator.live.tokenizer import CharTokenizer  # pylint: disable=import-outside-toplevel
@@ -368,6 +430,21 @@ class Recipe:
           f"rollouts.groups_per_micro_batch × generations_per_group = {trajectories} trajectories of up to"
           f" {per_trajectory} tokens may not fit batch.rows={rows} × batch.tokens_per_row={tokens};"
           " raise rows or tokens_per_row, or sample fewer groups per micro-batch")
+
+  def _validate_distributed(self) -> None:
+    d = self.distributed
+    if self.rollouts.source == "sampler":
+      raise RecipeError("rollouts.source=sampler runs on one process; with distributed.* set use"
+                        " rollouts.source=recording or synthetic, or drop distributed.num_processes")
+    if self.trainer.location != "local":
+      raise RecipeError("trainer.location=remote drives one trainer process; several JAX processes train"
+                        " in place (trainer.location=local), so drop one of the two")
+    if self.engine.backend != "jax":
+      raise RecipeError(f"engine.backend={self.engine.backend} runs on one process; several JAX processes need"
+                        " engine.backend=jax")
+    if d.launches_local and self.mesh.num_devices % d.num_processes:
+      raise RecipeError(f"distributed.num_processes={d.num_processes} does not split the mesh's"
+                        f" {self.mesh.num_devices} devices evenly; use a divisor of {self.mesh.num_devices}")
 
   def _validate_tunix_backend(self) -> None:
     if self.mesh.num_devices != 1:
@@ -568,7 +645,12 @@ ENV_SWITCHES = {
     "STAGE_BEFORE_UPDATE": "step_boundary.stage_before_update",
     "RAGGED_BUFFER_FACTOR": "engine.ragged_buffer_factor",
     "RETRY_WHEN_TOKENS_DROPPED": "engine.retry_when_tokens_dropped",
+    # A process's identity in a job started elsewhere (a launcher sets these per process).
+    "STEP_BOUNDARY_PROCESS_ID": "distributed.process_id",
+    "STEP_BOUNDARY_COORDINATOR_ADDRESS": "distributed.coordinator_address",
 }
+#: Keys that name one process, never the run: not saved with it, taken anew (environment) on resume.
+PROCESS_IDENTITY_KEYS = ("distributed.process_id", "distributed.coordinator_address")
 
 
 @dataclasses.dataclass
@@ -657,6 +739,15 @@ def validate(recipe: Recipe) -> None:
 
 def to_dict(recipe: Recipe) -> dict[str, Any]:
   return dataclasses.asdict(recipe)
+
+
+def run_config_dict(recipe: Recipe) -> dict[str, Any]:
+  """The recipe as a run saves it (``config.json``): without the keys that name one process of a job."""
+  out = to_dict(recipe)
+  for key in PROCESS_IDENTITY_KEYS:
+    section, leaf = key.split(".")
+    out[section][leaf] = None
+  return out
 
 
 def format_config(resolved: ResolvedRecipe) -> str:
