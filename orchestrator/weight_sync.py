@@ -6,7 +6,11 @@ from typing import Any
 
 
 class HostWeightStore:
-  """The default weight sync: copies the updated weights to host memory, as a sampler receives them."""
+  """The default weight sync: copies the updated weights to host memory, as a sampler receives them.
+
+  In a job of several processes each process copies the shards it holds (a
+  sampler would receive each host's part from that host).
+  """
 
   def __init__(self):
     self.version: int | None = None
@@ -18,6 +22,15 @@ class HostWeightStore:
       return
     import jax  # pylint: disable=import-outside-toplevel
 
-    self.weights = jax.device_get(weights)
+    self.weights = jax.tree.map(_host_copy, weights)
     self.version = step
     self.syncs += 1
+
+
+def _host_copy(leaf: Any) -> Any:
+  import jax  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+
+  if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+    return [np.asarray(shard.data) for shard in leaf.addressable_shards]
+  return jax.device_get(leaf)

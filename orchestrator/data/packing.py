@@ -134,9 +134,16 @@ def fits(trajectories: Sequence[Trajectory], *, rows: int, tokens_per_row: int) 
 
 
 def pack_payload(
-    payload: Sequence[Trajectory], *, rows: int, tokens_per_row: int, vocab_size: int
+    payload: Sequence[Trajectory], *, rows: int, tokens_per_row: int, vocab_size: int,
+    row_range: tuple[int, int] | None = None,
 ) -> dict[str, np.ndarray]:
-  """Validates ``payload`` and packs it into new ``[rows, tokens_per_row]`` arrays (see FIELDS)."""
+  """Validates ``payload`` and packs it into new ``[rows, tokens_per_row]`` arrays (see FIELDS).
+
+  With ``row_range=(start, stop)`` only those rows are written (arrays of
+  ``stop - start`` rows): the rows one process of several holds. Which row each
+  trajectory goes to is decided over the whole payload first, so a process's
+  rows are exactly those rows of the whole micro-batch.
+  """
   validate_payload(payload, tokens_per_row=tokens_per_row, vocab_size=vocab_size)
   lengths = [t.num_tokens for t in payload]
   assignment = first_fit_rows(lengths, rows=rows, tokens_per_row=tokens_per_row)
@@ -149,9 +156,15 @@ def pack_payload(
         " or raise rows / tokens_per_row"
     )
   placement = assignment.placement
-  out = {name: np.zeros((rows, tokens_per_row), dtype) for name, dtype in FIELDS.items()}
+  first, stop = row_range if row_range is not None else (0, rows)
+  if not 0 <= first < stop <= rows:
+    raise ValueError(f"row_range {row_range} is not within the micro-batch's {rows} rows")
+  out = {name: np.zeros((stop - first, tokens_per_row), dtype) for name, dtype in FIELDS.items()}
   segments_in_row = [0] * rows
-  for traj, (r, off) in zip(payload, placement):
+  for traj, (row, off) in zip(payload, placement):
+    if not first <= row < stop:
+      continue
+    r = row - first
     prompt_len = len(traj.prompt_ids)
     n = traj.num_tokens
     seq = np.concatenate([traj.prompt_ids, traj.completion_ids]).astype(np.int32)

@@ -8,6 +8,7 @@ of a template state of the same structure.
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -87,6 +88,21 @@ class Checkpointer:
     return state, dict(restored["metadata"])
 
 
+def _this_process_only(ocp):
+  """Orbax options that keep a read to this process: no barrier waits for processes that do not read."""
+  if "jax" not in sys.modules or not _distributed_started():
+    return ocp.options.MultiprocessingOptions()
+  import jax  # pylint: disable=import-outside-toplevel
+
+  return ocp.options.MultiprocessingOptions(primary_host=jax.process_index(), active_processes={jax.process_index()})
+
+
+def _distributed_started() -> bool:
+  from jax._src import distributed  # pylint: disable=import-outside-toplevel
+
+  return distributed.global_state.client is not None
+
+
 def read_checkpoints(directory: str | Path) -> dict[int, dict[str, Any]]:
   """Every complete checkpoint under ``directory`` and its metadata, read-only (nothing is created).
 
@@ -102,7 +118,8 @@ def read_checkpoints(directory: str | Path) -> dict[int, dict[str, Any]]:
   absl_log.setLevel(logging.ERROR)  # orbax announces read-only mode as a warning; it is what we asked for
   try:
     manager = ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(
-        read_only=True, create=False, save_interval_steps=0, max_to_keep=None))
+        read_only=True, create=False, save_interval_steps=0, max_to_keep=None,
+        multiprocessing_options=_this_process_only(ocp)))
   finally:
     absl_log.setLevel(level)
   out = {}

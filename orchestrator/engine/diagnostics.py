@@ -40,12 +40,22 @@ def backend_compile_count() -> int:
     return _compiles[0]
 
 
+def host_value(leaf: Any) -> np.ndarray:
+  """The whole value of ``leaf`` on the host. A leaf split over several processes is gathered first — a
+  collective: every process of the job must ask for the same leaves in the same order."""
+  if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable and not leaf.is_fully_replicated:
+    from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+
+    return np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
+  return np.asarray(jax.device_get(leaf))
+
+
 def tree_digest(tree: Any) -> str:
-  """sha256 over every leaf's path, dtype, shape and bytes (read to the host)."""
+  """sha256 over every leaf's path, dtype, shape and bytes (read to the host; gathered across processes)."""
   h = hashlib.sha256()
   leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
   for path, leaf in leaves:
-    arr = np.asarray(jax.device_get(leaf))
+    arr = host_value(leaf)
     h.update(jax.tree_util.keystr(path).encode())
     h.update(str(arr.dtype).encode())
     h.update(str(arr.shape).encode())

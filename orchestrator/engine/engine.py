@@ -2,7 +2,8 @@
 
 It implements ``orchestrator.contract.StagingEngine``, ``CheckpointingEngine``
 and ``WeightSource``; the contract's docstrings are its specification. Sibling
-modules hold the rest: the step math (``step_math``), checkpoints
+modules hold the rest: the input path (``inputs``, with each process's block
+of a micro-batch in a job of several), the step math (``step_math``), checkpoints
 (``checkpointing``), digests and compile counting (``diagnostics``), the
 in-flight bound (``throttler``), packing (``orchestrator.data.packing``).
 
@@ -20,7 +21,6 @@ dispatched. Gradient accumulators and optimizer state are donated.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import logging
 import time
@@ -37,12 +37,12 @@ from orchestrator.data import packing
 from orchestrator.data.trajectory import Trajectory
 from orchestrator.engine import mesh as mesh_lib
 from orchestrator.engine import model as model_lib
+from orchestrator.engine.inputs import MicroBatchInputs, PreparedFwdBwdInput
 from orchestrator.engine.programs import StepPrograms
 from orchestrator.engine.checkpointing import Checkpointer
 from orchestrator.engine.diagnostics import backend_compile_count, tree_digest
 from orchestrator.engine.loss import LossConfig
 from orchestrator.engine.options import EngineOptions
-from orchestrator.engine.placement import place_tree
 from orchestrator.engine.presets import ModelPreset, load_preset
 from orchestrator.engine.throttler import InflightThrottler
 
@@ -53,37 +53,6 @@ _engine_ids = itertools.count(1)
 # On-device copies (snapshots): one jitted function, so repeated snapshots do not recompile.
 _copy_tree = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))
 log = logging.getLogger("step_boundary.engine")
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class PreparedFwdBwdInput:
-  """A micro-batch already mapped to model inputs and placed on the step's shardings.
-
-  Made by ``prepare_fwd_bwd_input``; consumed by ``fwd_bwd``. The copy to the
-  devices may still be in flight when it is handed back.
-
-  Attributes:
-    arrays: the placed inputs, by field name (see ``packing.FIELDS``).
-    host_arrays: the host arrays they were placed from, read-only (on CPU the
-      placed arrays may alias them); ``digest`` hashes them on first use.
-    loss_tokens: completion tokens the micro-batch adds to the loss denominator.
-    num_trajectories: trajectories packed into it.
-    mapping_s, placement_s: seconds spent packing and issuing the copies.
-    engine_id: the engine that prepared it; another engine refuses it.
-  """
-
-  arrays: Mapping[str, jax.Array]
-  host_arrays: Mapping[str, np.ndarray] = dataclasses.field(repr=False)
-  loss_tokens: int
-  num_trajectories: int
-  mapping_s: float
-  placement_s: float
-  engine_id: int
-
-  @functools.cached_property
-  def digest(self) -> str:
-    """Content digest of the inputs, hashed when first asked for (never on the stage itself)."""
-    return packing.content_digest(self.host_arrays)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -196,6 +165,7 @@ class JaxTrainingEngine:
     self._step = self._total_micro = self._skipped_updates = 0
     self._last_step_metrics: dict[str, Any] | None = None
     self._init_weights()
+    self._inputs = MicroBatchInputs(self.rows, self.tokens_per_row, self.preset.vocab_size, self._batch_shardings)
     self._programs = StepPrograms(
         self._graphdefs, LossConfig(self.options.clip_eps_low, self.options.clip_eps_high),
         self._optimizer, rerun_dropped=self.rerun_dropped, param_shardings=self._param_shardings,
@@ -224,7 +194,7 @@ class JaxTrainingEngine:
     nothing runs and no state changes. Calling it again is a no-op.
     """
     dummy_payload = dummy_payload or [Trajectory(np.array([1], np.int32), np.array([2], np.int32), 0.0)]
-    host = self._map(dummy_payload)
+    host = self._inputs.pack(dummy_payload)
     batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=self._batch_shardings[k])
              for k, v in host.items()}
     return self._programs.compile(self._params, self._opt_state,
@@ -236,25 +206,10 @@ class JaxTrainingEngine:
     return self._programs.get(name)
 
   # ---------------------------------------------------------------- inputs
-  def _map(self, payload: Sequence[Trajectory]) -> dict[str, np.ndarray]:
-    return packing.pack_payload(payload, rows=self.rows, tokens_per_row=self.tokens_per_row,
-                                vocab_size=self.preset.vocab_size)
-
   def prepare_fwd_bwd_input(self, payload: Sequence[Trajectory]) -> PreparedFwdBwdInput:
     """Packs ``payload`` and starts its copy onto the step's shardings (see ``StagingEngine``);
     a payload that cannot be packed raises ValueError naming the trajectory and the limit."""
-    return self._prepare(payload)
-
-  def _prepare(self, payload: Sequence[Trajectory]) -> PreparedFwdBwdInput:
-    """The one input path: a staged input and a payload given to ``fwd_bwd`` both come through here."""
-    start = time.perf_counter()
-    host = self._map(payload)
-    mapped = time.perf_counter()
-    arrays, placed = place_tree(host, self._batch_shardings), time.perf_counter()
-    for array in host.values():
-      array.flags.writeable = False  # the placed arrays may alias these on CPU
-    return PreparedFwdBwdInput(arrays, host, packing.count_loss_tokens(payload), len(payload),
-                               mapped - start, placed - mapped, self.engine_id)
+    return self._inputs.prepare(payload, self.engine_id)
 
   # ---------------------------------------------------------------- step
   def fwd_bwd(self, payload_or_prepared: Sequence[Trajectory] | PreparedFwdBwdInput,
@@ -279,7 +234,7 @@ class JaxTrainingEngine:
         raise ValueError(f"this input was prepared by engine {prepared.engine_id}, not this engine"
                          f" ({self.engine_id}); prepare it with this engine's prepare_fwd_bwd_input")
     else:
-      prepared = self._prepare(payload_or_prepared)
+      prepared = self._inputs.prepare(payload_or_prepared, self.engine_id)
       mapping_s, placement_s = prepared.mapping_s, prepared.placement_s
     waited_before = self._host_wait_s
     self._resolve_overflow_check()

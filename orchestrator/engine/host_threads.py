@@ -33,12 +33,14 @@ class HostCoreReservation:
   reason: str
 
 
-def reserve_host_core(host_cores: int = 1) -> HostCoreReservation:
+def reserve_host_core(host_cores: int = 1, *, xla_threads: int | None = None) -> HostCoreReservation:
   """Gives XLA all cores but ``host_cores`` and keeps the rest for this thread.
 
   Call before JAX starts its CPU backend. Does nothing (``applied=False``, with
   the reason) where affinity is unsupported, where only one core is available,
-  or where the JAX backend already started.
+  or where the JAX backend already started. ``xla_threads`` sizes XLA's pool
+  instead of the cores it gets (a job of several processes fixes it, see
+  ``orchestrator.distributed.bringup``); the pool still runs on those cores.
   """
   if not hasattr(os, "sched_getaffinity"):
     return HostCoreReservation((), (), False, "CPU affinity is not supported here")
@@ -50,7 +52,7 @@ def reserve_host_core(host_cores: int = 1) -> HostCoreReservation:
   if len(cores) <= host_cores:
     return HostCoreReservation(cores, cores, False, f"only {len(cores)} core(s) available")
   xla_cores, reserved = cores[:-host_cores], cores[-host_cores:]
-  os.environ["PJRT_NPROC"] = str(len(xla_cores))
+  os.environ["PJRT_NPROC"] = str(xla_threads or len(xla_cores))
   os.environ.setdefault("XLA_FLAGS", "")
   os.sched_setaffinity(0, xla_cores)
   import jax  # pylint: disable=import-outside-toplevel

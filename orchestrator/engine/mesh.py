@@ -18,7 +18,7 @@ from tunix.models.qwen3 import model as qwen3_model
 from orchestrator.engine.mesh_shape import AXES, ROW_AXES, TOKEN_AXIS, MeshConfig
 
 __all__ = ["AXES", "ROW_AXES", "TOKEN_AXIS", "MeshConfig", "make_mesh", "qwen3_sharding", "batch_sharding",
-           "replicated", "check_batch_shape", "check_devices"]
+           "replicated", "check_batch_shape", "check_devices", "process_block"]
 
 
 def make_mesh(config: MeshConfig) -> Mesh:
@@ -78,6 +78,31 @@ def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
   if ndim == 1:
     return NamedSharding(mesh, P(ROW_AXES))
   return NamedSharding(mesh, P(ROW_AXES, TOKEN_AXIS, *([None] * (ndim - 2))))
+
+
+def process_block(sharding: NamedSharding, global_shape: tuple[int, ...]) -> tuple[slice, ...] | None:
+  """The block of a ``global_shape`` array this process's devices hold, one slice per dimension;
+  None when this process holds all of it (one process).
+
+  Raises:
+    ValueError: the process's shards do not form one block (the mesh interleaves
+      processes along a split dimension); order the devices by process.
+  """
+  indices = list(sharding.addressable_devices_indices_map(global_shape).values())
+  block = []
+  for dim, size in enumerate(global_shape):
+    spans = {(s.start or 0, size if s.stop is None else s.stop) for s in (index[dim] for index in indices)}
+    start, covered_to = min(a for a, _ in spans), min(a for a, _ in spans)
+    for a, b in sorted(spans):
+      if a > covered_to:
+        raise ValueError(f"this process's shards of dimension {dim} are not one block ({sorted(spans)}); the mesh"
+                         " must list each process's devices together")
+      covered_to = max(covered_to, b)
+    stop = covered_to
+    block.append(slice(start, stop))
+  if all(b.start == 0 and b.stop == size for b, size in zip(block, global_shape)):
+    return None
+  return tuple(block)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
