@@ -151,6 +151,10 @@ def rig_main(argv: list[str]) -> int:
   if args is None:
     return resolved
   recipe = resolved.recipe
+  if recipe.distributed.enabled:
+    print("run_rl rig: error: the rig runs in one process; drop distributed.* (A/B several processes with"
+          " `run_rl` runs, or python -m orchestrator.bench.distributed)", file=sys.stderr)
+    return 2
   recording = args.recording or recipe.rollouts.recording
   if not recording:
     print("run_rl rig: error: no recording: pass --recording DIR or set rollouts.recording in"
@@ -260,7 +264,7 @@ def _main(argv: list[str]) -> int:
     return 0
   from orchestrator import launch
 
-  return launch.start(resolved, None)
+  return launch.start(resolved, None, argv=argv)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ from orchestrator import config as config_lib
 from orchestrator import run_dir
 from orchestrator.data.recording import RecordingError
 from orchestrator.data.sources import SourceStateError
+from orchestrator.distributed.bringup import DistributedError
 from orchestrator.run_dir import RunDirError
 
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
@@ -41,8 +42,8 @@ REFUSALS = (config_lib.RecipeError, RunDirError, RecordingError, SourceStateErro
 class StopSignals:
   """First SIGINT/SIGTERM: stop at the next boundary. Second: stop at once, with one line."""
 
-  def __init__(self, out: Path):
-    self.out = out
+  def __init__(self, out: Path, *, quiet: bool = False):
+    self.out, self.quiet = out, quiet
     self.received: signal.Signals | None = None
     self._previous: dict[int, Any] = {}
 
@@ -60,6 +61,8 @@ class StopSignals:
     sig = signal.Signals(signum)
     if self.received is None:
       self.received = sig
+      if self.quiet:  # another process of the job tells the terminal
+        return
       print(f"\nrun_rl: {sig.name} received: stopping after the step in flight (its update applied and"
             f" checkpointed); {sig.name} again stops at once", file=sys.stderr, flush=True)
       return
@@ -67,42 +70,47 @@ class StopSignals:
           f" `run_rl --resume {self.out}` continues from the last complete checkpoint", file=sys.stderr, flush=True)
     os._exit(EXIT_CODES.get(sig, 130))
 
-  def requested(self) -> bool:
-    return self.received is not None
+  def requested(self) -> str | None:
+    """The signal's name once one came (truthy), else None; the program stops at the next boundary."""
+    return self.received.name if self.received is not None else None
 
 
-def _setup_host(recipe) -> str:
+def _setup_host(recipe, *, distributed: bool = False) -> str:
   reason = "no"
+  xla_threads = None
+  if distributed:  # the same code in every process of the job, whatever its share of devices
+    from orchestrator.distributed.bringup import fix_xla_threads
+
+    xla_threads = fix_xla_threads(recipe.mesh.num_devices)
   if recipe.run.reserve_host_core:
     from orchestrator.engine.host_threads import reserve_host_core  # before JAX starts
 
-    reason = reserve_host_core().reason
+    reason = reserve_host_core(xla_threads=xla_threads).reason
   logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr, force=True)
   for noisy in ("absl", "jax", "orbax", "etils"):
     logging.getLogger(noisy).setLevel(logging.WARNING)
   return reason
 
 
-def preflight(recipe, out: Path, *, run_id: str | None, steps: int | None = None):
+def preflight(recipe, out: Path, *, run_id: str | None, steps: int | None = None, distributed: bool = False,
+              primary: bool = True):
   """Everything that can refuse the run before it writes: the source, the devices, the checkpoints.
 
+  In a job of several processes every process opens its source and counts the
+  job's devices; process 0 (``primary``) checks the checkpoint directory.
   Returns the rollout source. Raises RecipeError / RecordingError / RunDirError (exit 2).
   """
   from orchestrator.engine.checkpointing import read_checkpoints
-  from orchestrator.engine.mesh import check_devices
   from orchestrator.runner import checkpoint_dir_for, rollout_source
 
   source = rollout_source(recipe, steps=steps)
   remote = recipe.trainer.location == "remote"
   if not remote:  # a remote trainer checks its own devices
-    try:
-      check_devices(recipe.mesh)
-    except ValueError as e:
-      raise config_lib.RecipeError(str(e)) from None
+    _check_devices(recipe, distributed)
   else:
     _check_trainer_token(recipe)
   ckpt_dir = checkpoint_dir_for(recipe, out) if not remote or recipe.trainer.spawn else None
-  if ckpt_dir:
+  if ckpt_dir and primary:
     foreign = {step: meta.get("run_id") for step, meta in read_checkpoints(ckpt_dir).items()
                if meta.get("run_id") != run_id or run_id is None}
     if foreign:
@@ -111,6 +119,25 @@ def preflight(recipe, out: Path, *, run_id: str | None, steps: int | None = None
           f" {sorted(set(map(str, foreign.values())))[0]}); use a new checkpoint.directory, or continue that"
           " run with `run_rl --resume` on its run directory")
   return source
+
+
+def _check_devices(recipe, distributed: bool) -> None:
+  """The mesh needs its devices; in a job of several processes it must cover every device of the job."""
+  from orchestrator.engine.mesh import check_devices
+
+  try:
+    check_devices(recipe.mesh)
+  except ValueError as e:
+    raise config_lib.RecipeError(str(e)) from None
+  if distributed:
+    import jax  # pylint: disable=import-outside-toplevel
+
+    total, local = jax.device_count(), jax.local_device_count()
+    if total != recipe.mesh.num_devices:
+      raise config_lib.RecipeError(
+          f"the mesh {recipe.mesh.fsdp}×{recipe.mesh.context}×{recipe.mesh.expert} (fsdp×context×expert) has"
+          f" {recipe.mesh.num_devices} devices but the job has {total} ({jax.process_count()} processes ×"
+          f" {local}); size the mesh to the job's devices")
 
 
 def _check_trainer_token(recipe) -> None:
@@ -128,35 +155,113 @@ def _check_trainer_token(recipe) -> None:
         f" trainer.token_file=FILE or ${protocol.TOKEN_ENV}")
 
 
-def start(resolved: config_lib.ResolvedRecipe, out: Path | None) -> int:
-  """A new run of ``resolved`` in ``out`` (default ``runs/<name>-<time>``); returns the exit code."""
+def start(resolved: config_lib.ResolvedRecipe, out: Path | None, *, argv: list[str] | None = None) -> int:
+  """A new run of ``resolved`` in ``out`` (default ``runs/<name>-<time>``); returns the exit code.
+
+  With ``distributed.num_processes`` and no identity, starts that many local
+  processes running ``argv`` (``orchestrator.distributed.launcher``); with an
+  identity, this process joins its job (docs/design.md §12).
+  """
   recipe = resolved.recipe
   out = out or (Path(recipe.run.out) if recipe.run.out else run_dir.default_out(recipe.name))
+  if recipe.distributed.launches_local:
+    return _launch_local(recipe, out, [*(argv or []), f"run.out={out}"], check_out=True)
   run_id = run_dir.new_run_id()
   try:
-    run_dir.check_new(out)
-    record_to = recipe.rollouts.record_to
-    if record_to and Path(record_to).exists():
-      raise RunDirError(f"rollouts.record_to={record_to} already exists; recordings are read-only, choose a new"
-                        " directory")
-    host = _setup_host(recipe)
-    source = preflight(recipe, out, run_id=run_id)
-  except REFUSALS as e:
-    return _refuse(e)
+    job = _join(recipe, out)
+  except DistributedError as e:
+    return _refuse(e, code=1)
   try:
-    run_dir.claim_new(out, {"run_id": run_id, "recipe": resolved.path, "config": config_lib.to_dict(recipe),
-                            "sources": resolved.sources})
-  except RunDirError as e:  # another run claimed the directory between the check and now
-    return _refuse(e)
-  print(f"run_rl: recipe {resolved.path} ({recipe.name}), mode {recipe.mode.name}, model {recipe.model},"
-        f" {recipe.steps} steps × {recipe.batch.micro_batches_per_step} micro-batches; out {out};"
-        f" host core reserved: {host}", file=sys.stderr)
-  return _run(recipe, out, source=source, run_id=run_id, resume=None)
+    if job.is_primary:  # process 0 owns the run directory
+      run_dir.check_new(out)
+      record_to = recipe.rollouts.record_to
+      if record_to and Path(record_to).exists():
+        raise RunDirError(f"rollouts.record_to={record_to} already exists; recordings are read-only, choose a new"
+                          " directory")
+    host = _setup_host(recipe, distributed=job.distributed)
+    source = preflight(recipe, out, run_id=run_id, distributed=job.distributed, primary=job.is_primary)
+    refusal = None
+  except REFUSALS as e:
+    refusal = e
+  refusal = job.first_refusal(refusal)
+  if refusal is not None:
+    return _refuse(refusal, job=job)
+  claimed = {"run_id": run_id, "out": str(out), "refusal": None}
+  if job.is_primary:
+    try:
+      run_dir.claim_new(out, {"run_id": run_id, "recipe": resolved.path,
+                              "config": config_lib.run_config_dict(recipe), "sources": resolved.sources})
+    except RunDirError as e:  # another run claimed the directory between the check and now
+      claimed["refusal"] = str(e)
+  claimed = job.agreement.broadcast("claim", claimed)  # every process writes checkpoints under process 0's out
+  if claimed["refusal"] is not None:
+    return _refuse(claimed["refusal"], job=job)
+  run_id, out = claimed["run_id"], Path(claimed["out"])
+  if job.is_primary:
+    processes = f"; {job.identity.num_processes} processes" if job.distributed else ""
+    print(f"run_rl: recipe {resolved.path} ({recipe.name}), mode {recipe.mode.name}, model {recipe.model},"
+          f" {recipe.steps} steps × {recipe.batch.micro_batches_per_step} micro-batches; out {out};"
+          f" host core reserved: {host}{processes}", file=sys.stderr)
+  return _run(recipe, out, source=source, run_id=run_id, resume=None, job=job)
 
 
-def _refuse(e: Exception) -> int:
-  print(f"run_rl: error: {e}", file=sys.stderr)
-  return 2
+def _launch_local(recipe, out: Path, argv: list[str], *, check_out: bool) -> int:
+  """Starts ``distributed.num_processes`` local processes of this run (``launcher.LocalJob``)."""
+  from orchestrator.distributed.launcher import LocalJob
+
+  if check_out:
+    try:
+      run_dir.check_new(out)
+    except RunDirError as e:
+      return _refuse(e)
+  d = recipe.distributed
+  return LocalJob(argv, num_processes=d.num_processes, devices_per_process=recipe.mesh.num_devices // d.num_processes,
+                  out=out, timeout_s=d.timeout_s).run()
+
+
+class _LostPeer:
+  """What a process does when the watchdog reports a lost peer: one line, the summary (process 0), exit 1."""
+
+  def __init__(self, out: Path):
+    self.out, self.job, self.handle, self.claimed = out, None, None, False
+
+  def __call__(self, line: str) -> None:
+    step = self.handle.current_step if self.handle is not None else None
+    where = "during bring-up" if step is None else f"at step {step}"
+    kept = ""
+    if self.job is not None and self.job.is_primary and (self.out / run_dir.CONFIG).is_file():
+      run_dir.write_summary(self.out, {"ended": "error", "last_step": step, "error": line})
+      kept = f"; records so far are kept in {self.out / run_dir.RECORDS}"
+    label = self.job.label if self.job is not None else ""
+    if os.environ.get(LAUNCHED_ENV) != "1":  # else the launcher says it, once, with how the process ended
+      print(f"run_rl: {label}{line} {where}; ending this process{kept}", file=sys.stderr, flush=True)
+    os._exit(1)
+
+
+_lost_peer: _LostPeer | None = None
+LAUNCHED_ENV = "STEP_BOUNDARY_LAUNCHED"  # set by the local launcher in its processes
+
+
+def _join(recipe, out: Path):
+  """This process's job: alone, or joined to the one ``recipe.distributed`` names (before JAX starts)."""
+  global _lost_peer  # pylint: disable=global-statement  # one job per process; the watchdog reports through it
+  from orchestrator.distributed import job as job_lib
+
+  if not recipe.distributed.enabled:
+    return job_lib.single()
+  _lost_peer = _LostPeer(out)
+  job = job_lib.join_job(recipe.distributed, on_lost=_lost_peer)
+  _lost_peer.job = job
+  return job
+
+
+def _refuse(e: Exception | str, *, job=None, code: int = 2) -> int:
+  """One line, exit 2 (nothing was started or written). In a job every process refuses together; process 0
+  says why on the run's terminal and the others in their logs."""
+  print(f"run_rl: error: {e}", file=sys.stderr, flush=True)
+  if job is not None:
+    job.finish(succeeded=True)
+  return code
 
 
 def resume(path: Path, steps: int | None) -> int:
@@ -164,16 +269,32 @@ def resume(path: Path, steps: int | None) -> int:
   try:
     config = run_dir.read_config(path)
     resolved = resolved_from_saved(config, steps)
-    recipe = resolved.recipe
-    _setup_host(recipe)
-    point = resume_point(recipe, path, config["run_id"])
-    source = preflight(recipe, path, run_id=config["run_id"], steps=recipe.steps)
   except REFUSALS as e:
     return _refuse(e)
-  print(f"run_rl: resuming {path} ({recipe.name}, mode {recipe.mode.name}) after step {point.steps_done - 1}"
-        f" from checkpoint {point.checkpoint_step}; {recipe.steps - point.steps_done} steps to go",
-        file=sys.stderr)
-  return _run(recipe, path, source=source, run_id=config["run_id"], resume=point)
+  recipe = resolved.recipe
+  if recipe.distributed.launches_local:
+    return _launch_local(recipe, path, ["--resume", str(path)] + ([f"--steps={steps}"] if steps else []),
+                         check_out=False)
+  try:
+    job = _join(recipe, path)
+  except DistributedError as e:
+    return _refuse(e, code=1)
+  try:
+    _setup_host(recipe, distributed=job.distributed)
+    point = resume_point(recipe, path, config["run_id"], primary=job.is_primary)
+    source = preflight(recipe, path, run_id=config["run_id"], steps=recipe.steps, distributed=job.distributed,
+                       primary=job.is_primary)
+    refusal = None
+  except REFUSALS as e:
+    refusal = e
+  refusal = job.first_refusal(refusal)
+  if refusal is not None:
+    return _refuse(refusal, job=job)
+  if job.is_primary:
+    print(f"run_rl: resuming {path} ({recipe.name}, mode {recipe.mode.name}) after step {point.steps_done - 1}"
+          f" from checkpoint {point.checkpoint_step}; {recipe.steps - point.steps_done} steps to go",
+          file=sys.stderr)
+  return _run(recipe, path, source=source, run_id=config["run_id"], resume=point, job=job)
 
 
 def resolved_from_saved(config: dict, steps: int | None) -> config_lib.ResolvedRecipe:
@@ -181,15 +302,24 @@ def resolved_from_saved(config: dict, steps: int | None) -> config_lib.ResolvedR
   values = config_lib.flatten(config["config"], where="config.json")
   if steps is not None:
     values["steps"] = steps
-  recipe = config_lib.build({k: config_lib.coerce(k, v) for k, v in values.items()})
-  recipe.validate()
+  for name, key in config_lib.ENV_SWITCHES.items():  # a process's identity is never saved: it comes anew
+    if key in config_lib.PROCESS_IDENTITY_KEYS and os.environ.get(name):
+      values[key] = os.environ[name]
+  recipe = build_checked(values)
   sources = dict(config.get("sources", {}))
   if steps is not None:
     sources["steps"] = "flag --steps (resume)"
   return config_lib.ResolvedRecipe(recipe, sources, str(config.get("recipe")))
 
 
-def resume_point(recipe, path: Path, run_id: str):
+def build_checked(values: dict):
+  """A recipe from saved values (plus an identity from the environment), validated."""
+  recipe = config_lib.build({k: config_lib.coerce(k, v) for k, v in values.items()})
+  recipe.validate()
+  return recipe
+
+
+def resume_point(recipe, path: Path, run_id: str, *, primary: bool = True):
   """The latest complete checkpoint of run ``run_id`` and the records it covers.
 
   Raises:
@@ -214,6 +344,8 @@ def resume_point(recipe, path: Path, run_id: str):
   if done >= recipe.steps:
     raise RunDirError(f"--resume {path}: the run already did {done} of {recipe.steps} steps;"
                       f" pass --steps N with N > {done} to extend it")
+  if not primary:  # process 0 cuts records.jsonl; the others only read what the checkpoint covers
+    return ResumePoint(step, metadata, run_dir.read_records(path, int(metadata["records_count"])))
   kept = run_dir.keep_records(path, int(metadata["records_count"]))
   if len(kept) < int(metadata["records_count"]):
     logging.getLogger("step_boundary.run").warning(
@@ -223,26 +355,39 @@ def resume_point(recipe, path: Path, run_id: str):
   return ResumePoint(step, metadata, kept)
 
 
-def _run(recipe, out: Path, *, source, run_id: str, resume) -> int:
-  with StopSignals(out) as stop:  # held until the end, so a late Ctrl-C gets no traceback either
-    handle = None
+def _run(recipe, out: Path, *, source, run_id: str, resume, job) -> int:
+  with StopSignals(out, quiet=not job.is_primary) as stop:  # held to the end: a late Ctrl-C gets no traceback
+    handle, code = None, None
     try:
       from orchestrator.runner import build_run
 
-      previous_trace = run_dir.read_trace_events(out) if resume else []
-      handle = build_run(recipe, out, source=source, run_id=run_id, resume=resume, stop_requested=stop.requested)
+      previous_trace = run_dir.read_trace_events(out) if resume and job.is_primary else []
+      handle = build_run(recipe, out, source=source, run_id=run_id, resume=resume, stop_requested=stop.requested,
+                         job=job)
+      if _lost_peer is not None:
+        _lost_peer.handle = handle
       result = handle.run()
     except config_lib.RecipeError as e:
-      return _refuse(e)
+      code = _refuse(e)
     except Exception as e:  # pylint: disable=broad-except
-      return _fail(out, e, None if handle is None else handle.current_step)
+      if job.watchdog is not None:  # a collective failed because a peer died? Then the watchdog names it.
+        job.watchdog.wait_for_loss()
+      code = _fail(out, e, None if handle is None else handle.current_step, job)
     finally:
       if handle is not None:
         handle.close()
+    if code is not None:
+      job.finish(succeeded=False)
+      return code
+    if not job.is_primary:
+      job.finish(succeeded=True)
+      return EXIT_CODES[stop.received or _signal_named(result.stop_reason)] if result.ended == "stopped" else 0
     if previous_trace:
       run_dir.merge_trace(out, previous_trace, resumed_at=resume.steps_done)
     _write_recording(recipe, handle.program.source, result)
-    return _report(out, result, run_id, stop)
+    code = _report(out, result, run_id, stop)
+    job.finish(succeeded=True)
+    return code
 
 
 def _write_recording(recipe, source, result) -> None:
@@ -275,7 +420,9 @@ def _report(out: Path, result, run_id: str, stop: StopSignals) -> int:
     summary["reward_plot"] = str(plot)
   stopped = result.ended == "stopped"  # a signal that came after the last step changes nothing
   if stopped:
-    summary.update(ended="signal", signal=stop.received.name, resume_command=f"run_rl --resume {out}")
+    # In a job of several processes the signal may have reached another process: the program agreed on it.
+    received = stop.received or _signal_named(result.stop_reason)
+    summary.update(ended="signal", signal=received.name, resume_command=f"run_rl --resume {out}")
   run_dir.write_summary(out, summary)
   print(format_table(result.records))
   print()
@@ -284,18 +431,28 @@ def _report(out: Path, result, run_id: str, stop: StopSignals) -> int:
     return 0
   where = (f"checkpoint {result.checkpoint_path}; continue with `run_rl --resume {out}`"
            if result.checkpoint_path else "no checkpoint (this engine cannot write one); it cannot be resumed")
-  print(f"run_rl: stopped by {stop.received.name} after step {result.last_step}: {where}", file=sys.stderr)
-  return EXIT_CODES[stop.received]
+  print(f"run_rl: stopped by {received.name} after step {result.last_step}: {where}", file=sys.stderr)
+  return EXIT_CODES[received]
 
 
-def _fail(out: Path, error: Exception, step: int | None) -> int:
-  """An unexpected failure: exit 1, one line, the traceback in error.log, the records kept."""
+def _signal_named(name: str | None) -> signal.Signals:
+  try:
+    return signal.Signals[name]
+  except KeyError:
+    return signal.SIGTERM  # a stop asked for by other means ends like a polite termination
+
+
+def _fail(out: Path, error: Exception, step: int | None, job) -> int:
+  """An unexpected failure: exit 1, one line, the traceback in error.log (process 0), the records kept."""
+  where = "during bring-up" if step is None else f"at step {step}"
+  if not job.is_primary:  # its log is the launcher's (or the host's) to keep
+    traceback.print_exception(error)
+    print(f"run_rl: {job.label}the run failed {where}: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
+    return 1
   log_path = out / run_dir.ERROR_LOG
   log_path.write_text("".join(traceback.format_exception(error)), encoding="utf-8")
-  where = "during bring-up" if step is None else f"at step {step}"
   run_dir.write_summary(out, {"ended": "error", "last_step": step, "error": f"{type(error).__name__}: {error}"})
-  print(f"run_rl: the run failed {where}: {type(error).__name__}: {error}\n"
+  print(f"run_rl: {job.label}the run failed {where}: {type(error).__name__}: {error}\n"
         f"run_rl: records written so far are kept in {out / run_dir.RECORDS}; traceback in {log_path}",
         file=sys.stderr)
   return 1
-

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
+from orchestrator.distributed.agreement import SingleProcess, combine_max
 from orchestrator.recorder import BoundaryRecord, Lane, Recorder, Span, fwd_bwd_key, update_key
 from orchestrator.trainer_worker import StageReceipt, TrainerWorker
 from orchestrator.watcher import Watched
@@ -108,6 +109,8 @@ class _Boundary:
   next_ready: bool | None = None  # None: the run's last step
   rollout_wait_s: float | None = None  # how long the next step's rollouts kept this boundary waiting
   rollout: dict | None = None  # what sampling this step's rollouts measured (a live source)
+  per_process: dict | None = None  # several processes: each one's stage and device wait, in process order
+  observe_after_dispatch: bool = False
   spans: dict = dataclasses.field(default_factory=dict)
 
 
@@ -121,8 +124,46 @@ class ProgramResult:
   host_spans: list[Span] = dataclasses.field(default_factory=list)
   run_start: float = 0.0
   ended: str = "completed"  # or "stopped": a stop was asked for and honoured at a boundary
+  stop_reason: str | None = None  # what asked for the stop (a signal's name), in whichever process it came
   last_step: int | None = None
   checkpoint_path: str | None = None  # the last checkpoint written
+
+
+def agree_on_stop(agreement: SingleProcess, k: int, asked: Any) -> str | None:
+  """What asked for a stop after step k in any process (a signal's name, or "stop"), or None."""
+  local = (asked if isinstance(asked, str) else "stop") if asked else None
+  reasons = [r for r in agreement.exchange(f"stop after step {k}", local) if r]
+  return reasons[0] if reasons else None
+
+
+def agree_on_measurements(agreement: SingleProcess, step: int, measured: dict, threshold: float | None):
+  """Every process's measurements of one boundary, combined as the policy sees them (the max: the slowest
+  process decides, and every process decides the same); also each process's, in order (None alone)."""
+  per_process = agreement.exchange(f"observe step {step}", measured)
+  seen = combine_max(per_process)
+  if threshold is not None and seen["device_wait_s"] >= threshold:
+    seen["update_delay_s"] = None  # the slowest process did not wait below the threshold
+  keys = ("stage_s", "device_wait_s")
+  return seen, ({key: [m[key] for m in per_process] for key in keys} if len(per_process) > 1 else None)
+
+
+def update_delay(recorder: Recorder, boundary: "_Boundary", m: int, threshold: float | None) -> float | None:
+  """How long a low-wait stage held the update back (stage end − last micro-batch ready); None otherwise."""
+  if threshold is None or boundary.device_wait_s >= threshold:
+    return None
+  try:
+    return max(0.0, boundary.stage.ended_at - recorder.ready_at(fwd_bwd_key(boundary.step, m - 1), timeout_s=5.0))
+  except (KeyError, TimeoutError):
+    return None
+
+
+def merge_process_timings(agreement: SingleProcess, recorder: Recorder, summary: dict) -> None:
+  """Every process's own timings into the summary (process 0 writes it), and what agreeing cost."""
+  timings = agreement.exchange("process timings", recorder.process_timings())
+  summary["processes"] = [dict(t, process_id=i) for i, t in enumerate(timings)]
+  seconds = sorted(agreement.exchange_s)
+  summary["agreement"] = {"exchanges": len(seconds), "median_s": seconds[len(seconds) // 2] if seconds else None,
+                          "max_s": seconds[-1] if seconds else None}
 
 
 class RLProgram:
@@ -145,6 +186,10 @@ class RLProgram:
     first_plan: the plan a resumed run's first boundary was already given
       before the checkpoint (with one micro-batch per step it is planned
       inside the previous boundary), so the policy is not asked twice.
+    agreement: in a job of several processes, what keeps every process on
+      one path (``orchestrator.distributed.agreement``): the wait floor, a
+      stop and each boundary's measurements are combined before the policy
+      sees them (docs/design.md §12). Default: one process, nothing exchanged.
   """
 
   def __init__(self, worker: TrainerWorker, policy: StepBoundaryPolicy, source: Iterable[Sequence[Any]],
@@ -152,8 +197,10 @@ class RLProgram:
                on_step: Callable[[BoundaryRecord], None] | None = None,
                clock: Callable[[], float] = time.perf_counter,
                stop_requested: Callable[[], bool] | None = None,
-               previous_records: Sequence[BoundaryRecord] = (), first_plan: BoundaryPlan | None = None):
+               previous_records: Sequence[BoundaryRecord] = (), first_plan: BoundaryPlan | None = None,
+               agreement: SingleProcess | None = None):
     self.worker = worker
+    self.agreement = agreement or SingleProcess()
     self.policy = policy
     self.source = source
     self.config = config
@@ -188,7 +235,9 @@ class RLProgram:
       return self.policy.threshold_s
     if self.policy.floor_samples:
       return self.policy.threshold_s
-    return self.policy.calibrate(self.worker.sample_wait_floor(self.config.calibration_samples))
+    samples = self.worker.sample_wait_floor(self.config.calibration_samples)
+    # Every process calibrates on the slowest floor, so each reaches the same threshold.
+    return self.policy.calibrate(self.agreement.combine("wait floor", {"samples": list(samples)})["samples"])
 
   # ------------------------------------------------------------------ loop
   def run(self) -> ProgramResult:
@@ -204,6 +253,8 @@ class RLProgram:
     result.summary.update(trace_path=trace_path, ended=result.ended, last_step=result.last_step,
                           checkpoint_path=result.checkpoint_path)
     result.records_path, result.trace_path = result.summary.get("records_path"), trace_path
+    if hasattr(self.agreement, "exchange_s"):  # a job's: what agreeing cost, and every process's timings
+      merge_process_timings(self.agreement, self.recorder, result.summary)
     result.watched, result.host_spans = self.recorder.watched(), list(self.recorder.spans)
     result.run_start = self.recorder.run_start
     return result
@@ -280,7 +331,7 @@ class RLProgram:
     check = getattr(self._source(), "check", None)
     if callable(check):
       check()  # a failed rollout thread surfaces here, at the boundary
-    stop = k + 1 < self.config.steps and self._stop_requested()
+    stop = k + 1 < self.config.steps and self._agreed_stop(k)
     has_next = k + 1 < self.config.steps and not stop
     next_ready = self._next_ready(k + 1) if has_next else None
     plan = None
@@ -294,6 +345,12 @@ class RLProgram:
     actions = boundary_actions(plan, sync_before_next_step=sync_first)
     self._boundaries[k] = _Boundary(k, plan, mode, actions, stop=stop, next_ready=next_ready)
     return self._boundaries[k]
+
+  def _agreed_stop(self, k: int) -> bool:
+    """Whether any process was asked to stop (every process then stops after step k)."""
+    reason = agree_on_stop(self.agreement, k, self._stop_requested())
+    self._result.stop_reason = reason or self._result.stop_reason
+    return reason is not None
 
   def _dispatch_micro(self, k: int, i: int, payload: Any, *, staged: bool = False) -> float:
     """Dispatches micro-batch i of step k (the step's last defers its update where the plan says)."""
@@ -328,7 +385,11 @@ class RLProgram:
       self.recorder.span("wait for device", applied.wait_started_at, waited_until)
       self.recorder.span("update dispatch", waited_until, self.clock())
       self._watch_update(k, applied.update)
-      self._observe(boundary)
+      # Observe (an exchange between processes) after the next dispatch, off the idle path; with M = 1 that
+      # dispatch plans the next boundary, which needs the observation.
+      boundary.observe_after_dispatch = m > 1 and any(a.dispatches_first for a in boundary.actions)
+      if not boundary.observe_after_dispatch:
+        self._observe(boundary)
     elif action is Action.UPDATE:
       start = self.clock()
       self._watch_update(k, self.worker.update())
@@ -338,6 +399,8 @@ class RLProgram:
       boundary.first_dispatch = self._dispatch_micro(
           k + 1, 0, self._payload(k + 1, 0), staged=action is Action.DISPATCH_FIRST_STAGED)
       self.current_step = k
+      if boundary.observe_after_dispatch:
+        self._observe(boundary)
     elif action is Action.METRICS:
       self._read_metrics(boundary)
     elif action is Action.CHECKPOINT_AND_SYNC:
@@ -349,17 +412,13 @@ class RLProgram:
   # ------------------------------------------------------------------ the policy's measurements
   def _observe(self, boundary: _Boundary) -> None:
     plan, threshold = boundary.plan, self.policy.threshold_s
-    delay = None
-    if threshold is not None and boundary.device_wait_s < threshold:
-      try:
-        last_ready = self.recorder.ready_at(fwd_bwd_key(boundary.step, self.config.micro_batches_per_step - 1),
-                                            timeout_s=5.0)
-        delay = max(0.0, boundary.stage.ended_at - last_ready)
-      except (KeyError, TimeoutError):
-        delay = None
-    obs = self.policy.observe(boundary.step, stage_s=boundary.stage.stage_s,
-                              device_wait_s=boundary.device_wait_s, probe=plan.probe, update_delay_s=delay,
-                              rollout_wait_s=boundary.rollout_wait_s or 0.0)
+    delay = update_delay(self.recorder, boundary, self.config.micro_batches_per_step, threshold)
+    measured = {"stage_s": boundary.stage.stage_s, "device_wait_s": boundary.device_wait_s, "update_delay_s": delay,
+                "rollout_wait_s": boundary.rollout_wait_s or 0.0}
+    seen, boundary.per_process = agree_on_measurements(self.agreement, boundary.step, measured, threshold)
+    obs = self.policy.observe(boundary.step, stage_s=seen["stage_s"], device_wait_s=seen["device_wait_s"],
+                              probe=plan.probe, update_delay_s=seen["update_delay_s"],
+                              rollout_wait_s=seen["rollout_wait_s"])
     boundary.low_wait = obs.low
     boundary.transition = obs.transition.kind if obs.transition else None
     where = "before" if plan.stage_before_update else "after"

@@ -88,6 +88,8 @@ class BoundaryRecord:
   reward_std: float | None = None
   accuracy: float | None = None
   sampled_tokens_per_s: float | None = None
+  # Several processes: each process's stage_s and device_wait_s, in process order (the policy saw the max).
+  per_process: dict | None = None
 
   def to_json(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
@@ -230,6 +232,7 @@ class Recorder:
         t_update_ready=update_ready - self.run_start,
         t_next_first_dispatch=None if first_dispatch is None else first_dispatch - self.run_start,
         next_ready=boundary.next_ready, rollout_wait_s=boundary.rollout_wait_s, **(boundary.rollout or {}),
+        per_process=getattr(boundary, "per_process", None),
     )
     self.records.append(record)
     if self._records_file:
@@ -262,6 +265,21 @@ class Recorder:
         "records_path": str(self.out_dir / "records.jsonl") if self.out_dir else None,
         **self._live_summary(),
     }
+
+  def process_timings(self) -> dict[str, Any]:
+    """This process's own timings (a job of several processes merges every process's into the summary)."""
+    import socket  # pylint: disable=import-outside-toplevel
+
+    def median(values):
+      values = [v for v in values if v is not None]
+      return statistics.median(values) if values else None
+
+    return {"host": socket.gethostname(),
+            "median_boundary_idle_s": median(r.boundary_idle_s for r in self.records),
+            "median_step_s": median(r.step_s for r in self.records),
+            "median_stage_s": median(r.stage_s for r in self.records),
+            "median_device_wait_s": median(r.device_wait_s for r in self.records),
+            "boundary_idle_s": [r.boundary_idle_s for r in self.records]}
 
   def _live_summary(self) -> dict[str, Any]:
     rewards = [r.reward_mean for r in self.records if r.reward_mean is not None]

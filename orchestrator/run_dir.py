@@ -106,12 +106,8 @@ def read_config(path: Path, flag: str = "--resume") -> dict[str, Any]:
   return config
 
 
-def keep_records(path: Path, count: int) -> list[dict[str, Any]]:
-  """Cuts ``records.jsonl`` to its first ``count`` records (the steps a checkpoint covers); returns them.
-
-  Records after them belong to steps the resumed run will run again. A torn
-  last line (a kill mid-write) is dropped.
-  """
+def read_records(path: Path, count: int) -> list[dict[str, Any]]:
+  """The first ``count`` records of ``records.jsonl``, read only (a torn line ends them)."""
   records_path = path / RECORDS
   lines = records_path.read_text(encoding="utf-8").splitlines() if records_path.exists() else []
   kept = []
@@ -120,7 +116,17 @@ def keep_records(path: Path, count: int) -> list[dict[str, Any]]:
       kept.append(json.loads(line))
     except json.JSONDecodeError:
       break
-  records_path.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+  return kept
+
+
+def keep_records(path: Path, count: int) -> list[dict[str, Any]]:
+  """Cuts ``records.jsonl`` to its first ``count`` records (the steps a checkpoint covers); returns them.
+
+  Records after them belong to steps the resumed run will run again. A torn
+  last line (a kill mid-write) is dropped.
+  """
+  kept = read_records(path, count)
+  (path / RECORDS).write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
   return kept
 
 

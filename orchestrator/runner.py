@@ -231,17 +231,20 @@ def make_worker(recipe: Recipe, out: Path, closers: list):
 
 
 def build_run(recipe: Recipe, out: Path, *, source, run_id: str, resume: ResumePoint | None = None,
-              stop_requested=None, progress: bool = True) -> RunHandle:
+              stop_requested=None, progress: bool = True, job=None) -> RunHandle:
   """Builds the engine, worker, policy and program for a validated recipe and a checked source.
 
   With ``resume``, the engine restores that checkpoint, the source and the
   policy continue from the positions it saved, and records are appended.
+  In a job of several processes (``job``), every process builds the same run;
+  only process 0 writes records and the trace and shows progress.
   """
   closers: list = []
   try:
     worker, trainer_info = make_worker(recipe, out, closers)
     handle = _build_program(recipe, out, worker, source=source, run_id=run_id, resume=resume,
-                            stop_requested=stop_requested, progress=progress)
+                            stop_requested=stop_requested, progress=progress and (job is None or job.is_primary),
+                            job=job)
   except BaseException:
     while closers:
       closers.pop()()
@@ -251,7 +254,7 @@ def build_run(recipe: Recipe, out: Path, *, source, run_id: str, resume: ResumeP
 
 
 def _build_program(recipe: Recipe, out: Path, worker, *, source, run_id: str, resume, stop_requested,
-                   progress: bool) -> RunHandle:
+                   progress: bool, job=None) -> RunHandle:
   from orchestrator.program import plan_from_json
   from orchestrator.recorder import BoundaryRecord
 
@@ -278,9 +281,10 @@ def _build_program(recipe: Recipe, out: Path, worker, *, source, run_id: str, re
       bar.set_postfix(progress_postfix(record))
       bar.update(1)
 
-  config = program_config(recipe, out, start_step=start_step, run_id=run_id)
+  primary = job is None or job.is_primary
+  config = program_config(recipe, out if primary else None, start_step=start_step, run_id=run_id)
   live = recipe.rollouts.source == "sampler"
   program = RLProgram(worker, policy, source, config, on_step=on_step, stop_requested=stop_requested,
                       previous_records=previous, first_plan=first_plan,
-                      weight_sync=source.sync if live else None)
+                      weight_sync=source.sync if live else None, agreement=job.agreement if job else None)
   return RunHandle(program, bar, recipe.task.eval_prompts if live else 0)

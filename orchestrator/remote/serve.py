@@ -38,6 +38,8 @@ def serve_main(argv: list[str]) -> int:
   if args is None:
     return resolved
   recipe = resolved.recipe
+  if recipe.distributed.enabled:
+    return _refuse("distributed.* is set, but serve-trainer hosts a trainer of one process; drop distributed.*")
   try:
     host, _ = protocol.split_address(args.listen)
   except protocol.AddressError as e:

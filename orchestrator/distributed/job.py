@@ -1,0 +1,91 @@
+"""This process's place in the run: alone, or one member of a multi-controller job.
+
+``Job`` carries what the rest of ``run_rl`` needs to know: whether this is the
+primary (process 0 writes the run's files), the agreement the program and the
+bring-up exchange through, and the watchdog. ``single()`` is the job of a run
+of one process without a distributed runtime.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from orchestrator.distributed.agreement import KeyValueAgreement, SingleProcess
+from orchestrator.distributed.bringup import ProcessIdentity, join, key_value_client
+from orchestrator.distributed.watchdog import Watchdog
+
+_END_BARRIER = "step_boundary/end"
+
+
+@dataclasses.dataclass
+class Job:
+  identity: ProcessIdentity
+  agreement: SingleProcess
+  watchdog: Watchdog | None = None
+  distributed: bool = False
+
+  @property
+  def is_primary(self) -> bool:
+    return self.identity.is_primary
+
+  @property
+  def label(self) -> str:
+    """``process i of N: `` for a job of several processes, else nothing (prefixes its lines)."""
+    return f"process {self.identity.process_id} of {self.identity.num_processes}: " if self.distributed else ""
+
+  def first_refusal(self, refusal: Exception | None) -> str | None:
+    """Every process's refusal (or None) exchanged: the first one, naming its process, or None.
+
+    Every process refuses together, so none goes on to wait for the others.
+    """
+    texts = self.agreement.exchange("preflight", None if refusal is None else str(refusal))
+    for process_id, text in enumerate(texts):
+      if text is not None:
+        alike = all(t == text for t in texts)  # every process refused the same input: say it once
+        return text if alike else f"process {process_id} of {len(texts)}: {text}"
+    return None
+
+  def finish(self, succeeded: bool) -> None:
+    """Leaves the job: after a success every process waits for the others, so none outlives the
+    coordinator (process 0); after a failure it leaves at once and the others notice."""
+    if not self.distributed:
+      return
+    if self.watchdog is not None:
+      self.watchdog.stop()
+    if not succeeded:
+      return
+    import jax  # pylint: disable=import-outside-toplevel
+
+    client = key_value_client()
+    try:
+      client.wait_at_barrier(_END_BARRIER, int(self.agreement.timeout_s * 1000))
+    except Exception as e:  # pylint: disable=broad-except
+      print(f"run_rl: {self.label}the other processes did not finish within {self.agreement.timeout_s:g} s ({e})",
+            file=sys.stderr, flush=True)
+      return
+    jax.distributed.shutdown()
+
+
+def single() -> Job:
+  return Job(ProcessIdentity(0, 1, None), SingleProcess())
+
+
+def join_job(section, *, on_lost: Callable[[str], Any] | None = None) -> Job:
+  """Joins the job ``section`` describes and starts the watchdog (see ``bringup.join``)."""
+  identity = join(section)
+  client = key_value_client()
+  agreement = KeyValueAgreement(client, identity.process_id, identity.num_processes, timeout_s=section.timeout_s)
+  job = Job(identity, agreement, distributed=True)
+  if identity.num_processes > 1:
+    job.watchdog = Watchdog(client, identity.process_id, identity.num_processes, timeout_s=section.timeout_s,
+                            on_lost=on_lost or (lambda line: _exit_lost(job, line))).start()
+  return job
+
+
+def _exit_lost(job: Job, line: str) -> None:
+  print(f"run_rl: {job.label}{line}; ending this process", file=sys.stderr, flush=True)
+  os._exit(1)

@@ -1,0 +1,171 @@
+"""``distributed.num_processes=N`` on one host: start N ``run_rl`` processes, watch them, say how they ended.
+
+Each child is the same ``run_rl`` command with its identity in the environment
+(``STEP_BOUNDARY_PROCESS_ID``, ``STEP_BOUNDARY_COORDINATOR_ADDRESS``, a free
+loopback port), its share of the mesh's devices as forced CPU devices, and the
+run's output directory pinned. Process 0 keeps this terminal (its table,
+summary and refusals are the run's); the others write to
+``OUT/processes/process_<i>.log``.
+
+The launcher imports no JAX and holds no device. It stays in the terminal's
+process group with its children, so a Ctrl-C reaches every process and they
+agree to stop at the same boundary; it ignores that first signal itself. When
+a process dies, the others end by themselves (their watchdog, or JAX's) within
+``distributed.timeout_s``; any still running after that are killed, and one
+line names the process that died first.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+#: Exit codes every process reports alike (a refusal, a stop): the launcher passes them on.
+_SHARED_ENDINGS = (2, 130, 143)
+LOGS_DIR = "processes"
+
+
+def free_loopback_port() -> int:
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def child_env(base: dict, *, process_id: int, coordinator: str, devices_per_process: int) -> dict:
+  """The environment of local process ``process_id``: its identity and its forced CPU devices."""
+  flags = [f for f in base.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
+  env = dict(base, JAX_PLATFORMS="cpu", STEP_BOUNDARY_PROCESS_ID=str(process_id), STEP_BOUNDARY_LAUNCHED="1",
+             STEP_BOUNDARY_COORDINATOR_ADDRESS=coordinator,
+             XLA_FLAGS=" ".join(flags + [f"--xla_force_host_platform_device_count={devices_per_process}"]))
+  env.pop("PJRT_NPROC", None)  # each process sizes XLA's pool itself (run.reserve_host_core)
+  return env
+
+
+def _signal_name(returncode: int) -> str:
+  try:
+    return signal.Signals(-returncode).name
+  except ValueError:
+    return f"signal {-returncode}"
+
+
+def _last_step(out: Path) -> int | None:
+  """The step process 0 was at when it ended, from the summary it wrote on the way out (None if none)."""
+  import json  # pylint: disable=import-outside-toplevel
+
+  try:
+    step = json.loads((out / "summary.json").read_text(encoding="utf-8")).get("last_step")
+  except (OSError, ValueError):
+    return None
+  return step if isinstance(step, int) else None
+
+
+class LocalJob:
+  """N local ``run_rl`` processes of one run (see the module docstring)."""
+
+  def __init__(self, argv: list[str], *, num_processes: int, devices_per_process: int, out: Path,
+               timeout_s: float):
+    self.argv, self.n, self.out, self.timeout_s = list(argv), num_processes, out, timeout_s
+    self.devices_per_process = devices_per_process
+    self.coordinator = f"127.0.0.1:{free_loopback_port()}"
+    self._log_dir = Path(tempfile.mkdtemp(prefix="run_rl-processes-"))
+    self.log_paths = {i: self._log_dir / f"process_{i}.log" for i in range(1, num_processes)}
+    self.processes: list[subprocess.Popen] = []
+
+  def run(self) -> int:
+    """Starts the processes, waits for them, and returns the run's exit code."""
+    previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+      self._start()
+      returncodes, first = self._wait()
+    finally:
+      for sig, handler in previous.items():
+        signal.signal(sig, handler)
+      self._kill_all()
+      logs = self._keep_logs()
+    return self._report(returncodes, first, logs)
+
+  def _start(self) -> None:
+    cmd = [sys.executable, "-m", "orchestrator.cli", *self.argv]
+    for i in range(self.n):
+      env = child_env(os.environ, process_id=i, coordinator=self.coordinator,
+                      devices_per_process=self.devices_per_process)
+      out = None if i == 0 else open(self.log_paths[i], "wb")  # pylint: disable=consider-using-with
+      self.processes.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=out,
+                                             stderr=None if i == 0 else subprocess.STDOUT))
+      if out is not None:
+        out.close()
+
+  def _on_signal(self, signum: int, frame) -> None:
+    del frame
+    if signum == signal.SIGTERM:  # sent to the launcher alone: pass it on, the processes stop at a boundary
+      for p in self.processes:
+        if p.poll() is None:
+          p.send_signal(signal.SIGTERM)
+    # SIGINT from a terminal reaches every process of the group already: nothing to do here.
+
+  def _wait(self) -> tuple[list[int | None], int | None]:
+    """Waits for every process; after the first failure, at most ``timeout_s`` (+5 s) for the rest."""
+    first, deadline = None, None
+    while True:
+      codes = [p.poll() for p in self.processes]
+      if first is None:
+        failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
+        if failed:
+          first, deadline = failed[0], time.monotonic() + self.timeout_s + 5
+      if all(c is not None for c in codes):
+        return codes, first
+      if deadline is not None and time.monotonic() > deadline:
+        return codes, first
+      time.sleep(0.05)
+
+  def _kill_all(self) -> None:
+    for p in self.processes:
+      if p.poll() is None:
+        p.kill()
+    for p in self.processes:
+      p.wait()
+
+  def _keep_logs(self) -> dict[int, Path]:
+    """Moves the processes' logs into the run directory once process 0 claimed it (else leaves them)."""
+    if not (self.out / "config.json").is_file():
+      return dict(self.log_paths)
+    target = self.out / LOGS_DIR
+    target.mkdir(exist_ok=True)
+    kept = {}
+    for i, path in self.log_paths.items():
+      if path.exists():
+        kept[i] = Path(shutil.move(str(path), target / path.name))
+    shutil.rmtree(self._log_dir, ignore_errors=True)
+    return kept
+
+  def _report(self, returncodes: list[int | None], first: int | None, logs: dict[int, Path]) -> int:
+    if first is None:
+      return 0
+    code = returncodes[first]
+    if code in _SHARED_ENDINGS and all(c == code for c in returncodes):
+      return code  # process 0 said why (a refusal, a stop)
+    pid = self.processes[first].pid
+    if code is not None and code < 0:
+      how = f"was killed by {_signal_name(code)}"
+    else:
+      how = f"failed (exit {code})"
+      if first in logs and logs[first].exists():
+        lines = [l for l in logs[first].read_text(errors="replace").splitlines() if l.startswith("run_rl")]
+        if lines:
+          how += f": {lines[-1]}"
+    where = (f"records so far are in {self.out / 'records.jsonl'}; `run_rl --resume {self.out}` continues from the"
+             " last complete checkpoint") if (self.out / "config.json").is_file() else "nothing was written"
+    step = _last_step(self.out)
+    if step is not None:
+      how += f" while process 0 was at step {step}"
+    log = f"; its log: {logs[first]}" if first in logs else ""
+    print(f"\nrun_rl: process {first} of {self.n} (pid {pid}) {how}; the other processes were ended ({where}){log}",
+          file=sys.stderr, flush=True)
+    return 1
