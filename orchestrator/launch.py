@@ -171,7 +171,8 @@ def start(resolved: config_lib.ResolvedRecipe, out: Path | None, *, argv: list[s
     job = _join(recipe, out)
   except DistributedError as e:
     return _refuse(e, code=1)
-  try:
+
+  def checks():
     if job.is_primary:  # process 0 owns the run directory
       run_dir.check_new(out)
       record_to = recipe.rollouts.record_to
@@ -179,13 +180,12 @@ def start(resolved: config_lib.ResolvedRecipe, out: Path | None, *, argv: list[s
         raise RunDirError(f"rollouts.record_to={record_to} already exists; recordings are read-only, choose a new"
                           " directory")
     host = _setup_host(recipe, distributed=job.distributed)
-    source = preflight(recipe, out, run_id=run_id, distributed=job.distributed, primary=job.is_primary)
-    refusal = None
-  except REFUSALS as e:
-    refusal = e
-  refusal = job.first_refusal(refusal)
-  if refusal is not None:
-    return _refuse(refusal, job=job)
+    return host, preflight(recipe, out, run_id=run_id, distributed=job.distributed, primary=job.is_primary)
+
+  checked, code = _agreed(job, checks)
+  if code is not None:
+    return code
+  host, source = checked
   claimed = {"run_id": run_id, "out": str(out), "refusal": None}
   if job.is_primary:
     try:
@@ -203,6 +203,17 @@ def start(resolved: config_lib.ResolvedRecipe, out: Path | None, *, argv: list[s
           f" {recipe.steps} steps × {recipe.batch.micro_batches_per_step} micro-batches; out {out};"
           f" host core reserved: {host}{processes}", file=sys.stderr)
   return _run(recipe, out, source=source, run_id=run_id, resume=None, job=job)
+
+
+def _agreed(job, checks):
+  """Runs ``checks`` (which may refuse) in every process and exchanges the refusals, so that every process
+  goes on or refuses together: ``(what checks returned, None)`` or ``(None, exit code)``."""
+  try:
+    result, refusal = checks(), None
+  except REFUSALS as e:
+    result, refusal = None, e
+  refusal = job.first_refusal(refusal)
+  return (result, None) if refusal is None else (None, _refuse(refusal, job=job))
 
 
 def _launch_local(recipe, out: Path, argv: list[str], *, check_out: bool) -> int:
@@ -279,17 +290,17 @@ def resume(path: Path, steps: int | None) -> int:
     job = _join(recipe, path)
   except DistributedError as e:
     return _refuse(e, code=1)
-  try:
+
+  def checks():
     _setup_host(recipe, distributed=job.distributed)
     point = resume_point(recipe, path, config["run_id"], primary=job.is_primary)
-    source = preflight(recipe, path, run_id=config["run_id"], steps=recipe.steps, distributed=job.distributed,
-                       primary=job.is_primary)
-    refusal = None
-  except REFUSALS as e:
-    refusal = e
-  refusal = job.first_refusal(refusal)
-  if refusal is not None:
-    return _refuse(refusal, job=job)
+    return point, preflight(recipe, path, run_id=config["run_id"], steps=recipe.steps, distributed=job.distributed,
+                            primary=job.is_primary)
+
+  checked, code = _agreed(job, checks)
+  if code is not None:
+    return code
+  point, source = checked
   if job.is_primary:
     print(f"run_rl: resuming {path} ({recipe.name}, mode {recipe.mode.name}) after step {point.steps_done - 1}"
           f" from checkpoint {point.checkpoint_step}; {recipe.steps - point.steps_done} steps to go",
