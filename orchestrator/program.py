@@ -157,13 +157,46 @@ def update_delay(recorder: Recorder, boundary: "_Boundary", m: int, threshold: f
     return None
 
 
-def merge_process_timings(agreement: SingleProcess, recorder: Recorder, summary: dict) -> None:
-  """Every process's own timings into the summary (process 0 writes it), and what agreeing cost."""
-  timings = agreement.exchange("process timings", recorder.process_timings())
-  summary["processes"] = [dict(t, process_id=i) for i, t in enumerate(timings)]
+#: Trace events each process sends process 0 (the last ones of a long run): keeps each exchange small.
+MERGED_TRACE_EVENTS = 5000
+
+
+def merge_process_timings(agreement: SingleProcess, recorder: Recorder, summary: dict, trace_path: str | None) -> None:
+  """Every process's own timings into the summary and its trace events into the trace (process 0 writes
+  both), and what agreeing cost."""
+  mine = dict(recorder.process_timings(), wall_start=recorder.wall_start)
+  mine["trace_events"] = recorder.trace_events(MERGED_TRACE_EVENTS) if agreement.num_processes > 1 else []
+  timings = agreement.exchange("process timings", mine)
+  if agreement.is_primary and trace_path and len(timings) > 1:
+    merge_traces(trace_path, timings)
+  summary["processes"] = [dict({k: v for k, v in t.items() if k != "trace_events"}, process_id=i)
+                          for i, t in enumerate(timings)]
   seconds = sorted(agreement.exchange_s)
   summary["agreement"] = {"exchanges": len(seconds), "median_s": seconds[len(seconds) // 2] if seconds else None,
                           "max_s": seconds[-1] if seconds else None}
+
+
+def merge_traces(trace_path: str, timings: list[dict]) -> None:
+  """Adds processes 1.. to process 0's trace: their own device and host tracks, named, on process 0's
+  time axis (lined up by each process's wall clock at the start of the run)."""
+  import json  # pylint: disable=import-outside-toplevel
+  from pathlib import Path  # pylint: disable=import-outside-toplevel
+
+  path = Path(trace_path)
+  trace = json.loads(path.read_text())
+  for event in trace["traceEvents"]:
+    if event.get("name") == "process_name":
+      event["args"] = {"name": f"process 0: {event['args']['name']}"}
+  for process_id, t in enumerate(timings[1:], start=1):
+    shift_us = (t["wall_start"] - timings[0]["wall_start"]) * 1e6
+    for event in t["trace_events"]:
+      event = dict(event, pid=event["pid"] + 100 * process_id)
+      if event.get("name") == "process_name":
+        event["args"] = {"name": f"process {process_id}: {event['args']['name']}"}
+      if "ts" in event:
+        event["ts"] += shift_us
+      trace["traceEvents"].append(event)
+  path.write_text(json.dumps(trace))
 
 
 class RLProgram:
@@ -254,7 +287,7 @@ class RLProgram:
                           checkpoint_path=result.checkpoint_path)
     result.records_path, result.trace_path = result.summary.get("records_path"), trace_path
     if hasattr(self.agreement, "exchange_s"):  # a job's: what agreeing cost, and every process's timings
-      merge_process_timings(self.agreement, self.recorder, result.summary)
+      merge_process_timings(self.agreement, self.recorder, result.summary, trace_path)
     result.watched, result.host_spans = self.recorder.watched(), list(self.recorder.spans)
     result.run_start = self.recorder.run_start
     return result

@@ -13,6 +13,7 @@ import dataclasses
 import enum
 import json
 import statistics
+import time
 from collections.abc import Callable, Hashable, Sequence
 from pathlib import Path
 from typing import Any
@@ -140,6 +141,7 @@ class Recorder:
       self._records_file = (self.out_dir / "records.jsonl").open("a" if self._append else "w")
     self._watcher = CompletionWatcher(self.clock)
     self.run_start = self.clock()
+    self.wall_start = time.time()  # lines up the traces of a job's processes (one host, or NTP across hosts)
 
   def close(self) -> str | None:
     """Waits for every stamp, closes the records file, writes the trace; returns its path."""
@@ -154,6 +156,15 @@ class Recorder:
     path = self.out_dir / "trace.json"
     path.write_text(json.dumps(chrome_trace(self.watched(), self.spans, self.records, self.run_start)))
     return str(path)
+
+  def trace_events(self, limit: int) -> list[dict[str, Any]]:
+    """This process's trace events (the last ``limit`` of them), for process 0 to merge into the run's trace."""
+    from orchestrator.trace import chrome_trace  # pylint: disable=import-outside-toplevel
+
+    events = chrome_trace(self.watched(), self.spans, self.records, self.run_start)["traceEvents"]
+    meta = [e for e in events if e["ph"] == "M"]
+    timed = sorted((e for e in events if e["ph"] != "M"), key=lambda e: e["ts"])
+    return meta + timed[-limit:]
 
   # ---------------------------------------------------------------- what happened
   def watch(self, key: Hashable, receipt: Receipt, *, kind: str, step: int, micro_step: int) -> None:

@@ -4,8 +4,8 @@ Each child is the same ``run_rl`` command with its identity in the environment
 (``STEP_BOUNDARY_PROCESS_ID``, ``STEP_BOUNDARY_COORDINATOR_ADDRESS``, a free
 loopback port), its share of the mesh's devices as forced CPU devices, and the
 run's output directory pinned. Process 0 keeps this terminal (its table,
-summary and refusals are the run's); the others write to
-``OUT/processes/process_<i>.log``.
+summary and refusals are the run's; its stdout is relayed without Gloo's
+connection notices); the others write to ``OUT/processes/process_<i>.log``.
 
 The launcher imports no JAX and holds no device. It stays in the terminal's
 process group with its children, so a Ctrl-C reaches every process and they
@@ -24,6 +24,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -46,6 +47,14 @@ def child_env(base: dict, *, process_id: int, coordinator: str, devices_per_proc
              XLA_FLAGS=" ".join(flags + [f"--xla_force_host_platform_device_count={devices_per_process}"]))
   env.pop("PJRT_NPROC", None)  # each process sizes XLA's pool itself (run.reserve_host_core)
   return env
+
+
+def _relay_stdout(stream) -> None:
+  """Process 0's stdout (the run's table and summary) to ours, less Gloo's connection notices."""
+  for line in iter(stream.readline, b""):
+    if not line.startswith(b"[Gloo] "):
+      sys.stdout.buffer.write(line)
+      sys.stdout.buffer.flush()
 
 
 def _signal_name(returncode: int) -> str:
@@ -77,6 +86,7 @@ class LocalJob:
     self._log_dir = Path(tempfile.mkdtemp(prefix="run_rl-processes-"))
     self.log_paths = {i: self._log_dir / f"process_{i}.log" for i in range(1, num_processes)}
     self.processes: list[subprocess.Popen] = []
+    self._relay: threading.Thread | None = None
 
   def run(self) -> int:
     """Starts the processes, waits for them, and returns the run's exit code."""
@@ -88,6 +98,8 @@ class LocalJob:
       for sig, handler in previous.items():
         signal.signal(sig, handler)
       self._kill_all()
+      if self._relay is not None:
+        self._relay.join(timeout=5)
       logs = self._keep_logs()
     return self._report(returncodes, first, logs)
 
@@ -96,10 +108,13 @@ class LocalJob:
     for i in range(self.n):
       env = child_env(os.environ, process_id=i, coordinator=self.coordinator,
                       devices_per_process=self.devices_per_process)
-      out = None if i == 0 else open(self.log_paths[i], "wb")  # pylint: disable=consider-using-with
+      out = subprocess.PIPE if i == 0 else open(self.log_paths[i], "wb")  # pylint: disable=consider-using-with
       self.processes.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=out,
                                              stderr=None if i == 0 else subprocess.STDOUT))
-      if out is not None:
+      if i == 0:
+        self._relay = threading.Thread(target=_relay_stdout, args=(self.processes[0].stdout,), daemon=True)
+        self._relay.start()
+      else:
         out.close()
 
   def _on_signal(self, signum: int, frame) -> None:
