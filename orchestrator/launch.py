@@ -234,7 +234,7 @@ class _LostPeer:
   """What a process does when the watchdog reports a lost peer: one line, the summary (process 0), exit 1."""
 
   def __init__(self, out: Path):
-    self.out, self.job, self.handle, self.claimed = out, None, None, False
+    self.out, self.job, self.handle = out, None, None
 
   def __call__(self, line: str) -> None:
     step = self.handle.current_step if self.handle is not None else None

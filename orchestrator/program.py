@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
-from orchestrator.distributed.agreement import SingleProcess, combine_max
+from orchestrator.distributed.agreement import KeyValueAgreement, SingleProcess, combine_max
 from orchestrator.recorder import BoundaryRecord, Lane, Recorder, Span, fwd_bwd_key, update_key
 from orchestrator.trainer_worker import StageReceipt, TrainerWorker
 from orchestrator.watcher import Watched
@@ -165,7 +165,8 @@ def merge_process_timings(agreement: SingleProcess, recorder: Recorder, summary:
   """Every process's own timings into the summary and its trace events into the trace (process 0 writes
   both), and what agreeing cost."""
   mine = dict(recorder.process_timings(), wall_start=recorder.wall_start)
-  mine["trace_events"] = recorder.trace_events(MERGED_TRACE_EVENTS) if agreement.num_processes > 1 else []
+  # Process 0's own events are in its trace file already; the others send theirs.
+  mine["trace_events"] = [] if agreement.is_primary else recorder.trace_events(MERGED_TRACE_EVENTS)
   timings = agreement.exchange("process timings", mine)
   if agreement.is_primary and trace_path and len(timings) > 1:
     merge_traces(trace_path, timings)
@@ -286,7 +287,7 @@ class RLProgram:
     result.summary.update(trace_path=trace_path, ended=result.ended, last_step=result.last_step,
                           checkpoint_path=result.checkpoint_path)
     result.records_path, result.trace_path = result.summary.get("records_path"), trace_path
-    if hasattr(self.agreement, "exchange_s"):  # a job's: what agreeing cost, and every process's timings
+    if isinstance(self.agreement, KeyValueAgreement):  # a job's: what agreeing cost, every process's timings
       merge_process_timings(self.agreement, self.recorder, result.summary, trace_path)
     result.watched, result.host_spans = self.recorder.watched(), list(self.recorder.spans)
     result.run_start = self.recorder.run_start

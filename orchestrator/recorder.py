@@ -243,7 +243,7 @@ class Recorder:
         t_update_ready=update_ready - self.run_start,
         t_next_first_dispatch=None if first_dispatch is None else first_dispatch - self.run_start,
         next_ready=boundary.next_ready, rollout_wait_s=boundary.rollout_wait_s, **(boundary.rollout or {}),
-        per_process=getattr(boundary, "per_process", None),
+        per_process=boundary.per_process,
     )
     self.records.append(record)
     if self._records_file:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -92,8 +93,6 @@ class KeyValueAgreement(SingleProcess):
       ProcessLostError: a process did not post its value within ``timeout_s``.
       AgreementError: a process posted under another tag.
     """
-    import time  # pylint: disable=import-outside-toplevel
-
     start = time.perf_counter()
     if self.num_processes == 1:  # nobody to agree with: no round trip
       self.exchanges += 1
