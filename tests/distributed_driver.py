@@ -36,10 +36,10 @@ def _staged_rows(engine, source) -> dict:
 
 
 def run_config(job, recipe_path: str, overrides: list[str]) -> dict:
-  from orchestrator import config as config_lib
-  from orchestrator.program import RLProgram
-  from orchestrator.runner import build_engine_from_recipe, policy_from_recipe, program_config, rollout_source
-  from orchestrator.trainer_worker import TrainerWorker
+  from orchestrator import recipe as config_lib
+  from orchestrator.loop.program import RLProgram
+  from orchestrator.app.runner import build_engine_from_recipe, policy_from_recipe, program_config, rollout_source
+  from orchestrator.loop.trainer_worker import TrainerWorker
   from policies import Mode
 
   recipe = config_lib.resolve(recipe_path, overrides=overrides).recipe
@@ -62,7 +62,7 @@ def run_config(job, recipe_path: str, overrides: list[str]) -> dict:
 
 
 def main(prefix: str, configs_json: str) -> None:
-  from orchestrator import config as config_lib
+  from orchestrator import recipe as config_lib
   from orchestrator.distributed.job import join_job
 
   from orchestrator.distributed.bringup import fix_xla_threads

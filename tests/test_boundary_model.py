@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator import cli
+from orchestrator.app import cli
 from policies import Mode
 from policies.boundary_model import Components, band, predict
 
@@ -97,7 +97,7 @@ def test_simulate_refuses_a_bad_override(capsys):
 
 
 def test_simulate_from_a_run_fits_its_components_and_shows_what_it_measured(tmp_path, capsys, monkeypatch):
-  from orchestrator import config as config_lib
+  from orchestrator import recipe as config_lib
 
   for name in config_lib.ENV_SWITCHES:
     monkeypatch.delenv(name, raising=False)

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from orchestrator import cli
-from orchestrator import config as config_lib
+from orchestrator.app import cli
+from orchestrator import recipe as config_lib
 from policies import Mode
 from tests.conftest import REPO
 
@@ -199,7 +199,7 @@ def test_print_config_shows_every_key_and_its_source(capsys):
 
 
 def test_failure_during_the_run_exits_1_naming_the_step(tmp_path, capsys, monkeypatch):
-  from orchestrator import runner
+  from orchestrator.app import runner
 
   class Boom:
     current_step = 2
@@ -229,7 +229,7 @@ def test_run_rl_end_to_end_on_the_tiny_preset(tmp_path):
   for name in config_lib.ENV_SWITCHES:
     env.pop(name, None)
   proc = subprocess.run(
-      [sys.executable, "-m", "orchestrator.cli", "model=tiny", "batch.rows=16", "steps=4",
+      [sys.executable, "-m", "orchestrator.app.cli", "model=tiny", "batch.rows=16", "steps=4",
        "batch.micro_batches_per_step=2", "checkpoint.every=2", f"checkpoint.directory={tmp_path / 'ckpt'}",
        "--out", str(out)],
       capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600,

@@ -9,9 +9,9 @@ import pytest
 
 from orchestrator.contract import (
     CheckpointingEngine, Receipt, StagingEngine, TrainingEngine, WeightSource, missing_methods)
-from orchestrator.program import ProgramConfig, RLProgram
-from orchestrator.recorder import Lane
-from orchestrator.trainer_worker import TrainerWorker
+from orchestrator.loop.program import ProgramConfig, RLProgram
+from orchestrator.loop.recorder import Lane
+from orchestrator.loop.trainer_worker import TrainerWorker
 from policies import Mode, StepBoundaryPolicy
 from tests.fakes import NoStagingEngine, RecordingEngine, payload_steps
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from orchestrator import config as config_lib
+from orchestrator import recipe as config_lib
 from orchestrator.data import packing
 from orchestrator.data.synthetic import SyntheticRollouts
 from orchestrator.distributed import launcher
@@ -109,7 +109,7 @@ RUN = ["--recipe", "recipes/mesh_4dev.yaml", "rollouts.source=synthetic", "mesh.
 
 
 def _run_rl(args, timeout=600, **kwargs):
-  return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], cwd=REPO, capture_output=True, text=True,
+  return subprocess.run([sys.executable, "-m", "orchestrator.app.cli", *args], cwd=REPO, capture_output=True, text=True,
                         timeout=timeout, **kwargs)
 
 
@@ -131,7 +131,7 @@ def _process_pids(launcher_pid: int) -> dict[int, int]:
 def test_a_killed_process_ends_the_run_in_one_line_and_resume_reaches_the_uninterrupted_digest(tmp_path):
   out = tmp_path / "run"
   args = RUN + ["steps=16", "distributed.num_processes=2", "--out", str(out)]
-  run = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", *args], cwd=REPO, stdout=subprocess.PIPE,
+  run = subprocess.Popen([sys.executable, "-m", "orchestrator.app.cli", *args], cwd=REPO, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
   deadline = time.monotonic() + 300
   while not (out / "checkpoints" / "2").is_dir() and run.poll() is None and time.monotonic() < deadline:
@@ -283,7 +283,7 @@ def test_a_run_never_saves_one_processs_identity():
 @pytest.mark.parametrize("command", [["rig", "--recording", "recordings/rig_small"],
                                      ["serve-trainer", "--listen", "127.0.0.1:0"]])
 def test_commands_of_one_process_refuse_a_distributed_recipe(command, capsys):
-  from orchestrator import cli
+  from orchestrator.app import cli
 
   code = cli.main(command + ["--recipe", "recipes/rig_cpu.yaml", "distributed.num_processes=2"])
   err = capsys.readouterr().err.strip().splitlines()
@@ -304,7 +304,7 @@ class _TwoProcesses(SingleProcess):
 
 @pytest.mark.parametrize("agreed", [True, False], ids=["agreed", "negative-control-local-only"])
 def test_processes_that_measured_different_waits_still_take_the_same_path(agreed):
-  from orchestrator.program import agree_on_measurements
+  from orchestrator.loop.program import agree_on_measurements
   from policies import StepBoundaryPolicy
 
   low = {"stage_s": 0.004, "device_wait_s": 0.0001, "update_delay_s": 0.003, "rollout_wait_s": 0.0}
@@ -326,7 +326,7 @@ def test_processes_that_measured_different_waits_still_take_the_same_path(agreed
 @pytest.mark.slow
 def test_a_signal_to_one_process_stops_every_process_after_the_same_step_with_a_checkpoint(tmp_path):
   out = tmp_path / "run"
-  run = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", *RUN, "steps=200", "checkpoint.every=0",
+  run = subprocess.Popen([sys.executable, "-m", "orchestrator.app.cli", *RUN, "steps=200", "checkpoint.every=0",
                           "distributed.num_processes=2", "--out", str(out)], cwd=REPO, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
   deadline = time.monotonic() + 300

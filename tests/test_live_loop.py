@@ -7,12 +7,12 @@ import shutil
 
 import pytest
 
-from orchestrator import cli
-from orchestrator import config as config_lib
+from orchestrator.app import cli
+from orchestrator import recipe as config_lib
 from orchestrator.live.rollouts import LiveRollouts, LiveShape, RolloutError
 from orchestrator.live.tasks import FirstLetter
-from orchestrator.program import ProgramConfig, RLProgram
-from orchestrator.trainer_worker import TrainerWorker
+from orchestrator.loop.program import ProgramConfig, RLProgram
+from orchestrator.loop.trainer_worker import TrainerWorker
 from policies import Mode, StepBoundaryPolicy
 
 STEPS, MICRO = 4, 2

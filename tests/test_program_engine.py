@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from orchestrator.program import ProgramConfig, RLProgram
-from orchestrator.trainer_worker import TrainerWorker
+from orchestrator.loop.program import ProgramConfig, RLProgram
+from orchestrator.loop.trainer_worker import TrainerWorker
 from policies import Mode, StepBoundaryPolicy
 
 STEPS, MICRO = 4, 2

@@ -13,8 +13,8 @@ import shutil
 import numpy as np
 import pytest
 
-from orchestrator import cli
-from orchestrator import config as config_lib
+from orchestrator.app import cli
+from orchestrator import recipe as config_lib
 from orchestrator.data.packing import pack_payload
 from orchestrator.data.recording import MANIFEST, write_recording
 from orchestrator.data.synthetic import RolloutShape, generate_groups

@@ -11,8 +11,8 @@ import grpc
 import numpy as np
 import pytest
 
-from orchestrator import cli
-from orchestrator import config as config_lib
+from orchestrator.app import cli
+from orchestrator import recipe as config_lib
 from orchestrator.data.trajectory import Trajectory
 from orchestrator.remote import protocol, wire
 
@@ -95,7 +95,7 @@ def _recipe(*overrides):
 def server(tmp_path_factory):
   """A tiny-model trainer on a free loopback port, with a token; yields its address."""
   from orchestrator.remote.server import TrainerService, start_server
-  from orchestrator.runner import build_engine_from_recipe
+  from orchestrator.app.runner import build_engine_from_recipe
 
   recipe = _recipe()
   ckpt = str(tmp_path_factory.mktemp("server-ckpt"))
@@ -217,7 +217,7 @@ def test_a_remote_run_without_the_token_is_refused_before_it_starts(server, tmp_
 
 def test_serve_trainer_refuses_a_non_loopback_bind_without_a_token(tmp_path):
   env = {k: v for k, v in os.environ.items() if k != protocol.TOKEN_ENV}
-  proc = subprocess.run([sys.executable, "-m", "orchestrator.cli", "serve-trainer", "model=tiny",
+  proc = subprocess.run([sys.executable, "-m", "orchestrator.app.cli", "serve-trainer", "model=tiny",
                          "--listen", "0.0.0.0:0"], capture_output=True, text=True, env=env, timeout=120, check=False)
   assert proc.returncode == 2
   assert proc.stderr.strip().splitlines() == [
@@ -257,7 +257,7 @@ def test_a_trainer_killed_mid_run_ends_the_driver_within_its_timeout(tmp_path):
   import time
 
   out = tmp_path / "run"
-  driver = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", *BASE, "steps=100000", "trainer.location=remote",
+  driver = subprocess.Popen([sys.executable, "-m", "orchestrator.app.cli", *BASE, "steps=100000", "trainer.location=remote",
                              "trainer.spawn=true", "trainer.timeout_s=10", "--out", str(out)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_child_env())
   records = out / "records.jsonl"
@@ -277,7 +277,7 @@ def test_a_trainer_killed_mid_run_ends_the_driver_within_its_timeout(tmp_path):
 @pytest.mark.slow
 def test_a_driver_killed_mid_run_leaves_the_trainer_ready_to_resume(tmp_path, capsys):
   ckpt = tmp_path / "ckpt"
-  server = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "serve-trainer", *BASE, "--listen",
+  server = subprocess.Popen([sys.executable, "-m", "orchestrator.app.cli", "serve-trainer", *BASE, "--listen",
                              "127.0.0.1:0", "--checkpoint-dir", str(ckpt)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_child_env())
   try:
@@ -286,7 +286,7 @@ def test_a_driver_killed_mid_run_leaves_the_trainer_ready_to_resume(tmp_path, ca
     remote = ["trainer.location=remote", f"trainer.address={address}", f"checkpoint.directory={ckpt}",
               "checkpoint.every=2"]
     out = tmp_path / "run"
-    driver = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", *BASE, *remote, "steps=100000", "--out",
+    driver = subprocess.Popen([sys.executable, "-m", "orchestrator.app.cli", *BASE, *remote, "steps=100000", "--out",
                                str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_child_env())
     _wait_for(lambda: (ckpt / "4").is_dir(), 180, "a checkpoint at step 4")
     driver.kill()
@@ -313,7 +313,7 @@ def test_ctrl_c_on_a_spawned_trainer_run_stops_cleanly_and_leaves_no_trainer(tmp
   import signal
 
   out = tmp_path / "run"
-  driver = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", *BASE, "steps=100000", "trainer.location=remote",
+  driver = subprocess.Popen([sys.executable, "-m", "orchestrator.app.cli", *BASE, "steps=100000", "trainer.location=remote",
                              "trainer.spawn=true", "--out", str(out)], stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, env=_child_env(), start_new_session=True)
   records = out / "records.jsonl"
@@ -331,7 +331,7 @@ def test_ctrl_c_on_a_spawned_trainer_run_stops_cleanly_and_leaves_no_trainer(tmp
 @pytest.mark.slow
 def test_a_spawned_trainer_exits_when_its_driver_is_killed(tmp_path):
   out = tmp_path / "run"
-  driver = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", *BASE, "steps=100000", "trainer.location=remote",
+  driver = subprocess.Popen([sys.executable, "-m", "orchestrator.app.cli", *BASE, "steps=100000", "trainer.location=remote",
                              "trainer.spawn=true", "--out", str(out)], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, env=_child_env())
   _wait_for(lambda: (out / "records.jsonl").exists(), 180, "the first step")

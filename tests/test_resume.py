@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import cli
-from orchestrator import config as config_lib
+from orchestrator.app import cli
+from orchestrator import recipe as config_lib
 from policies import Mode
 from tests.conftest import REPO
 
@@ -131,7 +131,7 @@ def _child(argv) -> subprocess.Popen:
   env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
   for name in config_lib.ENV_SWITCHES:
     env.pop(name, None)
-  return subprocess.Popen([sys.executable, "-m", "orchestrator.cli", *argv], cwd=REPO, env=env,
+  return subprocess.Popen([sys.executable, "-m", "orchestrator.app.cli", *argv], cwd=REPO, env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from orchestrator import config as config_lib
+from orchestrator import recipe as config_lib
 from orchestrator.data.recording import write_recording
 from orchestrator.data.synthetic import RolloutShape, generate_groups
 from orchestrator.rig import run_rig
@@ -114,7 +114,7 @@ def test_the_rig_runs_over_a_remote_trainer_with_the_same_verdicts(rig_inputs, c
   """The arms drive a spawned serve-trainer; its host records the calls. A skipped update there still fails."""
   import dataclasses
 
-  from orchestrator import cli
+  from orchestrator.app import cli
 
   recipe, rec, root = rig_inputs
   remote = dataclasses.replace(recipe, trainer=dataclasses.replace(recipe.trainer, location="remote", spawn=True))

@@ -6,8 +6,8 @@ import logging
 
 import pytest
 
-from orchestrator.program import ProgramConfig, RLProgram
-from orchestrator.trainer_worker import TrainerWorker, WorkerUsageError
+from orchestrator.loop.program import ProgramConfig, RLProgram
+from orchestrator.loop.trainer_worker import TrainerWorker, WorkerUsageError
 from policies import Mode, StepBoundaryPolicy
 from tests.fakes import NoStagingEngine, RecordingEngine, payload_steps
 

@@ -6,9 +6,9 @@ import types
 
 import pytest
 
-from orchestrator.tunix_grpo import compat
-from orchestrator.tunix_grpo.compat import UnsupportedTunixError
-from orchestrator.tunix_grpo.throttle import CountingThrottler
+from integrations.tunix_grpo import compat
+from integrations.tunix_grpo.compat import UnsupportedTunixError
+from integrations.tunix_grpo.throttle import CountingThrottler
 
 
 # ---------------------------------------------------------------- refusals (no model needed)

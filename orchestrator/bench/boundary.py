@@ -43,12 +43,12 @@ def main(argv=None) -> int:
   import logging
 
   logging.basicConfig(level=logging.WARNING, format="%(message)s")
-  from orchestrator.config import Recipe
+  from orchestrator.recipe import Recipe
   from orchestrator.data.synthetic import SyntheticRollouts
   from orchestrator.engine import build_engine
-  from orchestrator.program import ProgramConfig, RLProgram
-  from orchestrator.runner import policy_from_recipe
-  from orchestrator.trainer_worker import TrainerWorker
+  from orchestrator.loop.program import ProgramConfig, RLProgram
+  from orchestrator.app.runner import policy_from_recipe
+  from orchestrator.loop.trainer_worker import TrainerWorker
   from policies import Mode
 
   engine = build_engine(args.preset, rows=args.rows, tokens_per_row=args.tokens_per_row)

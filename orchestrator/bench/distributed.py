@@ -27,7 +27,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from orchestrator.config import RECIPES_DIR
+from orchestrator.recipe import RECIPES_DIR
 
 WARMUP_STEPS = 2
 MODES = {"off": ["--no-pipeline_step_boundary", "--no-stage_before_update"], "stage_before_update": []}
@@ -37,7 +37,7 @@ def _run(out: Path, processes: int, mode: str, steps: int, rows: int) -> dict:
   args = ["--recipe", str(RECIPES_DIR / "mesh_4dev.yaml"), "rollouts.source=synthetic", "mesh.fsdp=2",
           "mesh.context=2", "mesh.expert=1", f"batch.rows={rows}", f"steps={steps}",
           f"distributed.num_processes={processes}", "--out", str(out), *MODES[mode]]
-  done = subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], capture_output=True, text=True, check=False)
+  done = subprocess.run([sys.executable, "-m", "orchestrator.app.cli", *args], capture_output=True, text=True, check=False)
   if done.returncode != 0:
     raise SystemExit(f"run failed ({processes} processes, {mode}): {done.stderr.strip().splitlines()[-1:]}")
   summary = json.loads((out / "summary.json").read_text())

@@ -18,9 +18,9 @@ import sys
 
 def _arm(recipe, engine, start, initial, sampler, mode, staleness: int, steps: int) -> dict:
   from orchestrator.live.rollouts import LiveRollouts, LiveShape
-  from orchestrator.program import RLProgram
-  from orchestrator.runner import policy_from_recipe, program_config
-  from orchestrator.trainer_worker import TrainerWorker
+  from orchestrator.loop.program import RLProgram
+  from orchestrator.app.runner import policy_from_recipe, program_config
+  from orchestrator.loop.trainer_worker import TrainerWorker
 
   engine.restore(start)
   sampler.sync(initial, 0)
@@ -54,7 +54,7 @@ def main(argv=None) -> int:
   parser.add_argument("--recipe", default=None, help="a live-loop recipe (default: recipes/default.yaml)")
   parser.add_argument("--steps", type=int, default=40)
   args = parser.parse_args(argv)
-  from orchestrator import config as config_lib
+  from orchestrator import recipe as config_lib
   from orchestrator.engine.host_threads import reserve_host_core
 
   recipe = config_lib.resolve(args.recipe, env={}).recipe
@@ -65,7 +65,7 @@ def main(argv=None) -> int:
   import logging
 
   logging.basicConfig(level=logging.WARNING, format="%(message)s")
-  from orchestrator.runner import build_engine_from_recipe, live_source
+  from orchestrator.app.runner import build_engine_from_recipe, live_source
   from policies import Mode
 
   engine = build_engine_from_recipe(recipe)

@@ -35,13 +35,13 @@ RECIPE = ["model=tiny", "rollouts.source=synthetic", "batch.micro_batches_per_st
 
 
 def _recipe(*overrides):
-  from orchestrator import config as config_lib
+  from orchestrator import recipe as config_lib
 
   return config_lib.resolve(None, overrides=[*RECIPE, *overrides]).recipe
 
 
 def _spawned(tmp: Path):
-  from orchestrator import config as config_lib
+  from orchestrator import recipe as config_lib
   from orchestrator.remote import protocol
   from orchestrator.remote.client import RemoteTrainerWorker
   from orchestrator.remote.spawn import SpawnedTrainer
@@ -110,7 +110,7 @@ def _run(location: str, mode_flags: list[str], steps: int, out: Path) -> dict:
   import subprocess
 
   extra = ["trainer.location=remote", "trainer.spawn=true"] if location == "remote" else []
-  cmd = [sys.executable, "-m", "orchestrator.cli", *RECIPE, f"steps={steps}", *extra, *mode_flags, "--out", str(out)]
+  cmd = [sys.executable, "-m", "orchestrator.app.cli", *RECIPE, f"steps={steps}", *extra, *mode_flags, "--out", str(out)]
   subprocess.run(cmd, check=True, capture_output=True, timeout=900)
   records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
   summary = json.loads((out / "summary.json").read_text())

@@ -188,8 +188,8 @@ def run_arm(toy: Toy, mode: str | None, *, corrupt_staging: bool = False) -> dic
   from flax import nnx
 
   from orchestrator.engine.diagnostics import tree_digest
-  from orchestrator.tunix_grpo import install
-  from orchestrator.tunix_grpo.throttle import instrument_stock
+  from integrations.tunix_grpo import install
+  from integrations.tunix_grpo.throttle import instrument_stock
 
   learner, data = build_learner(toy)
   addon = None

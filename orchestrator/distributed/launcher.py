@@ -104,7 +104,7 @@ class LocalJob:
     return self._report(returncodes, first, logs)
 
   def _start(self) -> None:
-    cmd = [sys.executable, "-m", "orchestrator.cli", *self.argv]
+    cmd = [sys.executable, "-m", "orchestrator.app.cli", *self.argv]
     for i in range(self.n):
       env = child_env(os.environ, process_id=i, coordinator=self.coordinator,
                       devices_per_process=self.devices_per_process)

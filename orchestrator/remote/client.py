@@ -30,7 +30,7 @@ import grpc
 
 from orchestrator.contract import Receipt
 from orchestrator.remote import protocol, wire
-from orchestrator.trainer_worker import DeferredUpdate, StageReceipt, WorkerCapabilities, WorkerUsageError
+from orchestrator.loop.trainer_worker import DeferredUpdate, StageReceipt, WorkerCapabilities, WorkerUsageError
 
 CLOCK_SAMPLES = 16
 _LOST = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,

@@ -92,7 +92,7 @@ def tokens_match(given: str | None, expected: str | None) -> bool:
 
 def recipe_digest(recipe) -> str:
   """What must be equal on both ends for the driver's steps to mean the same: model, engine, batch, mesh."""
-  from orchestrator import config as config_lib  # pylint: disable=import-outside-toplevel
+  from orchestrator import recipe as config_lib  # pylint: disable=import-outside-toplevel
 
   data = config_lib.to_dict(recipe)
   key = {name: data[name] for name in ("model", "engine", "batch", "mesh")}

@@ -25,8 +25,8 @@ from typing import Any
 import grpc
 
 from orchestrator.remote import protocol, wire
-from orchestrator.trainer_worker import TrainerWorker, WorkerUsageError
-from orchestrator.watcher import CompletionWatcher
+from orchestrator.loop.trainer_worker import TrainerWorker, WorkerUsageError
+from orchestrator.loop.watcher import CompletionWatcher
 
 log = logging.getLogger("step_boundary.remote")
 

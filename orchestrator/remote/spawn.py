@@ -35,7 +35,7 @@ class SpawnedTrainer:
     self.token = secrets.token_hex(16)
     env = dict(os.environ, **{protocol.TOKEN_ENV: self.token})
     env.pop("PJRT_NPROC", None)  # the child sizes XLA's pool itself
-    cmd = [sys.executable, "-m", "orchestrator.cli", "serve-trainer", "--recipe", str(recipe_path),
+    cmd = [sys.executable, "-m", "orchestrator.app.cli", "serve-trainer", "--recipe", str(recipe_path),
            "--listen", address, "--exit-with-driver"]
     if checkpoint_dir:
       cmd += ["--checkpoint-dir", checkpoint_dir]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from orchestrator.trace import chrome_trace
+from orchestrator.loop.trace import chrome_trace
 from policies.step_boundary import format_seconds as fs
 
 COLORS = {"micro-batch": "#4C78A8", "re-run": "#9ECAE9", "update": "#54A24B", "idle": "#E45756", "stage": "#F58518",

@@ -28,7 +28,7 @@ from typing import Any
 import jax
 
 from orchestrator.data.packing import content_digest, count_loss_tokens, pack_payload
-from orchestrator.weight_sync import HostWeightStore
+from orchestrator.loop.weight_sync import HostWeightStore
 from policies import BoundaryPlan, Mode
 from policies.boundary_model import Components, band, predict
 from policies.call_order import boundary_actions, engine_calls_between

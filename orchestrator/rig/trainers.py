@@ -16,8 +16,8 @@ import statistics
 import time
 from pathlib import Path
 
-from orchestrator.program import RLProgram
-from orchestrator.runner import policy_from_recipe, program_config
+from orchestrator.loop.program import RLProgram
+from orchestrator.app.runner import policy_from_recipe, program_config
 from policies.boundary_model import Components
 
 
@@ -52,7 +52,7 @@ class LocalRigTrainer:
   def run_arm(self, arm, arm_steps, n_steps, digests: dict):
     from orchestrator.engine import backend_compile_count  # pylint: disable=import-outside-toplevel
     from orchestrator.rig.rig import CallRecordingEngine  # pylint: disable=import-outside-toplevel
-    from orchestrator.trainer_worker import TrainerWorker  # pylint: disable=import-outside-toplevel
+    from orchestrator.loop.trainer_worker import TrainerWorker  # pylint: disable=import-outside-toplevel
 
     self.engine.restore(self.snapshot)
     proxy = CallRecordingEngine(self.engine, digests, arm.fault)
@@ -76,7 +76,7 @@ class RemoteRigTrainer:
   """The rig's arms over a remote trainer (spawned on loopback with ``trainer.spawn``, or at ``trainer.address``)."""
 
   def __init__(self, recipe, out: Path):
-    from orchestrator.runner import make_worker  # pylint: disable=import-outside-toplevel
+    from orchestrator.app.runner import make_worker  # pylint: disable=import-outside-toplevel
 
     self.recipe = recipe
     self._closers: list = []

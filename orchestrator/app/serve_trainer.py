@@ -25,7 +25,7 @@ def _refuse(message: str) -> int:
 
 
 def serve_main(argv: list[str]) -> int:
-  from orchestrator.cli import _parse_sub, _sub_parser  # pylint: disable=import-outside-toplevel
+  from orchestrator.app.cli import _parse_sub, _sub_parser  # pylint: disable=import-outside-toplevel
 
   p = _sub_parser("serve-trainer", "Host the recipe's trainer behind gRPC for one driver at a time.")
   p.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT to bind (default 127.0.0.1:0, a free port)")
@@ -51,8 +51,8 @@ def serve_main(argv: list[str]) -> int:
   if not protocol.is_loopback(host) and token is None:
     return _refuse(f"--listen {args.listen} is not a loopback address and no token is set; a trainer reachable"
                    f" from other hosts needs one: set ${protocol.TOKEN_ENV} or --token-file")
-  from orchestrator.launch import _setup_host  # pylint: disable=import-outside-toplevel
-  from orchestrator.run_dir import default_out  # pylint: disable=import-outside-toplevel
+  from orchestrator.app.launch import _setup_host  # pylint: disable=import-outside-toplevel
+  from orchestrator.app.run_dir import default_out  # pylint: disable=import-outside-toplevel
 
   checkpoint_dir = args.checkpoint_dir or recipe.checkpoint.directory or str(
       default_out(f"{recipe.name}-trainer") / "checkpoints")
@@ -69,7 +69,7 @@ def serve_main(argv: list[str]) -> int:
 def _serve(recipe, listen: str, checkpoint_dir: str, token: str | None, *, exit_with_driver: bool) -> int:
   from orchestrator.engine.mesh import check_devices  # pylint: disable=import-outside-toplevel
   from orchestrator.remote.server import TrainerService, start_server  # pylint: disable=import-outside-toplevel
-  from orchestrator.runner import build_engine_from_recipe  # pylint: disable=import-outside-toplevel
+  from orchestrator.app.runner import build_engine_from_recipe  # pylint: disable=import-outside-toplevel
 
   try:
     check_devices(recipe.mesh)

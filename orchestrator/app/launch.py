@@ -2,7 +2,7 @@
 
 Order of a run, so that bad input is refused before anything is built or written:
 
-1. the recipe is resolved and validated (``orchestrator.config``);
+1. the recipe is resolved and validated (``orchestrator.recipe``);
 2. the output directory is checked (``run_dir.check_new``), the host core reserved;
 3. preflight: the rollout source is opened (a recording is verified and must
    hold the steps), the mesh's devices are counted, the checkpoint directory
@@ -27,12 +27,12 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from orchestrator import config as config_lib
-from orchestrator import run_dir
+from orchestrator import recipe as config_lib
+from orchestrator.app import run_dir
 from orchestrator.data.recording import RecordingError
 from orchestrator.data.sources import SourceStateError
 from orchestrator.distributed.bringup import DistributedError
-from orchestrator.run_dir import RunDirError
+from orchestrator.app.run_dir import RunDirError
 
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
 # What a user's input can cause before the run starts: one line, exit 2.
@@ -101,7 +101,7 @@ def preflight(recipe, out: Path, *, run_id: str | None, steps: int | None = None
   Returns the rollout source. Raises RecipeError / RecordingError / RunDirError (exit 2).
   """
   from orchestrator.engine.checkpointing import read_checkpoints
-  from orchestrator.runner import checkpoint_dir_for, rollout_source
+  from orchestrator.app.runner import checkpoint_dir_for, rollout_source
 
   source = rollout_source(recipe, steps=steps)
   remote = recipe.trainer.location == "remote"
@@ -337,7 +337,7 @@ def resume_point(recipe, path: Path, run_id: str, *, primary: bool = True):
     RunDirError: no complete checkpoint, one of another run, or nothing left to run.
   """
   from orchestrator.engine.checkpointing import read_checkpoints
-  from orchestrator.runner import ResumePoint, checkpoint_dir_for
+  from orchestrator.app.runner import ResumePoint, checkpoint_dir_for
 
   ckpt_dir = checkpoint_dir_for(recipe, path)
   checkpoints = read_checkpoints(ckpt_dir) if ckpt_dir else {}
@@ -370,7 +370,7 @@ def _run(recipe, out: Path, *, source, run_id: str, resume, job) -> int:
   with StopSignals(out, quiet=not job.is_primary) as stop:  # held to the end: a late Ctrl-C gets no traceback
     handle, code = None, None
     try:
-      from orchestrator.runner import build_run
+      from orchestrator.app.runner import build_run
 
       previous_trace = run_dir.read_trace_events(out) if resume and job.is_primary else []
       handle = build_run(recipe, out, source=source, run_id=run_id, resume=resume, stop_requested=stop.requested,
@@ -420,7 +420,7 @@ def _write_recording(recipe, source, result) -> None:
 
 
 def _report(out: Path, result, run_id: str, stop: StopSignals) -> int:
-  from orchestrator.console import format_summary, format_table
+  from orchestrator.app.console import format_summary, format_table
 
   summary = dict(result.summary, run_id=run_id)
   from orchestrator.live.plot import plot_rewards

@@ -27,7 +27,7 @@ from orchestrator.engine.mesh_shape import MeshConfig
 from orchestrator.engine.options import EngineOptions
 from policies import Mode
 
-RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
+RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
 DEFAULT_RECIPE = RECIPES_DIR / "default.yaml"
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from orchestrator.recorder import BoundaryRecord
+from orchestrator.loop.recorder import BoundaryRecord
 from policies.step_boundary import format_seconds
 
 

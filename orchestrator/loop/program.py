@@ -24,10 +24,10 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from orchestrator.distributed.agreement import KeyValueAgreement, SingleProcess, combine_max
-from orchestrator.recorder import BoundaryRecord, Lane, Recorder, Span, fwd_bwd_key, update_key
-from orchestrator.trainer_worker import StageReceipt, TrainerWorker
-from orchestrator.watcher import Watched
-from orchestrator.weight_sync import HostWeightStore
+from orchestrator.loop.recorder import BoundaryRecord, Lane, Recorder, Span, fwd_bwd_key, update_key
+from orchestrator.loop.trainer_worker import StageReceipt, TrainerWorker
+from orchestrator.loop.watcher import Watched
+from orchestrator.loop.weight_sync import HostWeightStore
 from policies import BoundaryPlan, Mode, StepBoundaryPolicy
 from policies.call_order import Action, boundary_actions
 from policies.step_boundary import format_seconds

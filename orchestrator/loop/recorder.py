@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.contract import Receipt
-from orchestrator.watcher import CompletionWatcher, Watched
+from orchestrator.loop.watcher import CompletionWatcher, Watched
 
 
 class Lane(enum.IntEnum):
@@ -151,7 +151,7 @@ class Recorder:
       self._records_file.close()
     if not self.out_dir:
       return None
-    from orchestrator.trace import chrome_trace  # pylint: disable=import-outside-toplevel
+    from orchestrator.loop.trace import chrome_trace  # pylint: disable=import-outside-toplevel
 
     path = self.out_dir / "trace.json"
     path.write_text(json.dumps(chrome_trace(self.watched(), self.spans, self.records, self.run_start)))
@@ -159,7 +159,7 @@ class Recorder:
 
   def trace_events(self, limit: int) -> list[dict[str, Any]]:
     """This process's trace events (the last ``limit`` of them), for process 0 to merge into the run's trace."""
-    from orchestrator.trace import chrome_trace  # pylint: disable=import-outside-toplevel
+    from orchestrator.loop.trace import chrome_trace  # pylint: disable=import-outside-toplevel
 
     events = chrome_trace(self.watched(), self.spans, self.records, self.run_start)["traceEvents"]
     meta = [e for e in events if e["ph"] == "M"]

@@ -9,9 +9,9 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from orchestrator.config import RECIPES_DIR, Recipe, RecipeError
-from orchestrator.program import ProgramConfig, RLProgram
-from orchestrator.trainer_worker import TrainerWorker, WorkerCapabilities
+from orchestrator.recipe import RECIPES_DIR, Recipe, RecipeError
+from orchestrator.loop.program import ProgramConfig, RLProgram
+from orchestrator.loop.trainer_worker import TrainerWorker, WorkerCapabilities
 from policies import Mode, StagingUnsupportedError, StepBoundaryPolicy
 
 
@@ -120,7 +120,7 @@ def checkpoint_dir_for(recipe: Recipe, out: Path) -> str | None:
   """Where the run's checkpoints go: the recipe's directory, else ``OUT/checkpoints``; None for a
   backend that cannot checkpoint."""
   from orchestrator.engine.options import CHECKPOINTING_BACKENDS
-  from orchestrator.run_dir import CHECKPOINTS
+  from orchestrator.app.run_dir import CHECKPOINTS
 
   if recipe.engine.backend not in CHECKPOINTING_BACKENDS:
     return None
@@ -209,7 +209,7 @@ def make_worker(recipe: Recipe, out: Path, closers: list):
   t = recipe.trainer
   if t.location == "local":
     return TrainerWorker(build_engine_from_recipe(recipe, checkpoint_dir=checkpoint_dir_for(recipe, out))), None
-  from orchestrator import config as config_lib
+  from orchestrator import recipe as config_lib
   from orchestrator.remote import protocol
   from orchestrator.remote.client import RemoteTrainerWorker
 
@@ -255,8 +255,8 @@ def build_run(recipe: Recipe, out: Path, *, source, run_id: str, resume: ResumeP
 
 def _build_program(recipe: Recipe, out: Path, worker, *, source, run_id: str, resume, stop_requested,
                    progress: bool, job=None) -> RunHandle:
-  from orchestrator.program import plan_from_json
-  from orchestrator.recorder import BoundaryRecord
+  from orchestrator.loop.program import plan_from_json
+  from orchestrator.loop.recorder import BoundaryRecord
 
   policy = policy_from_recipe(recipe, worker.capabilities)
   start_step, previous, first_plan = 0, [], None
@@ -273,7 +273,7 @@ def _build_program(recipe: Recipe, out: Path, worker, *, source, run_id: str, re
   if progress:
     from tqdm import tqdm
 
-    from orchestrator.console import progress_postfix
+    from orchestrator.app.console import progress_postfix
 
     bar = tqdm(total=recipe.steps, initial=start_step, desc=f"{recipe.name} [{recipe.mode.value}]", unit="step")
 

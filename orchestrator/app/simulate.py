@@ -129,7 +129,7 @@ def components_from_run(path) -> tuple[Components, dict]:
   import json  # pylint: disable=import-outside-toplevel
   from pathlib import Path  # pylint: disable=import-outside-toplevel
 
-  from orchestrator import run_dir  # pylint: disable=import-outside-toplevel
+  from orchestrator.app import run_dir  # pylint: disable=import-outside-toplevel
 
   path = Path(path)
   if (path / "records.json").is_file() and (path / "predictions.json").is_file():

@@ -43,10 +43,10 @@ from tunix.rl import rl_cluster as rl_cluster_lib
 from tunix.rl.queue import data_queue as queue_lib
 from tunix.sft import sharding_utils
 
-from orchestrator.tunix_grpo import compat
-from orchestrator.tunix_grpo.report import GrpoBoundary, format_summary, summarize
-from orchestrator.tunix_grpo.throttle import CountingThrottler
-from orchestrator.watcher import CompletionWatcher
+from integrations.tunix_grpo import compat
+from integrations.tunix_grpo.report import GrpoBoundary, format_summary, summarize
+from integrations.tunix_grpo.throttle import CountingThrottler
+from orchestrator.loop.watcher import CompletionWatcher
 from policies.step_boundary import Mode, StepBoundaryPolicy
 
 log = logging.getLogger("step_boundary.tunix_grpo")

@@ -22,7 +22,7 @@ import logging
 import sys
 from pathlib import Path
 
-from orchestrator import config as config_lib
+from orchestrator import recipe as config_lib
 
 FLAG_KEYS = {
     "pipeline_step_boundary": "step_boundary.pipeline_step_boundary",
@@ -113,7 +113,7 @@ def record_main(argv: list[str]) -> int:
 
   recipe = resolved.recipe
   if recipe.rollouts.source == "sampler":  # record a live run: the rollouts it trains on, as it trains
-    from orchestrator import launch
+    from orchestrator.app import launch
 
     resolved.recipe.rollouts.record_to = args.out
     return launch.start(resolved, None)
@@ -160,7 +160,7 @@ def rig_main(argv: list[str]) -> int:
     print("run_rl rig: error: no recording: pass --recording DIR or set rollouts.recording in"
           " the recipe", file=sys.stderr)
     return 2
-  from orchestrator.run_dir import default_out
+  from orchestrator.app.run_dir import default_out
 
   out = args.out or str(default_out(f"{recipe.name}-rig"))
   if any((Path(out) / name).exists() for name in ("predictions.json", "report.json")):
@@ -174,7 +174,7 @@ def rig_main(argv: list[str]) -> int:
   from orchestrator.data.recording import RecordingError
   from orchestrator.rig import run_rig
   from orchestrator.rig.rig import RigError
-  from orchestrator.runner import resolve_path
+  from orchestrator.app.runner import resolve_path
 
   try:
     result = run_rig(recipe, resolve_path(recording), args.arms, out, steps=args.steps,
@@ -198,10 +198,10 @@ def simulate_main(argv: list[str]) -> int:
   args, resolved = _parse_sub(p, argv)
   if args is None:
     return resolved
-  from orchestrator.simulate import components_from_run, format_fit, format_simulation, simulate
+  from orchestrator.app.simulate import components_from_run, format_fit, format_simulation, simulate
 
   if args.run_dir:
-    from orchestrator.run_dir import RunDirError
+    from orchestrator.app.run_dir import RunDirError
 
     try:
       components, measured = components_from_run(args.run_dir)
@@ -215,8 +215,8 @@ def simulate_main(argv: list[str]) -> int:
 
 
 def serve_trainer_main(argv: list[str]) -> int:
-  """``run_rl serve-trainer``: host the recipe's trainer behind gRPC; see orchestrator.remote.serve."""
-  from orchestrator.remote.serve import serve_main
+  """``run_rl serve-trainer``: host the recipe's trainer behind gRPC; see orchestrator.app.serve_trainer."""
+  from orchestrator.app.serve_trainer import serve_main
 
   return serve_main(argv)
 
@@ -243,7 +243,7 @@ def _resume_main(args: argparse.Namespace) -> int:
   if args.steps is not None and args.steps < 1:
     print(f"run_rl: error: --steps {args.steps} is out of range: it must be >= 1", file=sys.stderr)
     return 2
-  from orchestrator import launch
+  from orchestrator.app import launch
 
   return launch.resume(Path(args.resume), args.steps)
 
@@ -262,7 +262,7 @@ def _main(argv: list[str]) -> int:
   if args.print_config:
     print(config_lib.format_config(resolved))
     return 0
-  from orchestrator import launch
+  from orchestrator.app import launch
 
   return launch.start(resolved, None, argv=argv)
 

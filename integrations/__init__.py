@@ -1,0 +1,1 @@
+"""Add-ons for trainers people already run."""
