@@ -36,13 +36,13 @@ def _staged_rows(engine, source) -> dict:
 
 
 def run_config(job, recipe_path: str, overrides: list[str]) -> dict:
-  from orchestrator import recipe as config_lib
+  from orchestrator import recipe as recipe_lib
   from orchestrator.loop.program import RLProgram
   from orchestrator.app.runner import build_engine_from_recipe, policy_from_recipe, program_config, rollout_source
   from orchestrator.loop.trainer_worker import TrainerWorker
   from policies import Mode
 
-  recipe = config_lib.resolve(recipe_path, overrides=overrides).recipe
+  recipe = recipe_lib.resolve(recipe_path, overrides=overrides).recipe
   engine = build_engine_from_recipe(recipe)
   start = engine.snapshot()
   out = {"staged": _staged_rows(engine, rollout_source(recipe)), "modes": {}}
@@ -62,13 +62,13 @@ def run_config(job, recipe_path: str, overrides: list[str]) -> dict:
 
 
 def main(prefix: str, configs_json: str) -> None:
-  from orchestrator import recipe as config_lib
+  from orchestrator import recipe as recipe_lib
   from orchestrator.distributed.job import join_job
 
   from orchestrator.distributed.bringup import fix_xla_threads
 
   configs = json.loads(configs_json)
-  recipe = config_lib.resolve(configs[0][0], overrides=configs[0][1]).recipe
+  recipe = recipe_lib.resolve(configs[0][0], overrides=configs[0][1]).recipe
   fix_xla_threads(recipe.mesh.num_devices)  # as run_rl does: the same code whatever the process count
   job = join_job(recipe.distributed)
   results = {str(i): run_config(job, path, overrides) for i, (path, overrides) in enumerate(configs)}

@@ -97,9 +97,9 @@ def test_simulate_refuses_a_bad_override(capsys):
 
 
 def test_simulate_from_a_run_fits_its_components_and_shows_what_it_measured(tmp_path, capsys, monkeypatch):
-  from orchestrator import recipe as config_lib
+  from orchestrator import recipe as recipe_lib
 
-  for name in config_lib.ENV_SWITCHES:
+  for name in recipe_lib.ENV_SWITCHES:
     monkeypatch.delenv(name, raising=False)
   run = tmp_path / "run"
   assert cli.main(["model=tiny", "rollouts.source=synthetic", "steps=4", "batch.micro_batches_per_step=2",

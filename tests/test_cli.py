@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from orchestrator.app import cli
-from orchestrator import recipe as config_lib
+from orchestrator import recipe as recipe_lib
 from policies import Mode
 from tests.conftest import REPO
 
@@ -53,9 +53,9 @@ def test_switches_map_to_policy_modes(pipeline, staging, before, mode):
 
 
 def test_a_stage_asked_for_while_pipelining_is_off_is_refused_not_ignored():
-  with pytest.raises(config_lib.RecipeError, match="has no effect with step_boundary.pipeline_step_boundary=false"):
+  with pytest.raises(recipe_lib.RecipeError, match="has no effect with step_boundary.pipeline_step_boundary=false"):
     resolve(["--no-pipeline_step_boundary", "--stage_before_update"])
-  with pytest.raises(config_lib.RecipeError, match=r"\(env STAGE_BEFORE_UPDATE\) has no effect"):
+  with pytest.raises(recipe_lib.RecipeError, match=r"\(env STAGE_BEFORE_UPDATE\) has no effect"):
     resolve(["--no-pipeline_step_boundary"], env={"STAGE_BEFORE_UPDATE": "1"})
   assert resolve(["--no-pipeline_step_boundary"]).recipe.mode is Mode.OFF  # the recipe's own value is fine
 
@@ -97,7 +97,7 @@ def test_env_switches_each_reach_their_key():
          "RAGGED_BUFFER_FACTOR": "1.5"}
   r = resolve([], env=env)
   assert r.recipe.mode is Mode.PIPELINED and r.recipe.engine.ragged_buffer_factor == 1.5
-  for name, key in config_lib.ENV_SWITCHES.items():
+  for name, key in recipe_lib.ENV_SWITCHES.items():
     if name in env:
       assert r.sources[key] == f"env {name}"
 
@@ -105,7 +105,7 @@ def test_env_switches_each_reach_their_key():
 def _main(argv, capsys, env=None):
   old = dict(os.environ)
   try:
-    for name in config_lib.ENV_SWITCHES:
+    for name in recipe_lib.ENV_SWITCHES:
       os.environ.pop(name, None)
     os.environ.update(env or {})
     code = cli.main(argv)
@@ -190,7 +190,7 @@ def test_print_config_shows_every_key_and_its_source(capsys):
                        env={"STAGE_BEFORE_UPDATE": "no"})
   assert code == 0
   lines = {line.split()[0]: line for line in out.splitlines() if not line.startswith("#")}
-  assert set(lines) == set(config_lib.all_keys())
+  assert set(lines) == set(recipe_lib.all_keys())
   assert lines["steps"].split()[1] == "4" and lines["steps"].endswith("# flag --steps")
   assert lines["engine.seed"].endswith("# override")
   assert lines["step_boundary.stage_before_update"].endswith("# env STAGE_BEFORE_UPDATE")
@@ -226,7 +226,7 @@ def test_failure_during_the_run_exits_1_naming_the_step(tmp_path, capsys, monkey
 def test_run_rl_end_to_end_on_the_tiny_preset(tmp_path):
   out = tmp_path / "run"
   env = dict(os.environ, PYTHONPATH=str(REPO))
-  for name in config_lib.ENV_SWITCHES:
+  for name in recipe_lib.ENV_SWITCHES:
     env.pop(name, None)
   proc = subprocess.run(
       [sys.executable, "-m", "orchestrator.app.cli", "model=tiny", "batch.rows=16", "steps=4",
@@ -287,7 +287,7 @@ def test_rig_command_runs_and_prints_the_verdict(tmp_path, capsys):
 
 def test_recipe_validation_does_not_import_jax():
   """run_rl validates (and reserves the host core) before JAX is imported."""
-  code = ("import sys; from orchestrator import cli; "
+  code = ("import sys; from orchestrator.app import cli; "
           "assert cli.main(['--print-config']) == 0; assert 'jax' not in sys.modules, 'jax imported'")
   proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
                         env=dict(os.environ, PYTHONPATH=str(REPO)))

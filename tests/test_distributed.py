@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from orchestrator import recipe as config_lib
+from orchestrator import recipe as recipe_lib
 from orchestrator.data import packing
 from orchestrator.data.synthetic import SyntheticRollouts
 from orchestrator.distributed import launcher
@@ -273,10 +273,10 @@ def test_a_local_process_gets_its_identity_and_its_share_of_cpu_devices():
 
 
 def test_a_run_never_saves_one_processs_identity():
-  recipe = config_lib.resolve(overrides=["distributed.num_processes=2", "distributed.process_id=1",
+  recipe = recipe_lib.resolve(overrides=["distributed.num_processes=2", "distributed.process_id=1",
                                          "distributed.coordinator_address=10.0.0.1:1234",
                                          "rollouts.source=synthetic"], env={}).recipe
-  saved = config_lib.run_config_dict(recipe)["distributed"]
+  saved = recipe_lib.run_config_dict(recipe)["distributed"]
   assert saved["num_processes"] == 2 and saved["process_id"] is None and saved["coordinator_address"] is None
 
 

@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from orchestrator.app import cli
-from orchestrator import recipe as config_lib
+from orchestrator import recipe as recipe_lib
 from orchestrator.live.rollouts import LiveRollouts, LiveShape, RolloutError
 from orchestrator.live.tasks import FirstLetter
 from orchestrator.loop.program import ProgramConfig, RLProgram
@@ -104,7 +104,7 @@ def test_a_failing_rollout_thread_surfaces_at_the_next_boundary_with_records_kep
 def test_run_rl_runs_the_live_loop_and_resumes_it_exactly(tmp_path, monkeypatch):
   """Through run_rl: reward and accuracy are recorded, the plot is drawn, and a resume from a mid-run
   checkpoint (whose next step was sampled with older weights) repeats the run bit for bit."""
-  for name in config_lib.ENV_SWITCHES:
+  for name in recipe_lib.ENV_SWITCHES:
     monkeypatch.delenv(name, raising=False)
   run = tmp_path / "run"
   argv = ["steps=4", "rollouts.groups_per_micro_batch=2", "batch.rows=4", "task.eval_prompts=8",
@@ -124,7 +124,7 @@ def test_run_rl_runs_the_live_loop_and_resumes_it_exactly(tmp_path, monkeypatch)
 
 
 def test_a_live_run_records_the_rollouts_it_trained_on_and_they_replay(tmp_path, monkeypatch):
-  for name in config_lib.ENV_SWITCHES:
+  for name in recipe_lib.ENV_SWITCHES:
     monkeypatch.delenv(name, raising=False)
   recording = tmp_path / "recording"
   shape = ["rollouts.groups_per_micro_batch=2", "batch.rows=4", "task.eval_prompts=4", "run.reserve_host_core=false"]

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from orchestrator.app import cli
-from orchestrator import recipe as config_lib
+from orchestrator import recipe as recipe_lib
 from orchestrator.data.packing import pack_payload
 from orchestrator.data.recording import MANIFEST, write_recording
 from orchestrator.data.synthetic import RolloutShape, generate_groups
@@ -192,7 +192,7 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(case, tmp_path, good
     argv += ["--out", str(out)]
   if "--resume" not in argv:
     argv.append("run.reserve_host_core=false")
-  for name in config_lib.ENV_SWITCHES:
+  for name in recipe_lib.ENV_SWITCHES:
     monkeypatch.delenv(name, raising=False)
   for name, value in env.items():
     monkeypatch.setenv(name, value)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from orchestrator.app import cli
-from orchestrator import recipe as config_lib
+from orchestrator import recipe as recipe_lib
 from orchestrator.data.trajectory import Trajectory
 from orchestrator.remote import protocol, wire
 
@@ -88,7 +88,7 @@ def test_addresses_and_tokens():
 
 # ---------------------------------------------------------------- a server in this process
 def _recipe(*overrides):
-  return config_lib.resolve(None, overrides=[*BASE, *overrides]).recipe
+  return recipe_lib.resolve(None, overrides=[*BASE, *overrides]).recipe
 
 
 @pytest.fixture(scope="module")
@@ -179,7 +179,7 @@ def _run(tmp_path, name, capsys, *args, env=None):
   out = tmp_path / name
   old = dict(os.environ)
   try:
-    for key in config_lib.ENV_SWITCHES:
+    for key in recipe_lib.ENV_SWITCHES:
       os.environ.pop(key, None)
     os.environ.update(env or {})
     code = cli.main([*BASE, *args, "--out", str(out)])
@@ -248,7 +248,7 @@ def _wait_for(predicate, timeout_s: float, what: str):
 
 
 def _child_env():
-  env = {k: v for k, v in os.environ.items() if k not in config_lib.ENV_SWITCHES}
+  env = {k: v for k, v in os.environ.items() if k not in recipe_lib.ENV_SWITCHES}
   return dict(env, **{protocol.TOKEN_ENV: TOKEN})
 
 

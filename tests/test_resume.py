@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.app import cli
-from orchestrator import recipe as config_lib
+from orchestrator import recipe as recipe_lib
 from policies import Mode
 from tests.conftest import REPO
 
@@ -35,7 +35,7 @@ MODE_FLAGS = {
 
 @pytest.fixture(autouse=True)
 def _no_env_switches(monkeypatch):
-  for name in config_lib.ENV_SWITCHES:
+  for name in recipe_lib.ENV_SWITCHES:
     monkeypatch.delenv(name, raising=False)
 
 
@@ -129,7 +129,7 @@ def test_a_save_the_checkpoint_library_skips_is_an_error(tmp_path):
 # ---------------------------------------------------------------------------- child processes
 def _child(argv) -> subprocess.Popen:
   env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
-  for name in config_lib.ENV_SWITCHES:
+  for name in recipe_lib.ENV_SWITCHES:
     env.pop(name, None)
   return subprocess.Popen([sys.executable, "-m", "orchestrator.app.cli", *argv], cwd=REPO, env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

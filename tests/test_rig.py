@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from orchestrator import recipe as config_lib
+from orchestrator import recipe as recipe_lib
 from orchestrator.data.recording import write_recording
 from orchestrator.data.synthetic import RolloutShape, generate_groups
 from orchestrator.rig import run_rig
@@ -20,7 +20,7 @@ def rig_inputs(tmp_path_factory):
   shape = RolloutShape(groups=48, generations_per_group=4, prompt_len_median=8, completion_len_median=6,
                        max_tokens=64, vocab_size=512, seed=1)
   write_recording(root / "rec", generate_groups(shape), vocab_size=512, produced_by={"test": True})
-  recipe = config_lib.resolve(REPO / "recipes" / "replay_small.yaml", overrides=[
+  recipe = recipe_lib.resolve(REPO / "recipes" / "replay_small.yaml", overrides=[
       "model=tiny", "steps=4", "batch.micro_batches_per_step=2", "run.reserve_host_core=false",
   ]).recipe
   return recipe, root / "rec", root

@@ -22,7 +22,7 @@ import logging
 import sys
 from pathlib import Path
 
-from orchestrator import recipe as config_lib
+from orchestrator import recipe as recipe_lib
 
 FLAG_KEYS = {
     "pipeline_step_boundary": "step_boundary.pipeline_step_boundary",
@@ -51,7 +51,7 @@ def make_parser() -> argparse.ArgumentParser:
       " Precedence: recipe < environment < flags < key=value. Other commands:"
       " `run_rl record`, `run_rl rig`, `run_rl simulate` (each with --help).",
   )
-  p.add_argument("--recipe", help=f"recipe YAML (default: {config_lib.DEFAULT_RECIPE})")
+  p.add_argument("--recipe", help=f"recipe YAML (default: {recipe_lib.DEFAULT_RECIPE})")
   b = argparse.BooleanOptionalAction
   p.add_argument("--pipeline_step_boundary", action=b, default=None,
                  help="run step k's metrics/logging/checkpoint/sync after step k+1's first dispatch")
@@ -72,19 +72,19 @@ def make_parser() -> argparse.ArgumentParser:
   return p
 
 
-def resolve_from_args(args: argparse.Namespace, env=None) -> config_lib.ResolvedRecipe:
+def resolve_from_args(args: argparse.Namespace, env=None) -> recipe_lib.ResolvedRecipe:
   flags = {}
   for name, key in FLAG_KEYS.items():
     value = getattr(args, name)
     if value is not None:
       spelled = name if not isinstance(value, bool) or value else f"no-{name}"
       flags[key] = (value, f"--{spelled}")
-  return config_lib.resolve(args.recipe, env=env, flags=flags, overrides=args.overrides)
+  return recipe_lib.resolve(args.recipe, env=env, flags=flags, overrides=args.overrides)
 
 
 def _sub_parser(name: str, description: str) -> argparse.ArgumentParser:
   p = _Parser(prog=f"run_rl {name}", description=description)
-  p.add_argument("--recipe", help=f"recipe YAML (default: {config_lib.DEFAULT_RECIPE})")
+  p.add_argument("--recipe", help=f"recipe YAML (default: {recipe_lib.DEFAULT_RECIPE})")
   p.add_argument("overrides", nargs="*", metavar="key=value")
   return p
 
@@ -93,8 +93,8 @@ def _parse_sub(parser: argparse.ArgumentParser, argv: list[str]):
   """(args, resolved recipe), or (None, exit code 2) after printing the one error line."""
   try:
     args = parser.parse_intermixed_args(argv)
-    return args, config_lib.resolve(args.recipe, overrides=args.overrides)
-  except (UsageError, config_lib.RecipeError) as e:
+    return args, recipe_lib.resolve(args.recipe, overrides=args.overrides)
+  except (UsageError, recipe_lib.RecipeError) as e:
     print(f"{parser.prog}: error: {e}", file=sys.stderr)
     return None, 2
 
@@ -256,11 +256,11 @@ def _main(argv: list[str]) -> int:
     if args.resume is not None:
       return _resume_main(args)
     resolved = resolve_from_args(args)
-  except (UsageError, config_lib.RecipeError) as e:
+  except (UsageError, recipe_lib.RecipeError) as e:
     print(f"run_rl: error: {e}", file=sys.stderr)
     return 2
   if args.print_config:
-    print(config_lib.format_config(resolved))
+    print(recipe_lib.format_config(resolved))
     return 0
   from orchestrator.app import launch
 

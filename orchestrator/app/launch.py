@@ -27,7 +27,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from orchestrator import recipe as config_lib
+from orchestrator import recipe as recipe_lib
 from orchestrator.app import run_dir
 from orchestrator.data.recording import RecordingError
 from orchestrator.data.sources import SourceStateError
@@ -36,7 +36,7 @@ from orchestrator.app.run_dir import RunDirError
 
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
 # What a user's input can cause before the run starts: one line, exit 2.
-REFUSALS = (config_lib.RecipeError, RunDirError, RecordingError, SourceStateError)
+REFUSALS = (recipe_lib.RecipeError, RunDirError, RecordingError, SourceStateError)
 
 
 class StopSignals:
@@ -128,13 +128,13 @@ def _check_devices(recipe, distributed: bool) -> None:
   try:
     check_devices(recipe.mesh)
   except ValueError as e:
-    raise config_lib.RecipeError(str(e)) from None
+    raise recipe_lib.RecipeError(str(e)) from None
   if distributed:
     import jax  # pylint: disable=import-outside-toplevel
 
     total, local = jax.device_count(), jax.local_device_count()
     if total != recipe.mesh.num_devices:
-      raise config_lib.RecipeError(
+      raise recipe_lib.RecipeError(
           f"the mesh {recipe.mesh.fsdp}×{recipe.mesh.context}×{recipe.mesh.expert} (fsdp×context×expert) has"
           f" {recipe.mesh.num_devices} devices but the job has {total} ({jax.process_count()} processes ×"
           f" {local}); size the mesh to the job's devices")
@@ -148,14 +148,14 @@ def _check_trainer_token(recipe) -> None:
   try:
     token = protocol.read_token(t.token_file)
   except protocol.AddressError as e:
-    raise config_lib.RecipeError(f"trainer.token_file: {e}") from None
+    raise recipe_lib.RecipeError(f"trainer.token_file: {e}") from None
   if not t.spawn and token is None and not protocol.is_loopback(protocol.split_address(t.address)[0]):
-    raise config_lib.RecipeError(
+    raise recipe_lib.RecipeError(
         f"trainer.address={t.address} is not loopback and no token is set; give the server's token with"
         f" trainer.token_file=FILE or ${protocol.TOKEN_ENV}")
 
 
-def start(resolved: config_lib.ResolvedRecipe, out: Path | None, *, argv: list[str] | None = None) -> int:
+def start(resolved: recipe_lib.ResolvedRecipe, out: Path | None, *, argv: list[str] | None = None) -> int:
   """A new run of ``resolved`` in ``out`` (default ``runs/<name>-<time>``); returns the exit code.
 
   With ``distributed.num_processes`` and no identity, starts that many local
@@ -190,7 +190,7 @@ def start(resolved: config_lib.ResolvedRecipe, out: Path | None, *, argv: list[s
   if job.is_primary:
     try:
       run_dir.claim_new(out, {"run_id": run_id, "recipe": resolved.path,
-                              "config": config_lib.run_config_dict(recipe), "sources": resolved.sources})
+                              "config": recipe_lib.run_config_dict(recipe), "sources": resolved.sources})
     except RunDirError as e:  # another run claimed the directory between the check and now
       claimed["refusal"] = str(e)
   claimed = job.agreement.broadcast("claim", claimed)  # every process writes checkpoints under process 0's out
@@ -308,24 +308,24 @@ def resume(path: Path, steps: int | None) -> int:
   return _run(recipe, path, source=source, run_id=config["run_id"], resume=point, job=job)
 
 
-def resolved_from_saved(config: dict, steps: int | None) -> config_lib.ResolvedRecipe:
+def resolved_from_saved(config: dict, steps: int | None) -> recipe_lib.ResolvedRecipe:
   """The recipe a run directory's config.json describes, with ``steps`` extended if given."""
-  values = config_lib.flatten(config["config"], where="config.json")
+  values = recipe_lib.flatten(config["config"], where="config.json")
   if steps is not None:
     values["steps"] = steps
-  for name, key in config_lib.ENV_SWITCHES.items():  # a process's identity is never saved: it comes anew
-    if key in config_lib.PROCESS_IDENTITY_KEYS and os.environ.get(name):
+  for name, key in recipe_lib.ENV_SWITCHES.items():  # a process's identity is never saved: it comes anew
+    if key in recipe_lib.PROCESS_IDENTITY_KEYS and os.environ.get(name):
       values[key] = os.environ[name]
   recipe = build_checked(values)
   sources = dict(config.get("sources", {}))
   if steps is not None:
     sources["steps"] = "flag --steps (resume)"
-  return config_lib.ResolvedRecipe(recipe, sources, str(config.get("recipe")))
+  return recipe_lib.ResolvedRecipe(recipe, sources, str(config.get("recipe")))
 
 
 def build_checked(values: dict):
   """A recipe from saved values (plus an identity from the environment), validated."""
-  recipe = config_lib.build({k: config_lib.coerce(k, v) for k, v in values.items()})
+  recipe = recipe_lib.build({k: recipe_lib.coerce(k, v) for k, v in values.items()})
   recipe.validate()
   return recipe
 
@@ -378,7 +378,7 @@ def _run(recipe, out: Path, *, source, run_id: str, resume, job) -> int:
       if _lost_peer is not None:
         _lost_peer.handle = handle
       result = handle.run()
-    except config_lib.RecipeError as e:
+    except recipe_lib.RecipeError as e:
       code = _refuse(e)
     except Exception as e:  # pylint: disable=broad-except
       if job.watchdog is not None:  # a collective failed because a peer died? Then the watchdog names it.

@@ -209,7 +209,7 @@ def make_worker(recipe: Recipe, out: Path, closers: list):
   t = recipe.trainer
   if t.location == "local":
     return TrainerWorker(build_engine_from_recipe(recipe, checkpoint_dir=checkpoint_dir_for(recipe, out))), None
-  from orchestrator import recipe as config_lib
+  from orchestrator import recipe as recipe_lib
   from orchestrator.remote import protocol
   from orchestrator.remote.client import RemoteTrainerWorker
 
@@ -218,7 +218,7 @@ def make_worker(recipe: Recipe, out: Path, closers: list):
   if t.spawn:
     from orchestrator.remote.spawn import SpawnedTrainer
 
-    child = SpawnedTrainer(config_lib.to_dict(recipe), recipe_path=out / "trainer_recipe.json",
+    child = SpawnedTrainer(recipe_lib.to_dict(recipe), recipe_path=out / "trainer_recipe.json",
                            checkpoint_dir=checkpoint_dir_for(recipe, out), address=address or "127.0.0.1:0",
                            timeout_s=max(t.timeout_s, 60.0), log_path=out / "trainer.log")
     closers.append(child.stop)

@@ -54,10 +54,10 @@ def main(argv=None) -> int:
   parser.add_argument("--recipe", default=None, help="a live-loop recipe (default: recipes/default.yaml)")
   parser.add_argument("--steps", type=int, default=40)
   args = parser.parse_args(argv)
-  from orchestrator import recipe as config_lib
+  from orchestrator import recipe as recipe_lib
   from orchestrator.engine.host_threads import reserve_host_core
 
-  recipe = config_lib.resolve(args.recipe, env={}).recipe
+  recipe = recipe_lib.resolve(args.recipe, env={}).recipe
   if recipe.rollouts.source != "sampler":
     print("bench.live: the recipe must have rollouts.source: sampler", file=sys.stderr)
     return 2

@@ -35,19 +35,19 @@ RECIPE = ["model=tiny", "rollouts.source=synthetic", "batch.micro_batches_per_st
 
 
 def _recipe(*overrides):
-  from orchestrator import recipe as config_lib
+  from orchestrator import recipe as recipe_lib
 
-  return config_lib.resolve(None, overrides=[*RECIPE, *overrides]).recipe
+  return recipe_lib.resolve(None, overrides=[*RECIPE, *overrides]).recipe
 
 
 def _spawned(tmp: Path):
-  from orchestrator import recipe as config_lib
+  from orchestrator import recipe as recipe_lib
   from orchestrator.remote import protocol
   from orchestrator.remote.client import RemoteTrainerWorker
   from orchestrator.remote.spawn import SpawnedTrainer
 
   recipe = _recipe()
-  child = SpawnedTrainer(config_lib.to_dict(recipe), recipe_path=tmp / "recipe.json", checkpoint_dir=None,
+  child = SpawnedTrainer(recipe_lib.to_dict(recipe), recipe_path=tmp / "recipe.json", checkpoint_dir=None,
                          address="127.0.0.1:0", timeout_s=120, log_path=tmp / "trainer.log")
   worker = RemoteTrainerWorker(child.address, recipe_digest=protocol.recipe_digest(recipe), token=child.token,
                                limits=protocol.Limits(timeout_s=120))

@@ -92,9 +92,9 @@ def tokens_match(given: str | None, expected: str | None) -> bool:
 
 def recipe_digest(recipe) -> str:
   """What must be equal on both ends for the driver's steps to mean the same: model, engine, batch, mesh."""
-  from orchestrator import recipe as config_lib  # pylint: disable=import-outside-toplevel
+  from orchestrator import recipe as recipe_lib  # pylint: disable=import-outside-toplevel
 
-  data = config_lib.to_dict(recipe)
+  data = recipe_lib.to_dict(recipe)
   key = {name: data[name] for name in ("model", "engine", "batch", "mesh")}
   return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
