@@ -188,6 +188,27 @@ class WeightSource(Protocol):
     ...
 
 
+@runtime_checkable
+class SnapshotEngine(Protocol):
+  """An engine whose whole training state can be copied on the devices and put back (the rig's arms).
+
+  The rig snapshots once and restores before every arm, so each arm starts from
+  the same state without a checkpoint on disk.
+  """
+
+  def snapshot(self) -> Any:
+    """An on-device copy of weights, optimizer state and step, taken between steps.
+
+    Must not be called with micro-batches accumulated (raises ``RuntimeError``);
+    the copy must not alias buffers that later training donates or overwrites.
+    """
+    ...
+
+  def restore(self, snapshot: Any) -> None:
+    """Puts back a ``snapshot()``: the engine then trains bit for bit as it did from that point."""
+    ...
+
+
 def missing_methods(engine: Any, protocol: type) -> tuple[str, ...]:
   """The methods of ``protocol`` that ``engine`` lacks (or has set to None), in the protocol's order."""
   names = [n for n in _protocol_methods(protocol)]
