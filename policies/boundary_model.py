@@ -100,12 +100,6 @@ class Prediction:
     }
 
 
-def _plan_for(mode: Mode) -> BoundaryPlan:
-  """The plan of a staged-as-requested boundary in ``mode`` (no exclusion, no probe)."""
-  stage = mode.staged
-  return BoundaryPlan(0, mode, stage, mode is Mode.STAGE_BEFORE_UPDATE, mode is Mode.OFF, "modelled")
-
-
 @dataclasses.dataclass
 class _Timeline:
   """Host and device clocks while the model walks one boundary's actions."""
@@ -173,7 +167,7 @@ def predict(c: Components, mode: Mode) -> Prediction:
   Time 0 is the dispatch of step k's last micro-batch; the host has just issued it.
   """
   t = _Timeline(c, c.dispatch_s, [Segment("device", "last micro-batch", 0.0, c.micro_batch_s)])
-  for action in boundary_actions(_plan_for(mode)):
+  for action in boundary_actions(BoundaryPlan.for_mode(0, mode, reason="modelled")):
     if t.first_dispatch is not None:
       break
     _step(t, action, mode)

@@ -88,7 +88,12 @@ class Mode(enum.Enum):
 
   @property
   def staged(self) -> bool:
-    return self in (Mode.STAGE_AFTER_UPDATE, Mode.STAGE_BEFORE_UPDATE)
+    return self.flags.stage
+
+  @property
+  def flags(self) -> "ModeFlags":
+    """This mode's row of the mode table (``MODE_TABLE``)."""
+    return MODE_TABLE[self]
 
   @classmethod
   def parse(cls, value: "Mode | str") -> "Mode":
@@ -107,7 +112,26 @@ class StagingUnsupportedError(RuntimeError):
   """A staged mode was required but the engine cannot stage."""
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModeFlags:
+  """What a boundary does in a mode when it stages as the mode says (a row of the table at the top)."""
+
+  stage: bool
+  stage_before_update: bool
+  await_metrics: bool
+
+
+#: The mode table, written once: the policy, the boundary model and the rig read it through ``Mode.flags``
+#: and ``BoundaryPlan.for_mode``; ``policies.call_order`` turns a plan into its call order.
+MODE_TABLE: dict[Mode, ModeFlags] = {
+    Mode.OFF: ModeFlags(stage=False, stage_before_update=False, await_metrics=True),
+    Mode.PIPELINED: ModeFlags(stage=False, stage_before_update=False, await_metrics=False),
+    Mode.STAGE_AFTER_UPDATE: ModeFlags(stage=True, stage_before_update=False, await_metrics=False),
+    Mode.STAGE_BEFORE_UPDATE: ModeFlags(stage=True, stage_before_update=True, await_metrics=False),
+}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class BoundaryPlan:
   """What to do at the boundary after optimizer step ``step``.
 
@@ -131,6 +155,22 @@ class BoundaryPlan:
   reason: str
   probe: bool = False
 
+  @classmethod
+  def for_mode(cls, step: int, mode: Mode, *, reason: str, staged_as: Mode | None = None,
+               probe: bool = False) -> "BoundaryPlan":
+    """The plan of a boundary in ``mode`` that does what ``staged_as``'s row says (default: ``mode``'s own).
+
+    A re-probe while auto-disabled is ``mode=PIPELINED, staged_as=<the requested mode>``.
+    """
+    flags = (staged_as or mode).flags
+    return cls(step=step, mode=mode, stage=flags.stage, stage_before_update=flags.stage_before_update,
+               await_metrics=flags.await_metrics, reason=reason, probe=probe)
+
+  @classmethod
+  def unstaged(cls, step: int, mode: Mode, *, reason: str) -> "BoundaryPlan":
+    """A boundary in ``mode`` that stages nothing (pipelined unless the mode is OFF)."""
+    return cls.for_mode(step, mode, reason=reason, staged_as=Mode.OFF if mode is Mode.OFF else Mode.PIPELINED)
+
 
 @dataclasses.dataclass(frozen=True)
 class Transition:
@@ -139,6 +179,37 @@ class Transition:
   to_mode: Mode
   kind: str
   reason: str
+
+  def to_json(self) -> dict:
+    return dict(dataclasses.asdict(self), from_mode=self.from_mode.value, to_mode=self.to_mode.value)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PolicyReport:
+  """What the policy did over a run, for the run's summary (``StepBoundaryPolicy.report``).
+
+  Attributes:
+    requested_mode, final_mode: the mode asked for and the mode at the end.
+    auto_disables: how often staging turned itself off.
+    transitions: every mode change, in order.
+    counters: every counted event by name (the table at the top names them).
+    threshold_s: the low-wait threshold (None: not calibrated, waits not judged).
+    wait_floor_max_s: the largest wait-floor sample (None: not sampled).
+  """
+
+  requested_mode: Mode
+  final_mode: Mode
+  auto_disables: int
+  transitions: tuple[Transition, ...]
+  counters: dict[str, int]
+  threshold_s: float | None
+  wait_floor_max_s: float | None
+
+  def to_json(self) -> dict:
+    return {"requested_mode": self.requested_mode.value, "final_mode": self.final_mode.value,
+            "auto_disables": self.auto_disables, "transitions": [t.to_json() for t in self.transitions],
+            "policy_counters": dict(self.counters), "threshold_s": self.threshold_s,
+            "wait_floor_max_s": self.wait_floor_max_s}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,6 +335,13 @@ class StepBoundaryPolicy:
     log.warning("[policy] %s → %s %s: %s", transition.from_mode.name, to_mode.name, where, reason)
     return transition
 
+  def report(self) -> PolicyReport:
+    """What the policy did so far: modes, transitions, counters, threshold and floor."""
+    return PolicyReport(requested_mode=self.requested_mode, final_mode=self.mode,
+                        auto_disables=self.counters.get("auto_disable", 0), transitions=tuple(self.history),
+                        counters=dict(self.counters), threshold_s=self.threshold_s,
+                        wait_floor_max_s=max(self.floor_samples) if self.floor_samples else None)
+
   # ------------------------------------------------------------------ saving and restoring
   def state_dict(self) -> dict:
     """Everything the policy learned during a run, JSON-able (saved with each checkpoint).
@@ -334,26 +412,23 @@ class StepBoundaryPolicy:
     """
     mode = self.mode
     if mode is Mode.OFF:
-      return BoundaryPlan(step, mode, False, False, True, "pipelining off")
+      return BoundaryPlan.for_mode(step, mode, reason="pipelining off")
     if not next_ready and (mode.staged or self._probe_due(step)):
       self.counters["next_not_ready"] += 1
-      return BoundaryPlan(step, mode, False, False, False,
-                          "the next step's rollouts need this boundary's weight sync (on-policy)")
+      return BoundaryPlan.unstaged(step, mode,
+                                   reason="the next step's rollouts need this boundary's weight sync (on-policy)")
     if mode is Mode.PIPELINED:
       if self._probe_due(step):
         self._probe_used = True
         self.counters["probes"] += 1
-        staged = self.requested_mode
-        return BoundaryPlan(
-            step, mode, True, staged is Mode.STAGE_BEFORE_UPDATE, False,
-            f"re-probe {self.reprobe_every} boundaries after auto-disable", probe=True,
-        )
-      return BoundaryPlan(step, mode, False, False, False, self.reason)
+        return BoundaryPlan.for_mode(step, mode, staged_as=self.requested_mode, probe=True,
+                                     reason=f"re-probe {self.reprobe_every} boundaries after auto-disable")
+      return BoundaryPlan.for_mode(step, mode, reason=self.reason)
     if step in self.excluded_steps:
       self.counters["excluded_boundaries"] += 1
-      return BoundaryPlan(step, mode, False, False, False, "boundary excluded by the recipe")
+      return BoundaryPlan.unstaged(step, mode, reason="boundary excluded by the recipe")
     self.counters["staged_boundaries"] += 1
-    return BoundaryPlan(step, mode, True, mode is Mode.STAGE_BEFORE_UPDATE, False, self.reason)
+    return BoundaryPlan.for_mode(step, mode, reason=self.reason)
 
   def _probe_due(self, step: int) -> bool:
     return (

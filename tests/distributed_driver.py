@@ -53,10 +53,10 @@ def run_config(job, recipe_path: str, overrides: list[str]) -> dict:
     program = RLProgram(worker, policy, rollout_source(recipe), program_config(recipe, None), agreement=job.agreement)
     result = program.run()
     out["modes"][mode.value] = {
-        "digest": result.summary["final_state_digest"],
+        "digest": result.summary.final_state_digest,
         "path": [[r.mode, r.staged, r.low_wait, r.transition, r.reruns] for r in result.records],
         "per_process": [r.per_process for r in result.records],
-        "processes": len(result.summary.get("processes", [])) or 1,
+        "processes": len(result.summary.processes or ()) or 1,
     }
   return out
 

@@ -13,7 +13,8 @@ A = Action
 def _plan(mode, stage=None, before=None):
   stage = mode.staged if stage is None else stage
   before = mode is Mode.STAGE_BEFORE_UPDATE if before is None else before
-  return BoundaryPlan(0, mode, stage, stage and before, mode is Mode.OFF, "test")
+  return BoundaryPlan(step=0, mode=mode, stage=stage, stage_before_update=stage and before,
+                      await_metrics=mode is Mode.OFF, reason="test")
 
 
 EXPECTED = {

@@ -8,7 +8,11 @@ import numpy as np
 import pytest
 
 from orchestrator.contract import (
-    CheckpointingEngine, Receipt, StagingEngine, TrainingEngine, WeightSource, missing_methods)
+    CheckpointingEngine, LiveSource, Receipt, RunSummary, SourceStateError, StagingEngine, StepMetrics, StepSource,
+    StepTimings, TrainingEngine, WeightSource, Worker, live_part, missing_methods)
+from orchestrator.data.sources import IterableSteps, ReplaySteps, SyntheticSteps, as_step_source
+from orchestrator.data.synthetic import SyntheticRollouts
+from orchestrator.live.rollouts import LiveRollouts
 from orchestrator.loop.program import ProgramConfig, RLProgram
 from orchestrator.loop.recorder import Lane
 from orchestrator.loop.trainer_worker import TrainerWorker
@@ -68,7 +72,7 @@ def test_a_minimal_engine_drives_through_the_program_with_one_fallback_warning(c
   # No receipt, so no invented split of the call's host time: one plain span per dispatch.
   names = {s.name for s in result.host_spans if s.lane is Lane.STEP_LOOP}
   assert "fwd_bwd" in names and "prepare" not in names and "host wait" not in names
-  assert result.summary["final_state_digest"] is None
+  assert result.summary.final_state_digest is None
 
 
 def test_receipt_coerce_keeps_receipts_and_wraps_anything_else():
@@ -135,3 +139,77 @@ def test_the_compile_counter_counts_new_compiles():
   assert backend_compile_count() == before + 1
   f(x).block_until_ready()  # cached: no second compile
   assert backend_compile_count() == before + 1
+
+
+# ---------------------------------------------------------------- the worker, source and output contracts
+def test_the_local_and_the_remote_worker_both_satisfy_the_worker_protocol():
+  from orchestrator.remote.client import RemoteTrainerWorker
+
+  assert missing_methods(TrainerWorker, Worker) == ()
+  assert missing_methods(RemoteTrainerWorker, Worker) == ()
+  assert isinstance(TrainerWorker(RecordingEngine()), Worker)
+  assert not isinstance(RecordingEngine(), Worker)  # an engine is not a worker: no stage_fwd_bwd, no capabilities
+
+
+@pytest.mark.parametrize("source_class", [SyntheticSteps, ReplaySteps, IterableSteps, LiveRollouts],
+                         ids=lambda c: c.__name__)
+def test_every_source_satisfies_the_step_source_protocol(source_class):
+  assert missing_methods(source_class, StepSource) == ()
+
+
+def test_only_the_live_source_has_the_live_part():
+  assert missing_methods(LiveRollouts, LiveSource) == ()
+  assert live_part(IterableSteps([[1]])) is None
+  assert live_part(SyntheticSteps(SyntheticRollouts(64, 4, 8), 1)) is None
+
+
+class _HalfLive(IterableSteps):
+  """Claims to be live (it can be synced) but cannot say when a step waits for a sync."""
+
+  def sync(self, version, weights):
+    pass
+
+
+def test_a_source_with_part_of_the_live_contract_is_refused_naming_what_it_lacks():
+  with pytest.raises(TypeError, match="part live source: it lacks blocked_on_sync, step_stats, check"):
+    live_part(_HalfLive([[1]]))
+  with pytest.raises(TypeError, match="blocked_on_sync"):
+    RLProgram(TrainerWorker(RecordingEngine()), StepBoundaryPolicy(Mode.OFF), _HalfLive([["a"]]),
+              ProgramConfig(steps=1, micro_batches_per_step=1))
+
+
+def test_a_plain_iterable_becomes_a_step_source_with_no_position():
+  source = as_step_source([["a"], ["b"]])
+  assert isinstance(source, StepSource) and source.get_state() is None and source.count_steps(10) == 2
+  assert next(source) == ["a"]
+  with pytest.raises(SourceStateError, match="no position to restore"):
+    source.set_state({"kind": "synthetic", "next_step": 0})
+  steps = SyntheticSteps(SyntheticRollouts(64, 4, 8), 1)
+  assert as_step_source(steps) is steps
+
+
+def test_step_metrics_keep_known_keys_as_fields_and_the_rest_as_extra():
+  m = StepMetrics.coerce({"loss": 0.5, "tokens": 12, "micro_batch_losses": [1.0, 2.0]})
+  assert (m.loss, m.tokens, m.grad_norm) == (0.5, 12, None)
+  assert m.extra == {"micro_batch_losses": [1.0, 2.0]}
+  assert StepMetrics.coerce(m) is m and StepMetrics.coerce({}) == StepMetrics() == StepMetrics.coerce(None)
+  assert m.to_json()["micro_batch_losses"] == [1.0, 2.0] and m.to_json()["loss"] == 0.5
+
+
+def test_the_worker_hands_back_typed_metrics_whatever_the_engine_returns():
+  worker = TrainerWorker(RecordingEngine())
+  worker.fwd_bwd("a", apply_optimizer=True)
+  assert worker.get_metrics() == StepMetrics(step=1, loss=0.0)
+
+
+def test_the_summary_json_holds_each_part_and_leaves_out_the_parts_that_do_not_apply():
+  policy = StepBoundaryPolicy(Mode.STAGE_BEFORE_UPDATE, wait_threshold_s=0.001)
+  timings = StepTimings(steps=3, median_boundary_idle_s=0.0, median_boundary_idle_strict_s=0.001,
+                        median_step_s=0.1, staged_boundaries=2)
+  summary = RunSummary(timings=timings, policy=policy.report(), final_state_digest="abc")
+  data = summary.to_json()
+  assert data["requested_mode"] == "stage_before_update" and data["final_mode"] == "stage_before_update"
+  assert data["steps"] == 3 and data["threshold_s"] == 0.001 and data["final_state_digest"] == "abc"
+  assert not {"processes", "agreement", "trainer", "reward_first_step", "eval_accuracy_end"} & set(data)
+  data = summary.replace(trainer={"location": "remote"}, run={"run_id": "r1"}).to_json()
+  assert data["trainer"] == {"location": "remote"} and data["run_id"] == "r1"

@@ -19,7 +19,7 @@ def _steps(source):
 
 
 def _losses(metrics):
-  return [(m["loss"], m["grad_norm"], m["micro_batch_loss_sums"]) for m in metrics]
+  return [(m.loss, m.grad_norm, m.micro_batch_loss_sums) for m in metrics]
 
 
 @pytest.fixture
@@ -197,7 +197,7 @@ ref = run_unstaged(e, steps); ref_digest = e.state_digest()
 for before in (True, False):
   e.restore(start)
   got = run_staged(e, steps, before_update=before)
-  assert [m["loss"] for m in got] == [m["loss"] for m in ref], (got, ref)
+  assert [m.loss for m in got] == [m.loss for m in ref], (got, ref)
   assert e.state_digest() == ref_digest
 leaf = e.export_weights()["layers"][0]["attn"]["q_proj"]["w"]
 print("sharding", leaf.sharding.spec, "devices", len(leaf.sharding.device_set))

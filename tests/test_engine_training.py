@@ -19,9 +19,9 @@ def test_micro_batches_and_one_update_equal_one_big_batch(tiny_source):
   small.update()
   big.fwd_bwd(payloads[0] + payloads[1], apply_optimizer=True)
   a, b = small.get_metrics(), big.get_metrics()
-  assert a["tokens"] == b["tokens"] == sum(len(t.completion_ids) for p in payloads for t in p)
-  assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
-  assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+  assert a.tokens == b.tokens == sum(len(t.completion_ids) for p in payloads for t in p)
+  assert a.loss == pytest.approx(b.loss, rel=1e-5)
+  assert a.grad_norm == pytest.approx(b.grad_norm, rel=1e-4)
   for x, y in zip(_leaves(small.export_weights()), _leaves(big.export_weights())):
     np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6)
 

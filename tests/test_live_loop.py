@@ -55,7 +55,7 @@ def runs(rig):
 
 @pytest.mark.parametrize("staleness", [0, 1])
 def test_every_mode_trains_to_the_same_digest(runs, staleness):
-  digests = {mode: runs[(mode, staleness)][0].summary["final_state_digest"] for mode in Mode}
+  digests = {mode: runs[(mode, staleness)][0].summary.final_state_digest for mode in Mode}
   assert len(set(digests.values())) == 1, digests
   rewards = {mode: [r.reward_mean for r in runs[(mode, staleness)][0].records] for mode in Mode}
   assert len({tuple(v) for v in rewards.values()}) == 1
@@ -63,8 +63,8 @@ def test_every_mode_trains_to_the_same_digest(runs, staleness):
 
 def test_staleness_changes_what_trains(runs):
   """Negative control: the weights version is part of what a step trains on."""
-  assert (runs[(Mode.OFF, 0)][0].summary["final_state_digest"]
-          != runs[(Mode.OFF, 1)][0].summary["final_state_digest"])
+  assert (runs[(Mode.OFF, 0)][0].summary.final_state_digest
+          != runs[(Mode.OFF, 1)][0].summary.final_state_digest)
 
 
 @pytest.mark.parametrize("mode", [Mode.STAGE_BEFORE_UPDATE, Mode.STAGE_AFTER_UPDATE], ids=lambda m: m.name)

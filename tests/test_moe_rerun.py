@@ -61,7 +61,7 @@ def _reference_dropless_from_the_start(engine):
 
 
 def _summary(metrics):
-  return [(m["loss"], m["grad_norm"], m["tokens"]) for m in metrics]
+  return [(m.loss, m.grad_norm, m.tokens) for m in metrics]
 
 
 @pytest.mark.parametrize("aot", [True, False], ids=["compiled", "lazy-jit"])
@@ -78,9 +78,9 @@ def test_rerun_equals_dropless_from_the_start_bit_for_bit(rerun_engine, aot):
   reference = _reference_dropless_from_the_start(engine)
   assert engine.state_digest() == digest
   assert _summary(rerun) == _summary(reference)
-  assert [m["reruns"] for m in rerun] == EXPECTED_RERUNS
-  assert [m["rerun_micro_batches"] for m in rerun] == EXPECTED_RERUN_INDICES
-  assert [m["reruns"] for m in reference] == [0, 0, 0]
+  assert [m.reruns for m in rerun] == EXPECTED_RERUNS
+  assert [m.rerun_micro_batches for m in rerun] == EXPECTED_RERUN_INDICES
+  assert [m.reruns for m in reference] == [0, 0, 0]
 
 
 def test_metrics_report_dropped_tokens_per_micro_batch(rerun_engine):
@@ -88,7 +88,7 @@ def test_metrics_report_dropped_tokens_per_micro_batch(rerun_engine):
   engine.restore(start)
   metrics = run_unstaged(engine, STEPS)
   for m, sizes in zip(metrics, PATTERN):
-    dropped = m["dropped_tokens"]
+    dropped = m.dropped_tokens
     assert len(dropped) == 3
     assert [d > 0 for d in dropped] == [n == BIG for n in sizes]
 
@@ -100,7 +100,7 @@ def test_discarded_first_run_is_not_counted_twice(rerun_engine):
   reference = _reference_dropless_from_the_start(engine)
   plain = build_engine("tiny_moe", ragged_buffer_factor=FACTOR)  # drops, never re-runs
   plain_metrics = run_unstaged(plain, STEPS)
-  assert [m["reruns"] for m in plain_metrics] == [0, 0, 0]
+  assert [m.reruns for m in plain_metrics] == [0, 0, 0]
   assert _summary(plain_metrics) != _summary(reference)
 
 
@@ -115,7 +115,7 @@ def test_staged_order_matches_unstaged_with_reruns(rerun_engine):
   staged = run_staged(engine, STEPS, before_update=True)
   assert engine.state_digest() == digest
   assert _summary(staged) == _summary(unstaged)
-  assert [m["reruns"] for m in staged] == EXPECTED_RERUNS
+  assert [m.reruns for m in staged] == EXPECTED_RERUNS
   assert backend_compile_count() == compiles and engine.trace_counts == traces
 
 
@@ -131,7 +131,7 @@ def test_prepare_and_wait_leave_the_pending_overflow_check_alone(rerun_engine):
   assert last.ready.is_ready() and engine.overflow_check_pending
   engine.update()
   assert not engine.overflow_check_pending
-  assert engine.get_metrics()["rerun_micro_batches"] == [2]
+  assert engine.get_metrics().rerun_micro_batches == [2]
 
 
 def test_rerunning_the_prepared_input_instead_of_the_last_is_caught(rerun_engine):
@@ -224,10 +224,10 @@ def test_skip_nonfinite_updates_skips_and_counts(tiny_source):
   before = guarded.state_digest()
   guarded.fwd_bwd(poison, apply_optimizer=True)
   m = guarded.get_metrics()
-  assert m["skipped_update"] and m["skipped_updates_total"] == 1 and not np.isfinite(m["grad_norm"])
+  assert m.skipped_update and m.skipped_updates_total == 1 and not np.isfinite(m.grad_norm)
   assert guarded.state_digest() == before and guarded.train_step == 1
   guarded.fwd_bwd(tiny_source.micro_batch(0, 0), apply_optimizer=True)  # training goes on
-  assert np.isfinite(guarded.get_metrics()["loss"]) and guarded.state_digest() != before
+  assert np.isfinite(guarded.get_metrics().loss) and guarded.state_digest() != before
 
 
 def test_without_the_guard_a_nonfinite_update_poisons_the_weights():
@@ -256,7 +256,7 @@ digest = e.state_digest()
 e.restore(start)
 got = run_staged(e, steps, before_update=True)
 assert e.state_digest() == digest
-assert [m["reruns"] for m in got] == [m["reruns"] for m in ref] and sum(m["reruns"] for m in ref) > 0
+assert [m.reruns for m in got] == [m.reruns for m in ref] and sum(m.reruns for m in ref) > 0
 print("CHILD-OK")
 """
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from policies import Mode, StagingUnsupportedError, StepBoundaryPolicy
+from policies import MODE_TABLE, BoundaryPlan, Mode, StagingUnsupportedError, StepBoundaryPolicy
 from policies.step_boundary import CalibrationRule
 
 STAGED = [Mode.STAGE_AFTER_UPDATE, Mode.STAGE_BEFORE_UPDATE]
@@ -230,3 +230,34 @@ def test_mode_parse_accepts_names_and_values_and_names_the_choices():
   assert Mode.parse("PIPELINED") is Mode.PIPELINED
   with pytest.raises(ValueError, match="unknown step-boundary mode 'sideways'.*'off'"):
     Mode.parse("sideways")
+
+
+@pytest.mark.parametrize("mode", list(Mode), ids=lambda m: m.name)
+def test_the_policy_plans_each_mode_by_the_one_mode_table(mode):
+  """The policy's staged-as-requested plan is the table's row; so is the boundary model's (BoundaryPlan.for_mode)."""
+  plan = StepBoundaryPolicy(mode, wait_threshold_s=0.001).plan(0)
+  flags = MODE_TABLE[mode]
+  assert (plan.stage, plan.stage_before_update, plan.await_metrics) == (
+      flags.stage, flags.stage_before_update, flags.await_metrics)
+  assert plan == BoundaryPlan.for_mode(0, mode, reason=plan.reason)
+  assert mode.staged is flags.stage
+
+
+def test_a_probe_is_pipelined_but_stages_as_the_requested_mode_says():
+  plan = BoundaryPlan.for_mode(5, Mode.PIPELINED, staged_as=Mode.STAGE_BEFORE_UPDATE, probe=True, reason="probe")
+  assert plan.mode is Mode.PIPELINED and plan.stage and plan.stage_before_update and not plan.await_metrics
+  unstaged = BoundaryPlan.unstaged(5, Mode.STAGE_BEFORE_UPDATE, reason="excluded")
+  assert not unstaged.stage and not unstaged.await_metrics
+  assert BoundaryPlan.unstaged(5, Mode.OFF, reason="off").await_metrics
+
+
+def test_the_policy_reports_without_exposing_its_internals():
+  policy = StepBoundaryPolicy(Mode.STAGE_AFTER_UPDATE, disable_after=1)
+  policy.calibrate([0.0001, 0.0002])
+  policy.plan(0)
+  policy.observe(0, stage_s=0.01, device_wait_s=0.0)
+  report = policy.report()
+  assert report.final_mode is Mode.PIPELINED and report.auto_disables == 1
+  assert report.wait_floor_max_s == 0.0002 and report.threshold_s == policy.threshold_s
+  assert [t.kind for t in report.transitions] == ["auto_disable"]
+  assert report.to_json()["transitions"][0]["to_mode"] == "pipelined"

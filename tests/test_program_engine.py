@@ -33,7 +33,7 @@ def digests_per_mode(tiny_engine_and_start, tiny_source):
   for mode in Mode:
     engine.restore(start)
     result, _ = _run(engine, tiny_source, mode)
-    out[mode] = (result.summary["final_state_digest"], [r.loss for r in result.records])
+    out[mode] = (result.summary.final_state_digest, [r.loss for r in result.records])
   return out
 
 
@@ -58,8 +58,8 @@ def test_records_trace_and_summary_are_written(tiny_engine, tiny_source, tmp_pat
   names = {e["name"] for e in trace["traceEvents"]}
   assert {"fwd_bwd 0.0", "update 0", "stage", "fwd_bwd 3.1"} <= names
   s = result.summary
-  assert s["staged_boundaries"] == STEPS - 1 and s["final_state_digest"] == tiny_engine.state_digest()
-  assert s["records_path"].endswith("records.jsonl") and s["trace_path"].endswith("trace.json")
+  assert s.timings.staged_boundaries == STEPS - 1 and s.final_state_digest == tiny_engine.state_digest()
+  assert s.records_path.endswith("records.jsonl") and s.trace_path.endswith("trace.json")
 
 
 def test_staged_micro_batch_is_the_next_steps_first(tiny_engine, tiny_source):
@@ -87,7 +87,7 @@ def test_auto_disable_fires_when_the_stage_outlasts_the_last_micro_batch(tiny_en
   result, policy = _run(_SlowPrepare(tiny_engine), tiny_source, Mode.STAGE_BEFORE_UPDATE, steps=5, disable_after=2)
   assert [r.staged for r in result.records] == [True, True, False, False, False]
   assert [t.kind for t in policy.history] == ["auto_disable"]
-  assert result.summary["final_mode"] == "pipelined"
+  assert result.summary.policy.final_mode.value == "pipelined"
   assert all(r.low_wait for r in result.records[:2])
 
 
@@ -121,7 +121,7 @@ def moe_rerun_digests_per_mode():
     engine.restore(start)
     result, _ = _run(engine, source, mode)
     out[mode] = (
-        result.summary["final_state_digest"],
+        result.summary.final_state_digest,
         [r.loss for r in result.records],
         [r.reruns for r in result.records],
     )
@@ -144,7 +144,7 @@ def test_stock_tunix_trainer_stages_and_trains_the_same_in_every_mode(tiny_sourc
     engine = TunixTrainerEngine("tiny", micro_batches_per_step=MICRO)
     assert isinstance(engine, StagingEngine)
     result, policy = _run(engine, tiny_source, mode, steps=3, wait_threshold_s=0.0)
-    digests[mode] = (result.summary["final_state_digest"], tuple(r.loss for r in result.records))
+    digests[mode] = (result.summary.final_state_digest, tuple(r.loss for r in result.records))
     assert policy.mode is mode and [r.staged for r in result.records] == [mode.staged] * 2 + [False]
     if mode.staged:  # the staged input is the next step's first micro-batch
       for r in result.records[:-1]:

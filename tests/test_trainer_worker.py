@@ -101,7 +101,7 @@ def test_engine_without_staging_falls_back_to_pipelined_order(mode, caplog):
     calls, result, policy = _run(NoStagingEngine(), mode)
   assert calls == _expected(Mode.PIPELINED, 4)
   assert policy.mode is Mode.PIPELINED
-  assert result.summary["final_mode"] == "pipelined"
+  assert result.summary.policy.final_mode.value == "pipelined"
   warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
   assert len(warnings) == 1 and "lacks prepare_fwd_bwd_input, wait_for_device" in warnings[0].getMessage()
 
@@ -110,7 +110,7 @@ def test_auto_disable_switches_the_call_order_mid_run():
   engine = RecordingEngine(wait_s=0.0)  # every wait at the floor: the stage outlasted compute
   calls, result, policy = _run(engine, Mode.STAGE_BEFORE_UPDATE, steps=5, threshold_s=0.1)
   assert [r.staged for r in result.records] == [True, True, False, False, False]
-  assert result.summary["auto_disables"] == 1
+  assert result.summary.policy.auto_disables == 1
   assert calls.count("wait") == 2
   assert [r.transition for r in result.records][:2] == [None, "auto_disable"]
 

@@ -68,9 +68,10 @@ def summarize(records: list[GrpoBoundary], policy, *, host_blocks: int, micro_ba
               optimizer_steps: int) -> dict[str, Any]:
   """Totals over a run: host blocks per optimizer step, staged share, median idle and wait."""
   between = [r for r in records if r.next_dispatch_at is not None]
+  report = policy.report()
   return {
-      "requested_mode": policy.requested_mode.value,
-      "final_mode": policy.mode.value,
+      "requested_mode": report.requested_mode.value,
+      "final_mode": report.final_mode.value,
       "optimizer_steps": optimizer_steps,
       "micro_batches": micro_batches,
       "host_blocks": host_blocks,
@@ -81,11 +82,11 @@ def summarize(records: list[GrpoBoundary], policy, *, host_blocks: int, micro_ba
       "median_idle_s": _median(r.idle_s for r in between),
       "median_device_wait_s": _median(r.device_wait_s for r in between if r.stage),
       "low_device_waits": sum(1 for r in between if r.stage and r.device_wait_s is not None
-                              and policy.threshold_s is not None and r.device_wait_s < policy.threshold_s),
-      "policy_counters": dict(policy.counters),
-      "threshold_s": policy.threshold_s,
+                              and report.threshold_s is not None and r.device_wait_s < report.threshold_s),
+      "policy_counters": report.counters,
+      "threshold_s": report.threshold_s,
       "transitions": [f"{t.from_mode.value}->{t.to_mode.value} ({t.kind}) at step {t.step}"
-                      for t in policy.history],
+                      for t in report.transitions],
   }
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from orchestrator.contract import RunSummary
 from orchestrator.loop.recorder import BoundaryRecord
 from policies.step_boundary import format_seconds
 
@@ -40,28 +41,28 @@ def format_table(records: Sequence[BoundaryRecord], *, max_rows: int = 40) -> st
   return "\n".join(lines)
 
 
-def format_summary(summary: dict) -> str:
+def format_summary(summary: RunSummary) -> str:
   """The summary lines printed after the table."""
-  s = format_seconds
+  s, timings, policy = format_seconds, summary.timings, summary.policy
   lines = [
-      f"mode: requested {summary['requested_mode']}, ended {summary['final_mode']}",
-      f"median boundary idle: {s(summary['median_boundary_idle_s'])}"
-      f" (strict: {s(summary['median_boundary_idle_strict_s'])})",
-      f"median step: {s(summary['median_step_s'])} over {summary['steps']} steps",
-      f"staged boundaries: {summary['staged_boundaries']}; auto-disables: {summary['auto_disables']}",
-      f"low-wait threshold: {s(summary['threshold_s'])} (wait floor max {s(summary['wait_floor_max_s'])})",
-      f"final state digest: {summary['final_state_digest']}",
+      f"mode: requested {policy.requested_mode.value}, ended {policy.final_mode.value}",
+      f"median boundary idle: {s(timings.median_boundary_idle_s)}"
+      f" (strict: {s(timings.median_boundary_idle_strict_s)})",
+      f"median step: {s(timings.median_step_s)} over {timings.steps} steps",
+      f"staged boundaries: {timings.staged_boundaries}; auto-disables: {policy.auto_disables}",
+      f"low-wait threshold: {s(policy.threshold_s)} (wait floor max {s(policy.wait_floor_max_s)})",
+      f"final state digest: {summary.final_state_digest}",
   ]
-  if summary.get("reward_first_step") is not None:
-    lines.append(f"reward: first step {summary['reward_first_step']:.3f}, last 10 steps"
-                 f" {summary['reward_last_10_steps']:.3f}; median rollout wait {s(summary['median_rollout_wait_s'])}")
-  if summary.get("eval_accuracy_end") is not None:
-    lines.append(f"held-out greedy accuracy ({summary['eval_prompts']} prompts):"
-                 f" {summary['eval_accuracy_start']:.3f} at the start, {summary['eval_accuracy_end']:.3f} at the end")
-  if summary.get("records_path"):
-    lines.append(f"records: {summary['records_path']}")
-  if summary.get("trace_path"):
-    lines.append(f"trace: {summary['trace_path']} (open in ui.perfetto.dev)")
+  if (r := summary.rollouts) is not None:
+    lines.append(f"reward: first step {r.reward_first_step:.3f}, last 10 steps"
+                 f" {r.reward_last_10_steps:.3f}; median rollout wait {s(r.median_rollout_wait_s)}")
+  if (e := summary.evaluation) is not None and e.eval_accuracy_end is not None:
+    lines.append(f"held-out greedy accuracy ({e.eval_prompts} prompts):"
+                 f" {e.eval_accuracy_start:.3f} at the start, {e.eval_accuracy_end:.3f} at the end")
+  if summary.records_path:
+    lines.append(f"records: {summary.records_path}")
+  if summary.trace_path:
+    lines.append(f"trace: {summary.trace_path} (open in ui.perfetto.dev)")
   return "\n".join(lines)
 
 

@@ -30,7 +30,7 @@ from typing import Any
 from orchestrator import recipe as recipe_lib
 from orchestrator.app import run_dir
 from orchestrator.data.recording import RecordingError
-from orchestrator.data.sources import SourceStateError
+from orchestrator.contract import SourceStateError, live_part
 from orchestrator.distributed.bringup import DistributedError
 from orchestrator.app.run_dir import RunDirError
 
@@ -404,17 +404,20 @@ def _run(recipe, out: Path, *, source, run_id: str, resume, job) -> int:
 def _write_recording(recipe, source, result) -> None:
   """A live run with ``rollouts.record_to`` writes what it trained on, replayable as a recording."""
   record_to = recipe.rollouts.record_to
-  if not record_to or getattr(source, "recorded", None) is None:
+  live = live_part(source)
+  recorded = live.recorded_steps() if live is not None else None
+  if not record_to or recorded is None:
     return
   from orchestrator.data.recording import write_recording
   from orchestrator.engine.presets import load_preset
   from orchestrator.live.rollouts import recorded_groups
 
-  manifest = write_recording(Path(record_to), recorded_groups(source.recorded, recipe.rollouts.generations_per_group),
+  manifest = write_recording(Path(record_to), recorded_groups(recorded, recipe.rollouts.generations_per_group),
                              vocab_size=load_preset(recipe.model).vocab_size,
                              produced_by={"tool": "run_rl (live loop)", "recipe": recipe.name,
                                           "task": dataclasses.asdict(recipe.task), "steps": result.last_step + 1})
-  result.summary["recording"] = {"path": record_to, "groups": manifest["num_groups"]}
+  result.summary = result.summary.replace(
+      run=dict(result.summary.run, recording={"path": record_to, "groups": manifest["num_groups"]}))
   print(f"run_rl: wrote the {manifest['num_groups']} groups this run trained on to {record_to}"
         f" (replay them with rollouts.source=recording rollouts.recording={record_to})", file=sys.stderr)
 
@@ -422,19 +425,21 @@ def _write_recording(recipe, source, result) -> None:
 def _report(out: Path, result, run_id: str, stop: StopSignals) -> int:
   from orchestrator.app.console import format_summary, format_table
 
-  summary = dict(result.summary, run_id=run_id)
   from orchestrator.live.plot import plot_rewards
 
+  run = dict(result.summary.run, run_id=run_id)
   modes = " → ".join(dict.fromkeys(r.mode for r in result.records))
   plot = plot_rewards(result.records, out / "reward.png", title=f"{out.name}: reward per step ({modes})")
   if plot:
-    summary["reward_plot"] = str(plot)
+    run["reward_plot"] = str(plot)
+  summary = result.summary.replace(run=run)
   stopped = result.ended == "stopped"  # a signal that came after the last step changes nothing
   if stopped:
     # In a job of several processes the signal may have reached another process: the program agreed on it.
     received = stop.received or _signal_named(result.stop_reason)
-    summary.update(ended="signal", signal=received.name, resume_command=f"run_rl --resume {out}")
-  run_dir.write_summary(out, summary)
+    summary = summary.replace(ended="signal", run=dict(run, signal=received.name,
+                                                       resume_command=f"run_rl --resume {out}"))
+  run_dir.write_summary(out, summary.to_json())
   print(format_table(result.records))
   print()
   print(format_summary(summary))

@@ -9,6 +9,9 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from tqdm.contrib.logging import logging_redirect_tqdm
+
+from orchestrator.contract import Evaluation, live_part
 from orchestrator.recipe import RECIPES_DIR, Recipe, RecipeError
 from orchestrator.loop.program import ProgramConfig, RLProgram
 from orchestrator.loop.trainer_worker import TrainerWorker, WorkerCapabilities
@@ -102,10 +105,7 @@ def live_source(recipe: Recipe, *, steps: int | None = None):
                         alphabet=task.answer_alphabet)
   shape = LiveShape(steps or recipe.steps, recipe.batch.micro_batches_per_step, r.groups_per_micro_batch,
                     r.generations_per_group, r.max_staleness, r.temperature, r.seed)
-  source = LiveRollouts(sampler, task, shape)
-  if r.record_to:
-    source.recorded = []
-  return source
+  return LiveRollouts(sampler, task, shape, record=bool(r.record_to))
 
 
 def resolve_path(path: str) -> Path:
@@ -166,27 +166,24 @@ class RunHandle:
   trainer_info: dict | None = None
 
   def run(self):
-    source = self.program.source
-    evaluate = getattr(source, "evaluate", None) if self.eval_prompts else None
+    live = self.program.live if self.eval_prompts else None
     worker, start = self.program.worker, self.program.config.start_step
-    before = evaluate(worker.export_weights(), start, self.eval_prompts) if evaluate else None
+    before = live.evaluate(worker.export_weights(), start, self.eval_prompts) if live else None
     try:
       if self.progress is None:
         result = self.program.run()
       else:
-        from tqdm.contrib.logging import logging_redirect_tqdm
-
         with logging_redirect_tqdm():
           result = self.program.run()
     finally:
-      if callable(getattr(source, "close", None)):
-        source.close()
-    if evaluate:
+      self.program.source.close()
+    if live:
       done = (result.last_step or 0) + 1
-      result.summary.update(eval_accuracy_start=before, eval_prompts=self.eval_prompts,
-                            eval_accuracy_end=evaluate(worker.export_weights(), done, self.eval_prompts))
+      result.summary = result.summary.replace(evaluation=Evaluation(
+          eval_accuracy_start=before, eval_prompts=self.eval_prompts,
+          eval_accuracy_end=live.evaluate(worker.export_weights(), done, self.eval_prompts)))
     if self.trainer_info:
-      result.summary["trainer"] = self.trainer_info
+      result.summary = result.summary.replace(trainer=self.trainer_info)
     return result
 
   @property
@@ -263,7 +260,7 @@ def _build_program(recipe: Recipe, out: Path, worker, *, source, run_id: str, re
   if resume is not None:
     worker.restore_checkpoint(resume.checkpoint_step)
     source.set_state(resume.metadata["source_state"])
-    if callable(getattr(source, "sync", None)):  # a live source samples the next steps from these weights
+    if live_part(source) is not None:  # a live source samples the next steps from these weights
       source.sync(resume.steps_done, worker.export_weights())
     policy.load_state_dict(resume.metadata["policy_state"])
     start_step, previous = resume.steps_done, [BoundaryRecord.from_json(r) for r in resume.previous_records]
@@ -285,6 +282,5 @@ def _build_program(recipe: Recipe, out: Path, worker, *, source, run_id: str, re
   config = program_config(recipe, out if primary else None, start_step=start_step, run_id=run_id)
   live = recipe.rollouts.source == "sampler"
   program = RLProgram(worker, policy, source, config, on_step=on_step, stop_requested=stop_requested,
-                      previous_records=previous, first_plan=first_plan,
-                      weight_sync=source.sync if live else None, agreement=job.agreement if job else None)
+                      previous_records=previous, first_plan=first_plan, agreement=job.agreement if job else None)
   return RunHandle(program, bar, recipe.task.eval_prompts if live else 0)

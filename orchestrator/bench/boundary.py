@@ -74,7 +74,7 @@ def main(argv=None) -> int:
         "median_step_s": statistics.median(r.step_s for r in result.records),
         "median_micro_batch_s": statistics.median(x for r in result.records for x in r.micro_batch_s),
         "median_stage_s": statistics.median(r.stage_s for r in records) if mode.staged else None,
-        "final_state_digest": result.summary["final_state_digest"],
+        "final_state_digest": result.summary.final_state_digest,
     })
   overhead = policy_overhead_us()
   print(f"{'mode':<20} {'idle_s':>10} {'strict_s':>10} {'step_s':>9} {'micro_s':>9} {'stage_s':>9}")

@@ -45,7 +45,7 @@ def _arm(recipe, engine, start, initial, sampler, mode, staleness: int, steps: i
       "sampled_tokens_per_s": median([x.sampled_tokens_per_s for x in records[1:] if x.sampled_tokens_per_s]),
       "staged_share": sum(x.staged for x in boundaries) / max(1, len(boundaries)),
       "reward_last_10": statistics.fmean(x.reward_mean for x in records[-10:]),
-      "final_state_digest": result.summary["final_state_digest"],
+      "final_state_digest": result.summary.final_state_digest,
   }
 
 

@@ -1,25 +1,74 @@
-"""Step sources: iterators of per-step payloads whose position can be saved and restored.
+"""Step sources (``orchestrator.contract.StepSource``) for synthetic and recorded rollouts.
 
 A run pulls one step (``micro_batches_per_step`` payloads) at a time. Before
 each pull the program asks the source for ``get_state()``; a checkpoint keeps
 the state before the first step it does not cover, and a resumed run hands it
 to ``set_state`` so that it trains on exactly the steps an uninterrupted run
 would have. States are JSON-able dicts that name their kind.
+
+``IterableSteps`` gives any iterable of steps (a list, a generator) the same
+surface, with no position to save.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
+from orchestrator.contract import SourceStateError, StepSource
 from orchestrator.data.recording import Recording, RecordingError
+from orchestrator.data.replay import replay_pipeline
 from orchestrator.data.synthetic import SyntheticRollouts
 
-
-class SourceStateError(ValueError):
-  """A saved source state that does not belong to this source."""
+__all__ = ["IterableSteps", "ReplaySteps", "SourceStateError", "SyntheticSteps", "as_step_source"]
 
 
-class SyntheticSteps:
+class _Positioned:
+  """What the synthetic and replayed sources share: a state that is JSON already, nothing to stop."""
+
+  def __iter__(self):
+    return self
+
+  def state_json(self, state: dict[str, Any]) -> dict[str, Any]:
+    return state
+
+  def close(self) -> None:
+    pass
+
+
+class IterableSteps(_Positioned):
+  """Any iterable of steps as a ``StepSource``: no position to save (a checkpoint keeps None), none to restore."""
+
+  kind = "iterable"
+
+  def __init__(self, steps: Iterable[Sequence[Any]]):
+    self._steps = steps
+    self._iterator: Iterator[Sequence[Any]] = iter(steps)
+
+  def __next__(self) -> Sequence[Any]:
+    return next(self._iterator)
+
+  def get_state(self) -> None:
+    return None
+
+  def state_json(self, state: None) -> None:
+    return None
+
+  def set_state(self, state: Any) -> None:
+    raise SourceStateError(f"a plain iterable of steps has no position to restore (got {state!r}); use a"
+                           " source with a position (orchestrator.data.sources) to resume")
+
+  def count_steps(self, limit: int) -> int:
+    """The steps a sized iterable holds, up to ``limit``; ``limit`` for one whose length is unknown."""
+    return min(limit, len(self._steps)) if isinstance(self._steps, Sequence) else limit
+
+
+def as_step_source(source: Any) -> StepSource:
+  """``source`` itself when it is a ``StepSource``; any other iterable of steps wrapped in ``IterableSteps``."""
+  return source if isinstance(source, StepSource) else IterableSteps(source)
+
+
+class SyntheticSteps(_Positioned):
   """``SyntheticRollouts`` one step at a time; its position is the next step's index."""
 
   kind = "synthetic"
@@ -28,9 +77,6 @@ class SyntheticSteps:
     self._rollouts = rollouts
     self._m = micro_batches_per_step
     self._next = 0
-
-  def __iter__(self) -> "SyntheticSteps":
-    return self
 
   def __next__(self) -> list:
     step = self._rollouts.step(self._next, self._m)
@@ -44,22 +90,21 @@ class SyntheticSteps:
     _check_kind(state, self.kind)
     self._next = int(state["next_step"])
 
+  def count_steps(self, limit: int) -> int:
+    """Synthetic steps never run out: ``limit``."""
+    return limit
 
-class ReplaySteps:
+
+class ReplaySteps(_Positioned):
   """A recording replayed through its grain pipeline; its position is the grain iterator's state."""
 
   kind = "replay"
 
   def __init__(self, recording: Recording, *, rows: int, tokens_per_row: int, micro_batches_per_step: int):
-    from orchestrator.data.replay import replay_pipeline  # grain (and so JAX) is imported on use
-
     self._pipeline = replay_pipeline(recording, rows=rows, tokens_per_row=tokens_per_row,
                                      micro_batches_per_step=micro_batches_per_step)
     self._iterator = iter(self._pipeline)
     self._recording = recording
-
-  def __iter__(self) -> "ReplaySteps":
-    return self
 
   def __next__(self) -> list:
     return next(self._iterator)

@@ -123,7 +123,7 @@ def bench_moe(preset: str, repeats: int, overflow_factor: float = 0.5) -> dict:
         continue
       compute.append(t1 - t0)
       update_block.append(t3 - t2)
-      reruns.append(metrics["reruns"])
+      reruns.append(metrics.reruns)
       if engine.rerun_dropped:
         rerun.append(t5 - t4)
     out[name] = {

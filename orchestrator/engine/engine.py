@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from orchestrator.contract import Receipt
+from orchestrator.contract import Receipt, StepMetrics
 from orchestrator.data import packing
 from orchestrator.data.trajectory import Trajectory
 from orchestrator.engine import mesh as mesh_lib
@@ -107,18 +107,18 @@ def _initial_state(preset: ModelPreset, options: EngineOptions, mesh, optimizer)
       params, jax.device_put(opt_state, opt_shardings))
 
 
-def _host_metrics(m: dict[str, Any], skipped_updates_total: int) -> dict[str, Any]:
+def _host_metrics(m: dict[str, Any], skipped_updates_total: int) -> StepMetrics:
   """One update's metrics read to the host (blocks on that update)."""
   device, micro, dropped = jax.device_get((m["device"], m["micro_losses"], m["micro_dropped"]))
-  return {
-      "step": m["step"], "loss": float(device["loss"]), "grad_norm": float(device["grad_norm"]),
-      "tokens": int(device["tokens"]), "micro_batches": m["micro_batches"],
-      "micro_batch_loss_sums": [float(t) for t, _ in micro],
-      "micro_batch_tokens": [int(c) for _, c in micro],
-      "dropped_tokens": [int(d) for d in dropped],
-      "reruns": len(m["reruns"]), "rerun_micro_batches": list(m["reruns"]),
-      "skipped_update": m["skipped"], "skipped_updates_total": skipped_updates_total,
-  }
+  return StepMetrics(
+      step=m["step"], loss=float(device["loss"]), grad_norm=float(device["grad_norm"]),
+      tokens=int(device["tokens"]), micro_batches=m["micro_batches"],
+      micro_batch_loss_sums=[float(t) for t, _ in micro],
+      micro_batch_tokens=[int(c) for _, c in micro],
+      dropped_tokens=[int(d) for d in dropped],
+      reruns=len(m["reruns"]), rerun_micro_batches=list(m["reruns"]),
+      skipped_update=m["skipped"], skipped_updates_total=skipped_updates_total,
+  )
 
 
 @dataclasses.dataclass
@@ -369,10 +369,10 @@ class JaxTrainingEngine:
     """The current weights (a nested dict of jax.Array); the engine never donates them."""
     return self._params
 
-  def get_metrics(self) -> dict[str, Any]:
-    """Metrics of the last applied update, read to the host (blocks on that update); {} before one."""
+  def get_metrics(self) -> StepMetrics:
+    """Metrics of the last applied update, read to the host (blocks on that update); all None before one."""
     if self._last_step_metrics is None:
-      return {}
+      return StepMetrics()
     return _host_metrics(self._last_step_metrics, self._skipped_updates)
 
   def state_digest(self) -> str:

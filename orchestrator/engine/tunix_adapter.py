@@ -34,7 +34,7 @@ import optax
 from flax import nnx
 from tunix.sft import peft_trainer
 
-from orchestrator.contract import Receipt
+from orchestrator.contract import Receipt, StepMetrics
 from orchestrator.data.packing import content_digest, count_loss_tokens, pack_payload
 from orchestrator.data.trajectory import Trajectory
 from orchestrator.engine import model as model_lib
@@ -161,12 +161,11 @@ class TunixTrainerEngine:
     self._step += 1
     return receipt
 
-  def get_metrics(self) -> dict[str, Any]:
+  def get_metrics(self) -> StepMetrics:
     if not self._last:
-      return {}
+      return StepMetrics()
     losses = [float(x) for x in jax.device_get(self._last["micro_losses"])]
-    return {"step": self._last["step"], "loss": float(np.mean(losses)), "micro_batch_losses": losses,
-            "tokens": None}
+    return StepMetrics(step=self._last["step"], loss=float(np.mean(losses)), extra={"micro_batch_losses": losses})
 
   @property
   def train_step(self) -> int:

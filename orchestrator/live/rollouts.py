@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from orchestrator.data.sources import SourceStateError
+from orchestrator.contract import RolloutStats, SourceStateError
 from orchestrator.data.trajectory import Trajectory
 from orchestrator.live.sampler import LiveSampler
 from orchestrator.live.tasks import group_advantages
@@ -49,10 +49,10 @@ class StepRollouts:
   sampled_tokens: int
   sampling_s: float
 
-  def stats(self) -> dict[str, Any]:
-    return {"weights_version": self.weights_version, "staleness": self.step - self.weights_version,
-            "reward_mean": self.reward_mean, "reward_std": self.reward_std, "accuracy": self.accuracy,
-            "sampled_tokens_per_s": self.sampled_tokens / self.sampling_s if self.sampling_s > 0 else None}
+  def stats(self) -> RolloutStats:
+    return RolloutStats(weights_version=self.weights_version, staleness=self.step - self.weights_version,
+                        reward_mean=self.reward_mean, reward_std=self.reward_std, accuracy=self.accuracy,
+                        sampled_tokens_per_s=self.sampled_tokens / self.sampling_s if self.sampling_s > 0 else None)
 
   def to_json(self) -> dict[str, Any]:
     payloads = [[{"prompt_ids": t.prompt_ids.tolist(), "completion_ids": t.completion_ids.tolist(),
@@ -82,11 +82,16 @@ class LiveShape:
 
 
 class LiveRollouts:
-  """Samples steps on a background thread, each from its fixed weights version."""
+  """Samples steps on a background thread, each from its fixed weights version.
+
+  A ``StepSource`` and a ``LiveSource`` (``orchestrator.contract``). With
+  ``record``, every step taken is kept for ``recorded_steps`` (a run that
+  writes its rollouts as a recording).
+  """
 
   kind = "live"
 
-  def __init__(self, sampler: LiveSampler, task, shape: LiveShape):
+  def __init__(self, sampler: LiveSampler, task, shape: LiveShape, *, record: bool = False):
     self._sampler = sampler
     self._task = task
     self.shape = shape
@@ -101,8 +106,8 @@ class LiveRollouts:
     self._error: BaseException | None = None
     self._closed = False
     self._thread: threading.Thread | None = None
-    self.recorded: list[StepRollouts] | None = None  # every step taken, when the run records its rollouts
-    self.last_wait_s = 0.0  # how long the last ``next`` blocked for its step to be sampled
+    self._recorded: list[StepRollouts] | None = [] if record else None
+    self._last_wait_s = 0.0
     self._state_wait_s = 0.0  # the part of that wait spent in ``get_state`` just before it
 
   # ---------------------------------------------------------------- the schedule
@@ -139,18 +144,31 @@ class LiveRollouts:
       start = time.perf_counter()
       ready = step in self._ready
       self._cond.wait_for(lambda: step in self._ready or self._error is not None)
-      self.last_wait_s = self._state_wait_s + (0.0 if ready else time.perf_counter() - start)
+      self._last_wait_s = self._state_wait_s + (0.0 if ready else time.perf_counter() - start)
       self._state_wait_s = 0.0
       self._raise_error()
       rollouts = self._ready.pop(step)
       self._delivered[step] = rollouts
-      if self.recorded is not None:
-        self.recorded.append(rollouts)
+      if self._recorded is not None:
+        self._recorded.append(rollouts)
       self._delivered.pop(step - self.shape.max_staleness - 2, None)
       self._next += 1
       return rollouts.payloads
 
-  def step_stats(self, step: int) -> dict[str, Any] | None:
+  @property
+  def last_wait_s(self) -> float:
+    """How long the last ``next`` blocked for its step to be sampled (its ``get_state`` wait included)."""
+    return self._last_wait_s
+
+  def recorded_steps(self) -> list[StepRollouts] | None:
+    """Every step taken so far, when built with ``record``; None otherwise."""
+    return self._recorded
+
+  def count_steps(self, limit: int) -> int:
+    """The steps this source samples (its shape's), up to ``limit``."""
+    return min(limit, self.shape.steps)
+
+  def step_stats(self, step: int) -> RolloutStats | None:
     with self._cond:
       rollouts = self._delivered.get(step)
     return rollouts.stats() if rollouts else None

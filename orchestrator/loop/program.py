@@ -12,7 +12,9 @@ by the step's own boundary. With one micro-batch per step the first is the
 last, so the boundary it belongs to is planned when it is dispatched.
 
 The ``Recorder`` owns the measurements: completion stamps, host spans, records,
-trace and summary. The program imports nothing from ``orchestrator.engine``.
+trace and summary. The program reaches its trainer only through
+``orchestrator.contract.Worker`` and its steps only through ``StepSource`` (and,
+for a live source, ``LiveSource``); it imports nothing from ``orchestrator.engine``.
 """
 
 from __future__ import annotations
@@ -20,12 +22,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from orchestrator.contract import RunSummary, StageReceipt, StepMetrics, StepSource, Worker, RolloutStats, live_part
+from orchestrator.data.sources import as_step_source
 from orchestrator.distributed.agreement import KeyValueAgreement, SingleProcess, combine_max
+from orchestrator.loop.job_timings import merge_process_timings
 from orchestrator.loop.recorder import BoundaryRecord, Lane, Recorder, Span, fwd_bwd_key, update_key
-from orchestrator.loop.trainer_worker import StageReceipt, TrainerWorker
 from orchestrator.loop.watcher import Watched
 from orchestrator.loop.weight_sync import HostWeightStore
 from policies import BoundaryPlan, Mode, StepBoundaryPolicy
@@ -103,12 +107,12 @@ class _Boundary:
   device_wait_s: float | None = None
   low_wait: bool | None = None
   transition: str | None = None
-  metrics: dict | None = None
+  metrics: StepMetrics | None = None
   checkpoint_path: str | None = None
   first_dispatch: float | None = None
   next_ready: bool | None = None  # None: the run's last step
   rollout_wait_s: float | None = None  # how long the next step's rollouts kept this boundary waiting
-  rollout: dict | None = None  # what sampling this step's rollouts measured (a live source)
+  rollout: RolloutStats | None = None  # what sampling this step's rollouts measured (a live source)
   per_process: dict | None = None  # several processes: each one's stage and device wait, in process order
   observe_after_dispatch: bool = False
   spans: dict = dataclasses.field(default_factory=dict)
@@ -117,7 +121,7 @@ class _Boundary:
 @dataclasses.dataclass
 class ProgramResult:
   records: list[BoundaryRecord]
-  summary: dict
+  summary: RunSummary | None
   records_path: str | None
   trace_path: str | None
   watched: list[Watched] = dataclasses.field(default_factory=list)  # completion stamps, dispatch order
@@ -157,59 +161,18 @@ def update_delay(recorder: Recorder, boundary: "_Boundary", m: int, threshold: f
     return None
 
 
-#: Trace events each process sends process 0 (the last ones of a long run): keeps each exchange small.
-MERGED_TRACE_EVENTS = 5000
-
-
-def merge_process_timings(agreement: SingleProcess, recorder: Recorder, summary: dict, trace_path: str | None) -> None:
-  """Every process's own timings into the summary and its trace events into the trace (process 0 writes
-  both), and what agreeing cost."""
-  mine = dict(recorder.process_timings(), wall_start=recorder.wall_start)
-  # Process 0's own events are in its trace file already; the others send theirs.
-  mine["trace_events"] = [] if agreement.is_primary else recorder.trace_events(MERGED_TRACE_EVENTS)
-  timings = agreement.exchange("process timings", mine)
-  if agreement.is_primary and trace_path and len(timings) > 1:
-    merge_traces(trace_path, timings)
-  summary["processes"] = [dict({k: v for k, v in t.items() if k != "trace_events"}, process_id=i)
-                          for i, t in enumerate(timings)]
-  seconds = sorted(agreement.exchange_s)
-  summary["agreement"] = {"exchanges": len(seconds), "median_s": seconds[len(seconds) // 2] if seconds else None,
-                          "max_s": seconds[-1] if seconds else None}
-
-
-def merge_traces(trace_path: str, timings: list[dict]) -> None:
-  """Adds processes 1.. to process 0's trace: their own device and host tracks, named, on process 0's
-  time axis (lined up by each process's wall clock at the start of the run)."""
-  import json  # pylint: disable=import-outside-toplevel
-  from pathlib import Path  # pylint: disable=import-outside-toplevel
-
-  path = Path(trace_path)
-  trace = json.loads(path.read_text())
-  for event in trace["traceEvents"]:
-    if event.get("name") == "process_name":
-      event["args"] = {"name": f"process 0: {event['args']['name']}"}
-  for process_id, t in enumerate(timings[1:], start=1):
-    shift_us = (t["wall_start"] - timings[0]["wall_start"]) * 1e6
-    for event in t["trace_events"]:
-      event = dict(event, pid=event["pid"] + 100 * process_id)
-      if event.get("name") == "process_name":
-        event["args"] = {"name": f"process {process_id}: {event['args']['name']}"}
-      if "ts" in event:
-        event["ts"] += shift_us
-      trace["traceEvents"].append(event)
-  path.write_text(json.dumps(trace))
-
-
 class RLProgram:
-  """Drives a TrainerWorker through ``config.steps`` optimizer steps.
+  """Drives a ``Worker`` through ``config.steps`` optimizer steps.
 
   Args:
-    worker: the trainer.
+    worker: the trainer (``orchestrator.contract.Worker``).
     policy: plans every boundary (its capability fallback already applied).
-    source: an iterable of steps, each a sequence of ``micro_batches_per_step`` payloads.
+    source: a ``StepSource``, or any iterable of steps (each a sequence of
+      ``micro_batches_per_step`` payloads; it then has no position to save).
+      Which contract parts it has is checked once, here (``live_part``).
     config: the loop's settings.
     weight_sync: called as ``weight_sync(step, weights)`` after each step
-      (default: ``HostWeightStore``).
+      (default: a live source's own ``sync``, else ``HostWeightStore``).
     on_step: called with each finished ``BoundaryRecord`` (progress display).
     clock: seconds, monotonic.
     stop_requested: polled when each boundary is planned; once it returns True
@@ -226,7 +189,7 @@ class RLProgram:
       sees them (docs/design.md §12). Default: one process, nothing exchanged.
   """
 
-  def __init__(self, worker: TrainerWorker, policy: StepBoundaryPolicy, source: Iterable[Sequence[Any]],
+  def __init__(self, worker: Worker, policy: StepBoundaryPolicy, source: StepSource | Iterable[Sequence[Any]],
                config: ProgramConfig, *, weight_sync: Callable[[int, Any], None] | None = None,
                on_step: Callable[[BoundaryRecord], None] | None = None,
                clock: Callable[[], float] = time.perf_counter,
@@ -236,9 +199,12 @@ class RLProgram:
     self.worker = worker
     self.agreement = agreement or SingleProcess()
     self.policy = policy
-    self.source = source
+    self.source = as_step_source(source)
+    self.live = live_part(self.source)
     self.config = config
-    self.weight_sync = weight_sync if weight_sync is not None else HostWeightStore()
+    if weight_sync is None:
+      weight_sync = self.live.sync if self.live is not None else HostWeightStore()
+    self.weight_sync = weight_sync
     self.clock = clock
     self.recorder = Recorder(clock, config.micro_batches_per_step, config.out_dir, on_step,
                              previous_records=previous_records)
@@ -247,9 +213,8 @@ class RLProgram:
     self._first_plan = first_plan
     self._boundaries: dict[int, _Boundary] = {}
     self._payloads: dict[int, Sequence[Any]] = {}
-    self._source_iter: Iterator | None = None
     self._source_states: dict[int, Any] = {}  # the source's position before each step was pulled
-    self._result = ProgramResult([], {}, None, None)
+    self._result = ProgramResult([], None, None, None)
     if (config.checkpoint_every or config.scored_checkpoint_steps) and not worker.capabilities.can_checkpoint:
       raise ValueError("checkpoints are asked for (checkpoint_every / scored_checkpoint_steps) but the engine"
                        " has no save_checkpoint / restore_checkpoint; turn checkpoints off or use an engine"
@@ -283,42 +248,33 @@ class RLProgram:
     finally:
       trace_path = self.recorder.close()
     result = self._result
-    result.records, result.summary = self.records, self.recorder.summary(self.policy, self.worker.state_digest())
-    result.summary.update(trace_path=trace_path, ended=result.ended, last_step=result.last_step,
-                          checkpoint_path=result.checkpoint_path)
-    result.records_path, result.trace_path = result.summary.get("records_path"), trace_path
+    summary = self.recorder.summary(self.policy.report(), self.worker.state_digest()).replace(
+        trace_path=trace_path, ended=result.ended, last_step=result.last_step, checkpoint_path=result.checkpoint_path)
     if isinstance(self.agreement, KeyValueAgreement):  # a job's: what agreeing cost, every process's timings
-      merge_process_timings(self.agreement, self.recorder, result.summary, trace_path)
+      summary = merge_process_timings(self.agreement, self.recorder, summary, trace_path)
+    result.records, result.summary = self.records, summary
+    result.records_path, result.trace_path = summary.records_path, trace_path
     result.watched, result.host_spans = self.recorder.watched(), list(self.recorder.spans)
     result.run_start = self.recorder.run_start
     return result
-
-  def _source(self) -> Iterator:
-    if self._source_iter is None:
-      self._source_iter = iter(self.source)
-    return self._source_iter
 
   def _payload(self, k: int, i: int) -> Any:
     """Micro-batch i of step k, taking step k from the source when it is first needed."""
     if k not in self._payloads:
       self._pull(k)
-      waited = getattr(self._source(), "last_wait_s", None)  # a source that samples says how long it blocked
-      if k - 1 in self._boundaries and waited is not None:
-        self._boundaries[k - 1].rollout_wait_s = waited
+      if k - 1 in self._boundaries and self.live is not None:  # a sampling source says how long it blocked
+        self._boundaries[k - 1].rollout_wait_s = self.live.last_wait_s
     return self._payloads[k][i]
 
   def _next_ready(self, k: int) -> bool:
     """Whether step k's first micro-batch can exist before this boundary's weight sync (a live source says)."""
-    blocked = getattr(self._source(), "blocked_on_sync", None)
-    return not (callable(blocked) and blocked(k))
+    return self.live is None or not self.live.blocked_on_sync(k)
 
   def _pull(self, k: int) -> None:
     """Takes step k's payloads from the source, noting the source's position before it."""
-    source = self._source()
-    get_state = getattr(source, "get_state", None)
-    self._source_states[k] = get_state() if callable(get_state) else None
+    self._source_states[k] = self.source.get_state()
     try:
-      payloads = next(source)
+      payloads = next(self.source)
     except StopIteration:
       pulled = k - self.config.start_step
       raise ValueError("the source yielded no steps" if pulled == 0 else
@@ -331,13 +287,8 @@ class RLProgram:
 
   def _source_state_before(self, k: int) -> Any:
     """The source's position before step k (after the last step pulled, when k was never pulled), as JSON."""
-    if k in self._source_states:
-      state = self._source_states[k]
-    else:
-      get_state = getattr(self._source_iter, "get_state", None)
-      state = get_state() if callable(get_state) else None
-    to_json = getattr(self._source_iter, "state_json", None)
-    return to_json(state) if callable(to_json) and state is not None else state
+    state = self._source_states[k] if k in self._source_states else self.source.get_state()
+    return self.source.state_json(state) if state is not None else None
 
   def _loop(self) -> None:
     m, first = self.config.micro_batches_per_step, self.config.start_step
@@ -350,8 +301,7 @@ class RLProgram:
       boundary = self._boundaries.get(k) or self._open_boundary(k)
       for action in boundary.actions:
         self._execute(action, boundary)
-      stats = getattr(self._source(), "step_stats", None)
-      boundary.rollout = stats(k) if callable(stats) else None
+      boundary.rollout = self.live.step_stats(k) if self.live is not None else None
       self.recorder.finish_record(boundary, boundary.first_dispatch)
       del self._boundaries[k], self._payloads[k]
       self._source_states.pop(k, None)  # only the position before step k+1 can still be checkpointed
@@ -362,9 +312,8 @@ class RLProgram:
 
   def _open_boundary(self, k: int) -> _Boundary:
     """Plans the boundary after step k (just before its last micro-batch is dispatched)."""
-    check = getattr(self._source(), "check", None)
-    if callable(check):
-      check()  # a failed rollout thread surfaces here, at the boundary
+    if self.live is not None:
+      self.live.check()  # a failed rollout thread surfaces here, at the boundary
     stop = k + 1 < self.config.steps and self._agreed_stop(k)
     has_next = k + 1 < self.config.steps and not stop
     next_ready = self._next_ready(k + 1) if has_next else None
@@ -465,7 +414,7 @@ class RLProgram:
   def _read_metrics(self, boundary: _Boundary) -> None:
     """Reads step k's metrics (blocks until update k is done); a stage after the update is judged here."""
     start = self.clock()
-    boundary.metrics = dict(self.worker.get_metrics())
+    boundary.metrics = self.worker.get_metrics()
     end = self.clock()
     key = update_key(boundary.step)
     self.recorder.observe_ready(key, end)

@@ -12,14 +12,17 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import socket
 import statistics
 import time
 from collections.abc import Callable, Hashable, Sequence
 from pathlib import Path
 from typing import Any
 
-from orchestrator.contract import Receipt
+from orchestrator.contract import Receipt, RolloutSummary, RunSummary, StepMetrics, StepTimings
+from orchestrator.loop.trace import chrome_trace
 from orchestrator.loop.watcher import CompletionWatcher, Watched
+from policies import PolicyReport
 
 
 class Lane(enum.IntEnum):
@@ -151,16 +154,12 @@ class Recorder:
       self._records_file.close()
     if not self.out_dir:
       return None
-    from orchestrator.loop.trace import chrome_trace  # pylint: disable=import-outside-toplevel
-
     path = self.out_dir / "trace.json"
     path.write_text(json.dumps(chrome_trace(self.watched(), self.spans, self.records, self.run_start)))
     return str(path)
 
   def trace_events(self, limit: int) -> list[dict[str, Any]]:
     """This process's trace events (the last ``limit`` of them), for process 0 to merge into the run's trace."""
-    from orchestrator.loop.trace import chrome_trace  # pylint: disable=import-outside-toplevel
-
     events = chrome_trace(self.watched(), self.spans, self.records, self.run_start)["traceEvents"]
     meta = [e for e in events if e["ph"] == "M"]
     timed = sorted((e for e in events if e["ph"] != "M"), key=lambda e: e["ts"])
@@ -223,7 +222,7 @@ class Recorder:
     if step_start is None:
       step_start = self._watcher.get(fwd_bwd_key(k, 0)).dispatched_at
     self._last_update_ready = update_ready
-    plan, metrics, spans = boundary.plan, boundary.metrics or {}, boundary.spans
+    plan, metrics, spans = boundary.plan, boundary.metrics or StepMetrics(), boundary.spans
     record = BoundaryRecord(
         step=k, mode=boundary.mode, staged=boundary.stage is not None,
         stage_before_update=bool(plan and plan.stage and plan.stage_before_update),
@@ -237,12 +236,13 @@ class Recorder:
         checkpoint_s=spans.get("checkpoint_s"), checkpoint_path=boundary.checkpoint_path,
         weight_sync_s=spans.get("weight_sync_s"),
         staged_digest=boundary.stage.input_digest if boundary.stage else None,
-        loss=metrics.get("loss"), grad_norm=metrics.get("grad_norm"), tokens=metrics.get("tokens"),
-        reruns=metrics.get("reruns"), rerun_micro_batches=metrics.get("rerun_micro_batches"),
-        dropped_tokens=metrics.get("dropped_tokens"),
+        loss=metrics.loss, grad_norm=metrics.grad_norm, tokens=metrics.tokens,
+        reruns=metrics.reruns, rerun_micro_batches=metrics.rerun_micro_batches,
+        dropped_tokens=metrics.dropped_tokens,
         t_update_ready=update_ready - self.run_start,
         t_next_first_dispatch=None if first_dispatch is None else first_dispatch - self.run_start,
-        next_ready=boundary.next_ready, rollout_wait_s=boundary.rollout_wait_s, **(boundary.rollout or {}),
+        next_ready=boundary.next_ready, rollout_wait_s=boundary.rollout_wait_s,
+        **(dataclasses.asdict(boundary.rollout) if boundary.rollout else {}),
         per_process=boundary.per_process,
     )
     self.records.append(record)
@@ -253,34 +253,22 @@ class Recorder:
       self.on_record(record)
     return record
 
-  def summary(self, policy, final_state_digest: str | None) -> dict[str, Any]:
-    """The run's summary (``summary.json``): medians, counts, the policy's story, the digest."""
+  def summary(self, policy: PolicyReport, final_state_digest: str | None) -> RunSummary:
+    """The run's summary from the records so far, the policy's report and the final digest."""
     idles = [r.boundary_idle_s for r in self.records if r.boundary_idle_s is not None]
     stricts = [r.boundary_idle_strict_s for r in self.records if r.boundary_idle_strict_s is not None]
     steps = [r.step_s for r in self.records]
-    return {
-        "steps": len(self.records),
-        "requested_mode": policy.requested_mode.value,
-        "final_mode": policy.mode.value,
-        "median_boundary_idle_s": statistics.median(idles) if idles else None,
-        "median_boundary_idle_strict_s": statistics.median(stricts) if stricts else None,
-        "median_step_s": statistics.median(steps) if steps else None,
-        "staged_boundaries": sum(1 for r in self.records if r.staged),
-        "auto_disables": policy.counters.get("auto_disable", 0),
-        "transitions": [dataclasses.asdict(t) | {"from_mode": t.from_mode.value, "to_mode": t.to_mode.value}
-                        for t in policy.history],
-        "policy_counters": dict(policy.counters),
-        "threshold_s": policy.threshold_s,
-        "wait_floor_max_s": max(policy.floor_samples) if policy.floor_samples else None,
-        "final_state_digest": final_state_digest,
-        "records_path": str(self.out_dir / "records.jsonl") if self.out_dir else None,
-        **self._live_summary(),
-    }
+    timings = StepTimings(steps=len(self.records),
+                          median_boundary_idle_s=statistics.median(idles) if idles else None,
+                          median_boundary_idle_strict_s=statistics.median(stricts) if stricts else None,
+                          median_step_s=statistics.median(steps) if steps else None,
+                          staged_boundaries=sum(1 for r in self.records if r.staged))
+    return RunSummary(timings=timings, policy=policy, final_state_digest=final_state_digest,
+                      records_path=str(self.out_dir / "records.jsonl") if self.out_dir else None,
+                      rollouts=self._rollout_summary())
 
   def process_timings(self) -> dict[str, Any]:
     """This process's own timings (a job of several processes merges every process's into the summary)."""
-    import socket  # pylint: disable=import-outside-toplevel
-
     def median(values):
       values = [v for v in values if v is not None]
       return statistics.median(values) if values else None
@@ -292,11 +280,11 @@ class Recorder:
             "median_device_wait_s": median(r.device_wait_s for r in self.records),
             "boundary_idle_s": [r.boundary_idle_s for r in self.records]}
 
-  def _live_summary(self) -> dict[str, Any]:
+  def _rollout_summary(self) -> RolloutSummary | None:
     rewards = [r.reward_mean for r in self.records if r.reward_mean is not None]
     if not rewards:
-      return {}
+      return None
     waits = [r.rollout_wait_s for r in self.records if r.rollout_wait_s is not None]
-    return {"reward_first_step": rewards[0], "reward_last_10_steps": statistics.fmean(rewards[-10:]),
-            "median_rollout_wait_s": statistics.median(waits) if waits else None,
-            "boundaries_next_not_ready": sum(1 for r in self.records if r.next_ready is False)}
+    return RolloutSummary(reward_first_step=rewards[0], reward_last_10_steps=statistics.fmean(rewards[-10:]),
+                          median_rollout_wait_s=statistics.median(waits) if waits else None,
+                          boundaries_next_not_ready=sum(1 for r in self.records if r.next_ready is False))

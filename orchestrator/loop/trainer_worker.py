@@ -5,7 +5,8 @@ needs: micro-batches, staged inputs, deferred updates, metrics, checkpoints,
 the weights for the sync, the state digest and wait-floor samples. In process
 today; a remote worker implements the same surface over an RPC.
 
-The engine is checked against ``orchestrator.contract`` once, at construction:
+It satisfies ``orchestrator.contract.Worker`` and returns that contract's
+result types. The engine is checked against ``orchestrator.contract`` once, at construction:
 ``TrainingEngine`` is required; ``StagingEngine``, ``CheckpointingEngine`` and
 ``WeightSource`` are optional and recorded in ``capabilities``.
 
@@ -23,45 +24,16 @@ from collections.abc import Mapping
 from typing import Any
 
 from orchestrator import contract
-from orchestrator.contract import Receipt
+from orchestrator.contract import (
+    DeferredUpdate,
+    Receipt,
+    StageReceipt,
+    StepMetrics,
+    WorkerCapabilities,
+    WorkerUsageError,
+)
 
-
-class WorkerUsageError(RuntimeError):
-  """The worker was driven out of order (the message says what and what to call instead)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class WorkerCapabilities:
-  """What the engine can do, decided once when the worker is built."""
-
-  can_stage: bool
-  missing_staging_methods: tuple[str, ...]
-  can_checkpoint: bool
-  can_export_weights: bool
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class StageReceipt:
-  """What staging the next micro-batch cost the host, and a way to fingerprint what was staged."""
-
-  stage_s: float
-  started_at: float
-  ended_at: float
-  _prepared: Any = dataclasses.field(repr=False)
-
-  @property
-  def input_digest(self) -> str | None:
-    """The staged input's content digest (hashed on first use, off the hot path)."""
-    return getattr(self._prepared, "digest", None)
-
-
-@dataclasses.dataclass(frozen=True)
-class DeferredUpdate:
-  """The owed update, applied: how long the device still computed first, and the update's receipt."""
-
-  device_wait_s: float
-  wait_started_at: float
-  update: Receipt
+__all__ = ["TrainerWorker", "WorkerUsageError", "WorkerCapabilities", "StageReceipt", "DeferredUpdate"]
 
 
 class TrainerWorker:
@@ -75,15 +47,15 @@ class TrainerWorker:
   """
 
   def __init__(self, engine: Any):
-    if not isinstance(engine, contract.TrainingEngine):
-      missing = contract.missing_methods(engine, contract.TrainingEngine)
+    missing = contract.missing_methods(engine, contract.TrainingEngine)
+    if missing:
       raise TypeError(f"{type(engine).__name__} cannot back a TrainerWorker: it lacks {', '.join(missing)}")
     self._engine = engine
     self.capabilities = WorkerCapabilities(
-        can_stage=isinstance(engine, contract.StagingEngine),
+        can_stage=not contract.missing_methods(engine, contract.StagingEngine),
         missing_staging_methods=contract.missing_methods(engine, contract.StagingEngine),
-        can_checkpoint=isinstance(engine, contract.CheckpointingEngine),
-        can_export_weights=isinstance(engine, contract.WeightSource),
+        can_checkpoint=not contract.missing_methods(engine, contract.CheckpointingEngine),
+        can_export_weights=not contract.missing_methods(engine, contract.WeightSource),
     )
     self._staged: Any = None
     self._update_owed = False
@@ -132,7 +104,7 @@ class TrainerWorker:
     start = time.perf_counter()
     self._staged = self._engine.prepare_fwd_bwd_input(payload)
     end = time.perf_counter()
-    return StageReceipt(end - start, start, end, self._staged)
+    return StageReceipt(stage_s=end - start, started_at=start, ended_at=end, prepared=self._staged)
 
   def fwd_bwd_staged(self, apply_optimizer: bool = False, defer_update: bool = False) -> Receipt:
     """Dispatches the staged input as the next micro-batch (same options as ``fwd_bwd``).
@@ -158,7 +130,7 @@ class TrainerWorker:
     started = time.perf_counter()
     waited = self._engine.wait_for_device() if self.capabilities.can_stage else 0.0
     self._update_owed = False
-    return DeferredUpdate(waited, started, self._update())
+    return DeferredUpdate(device_wait_s=waited, wait_started_at=started, update=self._update())
 
   def update(self) -> Receipt:
     """Runs the engine's ``update()`` now, without waiting for the device.
@@ -210,9 +182,9 @@ class TrainerWorker:
       raise WorkerUsageError("wait_for_device: the engine has none")
     return self._engine.wait_for_device()
 
-  def get_metrics(self) -> Mapping[str, Any]:
-    """The engine's metrics of its last update (may block until that update is done)."""
-    return self._engine.get_metrics()
+  def get_metrics(self) -> StepMetrics:
+    """The engine's metrics of its last update (may block until that update is done), typed."""
+    return StepMetrics.coerce(self._engine.get_metrics())
 
   def export_weights(self) -> Any:
     """The weights for the sync (device arrays, valid after the next dispatch); None if the engine has none."""

@@ -28,9 +28,15 @@ from typing import Any
 
 import grpc
 
-from orchestrator.contract import Receipt
+from orchestrator.contract import (
+    DeferredUpdate,
+    Receipt,
+    StageReceipt,
+    StepMetrics,
+    WorkerCapabilities,
+    WorkerUsageError,
+)
 from orchestrator.remote import protocol, wire
-from orchestrator.loop.trainer_worker import DeferredUpdate, StageReceipt, WorkerCapabilities, WorkerUsageError
 
 CLOCK_SAMPLES = 16
 _LOST = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
@@ -100,8 +106,10 @@ class RemoteTrainerWorker:
                                                "recipe_digest": recipe_digest}))
     self._session = hello["session"]
     caps = hello["capabilities"]
-    self.capabilities = WorkerCapabilities(caps["can_stage"], tuple(caps["missing_staging_methods"]),
-                                           caps["can_checkpoint"], caps["can_export_weights"])
+    self.capabilities = WorkerCapabilities(can_stage=caps["can_stage"],
+                                           missing_staging_methods=tuple(caps["missing_staging_methods"]),
+                                           can_checkpoint=caps["can_checkpoint"],
+                                           can_export_weights=caps["can_export_weights"])
     self._estimate_offset()
     self._attach = self._channel.unary_stream(f"/{protocol.SERVICE}/Attach")(
         wire.encode({}), metadata=self._metadata())
@@ -214,7 +222,7 @@ class RemoteTrainerWorker:
     header, _ = self._call({"method": "stage"}, wire.encode_payload("stage", list(payload)))
     end = time.perf_counter()
     self._staged = _Staged(header["input_digest"])
-    return StageReceipt(end - start, start, end, self._staged)
+    return StageReceipt(stage_s=end - start, started_at=start, ended_at=end, prepared=self._staged)
 
   def fwd_bwd_staged(self, apply_optimizer: bool = False, defer_update: bool = False) -> Receipt:
     if self._early is not None:
@@ -238,7 +246,8 @@ class RemoteTrainerWorker:
     self._step, self._micro = self._step + 1, 0
     self._early = self._receipt(header["staged_receipt"])
     # What the driver waited: the call less the update's own time on the server.
-    return DeferredUpdate(max(0.0, elapsed - (header["call_s"] - header["device_wait_s"])), started, update)
+    return DeferredUpdate(device_wait_s=max(0.0, elapsed - (header["call_s"] - header["device_wait_s"])),
+                          wait_started_at=started, update=update)
 
   def update(self) -> Receipt:
     header, _ = self._call({"method": "update"})
@@ -249,16 +258,19 @@ class RemoteTrainerWorker:
     """Round trips of ``wait_for_device`` with nothing in flight, timed here (after one unscored call)."""
     if not self.capabilities.can_stage:
       raise WorkerUsageError("sample_wait_floor: the engine has no wait_for_device")
-    self._call({"method": "wait_for_device"})
-    out = []
-    for _ in range(samples):
-      start = time.perf_counter()
-      self._call({"method": "wait_for_device"})
-      out.append(time.perf_counter() - start)
-    return out
+    self.wait_for_device()
+    return [self.wait_for_device() for _ in range(samples)]
 
-  def get_metrics(self) -> Mapping[str, Any]:
-    return self._call({"method": "get_metrics"})[0]["metrics"]
+  def wait_for_device(self) -> float:
+    """One round trip of ``wait_for_device``, timed here: the trainer's wait plus the wire's."""
+    if not self.capabilities.can_stage:
+      raise WorkerUsageError("wait_for_device: the engine has none")
+    start = time.perf_counter()
+    self._call({"method": "wait_for_device"})
+    return time.perf_counter() - start
+
+  def get_metrics(self) -> StepMetrics:
+    return StepMetrics.coerce(self._call({"method": "get_metrics"})[0]["metrics"])
 
   def export_weights(self) -> Any:
     header, arrays = self._call({"method": "export_weights"})

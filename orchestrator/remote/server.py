@@ -25,7 +25,8 @@ from typing import Any
 import grpc
 
 from orchestrator.remote import protocol, wire
-from orchestrator.loop.trainer_worker import TrainerWorker, WorkerUsageError
+from orchestrator.contract import WorkerUsageError
+from orchestrator.loop.trainer_worker import TrainerWorker
 from orchestrator.loop.watcher import CompletionWatcher
 
 log = logging.getLogger("step_boundary.remote")
@@ -47,6 +48,8 @@ def _number(value: Any) -> Any:
     value = value.item()
   if value is None or isinstance(value, (bool, int, float, str)):
     return value
+  if isinstance(value, (list, tuple)):  # per-micro-batch metrics stay lists, not their text
+    return [_number(v) for v in value]
   try:
     return float(value)
   except (TypeError, ValueError):
@@ -242,7 +245,7 @@ class TrainerService:
     return wire.encode({"waited_s": self._worker.wait_for_device()})
 
   def _do_get_metrics(self, header, arrays) -> bytes:
-    return wire.encode({"metrics": {k: _number(v) for k, v in self._worker.get_metrics().items()}})
+    return wire.encode({"metrics": {k: _number(v) for k, v in self._worker.get_metrics().to_json().items()}})
 
   def _do_export_weights(self, header, arrays) -> bytes:
     import jax  # pylint: disable=import-outside-toplevel

@@ -2,7 +2,7 @@
 
 This module is the one place the engine contract is written (``docs/design.md``
 §4 explains it). It imports nothing from JAX or from ``orchestrator.engine``:
-the program, the recorder and any future remote worker depend on it alone.
+the program, the recorder and the remote worker depend on it alone.
 
 Capabilities are layered. ``TrainingEngine`` is what every engine must have;
 ``StagingEngine`` adds what staging needs; ``CheckpointingEngine`` and
@@ -71,6 +71,54 @@ class Receipt:
     return cls(kind, step, micro_step, ready, time.perf_counter())
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepMetrics:
+  """One applied update's metrics, read to the host. Every field is None where the engine does not say.
+
+  Attributes:
+    step: updates applied before this one.
+    loss: the step's mean loss per token.
+    grad_norm: the global norm of the accumulated gradient.
+    tokens: tokens that carried loss in the step.
+    micro_batches: micro-batches accumulated into the update.
+    micro_batch_loss_sums, micro_batch_tokens: per micro-batch, the loss sum and its token count.
+    dropped_tokens: per micro-batch, tokens an MoE layer dropped in the kept computation (0 under replay).
+    reruns: how many micro-batches were re-run dropless; rerun_micro_batches: which.
+    skipped_update: the update was skipped (a non-finite gradient under the skip guard);
+      skipped_updates_total: skipped so far in the run.
+    extra: anything else the engine reports, by name (JSON-able values).
+  """
+
+  step: int | None = None
+  loss: float | None = None
+  grad_norm: float | None = None
+  tokens: int | None = None
+  micro_batches: int | None = None
+  micro_batch_loss_sums: list[float] | None = None
+  micro_batch_tokens: list[int] | None = None
+  dropped_tokens: list[int] | None = None
+  reruns: int | None = None
+  rerun_micro_batches: list[int] | None = None
+  skipped_update: bool | None = None
+  skipped_updates_total: int | None = None
+  extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+  @classmethod
+  def coerce(cls, metrics: "StepMetrics | Mapping[str, Any] | None") -> "StepMetrics":
+    """A ``StepMetrics`` for what an engine returned: one passes through; a mapping's known keys become
+    fields and the rest ``extra``; None or an empty mapping (no update yet) gives every field None."""
+    if isinstance(metrics, StepMetrics):
+      return metrics
+    values = dict(metrics or {})
+    known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+    return cls(**{k: values.pop(k) for k in list(values) if k in known}, extra=values)
+
+  def to_json(self) -> dict[str, Any]:
+    """The metrics as one flat JSON-able dict (``extra`` beside the fields; what the wire carries)."""
+    out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
+    return dict(out, **self.extra)
+
+
 @runtime_checkable
 class PreparedInput(Protocol):
   """A micro-batch mapped to model inputs and placed on the devices, not yet dispatched."""
@@ -115,12 +163,12 @@ class TrainingEngine(Protocol):
     """
     ...
 
-  def get_metrics(self) -> Mapping[str, Any]:
+  def get_metrics(self) -> StepMetrics:
     """The last applied update's metrics, read to the host (may block on that update).
 
-    Keys the program reads when present: ``loss``, ``grad_norm``, ``tokens``,
-    ``reruns``, ``rerun_micro_batches``, ``dropped_tokens``. Empty before the
-    first update.
+    Returns a ``StepMetrics`` (every field None before the first update). An
+    engine may return a mapping with the same keys instead; the worker coerces
+    it (``StepMetrics.coerce``).
     """
     ...
 

@@ -1,0 +1,44 @@
+"""The contracts between the parts, each a runtime-checkable Protocol whose docstrings are the contract.
+
+- ``engine``: what a training engine does (``TrainingEngine``, ``StagingEngine``,
+  ``CheckpointingEngine``, ``WeightSource``, ``SnapshotEngine``), its ``Receipt``
+  and ``StepMetrics``.
+- ``worker``: what the step loop drives (``Worker``) and the results it hands back.
+- ``source``: where the steps come from (``StepSource``, the optional ``LiveSource``
+  part) and ``RolloutStats``.
+- ``outputs``: what a run hands back (``RunSummary`` and its parts).
+
+None of them imports JAX or ``orchestrator.engine``: the loop, the recorder and
+the remote worker depend on these alone (docs/design.md §3–4).
+"""
+
+from orchestrator.contract.engine import (
+    STAGING_METHODS,
+    CheckpointingEngine,
+    PreparedInput,
+    Receipt,
+    SnapshotEngine,
+    StagingEngine,
+    StepMetrics,
+    TrainingEngine,
+    WeightSource,
+    missing_methods,
+)
+from orchestrator.contract.outputs import (
+    AgreementCost,
+    Evaluation,
+    ProcessTimings,
+    RolloutSummary,
+    RunSummary,
+    StepTimings,
+)
+from orchestrator.contract.source import LiveSource, RolloutStats, SourceStateError, StepSource, live_part
+from orchestrator.contract.worker import DeferredUpdate, StageReceipt, Worker, WorkerCapabilities, WorkerUsageError
+
+__all__ = [
+    "AgreementCost", "CheckpointingEngine", "DeferredUpdate", "Evaluation", "LiveSource", "PreparedInput",
+    "ProcessTimings", "Receipt", "RolloutStats", "RolloutSummary", "RunSummary", "STAGING_METHODS",
+    "SnapshotEngine", "SourceStateError", "StageReceipt", "StagingEngine", "StepMetrics", "StepSource",
+    "StepTimings", "TrainingEngine", "WeightSource", "Worker", "WorkerCapabilities", "WorkerUsageError",
+    "live_part", "missing_methods",
+]

@@ -1,0 +1,125 @@
+"""What a run hands back: the ``RunSummary`` and the typed parts it is built from.
+
+Each part has one owner: the recorder measures the step timings and the
+rollouts, the policy reports its own story (``policies.PolicyReport``), the
+program adds how the run ended and, in a job of several processes, every
+process's timings; the live loop adds its evaluation, the application the run's
+identity and files. ``RunSummary.to_json()`` is ``summary.json``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from policies import PolicyReport
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepTimings:
+  """Medians over every record of the run (a resumed run's earlier records included)."""
+
+  steps: int
+  median_boundary_idle_s: float | None
+  median_boundary_idle_strict_s: float | None
+  median_step_s: float | None
+  staged_boundaries: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RolloutSummary:
+  """A live run's rewards and waits for rollouts."""
+
+  reward_first_step: float
+  reward_last_10_steps: float
+  median_rollout_wait_s: float | None
+  boundaries_next_not_ready: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Evaluation:
+  """Greedy accuracy on held-out prompts before the first step and after the last."""
+
+  eval_accuracy_start: float
+  eval_prompts: int
+  eval_accuracy_end: float
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ProcessTimings:
+  """One process's own timings in a job of several processes."""
+
+  process_id: int
+  host: str
+  wall_start: float
+  median_boundary_idle_s: float | None
+  median_step_s: float | None
+  median_stage_s: float | None
+  median_device_wait_s: float | None
+  boundary_idle_s: list[float | None]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AgreementCost:
+  """What keeping a job's processes on one path cost: exchanges and their seconds."""
+
+  exchanges: int
+  median_s: float | None
+  max_s: float | None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunSummary:
+  """The run's summary. Optional parts are None where they do not apply and then absent from the JSON.
+
+  Attributes:
+    timings: the step and boundary medians.
+    policy: the policy's report (modes, transitions, counters, threshold).
+    final_state_digest: the engine's state digest at the end (None if it cannot say).
+    records_path, trace_path: the files written (None when the run writes none).
+    ended: ``completed``, ``stopped`` (a stop honoured at a boundary), ``signal`` or ``error``.
+    last_step: the last step run; checkpoint_path: the last checkpoint written.
+    rollouts, evaluation: a live run's.
+    processes, agreement: a job of several processes'.
+    trainer: where a remote trainer ran (its address and clock offset).
+    run: what the application adds (run id, recording, reward plot, the signal and how to resume).
+  """
+
+  timings: StepTimings
+  policy: PolicyReport
+  final_state_digest: str | None
+  records_path: str | None = None
+  trace_path: str | None = None
+  ended: str = "completed"
+  last_step: int | None = None
+  checkpoint_path: str | None = None
+  rollouts: RolloutSummary | None = None
+  evaluation: Evaluation | None = None
+  processes: tuple[ProcessTimings, ...] | None = None
+  agreement: AgreementCost | None = None
+  trainer: Mapping[str, Any] | None = None
+  run: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+  def replace(self, **changes: Any) -> "RunSummary":
+    return dataclasses.replace(self, **changes)
+
+  def to_json(self) -> dict[str, Any]:
+    """``summary.json``: one flat dict, each part's fields at the top level (processes as a list)."""
+    out: dict[str, Any] = dataclasses.asdict(self.timings)
+    out.update(self.policy.to_json())
+    out.update(final_state_digest=self.final_state_digest, records_path=self.records_path)
+    if self.rollouts is not None:
+      out.update(dataclasses.asdict(self.rollouts))
+    out.update(trace_path=self.trace_path, ended=self.ended, last_step=self.last_step,
+               checkpoint_path=self.checkpoint_path)
+    if self.processes is not None:
+      out["processes"] = [dataclasses.asdict(p) for p in self.processes]
+    if self.agreement is not None:
+      out["agreement"] = dataclasses.asdict(self.agreement)
+    if self.evaluation is not None:
+      out.update(dataclasses.asdict(self.evaluation))
+    if self.trainer is not None:
+      out["trainer"] = dict(self.trainer)
+    out.update(self.run)
+    return out

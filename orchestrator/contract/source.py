@@ -1,0 +1,142 @@
+"""The contract between the step loop and where its steps come from: ``StepSource`` and ``LiveSource``.
+
+A run pulls one step — ``micro_batches_per_step`` payloads — at a time from a
+``StepSource``. Before each pull the program asks for the source's position;
+a checkpoint keeps the position before the first step it does not cover, and a
+resumed run hands it back, so it trains on exactly the steps an uninterrupted
+run would have. Recorded and synthetic rollouts are step sources
+(``orchestrator.data.sources``).
+
+A source that samples its rollouts from the weights being trained (the live
+loop, ``orchestrator.live.rollouts``) is also a ``LiveSource``: it says when a
+step must wait for a weight sync, takes the sync, and reports what sampling
+cost. The program checks once, when it is built, which parts a source has
+(``live_part``), the way the worker checks its engine's capabilities.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+from orchestrator.contract.engine import missing_methods
+
+
+class SourceStateError(ValueError):
+  """A saved source position that does not belong to this source (the message names both kinds)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RolloutStats:
+  """What sampling one step's rollouts measured (a live source).
+
+  Attributes:
+    weights_version: the updates applied to the weights the step was sampled with.
+    staleness: the step's index minus that version.
+    reward_mean, reward_std: over the step's completions.
+    accuracy: the share of completions whose reward is full marks.
+    sampled_tokens_per_s: completion tokens sampled per second of sampling; None if nothing was timed.
+  """
+
+  weights_version: int
+  staleness: int
+  reward_mean: float
+  reward_std: float
+  accuracy: float
+  sampled_tokens_per_s: float | None
+
+
+@runtime_checkable
+class StepSource(Protocol):
+  """An iterator of steps whose position can be saved and restored.
+
+  Each ``next`` returns one step: a sequence of ``micro_batches_per_step``
+  payloads, in training order. What a step holds must depend only on the
+  source's settings and the step's index, never on timing.
+  """
+
+  def __iter__(self) -> Iterator[Sequence[Any]]:
+    """The source itself."""
+    ...
+
+  def __next__(self) -> Sequence[Any]:
+    """The next step's payloads (may block until they exist); ``StopIteration`` when the source is done."""
+    ...
+
+  def get_state(self) -> Any:
+    """The position before the next step. Cheap (called before every pull); not necessarily JSON-able."""
+    ...
+
+  def state_json(self, state: Any) -> Mapping[str, Any]:
+    """``state`` (from ``get_state``) as a JSON-able dict that names its kind (what a checkpoint keeps)."""
+    ...
+
+  def set_state(self, state: Mapping[str, Any]) -> None:
+    """Continues from a position ``state_json`` wrote.
+
+    Raises:
+      SourceStateError: the position belongs to another kind of source, or this one cannot take it.
+    """
+    ...
+
+  def count_steps(self, limit: int) -> int:
+    """How many whole steps the source holds from its start, up to ``limit``; its position is unchanged."""
+    ...
+
+  def close(self) -> None:
+    """Stops whatever the source runs (a sampling thread); idempotent. Must not raise a sampling error."""
+    ...
+
+
+@runtime_checkable
+class LiveSource(Protocol):
+  """The part of a step source that samples from the weights being trained.
+
+  Step ``s`` is sampled with the weights of a fixed version (``s - max_staleness``,
+  floored at 0), so what it holds is the same in every boundary mode; only when
+  it is ready varies.
+  """
+
+  @property
+  def last_wait_s(self) -> float:
+    """How long the last ``next`` blocked until its step was sampled."""
+    ...
+
+  def blocked_on_sync(self, step: int) -> bool:
+    """Whether ``step``'s rollouts need weights that have not been synced yet (so it cannot be staged)."""
+    ...
+
+  def sync(self, version: int, weights: Any) -> None:
+    """The weight sync: keeps the weights after ``version`` updates for the steps sampled from them."""
+    ...
+
+  def step_stats(self, step: int) -> RolloutStats | None:
+    """What sampling ``step`` measured; None for a step this run did not sample."""
+    ...
+
+  def check(self) -> None:
+    """Raises the sampling thread's error, if it failed (the program calls it at every boundary)."""
+    ...
+
+  def evaluate(self, weights: Any, version: int, prompts: int) -> float:
+    """Greedy accuracy of ``weights`` on ``prompts`` held-out prompts (seeded by ``version``)."""
+    ...
+
+  def recorded_steps(self) -> Sequence[Any] | None:
+    """Every step taken so far when the run records its rollouts; None when it does not."""
+    ...
+
+
+def live_part(source: Any) -> LiveSource | None:
+  """``source`` as a ``LiveSource``, or None when it has none of that part.
+
+  Raises:
+    TypeError: the source has some of ``LiveSource``'s methods but not all (named).
+  """
+  if isinstance(source, LiveSource):
+    return source
+  missing = missing_methods(source, LiveSource)
+  if len(missing) < len(missing_methods(object(), LiveSource)):
+    raise TypeError(f"{type(source).__name__} is part live source: it lacks {', '.join(missing)}")
+  return None
