@@ -23,6 +23,7 @@ from typing import Any
 
 import yaml
 
+from orchestrator import addresses
 from orchestrator.engine.mesh_shape import MeshConfig
 from orchestrator.engine.options import EngineOptions
 from policies import Mode
@@ -236,8 +237,6 @@ class TrainerSection:
   max_message_bytes: int = 1 << 30  # per message, both ways
 
   def validate(self) -> None:
-    from orchestrator.remote import protocol  # pylint: disable=import-outside-toplevel  (no JAX, no gRPC)
-
     if self.location not in ("local", "remote"):
       raise RecipeError(f"trainer.location={self.location!r}: use local or remote")
     _at_least("trainer", self, ("timeout_s",), 0.1)
@@ -253,10 +252,10 @@ class TrainerSection:
       raise RecipeError("trainer.location=remote needs trainer.address=HOST:PORT of a running serve-trainer,"
                         " or trainer.spawn=true to start one on loopback")
     try:
-      host, port = protocol.split_address(self.address or "127.0.0.1:0")
-    except protocol.AddressError as e:
+      host, port = addresses.split_address(self.address or "127.0.0.1:0")
+    except addresses.AddressError as e:
       raise RecipeError(f"trainer.address: {e}") from None
-    if self.spawn and not protocol.is_loopback(host):
+    if self.spawn and not addresses.is_loopback(host):
       raise RecipeError(f"trainer.spawn=true starts the trainer on loopback; trainer.address={self.address} is"
                         " not a loopback address (use 127.0.0.1:PORT, or drop spawn and start serve-trainer there)")
     if not self.spawn and port == 0:
@@ -311,11 +310,9 @@ class DistributedSection:
       raise RecipeError(f"distributed.{have} is set but distributed.{missing} is not: a process of a job started"
                         " elsewhere needs both (or neither, and run_rl starts the processes here)")
     if self.coordinator_address is not None:
-      from orchestrator.remote import protocol  # pylint: disable=import-outside-toplevel  (no JAX, no gRPC)
-
       try:
-        _, port = protocol.split_address(self.coordinator_address)
-      except protocol.AddressError as e:
+        _, port = addresses.split_address(self.coordinator_address)
+      except addresses.AddressError as e:
         raise RecipeError(f"distributed.coordinator_address: {e}") from None
       if port == 0:
         raise RecipeError(f"distributed.coordinator_address={self.coordinator_address}: give the port process 0"

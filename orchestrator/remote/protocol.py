@@ -25,11 +25,13 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import hmac
-import ipaddress
 import json
 import os
-import socket
 from pathlib import Path
+
+# The address rules live in orchestrator.addresses (the recipe checks addresses with them too); they are
+# named here as well because both ends of the protocol reach them as protocol.X.
+from orchestrator.addresses import AddressError, free_loopback_port, is_loopback, split_address  # noqa: F401
 
 PROTOCOL_VERSION = 1
 SERVICE = "step_boundary.Trainer"
@@ -38,31 +40,6 @@ SESSION_HEADER = "x-step-boundary-session"
 TOKEN_ENV = "STEP_BOUNDARY_TRAINER_TOKEN"
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
 HEARTBEAT_S = 1.0
-
-
-class AddressError(ValueError):
-  """A listen or connect address that cannot be used (the text says why and what to use)."""
-
-
-def split_address(address: str) -> tuple[str, int]:
-  """``host:port`` → (host, port); IPv6 hosts in brackets.
-
-  Raises:
-    AddressError: no port, or a port out of range.
-  """
-  host, sep, port = str(address).rpartition(":")
-  if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-    raise AddressError(f"address {address!r} is not HOST:PORT (e.g. 127.0.0.1:50051; port 0 picks a free one)")
-  return host.strip("[]"), int(port)
-
-
-def is_loopback(host: str) -> bool:
-  if host == "localhost":
-    return True
-  try:
-    return ipaddress.ip_address(host).is_loopback
-  except ValueError:
-    return False
 
 
 def read_token(token_file: str | None = None) -> str | None:
@@ -97,12 +74,6 @@ def recipe_digest(recipe) -> str:
   data = recipe_lib.to_dict(recipe)
   key = {name: data[name] for name in ("model", "engine", "batch", "mesh")}
   return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def free_loopback_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
 
 
 @dataclasses.dataclass(frozen=True)
