@@ -68,10 +68,12 @@ def tokens_match(given: str | None, expected: str | None) -> bool:
 
 
 def recipe_digest(recipe) -> str:
-  """What must be equal on both ends for the driver's steps to mean the same: model, engine, batch, mesh."""
-  from orchestrator import recipe as recipe_lib  # pylint: disable=import-outside-toplevel
+  """What must be equal on both ends for the driver's steps to mean the same: model, engine, batch, mesh.
 
-  data = recipe_lib.to_dict(recipe)
+  ``recipe`` is a ``Recipe`` (any dataclass with those four fields), read as plain data with
+  ``dataclasses.asdict`` (what ``recipe_lib.to_dict`` returns), so the protocol needs no import of the recipe.
+  """
+  data = dataclasses.asdict(recipe)
   key = {name: data[name] for name in ("model", "engine", "batch", "mesh")}
   return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
