@@ -32,6 +32,7 @@ from pathlib import Path
 # The address rules live in orchestrator.addresses (the recipe checks addresses with them too); they are
 # named here as well because both ends of the protocol reach them as protocol.X.
 from orchestrator.addresses import AddressError, free_loopback_port, is_loopback, split_address  # noqa: F401
+from orchestrator.remote.wire import CHUNK_BYTES
 
 PROTOCOL_VERSION = 1
 SERVICE = "step_boundary.Trainer"
@@ -86,7 +87,5 @@ class Limits:
   timeout_s: float = 120.0
 
   def grpc_options(self) -> list[tuple[str, int]]:
-    from orchestrator.remote.wire import CHUNK_BYTES  # pylint: disable=import-outside-toplevel
-
     cap = CHUNK_BYTES + (64 << 10)  # one chunk and its framing: larger messages arrive as chunk streams
     return [("grpc.max_receive_message_length", cap), ("grpc.max_send_message_length", cap)]
