@@ -26,6 +26,9 @@ import yaml
 from orchestrator import addresses
 from orchestrator.engine.mesh_shape import MeshConfig
 from orchestrator.engine.options import EngineOptions
+from orchestrator.engine.presets import available_presets, load_preset
+from orchestrator.live.tasks import MAX_PROMPT_LENGTH, TASKS, make_task, max_generation_steps
+from orchestrator.live.tokenizer import CharTokenizer
 from policies import Mode
 
 RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
@@ -129,8 +132,6 @@ class TaskSection:
   eval_prompts: int = 64  # held-out prompts for the greedy evaluation at the start and the end
 
   def validate(self) -> None:
-    from orchestrator.live.tasks import TASKS  # pylint: disable=import-outside-toplevel  # no JAX
-
     if self.name not in TASKS:
       raise RecipeError(f"task.name={self.name!r} is not a task; use one of {', '.join(sorted(TASKS))}")
     for key, low, high in (("modulus", 2, 999), ("length", 1, 10), ("letters", 2, 26), ("eval_prompts", 1, 4096)):
@@ -139,8 +140,6 @@ class TaskSection:
         raise RecipeError(f"task.{key}={value} is out of range: it must be in [{low}, {high}]")
 
   def make(self):
-    from orchestrator.live.tasks import make_task  # pylint: disable=import-outside-toplevel
-
     sizes = {"modular_addition": {"modulus": self.modulus},
              "reverse": {"length": self.length, "letters": self.letters},
              "first_letter": {"length": self.length, "letters": self.letters}}[self.name]
@@ -386,8 +385,6 @@ class Recipe:
                     self.distributed, self.run):
       section.validate()
     self.checkpoint.validate(self.steps)
-    from orchestrator.engine.presets import available_presets, load_preset  # no JAX import
-
     if self.model not in available_presets():
       raise RecipeError(f"model={self.model!r} is not a preset; available: {', '.join(available_presets())}")
     preset = load_preset(self.model)
@@ -410,8 +407,6 @@ class Recipe:
       self._validate_distributed()
 
   def _validate_live(self, preset, rows: int, tokens: int) -> None:
-    from orchestrator.live.tokenizer import CharTokenizer  # pylint: disable=import-outside-toplevel
-
     if self.mesh.num_devices != 1 or self.engine.backend != "jax":
       raise RecipeError("rollouts.source=sampler runs the live loop on one device with engine.backend=jax;"
                         " use mesh sizes of 1")
@@ -419,8 +414,6 @@ class Recipe:
       raise RecipeError(f"model={self.model!r} has too small a vocabulary for the live loop's tokenizer")
     r = self.rollouts
     trajectories = r.groups_per_micro_batch * r.generations_per_group
-    from orchestrator.live.tasks import MAX_PROMPT_LENGTH, max_generation_steps  # pylint: disable=import-outside-toplevel
-
     per_trajectory = MAX_PROMPT_LENGTH + max_generation_steps(self.task.make())
     if tokens < per_trajectory or trajectories > rows * (tokens // per_trajectory):
       raise RecipeError(
