@@ -53,6 +53,7 @@ _FALSE = {"false", "0", "no", "off"}
 
 
 def parse_bool(value: Any, key: str) -> bool:
+  """``value`` as a boolean (true/false/1/0/yes/no/on/off, any case); RecipeError naming ``key`` otherwise."""
   if isinstance(value, bool):
     return value
   if isinstance(value, int) and value in (0, 1):
@@ -129,6 +130,7 @@ def _coerce_plain(key: str, t: Any, value: Any) -> Any:
 
 
 def suggest(key: str) -> str:
+  """``"; did you mean 'KEY'?"`` for the closest known key (or one with the same leaf name), else ``""``."""
   close = difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.5)
   if not close:
     leaf = key.rsplit(".", 1)[-1]
@@ -156,6 +158,7 @@ def _section_paths() -> set[str]:
 
 
 def build(values: Mapping[str, Any]) -> Recipe:
+  """A ``Recipe`` of the defaults with each dotted key in ``values`` set (already coerced; not validated)."""
   recipe = Recipe()
   for key, value in values.items():
     target = recipe
@@ -167,6 +170,7 @@ def build(values: Mapping[str, Any]) -> Recipe:
 
 
 def get(recipe: Recipe, key: str) -> Any:
+  """The value of one dotted key of ``recipe``."""
   target = recipe
   for part in key.split("."):
     target = getattr(target, part)

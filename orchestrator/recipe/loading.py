@@ -100,7 +100,11 @@ def resolve(
 ) -> ResolvedRecipe:
   """Layers defaults < recipe < environment < flags < ``key=value`` and validates the result.
 
-  ``flags`` maps dotted keys to values with the flag's name in ``flag_names``.
+  ``recipe_path`` None reads ``DEFAULT_RECIPE``; ``env`` None reads ``os.environ``. ``flags`` maps dotted
+  keys to ``(value, flag)``, the flag's name (``--steps``) recorded as the key's source.
+
+  Raises:
+    RecipeError: an unreadable recipe, an unknown key, a value of the wrong type, or a recipe that fails validation.
   """
   path = Path(recipe_path) if recipe_path else DEFAULT_RECIPE
   values: dict[str, Any] = {}
@@ -146,6 +150,7 @@ def _refuse_ignored_switches(recipe: Recipe, sources: Mapping[str, str]) -> None
 
 
 def to_dict(recipe: Recipe) -> dict[str, Any]:
+  """The recipe as nested plain data (one dict per section)."""
   return dataclasses.asdict(recipe)
 
 
