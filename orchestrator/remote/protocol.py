@@ -25,11 +25,14 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import hmac
-import ipaddress
 import json
 import os
-import socket
 from pathlib import Path
+
+# The address rules live in orchestrator.addresses (the recipe checks addresses with them too); they are
+# named here as well because both ends of the protocol reach them as protocol.X.
+from orchestrator.addresses import AddressError, free_loopback_port, is_loopback, split_address  # noqa: F401
+from orchestrator.remote.wire import CHUNK_BYTES
 
 PROTOCOL_VERSION = 1
 SERVICE = "step_boundary.Trainer"
@@ -38,31 +41,6 @@ SESSION_HEADER = "x-step-boundary-session"
 TOKEN_ENV = "STEP_BOUNDARY_TRAINER_TOKEN"
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
 HEARTBEAT_S = 1.0
-
-
-class AddressError(ValueError):
-  """A listen or connect address that cannot be used (the text says why and what to use)."""
-
-
-def split_address(address: str) -> tuple[str, int]:
-  """``host:port`` → (host, port); IPv6 hosts in brackets.
-
-  Raises:
-    AddressError: no port, or a port out of range.
-  """
-  host, sep, port = str(address).rpartition(":")
-  if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-    raise AddressError(f"address {address!r} is not HOST:PORT (e.g. 127.0.0.1:50051; port 0 picks a free one)")
-  return host.strip("[]"), int(port)
-
-
-def is_loopback(host: str) -> bool:
-  if host == "localhost":
-    return True
-  try:
-    return ipaddress.ip_address(host).is_loopback
-  except ValueError:
-    return False
 
 
 def read_token(token_file: str | None = None) -> str | None:
@@ -91,18 +69,14 @@ def tokens_match(given: str | None, expected: str | None) -> bool:
 
 
 def recipe_digest(recipe) -> str:
-  """What must be equal on both ends for the driver's steps to mean the same: model, engine, batch, mesh."""
-  from orchestrator import recipe as recipe_lib  # pylint: disable=import-outside-toplevel
+  """What must be equal on both ends for the driver's steps to mean the same: model, engine, batch, mesh.
 
-  data = recipe_lib.to_dict(recipe)
+  ``recipe`` is a ``Recipe`` (any dataclass with those four fields), read as plain data with
+  ``dataclasses.asdict`` (what ``recipe_lib.to_dict`` returns), so the protocol needs no import of the recipe.
+  """
+  data = dataclasses.asdict(recipe)
   key = {name: data[name] for name in ("model", "engine", "batch", "mesh")}
   return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def free_loopback_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +87,5 @@ class Limits:
   timeout_s: float = 120.0
 
   def grpc_options(self) -> list[tuple[str, int]]:
-    from orchestrator.remote.wire import CHUNK_BYTES  # pylint: disable=import-outside-toplevel
-
     cap = CHUNK_BYTES + (64 << 10)  # one chunk and its framing: larger messages arrive as chunk streams
     return [("grpc.max_receive_message_length", cap), ("grpc.max_send_message_length", cap)]

@@ -1,0 +1,174 @@
+"""Loading a recipe: the file, environment switches, flags and overrides, layered with provenance.
+
+Precedence, lowest first: the recipe file (over the schema's defaults) <
+environment switches < command-line flags < ``key=value`` overrides. Every
+resolved key remembers where its value came from (``--print-config``), and the
+result is validated before anything starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from orchestrator.recipe.keys import all_keys, build, coerce, flatten, get, suggest
+from orchestrator.recipe.schema import Recipe, RecipeError, validate
+
+RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
+DEFAULT_RECIPE = RECIPES_DIR / "default.yaml"
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+  """A safe loader that refuses a key given twice in one mapping (the last would silently win)."""
+
+
+def _mapping_without_duplicates(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False):
+  seen: dict[Any, int] = {}
+  for key_node, _ in node.value:
+    key = loader.construct_object(key_node, deep=deep)
+    if key in seen:
+      raise yaml.constructor.ConstructorError(
+          None, None, f"key {key!r} appears twice (first on line {seen[key] + 1}); keep one", key_node.start_mark)
+    seen[key] = key_node.start_mark.line
+  return loader.construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping_without_duplicates)
+
+
+def read_recipe_file(path: str | Path) -> dict[str, Any]:
+  """The recipe file's keys (dotted); RecipeError for a missing file or bad YAML."""
+  path = Path(path)
+  if path.is_dir():
+    raise RecipeError(f"recipe {path} is a directory; pass a recipe YAML file")
+  if not path.is_file():
+    available = ", ".join(sorted(p.name for p in RECIPES_DIR.glob("*.yaml")))
+    raise RecipeError(f"recipe {path} does not exist; shipped recipes in {RECIPES_DIR}: {available}")
+  try:
+    text = path.read_text(encoding="utf-8")
+  except UnicodeDecodeError as e:
+    raise RecipeError(f"recipe {path} is not UTF-8 text (byte {e.start}); save it as UTF-8 YAML") from None
+  except OSError as e:
+    raise RecipeError(f"recipe {path} cannot be read: {e.strerror}; check its permissions") from None
+  try:
+    raw = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+  except yaml.MarkedYAMLError as e:
+    mark = e.problem_mark
+    where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "unknown position"
+    raise RecipeError(f"recipe {path} is not valid YAML at {where}: {e.problem}") from None
+  except yaml.YAMLError as e:
+    raise RecipeError(f"recipe {path} is not valid YAML: {e}") from None
+  if raw is None:
+    raw = {}
+  if not isinstance(raw, dict):
+    raise RecipeError(f"recipe {path} must be a mapping of keys, got {type(raw).__name__}")
+  return flatten(raw, where=f"recipe {path}")
+
+
+ENV_SWITCHES = {
+    "PIPELINE_STEP_BOUNDARY": "step_boundary.pipeline_step_boundary",
+    "STAGE_NEXT_MICROBATCH": "step_boundary.stage_next_microbatch",
+    "STAGE_BEFORE_UPDATE": "step_boundary.stage_before_update",
+    "RAGGED_BUFFER_FACTOR": "engine.ragged_buffer_factor",
+    "RETRY_WHEN_TOKENS_DROPPED": "engine.retry_when_tokens_dropped",
+    # A process's identity in a job started elsewhere (a launcher sets these per process).
+    "STEP_BOUNDARY_PROCESS_ID": "distributed.process_id",
+    "STEP_BOUNDARY_COORDINATOR_ADDRESS": "distributed.coordinator_address",
+}
+#: Keys that name one process, never the run: not saved with it, taken anew (environment) on resume.
+PROCESS_IDENTITY_KEYS = ("distributed.process_id", "distributed.coordinator_address")
+
+
+@dataclasses.dataclass
+class ResolvedRecipe:
+  recipe: Recipe
+  sources: dict[str, str]  # dotted key -> "default" | "recipe" | "env NAME" | "flag --x" | "override"
+  path: str
+
+
+def resolve(
+    recipe_path: str | Path | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    flags: Mapping[str, Any] | None = None,
+    overrides: list[str] | None = None,
+) -> ResolvedRecipe:
+  """Layers defaults < recipe < environment < flags < ``key=value`` and validates the result.
+
+  ``recipe_path`` None reads ``DEFAULT_RECIPE``; ``env`` None reads ``os.environ``. ``flags`` maps dotted
+  keys to ``(value, flag)``, the flag's name (``--steps``) recorded as the key's source.
+
+  Raises:
+    RecipeError: an unreadable recipe, an unknown key, a value of the wrong type, or a recipe that fails validation.
+  """
+  path = Path(recipe_path) if recipe_path else DEFAULT_RECIPE
+  values: dict[str, Any] = {}
+  sources: dict[str, str] = {}
+  for key, value in read_recipe_file(path).items():
+    values[key], sources[key] = coerce(key, value), "recipe"
+  env = os.environ if env is None else env
+  for name, key in ENV_SWITCHES.items():
+    if name in env and env[name] != "":
+      try:
+        values[key] = coerce(key, env[name])
+      except RecipeError as e:
+        raise RecipeError(f"environment {name}={env[name]!r}: {e}") from None
+      sources[key] = f"env {name}"
+  for key, (value, flag) in (flags or {}).items():
+    values[key], sources[key] = coerce(key, value), f"flag {flag}"
+  for item in overrides or []:
+    if "=" not in item:
+      raise RecipeError(f"override {item!r} is not key=value (e.g. engine.learning_rate=3e-4)")
+    key, raw = item.split("=", 1)
+    key = key.strip()
+    if key not in set(all_keys()):
+      raise RecipeError(f"override {item!r}: unknown key {key!r}{suggest(key)}")
+    values[key] = coerce(key, yaml.safe_load(raw) if raw.strip() else raw)
+    sources[key] = "override"
+  recipe = build(values)
+  for key in all_keys():
+    sources.setdefault(key, "default")
+  validate(recipe)
+  _refuse_ignored_switches(recipe, sources)
+  return ResolvedRecipe(recipe, sources, str(path))
+
+
+def _refuse_ignored_switches(recipe: Recipe, sources: Mapping[str, str]) -> None:
+  """A switch given on the command line or in the environment that the mode would silently ignore."""
+  sb = recipe.step_boundary
+  given = sources.get("step_boundary.stage_before_update", "default")
+  if not sb.pipeline_step_boundary and sb.stage_before_update and given not in ("default", "recipe"):
+    raise RecipeError(
+        f"step_boundary.stage_before_update ({given}) has no effect with"
+        f" step_boundary.pipeline_step_boundary=false ({sources.get('step_boundary.pipeline_step_boundary')}):"
+        " the mode is OFF, which stages nothing; drop one of the two")
+
+
+def to_dict(recipe: Recipe) -> dict[str, Any]:
+  """The recipe as nested plain data (one dict per section)."""
+  return dataclasses.asdict(recipe)
+
+
+def run_config_dict(recipe: Recipe) -> dict[str, Any]:
+  """The recipe as a run saves it (``config.json``): without the keys that name one process of a job."""
+  out = to_dict(recipe)
+  for key in PROCESS_IDENTITY_KEYS:
+    section, leaf = key.split(".")
+    out[section][leaf] = None
+  return out
+
+
+def format_config(resolved: ResolvedRecipe) -> str:
+  """Every key with its value and where the value came from (for ``--print-config``)."""
+  lines = [f"# recipe: {resolved.path}", f"# mode: {resolved.recipe.mode.name}"]
+  width = max(len(k) for k in all_keys())
+  for key in all_keys():
+    value = get(resolved.recipe, key)
+    shown = yaml.safe_dump(value, default_flow_style=True, width=float("inf")).strip().removesuffix("...").strip()
+    lines.append(f"{key:<{width}}  {shown:<24}  # {resolved.sources[key]}")
+  return "\n".join(lines)

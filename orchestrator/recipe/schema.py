@@ -1,0 +1,436 @@
+"""The recipe schema: one dataclass per section, each validating itself, and ``Recipe`` over them.
+
+A new key is one field on its section (with its check in that section's
+``validate``); the engine's keys are ``EngineOptions``' fields. Every problem a
+user can cause raises ``RecipeError`` with one message naming the key, the value
+and the fix. Nothing here imports JAX: a recipe is validated before JAX starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Any
+
+from orchestrator import addresses
+from orchestrator.engine.mesh_shape import MeshConfig
+from orchestrator.engine.options import EngineOptions
+from orchestrator.engine.presets import available_presets, load_preset
+from orchestrator.live.tasks import MAX_PROMPT_LENGTH, TASKS, make_task, max_generation_steps
+from orchestrator.live.tokenizer import CharTokenizer
+from policies import Mode
+
+
+class RecipeError(ValueError):
+  """A recipe, flag, override or environment switch that cannot be used as given."""
+
+
+def _at_least(section: str, obj: Any, keys: tuple[str, ...], minimum: float) -> None:
+  for key in keys:
+    value = getattr(obj, key)
+    if value is not None and value < minimum:
+      raise RecipeError(f"{section}{'.' if section else ''}{key}={value} is out of range: it must be >= {minimum}")
+
+
+def _at_most(section: str, obj: Any, keys: tuple[str, ...], maximum: float) -> None:
+  """Absurd sizes are refused up front rather than failing hours later (or exhausting memory)."""
+  for key in keys:
+    value = getattr(obj, key)
+    if value is not None and value > maximum:
+      raise RecipeError(f"{section}{'.' if section else ''}{key}={value} is out of range: it must be <= {maximum:,}")
+
+
+class MeshSection(MeshConfig):
+  """Device mesh axis sizes (``orchestrator.engine.mesh_shape.MeshConfig``); their product is the devices."""
+
+  def validate(self) -> None:
+    try:
+      MeshConfig.validate(self)
+    except ValueError as e:
+      raise RecipeError(str(e)) from None
+
+
+@dataclasses.dataclass
+class BatchSection:
+  """The shape of one optimizer step."""
+
+  micro_batches_per_step: int = 3
+  rows: int | None = None  # None: the model preset's
+  tokens_per_row: int | None = None
+
+  def validate(self) -> None:
+    _at_least("batch", self, ("micro_batches_per_step", "rows", "tokens_per_row"), 1)
+    _at_most("batch", self, ("micro_batches_per_step",), 100_000)
+    _at_most("batch", self, ("rows", "tokens_per_row"), 1 << 24)
+
+
+ROLLOUT_SOURCES = ("synthetic", "recording", "sampler")
+
+
+@dataclasses.dataclass
+class RolloutsSection:
+  """Where each step's trajectories come from: ``sampler`` samples them live from the model being trained."""
+
+  source: str = "synthetic"  # synthetic | recording | sampler
+  recording: str | None = None
+  seed: int = 0
+  generations_per_group: int = 4
+  fill: float = 0.85
+  # The live loop (source: sampler).
+  max_staleness: int = 1  # step s trains on rollouts of weights version max(0, s - max_staleness); 0 = on-policy
+  groups_per_micro_batch: int = 4
+  temperature: float = 1.0
+  record_to: str | None = None  # a live run writes the rollouts it trained on as a recording there
+  # Shape of recordings made by `run_rl record` (log-normal lengths, medians in tokens).
+  groups: int = 256
+  prompt_len_median: float = 24.0
+  completion_len_median: float = 16.0
+
+  def validate(self) -> None:
+    _at_least("rollouts", self, ("generations_per_group", "groups", "prompt_len_median",
+                                 "completion_len_median"), 1)
+    _at_most("rollouts", self, ("generations_per_group",), 65_536)
+    _at_least("rollouts", self, ("max_staleness",), 0)
+    _at_most("rollouts", self, ("max_staleness",), 16)
+    _at_least("rollouts", self, ("groups_per_micro_batch",), 1)
+    _at_most("rollouts", self, ("groups_per_micro_batch",), 4096)
+    if self.source == "sampler" and self.generations_per_group < 2:
+      raise RecipeError(f"rollouts.generations_per_group={self.generations_per_group} is out of range for the"
+                        " live loop: GRPO compares a group's completions, use >= 2")
+    if not (self.temperature > 0 and math.isfinite(self.temperature)):
+      raise RecipeError(f"rollouts.temperature={self.temperature} is out of range: it must be a finite number > 0")
+    if not 0 < self.fill <= 1:
+      raise RecipeError(f"rollouts.fill={self.fill} is out of range: it must be in (0, 1]")
+    if self.source not in ROLLOUT_SOURCES:
+      raise RecipeError(f"rollouts.source={self.source!r}: use one of {', '.join(map(repr, ROLLOUT_SOURCES))}")
+    if self.source == "recording" and not self.recording:
+      raise RecipeError("rollouts.source=recording needs rollouts.recording=DIR")
+
+
+@dataclasses.dataclass
+class TaskSection:
+  """The live loop's task (``rollouts.source: sampler``): its name and sizes."""
+
+  name: str = "modular_addition"  # modular_addition | reverse | first_letter
+  modulus: int = 7  # modular_addition: answers 0 .. modulus-1
+  length: int = 3  # reverse, first_letter: the word's length
+  letters: int = 4  # reverse, first_letter: the alphabet's size
+  eval_prompts: int = 64  # held-out prompts for the greedy evaluation at the start and the end
+
+  def validate(self) -> None:
+    if self.name not in TASKS:
+      raise RecipeError(f"task.name={self.name!r} is not a task; use one of {', '.join(sorted(TASKS))}")
+    for key, low, high in (("modulus", 2, 999), ("length", 1, 10), ("letters", 2, 26), ("eval_prompts", 1, 4096)):
+      value = getattr(self, key)
+      if not low <= value <= high:
+        raise RecipeError(f"task.{key}={value} is out of range: it must be in [{low}, {high}]")
+
+  def make(self):
+    sizes = {"modular_addition": {"modulus": self.modulus},
+             "reverse": {"length": self.length, "letters": self.letters},
+             "first_letter": {"length": self.length, "letters": self.letters}}[self.name]
+    return make_task(self.name, **sizes)
+
+
+@dataclasses.dataclass
+class CheckpointSection:
+  """Checkpoint directory, cadence, and the steps whose checkpoints are scored."""
+
+  directory: str | None = None  # None: <run directory>/checkpoints
+  every: int = 0  # 0: only the scored steps (and a stop's)
+  scored_steps: list[int] = dataclasses.field(default_factory=list)
+
+  def validate(self, steps: int) -> None:
+    _at_least("checkpoint", self, ("every",), 0)
+    bad = [n for n in self.scored_steps if not 1 <= n <= steps]
+    if bad:
+      raise RecipeError(f"checkpoint.scored_steps {bad} are outside the run's steps 1..{steps}")
+
+
+@dataclasses.dataclass
+class StepBoundarySection:
+  """The switches of the step-boundary scheduler (README: one section each)."""
+
+  pipeline_step_boundary: bool = True
+  stage_next_microbatch: bool | None = None  # None: follows pipeline_step_boundary
+  stage_before_update: bool = True
+  require_staging: bool = False
+  wait_threshold_s: float | str = "auto"
+  disable_after: int = 2
+  reprobe_every: int | None = None
+  exclude_checkpoint_boundaries: bool = True
+  sync_before_next_step: bool = False
+  calibration_samples: int = 8
+
+  @property
+  def staging_requested(self) -> bool:
+    return self.pipeline_step_boundary if self.stage_next_microbatch is None else self.stage_next_microbatch
+
+  @property
+  def mode(self) -> Mode:
+    """The policy mode the switches select."""
+    if not self.pipeline_step_boundary:
+      return Mode.OFF
+    if not self.staging_requested:
+      return Mode.PIPELINED
+    return Mode.STAGE_BEFORE_UPDATE if self.stage_before_update else Mode.STAGE_AFTER_UPDATE
+
+  def validate(self) -> None:
+    _at_least("step_boundary", self, ("disable_after", "calibration_samples", "reprobe_every"), 1)
+    _at_most("step_boundary", self, ("calibration_samples",), 10_000)
+    t = self.wait_threshold_s
+    if t != "auto" and t < 0:
+      raise RecipeError(f"step_boundary.wait_threshold_s={t} is out of range: use 'auto' or a number >= 0")
+    if self.stage_next_microbatch and not self.pipeline_step_boundary:
+      raise RecipeError(
+          "step_boundary.stage_next_microbatch=true needs step_boundary.pipeline_step_boundary=true:"
+          " staging moves work across a pipelined boundary; turn pipelining on, or staging off")
+    if self.require_staging and not self.staging_requested:
+      off = "pipeline_step_boundary" if not self.pipeline_step_boundary else "stage_next_microbatch"
+      raise RecipeError(f"step_boundary.require_staging=true but staging is off ({off}=false);"
+                        " turn staging on or drop require_staging")
+
+
+@dataclasses.dataclass
+class SimulateSection:
+  """Component times for ``run_rl simulate`` (seconds), in place of a calibration."""
+
+  micro_batch_s: float = 1.0
+  input_copy_s: float = 0.07
+  update_s: float = 0.05
+  metrics_s: float = 0.2
+  wait_floor_s: float = 0.0
+  dispatch_s: float = 0.0005
+  update_waits_for_last: bool = False
+  tokens_per_device: int | None = None  # None: rows × tokens_per_row ÷ devices
+
+  def validate(self) -> None:
+    _at_least("simulate", self, ("micro_batch_s", "input_copy_s", "update_s", "metrics_s", "wait_floor_s",
+                                 "dispatch_s"), 0)
+    _at_least("simulate", self, ("tokens_per_device",), 1)
+
+
+@dataclasses.dataclass
+class TrainerSection:
+  """Where the trainer runs: in this process, or behind ``run_rl serve-trainer`` (docs/design.md §11)."""
+
+  location: str = "local"  # local | remote
+  address: str | None = None  # remote: HOST:PORT of serve-trainer (spawn: loopback, default a free port)
+  spawn: bool = False  # remote: start serve-trainer on loopback as a child, drive it, stop it
+  token_file: str | None = None  # the shared token (else $STEP_BOUNDARY_TRAINER_TOKEN)
+  timeout_s: float = 120.0  # every call's deadline; a silent trainer ends the run within it
+  max_message_bytes: int = 1 << 30  # per message, both ways
+
+  def validate(self) -> None:
+    if self.location not in ("local", "remote"):
+      raise RecipeError(f"trainer.location={self.location!r}: use local or remote")
+    _at_least("trainer", self, ("timeout_s",), 0.1)
+    _at_most("trainer", self, ("timeout_s",), 86_400)
+    _at_least("trainer", self, ("max_message_bytes",), 1 << 20)
+    _at_most("trainer", self, ("max_message_bytes",), 1 << 34)
+    if self.location == "local":
+      if self.spawn or self.address:
+        key = "spawn" if self.spawn else "address"
+        raise RecipeError(f"trainer.{key} is set but trainer.location=local; set trainer.location=remote or drop it")
+      return
+    if not self.spawn and not self.address:
+      raise RecipeError("trainer.location=remote needs trainer.address=HOST:PORT of a running serve-trainer,"
+                        " or trainer.spawn=true to start one on loopback")
+    try:
+      host, port = addresses.split_address(self.address or "127.0.0.1:0")
+    except addresses.AddressError as e:
+      raise RecipeError(f"trainer.address: {e}") from None
+    if self.spawn and not addresses.is_loopback(host):
+      raise RecipeError(f"trainer.spawn=true starts the trainer on loopback; trainer.address={self.address} is"
+                        " not a loopback address (use 127.0.0.1:PORT, or drop spawn and start serve-trainer there)")
+    if not self.spawn and port == 0:
+      raise RecipeError(f"trainer.address={self.address}: give the port serve-trainer listens on")
+
+
+@dataclasses.dataclass
+class DistributedSection:
+  """Several JAX processes (multi-controller) training one model (docs/design.md §12).
+
+  ``num_processes`` unset: one process and no distributed runtime. Set alone,
+  ``run_rl`` starts that many local processes itself (CPU devices split among
+  them). With ``process_id`` and ``coordinator_address`` this process is one
+  member of a job started elsewhere (one ``run_rl`` per host);
+  ``detect_cluster`` lets JAX read all three from the cluster instead.
+  """
+
+  num_processes: int | None = None  # None: no distributed runtime; N >= 1: a job of N processes
+  process_id: int | None = None  # this process's id in [0, num_processes) (or $STEP_BOUNDARY_PROCESS_ID)
+  coordinator_address: str | None = None  # HOST:PORT where process 0 serves the coordinator
+  detect_cluster: bool = False  # JAX finds the coordinator, the count and this id (TPU pod slice, SLURM, ...)
+  timeout_s: float = 60.0  # a process silent this long ends the others; bring-up's limit too
+
+  @property
+  def enabled(self) -> bool:
+    return self.num_processes is not None or self.detect_cluster
+
+  @property
+  def launches_local(self) -> bool:
+    """This ``run_rl`` starts the processes itself (no identity given, no cluster to detect)."""
+    return self.enabled and not self.detect_cluster and self.process_id is None and self.coordinator_address is None
+
+  def validate(self) -> None:
+    _at_least("distributed", self, ("num_processes",), 1)
+    _at_most("distributed", self, ("num_processes",), 4096)
+    _at_least("distributed", self, ("timeout_s",), 1.0)
+    _at_most("distributed", self, ("timeout_s",), 86_400)
+    given = [k for k in ("num_processes", "process_id", "coordinator_address") if getattr(self, k) is not None]
+    if self.detect_cluster:
+      if given:
+        raise RecipeError(f"distributed.{given[0]}={getattr(self, given[0])} is set with distributed.detect_cluster="
+                          "true, which reads it from the cluster; drop one of the two")
+      return
+    if self.process_id is not None and self.num_processes is None:
+      raise RecipeError(f"distributed.process_id={self.process_id} needs distributed.num_processes (the job's size)")
+    if self.process_id is not None and not 0 <= self.process_id < self.num_processes:
+      raise RecipeError(f"distributed.process_id={self.process_id} is out of range: it must be in"
+                        f" [0, {self.num_processes - 1}] for distributed.num_processes={self.num_processes}")
+    if (self.process_id is None) != (self.coordinator_address is None):
+      have, missing = (("process_id", "coordinator_address") if self.coordinator_address is None
+                       else ("coordinator_address", "process_id"))
+      raise RecipeError(f"distributed.{have} is set but distributed.{missing} is not: a process of a job started"
+                        " elsewhere needs both (or neither, and run_rl starts the processes here)")
+    if self.coordinator_address is not None:
+      try:
+        _, port = addresses.split_address(self.coordinator_address)
+      except addresses.AddressError as e:
+        raise RecipeError(f"distributed.coordinator_address: {e}") from None
+      if port == 0:
+        raise RecipeError(f"distributed.coordinator_address={self.coordinator_address}: give the port process 0"
+                          " serves the coordinator on (every process must name the same one)")
+
+
+@dataclasses.dataclass
+class RunSection:
+  """Where outputs go and how the host is set up."""
+
+  out: str | None = None  # None: runs/<recipe name>-<time>
+  reserve_host_core: bool = True
+
+  def validate(self) -> None:
+    pass
+
+
+@dataclasses.dataclass
+class Recipe:
+  """A full run description; ``recipes/*.yaml`` set any subset of it.
+
+  A new key is one field on its section (with its check in that section's
+  ``validate``); the engine's keys are ``EngineOptions``' fields.
+  """
+
+  name: str = "unnamed"
+  description: str = ""
+  model: str = "small"
+  steps: int = 6
+  mesh: MeshSection = dataclasses.field(default_factory=MeshSection)
+  batch: BatchSection = dataclasses.field(default_factory=BatchSection)
+  engine: EngineOptions = dataclasses.field(default_factory=EngineOptions)
+  rollouts: RolloutsSection = dataclasses.field(default_factory=RolloutsSection)
+  task: TaskSection = dataclasses.field(default_factory=TaskSection)
+  checkpoint: CheckpointSection = dataclasses.field(default_factory=CheckpointSection)
+  step_boundary: StepBoundarySection = dataclasses.field(default_factory=StepBoundarySection)
+  simulate: SimulateSection = dataclasses.field(default_factory=SimulateSection)
+  trainer: TrainerSection = dataclasses.field(default_factory=TrainerSection)
+  distributed: DistributedSection = dataclasses.field(default_factory=DistributedSection)
+  run: RunSection = dataclasses.field(default_factory=RunSection)
+
+  # ---------------------------------------------------------------- derived
+  @property
+  def staging_requested(self) -> bool:
+    return self.step_boundary.staging_requested
+
+  @property
+  def mode(self) -> Mode:
+    return self.step_boundary.mode
+
+  @property
+  def wait_threshold(self) -> float | None:
+    t = self.step_boundary.wait_threshold_s
+    return None if t == "auto" else float(t)
+
+  @property
+  def excluded_steps(self) -> list[int]:
+    """Boundaries (by step index) the policy must not stage across."""
+    if not self.step_boundary.exclude_checkpoint_boundaries:
+      return []
+    return sorted({n - 1 for n in self.checkpoint.scored_steps})
+
+  # ---------------------------------------------------------------- validation
+  def validate(self) -> None:
+    """Raises RecipeError for out-of-range values and contradictory settings, one key at a time."""
+    _at_least("", self, ("steps",), 1)
+    _at_most("", self, ("steps",), 1_000_000_000)
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", self.name):
+      raise RecipeError(f"name={self.name!r}: use letters, digits, '.', '_' and '-' (it names the run's directory)")
+    for section in (self.mesh, self.batch, self.rollouts, self.task, self.step_boundary, self.simulate, self.trainer,
+                    self.distributed, self.run):
+      section.validate()
+    self.checkpoint.validate(self.steps)
+    if self.model not in available_presets():
+      raise RecipeError(f"model={self.model!r} is not a preset; available: {', '.join(available_presets())}")
+    preset = load_preset(self.model)
+    rows, tokens = self.batch.rows or preset.rows, self.batch.tokens_per_row or preset.tokens_per_row
+    try:
+      self.engine.validate(preset)
+      self.mesh.check_batch_shape(rows, tokens)
+    except ValueError as e:
+      raise RecipeError(str(e)) from None
+    if rows * tokens > 1 << 28:
+      raise RecipeError(f"batch.rows × batch.tokens_per_row = {rows * tokens:,} tokens per micro-batch is out of"
+                        f" range: it must be <= {1 << 28:,}")
+    if self.rollouts.source == "synthetic" and tokens < 4:
+      raise RecipeError(f"batch.tokens_per_row={tokens} is too short for synthetic rollouts: use >= 4")
+    if self.rollouts.source == "sampler":
+      self._validate_live(preset, rows, tokens)
+    if self.engine.backend == "tunix_peft":
+      self._validate_tunix_backend()
+    if self.distributed.enabled:
+      self._validate_distributed()
+
+  def _validate_live(self, preset, rows: int, tokens: int) -> None:
+    if self.mesh.num_devices != 1 or self.engine.backend != "jax":
+      raise RecipeError("rollouts.source=sampler runs the live loop on one device with engine.backend=jax;"
+                        " use mesh sizes of 1")
+    if CharTokenizer().vocab_size > preset.vocab_size:
+      raise RecipeError(f"model={self.model!r} has too small a vocabulary for the live loop's tokenizer")
+    r = self.rollouts
+    trajectories = r.groups_per_micro_batch * r.generations_per_group
+    per_trajectory = MAX_PROMPT_LENGTH + max_generation_steps(self.task.make())
+    if tokens < per_trajectory or trajectories > rows * (tokens // per_trajectory):
+      raise RecipeError(
+          f"rollouts.groups_per_micro_batch × generations_per_group = {trajectories} trajectories of up to"
+          f" {per_trajectory} tokens may not fit batch.rows={rows} × batch.tokens_per_row={tokens};"
+          " raise rows or tokens_per_row, or sample fewer groups per micro-batch")
+
+  def _validate_distributed(self) -> None:
+    d = self.distributed
+    if self.rollouts.source == "sampler":
+      raise RecipeError("rollouts.source=sampler runs on one process; with distributed.* set use"
+                        " rollouts.source=recording or synthetic, or drop distributed.num_processes")
+    if self.trainer.location != "local":
+      raise RecipeError("trainer.location=remote drives one trainer process; several JAX processes train"
+                        " in place (trainer.location=local), so drop one of the two")
+    if self.engine.backend != "jax":
+      raise RecipeError(f"engine.backend={self.engine.backend} runs on one process; several JAX processes need"
+                        " engine.backend=jax")
+    if d.launches_local and self.mesh.num_devices % d.num_processes:
+      raise RecipeError(f"distributed.num_processes={d.num_processes} does not split the mesh's"
+                        f" {self.mesh.num_devices} devices evenly; use a divisor of {self.mesh.num_devices}")
+
+  def _validate_tunix_backend(self) -> None:
+    if self.mesh.num_devices != 1:
+      raise RecipeError(f"engine.backend=tunix_peft runs on one device; the mesh asks for {self.mesh.num_devices}")
+    if self.checkpoint.every or self.checkpoint.scored_steps:
+      raise RecipeError("engine.backend=tunix_peft does not write checkpoints; set checkpoint.every=0 and no"
+                        " checkpoint.scored_steps, or use engine.backend=jax")
+
+
+def validate(recipe: Recipe) -> None:
+  """Raises RecipeError for out-of-range values and contradictory settings (``Recipe.validate``)."""
+  recipe.validate()
