@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -59,10 +62,10 @@ def test_data_imports_nothing_from_the_engine(path):
   assert not [n for n in _imports(path) if n.startswith("orchestrator.engine")]
 
 
-@pytest.mark.parametrize("name", ["program.py", "recorder.py", "trainer_worker.py", "contract.py",
-                                  "watcher.py", "trace.py"])
-def test_program_side_imports_nothing_from_the_engine(name):
-  path = REPO / "orchestrator" / ("contract.py" if name == "contract.py" else f"loop/{name}")
+@pytest.mark.parametrize("path", sorted([*(REPO / "orchestrator" / "loop").rglob("*.py"),
+                                         *(REPO / "orchestrator" / "contract").rglob("*.py")]),
+                         ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_the_loop_and_the_contract_import_nothing_from_the_engine(path):
   assert not [n for n in _imports(path) if n.startswith("orchestrator.engine")]
 
 
@@ -76,3 +79,190 @@ def test_code_cites_the_design_in_the_repository():
   assert (REPO / "docs" / "design.md").is_file()
   for path in _sources():
     assert "DESIGN.md" not in path.read_text(), f"{path} cites a design file the repository lacks"
+
+
+# ---------------------------------------------------------------- the import graph
+def _module_name(path: Path) -> str:
+  parts = path.relative_to(REPO).with_suffix("").parts
+  return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(path): path for path in _sources()}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Import:
+  target: str  # the project module imported
+  line: int
+  in_function: bool
+  marked: bool  # carries "# import here: <why>" (or follows, in one run, an import that does)
+
+
+def _project_imports(path: Path) -> list[_Import]:
+  """Every import of a project module in ``path``, at any depth; ``from X import Y`` names X.Y when that
+  is a module."""
+  text = path.read_text()
+  lines = text.splitlines()
+  found: list[_Import] = []
+
+  def target(name: str) -> str | None:
+    while name and name not in MODULES:
+      name = name.rpartition(".")[0]
+    return name or None
+
+  def visit(node, in_function: bool, previous_end: list):
+    for child in ast.iter_child_nodes(node):
+      nested = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+      if isinstance(child, (ast.Import, ast.ImportFrom)):
+        here = "# import here:" in lines[child.lineno - 1] or "# import here:" in lines[child.lineno - 2]
+        gap = lines[previous_end[0]:child.lineno - 1] if previous_end[0] else ["x"]
+        follows = previous_end[1] and all(not s.strip() or s.strip().startswith("#") for s in gap)
+        marked = here or follows
+        previous_end[:] = [child.end_lineno, marked]
+        if isinstance(child, ast.Import):
+          names = [a.name for a in child.names]
+        elif child.module and child.level == 0:
+          names = [f"{child.module}.{a.name}" if f"{child.module}.{a.name}" in MODULES else child.module
+                   for a in child.names]
+        else:
+          names = []
+        # A non-project import inside a function needs its reason too: recorded with target None.
+        targets = [target(n) for n in names] or [None]
+        found.extend(_Import(t, child.lineno, nested, marked) for t in targets)
+      visit(child, nested, previous_end)
+
+  visit(ast.parse(text), False, [0, False])
+  return found
+
+
+def _graph(*, module_level_only: bool) -> dict[str, set[str]]:
+  return {name: {i.target for i in _project_imports(path)
+                 if i.target and i.target != name and not (module_level_only and i.in_function)}
+          for name, path in MODULES.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+  """The strongly connected components of more than one module (Tarjan)."""
+  index: dict[str, int] = {}
+  low: dict[str, int] = {}
+  stack: list[str] = []
+  out: list[list[str]] = []
+
+  def connect(v: str) -> None:
+    index[v] = low[v] = len(index)
+    stack.append(v)
+    for w in sorted(graph.get(v, ())):
+      if w not in index:
+        connect(w)
+        low[v] = min(low[v], low[w])
+      elif w in stack:
+        low[v] = min(low[v], index[w])
+    if low[v] == index[v]:
+      component = []
+      while True:
+        w = stack.pop()
+        component.append(w)
+        if w == v:
+          break
+      if len(component) > 1:
+        out.append(sorted(component))
+
+  for v in sorted(graph):
+    if v not in index:
+      connect(v)
+  return out
+
+
+def test_no_import_circle_among_the_projects_modules():
+  """No circle, counting imports inside functions too: a deferred import that closes one is still one."""
+  assert _cycles(_graph(module_level_only=False)) == []
+
+
+def test_the_circle_check_finds_a_circle():
+  """Negative control."""
+  assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+#: The layers, lowest first: a module imports from its own layer or below (docs/design.md §3).
+LAYERS = (
+    ("policies",),
+    ("orchestrator.contract", "orchestrator.addresses"),
+    ("orchestrator.data", "orchestrator.distributed"),
+    ("orchestrator.engine", "orchestrator.live", "orchestrator.loop"),
+    ("orchestrator.recipe", "orchestrator.remote"),
+    ("orchestrator.app", "integrations"),
+    ("orchestrator.rig",),
+    ("orchestrator.bench",),
+)
+#: The imports that run back up the layers, each named in the design (at most one).
+UPWARD_IMPORTS: set[tuple[str, str]] = set()
+
+
+def _layer(module: str) -> int | None:
+  for i, names in enumerate(LAYERS):
+    if any(module == n or module.startswith(n + ".") for n in names):
+      return i
+  return None
+
+
+def test_every_module_has_a_layer():
+  assert [m for m in MODULES if m not in ("orchestrator",) and _layer(m) is None] == []
+
+
+def test_imports_run_down_the_layers():
+  up = {(m, t) for m, targets in _graph(module_level_only=True).items() for t in targets
+        if _layer(m) is not None and _layer(t) is not None and _layer(t) > _layer(m)}
+  assert up == UPWARD_IMPORTS and len(UPWARD_IMPORTS) <= 1
+
+
+@pytest.mark.parametrize("package", ["loop", "engine", "data", "live", "remote", "distributed", "contract",
+                                     "recipe"])
+def test_the_library_never_imports_the_application(package):
+  """Not even inside a function: the application builds on the library, never the other way."""
+  bad = [(name, i.target) for name, path in MODULES.items() if name.startswith(f"orchestrator.{package}")
+         for i in _project_imports(path) if i.target and i.target.startswith("orchestrator.app")]
+  assert bad == []
+
+
+def test_nothing_in_remote_imports_the_rig_or_the_application():
+  bad = [(name, i.target) for name, path in MODULES.items() if name.startswith("orchestrator.remote")
+         for i in _project_imports(path) if i.target and i.target.startswith(("orchestrator.rig", "orchestrator.app"))]
+  assert bad == []
+
+
+def test_the_remote_client_takes_its_types_from_the_contract_not_the_local_worker():
+  targets = {i.target for i in _project_imports(MODULES["orchestrator.remote.client"])}
+  assert not [t for t in targets if t and t.startswith("orchestrator.loop")]
+
+
+@pytest.mark.parametrize("name", ["orchestrator.loop.program", "orchestrator.loop.recorder"])
+def test_the_program_and_the_recorder_probe_nothing_by_name(name):
+  """They reach the source through StepSource / LiveSource and the worker through Worker, never getattr."""
+  assert "getattr(" not in MODULES[name].read_text()
+
+
+def test_imports_sit_at_the_top_unless_a_comment_says_why():
+  unmarked = [f"{_module_name(path)}:{i.line}" for path in _sources() for i in _project_imports(path)
+              if i.in_function and not i.marked]
+  assert unmarked == []
+
+
+def test_the_import_check_catches_an_unexplained_function_level_import(tmp_path, monkeypatch):
+  """Negative control: one unmarked, one marked, one in the marked one's run."""
+  path = tmp_path / "orchestrator" / "probe.py"
+  path.parent.mkdir()
+  path.write_text("def f():\n  import json\n\n\ndef g():\n  import jax  # import here: a reason\n"
+                  "  import numpy\n")
+  monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
+  found = [(i.line, i.marked) for i in _project_imports(path) if i.in_function]
+  assert found == [(2, False), (6, True), (7, True)]
+
+
+def test_the_loop_the_contract_the_recipe_and_the_remote_client_import_no_jax():
+  """A run is validated, and a remote trainer's driver runs, without JAX; the function-level imports above
+  exist for this."""
+  code = ("import sys\nimport orchestrator.loop.program, orchestrator.loop.recorder, orchestrator.contract\n"
+          "import orchestrator.recipe, orchestrator.remote.client, orchestrator.app.cli, orchestrator.app.launch\n"
+          "assert 'jax' not in sys.modules, sorted(m for m in sys.modules if m.startswith(('jax', 'grain')))\n")
+  proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+  assert proc.returncode == 0, proc.stderr[-2000:]

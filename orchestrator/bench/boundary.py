@@ -11,14 +11,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import statistics
 import sys
 import time
 
+from orchestrator.app.runner import policy_from_recipe
+from orchestrator.data.synthetic import SyntheticRollouts
+from orchestrator.engine.host_threads import reserve_host_core
+from orchestrator.loop.program import ProgramConfig, RLProgram
+from orchestrator.loop.trainer_worker import TrainerWorker
+from orchestrator.recipe import Recipe
+from policies import Mode, StepBoundaryPolicy
+
 
 def policy_overhead_us(iterations: int = 20000) -> float:
-  from policies import Mode, StepBoundaryPolicy
-
   policy = StepBoundaryPolicy(Mode.STAGE_BEFORE_UPDATE, wait_threshold_s=0.001, disable_after=3)
   start = time.perf_counter()
   for step in range(iterations):
@@ -37,19 +44,9 @@ def main(argv=None) -> int:
   parser.add_argument("--tokens-per-row", type=int, default=None)
   args = parser.parse_args(argv)
 
-  from orchestrator.engine.host_threads import reserve_host_core
-
   reservation = reserve_host_core()
-  import logging
-
   logging.basicConfig(level=logging.WARNING, format="%(message)s")
-  from orchestrator.recipe import Recipe
-  from orchestrator.data.synthetic import SyntheticRollouts
-  from orchestrator.engine import build_engine
-  from orchestrator.loop.program import ProgramConfig, RLProgram
-  from orchestrator.app.runner import policy_from_recipe
-  from orchestrator.loop.trainer_worker import TrainerWorker
-  from policies import Mode
+  from orchestrator.engine import build_engine  # import here: JAX starts after reserve_host_core sets its threads
 
   engine = build_engine(args.preset, rows=args.rows, tokens_per_row=args.tokens_per_row)
   source = SyntheticRollouts(engine.preset.vocab_size, engine.rows, engine.tokens_per_row, seed=11)

@@ -12,15 +12,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import statistics
 import sys
 
+from orchestrator import recipe as recipe_lib
+from orchestrator.app.runner import build_engine_from_recipe, live_source, policy_from_recipe, program_config
+from orchestrator.engine.host_threads import reserve_host_core
+from orchestrator.loop.program import RLProgram
+from orchestrator.loop.trainer_worker import TrainerWorker
+from policies import Mode
+
 
 def _arm(recipe, engine, start, initial, sampler, mode, staleness: int, steps: int) -> dict:
-  from orchestrator.live.rollouts import LiveRollouts, LiveShape
-  from orchestrator.loop.program import RLProgram
-  from orchestrator.app.runner import policy_from_recipe, program_config
-  from orchestrator.loop.trainer_worker import TrainerWorker
+  from orchestrator.live.rollouts import LiveRollouts, LiveShape  # import here: JAX starts after reserve_host_core
 
   engine.restore(start)
   sampler.sync(initial, 0)
@@ -54,19 +59,12 @@ def main(argv=None) -> int:
   parser.add_argument("--recipe", default=None, help="a live-loop recipe (default: recipes/default.yaml)")
   parser.add_argument("--steps", type=int, default=40)
   args = parser.parse_args(argv)
-  from orchestrator import recipe as recipe_lib
-  from orchestrator.engine.host_threads import reserve_host_core
-
   recipe = recipe_lib.resolve(args.recipe, env={}).recipe
   if recipe.rollouts.source != "sampler":
     print("bench.live: the recipe must have rollouts.source: sampler", file=sys.stderr)
     return 2
   reservation = reserve_host_core()
-  import logging
-
   logging.basicConfig(level=logging.WARNING, format="%(message)s")
-  from orchestrator.app.runner import build_engine_from_recipe, live_source
-  from policies import Mode
 
   engine = build_engine_from_recipe(recipe)
   sampler = live_source(recipe)._sampler  # pylint: disable=protected-access

@@ -22,6 +22,7 @@ import json
 import os
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -30,22 +31,20 @@ from pathlib import Path
 
 import numpy as np
 
+from orchestrator import recipe as recipe_lib
+from orchestrator.remote import protocol, wire
+from orchestrator.remote.client import RemoteTrainerWorker
+from orchestrator.remote.spawn import SpawnedTrainer
+
 SIZES_MB = (1, 16, 64)
 RECIPE = ["model=tiny", "rollouts.source=synthetic", "batch.micro_batches_per_step=2", "run.reserve_host_core=true"]
 
 
 def _recipe(*overrides):
-  from orchestrator import recipe as recipe_lib
-
   return recipe_lib.resolve(None, overrides=[*RECIPE, *overrides]).recipe
 
 
 def _spawned(tmp: Path):
-  from orchestrator import recipe as recipe_lib
-  from orchestrator.remote import protocol
-  from orchestrator.remote.client import RemoteTrainerWorker
-  from orchestrator.remote.spawn import SpawnedTrainer
-
   recipe = _recipe()
   child = SpawnedTrainer(recipe_lib.to_dict(recipe), recipe_path=tmp / "recipe.json", checkpoint_dir=None,
                          address="127.0.0.1:0", timeout_s=120, log_path=tmp / "trainer.log")
@@ -88,8 +87,6 @@ def _raw_socket_seconds(data: bytes) -> float:
 
 
 def throughput(worker, repeats: int) -> list[dict]:
-  from orchestrator.remote import wire
-
   rows = []
   for mb in SIZES_MB:
     array = np.random.default_rng(mb).integers(0, 255, mb << 20, dtype=np.uint8)
@@ -107,8 +104,6 @@ def throughput(worker, repeats: int) -> list[dict]:
 
 
 def _run(location: str, mode_flags: list[str], steps: int, out: Path) -> dict:
-  import subprocess
-
   extra = ["trainer.location=remote", "trainer.spawn=true"] if location == "remote" else []
   cmd = [sys.executable, "-m", "orchestrator.app.cli", *RECIPE, f"steps={steps}", *extra, *mode_flags, "--out", str(out)]
   subprocess.run(cmd, check=True, capture_output=True, timeout=900)

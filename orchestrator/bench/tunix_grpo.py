@@ -27,7 +27,10 @@ import statistics
 import subprocess
 import sys
 import time
+import threading
 import zlib
+
+from orchestrator.engine.host_threads import reserve_host_core
 
 WARMUP_GLOBAL_STEPS = 2
 #: Tokens sampled per completion (answers are shorter; the rest is scored by the shaped reward).
@@ -64,7 +67,7 @@ class Toy:
 
 
 def _meshes(layout: str):
-  import jax
+  import jax  # import here: JAX starts only after reserve_host_core, in the child (see main)
   import numpy as np
 
   def mesh_on(devices):
@@ -80,7 +83,7 @@ def _meshes(layout: str):
 
 def build_learner(toy: Toy):
   """A stock Tunix ``GRPOLearner`` for ``toy`` and its training data (a list of global batches)."""
-  import jax
+  import jax  # import here: JAX starts only after reserve_host_core, in the child (see main)
   import numpy as np
   import optax
   from flax import nnx
@@ -162,9 +165,7 @@ class _CountPlacements:
   """Counts Tunix's input placements (``shard_input`` → ``make_array_from_process_local_data``) by thread."""
 
   def __enter__(self) -> dict[str, int]:
-    import threading
-
-    import jax
+    import jax  # import here: JAX starts only after reserve_host_core, in the child (see main)
 
     counts = {"trainer_thread": 0, "other_threads": 0}
     self._inner = inner = jax.make_array_from_process_local_data
@@ -178,14 +179,14 @@ class _CountPlacements:
     return counts
 
   def __exit__(self, *exc) -> None:
-    import jax
+    import jax  # import here: JAX starts only after reserve_host_core, in the child (see main)
 
     jax.make_array_from_process_local_data = self._inner
 
 
 def run_arm(toy: Toy, mode: str | None, *, corrupt_staging: bool = False) -> dict:
   """Trains ``toy`` stock (``mode`` None) or with the add-on in ``mode``; returns digest and figures."""
-  from flax import nnx
+  from flax import nnx  # import here: JAX starts only after reserve_host_core, in the child (see main)
 
   from orchestrator.engine.diagnostics import tree_digest
   from integrations.tunix_grpo import install
@@ -267,8 +268,6 @@ def main(argv=None) -> int:
   if args.child:
     request = json.loads(args.child)
     if request["reserve_host_core"]:
-      from orchestrator.engine.host_threads import reserve_host_core
-
       reserve_host_core()
     toy = Toy(**request["toy"])
     print(json.dumps([run_arm(toy, mode, **flags) for mode, flags in request["arms"]]))

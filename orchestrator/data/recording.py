@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from array_record.python.array_record_module import ArrayRecordWriter
 
 from orchestrator.data.trajectory import TrajectoryGroup
 
@@ -83,8 +84,6 @@ def digest(data: bytes) -> str:
 def write_recording(out_dir: str | Path, groups: Iterator[TrajectoryGroup], *,
                     vocab_size: int, produced_by: dict[str, Any]) -> dict:
   """Writes groups to ``out_dir`` (ArrayRecord + manifest); returns the manifest."""
-  from array_record.python.array_record_module import ArrayRecordWriter
-
   out = Path(out_dir)
   out.mkdir(parents=True, exist_ok=True)
   writer = ArrayRecordWriter(str(out / DATA_FILE), "group_size:1")
@@ -225,6 +224,7 @@ def open_recording(path: str | Path, *, vocab_size: int | None = None, verify: b
     raise RecordingError(f"{data_path}: data file missing (the manifest lists it)")
   expected = manifest["files"][0]["records"]
   try:
+    # import here: recordings are checked before JAX starts (run_rl refuses a bad one first); grain imports JAX
     from grain.sources import ArrayRecordDataSource
 
     source = ArrayRecordDataSource([str(data_path)])

@@ -17,7 +17,6 @@ from typing import Any
 
 from orchestrator.contract import SourceStateError, StepSource
 from orchestrator.data.recording import Recording, RecordingError
-from orchestrator.data.replay import replay_pipeline
 from orchestrator.data.synthetic import SyntheticRollouts
 
 __all__ = ["IterableSteps", "ReplaySteps", "SourceStateError", "SyntheticSteps", "as_step_source"]
@@ -101,6 +100,8 @@ class ReplaySteps(_Positioned):
   kind = "replay"
 
   def __init__(self, recording: Recording, *, rows: int, tokens_per_row: int, micro_batches_per_step: int):
+    from orchestrator.data.replay import replay_pipeline  # import here: grain imports JAX; the loop needs none
+
     self._pipeline = replay_pipeline(recording, rows=rows, tokens_per_row=tokens_per_row,
                                      micro_batches_per_step=micro_batches_per_step)
     self._iterator = iter(self._pipeline)

@@ -20,15 +20,17 @@ import statistics
 import sys
 import time
 
+from orchestrator.data.synthetic import SyntheticRollouts
+from orchestrator.engine.host_threads import reserve_host_core
+
 
 def _median(xs):
   return statistics.median(xs) if xs else None
 
 
 def bench_preset(preset: str, repeats: int, micro_batches: int = 2) -> dict:
-  import jax
+  import jax  # import here: JAX starts after main's reserve_host_core
 
-  from orchestrator.data.synthetic import SyntheticRollouts
   from orchestrator.engine import build_engine
 
   start = time.perf_counter()
@@ -87,8 +89,7 @@ def bench_preset(preset: str, repeats: int, micro_batches: int = 2) -> dict:
 def bench_moe(preset: str, repeats: int, overflow_factor: float = 0.5) -> dict:
   """MoE layouts: micro-batch seconds with and without overflow, re-run seconds, and how
   long ``update()`` blocks the host in each layout (dispatch of the last micro-batch → return)."""
-  from orchestrator.data.synthetic import SyntheticRollouts
-  from orchestrator.engine import build_engine
+  from orchestrator.engine import build_engine  # import here: JAX starts after main's reserve_host_core
 
   layouts = {
       "dropless": dict(ragged_buffer_factor=-1),
@@ -142,8 +143,6 @@ def main(argv=None) -> int:
   parser.add_argument("--moe-presets", nargs="*", default=["tiny_moe", "small_moe"])
   parser.add_argument("--no-reserve-host-core", action="store_true")
   args = parser.parse_args(argv)
-  from orchestrator.engine.host_threads import reserve_host_core
-
   reservation = None if args.no_reserve_host_core else reserve_host_core()
   results = []
   for preset in args.presets:

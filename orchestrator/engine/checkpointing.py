@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import orbax.checkpoint as ocp
+from jax._src import distributed
 
 
 def flatten_state(tree: Any) -> dict[str, Any]:
@@ -26,8 +28,6 @@ class Checkpointer:
   """Saves and restores one engine's state under ``directory`` (orbax ``CheckpointManager``)."""
 
   def __init__(self, directory: str | Path, *, max_to_keep: int = 3):
-    import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
-
     self._ocp = ocp
     self.directory = Path(directory).absolute()
     self._manager = ocp.CheckpointManager(
@@ -92,14 +92,10 @@ def _this_process_only(ocp):
   """Orbax options that keep a read to this process: no barrier waits for processes that do not read."""
   if "jax" not in sys.modules or not _distributed_started():
     return ocp.options.MultiprocessingOptions()
-  import jax  # pylint: disable=import-outside-toplevel
-
   return ocp.options.MultiprocessingOptions(primary_host=jax.process_index(), active_processes={jax.process_index()})
 
 
 def _distributed_started() -> bool:
-  from jax._src import distributed  # pylint: disable=import-outside-toplevel
-
   return distributed.global_state.client is not None
 
 
@@ -108,8 +104,6 @@ def read_checkpoints(directory: str | Path) -> dict[int, dict[str, Any]]:
 
   A checkpoint whose metadata cannot be read maps to an empty dict.
   """
-  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
-
   path = Path(directory).absolute()
   if not path.is_dir():
     return {}

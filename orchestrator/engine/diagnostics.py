@@ -12,6 +12,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 # The event JAX records once per XLA backend compile (jax.monitoring; stable across 0.4–0.10).
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
@@ -44,8 +45,6 @@ def host_value(leaf: Any) -> np.ndarray:
   """The whole value of ``leaf`` on the host. A leaf split over several processes is gathered first — a
   collective: every process of the job must ask for the same leaves in the same order."""
   if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable and not leaf.is_fully_replicated:
-    from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
-
     return np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
   return np.asarray(jax.device_get(leaf))
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +56,7 @@ def reserve_host_core(host_cores: int = 1, *, xla_threads: int | None = None) ->
   os.environ["PJRT_NPROC"] = str(xla_threads or len(xla_cores))
   os.environ.setdefault("XLA_FLAGS", "")
   os.sched_setaffinity(0, xla_cores)
-  import jax  # pylint: disable=import-outside-toplevel
+  import jax  # import here: after PJRT_NPROC and the affinity are set; this module runs before JAX is imported
 
   jax.devices()  # starts the CPU client: its thread pool inherits xla_cores
   os.sched_setaffinity(0, reserved)
@@ -63,12 +64,10 @@ def reserve_host_core(host_cores: int = 1, *, xla_threads: int | None = None) ->
 
 
 def _jax_backend_started() -> bool:
-  import sys
-
   if "jax" not in sys.modules:
     return False
   try:
-    from jax._src import xla_bridge  # pylint: disable=import-outside-toplevel
+    from jax._src import xla_bridge  # import here: only once JAX is imported (checked above)
 
     return bool(getattr(xla_bridge, "_backends", {}))
   except ImportError:  # pragma: no cover - private module moved

@@ -23,10 +23,11 @@ import threading
 import time
 from typing import Any
 
+import jax
 import numpy as np
 
 from orchestrator.contract import RolloutStats, SourceStateError
-from orchestrator.data.trajectory import Trajectory
+from orchestrator.data.trajectory import Trajectory, TrajectoryGroup
 from orchestrator.live.sampler import LiveSampler
 from orchestrator.live.tasks import group_advantages
 
@@ -123,8 +124,6 @@ class LiveRollouts:
     """The weight sync: keeps the weights of ``version`` (copied to host) for the steps that need them."""
     if weights is None:
       return
-    import jax  # pylint: disable=import-outside-toplevel
-
     host = jax.device_get(weights)
     with self._cond:
       self._weights[int(version)] = host
@@ -306,8 +305,6 @@ class LiveRollouts:
 
 def recorded_groups(steps: list[StepRollouts], generations: int):
   """The groups of recorded steps, as a recording stores them (``orchestrator.data.recording``)."""
-  from orchestrator.data.trajectory import TrajectoryGroup  # pylint: disable=import-outside-toplevel
-
   for rollouts in steps:
     for payload, rewards in zip(rollouts.payloads, rollouts.rewards):
       for first in range(0, len(payload), generations):

@@ -175,7 +175,7 @@ def make_task(name: str, **sizes):
 
 def group_advantages(rewards: np.ndarray, generations: int) -> np.ndarray:
   """GRPO advantages: each reward minus its group's mean, over the group's std (Tunix's estimator)."""
-  from tunix.rl import algo_core  # pylint: disable=import-outside-toplevel
+  from tunix.rl import algo_core  # import here: the recipe reads this module before JAX (Tunix imports it)
 
   rewards = np.asarray(rewards, np.float32)
   if rewards.ndim != 1 or len(rewards) % generations:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 
 class HostWeightStore:
   """The default weight sync: copies the updated weights to host memory, as a sampler receives them.
@@ -20,7 +22,7 @@ class HostWeightStore:
   def __call__(self, step: int, weights: Any) -> None:
     if weights is None:
       return
-    import jax  # pylint: disable=import-outside-toplevel
+    import jax  # import here: the loop imports no JAX until weights arrive (a remote trainer's driver needs none)
 
     self.weights = jax.tree.map(_host_copy, weights)
     self.version = step
@@ -28,8 +30,7 @@ class HostWeightStore:
 
 
 def _host_copy(leaf: Any) -> Any:
-  import jax  # pylint: disable=import-outside-toplevel
-  import numpy as np  # pylint: disable=import-outside-toplevel
+  import jax  # import here: the loop imports no JAX until weights arrive (see above)
 
   if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
     return [np.asarray(shard.data) for shard in leaf.addressable_shards]

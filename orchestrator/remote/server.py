@@ -20,9 +20,11 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from concurrent import futures
 from typing import Any
 
 import grpc
+import jax
 
 from orchestrator.remote import protocol, wire
 from orchestrator.contract import WorkerUsageError
@@ -248,8 +250,6 @@ class TrainerService:
     return wire.encode({"metrics": {k: _number(v) for k, v in self._worker.get_metrics().to_json().items()}})
 
   def _do_export_weights(self, header, arrays) -> bytes:
-    import jax  # pylint: disable=import-outside-toplevel
-
     weights = self._worker.export_weights()
     if weights is None:
       return wire.encode({"none": True})
@@ -291,8 +291,6 @@ class TrainerService:
 
 def start_server(service: TrainerService, listen: str, limits: protocol.Limits) -> tuple[grpc.Server, int]:
   """Binds ``listen`` (port 0: a free one) and starts serving; returns the server and its port."""
-  from concurrent import futures  # pylint: disable=import-outside-toplevel
-
   server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), options=limits.grpc_options(),
                        maximum_concurrent_rpcs=64)
   server.add_generic_rpc_handlers((service.handler(),))

@@ -24,7 +24,10 @@ import struct
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
+import ml_dtypes
 import numpy as np
+
+from orchestrator.data.trajectory import Trajectory
 
 MAGIC = b"SBT1"
 CHUNK_BYTES = 1 << 20
@@ -45,8 +48,6 @@ def _dtype(name: str) -> np.dtype:
   if name not in DTYPES:
     raise WireError(f"array dtype {name!r} is not one of the plain numeric types {sorted(DTYPES)}")
   if name == "bfloat16":
-    import ml_dtypes  # pylint: disable=import-outside-toplevel  (ships with JAX)
-
     return np.dtype(ml_dtypes.bfloat16)
   return np.dtype(name).newbyteorder("<")
 
@@ -171,8 +172,6 @@ def encode_payload(method: str, payload: list, **header) -> list:
 
 
 def decode_payload(header: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> list:
-  from orchestrator.data.trajectory import Trajectory  # pylint: disable=import-outside-toplevel
-
   rows = header.get("trajectories")
   if not isinstance(rows, list):
     raise WireError("a payload message needs a 'trajectories' list")
