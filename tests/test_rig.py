@@ -10,7 +10,7 @@ from orchestrator import recipe as recipe_lib
 from orchestrator.data.recording import write_recording
 from orchestrator.data.synthetic import RolloutShape, generate_groups
 from orchestrator.rig import run_rig
-from orchestrator.rig.rig import RigError, parse_arms
+from orchestrator.rig.arms import RigError, parse_arms
 from tests.conftest import REPO
 
 

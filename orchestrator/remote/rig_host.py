@@ -27,7 +27,7 @@ class RigHost:
             "rerun_dropped": bool(getattr(e, "rerun_dropped", False))}
 
   def _payload_digest(self, payload) -> str:
-    from orchestrator.rig.rig import payload_digest  # pylint: disable=import-outside-toplevel
+    from orchestrator.rig.replay import payload_digest  # pylint: disable=import-outside-toplevel
 
     e = self._engine
     return payload_digest(payload, rows=e.rows, tokens_per_row=e.tokens_per_row, vocab_size=e.preset.vocab_size)
@@ -35,7 +35,7 @@ class RigHost:
   def begin_arm(self, fault: str | None):
     """Restores the first arm's starting state and returns the recording proxy to drive."""
     from orchestrator.engine.diagnostics import backend_compile_count  # pylint: disable=import-outside-toplevel
-    from orchestrator.rig.rig import CallRecordingEngine  # pylint: disable=import-outside-toplevel
+    from orchestrator.rig.recording_engine import CallRecordingEngine  # pylint: disable=import-outside-toplevel
 
     self._engine.wait_for_device()
     if self._snapshot is None:

@@ -174,11 +174,11 @@ def _boundary_segments(result):
 
 
 def _write_timeline(path: Path, traces) -> None:
-  import matplotlib
+  import matplotlib  # import here: a missing matplotlib costs the timeline only (write_reports catches it)
 
   matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-  from matplotlib.patches import Patch
+  import matplotlib.pyplot as plt  # import here: after the backend is chosen
+  from matplotlib.patches import Patch  # import here: as matplotlib, above
 
   n = len(traces)
   fig, ax = plt.subplots(figsize=(12, 1.1 * n + 1.2))
