@@ -7,24 +7,21 @@ call order; across arms, re-runs and final state against the first arm.
 from __future__ import annotations
 
 from orchestrator.rig.arms import Arm
-from policies import BoundaryPlan, Mode
-from policies.call_order import boundary_actions, engine_calls_between
-
-
-def _record_plan(r) -> BoundaryPlan:
-  """The plan a record was made under (its mode and whether, and where, it staged)."""
-  mode = Mode(r.mode)
-  return BoundaryPlan(r.step, mode, r.staged, r.stage_before_update, mode is Mode.OFF, r.reason, r.probe)
+from policies.call_order import Action, engine_calls_between
 
 
 def _expected_windows(arm_records, steps_digests) -> list[list[tuple[str, str | None]]]:
-  """The engine calls ``policies.call_order`` puts between step k's last fwd_bwd and step k+1's first."""
+  """The engine calls each record's actions put between step k's last fwd_bwd and step k+1's first.
+
+  A record stores the ``policies.call_order`` actions its boundary executed
+  (the last step's are ``boundary_actions(None)``); a prepare must carry step
+  k+1's first micro-batch.
+  """
   windows = []
   for r in arm_records:
     k = r.step
-    has_next = k + 1 < len(steps_digests)
-    nxt = steps_digests[k + 1][0] if has_next else None
-    calls = engine_calls_between(boundary_actions(_record_plan(r) if has_next else None))
+    nxt = steps_digests[k + 1][0] if k + 1 < len(steps_digests) else None
+    calls = engine_calls_between(tuple(Action(a) for a in r.actions))
     windows.append([(call, nxt if call == "prepare" else None) for call in calls])
   return windows
 
