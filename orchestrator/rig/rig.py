@@ -26,7 +26,8 @@ from pathlib import Path
 
 from orchestrator.data.recording import open_recording
 from orchestrator.rig.arms import Arm, RigError, apply_faults, arm_steps, parse_arms
-from orchestrator.rig.checks import check_arm, cross_arm_checks, prediction_checks, predictions_written_first
+from orchestrator.rig.checks import (Check, check_arm, cross_arm_checks, failing_checks, prediction_checks,
+                                     predictions_written_first)
 from orchestrator.rig.replay import replay_plan
 from orchestrator.rig.report import write_reports
 from orchestrator.rig.trainers import LocalRigTrainer, RemoteRigTrainer
@@ -38,11 +39,17 @@ __all__ = ["RigError", "RigResult", "run_rig"]
 
 @dataclasses.dataclass
 class RigResult:
-  """A finished rig run: its directory, ``report.json``'s content and the arms' reports."""
+  """A finished rig run: its directory, ``report.json``'s content, the arms' reports and the checks."""
 
   out_dir: Path
   report: dict
   arms: list[dict]
+  checks: list[Check] = dataclasses.field(default_factory=list)
+
+  @property
+  def exit_code(self) -> int:
+    """``run_rl rig``'s exit status: 1 when a correctness check failed; a missed prediction band is reported only."""
+    return 1 if failing_checks(self.checks) else 0
 
 
 def _stats(xs: Sequence[float]) -> dict | None:
@@ -148,4 +155,4 @@ def _run_arms(recipe, trainer, recording, arms, out: Path, steps: int, m: int, w
     checks += prediction_checks(report, pred, len(result.records))
   checks.insert(0, predictions_written_first(predictions, first_arm_started))
   report = write_reports(out, arm_reports, predictions, checks, components, traces, recipe, recording)
-  return RigResult(out, report, arm_reports)
+  return RigResult(out, report, arm_reports, checks)
