@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 
 import pytest
@@ -167,3 +168,12 @@ def test_the_rig_runs_over_a_remote_trainer_with_the_same_verdicts(rig_inputs, c
   out = capsys.readouterr().out
   assert "within (step 5%" in out and {"off", "stage_before_update", "pipelined"} <= {
       line.split()[0] for line in out.splitlines()[3:] if line.strip()}
+
+
+def test_the_remote_package_imports_nothing_from_the_rig():
+  """The server is handed the rig's host (``run_rl serve-trainer`` passes ``RigHost``); it never imports the rig."""
+  for path in sorted((REPO / "orchestrator" / "remote").rglob("*.py")):
+    tree = ast.parse(path.read_text())
+    modules = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module]
+    modules += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    assert not [m for m in modules if m.startswith("orchestrator.rig")], path.name

@@ -3,11 +3,11 @@
 ``rig``: ``run_rig``, a run's order; ``arms``: arms, faults, refusals;
 ``replay``: the steps every arm is fed; ``trainers``: where the arms run (here
 or on a remote trainer); ``recording_engine``: the call-recording engine proxy;
-``calibration``: the component times; ``checks``: every check; ``report``: the
-files.
+``remote_host``: that proxy on a remote trainer's host; ``calibration``: the
+component times; ``checks``: ``Check`` and every check; ``report``: the files.
 
 Names are imported lazily, so that the JAX-free parts (arms, checks, the
-proxy) load without JAX.
+proxy) load without JAX, and a trainer's host loads only ``remote_host``'s.
 """
 
 import importlib
