@@ -7,12 +7,15 @@ import json
 
 import pytest
 
+from orchestrator import contract
 from orchestrator import recipe as recipe_lib
 from orchestrator.data.recording import write_recording
 from orchestrator.data.synthetic import RolloutShape, generate_groups
+from orchestrator.loop.trainer_worker import TrainerWorker
 from orchestrator.rig import RigResult, run_rig
 from orchestrator.rig.arms import RigError, parse_arms
 from orchestrator.rig.checks import CheckKind, cross_arm_checks, prediction_checks
+from orchestrator.rig.recording_engine import FORWARDED_PROTOCOLS, CallRecordingEngine, require_snapshots
 from orchestrator.rig.report import verdict
 from tests.conftest import REPO
 
@@ -143,6 +146,49 @@ def test_a_missed_prediction_is_reported_while_a_failed_correctness_check_fails_
   too_few = prediction_checks(_arm_report("pipelined", idle_s=0.5, step_s=9.0), bands, n_records=2)
   assert [c.to_json()["status"] for c in too_few] == ["unscorable"] * 2
   assert RigResult(tmp_path, {}, [], same + too_few).exit_code == 0
+
+
+class _TrainingOnlyEngine:
+  """The methods every engine has, and nothing more (no staging, checkpoints, weights or snapshots)."""
+
+  def fwd_bwd(self, payload_or_prepared, apply_optimizer=False):
+    return None
+
+  def update(self):
+    return None
+
+  def get_metrics(self):
+    return {}
+
+
+class _StagingEngine(_TrainingOnlyEngine):
+  def prepare_fwd_bwd_input(self, payload):
+    return payload
+
+  def wait_for_device(self):
+    return 0.0
+
+
+def test_the_recording_proxy_can_stage_exactly_when_its_engine_can():
+  staging = CallRecordingEngine(_StagingEngine(), {})
+  plain = CallRecordingEngine(_TrainingOnlyEngine(), {})
+  assert isinstance(staging, contract.StagingEngine) and TrainerWorker(staging).capabilities.can_stage
+  assert isinstance(plain, contract.TrainingEngine) and not isinstance(plain, contract.StagingEngine)
+  assert contract.missing_methods(plain, contract.StagingEngine) == ("prepare_fwd_bwd_input", "wait_for_device")
+  assert not TrainerWorker(plain).capabilities.can_stage
+  assert not isinstance(staging, contract.SnapshotEngine)
+  staging.prepare_fwd_bwd_input("p")
+  staging.fwd_bwd("p")
+  staging.wait_for_device()
+  assert [kind for kind, _ in staging.events] == ["prepare", "fwd_bwd", "wait"]
+  # Each Protocol method is the proxy's own: from Python 3.12, isinstance never reaches __getattr__.
+  for protocol in FORWARDED_PROTOCOLS:
+    assert contract.missing_methods(CallRecordingEngine, protocol) == (), protocol
+
+
+def test_the_rig_refuses_an_engine_without_snapshots_naming_what_it_lacks():
+  with pytest.raises(RigError, match="lacks snapshot, restore"):
+    require_snapshots(_StagingEngine())
 
 
 def test_the_rig_runs_over_a_remote_trainer_with_the_same_verdicts(rig_inputs, clean_rig, capsys):

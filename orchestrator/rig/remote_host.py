@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from orchestrator.engine.diagnostics import backend_compile_count
-from orchestrator.rig.recording_engine import CallRecordingEngine
+from orchestrator.rig.recording_engine import CallRecordingEngine, require_snapshots
 from orchestrator.rig.replay import payload_digest
 
 
@@ -37,7 +37,12 @@ class RigHost:
     return payload_digest(payload, rows=e.rows, tokens_per_row=e.tokens_per_row, vocab_size=e.preset.vocab_size)
 
   def begin_arm(self, fault: str | None):
-    """Restores the first arm's starting state and returns the recording proxy to drive."""
+    """Restores the first arm's starting state and returns the recording proxy to drive.
+
+    Raises:
+      RigError (a ``ValueError``): the engine cannot snapshot and restore its state.
+    """
+    require_snapshots(self._engine)
     self._engine.wait_for_device()
     if self._snapshot is None:
       self._snapshot = self._engine.snapshot()

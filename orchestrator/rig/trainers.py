@@ -19,7 +19,7 @@ from orchestrator.engine import backend_compile_count, build_engine
 from orchestrator.loop.program import RLProgram
 from orchestrator.loop.trainer_worker import TrainerWorker
 from orchestrator.rig.calibration import calibrate, calibrate_worker
-from orchestrator.rig.recording_engine import CallRecordingEngine
+from orchestrator.rig.recording_engine import CallRecordingEngine, require_snapshots
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +44,7 @@ class LocalRigTrainer:
     self.recipe = recipe
     self.engine = build_engine(recipe.model, mesh=dataclasses.asdict(recipe.mesh), rows=recipe.batch.rows,
                                tokens_per_row=recipe.batch.tokens_per_row, **options)
+    require_snapshots(self.engine)
     self.shape = BatchShape(self.engine.rows, self.engine.tokens_per_row, self.engine.preset.vocab_size,
                             self.engine.rerun_dropped)
     self.snapshot = self.engine.snapshot()
