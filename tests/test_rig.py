@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 
 import pytest
 
 from orchestrator import contract
 from orchestrator import recipe as recipe_lib
+from orchestrator.app import cli
 from orchestrator.data.recording import write_recording
 from orchestrator.data.synthetic import RolloutShape, generate_groups
 from orchestrator.loop.trainer_worker import TrainerWorker
@@ -193,10 +195,6 @@ def test_the_rig_refuses_an_engine_without_snapshots_naming_what_it_lacks():
 
 def test_the_rig_runs_over_a_remote_trainer_with_the_same_verdicts(rig_inputs, clean_rig, capsys):
   """The arms drive a spawned serve-trainer; its host records the calls. A skipped update there still fails."""
-  import dataclasses
-
-  from orchestrator.app import cli
-
   recipe, rec, root = rig_inputs
   remote = dataclasses.replace(recipe, trainer=dataclasses.replace(recipe.trainer, location="remote", spawn=True))
   result = run_rig(remote, rec, ["off", "stage_before_update", "pipelined"], root / "remote",
