@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+import ast
+import dataclasses
 import json
 
 import pytest
 
+from orchestrator import contract
 from orchestrator import recipe as recipe_lib
+from orchestrator.app import cli
 from orchestrator.data.recording import write_recording
 from orchestrator.data.synthetic import RolloutShape, generate_groups
-from orchestrator.rig import run_rig
-from orchestrator.rig.rig import RigError, parse_arms
+from orchestrator.loop.trainer_worker import TrainerWorker
+from orchestrator.rig import RigResult, run_rig
+from orchestrator.rig.arms import RigError, parse_arms
+from orchestrator.rig.checks import CheckKind, cross_arm_checks, prediction_checks
+from orchestrator.rig.recording_engine import FORWARDED_PROTOCOLS, CallRecordingEngine, require_snapshots
+from orchestrator.rig.report import verdict
 from tests.conftest import REPO
 
 
@@ -41,8 +49,10 @@ def test_rig_end_to_end_two_arms(clean_rig):
   for name in ("report.md", "report.json", "trace.json", "timeline.png", "predictions.json"):
     assert (out / name).is_file(), name
   # Prediction scores depend on this machine's timing; the correctness checks must all pass.
-  failed = [c for c in report["checks"] if c["status"] == "fail" and not c["name"].startswith("prediction_")]
-  assert failed == []
+  failed = [c for c in report["checks"] if c["status"] == "fail" and c["kind"] == "correctness"]
+  assert failed == [] and clean_rig.exit_code == 0
+  # The prediction checks are the ones named prediction_* (the names say the kind to a reader of report.json).
+  assert all((c["kind"] == "prediction") == c["name"].startswith("prediction_") for c in report["checks"])
   assert _status(report, "predictions_written_first") == ["pass"]
   assert _status(report, "final_state_identical", "stage_before_update") == ["pass"]
   for arm in ("off", "stage_before_update"):
@@ -91,7 +101,7 @@ def test_a_different_micro_batch_order_is_reported_as_failed(rig_inputs):
   assert _status(report, "micro_batches_in_order", "pipelined") == ["fail"]
   assert _status(report, "micro_batches_in_order", "off") == ["pass"]
   assert _status(report, "final_state_identical", "pipelined") == ["fail"]
-  assert report["verdict"]["fail"] >= 2
+  assert report["verdict"]["fail"] >= 2 and result.exit_code == 1
 
 
 def test_a_skipped_update_is_reported_as_failed(rig_inputs):
@@ -110,18 +120,87 @@ def test_arm_names_and_faults_are_checked():
     parse_arms(["sideways"])
 
 
+def _arm_report(name, *, idle_s, step_s, digest="a" * 64):
+  """The parts of an arm's report the cross-arm and prediction checks read."""
+  return {"name": name, "boundary_idle_s": {"median": idle_s}, "step_s": {"median": step_s},
+          "reruns": [0, 0, 0], "final_state_digest": digest}
+
+
+def _exit_by_name(checks) -> int:
+  """``run_rl rig``'s rule on report.json's checks: a failed check not named prediction_* fails the command."""
+  failed = [c for c in (x.to_json() for x in checks)
+            if c["status"] == "fail" and not c["name"].startswith("prediction_")]
+  return 1 if failed else 0
+
+
+def test_a_missed_prediction_is_reported_while_a_failed_correctness_check_fails_the_run(tmp_path):
+  bands = {"boundary_idle_band_s": (0.0, 0.001), "step_band_s": (0.1, 0.2)}
+  reference = _arm_report("off", idle_s=0.0005, step_s=0.15)
+  missed = prediction_checks(_arm_report("pipelined", idle_s=0.5, step_s=9.0), bands, n_records=4)
+  assert [(c.kind, c.status) for c in missed] == [(CheckKind.PREDICTION, "fail")] * 2
+  same = cross_arm_checks(_arm_report("pipelined", idle_s=0.5, step_s=9.0), reference)
+  diverged = cross_arm_checks(_arm_report("pipelined", idle_s=0.5, step_s=9.0, digest="b" * 64), reference)
+  assert [(c.name, c.kind, c.status) for c in diverged] == [
+      ("rerun_counts_equal", CheckKind.CORRECTNESS, "pass"), ("final_state_identical", CheckKind.CORRECTNESS, "fail")]
+  for checks, code in ((same + missed, 0), (diverged + missed, 1), (diverged, 1)):
+    assert RigResult(tmp_path, {}, [], checks).exit_code == code == _exit_by_name(checks)
+  assert verdict(diverged + missed) == {"pass": 1, "fail": 3, "unscorable": 0}
+  too_few = prediction_checks(_arm_report("pipelined", idle_s=0.5, step_s=9.0), bands, n_records=2)
+  assert [c.to_json()["status"] for c in too_few] == ["unscorable"] * 2
+  assert RigResult(tmp_path, {}, [], same + too_few).exit_code == 0
+
+
+class _TrainingOnlyEngine:
+  """The methods every engine has, and nothing more (no staging, checkpoints, weights or snapshots)."""
+
+  def fwd_bwd(self, payload_or_prepared, apply_optimizer=False):
+    return None
+
+  def update(self):
+    return None
+
+  def get_metrics(self):
+    return {}
+
+
+class _StagingEngine(_TrainingOnlyEngine):
+  def prepare_fwd_bwd_input(self, payload):
+    return payload
+
+  def wait_for_device(self):
+    return 0.0
+
+
+def test_the_recording_proxy_can_stage_exactly_when_its_engine_can():
+  staging = CallRecordingEngine(_StagingEngine(), {})
+  plain = CallRecordingEngine(_TrainingOnlyEngine(), {})
+  assert isinstance(staging, contract.StagingEngine) and TrainerWorker(staging).capabilities.can_stage
+  assert isinstance(plain, contract.TrainingEngine) and not isinstance(plain, contract.StagingEngine)
+  assert contract.missing_methods(plain, contract.StagingEngine) == ("prepare_fwd_bwd_input", "wait_for_device")
+  assert not TrainerWorker(plain).capabilities.can_stage
+  assert not isinstance(staging, contract.SnapshotEngine)
+  staging.prepare_fwd_bwd_input("p")
+  staging.fwd_bwd("p")
+  staging.wait_for_device()
+  assert [kind for kind, _ in staging.events] == ["prepare", "fwd_bwd", "wait"]
+  # Each Protocol method is the proxy's own: from Python 3.12, isinstance never reaches __getattr__.
+  for protocol in FORWARDED_PROTOCOLS:
+    assert contract.missing_methods(CallRecordingEngine, protocol) == (), protocol
+
+
+def test_the_rig_refuses_an_engine_without_snapshots_naming_what_it_lacks():
+  with pytest.raises(RigError, match="lacks snapshot, restore"):
+    require_snapshots(_StagingEngine())
+
+
 def test_the_rig_runs_over_a_remote_trainer_with_the_same_verdicts(rig_inputs, clean_rig, capsys):
   """The arms drive a spawned serve-trainer; its host records the calls. A skipped update there still fails."""
-  import dataclasses
-
-  from orchestrator.app import cli
-
   recipe, rec, root = rig_inputs
   remote = dataclasses.replace(recipe, trainer=dataclasses.replace(recipe.trainer, location="remote", spawn=True))
   result = run_rig(remote, rec, ["off", "stage_before_update", "pipelined"], root / "remote",
                    faults={"pipelined": "skip_update"})
   report = result.report
-  correctness = [c for c in report["checks"] if not c["name"].startswith("prediction_")]
+  correctness = [c for c in report["checks"] if c["kind"] == "correctness"]
   assert [c for c in correctness if c["arm"] != "pipelined" and c["status"] != "pass"] == []
   assert _status(report, "update_before_next_step", "pipelined") == ["fail"]
   digests = {a["name"]: a["final_state_digest"] for a in result.arms}
@@ -133,3 +212,12 @@ def test_the_rig_runs_over_a_remote_trainer_with_the_same_verdicts(rig_inputs, c
   out = capsys.readouterr().out
   assert "within (step 5%" in out and {"off", "stage_before_update", "pipelined"} <= {
       line.split()[0] for line in out.splitlines()[3:] if line.strip()}
+
+
+def test_the_remote_package_imports_nothing_from_the_rig():
+  """The server is handed the rig's host (``run_rl serve-trainer`` passes ``RigHost``); it never imports the rig."""
+  for path in sorted((REPO / "orchestrator" / "remote").rglob("*.py")):
+    tree = ast.parse(path.read_text())
+    modules = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module]
+    modules += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    assert not [m for m in modules if m.startswith("orchestrator.rig")], path.name

@@ -70,6 +70,7 @@ def _serve(recipe, listen: str, checkpoint_dir: str, token: str | None, *, exit_
   from orchestrator.engine.mesh import check_devices  # pylint: disable=import-outside-toplevel
   from orchestrator.remote.server import TrainerService, start_server  # pylint: disable=import-outside-toplevel
   from orchestrator.app.runner import build_engine_from_recipe  # pylint: disable=import-outside-toplevel
+  from orchestrator.rig.remote_host import RigHost  # import here: JAX must not start before _setup_host
 
   try:
     check_devices(recipe.mesh)
@@ -84,7 +85,7 @@ def _serve(recipe, listen: str, checkpoint_dir: str, token: str | None, *, exit_
 
   stop = threading.Event()
   service = TrainerService(make_engine, recipe_digest=protocol.recipe_digest(recipe), token=token, limits=limits,
-                           on_driver_left=stop.set if exit_with_driver else None)
+                           on_driver_left=stop.set if exit_with_driver else None, make_rig_host=RigHost)
   try:
     server, port = start_server(service, listen, limits)
   except (protocol.AddressError, RuntimeError) as e:

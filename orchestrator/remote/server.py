@@ -68,11 +68,15 @@ class TrainerService:
     token: the shared token, or None (loopback only; checked by ``serve``).
     limits: message size limit.
     on_driver_left: called (outside any lock) after a driver leaves, however it left.
+    make_rig_host: builds the rig's instrumentation over each new engine (``orchestrator.rig.remote_host.RigHost``,
+      handed in so that this package never imports the rig); None: the ``rig_*`` calls are refused.
   """
 
   def __init__(self, make_engine: Callable[[], Any], *, recipe_digest: str, token: str | None,
-               limits: protocol.Limits = protocol.Limits(), on_driver_left: Callable[[], None] | None = None):
+               limits: protocol.Limits = protocol.Limits(), on_driver_left: Callable[[], None] | None = None,
+               make_rig_host: Callable[[Any], Any] | None = None):
     self._on_driver_left = on_driver_left
+    self._make_rig_host = make_rig_host
     self._make_engine = make_engine
     self._new_worker()
     self._used = False
@@ -87,11 +91,9 @@ class TrainerService:
     self._next_id = 0
 
   def _new_worker(self) -> None:
-    from orchestrator.remote.rig_host import RigHost  # pylint: disable=import-outside-toplevel
-
     self._engine = self._make_engine()
     self._worker = TrainerWorker(self._engine)
-    self._rig = RigHost(self._engine)
+    self._rig = self._make_rig_host(self._engine) if self._make_rig_host else None
 
   # ------------------------------------------------------------------ access
   def _check(self, context, *, session: bool = True) -> None:
@@ -261,11 +263,15 @@ class TrainerService:
 
   def _do_rig_begin_arm(self, header, arrays) -> bytes:
     """The rig: back to the state the first arm started from, with the engine's calls recorded."""
+    if self._rig is None:
+      raise WorkerUsageError("this trainer was started without the rig's host; serve it with run_rl serve-trainer")
     self._worker = TrainerWorker(self._rig.begin_arm(header.get("fault")))
     return wire.encode(self._rig.info())
 
   def _do_rig_end_arm(self, header, arrays) -> bytes:
     """The rig: the arm's engine calls (kind, content digest) and the compiles it caused."""
+    if self._rig is None:
+      raise WorkerUsageError("this trainer was started without the rig's host; serve it with run_rl serve-trainer")
     events, compiles = self._rig.end_arm()
     self._worker = TrainerWorker(self._engine)
     return wire.encode({"events": events, "compiles": compiles})

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from orchestrator.loop.trace import chrome_trace
+from orchestrator.rig.checks import Check
 from policies.step_boundary import format_seconds as fs
 
 COLORS = {"micro-batch": "#4C78A8", "re-run": "#9ECAE9", "update": "#54A24B", "idle": "#E45756", "stage": "#F58518",
@@ -14,10 +16,11 @@ HOST_KINDS = {"stage": "stage", "prepare": "prepare", "dispatch": "dispatch", "u
               "fwd_bwd": "dispatch", "host wait": "wait", "wait for device": "wait"}
 
 
-def verdict(checks) -> dict:
+def verdict(checks: Iterable[Check]) -> dict:
+  """How many checks, of every kind, passed, failed and were unscorable."""
   counts = {"pass": 0, "fail": 0, "unscorable": 0}
   for c in checks:
-    counts[c["status"]] += 1
+    counts[c.status] += 1
   return counts
 
 
@@ -52,7 +55,9 @@ def targets(arms, components) -> list[dict]:
   return out
 
 
-def write_reports(out: Path, arms, predictions, checks, components, traces, recipe, recording) -> dict:
+def write_reports(out: Path, arms, predictions, checks: Sequence[Check], components, traces, recipe,
+                  recording) -> dict:
+  """Writes every report file into ``out``; returns ``report.json``'s content (checks as ``Check.to_json``)."""
   counts = verdict(checks)
   line = f"verdict: {counts['pass']} passed, {counts['fail']} failed, {counts['unscorable']} unscorable"
   target_rows = targets(arms, components)
@@ -62,7 +67,7 @@ def write_reports(out: Path, arms, predictions, checks, components, traces, reci
       "components": predictions["components"],
       "arms": [{k: v for k, v in a.items() if k != "records"} for a in arms],
       "predictions": predictions,
-      "checks": checks,
+      "checks": [c.to_json() for c in checks],
       "targets": target_rows,
       "verdict": counts,
       "verdict_line": line,
@@ -174,11 +179,11 @@ def _boundary_segments(result):
 
 
 def _write_timeline(path: Path, traces) -> None:
-  import matplotlib
+  import matplotlib  # import here: a missing matplotlib costs the timeline only (write_reports catches it)
 
   matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-  from matplotlib.patches import Patch
+  import matplotlib.pyplot as plt  # import here: after the backend is chosen
+  from matplotlib.patches import Patch  # import here: as matplotlib, above
 
   n = len(traces)
   fig, ax = plt.subplots(figsize=(12, 1.1 * n + 1.2))

@@ -4,12 +4,18 @@ The rig (``orchestrator.rig``) needs what only the trainer's host can give: a
 return to the same starting state before every arm, the engine calls each arm
 made (with content digests of what they were given) and the compiles it
 caused. ``RigHost`` wraps the served engine in the rig's own
-``CallRecordingEngine`` for the length of an arm.
+``CallRecordingEngine`` for the length of an arm. The server is handed
+``RigHost`` by whoever starts it (``run_rl serve-trainer``), so nothing in
+``orchestrator.remote`` imports the rig.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from orchestrator.engine.diagnostics import backend_compile_count
+from orchestrator.rig.recording_engine import CallRecordingEngine, require_snapshots
+from orchestrator.rig.replay import payload_digest
 
 
 class RigHost:
@@ -27,16 +33,16 @@ class RigHost:
             "rerun_dropped": bool(getattr(e, "rerun_dropped", False))}
 
   def _payload_digest(self, payload) -> str:
-    from orchestrator.rig.rig import payload_digest  # pylint: disable=import-outside-toplevel
-
     e = self._engine
     return payload_digest(payload, rows=e.rows, tokens_per_row=e.tokens_per_row, vocab_size=e.preset.vocab_size)
 
   def begin_arm(self, fault: str | None):
-    """Restores the first arm's starting state and returns the recording proxy to drive."""
-    from orchestrator.engine.diagnostics import backend_compile_count  # pylint: disable=import-outside-toplevel
-    from orchestrator.rig.rig import CallRecordingEngine  # pylint: disable=import-outside-toplevel
+    """Restores the first arm's starting state and returns the recording proxy to drive.
 
+    Raises:
+      RigError (a ``ValueError``): the engine cannot snapshot and restore its state.
+    """
+    require_snapshots(self._engine)
     self._engine.wait_for_device()
     if self._snapshot is None:
       self._snapshot = self._engine.snapshot()
@@ -47,8 +53,7 @@ class RigHost:
     return self._proxy
 
   def end_arm(self) -> tuple[list[list], int]:
-    from orchestrator.engine.diagnostics import backend_compile_count  # pylint: disable=import-outside-toplevel
-
+    """The arm's engine calls (kind, content digest) and the compiles it caused; the proxy is dropped."""
     if self._proxy is None:
       raise ValueError("rig_end_arm without rig_begin_arm")
     self._engine.wait_for_device()
