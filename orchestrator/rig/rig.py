@@ -80,11 +80,11 @@ def _predictions(arms, components: Components, noise: float) -> dict:
   return predictions
 
 
-def _arm_report(arm: Arm, result, policy, components: Components) -> dict:
-  records = result.records
+def _arm_report(arm: Arm, result, components: Components) -> dict:
+  records, summary = result.records, result.summary
   boundaries = records[:-1]
   report = {
-      "name": arm.name, "mode": arm.mode.value, "fault": arm.fault, "final_mode": policy.mode.value,
+      "name": arm.name, "mode": arm.mode.value, "fault": arm.fault, "final_mode": summary.policy.final_mode.value,
       "boundary_idle_s": _stats([r.boundary_idle_s for r in boundaries]),
       "boundary_idle_strict_s": _stats([r.boundary_idle_strict_s for r in boundaries]),
       "step_s": _stats([r.step_s for r in records]),
@@ -95,8 +95,8 @@ def _arm_report(arm: Arm, result, policy, components: Components) -> dict:
       "boundary_work_s": _stats([(r.metrics_s or 0) + (r.checkpoint_s or 0) + (r.weight_sync_s or 0)
                                  for r in records]),
       "reruns": [r.reruns or 0 for r in records],
-      "auto_disables": policy.counters.get("auto_disable", 0),
-      "final_state_digest": result.summary["final_state_digest"],
+      "auto_disables": summary.policy.auto_disables,
+      "final_state_digest": summary.final_state_digest,
       "records": [r.to_json() for r in records],
   }
   stage = report["stage_s"]["median"] if report["stage_s"] else components.prepare_s
@@ -144,9 +144,9 @@ def _run_arms(recipe, trainer, recording, arms, out: Path, steps: int, m: int, w
   for index, arm in enumerate(arms):
     if progress:
       progress(f"arm {index + 1}/{len(arms)}: {arm.name}")
-    result, events, compiles_delta, policy = run_arm(arm, arm_steps(arm, plan.steps), steps)
+    result, events, compiles_delta = run_arm(arm, arm_steps(arm, plan.steps), steps)
     checks += check_arm(arm, result, events, compiles_delta, plan.expected_digests, plan.expected_tokens, m)
-    report = _arm_report(arm, result, policy, components)
+    report = _arm_report(arm, result, components)
     if arm_reports:
       checks += cross_arm_checks(report, arm_reports[0])
     arm_reports.append(report)

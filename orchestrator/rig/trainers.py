@@ -57,7 +57,7 @@ class LocalRigTrainer:
     compiles = backend_compile_count()
     result = RLProgram(worker, policy, arm_steps[:n_steps], _arm_config(self.recipe, n_steps)).run()
     self.engine.wait_for_device()
-    return result, proxy.digest_events(), backend_compile_count() - compiles, policy
+    return result, proxy.digest_events(), backend_compile_count() - compiles
 
   def calibrate(self, steps):
     return calibrate(self.engine, steps, self.snapshot)
@@ -84,7 +84,7 @@ class RemoteRigTrainer:
     policy = policy_from_recipe(self.recipe, self.worker.capabilities, mode=arm.mode, steps=n_steps)
     result = RLProgram(self.worker, policy, arm_steps[:n_steps], _arm_config(self.recipe, n_steps)).run()
     events, compiles = self.worker.rig_end_arm()
-    return result, [tuple(e) for e in events], compiles, policy
+    return result, [tuple(e) for e in events], compiles
 
   def calibrate(self, steps):
     self.worker.rig_begin_arm(None)
