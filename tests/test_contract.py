@@ -57,6 +57,26 @@ def test_methods_set_to_none_count_as_missing():
   assert isinstance(RecordingEngine(), StagingEngine)
 
 
+class _ForwardingProxy:
+  """Forwards every attribute through ``__getattr__``: ``isinstance`` finds its methods before 3.12, not after."""
+
+  def __init__(self, engine):
+    self._engine = engine
+
+  def __getattr__(self, name):
+    return getattr(self._engine, name)
+
+
+@pytest.mark.parametrize("protocol", [TrainingEngine, StagingEngine], ids=lambda p: p.__name__)
+def test_missing_methods_names_what_the_protocol_check_does_not_find(protocol):
+  proxy = _ForwardingProxy(RecordingEngine())
+  missing = missing_methods(proxy, protocol)
+  assert isinstance(proxy, protocol) == (missing == ())
+  if missing:  # Python 3.12 and later: forwarded methods are not found
+    with pytest.raises(TypeError, match="it lacks fwd_bwd, update, get_metrics$"):
+      TrainerWorker(proxy)
+
+
 def test_a_minimal_engine_drives_through_the_program_with_one_fallback_warning(caplog):
   engine = MinimalEngine()
   worker = TrainerWorker(engine)

@@ -258,9 +258,25 @@ class SnapshotEngine(Protocol):
 
 
 def missing_methods(engine: Any, protocol: type) -> tuple[str, ...]:
-  """The methods of ``protocol`` that ``engine`` lacks (or has set to None), in the protocol's order."""
-  names = [n for n in _protocol_methods(protocol)]
-  return tuple(n for n in names if not callable(getattr(engine, n, None)))
+  """The methods of ``protocol`` that ``engine`` lacks (or has set to None), in the protocol's order.
+
+  A method counts as present only where ``isinstance(engine, protocol)`` finds it as well. From Python 3.12
+  that check looks attributes up statically (``inspect.getattr_static``), so a method that only a
+  ``__getattr__`` forwards is listed here too: whenever the check fails, at least one name is returned.
+  """
+  import inspect
+  import sys
+
+  def found_by_isinstance(name: str) -> bool:
+    if sys.version_info < (3, 12):
+      return True  # the check uses getattr, as the callable() test below does
+    try:
+      return inspect.getattr_static(engine, name) is not None
+    except AttributeError:
+      return False
+
+  return tuple(n for n in _protocol_methods(protocol)
+               if not callable(getattr(engine, n, None)) or not found_by_isinstance(n))
 
 
 def _protocol_methods(protocol: type) -> list[str]:
