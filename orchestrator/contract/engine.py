@@ -14,6 +14,7 @@ engine can stage (a method set to ``None`` counts as missing).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import time
 from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
@@ -260,23 +261,17 @@ class SnapshotEngine(Protocol):
 def missing_methods(engine: Any, protocol: type) -> tuple[str, ...]:
   """The methods of ``protocol`` that ``engine`` lacks (or has set to None), in the protocol's order.
 
-  A method counts as present only where ``isinstance(engine, protocol)`` finds it as well. From Python 3.12
-  that check looks attributes up statically (``inspect.getattr_static``), so a method that only a
-  ``__getattr__`` forwards is listed here too: whenever the check fails, at least one name is returned.
+  A method is present when it is callable and defined, not only forwarded: the lookup is static
+  (``inspect.getattr_static``), as ``isinstance`` against a runtime-checkable Protocol does from Python
+  3.12, so a proxy that forwards through ``__getattr__`` is judged the same on every Python version —
+  by the methods it really has. Capability checks use this, never ``isinstance``, and a refusal names
+  what it returns.
   """
-  import inspect
-  import sys
+  def present(name: str) -> bool:
+    defined = inspect.getattr_static(engine, name, None)
+    return defined is not None and callable(getattr(engine, name, None))
 
-  def found_by_isinstance(name: str) -> bool:
-    if sys.version_info < (3, 12):
-      return True  # the check uses getattr, as the callable() test below does
-    try:
-      return inspect.getattr_static(engine, name) is not None
-    except AttributeError:
-      return False
-
-  return tuple(n for n in _protocol_methods(protocol)
-               if not callable(getattr(engine, n, None)) or not found_by_isinstance(n))
+  return tuple(n for n in _protocol_methods(protocol) if not present(n))
 
 
 def _protocol_methods(protocol: type) -> list[str]:
