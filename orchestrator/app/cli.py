@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 from orchestrator import recipe as recipe_lib
+from orchestrator.app.arguments import UsageError, UsageErrorParser, parse_subcommand, subcommand_parser
 
 FLAG_KEYS = {
     "pipeline_step_boundary": "step_boundary.pipeline_step_boundary",
@@ -34,17 +35,8 @@ FLAG_KEYS = {
 }
 
 
-class UsageError(Exception):
-  pass
-
-
-class _Parser(argparse.ArgumentParser):
-  def error(self, message):  # argparse would exit itself; keep one exit path
-    raise UsageError(message)
-
-
 def make_parser() -> argparse.ArgumentParser:
-  p = _Parser(
+  p = UsageErrorParser(
       prog="run_rl",
       description="Run RL training steps with the step-boundary scheduler.",
       epilog="key=value overrides any recipe key by dotted path, e.g. engine.learning_rate=3e-4."
@@ -82,29 +74,12 @@ def resolve_from_args(args: argparse.Namespace, env=None) -> recipe_lib.Resolved
   return recipe_lib.resolve(args.recipe, env=env, flags=flags, overrides=args.overrides)
 
 
-def _sub_parser(name: str, description: str) -> argparse.ArgumentParser:
-  p = _Parser(prog=f"run_rl {name}", description=description)
-  p.add_argument("--recipe", help=f"recipe YAML (default: {recipe_lib.DEFAULT_RECIPE})")
-  p.add_argument("overrides", nargs="*", metavar="key=value")
-  return p
-
-
-def _parse_sub(parser: argparse.ArgumentParser, argv: list[str]):
-  """(args, resolved recipe), or (None, exit code 2) after printing the one error line."""
-  try:
-    args = parser.parse_intermixed_args(argv)
-    return args, recipe_lib.resolve(args.recipe, overrides=args.overrides)
-  except (UsageError, recipe_lib.RecipeError) as e:
-    print(f"{parser.prog}: error: {e}", file=sys.stderr)
-    return None, 2
-
-
 def record_main(argv: list[str]) -> int:
   """``run_rl record --recipe R --out DIR``: write a recording in the recipe's shapes, or, for a live
   recipe (``rollouts.source: sampler``), run it and record the rollouts it trained on."""
-  p = _sub_parser("record", "Write trajectory groups (ArrayRecord + manifest) in the recipe's shapes.")
+  p = subcommand_parser("record", "Write trajectory groups (ArrayRecord + manifest) in the recipe's shapes.")
   p.add_argument("--out", required=True, help="recording directory to create")
-  args, resolved = _parse_sub(p, argv)
+  args, resolved = parse_subcommand(p, argv)
   if args is None:
     return resolved
   from orchestrator.data.recording import write_recording
@@ -140,14 +115,14 @@ def record_main(argv: list[str]) -> int:
 
 def rig_main(argv: list[str]) -> int:
   """``run_rl rig``: A/B the modes over a recording; see orchestrator.rig."""
-  p = _sub_parser("rig", "Replay a recording through every arm and report checks and timings.")
+  p = subcommand_parser("rig", "Replay a recording through every arm and report checks and timings.")
   p.add_argument("--recording", help="recording directory (default: the recipe's rollouts.recording)")
   p.add_argument("--arms", nargs="+", default=["off", "stage_before_update", "off", "pipelined",
                                                 "stage_after_update"],
                  help="arms in order (mode names; repeats allowed)")
   p.add_argument("--out", help="report directory (default: runs/<recipe>-rig-<time>)")
   p.add_argument("--steps", type=int, help="steps per arm (default: the recipe's)")
-  args, resolved = _parse_sub(p, argv)
+  args, resolved = parse_subcommand(p, argv)
   if args is None:
     return resolved
   recipe = resolved.recipe
@@ -192,10 +167,10 @@ def rig_main(argv: list[str]) -> int:
 
 def simulate_main(argv: list[str]) -> int:
   """``run_rl simulate``: the boundary model fed from the recipe's ``simulate`` section."""
-  p = _sub_parser("simulate", "Predict boundary idle and step time per mode from component times.")
+  p = subcommand_parser("simulate", "Predict boundary idle and step time per mode from component times.")
   p.add_argument("--from", dest="run_dir", metavar="RUN_DIR",
                  help="fit the components from a run directory's records instead of the recipe's simulate section")
-  args, resolved = _parse_sub(p, argv)
+  args, resolved = parse_subcommand(p, argv)
   if args is None:
     return resolved
   from orchestrator.app.simulate import components_from_run, format_fit, format_simulation, simulate

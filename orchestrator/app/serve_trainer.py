@@ -16,6 +16,7 @@ import sys
 import threading
 from pathlib import Path
 
+from orchestrator.app.arguments import parse_subcommand, subcommand_parser
 from orchestrator.remote import protocol
 
 
@@ -25,16 +26,14 @@ def _refuse(message: str) -> int:
 
 
 def serve_main(argv: list[str]) -> int:
-  from orchestrator.app.cli import _parse_sub, _sub_parser  # pylint: disable=import-outside-toplevel
-
-  p = _sub_parser("serve-trainer", "Host the recipe's trainer behind gRPC for one driver at a time.")
+  p = subcommand_parser("serve-trainer", "Host the recipe's trainer behind gRPC for one driver at a time.")
   p.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT to bind (default 127.0.0.1:0, a free port)")
   p.add_argument("--checkpoint-dir", help="where checkpoints are written (default: the recipe's"
                  " checkpoint.directory, else runs/<recipe>-trainer-<time>/checkpoints)")
   p.add_argument("--token-file", help="file holding the shared token (default: $STEP_BOUNDARY_TRAINER_TOKEN)")
   p.add_argument("--exit-with-driver", action="store_true",
                  help="stop when the first driver leaves, however it left (trainer.spawn uses this)")
-  args, resolved = _parse_sub(p, argv)
+  args, resolved = parse_subcommand(p, argv)
   if args is None:
     return resolved
   recipe = resolved.recipe
