@@ -29,6 +29,7 @@ from typing import Any
 
 from orchestrator import recipe as recipe_lib
 from orchestrator.app import run_dir
+from orchestrator.app.host import setup_host
 from orchestrator.data.recording import RecordingError
 from orchestrator.data.sources import SourceStateError
 from orchestrator.distributed.bringup import DistributedError
@@ -73,23 +74,6 @@ class StopSignals:
   def requested(self) -> str | None:
     """The signal's name once one came (truthy), else None; the program stops at the next boundary."""
     return self.received.name if self.received is not None else None
-
-
-def _setup_host(recipe, *, distributed: bool = False) -> str:
-  reason = "no"
-  xla_threads = None
-  if distributed:  # the same code in every process of the job, whatever its share of devices
-    from orchestrator.distributed.bringup import fix_xla_threads
-
-    xla_threads = fix_xla_threads(recipe.mesh.num_devices)
-  if recipe.run.reserve_host_core:
-    from orchestrator.engine.host_threads import reserve_host_core  # before JAX starts
-
-    reason = reserve_host_core(xla_threads=xla_threads).reason
-  logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr, force=True)
-  for noisy in ("absl", "jax", "orbax", "etils"):
-    logging.getLogger(noisy).setLevel(logging.WARNING)
-  return reason
 
 
 def preflight(recipe, out: Path, *, run_id: str | None, steps: int | None = None, distributed: bool = False,
@@ -179,7 +163,7 @@ def start(resolved: recipe_lib.ResolvedRecipe, out: Path | None, *, argv: list[s
       if record_to and Path(record_to).exists():
         raise RunDirError(f"rollouts.record_to={record_to} already exists; recordings are read-only, choose a new"
                           " directory")
-    host = _setup_host(recipe, distributed=job.distributed)
+    host = setup_host(recipe, distributed=job.distributed)
     return host, preflight(recipe, out, run_id=run_id, distributed=job.distributed, primary=job.is_primary)
 
   checked, code = _agreed(job, checks)
@@ -292,7 +276,7 @@ def resume(path: Path, steps: int | None) -> int:
     return _refuse(e, code=1)
 
   def checks():
-    _setup_host(recipe, distributed=job.distributed)
+    setup_host(recipe, distributed=job.distributed)
     point = resume_point(recipe, path, config["run_id"], primary=job.is_primary)
     return point, preflight(recipe, path, run_id=config["run_id"], steps=recipe.steps, distributed=job.distributed,
                             primary=job.is_primary)

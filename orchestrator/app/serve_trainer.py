@@ -17,6 +17,7 @@ import threading
 from pathlib import Path
 
 from orchestrator.app.arguments import parse_subcommand, subcommand_parser
+from orchestrator.app.host import NOISY_LOGGERS, setup_host
 from orchestrator.remote import protocol
 
 
@@ -50,7 +51,6 @@ def serve_main(argv: list[str]) -> int:
   if not protocol.is_loopback(host) and token is None:
     return _refuse(f"--listen {args.listen} is not a loopback address and no token is set; a trainer reachable"
                    f" from other hosts needs one: set ${protocol.TOKEN_ENV} or --token-file")
-  from orchestrator.app.launch import _setup_host  # pylint: disable=import-outside-toplevel
   from orchestrator.app.run_dir import default_out  # pylint: disable=import-outside-toplevel
 
   checkpoint_dir = args.checkpoint_dir or recipe.checkpoint.directory or str(
@@ -60,7 +60,7 @@ def serve_main(argv: list[str]) -> int:
       os.sched_setaffinity(0, range(os.cpu_count() or 1))
     except OSError:
       pass
-  _setup_host(recipe)
+  setup_host(recipe)
   return _serve(recipe, args.listen, str(Path(checkpoint_dir).absolute()), token,
                 exit_with_driver=args.exit_with_driver)
 
@@ -74,7 +74,7 @@ def _serve(recipe, listen: str, checkpoint_dir: str, token: str | None, *, exit_
     check_devices(recipe.mesh)
   except ValueError as e:
     return _refuse(str(e))
-  for noisy in ("absl", "jax", "orbax", "etils"):
+  for noisy in NOISY_LOGGERS:
     logging.getLogger(noisy).setLevel(logging.WARNING)
   limits = protocol.Limits(max_message_bytes=recipe.trainer.max_message_bytes, timeout_s=recipe.trainer.timeout_s)
 
