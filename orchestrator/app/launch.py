@@ -19,6 +19,7 @@ stops at once. ``--resume DIR`` continues from the latest complete checkpoint.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import signal
@@ -32,6 +33,7 @@ from orchestrator.app import run_dir
 from orchestrator.app.host import setup_host
 from orchestrator.data.recording import RecordingError
 from orchestrator.data.sources import SourceStateError
+from orchestrator.distributed import job as job_lib
 from orchestrator.distributed.bringup import DistributedError
 from orchestrator.app.run_dir import RunDirError
 
@@ -214,40 +216,28 @@ def _launch_local(recipe, out: Path, argv: list[str], *, check_out: bool) -> int
                   out=out, timeout_s=d.timeout_s).run()
 
 
-class _LostPeer:
-  """What a process does when the watchdog reports a lost peer: one line, the summary (process 0), exit 1."""
-
-  def __init__(self, out: Path):
-    self.out, self.job, self.handle = out, None, None
-
-  def __call__(self, line: str) -> None:
-    step = self.handle.current_step if self.handle is not None else None
-    where = "during bring-up" if step is None else f"at step {step}"
-    kept = ""
-    if self.job is not None and self.job.is_primary and (self.out / run_dir.CONFIG).is_file():
-      run_dir.write_summary(self.out, {"ended": "error", "last_step": step, "error": line})
-      kept = f"; records so far are kept in {self.out / run_dir.RECORDS}"
-    label = self.job.label if self.job is not None else ""
-    if os.environ.get(LAUNCHED_ENV) != "1":  # else the launcher says it, once, with how the process ended
-      print(f"run_rl: {label}{line} {where}; ending this process{kept}", file=sys.stderr, flush=True)
-    os._exit(1)
-
-
-_lost_peer: _LostPeer | None = None
 LAUNCHED_ENV = "STEP_BOUNDARY_LAUNCHED"  # set by the local launcher in its processes
 
 
-def _join(recipe, out: Path):
-  """This process's job: alone, or joined to the one ``recipe.distributed`` names (before JAX starts)."""
-  global _lost_peer  # pylint: disable=global-statement  # one job per process; the watchdog reports through it
-  from orchestrator.distributed import job as job_lib
+def _end_run_on_lost_peer(out: Path, job: job_lib.Job, line: str) -> None:
+  """What a process of a run does when the watchdog reports a lost peer: one line, the summary (process 0),
+  exit 1."""
+  step = job.current_step()
+  where = "during bring-up" if step is None else f"at step {step}"
+  kept = ""
+  if job.is_primary and (out / run_dir.CONFIG).is_file():
+    run_dir.write_summary(out, {"ended": "error", "last_step": step, "error": line})
+    kept = f"; records so far are kept in {out / run_dir.RECORDS}"
+  if os.environ.get(LAUNCHED_ENV) != "1":  # else the launcher says it, once, with how the process ended
+    print(f"run_rl: {job.label}{line} {where}; ending this process{kept}", file=sys.stderr, flush=True)
+  os._exit(1)
 
+
+def _join(recipe, out: Path) -> job_lib.Job:
+  """This process's job: alone, or joined to the one ``recipe.distributed`` names (before JAX starts)."""
   if not recipe.distributed.enabled:
     return job_lib.single()
-  _lost_peer = _LostPeer(out)
-  job = job_lib.join_job(recipe.distributed, on_lost=_lost_peer)
-  _lost_peer.job = job
-  return job
+  return job_lib.join_job(recipe.distributed, on_lost_peer=functools.partial(_end_run_on_lost_peer, out))
 
 
 def _refuse(e: Exception | str, *, job=None, code: int = 2) -> int:
@@ -359,8 +349,7 @@ def _run(recipe, out: Path, *, source, run_id: str, resume, job) -> int:
       previous_trace = run_dir.read_trace_events(out) if resume and job.is_primary else []
       handle = build_run(recipe, out, source=source, run_id=run_id, resume=resume, stop_requested=stop.requested,
                          job=job)
-      if _lost_peer is not None:
-        _lost_peer.handle = handle
+      job.current_step = lambda: handle.current_step  # the step a lost peer's line names
       result = handle.run()
     except recipe_lib.RecipeError as e:
       code = _refuse(e)
