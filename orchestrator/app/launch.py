@@ -41,6 +41,7 @@ from orchestrator.data.recording import RecordingError
 from orchestrator.data.sources import SourceStateError
 from orchestrator.distributed import job as job_lib
 from orchestrator.distributed.bringup import DistributedError
+from orchestrator.distributed.launcher import LAUNCHED_ENV
 from orchestrator.app.run_dir import RunDirError
 
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
@@ -368,9 +369,6 @@ def _launch_local(plan: RunPlan) -> int:
   return LocalJob(list(plan.launch_argv), num_processes=d.num_processes,
                   devices_per_process=recipe.mesh.num_devices // d.num_processes, out=plan.out,
                   timeout_s=d.timeout_s).run()
-
-
-LAUNCHED_ENV = "STEP_BOUNDARY_LAUNCHED"  # set by the local launcher in its processes
 
 
 def _end_run_on_lost_peer(out: Path, job: job_lib.Job, line: str) -> None:
