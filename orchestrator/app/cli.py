@@ -23,7 +23,15 @@ import sys
 from pathlib import Path
 
 from orchestrator import recipe as recipe_lib
+from orchestrator.app import launch
 from orchestrator.app.arguments import UsageError, UsageErrorParser, parse_subcommand, subcommand_parser
+from orchestrator.app.run_dir import RunDirError, default_out
+from orchestrator.app.serve_trainer import serve_main
+from orchestrator.app.simulate import components_from_run, format_fit, format_simulation, simulate
+from orchestrator.data.recording import RecordingError, write_recording
+from orchestrator.data.synthetic import RolloutShape, generate_groups
+from orchestrator.engine.host_threads import reserve_host_core
+from orchestrator.engine.presets import load_preset
 
 FLAG_KEYS = {
     "pipeline_step_boundary": "step_boundary.pipeline_step_boundary",
@@ -82,14 +90,8 @@ def record_main(argv: list[str]) -> int:
   args, resolved = parse_subcommand(p, argv)
   if args is None:
     return resolved
-  from orchestrator.data.recording import write_recording
-  from orchestrator.data.synthetic import RolloutShape, generate_groups
-  from orchestrator.engine.presets import load_preset
-
   recipe = resolved.recipe
   if recipe.rollouts.source == "sampler":  # record a live run: the rollouts it trains on, as it trains
-    from orchestrator.app import launch
-
     resolved.recipe.rollouts.record_to = args.out
     return launch.start(resolved, None)
   preset = load_preset(recipe.model)
@@ -135,21 +137,16 @@ def rig_main(argv: list[str]) -> int:
     print("run_rl rig: error: no recording: pass --recording DIR or set rollouts.recording in"
           " the recipe", file=sys.stderr)
     return 2
-  from orchestrator.app.run_dir import default_out
-
   out = args.out or str(default_out(f"{recipe.name}-rig"))
   if any((Path(out) / name).exists() for name in ("predictions.json", "report.json")):
     print(f"run_rl rig: error: --out {out} already holds a rig report; choose a new --out", file=sys.stderr)
     return 2
   if recipe.run.reserve_host_core:
-    from orchestrator.engine.host_threads import reserve_host_core
-
     reserve_host_core()
   logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr, force=True)
-  from orchestrator.data.recording import RecordingError
-  from orchestrator.rig import run_rig
-  from orchestrator.rig.rig import RigError
-  from orchestrator.app.runner import resolve_path
+  from orchestrator.app.runner import resolve_path  # import here: JAX-side (after the host core is reserved)
+  from orchestrator.rig import run_rig  # import here: JAX-side (after the host core is reserved)
+  from orchestrator.rig.rig import RigError  # import here: JAX-side (after the host core is reserved)
 
   try:
     result = run_rig(recipe, resolve_path(recording), args.arms, out, steps=args.steps,
@@ -173,11 +170,7 @@ def simulate_main(argv: list[str]) -> int:
   args, resolved = parse_subcommand(p, argv)
   if args is None:
     return resolved
-  from orchestrator.app.simulate import components_from_run, format_fit, format_simulation, simulate
-
   if args.run_dir:
-    from orchestrator.app.run_dir import RunDirError
-
     try:
       components, measured = components_from_run(args.run_dir)
     except (RunDirError, KeyError, ValueError) as e:
@@ -191,8 +184,6 @@ def simulate_main(argv: list[str]) -> int:
 
 def serve_trainer_main(argv: list[str]) -> int:
   """``run_rl serve-trainer``: host the recipe's trainer behind gRPC; see orchestrator.app.serve_trainer."""
-  from orchestrator.app.serve_trainer import serve_main
-
   return serve_main(argv)
 
 
@@ -218,8 +209,6 @@ def _resume_main(args: argparse.Namespace) -> int:
   if args.steps is not None and args.steps < 1:
     print(f"run_rl: error: --steps {args.steps} is out of range: it must be >= 1", file=sys.stderr)
     return 2
-  from orchestrator.app import launch
-
   return launch.resume(Path(args.resume), args.steps)
 
 
@@ -237,8 +226,6 @@ def _main(argv: list[str]) -> int:
   if args.print_config:
     print(recipe_lib.format_config(resolved))
     return 0
-  from orchestrator.app import launch
-
   return launch.start(resolved, None, argv=argv)
 
 

@@ -36,13 +36,17 @@ from typing import Any
 
 from orchestrator import recipe as recipe_lib
 from orchestrator.app import run_dir
+from orchestrator.app.console import format_summary, format_table
 from orchestrator.app.host import setup_host
-from orchestrator.data.recording import RecordingError
+from orchestrator.app.run_dir import RunDirError
+from orchestrator.data.recording import RecordingError, write_recording
 from orchestrator.data.sources import SourceStateError
 from orchestrator.distributed import job as job_lib
 from orchestrator.distributed.bringup import DistributedError
-from orchestrator.distributed.launcher import LAUNCHED_ENV
-from orchestrator.app.run_dir import RunDirError
+from orchestrator.distributed.launcher import LAUNCHED_ENV, LocalJob
+from orchestrator.engine.presets import load_preset
+from orchestrator.live.plot import plot_rewards
+from orchestrator.remote import protocol
 
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
 # What a user's input can cause before the run starts: one line, exit 2.
@@ -226,8 +230,8 @@ def preflight(recipe, out: Path, *, run_id: str | None, steps: int | None = None
   job's devices; process 0 (``primary``) checks the checkpoint directory.
   Returns the rollout source. Raises RecipeError / RecordingError / RunDirError (exit 2).
   """
-  from orchestrator.engine.checkpointing import read_checkpoints
-  from orchestrator.app.runner import checkpoint_dir_for, rollout_source
+  from orchestrator.app.runner import checkpoint_dir_for, rollout_source  # import here: JAX-side (after setup_host)
+  from orchestrator.engine.checkpointing import read_checkpoints  # import here: JAX-side (after setup_host)
 
   source = rollout_source(recipe, steps=steps)
   remote = recipe.trainer.location == "remote"
@@ -249,14 +253,14 @@ def preflight(recipe, out: Path, *, run_id: str | None, steps: int | None = None
 
 def _check_devices(recipe, distributed: bool) -> None:
   """The mesh needs its devices; in a job of several processes it must cover every device of the job."""
-  from orchestrator.engine.mesh import check_devices
+  from orchestrator.engine.mesh import check_devices  # import here: JAX-side (after setup_host)
 
   try:
     check_devices(recipe.mesh)
   except ValueError as e:
     raise recipe_lib.RecipeError(str(e)) from None
   if distributed:
-    import jax  # pylint: disable=import-outside-toplevel
+    import jax  # import here: JAX-side (after setup_host)
 
     total, local = jax.device_count(), jax.local_device_count()
     if total != recipe.mesh.num_devices:
@@ -268,8 +272,6 @@ def _check_devices(recipe, distributed: bool) -> None:
 
 def _check_trainer_token(recipe) -> None:
   """A remote trainer off loopback is reached with a token: one must be readable before anything starts."""
-  from orchestrator.remote import protocol
-
   t = recipe.trainer
   try:
     token = protocol.read_token(t.token_file)
@@ -287,8 +289,8 @@ def resume_point(recipe, path: Path, run_id: str, *, primary: bool = True):
   Raises:
     RunDirError: no complete checkpoint, one of another run, or nothing left to run.
   """
-  from orchestrator.engine.checkpointing import read_checkpoints
-  from orchestrator.app.runner import ResumePoint, checkpoint_dir_for
+  from orchestrator.app.runner import ResumePoint, checkpoint_dir_for  # import here: JAX-side (after setup_host)
+  from orchestrator.engine.checkpointing import read_checkpoints  # import here: JAX-side (after setup_host)
 
   ckpt_dir = checkpoint_dir_for(recipe, path)
   checkpoints = read_checkpoints(ckpt_dir) if ckpt_dir else {}
@@ -358,8 +360,6 @@ def _opening_line(plan: RunPlan, job: job_lib.Job, *, host: str, point) -> str:
 def _launch_local(plan: RunPlan) -> int:
   """Starts ``distributed.num_processes`` local processes of this run (``launcher.LocalJob``); a new run's
   directory is checked first."""
-  from orchestrator.distributed.launcher import LocalJob
-
   if not plan.resumes:
     try:
       run_dir.check_new(plan.out)
@@ -407,7 +407,7 @@ def _run_program(plan: RunPlan, *, source, resume, job: job_lib.Job) -> int:
   with StopSignals(out, quiet=not job.is_primary) as stop:  # held to the end: a late Ctrl-C gets no traceback
     handle, code = None, None
     try:
-      from orchestrator.app.runner import build_run
+      from orchestrator.app.runner import build_run  # import here: JAX-side (after setup_host)
 
       previous_trace = run_dir.read_trace_events(out) if resume and job.is_primary else []
       handle = build_run(recipe, out, source=source, run_id=run_id, resume=resume, stop_requested=stop.requested,
@@ -442,9 +442,7 @@ def _write_recording(recipe, source, result) -> None:
   record_to = recipe.rollouts.record_to
   if not record_to or getattr(source, "recorded", None) is None:
     return
-  from orchestrator.data.recording import write_recording
-  from orchestrator.engine.presets import load_preset
-  from orchestrator.live.rollouts import recorded_groups
+  from orchestrator.live.rollouts import recorded_groups  # import here: JAX-side (after setup_host)
 
   manifest = write_recording(Path(record_to), recorded_groups(source.recorded, recipe.rollouts.generations_per_group),
                              vocab_size=load_preset(recipe.model).vocab_size,
@@ -456,11 +454,7 @@ def _write_recording(recipe, source, result) -> None:
 
 
 def _report(out: Path, result, run_id: str, stop: StopSignals) -> int:
-  from orchestrator.app.console import format_summary, format_table
-
   summary = dict(result.summary, run_id=run_id)
-  from orchestrator.live.plot import plot_rewards
-
   modes = " → ".join(dict.fromkeys(r.mode for r in result.records))
   plot = plot_rewards(result.records, out / "reward.png", title=f"{out.name}: reward per step ({modes})")
   if plot:

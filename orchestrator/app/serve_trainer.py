@@ -18,6 +18,7 @@ from pathlib import Path
 
 from orchestrator.app.arguments import parse_subcommand, subcommand_parser
 from orchestrator.app.host import NOISY_LOGGERS, setup_host
+from orchestrator.app.run_dir import default_out
 from orchestrator.remote import protocol
 
 
@@ -51,8 +52,6 @@ def serve_main(argv: list[str]) -> int:
   if not protocol.is_loopback(host) and token is None:
     return _refuse(f"--listen {args.listen} is not a loopback address and no token is set; a trainer reachable"
                    f" from other hosts needs one: set ${protocol.TOKEN_ENV} or --token-file")
-  from orchestrator.app.run_dir import default_out  # pylint: disable=import-outside-toplevel
-
   checkpoint_dir = args.checkpoint_dir or recipe.checkpoint.directory or str(
       default_out(f"{recipe.name}-trainer") / "checkpoints")
   if hasattr(os, "sched_setaffinity"):  # a driver that spawned this may have been pinned to its host core
@@ -66,9 +65,9 @@ def serve_main(argv: list[str]) -> int:
 
 
 def _serve(recipe, listen: str, checkpoint_dir: str, token: str | None, *, exit_with_driver: bool) -> int:
-  from orchestrator.engine.mesh import check_devices  # pylint: disable=import-outside-toplevel
-  from orchestrator.remote.server import TrainerService, start_server  # pylint: disable=import-outside-toplevel
-  from orchestrator.app.runner import build_engine_from_recipe  # pylint: disable=import-outside-toplevel
+  from orchestrator.app.runner import build_engine_from_recipe  # import here: JAX-side (after setup_host)
+  from orchestrator.engine.mesh import check_devices  # import here: JAX-side (after setup_host)
+  from orchestrator.remote.server import TrainerService, start_server  # import here: JAX-side (after setup_host)
 
   try:
     check_devices(recipe.mesh)

@@ -86,7 +86,7 @@ class Job:
       self.watchdog.stop()
     if not succeeded:
       return
-    import jax  # pylint: disable=import-outside-toplevel
+    import jax  # import here: the job loads before the host settings
 
     client = key_value_client()
     try:

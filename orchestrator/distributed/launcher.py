@@ -17,6 +17,7 @@ line names the process that died first.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -69,8 +70,6 @@ def _signal_name(returncode: int) -> str:
 
 def _last_step(out: Path) -> int | None:
   """The step process 0 was at when it ended, from the summary it wrote on the way out (None if none)."""
-  import json  # pylint: disable=import-outside-toplevel
-
   try:
     step = json.loads((out / "summary.json").read_text(encoding="utf-8")).get("last_step")
   except (OSError, ValueError):
