@@ -23,6 +23,15 @@ import sys
 from pathlib import Path
 
 from orchestrator import recipe as recipe_lib
+from orchestrator.app import launch
+from orchestrator.app.arguments import UsageError, UsageErrorParser, parse_subcommand, subcommand_parser
+from orchestrator.app.run_dir import RunDirError, default_out
+from orchestrator.app.serve_trainer import serve_main
+from orchestrator.app.simulate import components_from_run, format_fit, format_simulation, simulate
+from orchestrator.data.recording import RecordingError, write_recording
+from orchestrator.data.synthetic import RolloutShape, generate_groups
+from orchestrator.engine.host_threads import reserve_host_core
+from orchestrator.engine.presets import load_preset
 
 FLAG_KEYS = {
     "pipeline_step_boundary": "step_boundary.pipeline_step_boundary",
@@ -34,17 +43,8 @@ FLAG_KEYS = {
 }
 
 
-class UsageError(Exception):
-  pass
-
-
-class _Parser(argparse.ArgumentParser):
-  def error(self, message):  # argparse would exit itself; keep one exit path
-    raise UsageError(message)
-
-
 def make_parser() -> argparse.ArgumentParser:
-  p = _Parser(
+  p = UsageErrorParser(
       prog="run_rl",
       description="Run RL training steps with the step-boundary scheduler.",
       epilog="key=value overrides any recipe key by dotted path, e.g. engine.learning_rate=3e-4."
@@ -82,39 +82,16 @@ def resolve_from_args(args: argparse.Namespace, env=None) -> recipe_lib.Resolved
   return recipe_lib.resolve(args.recipe, env=env, flags=flags, overrides=args.overrides)
 
 
-def _sub_parser(name: str, description: str) -> argparse.ArgumentParser:
-  p = _Parser(prog=f"run_rl {name}", description=description)
-  p.add_argument("--recipe", help=f"recipe YAML (default: {recipe_lib.DEFAULT_RECIPE})")
-  p.add_argument("overrides", nargs="*", metavar="key=value")
-  return p
-
-
-def _parse_sub(parser: argparse.ArgumentParser, argv: list[str]):
-  """(args, resolved recipe), or (None, exit code 2) after printing the one error line."""
-  try:
-    args = parser.parse_intermixed_args(argv)
-    return args, recipe_lib.resolve(args.recipe, overrides=args.overrides)
-  except (UsageError, recipe_lib.RecipeError) as e:
-    print(f"{parser.prog}: error: {e}", file=sys.stderr)
-    return None, 2
-
-
 def record_main(argv: list[str]) -> int:
   """``run_rl record --recipe R --out DIR``: write a recording in the recipe's shapes, or, for a live
   recipe (``rollouts.source: sampler``), run it and record the rollouts it trained on."""
-  p = _sub_parser("record", "Write trajectory groups (ArrayRecord + manifest) in the recipe's shapes.")
+  p = subcommand_parser("record", "Write trajectory groups (ArrayRecord + manifest) in the recipe's shapes.")
   p.add_argument("--out", required=True, help="recording directory to create")
-  args, resolved = _parse_sub(p, argv)
+  args, resolved = parse_subcommand(p, argv)
   if args is None:
     return resolved
-  from orchestrator.data.recording import write_recording
-  from orchestrator.data.synthetic import RolloutShape, generate_groups
-  from orchestrator.engine.presets import load_preset
-
   recipe = resolved.recipe
   if recipe.rollouts.source == "sampler":  # record a live run: the rollouts it trains on, as it trains
-    from orchestrator.app import launch
-
     resolved.recipe.rollouts.record_to = args.out
     return launch.start(resolved, None)
   preset = load_preset(recipe.model)
@@ -140,14 +117,14 @@ def record_main(argv: list[str]) -> int:
 
 def rig_main(argv: list[str]) -> int:
   """``run_rl rig``: A/B the modes over a recording; see orchestrator.rig."""
-  p = _sub_parser("rig", "Replay a recording through every arm and report checks and timings.")
+  p = subcommand_parser("rig", "Replay a recording through every arm and report checks and timings.")
   p.add_argument("--recording", help="recording directory (default: the recipe's rollouts.recording)")
   p.add_argument("--arms", nargs="+", default=["off", "stage_before_update", "off", "pipelined",
                                                 "stage_after_update"],
                  help="arms in order (mode names; repeats allowed)")
   p.add_argument("--out", help="report directory (default: runs/<recipe>-rig-<time>)")
   p.add_argument("--steps", type=int, help="steps per arm (default: the recipe's)")
-  args, resolved = _parse_sub(p, argv)
+  args, resolved = parse_subcommand(p, argv)
   if args is None:
     return resolved
   recipe = resolved.recipe
@@ -160,21 +137,15 @@ def rig_main(argv: list[str]) -> int:
     print("run_rl rig: error: no recording: pass --recording DIR or set rollouts.recording in"
           " the recipe", file=sys.stderr)
     return 2
-  from orchestrator.app.run_dir import default_out
-
   out = args.out or str(default_out(f"{recipe.name}-rig"))
   if any((Path(out) / name).exists() for name in ("predictions.json", "report.json")):
     print(f"run_rl rig: error: --out {out} already holds a rig report; choose a new --out", file=sys.stderr)
     return 2
   if recipe.run.reserve_host_core:
-    from orchestrator.engine.host_threads import reserve_host_core
-
     reserve_host_core()
   logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr, force=True)
-  from orchestrator.data.recording import RecordingError
-  from orchestrator.rig import run_rig
-  from orchestrator.rig.rig import RigError
-  from orchestrator.app.runner import resolve_path
+  from orchestrator.app.runner import resolve_path  # import here: JAX-side (after the host core is reserved)
+  from orchestrator.rig import RigError, run_rig  # import here: JAX-side (after the host core is reserved)
 
   try:
     result = run_rig(recipe, resolve_path(recording), args.arms, out, steps=args.steps,
@@ -184,25 +155,18 @@ def rig_main(argv: list[str]) -> int:
     return 2
   print((result.out_dir / "report.md").read_text())
   print(result.report["verdict_line"])
-  # Training-correctness failures fail the command; a missed prediction band is reported only.
-  failed = [c for c in result.report["checks"]
-            if c["status"] == "fail" and not c["name"].startswith("prediction_")]
-  return 1 if failed else 0
+  return result.exit_code  # a failed correctness check fails the command; a missed prediction band does not
 
 
 def simulate_main(argv: list[str]) -> int:
   """``run_rl simulate``: the boundary model fed from the recipe's ``simulate`` section."""
-  p = _sub_parser("simulate", "Predict boundary idle and step time per mode from component times.")
+  p = subcommand_parser("simulate", "Predict boundary idle and step time per mode from component times.")
   p.add_argument("--from", dest="run_dir", metavar="RUN_DIR",
                  help="fit the components from a run directory's records instead of the recipe's simulate section")
-  args, resolved = _parse_sub(p, argv)
+  args, resolved = parse_subcommand(p, argv)
   if args is None:
     return resolved
-  from orchestrator.app.simulate import components_from_run, format_fit, format_simulation, simulate
-
   if args.run_dir:
-    from orchestrator.app.run_dir import RunDirError
-
     try:
       components, measured = components_from_run(args.run_dir)
     except (RunDirError, KeyError, ValueError) as e:
@@ -216,8 +180,6 @@ def simulate_main(argv: list[str]) -> int:
 
 def serve_trainer_main(argv: list[str]) -> int:
   """``run_rl serve-trainer``: host the recipe's trainer behind gRPC; see orchestrator.app.serve_trainer."""
-  from orchestrator.app.serve_trainer import serve_main
-
   return serve_main(argv)
 
 
@@ -243,8 +205,6 @@ def _resume_main(args: argparse.Namespace) -> int:
   if args.steps is not None and args.steps < 1:
     print(f"run_rl: error: --steps {args.steps} is out of range: it must be >= 1", file=sys.stderr)
     return 2
-  from orchestrator.app import launch
-
   return launch.resume(Path(args.resume), args.steps)
 
 
@@ -262,8 +222,6 @@ def _main(argv: list[str]) -> int:
   if args.print_config:
     print(recipe_lib.format_config(resolved))
     return 0
-  from orchestrator.app import launch
-
   return launch.start(resolved, None, argv=argv)
 
 

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from orchestrator.contract import RunSummary
-from orchestrator.loop.recorder import BoundaryRecord
 from policies.step_boundary import format_seconds
+
+if TYPE_CHECKING:  # annotations only: launch prints with this module before anything JAX-side is loaded
+  from orchestrator.contract import RunSummary
+  from orchestrator.loop.recorder import BoundaryRecord
 
 
 def _cell(x, width=9, prec=4) -> str:

@@ -1,14 +1,19 @@
 """Starting, stopping and resuming a run: the part of ``run_rl`` that owns a run directory.
 
-Order of a run, so that bad input is refused before anything is built or written:
+A new run and a resumed one are each first a ``RunPlan`` (``plan_new_run``,
+``plan_resume``: the recipe, the run directory, the run's id, whether it
+resumes), and ``execute`` runs either. Order of a run, so that bad input is
+refused before anything is built or written:
 
-1. the recipe is resolved and validated (``orchestrator.recipe``);
-2. the output directory is checked (``run_dir.check_new``), the host core reserved;
+1. the recipe is resolved and validated (``orchestrator.recipe``; a resumed
+   run's from its ``config.json``);
+2. a new run's output directory is checked (``run_dir.check_new``), the host
+   core reserved; a resumed run's latest complete checkpoint is found;
 3. preflight: the rollout source is opened (a recording is verified and must
    hold the steps), the mesh's devices are counted, the checkpoint directory
    must hold no other run's checkpoints;
-4. only then is the run directory claimed (``config.json``, with the run's id),
-   the engine built and the program run.
+4. only then is a new run's directory claimed (``config.json``, with the run's
+   id), the engine built and the program run.
 
 SIGINT or SIGTERM asks the program to stop at the next boundary: the step in
 flight finishes, its update is applied, a checkpoint is written, ``summary.json``
@@ -19,20 +24,29 @@ stops at once. ``--resume DIR`` continues from the latest complete checkpoint.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import signal
 import sys
 import traceback
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from orchestrator import recipe as recipe_lib
 from orchestrator.app import run_dir
-from orchestrator.data.recording import RecordingError
-from orchestrator.contract import SourceStateError, live_part
-from orchestrator.distributed.bringup import DistributedError
+from orchestrator.app.console import format_summary, format_table
+from orchestrator.app.host import setup_host
 from orchestrator.app.run_dir import RunDirError
+from orchestrator.data.recording import RecordingError, write_recording
+from orchestrator.contract import SourceStateError, live_part
+from orchestrator.distributed import job as job_lib
+from orchestrator.distributed.bringup import DistributedError
+from orchestrator.distributed.launcher import LAUNCHED_ENV, LocalJob
+from orchestrator.engine.presets import load_preset
+from orchestrator.live.plot import plot_rewards
+from orchestrator.remote import protocol
 
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
 # What a user's input can cause before the run starts: one line, exit 2.
@@ -75,237 +89,48 @@ class StopSignals:
     return self.received.name if self.received is not None else None
 
 
-def _setup_host(recipe, *, distributed: bool = False) -> str:
-  reason = "no"
-  xla_threads = None
-  if distributed:  # the same code in every process of the job, whatever its share of devices
-    from orchestrator.distributed.bringup import fix_xla_threads
+@dataclasses.dataclass(frozen=True)
+class RunPlan:
+  """One run as decided before anything starts: what it trains, where, and whether it continues a run.
 
-    xla_threads = fix_xla_threads(recipe.mesh.num_devices)
-  if recipe.run.reserve_host_core:
-    from orchestrator.engine.host_threads import reserve_host_core  # before JAX starts
-
-    reason = reserve_host_core(xla_threads=xla_threads).reason
-  logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr, force=True)
-  for noisy in ("absl", "jax", "orbax", "etils"):
-    logging.getLogger(noisy).setLevel(logging.WARNING)
-  return reason
-
-
-def preflight(recipe, out: Path, *, run_id: str | None, steps: int | None = None, distributed: bool = False,
-              primary: bool = True):
-  """Everything that can refuse the run before it writes: the source, the devices, the checkpoints.
-
-  In a job of several processes every process opens its source and counts the
-  job's devices; process 0 (``primary``) checks the checkpoint directory.
-  Returns the rollout source. Raises RecipeError / RecordingError / RunDirError (exit 2).
+  Attributes:
+    resolved: the recipe, with each key's source and the recipe file it came from.
+    out: the run directory: a new run claims it, a resumed run continues the run in it.
+    run_id: the run's id: a new one, or the resumed run's (checkpoints of other runs are refused).
+    resumes: continue the run in ``out`` from its latest complete checkpoint instead of starting one.
+    launch_argv: the ``run_rl`` arguments of each local process when the recipe asks for
+      ``distributed.num_processes`` processes on this host (the run's directory pinned).
   """
-  from orchestrator.engine.checkpointing import read_checkpoints
-  from orchestrator.app.runner import checkpoint_dir_for, rollout_source
 
-  source = rollout_source(recipe, steps=steps)
-  remote = recipe.trainer.location == "remote"
-  if not remote:  # a remote trainer checks its own devices
-    _check_devices(recipe, distributed)
-  else:
-    _check_trainer_token(recipe)
-  ckpt_dir = checkpoint_dir_for(recipe, out) if not remote or recipe.trainer.spawn else None
-  if ckpt_dir and primary:
-    foreign = {step: meta.get("run_id") for step, meta in read_checkpoints(ckpt_dir).items()
-               if meta.get("run_id") != run_id or run_id is None}
-    if foreign:
-      raise RunDirError(
-          f"checkpoint directory {ckpt_dir} holds checkpoints of another run (steps {sorted(foreign)}, run"
-          f" {sorted(set(map(str, foreign.values())))[0]}); use a new checkpoint.directory, or continue that"
-          " run with `run_rl --resume` on its run directory")
-  return source
+  resolved: recipe_lib.ResolvedRecipe
+  out: Path
+  run_id: str
+  resumes: bool
+  launch_argv: tuple[str, ...]
+
+  @property
+  def recipe(self) -> recipe_lib.Recipe:
+    return self.resolved.recipe
 
 
-def _check_devices(recipe, distributed: bool) -> None:
-  """The mesh needs its devices; in a job of several processes it must cover every device of the job."""
-  from orchestrator.engine.mesh import check_devices
-
-  try:
-    check_devices(recipe.mesh)
-  except ValueError as e:
-    raise recipe_lib.RecipeError(str(e)) from None
-  if distributed:
-    import jax  # pylint: disable=import-outside-toplevel
-
-    total, local = jax.device_count(), jax.local_device_count()
-    if total != recipe.mesh.num_devices:
-      raise recipe_lib.RecipeError(
-          f"the mesh {recipe.mesh.fsdp}×{recipe.mesh.context}×{recipe.mesh.expert} (fsdp×context×expert) has"
-          f" {recipe.mesh.num_devices} devices but the job has {total} ({jax.process_count()} processes ×"
-          f" {local}); size the mesh to the job's devices")
-
-
-def _check_trainer_token(recipe) -> None:
-  """A remote trainer off loopback is reached with a token: one must be readable before anything starts."""
-  from orchestrator.remote import protocol
-
-  t = recipe.trainer
-  try:
-    token = protocol.read_token(t.token_file)
-  except protocol.AddressError as e:
-    raise recipe_lib.RecipeError(f"trainer.token_file: {e}") from None
-  if not t.spawn and token is None and not protocol.is_loopback(protocol.split_address(t.address)[0]):
-    raise recipe_lib.RecipeError(
-        f"trainer.address={t.address} is not loopback and no token is set; give the server's token with"
-        f" trainer.token_file=FILE or ${protocol.TOKEN_ENV}")
-
-
-def start(resolved: recipe_lib.ResolvedRecipe, out: Path | None, *, argv: list[str] | None = None) -> int:
-  """A new run of ``resolved`` in ``out`` (default ``runs/<name>-<time>``); returns the exit code.
-
-  With ``distributed.num_processes`` and no identity, starts that many local
-  processes running ``argv`` (``orchestrator.distributed.launcher``); with an
-  identity, this process joins its job (docs/design.md §12).
-  """
+def plan_new_run(resolved: recipe_lib.ResolvedRecipe, out: Path | None, argv: Sequence[str] = ()) -> RunPlan:
+  """A new run of ``resolved`` in ``out`` (default ``run.out``, else ``runs/<name>-<time>``) with a new id; local
+  processes are started with ``argv``. Writes nothing."""
   recipe = resolved.recipe
   out = out or (Path(recipe.run.out) if recipe.run.out else run_dir.default_out(recipe.name))
-  if recipe.distributed.launches_local:
-    return _launch_local(recipe, out, [*(argv or []), f"run.out={out}"], check_out=True)
-  run_id = run_dir.new_run_id()
-  try:
-    job = _join(recipe, out)
-  except DistributedError as e:
-    return _refuse(e, code=1)
-
-  def checks():
-    if job.is_primary:  # process 0 owns the run directory
-      run_dir.check_new(out)
-      record_to = recipe.rollouts.record_to
-      if record_to and Path(record_to).exists():
-        raise RunDirError(f"rollouts.record_to={record_to} already exists; recordings are read-only, choose a new"
-                          " directory")
-    host = _setup_host(recipe, distributed=job.distributed)
-    return host, preflight(recipe, out, run_id=run_id, distributed=job.distributed, primary=job.is_primary)
-
-  checked, code = _agreed(job, checks)
-  if code is not None:
-    return code
-  host, source = checked
-  claimed = {"run_id": run_id, "out": str(out), "refusal": None}
-  if job.is_primary:
-    try:
-      run_dir.claim_new(out, {"run_id": run_id, "recipe": resolved.path,
-                              "config": recipe_lib.run_config_dict(recipe), "sources": resolved.sources})
-    except RunDirError as e:  # another run claimed the directory between the check and now
-      claimed["refusal"] = str(e)
-  claimed = job.agreement.broadcast("claim", claimed)  # every process writes checkpoints under process 0's out
-  if claimed["refusal"] is not None:
-    return _refuse(claimed["refusal"], job=job)
-  run_id, out = claimed["run_id"], Path(claimed["out"])
-  if job.is_primary:
-    processes = f"; {job.identity.num_processes} processes" if job.distributed else ""
-    print(f"run_rl: recipe {resolved.path} ({recipe.name}), mode {recipe.mode.name}, model {recipe.model},"
-          f" {recipe.steps} steps × {recipe.batch.micro_batches_per_step} micro-batches; out {out};"
-          f" host core reserved: {host}{processes}", file=sys.stderr)
-  return _run(recipe, out, source=source, run_id=run_id, resume=None, job=job)
+  return RunPlan(resolved, out, run_id=run_dir.new_run_id(), resumes=False, launch_argv=(*argv, f"run.out={out}"))
 
 
-def _agreed(job, checks):
-  """Runs ``checks`` (which may refuse) in every process and exchanges the refusals, so that every process
-  goes on or refuses together: ``(what checks returned, None)`` or ``(None, exit code)``."""
-  try:
-    result, refusal = checks(), None
-  except REFUSALS as e:
-    result, refusal = None, e
-  refusal = job.first_refusal(refusal)
-  return (result, None) if refusal is None else (None, _refuse(refusal, job=job))
+def plan_resume(path: Path, steps: int | None) -> RunPlan:
+  """Continuing the run in ``path`` as it was configured, ``steps`` extending it if given. Writes nothing.
 
-
-def _launch_local(recipe, out: Path, argv: list[str], *, check_out: bool) -> int:
-  """Starts ``distributed.num_processes`` local processes of this run (``launcher.LocalJob``)."""
-  from orchestrator.distributed.launcher import LocalJob
-
-  if check_out:
-    try:
-      run_dir.check_new(out)
-    except RunDirError as e:
-      return _refuse(e)
-  d = recipe.distributed
-  return LocalJob(argv, num_processes=d.num_processes, devices_per_process=recipe.mesh.num_devices // d.num_processes,
-                  out=out, timeout_s=d.timeout_s).run()
-
-
-class _LostPeer:
-  """What a process does when the watchdog reports a lost peer: one line, the summary (process 0), exit 1."""
-
-  def __init__(self, out: Path):
-    self.out, self.job, self.handle = out, None, None
-
-  def __call__(self, line: str) -> None:
-    step = self.handle.current_step if self.handle is not None else None
-    where = "during bring-up" if step is None else f"at step {step}"
-    kept = ""
-    if self.job is not None and self.job.is_primary and (self.out / run_dir.CONFIG).is_file():
-      run_dir.write_summary(self.out, {"ended": "error", "last_step": step, "error": line})
-      kept = f"; records so far are kept in {self.out / run_dir.RECORDS}"
-    label = self.job.label if self.job is not None else ""
-    if os.environ.get(LAUNCHED_ENV) != "1":  # else the launcher says it, once, with how the process ended
-      print(f"run_rl: {label}{line} {where}; ending this process{kept}", file=sys.stderr, flush=True)
-    os._exit(1)
-
-
-_lost_peer: _LostPeer | None = None
-LAUNCHED_ENV = "STEP_BOUNDARY_LAUNCHED"  # set by the local launcher in its processes
-
-
-def _join(recipe, out: Path):
-  """This process's job: alone, or joined to the one ``recipe.distributed`` names (before JAX starts)."""
-  global _lost_peer  # pylint: disable=global-statement  # one job per process; the watchdog reports through it
-  from orchestrator.distributed import job as job_lib
-
-  if not recipe.distributed.enabled:
-    return job_lib.single()
-  _lost_peer = _LostPeer(out)
-  job = job_lib.join_job(recipe.distributed, on_lost=_lost_peer)
-  _lost_peer.job = job
-  return job
-
-
-def _refuse(e: Exception | str, *, job=None, code: int = 2) -> int:
-  """One line, exit 2 (nothing was started or written). In a job every process refuses together; process 0
-  says why on the run's terminal and the others in their logs."""
-  print(f"run_rl: error: {e}", file=sys.stderr, flush=True)
-  if job is not None:
-    job.finish(succeeded=True)
-  return code
-
-
-def resume(path: Path, steps: int | None) -> int:
-  """Continues the run in ``path`` from its latest complete checkpoint; ``steps`` may extend it."""
-  try:
-    config = run_dir.read_config(path)
-    resolved = resolved_from_saved(config, steps)
-  except REFUSALS as e:
-    return _refuse(e)
-  recipe = resolved.recipe
-  if recipe.distributed.launches_local:
-    return _launch_local(recipe, path, ["--resume", str(path)] + ([f"--steps={steps}"] if steps else []),
-                         check_out=False)
-  try:
-    job = _join(recipe, path)
-  except DistributedError as e:
-    return _refuse(e, code=1)
-
-  def checks():
-    _setup_host(recipe, distributed=job.distributed)
-    point = resume_point(recipe, path, config["run_id"], primary=job.is_primary)
-    return point, preflight(recipe, path, run_id=config["run_id"], steps=recipe.steps, distributed=job.distributed,
-                            primary=job.is_primary)
-
-  checked, code = _agreed(job, checks)
-  if code is not None:
-    return code
-  point, source = checked
-  if job.is_primary:
-    print(f"run_rl: resuming {path} ({recipe.name}, mode {recipe.mode.name}) after step {point.steps_done - 1}"
-          f" from checkpoint {point.checkpoint_step}; {recipe.steps - point.steps_done} steps to go",
-          file=sys.stderr)
-  return _run(recipe, path, source=source, run_id=config["run_id"], resume=point, job=job)
+  Raises:
+    RunDirError / RecipeError: no run there, or its config.json no longer makes a valid recipe.
+  """
+  config = run_dir.read_config(path)
+  resolved = resolved_from_saved(config, steps)
+  return RunPlan(resolved, path, run_id=config["run_id"], resumes=True,
+                 launch_argv=("--resume", str(path), *([f"--steps={steps}"] if steps else [])))
 
 
 def resolved_from_saved(config: dict, steps: int | None) -> recipe_lib.ResolvedRecipe:
@@ -330,14 +155,142 @@ def build_checked(values: dict):
   return recipe
 
 
+def start(resolved: recipe_lib.ResolvedRecipe, out: Path | None, *, argv: list[str] | None = None) -> int:
+  """A new run of ``resolved`` in ``out`` (default ``runs/<name>-<time>``); returns the exit code.
+
+  With ``distributed.num_processes`` and no identity, starts that many local
+  processes running ``argv`` (``orchestrator.distributed.launcher``); with an
+  identity, this process joins its job (docs/design.md §12).
+  """
+  return execute(plan_new_run(resolved, out, argv or ()))
+
+
+def resume(path: Path, steps: int | None) -> int:
+  """Continues the run in ``path`` from its latest complete checkpoint; ``steps`` may extend it."""
+  try:
+    plan = plan_resume(path, steps)
+  except REFUSALS as e:
+    return _refuse(e)
+  return execute(plan)
+
+
+def execute(plan: RunPlan) -> int:
+  """Runs ``plan`` in this process, or in the local processes it asks for; returns the exit code.
+
+  The same order for a new run and a resumed one: join the job (exit 1 if that
+  fails); the checks, agreed by every process (one line, exit 2, on a
+  refusal); a new run claims its directory; process 0 says what runs; the run.
+  """
+  if plan.recipe.distributed.launches_local:
+    return _launch_local(plan)
+  try:
+    job = _join(plan.recipe, plan.out)
+  except DistributedError as e:
+    return _refuse(e, code=1)
+  checked, code = _agreed(job, lambda: _checks(plan, job))
+  if code is not None:
+    return code
+  host, point, source = checked
+  if not plan.resumes:
+    plan, refusal = _claim(plan, job)
+    if refusal is not None:
+      return _refuse(refusal, job=job)
+  if job.is_primary:
+    print(_opening_line(plan, job, host=host, point=point), file=sys.stderr)
+  return _run_program(plan, source=source, resume=point, job=job)
+
+
+def _checks(plan: RunPlan, job: job_lib.Job):
+  """Everything that may refuse the run, in order: a new run's directory (process 0), the host settings, a
+  resumed run's checkpoint, the preflight. Returns (host core reserved, resume point or None, rollout source)."""
+  recipe = plan.recipe
+  if not plan.resumes and job.is_primary:  # process 0 owns the run directory
+    _check_new_out(plan)
+  host = setup_host(recipe, distributed=job.distributed)
+  point = resume_point(recipe, plan.out, plan.run_id, primary=job.is_primary) if plan.resumes else None
+  source = preflight(recipe, plan.out, run_id=plan.run_id, steps=recipe.steps if plan.resumes else None,
+                     distributed=job.distributed, primary=job.is_primary)
+  return host, point, source
+
+
+def _check_new_out(plan: RunPlan) -> None:
+  """A new run's directory must hold no run, and its ``rollouts.record_to`` must not exist yet."""
+  run_dir.check_new(plan.out)
+  record_to = plan.recipe.rollouts.record_to
+  if record_to and Path(record_to).exists():
+    raise RunDirError(f"rollouts.record_to={record_to} already exists; recordings are read-only, choose a new"
+                      " directory")
+
+
+def preflight(recipe, out: Path, *, run_id: str | None, steps: int | None = None, distributed: bool = False,
+              primary: bool = True):
+  """Everything that can refuse the run before it writes: the source, the devices, the checkpoints.
+
+  In a job of several processes every process opens its source and counts the
+  job's devices; process 0 (``primary``) checks the checkpoint directory.
+  Returns the rollout source. Raises RecipeError / RecordingError / RunDirError (exit 2).
+  """
+  from orchestrator.app.runner import checkpoint_dir_for, rollout_source  # import here: JAX-side (after setup_host)
+  from orchestrator.engine.checkpointing import read_checkpoints  # import here: JAX-side (after setup_host)
+
+  source = rollout_source(recipe, steps=steps)
+  remote = recipe.trainer.location == "remote"
+  if not remote:  # a remote trainer checks its own devices
+    _check_devices(recipe, distributed)
+  else:
+    _check_trainer_token(recipe)
+  ckpt_dir = checkpoint_dir_for(recipe, out) if not remote or recipe.trainer.spawn else None
+  if ckpt_dir and primary:
+    foreign = {step: meta.get("run_id") for step, meta in read_checkpoints(ckpt_dir).items()
+               if meta.get("run_id") != run_id or run_id is None}
+    if foreign:
+      raise RunDirError(
+          f"checkpoint directory {ckpt_dir} holds checkpoints of another run (steps {sorted(foreign)}, run"
+          f" {sorted(set(map(str, foreign.values())))[0]}); use a new checkpoint.directory, or continue that"
+          " run with `run_rl --resume` on its run directory")
+  return source
+
+
+def _check_devices(recipe, distributed: bool) -> None:
+  """The mesh needs its devices; in a job of several processes it must cover every device of the job."""
+  from orchestrator.engine.mesh import check_devices  # import here: JAX-side (after setup_host)
+
+  try:
+    check_devices(recipe.mesh)
+  except ValueError as e:
+    raise recipe_lib.RecipeError(str(e)) from None
+  if distributed:
+    import jax  # import here: JAX-side (after setup_host)
+
+    total, local = jax.device_count(), jax.local_device_count()
+    if total != recipe.mesh.num_devices:
+      raise recipe_lib.RecipeError(
+          f"the mesh {recipe.mesh.fsdp}×{recipe.mesh.context}×{recipe.mesh.expert} (fsdp×context×expert) has"
+          f" {recipe.mesh.num_devices} devices but the job has {total} ({jax.process_count()} processes ×"
+          f" {local}); size the mesh to the job's devices")
+
+
+def _check_trainer_token(recipe) -> None:
+  """A remote trainer off loopback is reached with a token: one must be readable before anything starts."""
+  t = recipe.trainer
+  try:
+    token = protocol.read_token(t.token_file)
+  except protocol.AddressError as e:
+    raise recipe_lib.RecipeError(f"trainer.token_file: {e}") from None
+  if not t.spawn and token is None and not protocol.is_loopback(protocol.split_address(t.address)[0]):
+    raise recipe_lib.RecipeError(
+        f"trainer.address={t.address} is not loopback and no token is set; give the server's token with"
+        f" trainer.token_file=FILE or ${protocol.TOKEN_ENV}")
+
+
 def resume_point(recipe, path: Path, run_id: str, *, primary: bool = True):
   """The latest complete checkpoint of run ``run_id`` and the records it covers.
 
   Raises:
     RunDirError: no complete checkpoint, one of another run, or nothing left to run.
   """
-  from orchestrator.engine.checkpointing import read_checkpoints
-  from orchestrator.app.runner import ResumePoint, checkpoint_dir_for
+  from orchestrator.app.runner import ResumePoint, checkpoint_dir_for  # import here: JAX-side (after setup_host)
+  from orchestrator.engine.checkpointing import read_checkpoints  # import here: JAX-side (after setup_host)
 
   ckpt_dir = checkpoint_dir_for(recipe, path)
   checkpoints = read_checkpoints(ckpt_dir) if ckpt_dir else {}
@@ -366,17 +319,100 @@ def resume_point(recipe, path: Path, run_id: str, *, primary: bool = True):
   return ResumePoint(step, metadata, kept)
 
 
-def _run(recipe, out: Path, *, source, run_id: str, resume, job) -> int:
+def _agreed(job, checks):
+  """Runs ``checks`` (which may refuse) in every process and exchanges the refusals, so that every process
+  goes on or refuses together: ``(what checks returned, None)`` or ``(None, exit code)``."""
+  try:
+    result, refusal = checks(), None
+  except REFUSALS as e:
+    result, refusal = None, e
+  refusal = job.first_refusal(refusal)
+  return (result, None) if refusal is None else (None, _refuse(refusal, job=job))
+
+
+def _claim(plan: RunPlan, job: job_lib.Job) -> tuple[RunPlan, str | None]:
+  """Process 0 claims a new run's directory (``config.json``); every process then takes process 0's run id and
+  directory, since every process writes checkpoints under them. Returns the claimed plan and why the claim
+  failed (None: claimed)."""
+  claimed = {"run_id": plan.run_id, "out": str(plan.out), "refusal": None}
+  if job.is_primary:
+    try:
+      run_dir.claim_new(plan.out, {"run_id": plan.run_id, "recipe": plan.resolved.path,
+                                   "config": recipe_lib.run_config_dict(plan.recipe), "sources": plan.resolved.sources})
+    except RunDirError as e:  # another run claimed the directory between the check and now
+      claimed["refusal"] = str(e)
+  claimed = job.agreement.broadcast("claim", claimed)
+  return dataclasses.replace(plan, run_id=claimed["run_id"], out=Path(claimed["out"])), claimed["refusal"]
+
+
+def _opening_line(plan: RunPlan, job: job_lib.Job, *, host: str, point) -> str:
+  """What process 0 says before the run: the recipe and where it writes, or where a resumed run continues."""
+  recipe = plan.recipe
+  if plan.resumes:
+    return (f"run_rl: resuming {plan.out} ({recipe.name}, mode {recipe.mode.name}) after step {point.steps_done - 1}"
+            f" from checkpoint {point.checkpoint_step}; {recipe.steps - point.steps_done} steps to go")
+  processes = f"; {job.identity.num_processes} processes" if job.distributed else ""
+  return (f"run_rl: recipe {plan.resolved.path} ({recipe.name}), mode {recipe.mode.name}, model {recipe.model},"
+          f" {recipe.steps} steps × {recipe.batch.micro_batches_per_step} micro-batches; out {plan.out};"
+          f" host core reserved: {host}{processes}")
+
+
+def _launch_local(plan: RunPlan) -> int:
+  """Starts ``distributed.num_processes`` local processes of this run (``launcher.LocalJob``); a new run's
+  directory is checked first."""
+  if not plan.resumes:
+    try:
+      run_dir.check_new(plan.out)
+    except RunDirError as e:
+      return _refuse(e)
+  recipe, d = plan.recipe, plan.recipe.distributed
+  return LocalJob(list(plan.launch_argv), num_processes=d.num_processes,
+                  devices_per_process=recipe.mesh.num_devices // d.num_processes, out=plan.out,
+                  timeout_s=d.timeout_s).run()
+
+
+def _end_run_on_lost_peer(out: Path, job: job_lib.Job, line: str) -> None:
+  """What a process of a run does when the watchdog reports a lost peer: one line, the summary (process 0),
+  exit 1."""
+  step = job.current_step()
+  where = "during bring-up" if step is None else f"at step {step}"
+  kept = ""
+  if job.is_primary and (out / run_dir.CONFIG).is_file():
+    run_dir.write_summary(out, {"ended": "error", "last_step": step, "error": line})
+    kept = f"; records so far are kept in {out / run_dir.RECORDS}"
+  if os.environ.get(LAUNCHED_ENV) != "1":  # else the launcher says it, once, with how the process ended
+    print(f"run_rl: {job.label}{line} {where}; ending this process{kept}", file=sys.stderr, flush=True)
+  os._exit(1)
+
+
+def _join(recipe, out: Path) -> job_lib.Job:
+  """This process's job: alone, or joined to the one ``recipe.distributed`` names (before JAX starts)."""
+  if not recipe.distributed.enabled:
+    return job_lib.single()
+  return job_lib.join_job(recipe.distributed, on_lost_peer=functools.partial(_end_run_on_lost_peer, out))
+
+
+def _refuse(e: Exception | str, *, job=None, code: int = 2) -> int:
+  """One line, exit 2 (nothing was started or written). In a job every process refuses together; process 0
+  says why on the run's terminal and the others in their logs."""
+  print(f"run_rl: error: {e}", file=sys.stderr, flush=True)
+  if job is not None:
+    job.finish(succeeded=True)
+  return code
+
+
+def _run_program(plan: RunPlan, *, source, resume, job: job_lib.Job) -> int:
+  """Builds the run and runs it to its end, a stop or a failure; process 0 writes what it ends with."""
+  recipe, out, run_id = plan.recipe, plan.out, plan.run_id
   with StopSignals(out, quiet=not job.is_primary) as stop:  # held to the end: a late Ctrl-C gets no traceback
     handle, code = None, None
     try:
-      from orchestrator.app.runner import build_run
+      from orchestrator.app.runner import build_run  # import here: JAX-side (after setup_host)
 
       previous_trace = run_dir.read_trace_events(out) if resume and job.is_primary else []
       handle = build_run(recipe, out, source=source, run_id=run_id, resume=resume, stop_requested=stop.requested,
                          job=job)
-      if _lost_peer is not None:
-        _lost_peer.handle = handle
+      job.current_step = lambda: handle.current_step  # the step a lost peer's line names
       result = handle.run()
     except recipe_lib.RecipeError as e:
       code = _refuse(e)
@@ -408,9 +444,7 @@ def _write_recording(recipe, source, result) -> None:
   recorded = live.recorded_steps() if live is not None else None
   if not record_to or recorded is None:
     return
-  from orchestrator.data.recording import write_recording
-  from orchestrator.engine.presets import load_preset
-  from orchestrator.live.rollouts import recorded_groups
+  from orchestrator.live.rollouts import recorded_groups  # import here: JAX-side (after setup_host)
 
   manifest = write_recording(Path(record_to), recorded_groups(recorded, recipe.rollouts.generations_per_group),
                              vocab_size=load_preset(recipe.model).vocab_size,
@@ -423,10 +457,6 @@ def _write_recording(recipe, source, result) -> None:
 
 
 def _report(out: Path, result, run_id: str, stop: StopSignals) -> int:
-  from orchestrator.app.console import format_summary, format_table
-
-  from orchestrator.live.plot import plot_rewards
-
   run = dict(result.summary.run, run_id=run_id)
   modes = " → ".join(dict.fromkeys(r.mode for r in result.records))
   plot = plot_rewards(result.records, out / "reward.png", title=f"{out.name}: reward per step ({modes})")

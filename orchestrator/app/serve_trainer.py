@@ -16,6 +16,9 @@ import sys
 import threading
 from pathlib import Path
 
+from orchestrator.app.arguments import parse_subcommand, subcommand_parser
+from orchestrator.app.host import NOISY_LOGGERS, setup_host
+from orchestrator.app.run_dir import default_out
 from orchestrator.remote import protocol
 
 
@@ -25,16 +28,14 @@ def _refuse(message: str) -> int:
 
 
 def serve_main(argv: list[str]) -> int:
-  from orchestrator.app.cli import _parse_sub, _sub_parser  # pylint: disable=import-outside-toplevel
-
-  p = _sub_parser("serve-trainer", "Host the recipe's trainer behind gRPC for one driver at a time.")
+  p = subcommand_parser("serve-trainer", "Host the recipe's trainer behind gRPC for one driver at a time.")
   p.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT to bind (default 127.0.0.1:0, a free port)")
   p.add_argument("--checkpoint-dir", help="where checkpoints are written (default: the recipe's"
                  " checkpoint.directory, else runs/<recipe>-trainer-<time>/checkpoints)")
   p.add_argument("--token-file", help="file holding the shared token (default: $STEP_BOUNDARY_TRAINER_TOKEN)")
   p.add_argument("--exit-with-driver", action="store_true",
                  help="stop when the first driver leaves, however it left (trainer.spawn uses this)")
-  args, resolved = _parse_sub(p, argv)
+  args, resolved = parse_subcommand(p, argv)
   if args is None:
     return resolved
   recipe = resolved.recipe
@@ -51,9 +52,6 @@ def serve_main(argv: list[str]) -> int:
   if not protocol.is_loopback(host) and token is None:
     return _refuse(f"--listen {args.listen} is not a loopback address and no token is set; a trainer reachable"
                    f" from other hosts needs one: set ${protocol.TOKEN_ENV} or --token-file")
-  from orchestrator.app.launch import _setup_host  # pylint: disable=import-outside-toplevel
-  from orchestrator.app.run_dir import default_out  # pylint: disable=import-outside-toplevel
-
   checkpoint_dir = args.checkpoint_dir or recipe.checkpoint.directory or str(
       default_out(f"{recipe.name}-trainer") / "checkpoints")
   if hasattr(os, "sched_setaffinity"):  # a driver that spawned this may have been pinned to its host core
@@ -61,22 +59,22 @@ def serve_main(argv: list[str]) -> int:
       os.sched_setaffinity(0, range(os.cpu_count() or 1))
     except OSError:
       pass
-  _setup_host(recipe)
+  setup_host(recipe)
   return _serve(recipe, args.listen, str(Path(checkpoint_dir).absolute()), token,
                 exit_with_driver=args.exit_with_driver)
 
 
 def _serve(recipe, listen: str, checkpoint_dir: str, token: str | None, *, exit_with_driver: bool) -> int:
-  from orchestrator.engine.mesh import check_devices  # pylint: disable=import-outside-toplevel
-  from orchestrator.remote.server import TrainerService, start_server  # pylint: disable=import-outside-toplevel
-  from orchestrator.app.runner import build_engine_from_recipe  # pylint: disable=import-outside-toplevel
-  from orchestrator.rig.remote_host import RigHost  # import here: JAX must not start before _setup_host
+  from orchestrator.app.runner import build_engine_from_recipe  # import here: JAX-side (after setup_host)
+  from orchestrator.engine.mesh import check_devices  # import here: JAX-side (after setup_host)
+  from orchestrator.remote.server import TrainerService, start_server  # import here: JAX-side (after setup_host)
+  from orchestrator.rig.remote_host import RigHost  # import here: JAX-side (after setup_host)
 
   try:
     check_devices(recipe.mesh)
   except ValueError as e:
     return _refuse(str(e))
-  for noisy in ("absl", "jax", "orbax", "etils"):
+  for noisy in NOISY_LOGGERS:
     logging.getLogger(noisy).setLevel(logging.WARNING)
   limits = protocol.Limits(max_message_bytes=recipe.trainer.max_message_bytes, timeout_s=recipe.trainer.timeout_s)
 

@@ -10,7 +10,12 @@ the model's assumptions and where it is pessimistic or optimistic.
 from __future__ import annotations
 
 import dataclasses
+import json
+import statistics
+from pathlib import Path
 
+from orchestrator.app import run_dir
+from orchestrator.engine.presets import load_preset
 from policies import Mode
 from policies.boundary_model import Components, predict
 from policies.step_boundary import format_seconds
@@ -31,8 +36,6 @@ def components_from_recipe(recipe) -> Components:
 
 
 def tokens_per_device_per_step(recipe) -> float:
-  from orchestrator.engine.presets import load_preset
-
   if recipe.simulate.tokens_per_device:
     per_micro = recipe.simulate.tokens_per_device
   else:
@@ -80,8 +83,6 @@ def format_simulation(recipe, rows) -> str:
 
 
 def _median(xs) -> float:
-  import statistics  # pylint: disable=import-outside-toplevel
-
   xs = list(xs)
   return statistics.median(xs) if xs else 0.0
 
@@ -126,11 +127,6 @@ def components_from_run(path) -> tuple[Components, dict]:
   Raises:
     RunDirError / ValueError: neither a run nor a rig directory, or one without records.
   """
-  import json  # pylint: disable=import-outside-toplevel
-  from pathlib import Path  # pylint: disable=import-outside-toplevel
-
-  from orchestrator.app import run_dir  # pylint: disable=import-outside-toplevel
-
   path = Path(path)
   if (path / "records.json").is_file() and (path / "predictions.json").is_file():
     arms = json.loads((path / "records.json").read_text())

@@ -58,8 +58,8 @@ def join(section) -> ProcessIdentity:
     DistributedError: the coordinator was not reached, or the job did not
       assemble, within ``section.timeout_s``.
   """
-  import jax  # pylint: disable=import-outside-toplevel
-  from jax._src import distributed as jax_distributed  # pylint: disable=import-outside-toplevel
+  import jax  # import here: bringup loads before the host settings
+  from jax._src import distributed as jax_distributed  # import here: bringup loads before the host settings
 
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   timeout_s = max(1, int(round(section.timeout_s)))
@@ -84,6 +84,6 @@ def join(section) -> ProcessIdentity:
 
 def key_value_client():
   """The coordinator's key-value client of this job (None before ``join``)."""
-  from jax._src import distributed as jax_distributed  # pylint: disable=import-outside-toplevel
+  from jax._src import distributed as jax_distributed  # import here: bringup loads before the host settings
 
   return jax_distributed.global_state.client

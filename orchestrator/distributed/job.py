@@ -4,6 +4,9 @@
 primary (process 0 writes the run's files), the agreement the program and the
 bring-up exchange through, and the watchdog. ``single()`` is the job of a run
 of one process without a distributed runtime.
+
+The job owns what happens when its watchdog reports a lost peer
+(``on_lost_peer``, told the run's step in flight through ``current_step``).
 """
 
 from __future__ import annotations
@@ -21,12 +24,33 @@ from orchestrator.distributed.watchdog import Watchdog
 _END_BARRIER = "step_boundary/end"
 
 
+def end_on_lost_peer(job: Job, line: str) -> None:
+  """The default answer to a lost peer: one line naming it, then exit 1 (a peer inside a collective with a
+  dead process would otherwise wait forever)."""
+  print(f"run_rl: {job.label}{line}; ending this process", file=sys.stderr, flush=True)
+  os._exit(1)
+
+
+def no_step_yet() -> int | None:
+  """The step in flight before a run is built: none."""
+  return None
+
+
 @dataclasses.dataclass
 class Job:
+  """This process's place in the run (see the module docstring).
+
+  ``on_lost_peer(job, line)`` runs on the watchdog's thread when a peer is
+  lost and is expected to end the process; ``current_step()`` is the run's
+  step in flight (None before the run is built), for that handler to name.
+  """
+
   identity: ProcessIdentity
   agreement: SingleProcess
   watchdog: Watchdog | None = None
   distributed: bool = False
+  on_lost_peer: Callable[[Job, str], Any] = end_on_lost_peer
+  current_step: Callable[[], int | None] = no_step_yet
 
   @property
   def is_primary(self) -> bool:
@@ -36,6 +60,10 @@ class Job:
   def label(self) -> str:
     """``process i of N: `` for a job of several processes, else nothing (prefixes its lines)."""
     return f"process {self.identity.process_id} of {self.identity.num_processes}: " if self.distributed else ""
+
+  def report_lost_peer(self, line: str) -> None:
+    """What the watchdog calls with its one line about a lost peer: hands it to ``on_lost_peer``."""
+    self.on_lost_peer(self, line)
 
   def first_refusal(self, refusal: Exception | None) -> str | None:
     """Every process's refusal (or None) exchanged: the first one, naming its process, or None.
@@ -58,7 +86,7 @@ class Job:
       self.watchdog.stop()
     if not succeeded:
       return
-    import jax  # pylint: disable=import-outside-toplevel
+    import jax  # import here: the job loads before the host settings
 
     client = key_value_client()
     try:
@@ -74,18 +102,14 @@ def single() -> Job:
   return Job(ProcessIdentity(0, 1, None), SingleProcess())
 
 
-def join_job(section, *, on_lost: Callable[[str], Any] | None = None) -> Job:
-  """Joins the job ``section`` describes and starts the watchdog (see ``bringup.join``)."""
+def join_job(section, *, on_lost_peer: Callable[[Job, str], Any] = end_on_lost_peer) -> Job:
+  """Joins the job ``section`` describes and starts the watchdog, which reports a lost peer to the job's
+  ``on_lost_peer`` (see ``bringup.join``)."""
   identity = join(section)
   client = key_value_client()
   agreement = KeyValueAgreement(client, identity.process_id, identity.num_processes, timeout_s=section.timeout_s)
-  job = Job(identity, agreement, distributed=True)
+  job = Job(identity, agreement, distributed=True, on_lost_peer=on_lost_peer)
   if identity.num_processes > 1:
     job.watchdog = Watchdog(client, identity.process_id, identity.num_processes, timeout_s=section.timeout_s,
-                            on_lost=on_lost or (lambda line: _exit_lost(job, line))).start()
+                            on_lost=job.report_lost_peer).start()
   return job
-
-
-def _exit_lost(job: Job, line: str) -> None:
-  print(f"run_rl: {job.label}{line}; ending this process", file=sys.stderr, flush=True)
-  os._exit(1)

@@ -17,6 +17,7 @@ line names the process that died first.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -31,6 +32,8 @@ from pathlib import Path
 #: Exit codes every process reports alike (a refusal, a stop): the launcher passes them on.
 _SHARED_ENDINGS = (2, 130, 143)
 LOGS_DIR = "processes"
+#: Set to "1" in each process this launcher starts: the launcher, not the process, reports how it ended.
+LAUNCHED_ENV = "STEP_BOUNDARY_LAUNCHED"
 
 
 def free_loopback_port() -> int:
@@ -42,9 +45,10 @@ def free_loopback_port() -> int:
 def child_env(base: dict, *, process_id: int, coordinator: str, devices_per_process: int) -> dict:
   """The environment of local process ``process_id``: its identity and its forced CPU devices."""
   flags = [f for f in base.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
-  env = dict(base, JAX_PLATFORMS="cpu", STEP_BOUNDARY_PROCESS_ID=str(process_id), STEP_BOUNDARY_LAUNCHED="1",
+  env = dict(base, JAX_PLATFORMS="cpu", STEP_BOUNDARY_PROCESS_ID=str(process_id),
              STEP_BOUNDARY_COORDINATOR_ADDRESS=coordinator,
              XLA_FLAGS=" ".join(flags + [f"--xla_force_host_platform_device_count={devices_per_process}"]))
+  env[LAUNCHED_ENV] = "1"
   env.pop("PJRT_NPROC", None)  # each process sizes XLA's pool itself (run.reserve_host_core)
   return env
 
@@ -66,8 +70,6 @@ def _signal_name(returncode: int) -> str:
 
 def _last_step(out: Path) -> int | None:
   """The step process 0 was at when it ended, from the summary it wrote on the way out (None if none)."""
-  import json  # pylint: disable=import-outside-toplevel
-
   try:
     step = json.loads((out / "summary.json").read_text(encoding="utf-8")).get("last_step")
   except (OSError, ValueError):
