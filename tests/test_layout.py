@@ -98,6 +98,16 @@ class _Import:
   marked: bool  # carries "# import here: <why>" (or follows, in one run, an import that does)
 
 
+def _comment_above(lines: list[str], lineno: int) -> str:
+  """The run of comment lines right above line ``lineno`` (1-based)."""
+  above = []
+  for line in reversed(lines[:lineno - 1]):
+    if not line.strip().startswith("#"):
+      break
+    above.append(line)
+  return "\n".join(above)
+
+
 def _project_imports(path: Path) -> list[_Import]:
   """Every import of a project module in ``path``, at any depth; ``from X import Y`` names X.Y when that
   is a module."""
@@ -114,7 +124,7 @@ def _project_imports(path: Path) -> list[_Import]:
     for child in ast.iter_child_nodes(node):
       nested = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
       if isinstance(child, (ast.Import, ast.ImportFrom)):
-        here = "# import here:" in lines[child.lineno - 1] or "# import here:" in lines[child.lineno - 2]
+        here = "# import here:" in lines[child.lineno - 1] or "# import here:" in _comment_above(lines, child.lineno)
         gap = lines[previous_end[0]:child.lineno - 1] if previous_end[0] else ["x"]
         follows = previous_end[1] and all(not s.strip() or s.strip().startswith("#") for s in gap)
         marked = here or follows

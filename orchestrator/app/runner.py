@@ -9,12 +9,28 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+from orchestrator import recipe as recipe_lib
+from orchestrator.app.console import progress_postfix
+from orchestrator.app.run_dir import CHECKPOINTS
 from orchestrator.contract import Evaluation, live_part
-from orchestrator.recipe import RECIPES_DIR, Recipe, RecipeError
-from orchestrator.loop.program import ProgramConfig, RLProgram
+from orchestrator.data.recording import open_recording
+from orchestrator.data.sources import ReplaySteps, SyntheticSteps
+from orchestrator.data.synthetic import SyntheticRollouts
+from orchestrator.engine import build_backend
+from orchestrator.engine.options import CHECKPOINTING_BACKENDS
+from orchestrator.engine.presets import load_preset
+from orchestrator.live.tasks import MAX_PROMPT_LENGTH, max_generation_steps
+from orchestrator.live.tokenizer import CharTokenizer
+from orchestrator.loop.program import ProgramConfig, RLProgram, plan_from_json
+from orchestrator.loop.recorder import BoundaryRecord
 from orchestrator.loop.trainer_worker import TrainerWorker, WorkerCapabilities
+from orchestrator.recipe import RECIPES_DIR, Recipe, RecipeError
+from orchestrator.remote import protocol
+from orchestrator.remote.client import RemoteTrainerWorker
+from orchestrator.remote.spawn import SpawnedTrainer
 from policies import Mode, StagingUnsupportedError, StepBoundaryPolicy
 
 
@@ -47,8 +63,6 @@ def policy_from_recipe(recipe: Recipe, capabilities: WorkerCapabilities, *, mode
 
 def build_engine_from_recipe(recipe: Recipe, *, checkpoint_dir: str | None = None):
   """The engine ``engine.backend`` names, with the recipe's model, mesh, batch shape and options."""
-  from orchestrator.engine import build_backend
-
   return build_backend(recipe.model, recipe.engine, mesh=dataclasses.asdict(recipe.mesh),
                        rows=recipe.batch.rows, tokens_per_row=recipe.batch.tokens_per_row,
                        checkpoint_dir=checkpoint_dir,
@@ -57,8 +71,6 @@ def build_engine_from_recipe(recipe: Recipe, *, checkpoint_dir: str | None = Non
 
 def batch_shape(recipe: Recipe) -> tuple[int, int, int]:
   """(vocab size, rows, tokens per row) the recipe's model and batch section give (no JAX)."""
-  from orchestrator.engine.presets import load_preset
-
   preset = load_preset(recipe.model)
   return preset.vocab_size, recipe.batch.rows or preset.rows, recipe.batch.tokens_per_row or preset.tokens_per_row
 
@@ -72,19 +84,13 @@ def rollout_source(recipe: Recipe, *, steps: int | None = None):
   Raises:
     RecordingError: the recording cannot be replayed for this run.
   """
-  from orchestrator.data.sources import ReplaySteps, SyntheticSteps
-
   vocab_size, rows, tokens_per_row = batch_shape(recipe)
   r, m = recipe.rollouts, recipe.batch.micro_batches_per_step
   if r.source == "sampler":
     return live_source(recipe, steps=steps)
   if r.source == "synthetic":
-    from orchestrator.data.synthetic import SyntheticRollouts
-
     return SyntheticSteps(SyntheticRollouts(vocab_size, rows, tokens_per_row, generations_per_group=r.generations_per_group,
                                             fill=r.fill, seed=r.seed), m)
-  from orchestrator.data.recording import open_recording
-
   recording = open_recording(resolve_path(r.recording), vocab_size=vocab_size)
   source = ReplaySteps(recording, rows=rows, tokens_per_row=tokens_per_row, micro_batches_per_step=m)
   source.require_steps(steps or recipe.steps)
@@ -93,11 +99,10 @@ def rollout_source(recipe: Recipe, *, steps: int | None = None):
 
 def live_source(recipe: Recipe, *, steps: int | None = None):
   """The live loop's source: a sampler over the trained model (same preset and seed), on the recipe's task."""
-  from orchestrator.engine.presets import load_preset
+  # import here: the sampler imports JAX, which starts after the host settings; the benchmarks and the rig
+  # import this module before them
   from orchestrator.live.rollouts import LiveRollouts, LiveShape
   from orchestrator.live.sampler import LiveSampler
-  from orchestrator.live.tasks import MAX_PROMPT_LENGTH, max_generation_steps
-  from orchestrator.live.tokenizer import CharTokenizer
 
   task, r = recipe.task.make(), recipe.rollouts
   sampler = LiveSampler(load_preset(recipe.model), CharTokenizer(), seed=recipe.engine.seed,
@@ -119,9 +124,6 @@ def resolve_path(path: str) -> Path:
 def checkpoint_dir_for(recipe: Recipe, out: Path) -> str | None:
   """Where the run's checkpoints go: the recipe's directory, else ``OUT/checkpoints``; None for a
   backend that cannot checkpoint."""
-  from orchestrator.engine.options import CHECKPOINTING_BACKENDS
-  from orchestrator.app.run_dir import CHECKPOINTS
-
   if recipe.engine.backend not in CHECKPOINTING_BACKENDS:
     return None
   return str(Path(recipe.checkpoint.directory or out / CHECKPOINTS).absolute())
@@ -206,15 +208,9 @@ def make_worker(recipe: Recipe, out: Path, closers: list):
   t = recipe.trainer
   if t.location == "local":
     return TrainerWorker(build_engine_from_recipe(recipe, checkpoint_dir=checkpoint_dir_for(recipe, out))), None
-  from orchestrator import recipe as recipe_lib
-  from orchestrator.remote import protocol
-  from orchestrator.remote.client import RemoteTrainerWorker
-
   limits = protocol.Limits(max_message_bytes=t.max_message_bytes, timeout_s=t.timeout_s)
   address, token = t.address, protocol.read_token(t.token_file)
   if t.spawn:
-    from orchestrator.remote.spawn import SpawnedTrainer
-
     child = SpawnedTrainer(recipe_lib.to_dict(recipe), recipe_path=out / "trainer_recipe.json",
                            checkpoint_dir=checkpoint_dir_for(recipe, out), address=address or "127.0.0.1:0",
                            timeout_s=max(t.timeout_s, 60.0), log_path=out / "trainer.log")
@@ -252,9 +248,6 @@ def build_run(recipe: Recipe, out: Path, *, source, run_id: str, resume: ResumeP
 
 def _build_program(recipe: Recipe, out: Path, worker, *, source, run_id: str, resume, stop_requested,
                    progress: bool, job=None) -> RunHandle:
-  from orchestrator.loop.program import plan_from_json
-  from orchestrator.loop.recorder import BoundaryRecord
-
   policy = policy_from_recipe(recipe, worker.capabilities)
   start_step, previous, first_plan = 0, [], None
   if resume is not None:
@@ -268,10 +261,6 @@ def _build_program(recipe: Recipe, out: Path, worker, *, source, run_id: str, re
       first_plan = plan_from_json(resume.metadata["next_plan"])
   bar = on_step = None
   if progress:
-    from tqdm import tqdm
-
-    from orchestrator.app.console import progress_postfix
-
     bar = tqdm(total=recipe.steps, initial=start_step, desc=f"{recipe.name} [{recipe.mode.value}]", unit="step")
 
     def on_step(record):
