@@ -67,7 +67,7 @@ def main(argv=None) -> int:
   logging.basicConfig(level=logging.WARNING, format="%(message)s")
 
   engine = build_engine_from_recipe(recipe)
-  sampler = live_source(recipe)._sampler  # pylint: disable=protected-access
+  sampler = live_source(recipe).sampler
   start, initial = engine.snapshot(), engine.export_weights()
   _arm(recipe, engine, start, initial, sampler, Mode.STAGE_BEFORE_UPDATE, 1, 3)  # warm-up: compiles
   rows = [_arm(recipe, engine, start, initial, sampler, mode, s, args.steps) for s in (0, 1) for mode in Mode]

@@ -111,6 +111,11 @@ class LiveRollouts:
     self._last_wait_s = 0.0
     self._state_wait_s = 0.0  # the part of that wait spent in ``get_state`` just before it
 
+  @property
+  def sampler(self) -> LiveSampler:
+    """The sampler this source draws from (a benchmark reuses one compiled sampler across arms)."""
+    return self._sampler
+
   # ---------------------------------------------------------------- the schedule
   def version_for(self, step: int) -> int:
     return max(0, step - self.shape.max_staleness)
