@@ -95,7 +95,8 @@ def test_a_minimal_engine_drives_through_the_program_with_one_fallback_warning(c
 
 
 def test_receipt_coerce_keeps_receipts_and_wraps_anything_else():
-  r = Receipt("fwd_bwd", 0, 1, None, 1.0, 0.1, 0.2, 0.0)
+  r = Receipt(kind="fwd_bwd", step=0, micro_step=1, ready=None, dispatched_at=1.0, mapping_s=0.1, placement_s=0.2,
+              host_wait_s=0.0)
   assert Receipt.coerce(r, kind="x", step=9, micro_step=9) is r and r.host_seconds_known
   wrapped = Receipt.coerce(3, kind="update", step=2, micro_step=-1)
   assert (wrapped.kind, wrapped.step, wrapped.ready, wrapped.mapping_s) == ("update", 2, None, None)
@@ -190,11 +191,33 @@ class _HalfLive(IterableSteps):
 
 
 def test_a_source_with_part_of_the_live_contract_is_refused_naming_what_it_lacks():
-  with pytest.raises(TypeError, match="part live source: it lacks blocked_on_sync, step_stats, check"):
+  with pytest.raises(TypeError, match="part live source: it lacks last_wait_s, blocked_on_sync, step_stats, check"):
     live_part(_HalfLive([[1]]))
   with pytest.raises(TypeError, match="blocked_on_sync"):
     RLProgram(TrainerWorker(RecordingEngine()), StepBoundaryPolicy(Mode.OFF), _HalfLive([["a"]]),
               ProgramConfig(steps=1, micro_batches_per_step=1))
+
+
+class _PositionOnly:
+  """An iterator with a position but not the rest of the StepSource contract (a raw grain iterator, say)."""
+
+  def __iter__(self):
+    return self
+
+  def __next__(self):
+    return ["a"]
+
+  def get_state(self):
+    return {"kind": "mine"}
+
+  def set_state(self, state):
+    pass
+
+
+def test_a_source_with_a_position_but_part_of_the_contract_is_refused_not_wrapped():
+  """Wrapping it as a plain iterable would drop its position from every checkpoint."""
+  with pytest.raises(TypeError, match="part step source: it lacks state_json, count_steps, close"):
+    as_step_source(_PositionOnly())
 
 
 def test_a_plain_iterable_becomes_a_step_source_with_no_position():

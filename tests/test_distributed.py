@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from orchestrator.addresses import free_loopback_port
 from orchestrator import recipe as recipe_lib
 from orchestrator.data import packing
 from orchestrator.data.synthetic import SyntheticRollouts
@@ -40,7 +41,7 @@ ROWS = 16  # rows per micro-batch (SMALL)
 
 
 def _launch_driver(tmp: Path, num_processes: int, configs) -> list[dict]:
-  coordinator = f"127.0.0.1:{launcher.free_loopback_port()}"
+  coordinator = f"127.0.0.1:{free_loopback_port()}"
   configs = [(path, overrides + [f"distributed.num_processes={num_processes}", "distributed.timeout_s=60"])
              for path, overrides in configs]
   prefix = tmp / f"job{num_processes}"

@@ -144,7 +144,8 @@ def rig_main(argv: list[str]) -> int:
   if recipe.run.reserve_host_core:
     reserve_host_core()
   logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr, force=True)
-  from orchestrator.app.runner import resolve_path  # import here: JAX-side (after the host core is reserved)
+  # import here: gRPC and the engines load after the host core is reserved
+  from orchestrator.app.runner import resolve_path
   from orchestrator.rig import RigError, run_rig  # import here: JAX-side (after the host core is reserved)
 
   try:

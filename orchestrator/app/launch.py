@@ -230,7 +230,8 @@ def preflight(recipe, out: Path, *, run_id: str | None, steps: int | None = None
   job's devices; process 0 (``primary``) checks the checkpoint directory.
   Returns the rollout source. Raises RecipeError / RecordingError / RunDirError (exit 2).
   """
-  from orchestrator.app.runner import checkpoint_dir_for, rollout_source  # import here: JAX-side (after setup_host)
+  # import here: gRPC and the engines load after setup_host (a refusal loads neither)
+  from orchestrator.app.runner import checkpoint_dir_for, rollout_source
   from orchestrator.engine.checkpointing import read_checkpoints  # import here: JAX-side (after setup_host)
 
   source = rollout_source(recipe, steps=steps)
@@ -289,7 +290,8 @@ def resume_point(recipe, path: Path, run_id: str, *, primary: bool = True):
   Raises:
     RunDirError: no complete checkpoint, one of another run, or nothing left to run.
   """
-  from orchestrator.app.runner import ResumePoint, checkpoint_dir_for  # import here: JAX-side (after setup_host)
+  # import here: gRPC and the engines load after setup_host (a refusal loads neither)
+  from orchestrator.app.runner import ResumePoint, checkpoint_dir_for
   from orchestrator.engine.checkpointing import read_checkpoints  # import here: JAX-side (after setup_host)
 
   ckpt_dir = checkpoint_dir_for(recipe, path)
@@ -407,7 +409,8 @@ def _run_program(plan: RunPlan, *, source, resume, job: job_lib.Job) -> int:
   with StopSignals(out, quiet=not job.is_primary) as stop:  # held to the end: a late Ctrl-C gets no traceback
     handle, code = None, None
     try:
-      from orchestrator.app.runner import build_run  # import here: JAX-side (after setup_host)
+      # import here: gRPC and the engines load after setup_host (a refusal loads neither)
+      from orchestrator.app.runner import build_run
 
       previous_trace = run_dir.read_trace_events(out) if resume and job.is_primary else []
       handle = build_run(recipe, out, source=source, run_id=run_id, resume=resume, stop_requested=stop.requested,

@@ -170,7 +170,7 @@ class RunHandle:
   def run(self):
     live = self.program.live if self.eval_prompts else None
     worker, start = self.program.worker, self.program.config.start_step
-    before = live.evaluate(worker.export_weights(), start, self.eval_prompts) if live else None
+    before = live.evaluate(worker.export_weights(), start, self.eval_prompts) if live is not None else None
     try:
       if self.progress is None:
         result = self.program.run()
@@ -179,7 +179,7 @@ class RunHandle:
           result = self.program.run()
     finally:
       self.program.source.close()
-    if live:
+    if live is not None:
       done = (result.last_step or 0) + 1
       result.summary = result.summary.replace(evaluation=Evaluation(
           eval_accuracy_start=before, eval_prompts=self.eval_prompts,

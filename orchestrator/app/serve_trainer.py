@@ -65,7 +65,8 @@ def serve_main(argv: list[str]) -> int:
 
 
 def _serve(recipe, listen: str, checkpoint_dir: str, token: str | None, *, exit_with_driver: bool) -> int:
-  from orchestrator.app.runner import build_engine_from_recipe  # import here: JAX-side (after setup_host)
+  # import here: gRPC and the engines load after setup_host (a refusal loads neither)
+  from orchestrator.app.runner import build_engine_from_recipe
   from orchestrator.engine.mesh import check_devices  # import here: JAX-side (after setup_host)
   from orchestrator.remote.server import TrainerService, start_server  # import here: JAX-side (after setup_host)
   from orchestrator.rig.remote_host import RigHost  # import here: JAX-side (after setup_host)

@@ -16,12 +16,7 @@ import statistics
 import sys
 import time
 
-from orchestrator.app.runner import policy_from_recipe
-from orchestrator.data.synthetic import SyntheticRollouts
 from orchestrator.engine.host_threads import reserve_host_core
-from orchestrator.loop.program import ProgramConfig, RLProgram
-from orchestrator.loop.trainer_worker import TrainerWorker
-from orchestrator.recipe import Recipe
 from policies import Mode, StepBoundaryPolicy
 
 
@@ -46,7 +41,13 @@ def main(argv=None) -> int:
 
   reservation = reserve_host_core()
   logging.basicConfig(level=logging.WARNING, format="%(message)s")
-  from orchestrator.engine import build_engine  # import here: JAX starts after reserve_host_core sets its threads
+  # import here: numpy's and JAX's threads start after reserve_host_core pins this process
+  from orchestrator.app.runner import policy_from_recipe
+  from orchestrator.data.synthetic import SyntheticRollouts
+  from orchestrator.engine import build_engine
+  from orchestrator.loop.program import ProgramConfig, RLProgram
+  from orchestrator.loop.trainer_worker import TrainerWorker
+  from orchestrator.recipe import Recipe
 
   engine = build_engine(args.preset, rows=args.rows, tokens_per_row=args.tokens_per_row)
   source = SyntheticRollouts(engine.preset.vocab_size, engine.rows, engine.tokens_per_row, seed=11)

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
+@dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
 class Receipt:
   """What one dispatched device computation hands back to its caller.
 
@@ -69,7 +69,7 @@ class Receipt:
     if isinstance(result, Receipt):
       return result
     ready = result if callable(getattr(result, "block_until_ready", None)) else None
-    return cls(kind, step, micro_step, ready, time.perf_counter())
+    return cls(kind=kind, step=step, micro_step=micro_step, ready=ready, dispatched_at=time.perf_counter())
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -259,30 +259,36 @@ class SnapshotEngine(Protocol):
 
 
 def missing_methods(engine: Any, protocol: type) -> tuple[str, ...]:
-  """The methods of ``protocol`` that ``engine`` lacks (or has set to None), in the protocol's order.
+  """The methods and properties of ``protocol`` that ``engine`` lacks (or has set to None), in the protocol's
+  order.
 
   A method is present when it is callable and defined, not only forwarded: the lookup is static
   (``inspect.getattr_static``), as ``isinstance`` against a runtime-checkable Protocol does from Python
   3.12, so a proxy that forwards through ``__getattr__`` is judged the same on every Python version —
-  by the methods it really has. Capability checks use this, never ``isinstance``, and a refusal names
-  what it returns.
+  by the methods it really has. A property is present when it is defined. Capability checks use this,
+  never ``isinstance``, and a refusal names what it returns.
   """
-  def present(name: str) -> bool:
+  def present(name: str, is_method: bool) -> bool:
     defined = inspect.getattr_static(engine, name, None)
-    return defined is not None and callable(getattr(engine, name, None))
+    return defined is not None and (not is_method or callable(getattr(engine, name, None)))
 
-  return tuple(n for n in _protocol_methods(protocol) if not present(n))
+  return tuple(name for name, is_method in _protocol_members(protocol) if not present(name, is_method))
 
 
-def _protocol_methods(protocol: type) -> list[str]:
-  out: list[str] = []
+def _protocol_members(protocol: type) -> list[tuple[str, bool]]:
+  """The public methods and properties ``protocol`` declares (with its bases), as (name, is a method)."""
+  out: dict[str, bool] = {}
   for klass in reversed(protocol.__mro__):
     if klass in (object, Protocol) or not getattr(klass, "_is_protocol", False):
       continue
     for name, value in vars(klass).items():
-      if callable(value) and not name.startswith("_") and name not in out:
-        out.append(name)
-  return out
+      if not name.startswith("_") and name not in out and (callable(value) or isinstance(value, property)):
+        out[name] = callable(value)
+  return list(out.items())
+
+
+def _protocol_methods(protocol: type) -> list[str]:
+  return [name for name, is_method in _protocol_members(protocol) if is_method]
 
 
 STAGING_METHODS = tuple(n for n in _protocol_methods(StagingEngine)

@@ -106,8 +106,12 @@ class RunSummary:
 
   def to_json(self) -> dict[str, Any]:
     """``summary.json``: one flat dict, each part's fields at the top level (processes as a list)."""
-    out: dict[str, Any] = dataclasses.asdict(self.timings)
-    out.update(self.policy.to_json())
+    timings, policy = dataclasses.asdict(self.timings), self.policy.to_json()
+    # The order summary.json has always had: the step count and the modes first.
+    out: dict[str, Any] = {"steps": timings.pop("steps"), "requested_mode": policy.pop("requested_mode"),
+                           "final_mode": policy.pop("final_mode")}
+    out.update(timings)
+    out.update(policy)
     out.update(final_state_digest=self.final_state_digest, records_path=self.records_path)
     if self.rollouts is not None:
       out.update(dataclasses.asdict(self.rollouts))

@@ -129,14 +129,32 @@ class LiveSource(Protocol):
 
 
 def live_part(source: Any) -> LiveSource | None:
-  """``source`` as a ``LiveSource``, or None when it has none of that part.
+  """``source`` as a ``LiveSource``, or None when it has none of that part (judged by ``missing_methods``).
 
   Raises:
-    TypeError: the source has some of ``LiveSource``'s methods but not all (named).
+    TypeError: the source has some of ``LiveSource``'s members but not all (named).
   """
-  if isinstance(source, LiveSource):
-    return source
   missing = missing_methods(source, LiveSource)
+  if not missing:
+    return source
   if len(missing) < len(missing_methods(object(), LiveSource)):
     raise TypeError(f"{type(source).__name__} is part live source: it lacks {', '.join(missing)}")
+  return None
+
+
+#: What marks an object as meaning to be a ``StepSource`` (a position); one with some of them must have all.
+POSITION_METHODS = ("get_state", "set_state", "state_json")
+
+
+def missing_step_source_methods(source: Any) -> tuple[str, ...] | None:
+  """The ``StepSource`` members ``source`` lacks; None when it has no position at all (a plain iterable).
+
+  An object with a position (any of ``POSITION_METHODS``) but not the whole contract is not a plain
+  iterable either: the program must not silently drop its position, so it gets the list of what it lacks.
+  """
+  missing = missing_methods(source, StepSource)
+  if any(name not in missing for name in POSITION_METHODS):
+    if not callable(getattr(type(source), "__next__", None)):
+      missing = ("__next__", *missing)
+    return missing
   return None

@@ -16,6 +16,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from orchestrator.contract import SourceStateError, StepSource
+from orchestrator.contract.source import missing_step_source_methods
 from orchestrator.data.recording import Recording, RecordingError
 from orchestrator.data.synthetic import SyntheticRollouts
 
@@ -63,8 +64,19 @@ class IterableSteps(_Positioned):
 
 
 def as_step_source(source: Any) -> StepSource:
-  """``source`` itself when it is a ``StepSource``; any other iterable of steps wrapped in ``IterableSteps``."""
-  return source if isinstance(source, StepSource) else IterableSteps(source)
+  """``source`` itself when it is a ``StepSource``; an iterable of steps with no position in ``IterableSteps``.
+
+  Raises:
+    TypeError: ``source`` has a position (``get_state``, ``set_state`` or ``state_json``) but lacks part of
+      the ``StepSource`` contract (named): wrapping it would lose that position.
+  """
+  missing = missing_step_source_methods(source)
+  if missing is None:
+    return IterableSteps(source)
+  if missing:
+    raise TypeError(f"{type(source).__name__} is part step source: it lacks {', '.join(missing)}"
+                    " (orchestrator.contract.StepSource)")
+  return source
 
 
 class SyntheticSteps(_Positioned):

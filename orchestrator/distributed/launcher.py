@@ -21,7 +21,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,17 +28,13 @@ import threading
 import time
 from pathlib import Path
 
+from orchestrator.addresses import free_loopback_port
+
 #: Exit codes every process reports alike (a refusal, a stop): the launcher passes them on.
 _SHARED_ENDINGS = (2, 130, 143)
 LOGS_DIR = "processes"
 #: Set to "1" in each process this launcher starts: the launcher, not the process, reports how it ended.
 LAUNCHED_ENV = "STEP_BOUNDARY_LAUNCHED"
-
-
-def free_loopback_port() -> int:
-  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
 
 
 def child_env(base: dict, *, process_id: int, coordinator: str, devices_per_process: int) -> dict:

@@ -20,7 +20,6 @@ import statistics
 import sys
 import time
 
-from orchestrator.data.synthetic import SyntheticRollouts
 from orchestrator.engine.host_threads import reserve_host_core
 
 
@@ -29,8 +28,9 @@ def _median(xs):
 
 
 def bench_preset(preset: str, repeats: int, micro_batches: int = 2) -> dict:
-  import jax  # import here: JAX starts after main's reserve_host_core
+  import jax  # import here: numpy's and JAX's threads start after main's reserve_host_core
 
+  from orchestrator.data.synthetic import SyntheticRollouts
   from orchestrator.engine import build_engine
 
   start = time.perf_counter()
@@ -89,7 +89,8 @@ def bench_preset(preset: str, repeats: int, micro_batches: int = 2) -> dict:
 def bench_moe(preset: str, repeats: int, overflow_factor: float = 0.5) -> dict:
   """MoE layouts: micro-batch seconds with and without overflow, re-run seconds, and how
   long ``update()`` blocks the host in each layout (dispatch of the last micro-batch → return)."""
-  from orchestrator.engine import build_engine  # import here: JAX starts after main's reserve_host_core
+  from orchestrator.data.synthetic import SyntheticRollouts  # import here: see bench_preset
+  from orchestrator.engine import build_engine
 
   layouts = {
       "dropless": dict(ragged_buffer_factor=-1),

@@ -242,8 +242,9 @@ class JaxTrainingEngine:
     total, overflow = self._dispatch_accumulate(name, prepared.arrays, self._state.micro)
     if self.rerun_dropped and not dropless:
       self._state.pending_check = _PendingOverflowCheck(self._state.micro, overflow, prepared.arrays)
-    receipt = Receipt(name.replace("accumulate", "fwd_bwd"), self._step, self._state.micro, total,
-                      time.perf_counter(), mapping_s, placement_s, self._host_wait_s - waited_before)
+    receipt = Receipt(kind=name.replace("accumulate", "fwd_bwd"), step=self._step, micro_step=self._state.micro,
+                      ready=total, dispatched_at=time.perf_counter(), mapping_s=mapping_s, placement_s=placement_s,
+                      host_wait_s=self._host_wait_s - waited_before)
     self._state.micro += 1
     self._total_micro += 1
     if apply_optimizer:
@@ -325,8 +326,8 @@ class JaxTrainingEngine:
         "micro_losses": state.micro_losses, "micro_dropped": state.micro_dropped,
         "reruns": state.reruns, "skipped": skipped,
     }
-    receipt = Receipt("update", self._step, -1, ready, time.perf_counter(), 0.0, 0.0,
-                      self._host_wait_s - waited_before)
+    receipt = Receipt(kind="update", step=self._step, micro_step=-1, ready=ready, dispatched_at=time.perf_counter(),
+                      mapping_s=0.0, placement_s=0.0, host_wait_s=self._host_wait_s - waited_before)
     self._throttler.add(ready)
     self._step += 1
     self._state.reset()

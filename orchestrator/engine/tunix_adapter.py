@@ -132,7 +132,8 @@ class TunixTrainerEngine:
       prepared = self.prepare_fwd_bwd_input(payload_or_prepared)
       mapping_s, placement_s = prepared.mapping_s, prepared.placement_s
     loss, _, _ = self._train_step(prepared.arrays)
-    receipt = Receipt("fwd_bwd", self._step, self._micro, loss, time.perf_counter(), mapping_s, placement_s)
+    receipt = Receipt(kind="fwd_bwd", step=self._step, micro_step=self._micro, ready=loss,
+                      dispatched_at=time.perf_counter(), mapping_s=mapping_s, placement_s=placement_s)
     self._inflight.append(loss)
     self._losses.append(loss)
     self._micro += 1
@@ -155,7 +156,8 @@ class TunixTrainerEngine:
           f"the stock Tunix trainer updates every {self.micro_batches_per_step} micro-batches;"
           f" update() after {self._micro}"
       )
-    receipt = Receipt("update", self._step, -1, self._losses[-1], time.perf_counter())
+    receipt = Receipt(kind="update", step=self._step, micro_step=-1, ready=self._losses[-1],
+                      dispatched_at=time.perf_counter())
     self._last = {"step": self._step + 1, "micro_losses": self._losses}
     self._losses, self._micro = [], 0
     self._step += 1

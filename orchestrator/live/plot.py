@@ -5,17 +5,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")  # files only, no display: chosen before pyplot is imported
-import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
-
 
 def plot_rewards(records: Sequence, path: Path, *, title: str) -> Path | None:
   """Draws the plot when the records carry rewards; returns its path (None: nothing to draw)."""
   points = [(r.step, r.reward_mean, r.accuracy) for r in records if r.reward_mean is not None]
   if not points:
     return None
+  # import here: matplotlib costs run_rl ~0.6 s at start-up and can warn before a refusal; only a live run's end
+  # draws, and the backend (files only, no display) is chosen before pyplot is imported
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # import here: after the backend is chosen
   steps, rewards, accuracy = zip(*points)
   fig, ax = plt.subplots(figsize=(8, 3.6))
   ax.plot(steps, rewards, label="mean reward", color="#4C78A8", linewidth=1)

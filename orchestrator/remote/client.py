@@ -188,8 +188,9 @@ class RemoteTrainerWorker:
     if data is None:
       return None
     ready = None if data["id"] is None else RemoteCompletion(self, data["id"])
-    return Receipt(data["kind"], data["step"], data["micro_step"], ready, self.to_local(data["dispatched_at"]),
-                   data["mapping_s"], data["placement_s"], data["host_wait_s"], self._receipt(data["update"]))
+    return Receipt(kind=data["kind"], step=data["step"], micro_step=data["micro_step"], ready=ready,
+                   dispatched_at=self.to_local(data["dispatched_at"]), mapping_s=data["mapping_s"],
+                   placement_s=data["placement_s"], host_wait_s=data["host_wait_s"], update=self._receipt(data["update"]))
 
   def _after_dispatch(self, receipt: Receipt, defer_update: bool) -> Receipt:
     self._micro += 1
