@@ -1,8 +1,9 @@
 """Bad input of every kind is refused before anything starts: exit 2, one line, no traceback, nothing written.
 
 One table across recipe values, environment switches, flags, recipe files,
-output directories and recordings (each run through ``run_rl`` in process),
-and a second across payloads (through the API: ``ValueError``).
+output directories, recordings and ``serve-trainer``'s tokens and address (each
+run through ``run_rl`` in process), and a second across payloads (through the
+API: ``ValueError``).
 """
 
 from __future__ import annotations
@@ -58,6 +59,14 @@ def _file_as_out(tmp_path):
   path = tmp_path / "a-file"
   path.write_text("not a directory")
   return ["--out", str(path)]
+
+
+def _loose_token(tmp_path, mode=0o644) -> str:
+  """A token file that its group or others can read."""
+  path = tmp_path / "trainer.token"
+  path.write_text("a-shared-token\n")
+  path.chmod(mode)
+  return str(path)
 
 
 def _drop(key):
@@ -131,6 +140,11 @@ CASES = [
                                     "trainer.token_file=/no/such/token"], {}, "trainer token file /no/such/token"),
     ("trainer-off-loopback-no-token", ["trainer.location=remote", "trainer.address=10.1.2.3:5000"],
      {"STEP_BOUNDARY_TRAINER_TOKEN": ""}, "is not loopback and no token is set"),
+    ("trainer-token-file-loose", lambda t, g: ["trainer.location=remote", "trainer.address=127.0.0.1:5000",
+                                               f"trainer.token_file={_loose_token(t)}"], {},
+     "has mode 0644: its group or others can access it; make it private: chmod 600"),
+    ("serve-token-file-loose", lambda t, g: ["serve-trainer", "--token-file", _loose_token(t, 0o640)], {},
+     "has mode 0640: its group or others can access it; make it private: chmod 600"),
     ("distributed-zero-processes", ["distributed.num_processes=0"], {}, "distributed.num_processes=0 is out of range"),
     ("distributed-id-out-of-range", ["distributed.num_processes=2", "distributed.process_id=2",
                                      "distributed.coordinator_address=127.0.0.1:1234"], {},
@@ -188,7 +202,8 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(case, tmp_path, good
   _, argv, env, message = case
   argv = argv(tmp_path, good_recording) if callable(argv) else list(argv)
   out = tmp_path / "out"
-  if "--out" not in argv and "--resume" not in argv:
+  serving = argv[:1] == ["serve-trainer"]  # a server has no run directory
+  if "--out" not in argv and "--resume" not in argv and not serving:
     argv += ["--out", str(out)]
   if "--resume" not in argv:
     argv.append("run.reserve_host_core=false")
@@ -201,7 +216,7 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(case, tmp_path, good
   err = capsys.readouterr().err
   assert code == 2, err
   lines = [line for line in err.splitlines() if line.strip()]
-  assert len(lines) == 1 and lines[0].startswith("run_rl: error:"), err
+  assert len(lines) == 1 and lines[0].startswith("run_rl serve-trainer: error:" if serving else "run_rl: error:"), err
   assert message in lines[0]
   assert "Traceback" not in err
   assert not out.exists()

@@ -27,6 +27,7 @@ import hashlib
 import hmac
 import json
 import os
+import stat
 from pathlib import Path
 
 # The address rules live in orchestrator.addresses (the recipe checks addresses with them too); they are
@@ -46,19 +47,29 @@ HEARTBEAT_S = 1.0
 def read_token(token_file: str | None = None) -> str | None:
   """The shared token: from ``token_file`` when given, else ``$STEP_BOUNDARY_TRAINER_TOKEN``; None if neither.
 
+  A token file must be private, as ssh requires of a key: one that its group or
+  others have any access to (``mode & 0o077``) is refused. A symbolic link is
+  followed and the file it names is judged (the mode is read from the open
+  file, so it is the mode of what is read).
+
   Raises:
-    AddressError: the file is missing, unreadable or empty.
+    AddressError: the file is missing, unreadable, readable by others, or empty.
   """
-  if token_file:
-    try:
-      token = Path(token_file).read_text(encoding="utf-8").strip()
-    except (OSError, UnicodeDecodeError) as e:
-      raise AddressError(f"trainer token file {token_file}: {e.__class__.__name__}: {e}; give a readable"
-                         " text file holding the token") from None
-    if not token:
-      raise AddressError(f"trainer token file {token_file} is empty; put the shared token in it")
-    return token
-  return os.environ.get(TOKEN_ENV) or None
+  if not token_file:
+    return os.environ.get(TOKEN_ENV) or None
+  try:
+    with open(token_file, encoding="utf-8") as f:
+      mode = stat.S_IMODE(os.fstat(f.fileno()).st_mode)
+      if mode & 0o077:
+        raise AddressError(f"trainer token file {token_file} has mode {mode:04o}: its group or others can access"
+                           f" it; make it private: chmod 600 {token_file}")
+      token = f.read().strip()
+  except (OSError, UnicodeDecodeError) as e:
+    raise AddressError(f"trainer token file {token_file}: {e.__class__.__name__}: {e}; give a readable"
+                       " text file holding the token") from None
+  if not token:
+    raise AddressError(f"trainer token file {token_file} is empty; put the shared token in it")
+  return token
 
 
 def tokens_match(given: str | None, expected: str | None) -> bool:
