@@ -8,6 +8,7 @@ of a template state of the same structure.
 from __future__ import annotations
 
 import logging
+import numbers
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -34,15 +35,37 @@ class Checkpointer:
         self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True)
     )
 
+  def step_path(self, step: Any) -> Path:
+    """Where checkpoint ``step`` lives, with every link followed; it must lie inside ``directory``.
+
+    A step is a non-negative integer (not a bool); it names a directory of its
+    own under ``directory``, and a link there that leads elsewhere (another
+    run's checkpoint) is refused rather than read or written through.
+
+    Raises:
+      ValueError: ``step`` is not a non-negative integer, or its path resolves outside ``directory``.
+    """
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
+      raise ValueError(f"checkpoint step {step!r} is not a non-negative integer; give the step of a checkpoint"
+                       f" in {self.directory}")
+    root = self.directory.resolve()
+    path = (root / str(int(step))).resolve()
+    if path == root or not path.is_relative_to(root):
+      raise ValueError(f"checkpoint {int(step)} in {root} leads to {path}, outside that directory; remove the link"
+                       " (copy the checkpoint in to use it)")
+    return path
+
   def save(self, step: int, state: Any, metadata: Mapping[str, Any]) -> str:
     """Writes ``state`` and ``metadata`` as checkpoint ``step``; returns its path once complete.
 
     Synchronous: the engine donates its optimizer state to the next update.
 
     Raises:
+      ValueError: ``step`` is not a non-negative integer, or a link there leads outside ``directory``.
       RuntimeError: the checkpoint library skipped the save (a checkpoint of
         ``step`` already exists there).
     """
+    self.step_path(step)
     ocp = self._ocp
     saved = self._manager.save(
         step,
@@ -68,12 +91,15 @@ class Checkpointer:
     Returns the state (same structure as ``template``) and the metadata.
 
     Raises:
+      ValueError: ``step`` is not a non-negative integer, or its checkpoint lies outside ``directory``
+        (``step_path``); checked before anything is read.
       RuntimeError: there is no checkpoint.
     """
     ocp = self._ocp
     step = self.latest_step() if step is None else step
     if step is None:
       raise RuntimeError(f"no checkpoint under {self.directory}")
+    self.step_path(step)
     target = {
         k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding)
         for k, v in flatten_state(template).items()

@@ -280,10 +280,23 @@ class TrainerService:
     return wire.encode({"digest": self._worker.state_digest()})
 
   def _do_save_checkpoint(self, header, arrays) -> bytes:
-    return wire.encode({"path": str(self._worker.save_checkpoint(header.get("metadata")))})
+    """Saves the trainer's state with the driver's ``metadata``, which must be a JSON object (absent: empty)."""
+    metadata = header.get("metadata", {})
+    if not isinstance(metadata, dict):
+      raise ValueError(f"save_checkpoint: metadata must be a JSON object, not {type(metadata).__name__}")
+    return wire.encode({"path": str(self._worker.save_checkpoint(metadata))})
 
   def _do_restore_checkpoint(self, header, arrays) -> bytes:
-    return wire.encode({"metadata": self._worker.restore_checkpoint(header.get("step"))})
+    """Restores checkpoint ``step`` (absent or null: the latest), a non-negative integer, checked before any read.
+
+    The step is the driver's; it names a checkpoint by number, never a path (the
+    engine's checkpointer also refuses one whose directory leads outside its own).
+    """
+    step = header.get("step")
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+      raise ValueError(f"restore_checkpoint: step {step!r} is not a checkpoint step; give a non-negative integer"
+                       " (or leave it out for the latest)")
+    return wire.encode({"metadata": self._worker.restore_checkpoint(step)})
 
   # ------------------------------------------------------------------ gRPC wiring
   def handler(self) -> grpc.GenericRpcHandler:
