@@ -309,12 +309,25 @@ class TrainerService:
 
 
 def start_server(service: TrainerService, listen: str, limits: protocol.Limits) -> tuple[grpc.Server, int]:
-  """Binds ``listen`` (port 0: a free one) and starts serving; returns the server and its port."""
-  server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), options=limits.grpc_options(),
-                       maximum_concurrent_rpcs=64)
+  """Binds ``listen`` (port 0: a free one) alone and starts serving; returns the server and its port.
+
+  The port is this server's only: gRPC's port sharing (``SO_REUSEPORT``) is
+  off, so a second server, another user's included, cannot bind it too and
+  take some of the drivers' connections.
+
+  Raises:
+    AddressError: ``listen`` is in use or not an address of this host.
+  """
+  options = [*limits.grpc_options(), ("grpc.so_reuseport", 0)]
+  server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), options=options, maximum_concurrent_rpcs=64)
   server.add_generic_rpc_handlers((service.handler(),))
-  port = server.add_insecure_port(listen)
+  try:
+    port = server.add_insecure_port(listen)
+  except RuntimeError:  # gRPC raises where older versions returned 0
+    port = 0
   if port == 0:
-    raise protocol.AddressError(f"cannot listen on {listen}: the address is in use or not on this host")
+    server.stop(None)
+    raise protocol.AddressError(f"cannot listen on {listen}: the address is in use or not on this host; choose"
+                                " another port or stop the server there")
   server.start()
   return server, port
