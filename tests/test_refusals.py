@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
 
 import numpy as np
 import pytest
@@ -67,6 +68,25 @@ def _loose_token(tmp_path, mode=0o644) -> str:
   path.write_text("a-shared-token\n")
   path.chmod(mode)
   return str(path)
+
+
+_HELD: list[socket.socket] = []  # listening sockets the port-taken rows hold; closed when the module's tests end
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_held_sockets():
+  yield
+  while _HELD:
+    _HELD.pop().close()
+
+
+def _taken_port() -> str:
+  """127.0.0.1:PORT with a socket listening on it."""
+  held = socket.socket()
+  held.bind(("127.0.0.1", 0))
+  held.listen()
+  _HELD.append(held)
+  return f"127.0.0.1:{held.getsockname()[1]}"
 
 
 def _drop(key):
@@ -145,6 +165,18 @@ CASES = [
      "has mode 0644: its group or others can access it; make it private: chmod 600"),
     ("serve-token-file-loose", lambda t, g: ["serve-trainer", "--token-file", _loose_token(t, 0o640)], {},
      "has mode 0640: its group or others can access it; make it private: chmod 600"),
+    ("serve-insecure-off-loopback", ["serve-trainer", "--insecure-no-token", "--listen", "0.0.0.0:0"],
+     {"STEP_BOUNDARY_TRAINER_TOKEN": ""}, "--insecure-no-token with --listen 0.0.0.0:0: off loopback a trainer needs"),
+    ("serve-insecure-with-token", ["serve-trainer", "--insecure-no-token"], {"STEP_BOUNDARY_TRAINER_TOKEN": "x"},
+     "--insecure-no-token serves without a token, but $STEP_BOUNDARY_TRAINER_TOKEN is given too"),
+    ("serve-token-out-with-token", lambda t, g: ["serve-trainer", "--token-out", str(t / "new.token")],
+     {"STEP_BOUNDARY_TRAINER_TOKEN": "x"}, "names a file for a generated token, but the token comes from"),
+    ("serve-token-out-exists", lambda t, g: ["serve-trainer", "--token-out", _file_as_out(t)[1]],
+     {"STEP_BOUNDARY_TRAINER_TOKEN": ""}, "already exists (a server that did not stop cleanly?); remove it"),
+    ("serve-token-out-unwritable", lambda t, g: ["serve-trainer", "--token-out", _file_as_out(t)[1] + "/t"],
+     {"STEP_BOUNDARY_TRAINER_TOKEN": ""}, "cannot write the token file"),
+    ("serve-port-taken", lambda t, g: ["serve-trainer", "--insecure-no-token", "--listen", _taken_port()],
+     {"STEP_BOUNDARY_TRAINER_TOKEN": ""}, "the address is in use (another server listens there); choose another port"),
     ("distributed-zero-processes", ["distributed.num_processes=0"], {}, "distributed.num_processes=0 is out of range"),
     ("distributed-id-out-of-range", ["distributed.num_processes=2", "distributed.process_id=2",
                                      "distributed.coordinator_address=127.0.0.1:1234"], {},

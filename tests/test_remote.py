@@ -218,11 +218,12 @@ def test_a_remote_run_without_the_token_is_refused_before_it_starts(server, tmp_
 def test_serve_trainer_refuses_a_non_loopback_bind_without_a_token(tmp_path):
   env = {k: v for k, v in os.environ.items() if k != protocol.TOKEN_ENV}
   proc = subprocess.run([sys.executable, "-m", "orchestrator.app.cli", "serve-trainer", "model=tiny",
-                         "--listen", "0.0.0.0:0"], capture_output=True, text=True, env=env, timeout=120, check=False)
+                         "--listen", "0.0.0.0:0", "--insecure-no-token"], capture_output=True, text=True, env=env,
+                        timeout=120, check=False)
   assert proc.returncode == 2
   assert proc.stderr.strip().splitlines() == [
-      "run_rl serve-trainer: error: --listen 0.0.0.0:0 is not a loopback address and no token is set; a trainer"
-      f" reachable from other hosts needs one: set ${protocol.TOKEN_ENV} or --token-file"]
+      "run_rl serve-trainer: error: --insecure-no-token with --listen 0.0.0.0:0: off loopback a trainer needs a"
+      " token; drop --insecure-no-token (a token is then generated) or listen on 127.0.0.1"]
 
 
 def test_spawned_trainer_runs_and_stops_with_the_run(tmp_path, capsys):

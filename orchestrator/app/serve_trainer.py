@@ -1,17 +1,26 @@
 """``run_rl serve-trainer``: host a recipe's trainer behind gRPC until SIGINT or SIGTERM.
 
-    run_rl serve-trainer --recipe R [--listen 127.0.0.1:50051] [--checkpoint-dir DIR] [--token-file F] [key=value ...]
+    run_rl serve-trainer --recipe R [--listen 127.0.0.1:50051] [--checkpoint-dir DIR]
+                         [--token-file F | --token-out F | --insecure-no-token] [key=value ...]
 
-Binds loopback by default. Any other address needs a shared token (``--token-file``
-or ``$STEP_BOUNDARY_TRAINER_TOKEN``), checked on every call. Prints one line,
-``run_rl serve-trainer: listening on HOST:PORT``, once it accepts drivers.
+Binds loopback by default, and its port alone (a second server cannot share it).
+Every call must carry the shared token: the one given (``--token-file``, the
+recipe's ``trainer.token_file`` or ``$STEP_BOUNDARY_TRAINER_TOKEN``), else a fresh
+one it writes to a new file only its owner can read (``--token-out``, default
+``trainer.token`` beside the checkpoint directory) and removes when it stops.
+``--insecure-no-token`` serves without one, on loopback only. Prints one line,
+``run_rl serve-trainer: listening on HOST:PORT (...)``, naming the token's
+source, once it accepts drivers.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import errno
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 from pathlib import Path
@@ -21,6 +30,21 @@ from orchestrator.app.host import NOISY_LOGGERS, setup_host
 from orchestrator.app.run_dir import default_out
 from orchestrator.remote import protocol
 
+TOKEN_FILE_NAME = "trainer.token"
+
+
+class _Refused(Exception):
+  """A serve-trainer command line that cannot be served (the message says why and what to do)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _TokenPlan:
+  """The server's token: ``token`` as given, or a new one to write to ``new_file``, or none (``described``)."""
+
+  token: str | None
+  new_file: Path | None
+  described: str
+
 
 def _refuse(message: str) -> int:
   print(f"run_rl serve-trainer: error: {message}", file=sys.stderr)
@@ -28,11 +52,20 @@ def _refuse(message: str) -> int:
 
 
 def serve_main(argv: list[str]) -> int:
+  """``run_rl serve-trainer argv``: serves until a stop signal (0), or refuses in one line before building (2).
+
+  A generated token's file is written before the trainer is built and removed when this returns.
+  """
   p = subcommand_parser("serve-trainer", "Host the recipe's trainer behind gRPC for one driver at a time.")
   p.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT to bind (default 127.0.0.1:0, a free port)")
   p.add_argument("--checkpoint-dir", help="where checkpoints are written (default: the recipe's"
                  " checkpoint.directory, else runs/<recipe>-trainer-<time>/checkpoints)")
-  p.add_argument("--token-file", help="file holding the shared token (default: $STEP_BOUNDARY_TRAINER_TOKEN)")
+  p.add_argument("--token-file", help="file holding the shared token, private to its owner (default: the recipe's"
+                 f" trainer.token_file, else ${protocol.TOKEN_ENV}, else a new token in --token-out)")
+  p.add_argument("--token-out", help=f"new file for a generated token (default: {TOKEN_FILE_NAME} beside the"
+                 " checkpoint directory); never replaces a file")
+  p.add_argument("--insecure-no-token", action="store_true",
+                 help="serve without a token: any local user can drive the trainer (loopback only)")
   p.add_argument("--exit-with-driver", action="store_true",
                  help="stop when the first driver leaves, however it left (trainer.spawn uses this)")
   args, resolved = parse_subcommand(p, argv)
@@ -45,26 +78,110 @@ def serve_main(argv: list[str]) -> int:
     host, _ = protocol.split_address(args.listen)
   except protocol.AddressError as e:
     return _refuse(f"--listen: {e}")
+  checkpoint_dir = Path(args.checkpoint_dir or recipe.checkpoint.directory or (
+      default_out(f"{recipe.name}-trainer") / "checkpoints")).absolute()
   try:
-    token = protocol.read_token(args.token_file or recipe.trainer.token_file)
-  except protocol.AddressError as e:
+    plan = _choose_token(args, recipe.trainer.token_file, host, checkpoint_dir)
+    _refuse_a_taken_address(args.listen)
+    token, written = _make_token(plan)
+  except _Refused as e:
     return _refuse(str(e))
-  if not protocol.is_loopback(host) and token is None:
-    return _refuse(f"--listen {args.listen} is not a loopback address and no token is set; a trainer reachable"
-                   f" from other hosts needs one: set ${protocol.TOKEN_ENV} or --token-file")
-  checkpoint_dir = args.checkpoint_dir or recipe.checkpoint.directory or str(
-      default_out(f"{recipe.name}-trainer") / "checkpoints")
-  if hasattr(os, "sched_setaffinity"):  # a driver that spawned this may have been pinned to its host core
-    try:
-      os.sched_setaffinity(0, range(os.cpu_count() or 1))
-    except OSError:
-      pass
-  setup_host(recipe)
-  return _serve(recipe, args.listen, str(Path(checkpoint_dir).absolute()), token,
-                exit_with_driver=args.exit_with_driver)
+  try:
+    if hasattr(os, "sched_setaffinity"):  # a driver that spawned this may have been pinned to its host core
+      try:
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))
+      except OSError:
+        pass
+    setup_host(recipe)
+    return _serve(recipe, args.listen, str(checkpoint_dir), token, plan.described,
+                  exit_with_driver=args.exit_with_driver)
+  finally:
+    if written is not None:
+      _remove_if_unchanged(plan.new_file, written)
 
 
-def _serve(recipe, listen: str, checkpoint_dir: str, token: str | None, *, exit_with_driver: bool) -> int:
+def _choose_token(args, recipe_token_file: str | None, host: str, checkpoint_dir: Path) -> _TokenPlan:
+  """Where the server's token comes from, from the command line; reads a given token file.
+
+  Raises:
+    _Refused: a token file that cannot be used, flags that contradict each other, ``--insecure-no-token``
+      off loopback, or a generated token's file that already exists.
+  """
+  given_file = args.token_file or recipe_token_file
+  try:
+    token = protocol.read_token(given_file)
+  except protocol.AddressError as e:
+    raise _Refused(str(e)) from None
+  source = (f"--token-file {given_file}" if args.token_file else f"trainer.token_file={given_file}" if given_file
+            else f"${protocol.TOKEN_ENV}")
+  if args.insecure_no_token:
+    if token is not None or args.token_out:
+      given = source if token is not None else f"--token-out {args.token_out}"
+      raise _Refused(f"--insecure-no-token serves without a token, but {given} is given too; drop one of them")
+    if not protocol.is_loopback(host):
+      raise _Refused(f"--insecure-no-token with --listen {args.listen}: off loopback a trainer needs a token; drop"
+                     " --insecure-no-token (a token is then generated) or listen on 127.0.0.1")
+    return _TokenPlan(None, None, "no token (--insecure-no-token): any local user can drive it")
+  if token is not None:
+    if args.token_out:
+      raise _Refused(f"--token-out {args.token_out} names a file for a generated token, but the token comes from"
+                     f" {source}; drop --token-out")
+    return _TokenPlan(token, None, f"token from {source}")
+  path = Path(args.token_out or checkpoint_dir.parent / TOKEN_FILE_NAME).absolute()
+  if path.exists() or path.is_symlink():
+    raise _Refused(f"token file {path} already exists (a server that did not stop cleanly?); remove it, reuse it"
+                   " with --token-file, or give another with --token-out FILE")
+  return _TokenPlan(None, path, f"token in {path} (mode 0600)")
+
+
+def _refuse_a_taken_address(listen: str) -> None:
+  """Refuses ``listen`` when another socket holds its port, before anything is built.
+
+  A plain bind (no port sharing) fails exactly when the server's own would;
+  other failures (an address not on this host) are left to the server's bind.
+  """
+  host, port = protocol.split_address(listen)
+  if port == 0:
+    return
+  try:
+    addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+  except socket.gaierror:
+    return
+  for family, kind, proto, _, address in addresses:
+    with socket.socket(family, kind, proto) as probe:
+      probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds: a closed port is free
+      try:
+        probe.bind(address)
+      except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+          raise _Refused(f"--listen {listen}: the address is in use (another server listens there); choose another"
+                         " port, or stop the server on it") from None
+
+
+def _make_token(plan: _TokenPlan) -> tuple[str | None, os.stat_result | None]:
+  """The token to serve with and, for a generated one, its new file's identity (to remove it at the end)."""
+  if plan.new_file is None:
+    return plan.token, None
+  try:
+    token = protocol.write_new_token(plan.new_file)
+    return token, plan.new_file.stat()
+  except OSError as e:
+    raise _Refused(f"cannot write the token file {plan.new_file}: {e.strerror or e}; give a writable new path with"
+                   " --token-out FILE") from None
+
+
+def _remove_if_unchanged(path: Path, written: os.stat_result) -> None:
+  """Removes the token file this server wrote (its token dies with the server), unless it was replaced since."""
+  try:
+    now = path.stat()
+    if (now.st_dev, now.st_ino) == (written.st_dev, written.st_ino):
+      path.unlink()
+  except OSError:
+    pass
+
+
+def _serve(recipe, listen: str, checkpoint_dir: str, token: str | None, token_described: str, *,
+           exit_with_driver: bool) -> int:
   # import here: gRPC and the engines load after setup_host (a refusal loads neither)
   from orchestrator.app.runner import build_engine_from_recipe
   from orchestrator.engine.mesh import check_devices  # import here: JAX-side (after setup_host)
@@ -93,8 +210,7 @@ def _serve(recipe, listen: str, checkpoint_dir: str, token: str | None, *, exit_
   for sig in (signal.SIGINT, signal.SIGTERM):  # a stop request is the normal end of a server: exit 0
     signal.signal(sig, lambda signum, frame: stop.set())
   print(f"run_rl serve-trainer: listening on {host}:{port} (recipe {recipe.name}, model {recipe.model},"
-        f" protocol {protocol.PROTOCOL_VERSION}, {'token required' if token else 'loopback, no token'};"
-        f" checkpoints in {checkpoint_dir})", flush=True)
+        f" protocol {protocol.PROTOCOL_VERSION}, {token_described}; checkpoints in {checkpoint_dir})", flush=True)
   stop.wait()
   server.stop(grace=2).wait()
   print("run_rl serve-trainer: stopped", file=sys.stderr)

@@ -27,6 +27,7 @@ import hashlib
 import hmac
 import json
 import os
+import secrets
 import stat
 from pathlib import Path
 
@@ -69,6 +70,23 @@ def read_token(token_file: str | None = None) -> str | None:
                        " text file holding the token") from None
   if not token:
     raise AddressError(f"trainer token file {token_file} is empty; put the shared token in it")
+  return token
+
+
+def write_new_token(path: Path) -> str:
+  """A fresh random token, written to ``path``, a new file that only its owner can read or write (mode 0600).
+
+  The file is created with that mode (never briefly readable by others) and
+  never replaces an existing file.
+
+  Raises:
+    OSError: ``path`` exists, or its directory cannot be created or written.
+  """
+  token = secrets.token_urlsafe(32)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+  with os.fdopen(fd, "w", encoding="utf-8") as f:
+    f.write(token + "\n")
   return token
 
 
