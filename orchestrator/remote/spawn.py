@@ -1,11 +1,12 @@
 """``trainer.spawn: true``: start ``run_rl serve-trainer`` on loopback as a child, connect, and stop it at the end.
 
 The child gets the driver's resolved recipe (as JSON, which is YAML), a fresh
-random token in its environment and the run's checkpoint directory; it takes
-every core back and reserves its own host core, as a local run does. It runs
-in its own session (a terminal's Ctrl-C is the driver's to handle) and exits
-when its driver leaves (``--exit-with-driver``). Its first stdout
-line names the port it bound.
+random token in its environment and the run's checkpoint directory. That token
+is the one both ends use: the child writes no token file of its own, and its
+recipe drops the driver's ``trainer.token_file``. It takes every core back and
+reserves its own host core, as a local run does. It runs in its own session (a
+terminal's Ctrl-C is the driver's to handle) and exits when its driver leaves
+(``--exit-with-driver``). Its first stdout line names the port it bound.
 """
 
 from __future__ import annotations
@@ -26,12 +27,22 @@ class SpawnError(RuntimeError):
   """The child trainer did not come up (the message holds the end of its stderr)."""
 
 
+def child_recipe(recipe_dict: dict) -> dict:
+  """The recipe the child serves: the driver's without ``trainer.token_file``.
+
+  A token file in the recipe would win over the token handed to the child in its environment, the one the
+  driver connects with.
+  """
+  trainer = {**recipe_dict.get("trainer", {}), "token_file": None}
+  return {**recipe_dict, "trainer": trainer}
+
+
 class SpawnedTrainer:
   """A serve-trainer child process on loopback; ``address`` and ``token`` to connect with."""
 
   def __init__(self, recipe_dict: dict, *, recipe_path: Path, checkpoint_dir: str | None, address: str,
                timeout_s: float, log_path: Path):
-    recipe_path.write_text(json.dumps(recipe_dict, indent=1, default=str), encoding="utf-8")
+    recipe_path.write_text(json.dumps(child_recipe(recipe_dict), indent=1, default=str), encoding="utf-8")
     self.token = secrets.token_hex(16)
     env = dict(os.environ, **{protocol.TOKEN_ENV: self.token})
     env.pop("PJRT_NPROC", None)  # the child sizes XLA's pool itself
