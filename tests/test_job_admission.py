@@ -1,4 +1,5 @@
-"""A job admits only its own: processes with different recipes stop together at bring-up, in one line.
+"""A job admits only its own: processes with different recipes stop together at bring-up, in one line, and one
+that cannot join ends in one line.
 
 The slow tests start ``run_rl`` processes by hand (each with its identity in the environment, as on several
 hosts); they end at bring-up, before an engine is built. The unit tests need no second process.
@@ -8,16 +9,19 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
 
 from orchestrator import recipe as recipe_lib
 from orchestrator.addresses import free_loopback_port
-from orchestrator.distributed import admission, launcher
+from orchestrator.distributed import admission, bringup, launcher
 from orchestrator.distributed.agreement import KeyValueAgreement
 from orchestrator.recipe.loading import PER_PROCESS_KEYS, job_settings
 from tests.conftest import REPO
@@ -151,3 +155,75 @@ def test_a_job_of_alike_processes_is_admitted_and_another_version_is_refused():
                      r" 0.1.0; install the same version on every host"):
     admission.admit(KeyValueAgreement(FakeClient(store), 0, 2, timeout_s=1), FakeClient(store), settings,
                     version="0.1.0")
+
+
+# ---------------------------------------------------------------- a process that cannot join
+@pytest.mark.slow
+def test_a_process_that_cannot_join_ends_in_one_line_and_exit_1_without_an_abort(tmp_path):
+  timeout = ["distributed.timeout_s=3"]
+  with socket.socket() as taken:  # a port some other program listens on
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    lonely, nobody = free_loopback_port(), free_loopback_port()
+    while nobody == lonely:  # the same port would make the two one job
+      nobody = free_loopback_port()
+    start = time.monotonic()
+    procs = {"its peer never starts": _start(0, lonely, timeout, tmp_path / "a"),
+             "no coordinator": _start(1, nobody, timeout, tmp_path / "b"),
+             "a busy port": _start(0, taken.getsockname()[1], timeout, tmp_path / "c")}
+    ended = {case: _ended(p, 60) for case, p in procs.items()}
+  wall = time.monotonic() - start
+  expected = {"its peer never starts": "process 0 of 2 serves the coordinator at 127.0.0.1:",
+              "no coordinator": "process 1 of 2 could not reach the coordinator at 127.0.0.1:",
+              "a busy port": "process 0 of 2 cannot serve the coordinator on port"}
+  for case, (code, lines, err) in ended.items():
+    assert code == 1 and len(lines) == 1 and expected[case] in lines[0], f"{case}:\n{err[-3000:]}"
+    assert "distributed.timeout_s" in lines[0] or "free the port" in lines[0], lines[0]
+    assert "Check failure" not in err and "Traceback" not in err, f"{case}:\n{err[-3000:]}"
+  assert wall < 3 + 20, f"{wall:.1f} s"
+
+
+_SIGTERM_AFTER_JOIN = """
+import os, signal, sys, time, types
+from orchestrator.distributed import bringup
+section = types.SimpleNamespace(detect_cluster=False, coordinator_address=sys.argv[1], num_processes=1,
+                                process_id=0, timeout_s=10)
+bringup.join(section)
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(5)
+print("SIGTERM was ignored", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_joined_process_still_ends_on_the_first_sigterm():
+  """JAX's preemption notifier takes SIGTERM over when the job is joined; until the run's own handler is set,
+  the first SIGTERM must end the process (a job that fails at bring-up must not linger)."""
+  result = subprocess.run([sys.executable, "-c", _SIGTERM_AFTER_JOIN, f"127.0.0.1:{free_loopback_port()}"],
+                          cwd=REPO, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
+                          timeout=60)
+  assert result.returncode == -signal.SIGTERM, result.stdout + result.stderr[-2000:]
+
+
+def _section(process_id: int, address: str, timeout_s: float = 1):
+  return types.SimpleNamespace(detect_cluster=False, coordinator_address=address, num_processes=2,
+                               process_id=process_id, timeout_s=timeout_s)
+
+
+def test_a_busy_coordinator_port_and_an_unreachable_coordinator_are_one_line_before_jax_is_called():
+  with socket.socket() as taken:
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    address = f"127.0.0.1:{taken.getsockname()[1]}"
+    with pytest.raises(bringup.DistributedError, match=rf"process 0 of 2 cannot serve the coordinator on port"
+                       rf" {taken.getsockname()[1]} \(distributed.coordinator_address={address}\): address already"
+                       r" in use; free the port"):
+      bringup.check_coordinator(_section(0, address), 1, time.monotonic() + 1)
+    bringup.check_coordinator(_section(1, address), 1, time.monotonic() + 1)  # something answers: reached
+  address = f"127.0.0.1:{free_loopback_port()}"
+  start = time.monotonic()
+  with pytest.raises(bringup.DistributedError, match=rf"process 1 of 2 could not reach the coordinator at {address}"
+                     r" within 1 s \(connection refused\); start process 0 there"):
+    bringup.check_coordinator(_section(1, address), 1, time.monotonic() + 1)
+  assert 0.5 < time.monotonic() - start < 5  # it retried until the deadline, not longer
+  bringup.check_coordinator(_section(0, address), 1, time.monotonic() + 1)  # a free port: process 0 may serve
