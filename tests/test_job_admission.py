@@ -1,5 +1,5 @@
-"""A job admits only its own: processes with different recipes stop together at bring-up, in one line, and one
-that cannot join ends in one line.
+"""A job admits only its own: processes with different recipes stop together at bring-up, one that cannot join
+ends in one line, and the line after a death offers ``--resume`` only where a checkpoint exists.
 
 The slow tests start ``run_rl`` processes by hand (each with its identity in the environment, as on several
 hosts); they end at bring-up, before an engine is built. The unit tests need no second process.
@@ -227,3 +227,32 @@ def test_a_busy_coordinator_port_and_an_unreachable_coordinator_are_one_line_bef
     bringup.check_coordinator(_section(1, address), 1, time.monotonic() + 1)
   assert 0.5 < time.monotonic() - start < 5  # it retried until the deadline, not longer
   bringup.check_coordinator(_section(0, address), 1, time.monotonic() + 1)  # a free port: process 0 may serve
+
+
+# ---------------------------------------------------------------- the line after a death
+def _run_dir(tmp_path: Path, checkpoint_directory: str | None = None) -> Path:
+  out = tmp_path / "run"
+  out.mkdir()
+  (out / "config.json").write_text(json.dumps({"config": {"checkpoint": {"directory": checkpoint_directory}}}))
+  return out
+
+
+def test_the_line_after_a_death_offers_resume_only_where_a_complete_checkpoint_exists(tmp_path):
+  assert launcher.resume_hint(tmp_path / "never-claimed") == "nothing was written"
+  out = _run_dir(tmp_path)
+  no_checkpoint = launcher.resume_hint(out)
+  assert "--resume" not in no_checkpoint and "start the run again with another --out" in no_checkpoint
+  (out / "checkpoints" / "2.orbax-checkpoint-tmp-1234").mkdir(parents=True)  # a checkpoint still being written
+  assert "--resume" not in launcher.resume_hint(out)
+  (out / "checkpoints" / "2").mkdir()
+  assert launcher.resume_hint(out) == (f"records so far are in {out / 'records.jsonl'}; `run_rl --resume {out}`"
+                                       " continues from the last complete checkpoint")
+
+
+def test_the_resume_hint_looks_in_the_runs_own_checkpoint_directory(tmp_path):
+  elsewhere = tmp_path / "ckpts"
+  out = _run_dir(tmp_path, str(elsewhere))
+  (out / "checkpoints" / "4").mkdir(parents=True)  # not where this run checkpoints
+  assert "--resume" not in launcher.resume_hint(out)
+  (elsewhere / "4").mkdir(parents=True)
+  assert "--resume" in launcher.resume_hint(out)

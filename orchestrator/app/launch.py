@@ -45,7 +45,7 @@ from orchestrator.distributed import job as job_lib
 from orchestrator.distributed.admission import JobMismatchError
 from orchestrator.distributed.agreement import AgreementError, ProcessLostError
 from orchestrator.distributed.bringup import DistributedError
-from orchestrator.distributed.launcher import LAUNCHED_ENV, LocalJob
+from orchestrator.distributed.launcher import LAUNCHED_ENV, LocalJob, resume_hint
 from orchestrator.engine.presets import load_preset
 from orchestrator.live.plot import plot_rewards
 from orchestrator.recipe.loading import job_settings
@@ -83,8 +83,7 @@ class StopSignals:
       print(f"\nrun_rl: {sig.name} received: stopping after the step in flight (its update applied and"
             f" checkpointed); {sig.name} again stops at once", file=sys.stderr, flush=True)
       return
-    print(f"run_rl: second {sig.name}: stopped at once; records so far are in {self.out / run_dir.RECORDS};"
-          f" `run_rl --resume {self.out}` continues from the last complete checkpoint", file=sys.stderr, flush=True)
+    print(f"run_rl: second {sig.name}: stopped at once; {resume_hint(self.out)}", file=sys.stderr, flush=True)
     os._exit(EXIT_CODES.get(sig, 130))
 
   def requested(self) -> str | None:
