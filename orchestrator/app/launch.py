@@ -42,10 +42,13 @@ from orchestrator.app.run_dir import RunDirError
 from orchestrator.data.recording import RecordingError, write_recording
 from orchestrator.contract import SourceStateError, live_part
 from orchestrator.distributed import job as job_lib
+from orchestrator.distributed.admission import JobMismatchError
+from orchestrator.distributed.agreement import AgreementError, ProcessLostError
 from orchestrator.distributed.bringup import DistributedError
-from orchestrator.distributed.launcher import LAUNCHED_ENV, LocalJob
+from orchestrator.distributed.launcher import LAUNCHED_ENV, LocalJob, resume_hint
 from orchestrator.engine.presets import load_preset
 from orchestrator.live.plot import plot_rewards
+from orchestrator.recipe.loading import job_settings
 from orchestrator.remote import protocol
 
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
@@ -80,8 +83,7 @@ class StopSignals:
       print(f"\nrun_rl: {sig.name} received: stopping after the step in flight (its update applied and"
             f" checkpointed); {sig.name} again stops at once", file=sys.stderr, flush=True)
       return
-    print(f"run_rl: second {sig.name}: stopped at once; records so far are in {self.out / run_dir.RECORDS};"
-          f" `run_rl --resume {self.out}` continues from the last complete checkpoint", file=sys.stderr, flush=True)
+    print(f"run_rl: second {sig.name}: stopped at once; {resume_hint(self.out)}", file=sys.stderr, flush=True)
     os._exit(EXIT_CODES.get(sig, 130))
 
   def requested(self) -> str | None:
@@ -178,8 +180,9 @@ def execute(plan: RunPlan) -> int:
   """Runs ``plan`` in this process, or in the local processes it asks for; returns the exit code.
 
   The same order for a new run and a resumed one: join the job (exit 1 if that
-  fails); the checks, agreed by every process (one line, exit 2, on a
-  refusal); a new run claims its directory; process 0 says what runs; the run.
+  fails); its processes compared (one line, exit 2, if their recipes differ);
+  the checks, agreed by every process (one line, exit 2, on a refusal); a new
+  run claims its directory; process 0 says what runs; the run.
   """
   if plan.recipe.distributed.launches_local:
     return _launch_local(plan)
@@ -187,6 +190,9 @@ def execute(plan: RunPlan) -> int:
     job = _join(plan.recipe, plan.out)
   except DistributedError as e:
     return _refuse(e, code=1)
+  code = _admit(job, plan.recipe)
+  if code is not None:
+    return code
   checked, code = _agreed(job, lambda: _checks(plan, job))
   if code is not None:
     return code
@@ -198,6 +204,20 @@ def execute(plan: RunPlan) -> int:
   if job.is_primary:
     print(_opening_line(plan, job, host=host, point=point), file=sys.stderr)
   return _run_program(plan, source=source, resume=point, job=job)
+
+
+def _admit(job: job_lib.Job, recipe) -> int | None:
+  """Every process of a job runs the same recipe and version, checked before any device work: None, or the
+  exit code — 2 in every process for a difference (they leave the job together), 1 for a process that did
+  not come to be compared."""
+  try:
+    job.admit(job_settings(recipe))
+  except JobMismatchError as e:
+    return _refuse(e, job=job)
+  except (ProcessLostError, AgreementError) as e:  # that process is not at admission: leave without it
+    job.finish(succeeded=False)
+    return _refuse(f"{job.label}{e}", code=1)
+  return None
 
 
 def _checks(plan: RunPlan, job: job_lib.Job):

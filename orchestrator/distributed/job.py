@@ -6,7 +6,9 @@ bring-up exchange through, and the watchdog. ``single()`` is the job of a run
 of one process without a distributed runtime.
 
 The job owns what happens when its watchdog reports a lost peer
-(``on_lost_peer``, told the run's step in flight through ``current_step``).
+(``on_lost_peer``, told the run's step in flight through ``current_step``),
+and admits its processes (``admit``: the same settings and version in every
+one) before any device work.
 """
 
 from __future__ import annotations
@@ -14,9 +16,10 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
+from orchestrator.distributed import admission
 from orchestrator.distributed.agreement import KeyValueAgreement, SingleProcess
 from orchestrator.distributed.bringup import ProcessIdentity, join, key_value_client
 from orchestrator.distributed.watchdog import Watchdog
@@ -64,6 +67,18 @@ class Job:
   def report_lost_peer(self, line: str) -> None:
     """What the watchdog calls with its one line about a lost peer: hands it to ``on_lost_peer``."""
     self.on_lost_peer(self, line)
+
+  def admit(self, settings: Mapping[str, Any]) -> None:
+    """Compares ``settings`` (what must agree: the recipe less this process's identity and output paths) and
+    the version across the job's processes: the job's first exchange, before any device work. A run of one
+    process has nothing to compare.
+
+    Raises:
+      admission.JobMismatchError: in every process alike, naming the first difference.
+      ProcessLostError / AgreementError: a process did not reach admission, or is at another exchange.
+    """
+    if self.distributed and self.identity.num_processes > 1:
+      admission.admit(self.agreement, key_value_client(), settings)
 
   def first_refusal(self, refusal: Exception | None) -> str | None:
     """Every process's refusal (or None) exchanged: the first one, naming its process, or None.

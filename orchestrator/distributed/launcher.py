@@ -72,6 +72,33 @@ def _last_step(out: Path) -> int | None:
   return step if isinstance(step, int) else None
 
 
+def has_complete_checkpoint(out: Path) -> bool:
+  """Whether the run in ``out`` wrote a complete checkpoint: a step directory in its checkpoint directory
+  (``checkpoint.directory`` in its config.json, else ``out/checkpoints``). Orbax writes a checkpoint under a
+  temporary name and renames it to its step once complete, so a name of digits alone is a complete one."""
+  try:
+    config = json.loads((out / "config.json").read_text(encoding="utf-8")).get("config", {})
+    directory = (config.get("checkpoint") or {}).get("directory")
+  except (OSError, ValueError, AttributeError):
+    return False
+  checkpoints = Path(directory) if directory else out / "checkpoints"
+  try:
+    return any(p.name.isdigit() and p.is_dir() for p in checkpoints.iterdir())
+  except OSError:
+    return False
+
+
+def resume_hint(out: Path) -> str:
+  """What is left of the run in ``out`` after it died, and what to do: `--resume` only where a complete
+  checkpoint exists to continue from, else start the run again."""
+  if not (out / "config.json").is_file():
+    return "nothing was written"
+  records = f"records so far are in {out / 'records.jsonl'}"
+  if has_complete_checkpoint(out):
+    return f"{records}; `run_rl --resume {out}` continues from the last complete checkpoint"
+  return f"{records}; no checkpoint was written, so it cannot be resumed: start the run again with another --out"
+
+
 class LocalJob:
   """N local ``run_rl`` processes of one run (see the module docstring)."""
 
@@ -172,8 +199,7 @@ class LocalJob:
         lines = [l for l in logs[first].read_text(errors="replace").splitlines() if l.startswith("run_rl")]
         if lines:
           how += f": {lines[-1]}"
-    where = (f"records so far are in {self.out / 'records.jsonl'}; `run_rl --resume {self.out}` continues from the"
-             " last complete checkpoint") if (self.out / "config.json").is_file() else "nothing was written"
+    where = resume_hint(self.out)
     step = _last_step(self.out)
     if step is not None:
       how += f" while process 0 was at step {step}"

@@ -82,6 +82,11 @@ ENV_SWITCHES = {
 }
 #: Keys that name one process, never the run: not saved with it, taken anew (environment) on resume.
 PROCESS_IDENTITY_KEYS = ("distributed.process_id", "distributed.coordinator_address")
+#: Keys the processes of one job may set differently: their identity, and the outputs only process 0 writes
+#: (its run directory becomes every process's when it claims it; it alone writes a recording). Not
+#: ``checkpoint.directory``: every process writes its shards of each checkpoint there, so it must be one
+#: directory every process names alike.
+PER_PROCESS_KEYS = (*PROCESS_IDENTITY_KEYS, "run.out", "rollouts.record_to")
 
 
 @dataclasses.dataclass
@@ -161,6 +166,12 @@ def run_config_dict(recipe: Recipe) -> dict[str, Any]:
     section, leaf = key.split(".")
     out[section][leaf] = None
   return out
+
+
+def job_settings(recipe: Recipe) -> dict[str, Any]:
+  """Every key of ``recipe`` that the processes of a job must agree on, in the schema's order, with its value
+  (all but ``PER_PROCESS_KEYS``)."""
+  return {key: get(recipe, key) for key in all_keys() if key not in PER_PROCESS_KEYS}
 
 
 def format_config(resolved: ResolvedRecipe) -> str:
