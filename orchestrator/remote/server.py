@@ -7,18 +7,39 @@ driver's completion watcher never waits behind a dispatch. Receipts carry
 server-clock times and a completion id; the server's own watcher stamps when
 each computation finished, where it ran.
 
-A driver that goes away — its ``Attach`` stream ends — takes its partial step
-with it: the worker it drove is discarded (its owed update, staged input and
-accumulated gradients are never applied) and the next driver gets a fresh one
-(and restores a checkpoint to resume).
+**Sessions are the only way in.** ``Hello`` (with the token, when the server
+has one) claims the trainer and answers a session id; every other call
+carries that id in its metadata (``protocol.SESSION_HEADER``), and ``Invoke``
+is served only once the session is attached (its ``Attach`` stream open).
+``Clock`` needs the session too, attached or not: it reads no training state,
+but the driver always has the id by then, so one rule covers every call but
+``Hello``. A refused call changes nothing. The rule:
+
+* no session, or one this trainer never issued (or has forgotten: it keeps the
+  last ``DriverSessions.REMEMBERED``): ``UNAUTHENTICATED``;
+* a session it issued that no longer drives it (the driver detached, said
+  goodbye, or missed the attach deadline; a newer driver may hold the trainer
+  now), or ``Invoke`` before ``Attach``: ``FAILED_PRECONDITION``;
+* ``Hello`` while a session is claimed or attached: ``RESOURCE_EXHAUSTED``.
+
+A claim that does not attach within ``attach_deadline_s`` (default
+``ATTACH_DEADLINE_S``) of its ``Hello`` answer is dropped, so a driver killed
+between the two does not lock the trainer. A driver that goes away — its
+``Attach`` stream ends — takes its partial step with it: the worker it drove
+is discarded (its owed update, staged input and accumulated gradients are
+never applied) and the next driver gets a fresh one (and restores a checkpoint
+to resume). Between drivers nothing of the last one's state (weights, digest,
+metrics, checkpoints) is served to anyone.
 """
 
 from __future__ import annotations
 
+import collections
+import hmac
 import logging
+import secrets
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from typing import Any
@@ -32,6 +53,45 @@ from orchestrator.loop.trainer_worker import TrainerWorker
 from orchestrator.loop.watcher import CompletionWatcher
 
 log = logging.getLogger("step_boundary.remote")
+
+ATTACH_DEADLINE_S = 10.0  # Hello to Attach is 16 clock samples on the driver's side: well under a second
+
+
+class _Refused(Exception):
+  """A call refused with ``code``; ``message`` is the one line the caller sees."""
+
+  def __init__(self, code: grpc.StatusCode, message: str):
+    super().__init__(message)
+    self.code, self.message = code, message
+
+
+def _invalid(error: Exception) -> _Refused:
+  return _Refused(grpc.StatusCode.INVALID_ARGUMENT, f"ValueError: {error}")
+
+
+def _one_line(error: BaseException, limit: int = 300) -> str:
+  text = " ".join(str(error).split()) or "(no message)"
+  return f"{type(error).__name__}: {text if len(text) <= limit else text[:limit] + '...'}"
+
+
+def _guarded(call: str, body: Callable[[Any, Any], bytes]) -> Callable[[Any, Any], bytes]:
+  """``body`` as a unary handler whose refusals reach the caller as their status."""
+  def handle(request, context):
+    try:
+      return body(request, context)
+    except _Refused as refusal:
+      context.abort(refusal.code, refusal.message)
+  return handle
+
+
+def _guarded_stream(call: str, body: Callable[[Any, Any], Iterator[bytes]]) -> Callable[[Any, Any], Iterator[bytes]]:
+  """``_guarded`` for a handler that answers a stream."""
+  def handle(request, context):
+    try:
+      yield from body(request, context)
+    except _Refused as refusal:
+      context.abort(refusal.code, refusal.message)
+  return handle
 
 
 def _receipt_json(receipt, ids: Callable[[Any, str, int, int], int | None]) -> dict | None:
@@ -58,6 +118,143 @@ def _number(value: Any) -> Any:
     return str(value)
 
 
+class DriverSessions:
+  """Who may drive the trainer: at most one session, claimed by ``Hello`` and attached by ``Attach``.
+
+  ``claim`` hands out a session; ``open_attach_window`` starts its attach deadline (after the trainer is
+  ready, so building a fresh worker does not eat into it); a claim still not attached when the deadline
+  passes is retired by a timer, which then calls ``on_expired(session)`` outside the lock. Retired ids
+  are remembered (the last ``REMEMBERED``) so that a stale session is told apart from one never issued.
+  Thread-safe.
+  """
+
+  REMEMBERED = 256
+
+  def __init__(self, attach_deadline_s: float, on_expired: Callable[[str], None]):
+    if not attach_deadline_s > 0:
+      raise ValueError(f"attach_deadline_s={attach_deadline_s!r}: give a positive number of seconds")
+    self.attach_deadline_s = attach_deadline_s
+    self._on_expired = on_expired
+    self._lock = threading.Lock()
+    self._current: str | None = None
+    self._attached = False
+    self._claimed_at = 0.0  # time.time(), for the refusal's text
+    self._attach_by: float | None = None  # time.monotonic(); None while Hello is still preparing
+    self._timer: threading.Timer | None = None
+    self._retired: collections.deque[str] = collections.deque(maxlen=self.REMEMBERED)
+    self._worker_driven = False  # an attached driver may have changed the worker since it was built
+
+  def claim(self) -> tuple[str, bool]:
+    """A new session and whether the worker needs rebuilding (a driver attached since it was built).
+
+    Raises:
+      _Refused: RESOURCE_EXHAUSTED, a session is claimed or attached.
+    """
+    with self._lock:
+      if self._current is not None:
+        raise _Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, self._held_text())
+      self._current, self._attached, self._attach_by = secrets.token_hex(16), False, None
+      self._claimed_at = time.time()
+      needs_fresh_worker, self._worker_driven = self._worker_driven, False
+      return self._current, needs_fresh_worker
+
+  def _held_text(self) -> str:
+    held_s = time.time() - self._claimed_at
+    if self._attached:
+      return (f"another driver has held this trainer for {held_s:.0f} s; one driver at a time: stop it, or wait"
+              " for it to finish")
+    if self._attach_by is None:
+      return (f"another driver's Hello has been preparing this trainer for {held_s:.0f} s; one driver at a"
+              " time: wait for it to attach or give up")
+    left_s = max(0.0, self._attach_by - time.monotonic())
+    return (f"another driver said Hello {held_s:.0f} s ago and has {left_s:.1f} s left to attach; one driver at"
+            " a time: retry after that")
+
+  def open_attach_window(self, session: str) -> None:
+    """Starts ``session``'s attach deadline."""
+    with self._lock:
+      if session != self._current:
+        return
+      self._attach_by = time.monotonic() + self.attach_deadline_s
+      self._timer = threading.Timer(self.attach_deadline_s, self._expire, args=(session,))
+      self._timer.daemon = True
+      self._timer.start()
+
+  def _expire(self, session: str) -> None:
+    with self._lock:
+      if session != self._current or self._attached:
+        return
+      self._retire_locked()
+    self._on_expired(session)
+
+  def abandon(self, session: str) -> None:
+    """Retires ``session`` whose Hello failed; the next Hello rebuilds the worker."""
+    with self._lock:
+      if session == self._current:
+        self._retire_locked()
+      self._worker_driven = True
+
+  def attach(self, session: str | None) -> None:
+    """Marks ``session`` attached.
+
+    Raises:
+      _Refused: the session rule (module docstring); FAILED_PRECONDITION when it is attached already or
+        its deadline passed.
+    """
+    with self._lock:
+      self._require_locked(session)
+      if self._attached:
+        raise _Refused(grpc.StatusCode.FAILED_PRECONDITION,
+                       "this session is attached already; a driver holds one Attach stream")
+      if self._attach_by is None or time.monotonic() > self._attach_by:
+        raise _Refused(grpc.StatusCode.FAILED_PRECONDITION,
+                       f"this session did not attach within {self.attach_deadline_s:g} s of Hello; say Hello again")
+      self._attached = self._worker_driven = True
+      if self._timer is not None:
+        self._timer.cancel()
+
+  def check(self, session: str | None, *, attached: bool) -> None:
+    """Returns if ``session`` is the current one (and, with ``attached``, attached).
+
+    Raises:
+      _Refused: the session rule (module docstring).
+    """
+    with self._lock:
+      self._require_locked(session)
+      if attached and not self._attached:
+        raise _Refused(grpc.StatusCode.FAILED_PRECONDITION,
+                       "this session has not attached yet; open its Attach stream before any worker call")
+
+  def release(self, session: str | None) -> bool:
+    """Retires ``session`` if it is the current one; returns whether it was."""
+    with self._lock:
+      if session is None or session != self._current:
+        return False
+      self._retire_locked()
+      return True
+
+  def _retire_locked(self) -> None:
+    self._retired.append(self._current)
+    self._current, self._attached, self._attach_by = None, False, None
+    if self._timer is not None:
+      self._timer.cancel()
+      self._timer = None
+
+  def _require_locked(self, session: str | None) -> None:
+    if session is None:
+      raise _Refused(grpc.StatusCode.UNAUTHENTICATED,
+                     f"the call carries no trainer session (metadata {protocol.SESSION_HEADER}); say Hello and"
+                     " Attach first")
+    if self._current is not None and hmac.compare_digest(session.encode(), self._current.encode()):
+      return
+    if session in self._retired:
+      raise _Refused(grpc.StatusCode.FAILED_PRECONDITION,
+                     f"session {session[:8]}... no longer drives this trainer (its driver detached, said goodbye"
+                     f" or did not attach within {self.attach_deadline_s:g} s of Hello); reconnect with Hello")
+    raise _Refused(grpc.StatusCode.UNAUTHENTICATED,
+                   f"session {session[:8]!r}... is not one this trainer issued; say Hello and Attach first")
+
+
 class TrainerService:
   """The gRPC handlers; see the module docstring.
 
@@ -67,25 +264,25 @@ class TrainerService:
     recipe_digest: ``protocol.recipe_digest`` of the recipe the worker was built from.
     token: the shared token, or None (loopback only; checked by ``serve``).
     limits: message size limit.
-    on_driver_left: called (outside any lock) after a driver leaves, however it left.
+    on_driver_left: called (outside any lock) after a driver leaves, however it left (a claim that missed
+      its attach deadline included).
     make_rig_host: builds the rig's instrumentation over each new engine (``orchestrator.rig.remote_host.RigHost``,
       handed in so that this package never imports the rig); None: the ``rig_*`` calls are refused.
+    attach_deadline_s: how long after its ``Hello`` answer a driver has to open ``Attach`` before its claim
+      is dropped and the next ``Hello`` may take the trainer.
   """
 
   def __init__(self, make_engine: Callable[[], Any], *, recipe_digest: str, token: str | None,
                limits: protocol.Limits = protocol.Limits(), on_driver_left: Callable[[], None] | None = None,
-               make_rig_host: Callable[[Any], Any] | None = None):
+               make_rig_host: Callable[[Any], Any] | None = None, attach_deadline_s: float = ATTACH_DEADLINE_S):
     self._on_driver_left = on_driver_left
     self._make_rig_host = make_rig_host
     self._make_engine = make_engine
     self._new_worker()
-    self._used = False
     self._recipe_digest = recipe_digest
     self._token = token
     self._limits = limits
-    self._driver: str | None = None
-    self._driver_since = 0.0
-    self._state = threading.Lock()
+    self._sessions = DriverSessions(attach_deadline_s, on_expired=self._claim_expired)
     self._calls = threading.Lock()
     self._watcher = CompletionWatcher()
     self._next_id = 0
@@ -96,107 +293,118 @@ class TrainerService:
     self._rig = self._make_rig_host(self._engine) if self._make_rig_host else None
 
   # ------------------------------------------------------------------ access
-  def _check(self, context, *, session: bool = True) -> None:
+  def _session_of(self, context) -> str | None:
+    """The call's session id, after its token is checked."""
     meta = dict(context.invocation_metadata())
     if not protocol.tokens_match(meta.get(protocol.TOKEN_HEADER), self._token):
-      context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                    "wrong or missing trainer token; give the server's token (trainer.token_file or"
-                    f" ${protocol.TOKEN_ENV})")
-    if session and meta.get(protocol.SESSION_HEADER) != self._driver:
-      context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                    "this client is not the trainer's current driver (it was dropped, or never said Hello);"
-                    " reconnect")
+      raise _Refused(grpc.StatusCode.UNAUTHENTICATED,
+                     "wrong or missing trainer token; give the server's token (trainer.token_file or"
+                     f" ${protocol.TOKEN_ENV})")
+    return meta.get(protocol.SESSION_HEADER)
+
+  def _decode(self, message: bytes):
+    try:
+      return wire.decode(message)
+    except wire.WireError as e:
+      raise _invalid(e) from None
 
   def hello(self, request: bytes, context) -> bytes:
-    self._check(context, session=False)
-    header, _ = self._decode(request, context)
+    """The handshake: checks version and recipe, claims the trainer, answers the session and capabilities."""
+    self._session_of(context)  # the token only: Hello is where a session begins
+    header, _ = self._decode(request)
     if header.get("protocol") != protocol.PROTOCOL_VERSION:
-      context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                    f"protocol version {header.get('protocol')!r} does not match the trainer's"
-                    f" {protocol.PROTOCOL_VERSION}; run the same step-boundary version on both ends")
+      raise _Refused(grpc.StatusCode.FAILED_PRECONDITION,
+                     f"protocol version {header.get('protocol')!r} does not match the trainer's"
+                     f" {protocol.PROTOCOL_VERSION}; run the same step-boundary version on both ends")
     if header.get("recipe_digest") != self._recipe_digest:
-      context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                    f"the driver's recipe (model/engine/batch/mesh digest {header.get('recipe_digest')}) is not"
-                    f" the one the trainer was started with ({self._recipe_digest}); start serve-trainer with"
-                    " the same recipe")
-    with self._state:
-      if self._driver is not None:
-        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                      f"another driver has held this trainer for {time.time() - self._driver_since:.0f} s;"
-                      " one driver at a time: stop it, or wait for it to finish")
-      if self._used:  # the previous driver's state (and any partial step) goes with it
-        self._new_worker()
-      self._used = False
-      self._driver, self._driver_since = uuid.uuid4().hex, time.time()
-      caps = self._worker.capabilities
-      return wire.encode({"session": self._driver, "protocol": protocol.PROTOCOL_VERSION,
-                          "server_time": time.perf_counter(),
-                          "capabilities": {"can_stage": caps.can_stage,
-                                           "missing_staging_methods": list(caps.missing_staging_methods),
-                                           "can_checkpoint": caps.can_checkpoint,
-                                           "can_export_weights": caps.can_export_weights}})
+      raise _Refused(grpc.StatusCode.FAILED_PRECONDITION,
+                     f"the driver's recipe (model/engine/batch/mesh digest {header.get('recipe_digest')!r}) is not"
+                     f" the one the trainer was started with ({self._recipe_digest}); start serve-trainer with"
+                     " the same recipe")
+    session, needs_fresh_worker = self._sessions.claim()
+    try:
+      with self._calls:  # after any call of the last driver still in flight
+        if needs_fresh_worker:  # the previous driver's state (and any partial step) goes with it
+          self._new_worker()
+        caps = self._worker.capabilities
+    except BaseException:
+      self._sessions.abandon(session)  # the trainer is not left claimed by a Hello that failed
+      raise
+    self._sessions.open_attach_window(session)
+    return wire.encode({"session": session, "protocol": protocol.PROTOCOL_VERSION,
+                        "server_time": time.perf_counter(),
+                        "attach_deadline_s": self._sessions.attach_deadline_s,
+                        "capabilities": {"can_stage": caps.can_stage,
+                                         "missing_staging_methods": list(caps.missing_staging_methods),
+                                         "can_checkpoint": caps.can_checkpoint,
+                                         "can_export_weights": caps.can_export_weights}})
 
   def clock(self, request: bytes, context) -> bytes:
-    self._check(context, session=False)
+    self._sessions.check(self._session_of(context), attached=False)
     return wire.encode({"server_time": time.perf_counter()})
 
   def attach(self, request: bytes, context) -> Iterator[bytes]:
-    """The driver's lifeline: heartbeats until it goes; then its state is dropped."""
-    self._check(context)
-    session = dict(context.invocation_metadata()).get(protocol.SESSION_HEADER)
+    """The driver's lifeline: one message at once (it is attached), heartbeats until it goes; then its state
+    is dropped."""
+    session = self._session_of(context)
+    self._sessions.attach(session)
     gone = threading.Event()
     context.add_callback(gone.set)
     try:
+      yield wire.encode({"attached": True, "server_time": time.perf_counter()})
       while not gone.wait(protocol.HEARTBEAT_S) and context.is_active():
         yield wire.encode({"server_time": time.perf_counter()})
     finally:
       self._release(session, "its connection ended")
 
   def _release(self, session: str | None, why: str) -> None:
-    with self._state:
-      if session is None or session != self._driver:
-        return
-      self._driver = None
-      owed = self._worker.update_owed or self._worker.has_staged
-      self._used = True
-      log.warning("trainer: the driver left (%s)%s; a new driver gets a fresh trainer", why,
-                  "; its owed update and staged input were dropped" if owed else "")
+    if not self._sessions.release(session):
+      return
+    owed = self._worker.update_owed or self._worker.has_staged
+    log.warning("trainer: the driver left (%s)%s; a new driver gets a fresh trainer", why,
+                "; its owed update and staged input were dropped" if owed else "")
+    if self._on_driver_left is not None:
+      self._on_driver_left()
+
+  def _claim_expired(self, session: str) -> None:
+    log.warning("trainer: a driver said Hello but did not attach within %g s; the trainer takes a new driver",
+                self._sessions.attach_deadline_s)
     if self._on_driver_left is not None:
       self._on_driver_left()
 
   # ------------------------------------------------------------------ calls
-  def _decode(self, message: bytes, context):
-    try:
-      return wire.decode(message)
-    except wire.WireError as e:
-      context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-
   def invoke(self, request_iterator, context) -> Iterator[bytes]:
-    self._check(context)
+    """One worker call, for the attached driver's session only."""
+    session = self._session_of(context)
+    self._sessions.check(session, attached=True)  # before reading the request: no session, no bytes read
     try:
       message = wire.join(request_iterator, self._limits.max_message_bytes)
     except wire.MessageTooLarge as e:
-      context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-    header, arrays = self._decode(message, context)
+      raise _Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
+    header, arrays = self._decode(message)
     method = header.get("method")
     if method == "wait_ready":  # never behind the worker lock
-      reply = self._wait_ready(header, context)
+      reply = self._wait_ready(header)
     elif method == "bye":
-      self._release(dict(context.invocation_metadata()).get(protocol.SESSION_HEADER), "it said goodbye")
+      self._release(session, "it said goodbye")
       reply = wire.encode({})
     else:
-      handler = getattr(self, f"_do_{method}", None) if isinstance(method, str) else None
-      if handler is None:
-        context.abort(grpc.StatusCode.UNIMPLEMENTED, f"unknown trainer method {method!r}")
-      with self._calls:
-        self._used = True
-        try:
-          reply = handler(header, arrays)
-        except WorkerUsageError as e:
-          context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"WorkerUsageError: {e}")
-        except (ValueError, wire.WireError) as e:
-          context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"ValueError: {e}")
+      reply = self._run(session, method, header, arrays)
     yield from wire.chunks(reply)
+
+  def _run(self, session: str, method: Any, header: dict, arrays: dict) -> bytes:
+    """``_do_<method>`` under the worker lock; misuse and bad values come back as what they are."""
+    handler = getattr(self, f"_do_{method}", None) if isinstance(method, str) else None
+    if handler is None:
+      raise _Refused(grpc.StatusCode.UNIMPLEMENTED, f"unknown trainer method {method!r}")
+    with self._calls:
+      self._sessions.check(session, attached=True)  # it may have left while this call waited for the lock
+      try:
+        return handler(header, arrays)
+      except WorkerUsageError as e:
+        raise _Refused(grpc.StatusCode.FAILED_PRECONDITION, f"WorkerUsageError: {e}") from None
+      except ValueError as e:
+        raise _invalid(e) from None
 
   def _watch(self, ready, kind: str, step: int, micro_step: int) -> int:
     self._next_id += 1
@@ -204,16 +412,17 @@ class TrainerService:
                         dispatched_at=time.perf_counter())
     return self._next_id
 
-  def _wait_ready(self, header, context) -> bytes:
+  def _wait_ready(self, header) -> bytes:
+    computation = int(header["id"])
     try:
-      ready_at = self._watcher.ready_at(int(header["id"]), timeout_s=float(header.get("timeout_s", 60)))
+      ready_at = self._watcher.ready_at(computation, timeout_s=float(header.get("timeout_s", 60)))
     except KeyError:
-      context.abort(grpc.StatusCode.NOT_FOUND, f"no computation {header.get('id')!r} on this trainer")
+      raise _Refused(grpc.StatusCode.NOT_FOUND, f"no computation {computation} on this trainer") from None
     except TimeoutError as e:
-      context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
-    item = self._watcher.get(int(header["id"]))
+      raise _Refused(grpc.StatusCode.DEADLINE_EXCEEDED, str(e)) from None
+    item = self._watcher.get(computation)
     if item is not None and item.error is not None:
-      context.abort(grpc.StatusCode.INTERNAL, f"the computation failed: {item.error!r}")
+      raise _Refused(grpc.StatusCode.INTERNAL, f"the computation failed: {_one_line(item.error)}")
     return wire.encode({"ready_at": ready_at})
 
   def _receipt(self, receipt) -> bytes:
@@ -287,11 +496,12 @@ class TrainerService:
 
   # ------------------------------------------------------------------ gRPC wiring
   def handler(self) -> grpc.GenericRpcHandler:
+    """The four methods, each behind a guard that turns a refusal into its status."""
     return grpc.method_handlers_generic_handler(protocol.SERVICE, {
-        "Hello": grpc.unary_unary_rpc_method_handler(self.hello),
-        "Clock": grpc.unary_unary_rpc_method_handler(self.clock),
-        "Attach": grpc.unary_stream_rpc_method_handler(self.attach),
-        "Invoke": grpc.stream_stream_rpc_method_handler(self.invoke),
+        "Hello": grpc.unary_unary_rpc_method_handler(_guarded("Hello", self.hello)),
+        "Clock": grpc.unary_unary_rpc_method_handler(_guarded("Clock", self.clock)),
+        "Attach": grpc.unary_stream_rpc_method_handler(_guarded_stream("Attach", self.attach)),
+        "Invoke": grpc.stream_stream_rpc_method_handler(_guarded_stream("Invoke", self.invoke)),
     })
 
 
