@@ -30,6 +30,14 @@ is discarded (its owed update, staged input and accumulated gradients are
 never applied) and the next driver gets a fresh one (and restores a checkpoint
 to resume). Between drivers nothing of the last one's state (weights, digest,
 metrics, checkpoints) is served to anyone.
+
+**Validate, then act.** Every request is checked whole before it changes
+anything (``wire.decode`` and the per-method checks in ``_REQUEST_CHECKS``,
+then the worker's own preconditions); a refused one leaves the state as it
+was. The status says which kind of refusal it was: a malformed request is
+``INVALID_ARGUMENT`` ("ValueError: ...", raised as ``ValueError`` by the
+client) and misuse of the worker is ``FAILED_PRECONDITION`` ("WorkerUsageError:
+...", raised as ``WorkerUsageError``).
 """
 
 from __future__ import annotations
@@ -55,6 +63,7 @@ from orchestrator.loop.watcher import CompletionWatcher
 log = logging.getLogger("step_boundary.remote")
 
 ATTACH_DEADLINE_S = 10.0  # Hello to Attach is 16 clock samples on the driver's side: well under a second
+MAX_WAIT_READY_S = 24 * 3600.0  # a completion wait longer than this is a mistake (trainer.timeout_s is 120 s)
 
 
 class _Refused(Exception):
@@ -116,6 +125,60 @@ def _number(value: Any) -> Any:
     return float(value)
   except (TypeError, ValueError):
     return str(value)
+
+
+# ------------------------------------------------------------------ request checks (before anything acts)
+def _no_fields(header, arrays) -> None:
+  """The method reads nothing from its request."""
+
+
+def _dispatch_fields(header, arrays) -> None:
+  wire.read_flag(header, "apply_optimizer")
+  wire.read_flag(header, "defer_update")
+
+
+def _payload_fields(header, arrays) -> None:
+  wire.decode_payload(header, arrays)
+  _dispatch_fields(header, arrays)
+
+
+def _wait_ready_fields(header, arrays) -> None:
+  wire.read_int(header, "id", required=True)
+  wire.read_seconds(header, "timeout_s", default_s=60.0, maximum_s=MAX_WAIT_READY_S)
+
+
+def _save_checkpoint_fields(header, arrays) -> None:
+  metadata = header.get("metadata", {})
+  if not isinstance(metadata, dict):
+    raise wire.WireError(f"save_checkpoint: metadata must be a JSON object, not {type(metadata).__name__}")
+
+
+def _restore_checkpoint_fields(header, arrays) -> None:
+  step = header.get("step")
+  if step is not None and (type(step) is not int or step < 0):  # type(): a JSON true is no step
+    raise wire.WireError(f"restore_checkpoint: step {step!r:.80} is not a checkpoint step; give a non-negative"
+                         " integer (or leave it out for the latest)")
+
+
+#: What each Invoke method's request must hold; a method not listed is UNIMPLEMENTED.
+_REQUEST_CHECKS: dict[str, Callable[[dict, dict], None]] = {
+    "fwd_bwd": _payload_fields,
+    "stage": lambda header, arrays: wire.decode_payload(header, arrays),
+    "fwd_bwd_staged": _dispatch_fields,
+    "apply_deferred_update": lambda header, arrays: wire.read_flag(header, "then_dispatch_staged"),
+    "update": _no_fields,
+    "wait_for_device": _no_fields,
+    "get_metrics": _no_fields,
+    "export_weights": _no_fields,
+    "echo": _no_fields,
+    "state_digest": _no_fields,
+    "save_checkpoint": _save_checkpoint_fields,
+    "restore_checkpoint": _restore_checkpoint_fields,
+    "rig_begin_arm": lambda header, arrays: wire.read_text(header, "fault"),
+    "rig_end_arm": _no_fields,
+    "wait_ready": _wait_ready_fields,
+    "bye": _no_fields,
+}
 
 
 class DriverSessions:
@@ -291,6 +354,9 @@ class TrainerService:
     self._engine = self._make_engine()
     self._worker = TrainerWorker(self._engine)
     self._rig = self._make_rig_host(self._engine) if self._make_rig_host else None
+    # Micro-batches run since the last update (None: unknown, after a rig arm); the engine refuses update()
+    # with none as a RuntimeError, which is checked here first so that the driver hears misuse, not a failure.
+    self._micro_batches_since_update: int | None = 0
 
   # ------------------------------------------------------------------ access
   def _session_of(self, context) -> str | None:
@@ -374,7 +440,7 @@ class TrainerService:
 
   # ------------------------------------------------------------------ calls
   def invoke(self, request_iterator, context) -> Iterator[bytes]:
-    """One worker call, for the attached driver's session only."""
+    """One worker call: the session, then the whole request, are checked before the worker is touched."""
     session = self._session_of(context)
     self._sessions.check(session, attached=True)  # before reading the request: no session, no bytes read
     try:
@@ -383,6 +449,14 @@ class TrainerService:
       raise _Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
     header, arrays = self._decode(message)
     method = header.get("method")
+    check = _REQUEST_CHECKS.get(method) if isinstance(method, str) else None
+    if check is None:
+      raise _Refused(grpc.StatusCode.UNIMPLEMENTED, f"unknown trainer method {method!r:.80}; the client and the"
+                     f" trainer run different step-boundary versions (known: {', '.join(sorted(_REQUEST_CHECKS))})")
+    try:
+      check(header, arrays)
+    except (ValueError, TypeError) as e:  # wire.WireError is a ValueError
+      raise _invalid(e) from None
     if method == "wait_ready":  # never behind the worker lock
       reply = self._wait_ready(header)
     elif method == "bye":
@@ -392,19 +466,19 @@ class TrainerService:
       reply = self._run(session, method, header, arrays)
     yield from wire.chunks(reply)
 
-  def _run(self, session: str, method: Any, header: dict, arrays: dict) -> bytes:
+  def _run(self, session: str, method: str, header: dict, arrays: dict) -> bytes:
     """``_do_<method>`` under the worker lock; misuse and bad values come back as what they are."""
-    handler = getattr(self, f"_do_{method}", None) if isinstance(method, str) else None
-    if handler is None:
-      raise _Refused(grpc.StatusCode.UNIMPLEMENTED, f"unknown trainer method {method!r}")
     with self._calls:
       self._sessions.check(session, attached=True)  # it may have left while this call waited for the lock
       try:
-        return handler(header, arrays)
+        reply = getattr(self, f"_do_{method}")(header, arrays)
       except WorkerUsageError as e:
         raise _Refused(grpc.StatusCode.FAILED_PRECONDITION, f"WorkerUsageError: {e}") from None
       except ValueError as e:
         raise _invalid(e) from None
+      if method == "restore_checkpoint":  # the engine's accumulation starts over at the restored step
+        self._micro_batches_since_update = 0
+      return reply
 
   def _watch(self, ready, kind: str, step: int, micro_step: int) -> int:
     self._next_id += 1
@@ -413,9 +487,10 @@ class TrainerService:
     return self._next_id
 
   def _wait_ready(self, header) -> bytes:
-    computation = int(header["id"])
+    computation = wire.read_int(header, "id", required=True)
+    timeout_s = wire.read_seconds(header, "timeout_s", default_s=60.0, maximum_s=MAX_WAIT_READY_S)
     try:
-      ready_at = self._watcher.ready_at(computation, timeout_s=float(header.get("timeout_s", 60)))
+      ready_at = self._watcher.ready_at(computation, timeout_s=timeout_s)
     except KeyError:
       raise _Refused(grpc.StatusCode.NOT_FOUND, f"no computation {computation} on this trainer") from None
     except TimeoutError as e:
@@ -428,31 +503,54 @@ class TrainerService:
   def _receipt(self, receipt) -> bytes:
     return wire.encode({"receipt": _receipt_json(receipt, self._watch)})
 
+  def _counted(self, receipt):
+    """``receipt`` of a micro-batch, counted towards the next update (reset when it applied one)."""
+    if receipt.update is not None:
+      self._micro_batches_since_update = 0
+    elif self._micro_batches_since_update is not None:
+      self._micro_batches_since_update += 1
+    return receipt
+
   def _do_fwd_bwd(self, header, arrays) -> bytes:
     payload = wire.decode_payload(header, arrays)
-    return self._receipt(self._worker.fwd_bwd(payload, apply_optimizer=bool(header.get("apply_optimizer")),
-                                              defer_update=bool(header.get("defer_update"))))
+    return self._receipt(self._counted(self._worker.fwd_bwd(
+        payload, apply_optimizer=wire.read_flag(header, "apply_optimizer"),
+        defer_update=wire.read_flag(header, "defer_update"))))
 
   def _do_stage(self, header, arrays) -> bytes:
     stage = self._worker.stage_fwd_bwd(wire.decode_payload(header, arrays))
     return wire.encode({"stage_s": stage.stage_s, "input_digest": stage.input_digest})
 
   def _do_fwd_bwd_staged(self, header, arrays) -> bytes:
-    return self._receipt(self._worker.fwd_bwd_staged(apply_optimizer=bool(header.get("apply_optimizer")),
-                                                     defer_update=bool(header.get("defer_update"))))
+    return self._receipt(self._counted(self._worker.fwd_bwd_staged(
+        apply_optimizer=wire.read_flag(header, "apply_optimizer"),
+        defer_update=wire.read_flag(header, "defer_update"))))
 
   def _do_apply_deferred_update(self, header, arrays) -> bytes:
-    """The owed update; with ``then_dispatch_staged``, the staged input right after it (one round trip)."""
+    """The owed update; with ``then_dispatch_staged``, the staged input right after it (one round trip).
+
+    Both halves are checked before the update runs: a request whose second half would be refused changes nothing.
+    """
+    then_dispatch_staged = wire.read_flag(header, "then_dispatch_staged")
+    if then_dispatch_staged and not self._worker.has_staged:
+      raise WorkerUsageError("apply_deferred_update(then_dispatch_staged=True): nothing is staged, so the update"
+                             " was not applied either; stage an input first, or send then_dispatch_staged=false")
     start = time.perf_counter()
     applied = self._worker.apply_deferred_update()
     call_s = time.perf_counter() - start
-    staged = self._worker.fwd_bwd_staged() if header.get("then_dispatch_staged") else None
+    self._micro_batches_since_update = 0
+    staged = self._counted(self._worker.fwd_bwd_staged()) if then_dispatch_staged else None
     return wire.encode({"device_wait_s": applied.device_wait_s, "call_s": call_s,
                         "receipt": _receipt_json(applied.update, self._watch),
                         "staged_receipt": _receipt_json(staged, self._watch)})
 
   def _do_update(self, header, arrays) -> bytes:
-    return self._receipt(self._worker.update())
+    if self._micro_batches_since_update == 0 and not self._worker.update_owed:
+      raise WorkerUsageError("update: no micro-batch ran since the last update, so there is nothing to apply;"
+                             " run fwd_bwd at least once per step")
+    receipt = self._worker.update()
+    self._micro_batches_since_update = 0
+    return self._receipt(receipt)
 
   def _do_wait_for_device(self, header, arrays) -> bytes:
     return wire.encode({"waited_s": self._worker.wait_for_device()})
@@ -474,7 +572,8 @@ class TrainerService:
     """The rig: back to the state the first arm started from, with the engine's calls recorded."""
     if self._rig is None:
       raise WorkerUsageError("this trainer was started without the rig's host; serve it with run_rl serve-trainer")
-    self._worker = TrainerWorker(self._rig.begin_arm(header.get("fault")))
+    self._worker = TrainerWorker(self._rig.begin_arm(wire.read_text(header, "fault")))
+    self._micro_batches_since_update = None  # the rig's starting state, whatever it had accumulated
     return wire.encode(self._rig.info())
 
   def _do_rig_end_arm(self, header, arrays) -> bytes:
@@ -483,6 +582,7 @@ class TrainerService:
       raise WorkerUsageError("this trainer was started without the rig's host; serve it with run_rl serve-trainer")
     events, compiles = self._rig.end_arm()
     self._worker = TrainerWorker(self._engine)
+    self._micro_batches_since_update = None
     return wire.encode({"events": events, "compiles": compiles})
 
   def _do_state_digest(self, header, arrays) -> bytes:
