@@ -13,7 +13,12 @@ the rig run unchanged. What differs is made explicit:
   A deferred update's device wait is what the driver saw: the call's time less
   the update's own dispatch on the server.
 * **Faults.** Every call has a timeout (``Limits.timeout_s``). A server that
-  stops answering raises ``TrainerLostError`` naming the step and micro-batch.
+  stops answering, or fails on its side (``INTERNAL``), raises
+  ``TrainerLostError`` naming the step and micro-batch. Misuse the server
+  refuses (``FAILED_PRECONDITION`` "WorkerUsageError: ...") raises
+  ``WorkerUsageError`` and a malformed value (``INVALID_ARGUMENT``
+  "ValueError: ...") ``ValueError``, as the local worker would; any other
+  refusal is a ``TrainerRefusedError``.
 * **The session.** ``Hello`` answers a session id that every later call
   carries; the constructor opens the ``Attach`` stream and returns only once
   the server confirms it (the server serves no worker call before), and holds
@@ -139,6 +144,10 @@ class RemoteTrainerWorker:
       raise WorkerUsageError(detail.removeprefix("WorkerUsageError: ")) from None
     if code == grpc.StatusCode.INVALID_ARGUMENT and detail.startswith("ValueError: "):
       raise ValueError(detail.removeprefix("ValueError: ")) from None
+    if code == grpc.StatusCode.INTERNAL:  # the trainer answered, but failed on its side (its log has more)
+      raise TrainerLostError(
+          f"the trainer at {self.address} failed during step {self._step}, micro-batch {self._micro} ({call}:"
+          f" INTERNAL after {time.perf_counter() - started:.1f} s): {detail}") from None
     if code in _LOST or code is None:
       raise TrainerLostError(
           f"the trainer at {self.address} stopped answering during step {self._step}, micro-batch"

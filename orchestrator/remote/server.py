@@ -36,8 +36,10 @@ anything (``wire.decode`` and the per-method checks in ``_REQUEST_CHECKS``,
 then the worker's own preconditions); a refused one leaves the state as it
 was. The status says which kind of refusal it was: a malformed request is
 ``INVALID_ARGUMENT`` ("ValueError: ...", raised as ``ValueError`` by the
-client) and misuse of the worker is ``FAILED_PRECONDITION`` ("WorkerUsageError:
-...", raised as ``WorkerUsageError``).
+client), misuse of the worker is ``FAILED_PRECONDITION`` ("WorkerUsageError:
+...", raised as ``WorkerUsageError``), and anything else that fails on the
+server is logged here with its traceback and answered ``INTERNAL`` in one line
+— never ``UNKNOWN``.
 """
 
 from __future__ import annotations
@@ -83,12 +85,22 @@ def _one_line(error: BaseException, limit: int = 300) -> str:
   return f"{type(error).__name__}: {text if len(text) <= limit else text[:limit] + '...'}"
 
 
+def _failure(call: str, error: Exception) -> _Refused:
+  """The last resort: ``error`` logged here with its traceback, and one ``INTERNAL`` line for the caller."""
+  log.error("trainer: %s failed", call, exc_info=error)
+  return _Refused(grpc.StatusCode.INTERNAL, f"{call} failed on the trainer: {_one_line(error)}; the trainer's log"
+                  " has the traceback")
+
+
 def _guarded(call: str, body: Callable[[Any, Any], bytes]) -> Callable[[Any, Any], bytes]:
-  """``body`` as a unary handler whose refusals reach the caller as their status."""
+  """``body`` as a unary handler whose every error reaches the caller as a status, never ``UNKNOWN``."""
   def handle(request, context):
     try:
       return body(request, context)
     except _Refused as refusal:
+      context.abort(refusal.code, refusal.message)
+    except Exception as error:  # the last resort: logged, then one line
+      refusal = _failure(call, error)
       context.abort(refusal.code, refusal.message)
   return handle
 
@@ -99,6 +111,9 @@ def _guarded_stream(call: str, body: Callable[[Any, Any], Iterator[bytes]]) -> C
     try:
       yield from body(request, context)
     except _Refused as refusal:
+      context.abort(refusal.code, refusal.message)
+    except Exception as error:  # the last resort: logged, then one line
+      refusal = _failure(call, error)
       context.abort(refusal.code, refusal.message)
   return handle
 
@@ -476,6 +491,8 @@ class TrainerService:
         raise _Refused(grpc.StatusCode.FAILED_PRECONDITION, f"WorkerUsageError: {e}") from None
       except ValueError as e:
         raise _invalid(e) from None
+      except Exception as e:  # logged under the worker method's name; the guard sends the line
+        raise _failure(method, e) from None
       if method == "restore_checkpoint":  # the engine's accumulation starts over at the restored step
         self._micro_batches_since_update = 0
       return reply
@@ -596,7 +613,7 @@ class TrainerService:
 
   # ------------------------------------------------------------------ gRPC wiring
   def handler(self) -> grpc.GenericRpcHandler:
-    """The four methods, each behind a guard that turns a refusal into its status."""
+    """The four methods, each behind a guard: a refusal becomes its status, any other error ``INTERNAL``."""
     return grpc.method_handlers_generic_handler(protocol.SERVICE, {
         "Hello": grpc.unary_unary_rpc_method_handler(_guarded("Hello", self.hello)),
         "Clock": grpc.unary_unary_rpc_method_handler(_guarded("Clock", self.clock)),
