@@ -13,9 +13,17 @@ the rig run unchanged. What differs is made explicit:
   A deferred update's device wait is what the driver saw: the call's time less
   the update's own dispatch on the server.
 * **Faults.** Every call has a timeout (``Limits.timeout_s``). A server that
-  stops answering raises ``TrainerLostError`` naming the step and micro-batch.
-  The driver holds an ``Attach`` stream for as long as it drives; if it dies
-  the server drops its partial step.
+  stops answering, or fails on its side (``INTERNAL``), raises
+  ``TrainerLostError`` naming the step and micro-batch. Misuse the server
+  refuses (``FAILED_PRECONDITION`` "WorkerUsageError: ...") raises
+  ``WorkerUsageError`` and a malformed value (``INVALID_ARGUMENT``
+  "ValueError: ...") ``ValueError``, as the local worker would; any other
+  refusal is a ``TrainerRefusedError``.
+* **The session.** ``Hello`` answers a session id that every later call
+  carries; the constructor opens the ``Attach`` stream and returns only once
+  the server confirms it (the server serves no worker call before), and holds
+  it for as long as it drives; if the driver dies the server drops its
+  partial step.
 """
 
 from __future__ import annotations
@@ -111,10 +119,14 @@ class RemoteTrainerWorker:
                                            can_checkpoint=caps["can_checkpoint"],
                                            can_export_weights=caps["can_export_weights"])
     self._estimate_offset()
+    self._attach_confirmed = threading.Event()
+    self._attached = False
+    self._attach_error: grpc.RpcError | None = None
     self._attach = self._channel.unary_stream(f"/{protocol.SERVICE}/Attach")(
         wire.encode({}), metadata=self._metadata())
     self._lifeline = threading.Thread(target=self._hold, name="trainer-lifeline", daemon=True)
     self._lifeline.start()
+    self._await_attached()
 
   # ------------------------------------------------------------------ plumbing
   def _metadata(self) -> list[tuple[str, str]]:
@@ -132,6 +144,10 @@ class RemoteTrainerWorker:
       raise WorkerUsageError(detail.removeprefix("WorkerUsageError: ")) from None
     if code == grpc.StatusCode.INVALID_ARGUMENT and detail.startswith("ValueError: "):
       raise ValueError(detail.removeprefix("ValueError: ")) from None
+    if code == grpc.StatusCode.INTERNAL:  # the trainer answered, but failed on its side (its log has more)
+      raise TrainerLostError(
+          f"the trainer at {self.address} failed during step {self._step}, micro-batch {self._micro} ({call}:"
+          f" INTERNAL after {time.perf_counter() - started:.1f} s): {detail}") from None
     if code in _LOST or code is None:
       raise TrainerLostError(
           f"the trainer at {self.address} stopped answering during step {self._step}, micro-batch"
@@ -178,11 +194,36 @@ class RemoteTrainerWorker:
     return None if server_time is None else server_time - self.offset_s
 
   def _hold(self) -> None:
+    """Holds the Attach stream open; its first message is the server's word that this driver is attached."""
     try:
       for _ in self._attach:
-        pass
-    except grpc.RpcError:
-      pass
+        if not self._attach_confirmed.is_set():
+          self._attached = True
+          self._attach_confirmed.set()
+    except grpc.RpcError as e:
+      if not self._attached:
+        self._attach_error = e
+    finally:
+      self._attach_confirmed.set()  # wakes the constructor however the stream ended
+
+  def _await_attached(self) -> None:
+    """Returns once the server confirmed the Attach stream; worker calls before that would be refused.
+
+    Raises:
+      TrainerRefusedError: the server refused the Attach (e.g. this driver missed the attach deadline).
+      TrainerLostError: no confirmation within the timeout, or the stream ended without one.
+    """
+    started = time.perf_counter()
+    self._attach_confirmed.wait(self.limits.timeout_s)
+    if self._attached:
+      return
+    self._attach.cancel()
+    self._channel.close()
+    if self._attach_error is not None:
+      self._raise(self._attach_error, "Attach", started)
+    raise TrainerLostError(f"the trainer at {self.address} did not confirm the Attach stream within"
+                           f" {time.perf_counter() - started:.1f} s (trainer.timeout_s={self.limits.timeout_s:g});"
+                           " check that it is up, then reconnect")
 
   def _receipt(self, data: dict | None) -> Receipt | None:
     if data is None:
@@ -190,7 +231,8 @@ class RemoteTrainerWorker:
     ready = None if data["id"] is None else RemoteCompletion(self, data["id"])
     return Receipt(kind=data["kind"], step=data["step"], micro_step=data["micro_step"], ready=ready,
                    dispatched_at=self.to_local(data["dispatched_at"]), mapping_s=data["mapping_s"],
-                   placement_s=data["placement_s"], host_wait_s=data["host_wait_s"], update=self._receipt(data["update"]))
+                   placement_s=data["placement_s"], host_wait_s=data["host_wait_s"],
+                   update=self._receipt(data["update"]))
 
   def _after_dispatch(self, receipt: Receipt, defer_update: bool) -> Receipt:
     self._micro += 1

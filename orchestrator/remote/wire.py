@@ -10,7 +10,15 @@ A message is one JSON header and any number of raw arrays, never pickle::
     8+H     ...   the arrays' bytes, C order, little-endian, back to back
 
 Dtypes come from a fixed list of plain numeric types; shapes, sizes and the
-total length must agree exactly, or the message is refused. A message travels
+total length must agree exactly, or the message is refused. The decoder's
+limits, each refused as a ``WireError`` that names it: a header of at most
+``MAX_HEADER_BYTES`` nested at most ``MAX_HEADER_DEPTH`` deep (the header
+object is depth 1) without NaN or infinities; an array entry is an object with
+a unique string name, a listed dtype, a shape of at most ``MAX_ARRAY_DIMS``
+non-negative integers whose element and byte counts fit a 64-bit size, and a
+byte count equal to the shape's. The ``read_*`` functions check one header field
+of a request the same way (a flag is a JSON boolean, an id a non-negative
+integer, a timeout a bounded positive number). A message travels
 as a stream of chunks of at most ``CHUNK_BYTES`` (gRPC caps one message), and
 the receiver refuses a stream whose total passes its limit before reading on.
 Trajectory payloads and weight trees have their own encodings on top
@@ -20,6 +28,7 @@ Trajectory payloads and weight trees have their own encodings on top
 from __future__ import annotations
 
 import json
+import math
 import struct
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
@@ -32,6 +41,9 @@ from orchestrator.data.trajectory import Trajectory
 MAGIC = b"SBT1"
 CHUNK_BYTES = 1 << 20
 MAX_HEADER_BYTES = 4 << 20
+MAX_HEADER_DEPTH = 32  # a run's deepest header, save_checkpoint with the run's state as metadata, nests 4
+MAX_ARRAY_DIMS = 32  # numpy 1.x's own limit (2.x allows 64), so a message decodes the same on both
+MAX_ARRAY_BYTES = (1 << 63) - 1  # numpy refuses an array whose non-zero dimensions pass this, even when empty
 DTYPES = frozenset({"bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
                     "float16", "float32", "float64", "bfloat16"})
 
@@ -44,9 +56,9 @@ class MessageTooLarge(WireError):
   """A message longer than the receiver's limit."""
 
 
-def _dtype(name: str) -> np.dtype:
-  if name not in DTYPES:
-    raise WireError(f"array dtype {name!r} is not one of the plain numeric types {sorted(DTYPES)}")
+def _dtype(name: Any) -> np.dtype:
+  if not isinstance(name, str) or name not in DTYPES:
+    raise WireError(f"array dtype {_shown(name)} is not one of the plain numeric types {sorted(DTYPES)}")
   if name == "bfloat16":
     return np.dtype(ml_dtypes.bfloat16)
   return np.dtype(name).newbyteorder("<")
@@ -78,11 +90,82 @@ def message_size(parts: list) -> int:
   return sum(len(p) for p in parts)
 
 
+def _shown(value: Any, limit: int = 80) -> str:
+  """``value``'s repr, cut to ``limit`` characters (a refusal quotes what it refused, not all of it)."""
+  text = repr(value)
+  return text if len(text) <= limit else f"{text[:limit]}..."
+
+
+def _refuse_constant(name: str) -> None:
+  raise WireError(f"the header holds {name}; send finite numbers only (encoders use allow_nan=False)")
+
+
+def _depth_past_limit(value: Any) -> bool:
+  """True when ``value`` nests deeper than ``MAX_HEADER_DEPTH`` (walked without recursion)."""
+  stack = [(value, 1)]
+  while stack:
+    node, depth = stack.pop()
+    children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else None
+    if children is None:
+      continue
+    if depth > MAX_HEADER_DEPTH:
+      return True
+    stack.extend((child, depth + 1) for child in children)
+  return False
+
+
+def _parse_header(raw: bytes) -> dict[str, Any]:
+  """The header object, within the limits in the module docstring."""
+  too_deep = (f"the header nests deeper than {MAX_HEADER_DEPTH} levels (wire.MAX_HEADER_DEPTH); send a flatter"
+              " header")
+  try:
+    header = json.loads(raw.decode("utf-8"), parse_constant=_refuse_constant)
+  except WireError:
+    raise
+  except RecursionError:  # the parser's own guard stopped it, far past the limit: refused like any deep header
+    raise WireError(too_deep) from None
+  except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    raise WireError(f"the header is not UTF-8 JSON: {e}") from None
+  except ValueError as e:  # e.g. an integer literal of more digits than Python converts
+    raise WireError(f"the header holds a value JSON cannot carry here: {e}") from None
+  if not isinstance(header, dict) or not isinstance(header.get("arrays"), list):
+    raise WireError("the header must be a JSON object with an 'arrays' list")
+  if _depth_past_limit(header):
+    raise WireError(too_deep)
+  return header
+
+
+def _array_spec(index: int, spec: Any, seen: set[str]) -> tuple[str, np.dtype, tuple[int, ...], int]:
+  """(name, dtype, shape, nbytes) of one "arrays" entry, checked; ``seen`` holds the names before it."""
+  if not isinstance(spec, dict):
+    raise WireError(f"array entry {index} is {_shown(spec)}, not an object with name, dtype, shape and nbytes")
+  missing = [key for key in ("name", "dtype", "shape", "nbytes") if key not in spec]
+  if missing:
+    raise WireError(f"array entry {index} lacks {', '.join(missing)}")
+  name, shape, nbytes = spec["name"], spec["shape"], spec["nbytes"]
+  if not isinstance(name, str) or name in seen:
+    raise WireError(f"array entry {index}: name {_shown(name)} is not a string, or names an earlier array too")
+  dtype = _dtype(spec["dtype"])
+  if (not isinstance(shape, list) or len(shape) > MAX_ARRAY_DIMS
+      or not all(type(d) is int and d >= 0 for d in shape)):  # type(): a JSON true is no dimension
+    raise WireError(f"array {name!r}: shape {_shown(shape)} is not a list of at most {MAX_ARRAY_DIMS}"
+                    " non-negative integers")
+  if type(nbytes) is not int or nbytes < 0:
+    raise WireError(f"array {name!r}: nbytes {_shown(nbytes)} is not a non-negative integer")
+  # Python integers, so neither count can wrap; numpy also refuses an empty array whose other dimensions overflow.
+  if math.prod(max(d, 1) for d in shape) * dtype.itemsize > MAX_ARRAY_BYTES:
+    raise WireError(f"array {name!r}: shape {_shown(shape)} of {dtype.name} overflows a 64-bit size")
+  if math.prod(shape) * dtype.itemsize != nbytes:
+    raise WireError(f"array {name!r}: shape {_shown(shape)} of {dtype.name} does not match its {nbytes} bytes")
+  return name, dtype, tuple(shape), nbytes
+
+
 def decode(message: bytes) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
   """``(header, arrays)`` of one message; read-only arrays that view ``message``.
 
   Raises:
-    WireError: a bad magic, header, dtype, shape or length (named).
+    WireError: a bad magic, header (size, depth, JSON), dtype, shape or length, named; the limits are in the
+      module docstring.
   """
   view = memoryview(message)
   if len(view) < 8 or bytes(view[:4]) != MAGIC:
@@ -90,29 +173,60 @@ def decode(message: bytes) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
                     " (a different layout version or another protocol)")
   (size,) = struct.unpack("<I", view[4:8])
   if size > MAX_HEADER_BYTES or 8 + size > len(view):
-    raise WireError(f"header length {size} is out of range for a {len(view)}-byte message")
-  try:
-    header = json.loads(bytes(view[8:8 + size]).decode("utf-8"))
-  except (UnicodeDecodeError, json.JSONDecodeError) as e:
-    raise WireError(f"the header is not UTF-8 JSON: {e}") from None
-  if not isinstance(header, dict) or not isinstance(header.get("arrays"), list):
-    raise WireError("the header must be a JSON object with an 'arrays' list")
-  arrays, offset = {}, 8 + size
-  for spec in header.pop("arrays"):
-    try:
-      name, dtype, shape, nbytes = spec["name"], _dtype(spec["dtype"]), tuple(spec["shape"]), spec["nbytes"]
-    except (KeyError, TypeError) as e:
-      raise WireError(f"an array entry lacks {e}") from None
-    if not all(isinstance(d, int) and d >= 0 for d in shape) or not isinstance(nbytes, int):
-      raise WireError(f"array {name!r}: shape {list(shape)} / nbytes {nbytes!r} are not non-negative integers")
-    if int(np.prod(shape, dtype=np.int64)) * dtype.itemsize != nbytes or offset + nbytes > len(view):
-      raise WireError(f"array {name!r}: shape {list(shape)} of {dtype.name} does not match its {nbytes} bytes"
-                      f" (or runs past the message's {len(view)} bytes)")
+    raise WireError(f"header length {size} is out of range for a {len(view)}-byte message"
+                    f" (at most wire.MAX_HEADER_BYTES={MAX_HEADER_BYTES:,})")
+  header = _parse_header(bytes(view[8:8 + size]))
+  arrays: dict[str, np.ndarray] = {}
+  offset = 8 + size
+  for index, spec in enumerate(header.pop("arrays")):
+    name, dtype, shape, nbytes = _array_spec(index, spec, set(arrays))
+    if offset + nbytes > len(view):
+      raise WireError(f"array {name!r} does not match the message: its {nbytes} bytes run past the message's"
+                      f" {len(view)} bytes")
     arrays[name] = np.frombuffer(view[offset:offset + nbytes], dtype=dtype).reshape(shape)
     offset += nbytes
   if offset != len(view):
     raise WireError(f"{len(view) - offset} bytes follow the last array")
   return header, arrays
+
+
+# ------------------------------------------------------------------ request fields
+def read_flag(header: Mapping[str, Any], key: str) -> bool:
+  """Header field ``key`` as a flag: absent or null is False; anything but a JSON boolean is refused."""
+  value = header.get(key)
+  if value is None:
+    return False
+  if not isinstance(value, bool):
+    raise WireError(f"header field {key!r} is {_shown(value)}; give true or false")
+  return value
+
+
+def read_int(header: Mapping[str, Any], key: str, *, required: bool = False) -> int | None:
+  """Header field ``key`` as a non-negative integer (an id, a step); absent or null is None unless ``required``."""
+  value = header.get(key)
+  if value is None and not required:
+    return None
+  if type(value) is not int or value < 0:
+    raise WireError(f"header field {key!r} is {_shown(value)}; give a non-negative integer")
+  return value
+
+
+def read_seconds(header: Mapping[str, Any], key: str, *, default_s: float, maximum_s: float) -> float:
+  """Header field ``key`` as a positive number of seconds up to ``maximum_s``; absent or null is ``default_s``."""
+  value = header.get(key)
+  if value is None:
+    return default_s
+  if type(value) not in (int, float) or not 0 < value <= maximum_s:
+    raise WireError(f"header field {key!r} is {_shown(value)}; give a number of seconds in (0, {maximum_s:g}]")
+  return float(value)
+
+
+def read_text(header: Mapping[str, Any], key: str) -> str | None:
+  """Header field ``key`` as a string; absent or null is None."""
+  value = header.get(key)
+  if value is not None and not isinstance(value, str):
+    raise WireError(f"header field {key!r} is {_shown(value)}; give a string")
+  return value
 
 
 def chunks(message, chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
@@ -160,7 +274,8 @@ def join(pieces: Iterable[bytes], max_bytes: int) -> bytes:
 
 # ------------------------------------------------------------------ typed payloads
 def encode_payload(method: str, payload: list, **header) -> list:
-  """A micro-batch's trajectories (``encode_parts`` buffers), each array under ``t<i>.<field>``; scalars in the header."""
+  """A micro-batch's trajectories (``encode_parts`` buffers), each array under ``t<i>.<field>``; scalars in the
+  header."""
   arrays, rows = {}, []
   for i, t in enumerate(payload):
     arrays[f"t{i}.prompt_ids"] = t.prompt_ids
@@ -171,18 +286,42 @@ def encode_payload(method: str, payload: list, **header) -> list:
   return encode_parts({"method": method, "trajectories": rows, **header}, arrays)
 
 
+def _token_ids(arrays: Mapping[str, np.ndarray], name: str) -> np.ndarray:
+  array = arrays.get(name)
+  if array is None:
+    raise WireError(f"the payload lacks array {name!r}")
+  if array.ndim != 1 or array.dtype.kind not in "iu":
+    raise WireError(f"array {name!r} is {array.dtype.name}{list(array.shape)}; token ids are one integer row")
+  return array
+
+
+def _trajectory(i: int, row: Any, arrays: Mapping[str, np.ndarray]) -> Trajectory:
+  """Trajectory ``i`` of a payload, every field checked (the engine then checks it fits the batch)."""
+  if not isinstance(row, dict):
+    raise WireError(f"trajectory {i} is {_shown(row)}, not an object with advantage and group_id")
+  advantage, group_id = row.get("advantage"), row.get("group_id")
+  if type(advantage) not in (int, float) or not math.isfinite(advantage):
+    raise WireError(f"trajectory {i}: advantage {_shown(advantage)} is not a finite number")
+  if type(group_id) is not int:
+    raise WireError(f"trajectory {i}: group_id {_shown(group_id)} is not an integer")
+  prompt, completion = _token_ids(arrays, f"t{i}.prompt_ids"), _token_ids(arrays, f"t{i}.completion_ids")
+  old_logprobs = arrays.get(f"t{i}.old_logprobs")
+  if old_logprobs is not None and (old_logprobs.shape != completion.shape or old_logprobs.dtype.kind not in "fV"):
+    raise WireError(f"array 't{i}.old_logprobs' is {old_logprobs.dtype.name}{list(old_logprobs.shape)}; it needs"
+                    f" one float per completion token ({len(completion)})")
+  return Trajectory(prompt, completion, float(advantage), old_logprobs, group_id)
+
+
 def decode_payload(header: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> list:
+  """The trajectories ``encode_payload`` sent, every field checked.
+
+  Raises:
+    WireError: a missing or mistyped field or array, named.
+  """
   rows = header.get("trajectories")
   if not isinstance(rows, list):
     raise WireError("a payload message needs a 'trajectories' list")
-  out = []
-  for i, row in enumerate(rows):
-    try:
-      out.append(Trajectory(arrays[f"t{i}.prompt_ids"], arrays[f"t{i}.completion_ids"], float(row["advantage"]),
-                            arrays.get(f"t{i}.old_logprobs"), int(row["group_id"])))
-    except (KeyError, TypeError, ValueError) as e:
-      raise WireError(f"trajectory {i} is incomplete: {e}") from None
-  return out
+  return [_trajectory(i, row, arrays) for i, row in enumerate(rows)]
 
 
 def encode_tree(tree: Any, **header) -> list:
@@ -204,15 +343,26 @@ def encode_tree(tree: Any, **header) -> list:
 
 
 def decode_tree(header: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> dict:
+  """The tree ``encode_tree`` sent.
+
+  Raises:
+    WireError: paths that do not match the arrays, or that put a leaf where another path needs a subtree.
+  """
   paths = header.get("paths")
   if not isinstance(paths, list) or len(paths) != len(arrays):
     raise WireError("a weights message needs one key path per array")
   tree: dict = {}
   for i, path in enumerate(paths):
-    if not path or not all(isinstance(k, (str, int)) for k in path):
-      raise WireError(f"weight {i}: key path {path!r} is not a list of strings and integers")
+    if not isinstance(path, list) or not path or not all(type(k) in (str, int) for k in path):
+      raise WireError(f"weight {i}: key path {_shown(path)} is not a list of strings and integers")
+    if f"w{i}" not in arrays:
+      raise WireError(f"weight {i}: the message has no array 'w{i}'")
     node = tree
     for key in path[:-1]:
       node = node.setdefault(key, {})
+      if not isinstance(node, dict):
+        raise WireError(f"weight {i}: key path {_shown(path)} runs through another weight's leaf")
+    if path[-1] in node:
+      raise WireError(f"weight {i}: key path {_shown(path)} is given twice, or is another weight's subtree")
     node[path[-1]] = arrays[f"w{i}"]
   return tree
