@@ -36,7 +36,7 @@ from pathlib import Path
 from orchestrator.addresses import AddressError, free_loopback_port, is_loopback, split_address  # noqa: F401
 from orchestrator.remote.wire import CHUNK_BYTES
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: a session is the only way in, and a driver waits for Attach to be taken
 SERVICE = "step_boundary.Trainer"
 TOKEN_HEADER = "x-step-boundary-token"
 SESSION_HEADER = "x-step-boundary-session"
