@@ -70,3 +70,28 @@ class NoStagingEngine(RecordingEngine):
 
 def payload_steps(steps: int, micro: int):
   return [[f"s{k}m{i}" for i in range(micro)] for k in range(steps)]
+
+
+class FakeKeyValueClient:
+  """The coordinator's key-value store, in memory; a missing key times out at once."""
+
+  def __init__(self, store=None):
+    self.store = {} if store is None else store
+    self.deleted = []
+
+  def key_value_set(self, key, value, allow_overwrite=False):
+    assert allow_overwrite or key not in self.store, key
+    self.store[key] = value
+
+  def blocking_key_value_get(self, key, timeout_ms):
+    if key not in self.store:
+      raise RuntimeError(f"DEADLINE_EXCEEDED: {key} after {timeout_ms} ms")
+    return self.store[key]
+
+  def key_value_delete(self, key):  # a key and everything under it, as the coordinator does
+    self.deleted.append(key)
+    for k in [k for k in self.store if k == key or k.startswith(key + "/")]:
+      del self.store[k]
+
+  def key_value_dir_get(self, prefix):
+    return [(k, v) for k, v in self.store.items() if k.startswith(prefix)]

@@ -30,6 +30,7 @@ from orchestrator.distributed.agreement import (AgreementError, KeyValueAgreemen
 from orchestrator.distributed.watchdog import Watchdog
 from policies import Mode
 from tests.conftest import REPO
+from tests.fakes import FakeKeyValueClient
 
 # Rows split over the two processes (fsdp) and tokens over each process's two devices (context).
 SMALL = ["steps=3", "batch.rows=16", "batch.micro_batches_per_step=2", "run.reserve_host_core=false"]
@@ -180,38 +181,13 @@ def test_combine_max_takes_the_slowest_process_and_any_stop():
   assert SingleProcess().combine("x", {"wait": 1.5}) == {"wait": 1.5}
 
 
-class FakeClient:
-  """The coordinator's key-value store, in memory; a missing key times out at once."""
-
-  def __init__(self, store=None):
-    self.store = {} if store is None else store
-    self.deleted = []
-
-  def key_value_set(self, key, value, allow_overwrite=False):
-    assert allow_overwrite or key not in self.store, key
-    self.store[key] = value
-
-  def blocking_key_value_get(self, key, timeout_ms):
-    if key not in self.store:
-      raise RuntimeError(f"DEADLINE_EXCEEDED: {key} after {timeout_ms} ms")
-    return self.store[key]
-
-  def key_value_delete(self, key):  # a key and everything under it, as the coordinator does
-    self.deleted.append(key)
-    for k in [k for k in self.store if k == key or k.startswith(key + "/")]:
-      del self.store[k]
-
-  def key_value_dir_get(self, prefix):
-    return [(k, v) for k, v in self.store.items() if k.startswith(prefix)]
-
-
 def _post(store, round_index, process_id, tag, value):
   store[f"step_boundary/round/{round_index}/{process_id}"] = json.dumps({"tag": tag, "value": value})
 
 
 def test_an_exchange_returns_every_processs_value_and_cleans_up_after_itself():
   store = {}
-  agreement = KeyValueAgreement(FakeClient(store), 0, 2, timeout_s=1)
+  agreement = KeyValueAgreement(FakeKeyValueClient(store), 0, 2, timeout_s=1)
   _post(store, 0, 1, "observe step 0", {"wait": 2.0})
   assert agreement.exchange("observe step 0", {"wait": 1.0}) == [{"wait": 1.0}, {"wait": 2.0}]
   _post(store, 1, 1, "stop after step 1", None)
@@ -221,7 +197,7 @@ def test_an_exchange_returns_every_processs_value_and_cleans_up_after_itself():
 
 
 def test_a_job_of_one_process_agrees_without_a_round_trip():
-  client = FakeClient()
+  client = FakeKeyValueClient()
   client.key_value_set = client.blocking_key_value_get = None  # any call would fail
   agreement = KeyValueAgreement(client, 0, 1, timeout_s=1)
   assert agreement.exchange("observe step 0", {"wait": 1.0}) == [{"wait": 1.0}] and agreement.exchanges == 1
@@ -229,7 +205,7 @@ def test_a_job_of_one_process_agrees_without_a_round_trip():
 
 def test_a_process_that_never_arrives_is_named_and_a_diverged_one_is_refused():
   store = {}
-  agreement = KeyValueAgreement(FakeClient(store), 0, 3, timeout_s=0.5)
+  agreement = KeyValueAgreement(FakeKeyValueClient(store), 0, 3, timeout_s=0.5)
   _post(store, 0, 1, "observe step 4", 0.0)
   with pytest.raises(ProcessLostError, match=r"process 2 of 3 did not reach 'observe step 4' within 0.5 s"):
     agreement.exchange("observe step 4", 0.0)
@@ -241,7 +217,7 @@ def test_a_process_that_never_arrives_is_named_and_a_diverged_one_is_refused():
 def test_the_watchdog_names_a_silent_peer_after_the_timeout_and_not_before():
   now = [0.0]
   store = {}
-  dog = Watchdog(FakeClient(store), 0, 3, timeout_s=5, on_lost=lambda line: None, clock=lambda: now[0])
+  dog = Watchdog(FakeKeyValueClient(store), 0, 3, timeout_s=5, on_lost=lambda line: None, clock=lambda: now[0])
   for beat in range(1, 5):  # process 1 beats, process 2 went silent after its first beat
     store["step_boundary/alive/1"] = str(beat)
     store.setdefault("step_boundary/alive/2", "1")
