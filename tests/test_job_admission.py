@@ -203,7 +203,7 @@ def test_a_busy_coordinator_port_and_an_unreachable_coordinator_are_one_line_bef
   with pytest.raises(bringup.DistributedError, match=rf"process 1 of 2 could not reach the coordinator at {address}"
                      r" within 1 s \(connection refused\); start process 0 there"):
     bringup.check_coordinator(_section(1, address), 1, time.monotonic() + 1)
-  assert time.monotonic() - start >= 0.9  # it kept retrying until the deadline
+  assert time.monotonic() - start > 0.5  # it kept retrying until about the deadline
   bringup.check_coordinator(_section(0, address), 1, time.monotonic() + 1)  # a free port: process 0 may serve
 
 
