@@ -136,7 +136,7 @@ def test_another_protocol_version_is_refused(server):
     hello(wire.encode({"protocol": 999, "recipe_digest": protocol.recipe_digest(_recipe())}),
           metadata=[(protocol.TOKEN_HEADER, TOKEN)], timeout=30)
   assert excinfo.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-  assert "protocol version 999 does not match the trainer's 1" in excinfo.value.details()
+  assert f"protocol version 999 does not match the trainer's {protocol.PROTOCOL_VERSION}" in excinfo.value.details()
   channel.close()
 
 
