@@ -295,6 +295,32 @@ def test_the_checkpointer_reads_nothing_for_a_step_it_refuses(tmp_path, monkeypa
   assert checkpointer.step_path(np.int64(5)) == checkpointer.directory.resolve() / "5"
 
 
+def test_a_callers_metadata_cannot_overwrite_the_checkpoints_step_and_an_absent_step_is_named(tmp_path):
+  """What restore trusts (the step) is the checkpoint's own; a step with no checkpoint is refused by name."""
+  import jax.numpy as jnp  # import here: JAX only for the arrays a checkpoint holds (the module needs none)
+
+  checkpointer = Checkpointer(tmp_path / "ckpt")
+  state = {"w": jnp.arange(3.0)}
+  checkpointer.save(1, state, {"step": 999, "run_id": "r1"})
+  restored, metadata = checkpointer.restore(state, 1)
+  assert metadata == {"step": 1, "run_id": "r1"} and np.array_equal(restored["w"], state["w"])
+  with pytest.raises(ValueError, match=r"no checkpoint of step 5 in .* \(it holds steps 1\); give one of those"):
+    checkpointer.restore(state, 5)
+
+
+def test_a_token_loses_its_trailing_newline_and_one_a_header_cannot_carry_is_refused(monkeypatch, tmp_path):
+  monkeypatch.setenv(protocol.TOKEN_ENV, "s3cret\n")
+  assert protocol.read_token() == "s3cret"
+  monkeypatch.setenv(protocol.TOKEN_ENV, "two words")
+  with pytest.raises(protocol.AddressError, match=r"holds a token with ' ', which a gRPC header cannot carry"):
+    protocol.read_token()
+  path = tmp_path / "token"
+  path.write_text("caf\u00e9\n", encoding="utf-8")
+  path.chmod(0o600)
+  with pytest.raises(protocol.AddressError, match=r"trainer token file .* holds a token with 'é'"):
+    protocol.read_token(str(path))
+
+
 # ---------------------------------------------------------------- the end
 def test_the_token_file_goes_when_the_server_stops(served):
   """Last in the module: it stops the module's server (a stop request is a normal end: exit 0)."""

@@ -18,6 +18,7 @@ from orchestrator.rig import RigResult, run_rig
 from orchestrator.rig.arms import RigError, parse_arms
 from orchestrator.rig.checks import CheckKind, cross_arm_checks, prediction_checks
 from orchestrator.rig.recording_engine import FORWARDED_PROTOCOLS, CallRecordingEngine, require_snapshots
+from orchestrator.rig.remote_host import RigHost
 from orchestrator.rig.report import verdict
 from tests.conftest import REPO
 
@@ -221,3 +222,27 @@ def test_the_remote_package_imports_nothing_from_the_rig():
     modules = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module]
     modules += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
     assert not [m for m in modules if m.startswith("orchestrator.rig")], path.name
+
+
+class _MidStepEngine:
+  """Snapshots refuse while micro-batches are accumulated, as the JAX engine's do."""
+
+  def snapshot(self):
+    raise RuntimeError("snapshot with 1 micro-batch(es) accumulated; take it at a step boundary")
+
+  def restore(self, snapshot):
+    pass
+
+  def wait_for_device(self):
+    return 0.0
+
+
+def test_the_trainer_side_rig_host_reports_misuse_as_misuse():
+  """A driver's out-of-order rig calls are WorkerUsageError (FAILED_PRECONDITION), an unknown fault is refused."""
+  host = RigHost(_MidStepEngine())
+  with pytest.raises(ValueError, match="rig fault 'bogus' is none of reorder_micro_batches, skip_update"):
+    host.begin_arm("bogus")
+  with pytest.raises(contract.WorkerUsageError, match="rig_begin_arm: snapshot with 1 micro-batch"):
+    host.begin_arm(None)
+  with pytest.raises(contract.WorkerUsageError, match="rig_end_arm without rig_begin_arm"):
+    host.end_arm()

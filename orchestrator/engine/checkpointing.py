@@ -71,7 +71,8 @@ class Checkpointer:
         step,
         args=ocp.args.Composite(
             state=ocp.args.StandardSave(flatten_state(state)),
-            metadata=ocp.args.JsonSave({"step": step, **dict(metadata)}),
+            # The checkpoint's own step last: a caller's metadata cannot overwrite what restore trusts.
+            metadata=ocp.args.JsonSave({**dict(metadata), "step": step}),
         ),
     )
     self._manager.wait_until_finished()
@@ -99,7 +100,12 @@ class Checkpointer:
     step = self.latest_step() if step is None else step
     if step is None:
       raise RuntimeError(f"no checkpoint under {self.directory}")
-    self.step_path(step)
+    path = self.step_path(step)
+    if not path.is_dir():
+      held = sorted(self._manager.all_steps())
+      raise ValueError(f"no checkpoint of step {step} in {self.directory}"
+                       f" ({'it holds steps ' + ', '.join(map(str, held)) if held else 'it holds none'}); give one of"
+                       " those, or leave the step out for the latest")
     target = {
         k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding)
         for k, v in flatten_state(template).items()

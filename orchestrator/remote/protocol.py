@@ -53,11 +53,16 @@ def read_token(token_file: str | None = None) -> str | None:
   followed and the file it names is judged (the mode is read from the open
   file, so it is the mode of what is read).
 
+  Surrounding whitespace (a file's or a shell's trailing newline) is dropped; what is left must be
+  printable ASCII without spaces, as a gRPC metadata value must be.
+
   Raises:
-    AddressError: the file is missing, unreadable, readable by others, or empty.
+    AddressError: the file is missing, unreadable, readable by others, or empty; the token holds a
+      character a gRPC header cannot carry.
   """
   if not token_file:
-    return os.environ.get(TOKEN_ENV) or None
+    token = (os.environ.get(TOKEN_ENV) or "").strip()
+    return _checked_token(token, f"${TOKEN_ENV}") if token else None
   try:
     with open(token_file, encoding="utf-8") as f:
       mode = stat.S_IMODE(os.fstat(f.fileno()).st_mode)
@@ -70,6 +75,15 @@ def read_token(token_file: str | None = None) -> str | None:
                        " text file holding the token") from None
   if not token:
     raise AddressError(f"trainer token file {token_file} is empty; put the shared token in it")
+  return _checked_token(token, f"trainer token file {token_file}")
+
+
+def _checked_token(token: str, where: str) -> str:
+  bad = sorted({c for c in token if not (33 <= ord(c) <= 126)})
+  if bad:
+    raise AddressError(f"{where} holds a token with {', '.join(repr(c) for c in bad)}, which a gRPC header cannot"
+                       " carry; use printable ASCII without spaces (e.g. python3 -c 'import secrets;"
+                       " print(secrets.token_urlsafe(32))')")
   return token
 
 

@@ -590,7 +590,7 @@ class TrainerService:
     if self._rig is None:
       raise WorkerUsageError("this trainer was started without the rig's host; serve it with run_rl serve-trainer")
     self._worker = TrainerWorker(self._rig.begin_arm(wire.read_text(header, "fault")))
-    self._micro_batches_since_update = None  # the rig's starting state, whatever it had accumulated
+    self._micro_batches_since_update = 0  # an arm starts from a snapshot taken at a step boundary
     return wire.encode(self._rig.info())
 
   def _do_rig_end_arm(self, header, arrays) -> bytes:

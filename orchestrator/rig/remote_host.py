@@ -13,7 +13,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from orchestrator.contract import WorkerUsageError
 from orchestrator.engine.diagnostics import backend_compile_count
+from orchestrator.rig.arms import FAULTS
 from orchestrator.rig.recording_engine import CallRecordingEngine, require_snapshots
 from orchestrator.rig.replay import payload_digest
 
@@ -40,12 +42,19 @@ class RigHost:
     """Restores the first arm's starting state and returns the recording proxy to drive.
 
     Raises:
-      RigError (a ``ValueError``): the engine cannot snapshot and restore its state.
+      RigError (a ``ValueError``): the engine cannot snapshot and restore its state, or ``fault`` is none of
+        ``FAULTS``.
+      WorkerUsageError: micro-batches are accumulated (an arm starts at a step boundary).
     """
     require_snapshots(self._engine)
+    if fault is not None and fault not in FAULTS:
+      raise ValueError(f"rig fault {fault!r} is none of {', '.join(FAULTS)}")
     self._engine.wait_for_device()
     if self._snapshot is None:
-      self._snapshot = self._engine.snapshot()
+      try:
+        self._snapshot = self._engine.snapshot()
+      except RuntimeError as e:  # micro-batches accumulated: misuse, not a failed trainer
+        raise WorkerUsageError(f"rig_begin_arm: {e}") from None
     else:
       self._engine.restore(self._snapshot)
     self._proxy = CallRecordingEngine(self._engine, {}, fault, digest_of=self._payload_digest)
@@ -55,7 +64,7 @@ class RigHost:
   def end_arm(self) -> tuple[list[list], int]:
     """The arm's engine calls (kind, content digest) and the compiles it caused; the proxy is dropped."""
     if self._proxy is None:
-      raise ValueError("rig_end_arm without rig_begin_arm")
+      raise WorkerUsageError("rig_end_arm without rig_begin_arm; begin an arm first")
     self._engine.wait_for_device()
     events = [list(event) for event in self._proxy.digest_events()]
     self._proxy = None
