@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.app import cli
+from orchestrator.app import cli, launch, run_dir
 from orchestrator import recipe as recipe_lib
 from policies import Mode
 from tests.conftest import REPO
@@ -45,12 +45,14 @@ def _run(argv, capsys=None) -> tuple[int, str]:
   return code, out
 
 
-def _summary(run_dir: Path) -> dict:
-  return json.loads((run_dir / "summary.json").read_text())
+def _summary(run: Path) -> dict:
+  """The run's combined view: its latest segment's summary."""
+  return json.loads((run_dir.latest_segment(run) / "summary.json").read_text())
 
 
-def _records(run_dir: Path) -> list[dict]:
-  return [json.loads(line) for line in (run_dir / "records.jsonl").read_text().splitlines()]
+def _records(run: Path) -> list[dict]:
+  """Every step's record across the run's segments."""
+  return run_dir.all_records(run)
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +77,7 @@ def test_a_resumed_run_trains_like_an_uninterrupted_one(model, mode, reference_d
   assert summary["final_state_digest"] == reference_digests[model]
   assert [r["step"] for r in _records(run)] == [0, 1, 2, 3] and summary["steps"] == 4
   assert summary["ended"] == "completed" and summary["requested_mode"] == mode.value
-  trace = json.loads((run / "trace.json").read_text())["traceEvents"]
+  trace = json.loads((run_dir.latest_segment(run) / "trace.json").read_text())["traceEvents"]
   assert len({e["pid"] for e in trace}) == 4  # device and host, for each of the two segments
 
 
@@ -175,12 +177,26 @@ def test_a_signal_stops_at_the_next_boundary_with_a_checkpoint_and_resumes(sig, 
 
 
 @pytest.mark.slow
-def test_a_second_sigint_stops_at_once_with_one_line(tmp_path):
+def test_two_sigints_at_once_are_one_stop_and_a_later_one_stops_at_once(tmp_path):
+  """A wrapper that forwards the terminal's Ctrl-C delivers it twice within microseconds: one clean stop,
+  with a checkpoint. A second Ctrl-C after the window stops at once, in one line."""
   run = tmp_path / "run"
   proc = _child(CHILD + ["steps=5000", "--out", str(run)])
   _wait_for_records(proc, run, 2)
   proc.send_signal(signal.SIGINT)
   time.sleep(0.01)
+  proc.send_signal(signal.SIGINT)
+  _, err = proc.communicate(timeout=300)
+  assert proc.returncode == 130, err[-2000:]
+  assert "Traceback" not in err and "second SIGINT" not in err
+  summary = _summary(run)
+  assert summary["ended"] == "signal" and summary["checkpoint_path"].endswith(f"checkpoints/{summary['last_step'] + 1}")
+
+  run = tmp_path / "again"
+  proc = _child(CHILD + ["steps=5000", "batch.rows=64", "--out", str(run)])  # steps long enough to outlast the window
+  _wait_for_records(proc, run, 2)
+  proc.send_signal(signal.SIGINT)
+  time.sleep(launch.SIGNAL_WINDOW_S + 0.5)
   proc.send_signal(signal.SIGINT)
   _, err = proc.communicate(timeout=300)
   assert proc.returncode == 130

@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 from orchestrator import recipe as recipe_lib
-from orchestrator.app import launch
+from orchestrator.app import launch, run_dir
 from orchestrator.app.arguments import UsageError, UsageErrorParser, parse_subcommand, subcommand_parser
 from orchestrator.app.run_dir import RunDirError, default_out
 from orchestrator.app.serve_trainer import serve_main
@@ -65,7 +65,11 @@ def make_parser() -> argparse.ArgumentParser:
   p.add_argument("--out", help="output directory for a new run (records.jsonl, trace.json, summary.json,"
                  " checkpoints/); refused if it already holds a run")
   p.add_argument("--resume", metavar="DIR",
-                 help="continue the run in DIR from its latest complete checkpoint (--steps N may extend it)")
+                 help="continue the run in DIR from its latest complete checkpoint (--steps N may extend it);"
+                 " it writes a new segment, DIR/segments/N")
+  p.add_argument("--from-checkpoint", type=int, metavar="N", dest="from_checkpoint",
+                 help="with --resume: continue from checkpoint N instead of the latest (the later ones are moved"
+                 " aside into the new segment, not deleted)")
   p.add_argument("--print-config", action="store_true",
                  help="print the resolved config with each value's source, and exit")
   p.add_argument("overrides", nargs="*", metavar="key=value")
@@ -107,9 +111,18 @@ def record_main(argv: list[str]) -> int:
     print(f"run_rl record: error: {out} already holds a recording; recordings are read-only,"
           " choose a new --out", file=sys.stderr)
     return 2
-  manifest = write_recording(out, generate_groups(shape), vocab_size=preset.vocab_size,
-                             produced_by={"tool": "run_rl record", "recipe": resolved.path,
-                                          "shape": dataclasses.asdict(shape)})
+  try:
+    held = run_dir.lock(out, flag="run_rl record --out", create=True)
+  except RunDirError as e:
+    print(f"run_rl record: error: {e}", file=sys.stderr)
+    return 2
+  with held:
+    if (out / "manifest.json").exists():  # written by another process before this one took the lock
+      print(f"run_rl record: error: {out} already holds a recording; choose a new --out", file=sys.stderr)
+      return 2
+    manifest = write_recording(out, generate_groups(shape), vocab_size=preset.vocab_size,
+                               produced_by={"tool": "run_rl record", "recipe": resolved.path,
+                                            "shape": dataclasses.asdict(shape)})
   print(f"run_rl record: wrote {manifest['num_groups']} groups, {manifest['num_trajectories']}"
         f" trajectories to {out}")
   return 0
@@ -138,9 +151,24 @@ def rig_main(argv: list[str]) -> int:
           " the recipe", file=sys.stderr)
     return 2
   out = args.out or str(default_out(f"{recipe.name}-rig"))
+  if run_dir.holds_a_run(Path(out)):
+    print(f"run_rl rig: error: --out {out} holds a run; the rig writes its report in a directory of its own:"
+          " choose a new --out", file=sys.stderr)
+    return 2
   if any((Path(out) / name).exists() for name in ("predictions.json", "report.json")):
     print(f"run_rl rig: error: --out {out} already holds a rig report; choose a new --out", file=sys.stderr)
     return 2
+  try:
+    held = run_dir.lock(Path(out), flag="run_rl rig --out", create=True)
+  except RunDirError as e:
+    print(f"run_rl rig: error: {e}", file=sys.stderr)
+    return 2
+  with held:
+    return _run_rig(recipe, recording, args, out)
+
+
+def _run_rig(recipe, recording: str, args, out: str) -> int:
+  """The rig's run, once its report directory is held."""
   if recipe.run.reserve_host_core:
     reserve_host_core()
   logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr, force=True)
@@ -206,7 +234,11 @@ def _resume_main(args: argparse.Namespace) -> int:
   if args.steps is not None and args.steps < 1:
     print(f"run_rl: error: --steps {args.steps} is out of range: it must be >= 1", file=sys.stderr)
     return 2
-  return launch.resume(Path(args.resume), args.steps)
+  if args.from_checkpoint is not None and args.from_checkpoint < 1:
+    print(f"run_rl: error: --from-checkpoint {args.from_checkpoint} is out of range: a checkpoint is after"
+          " step 1 or later (N >= 1)", file=sys.stderr)
+    return 2
+  return launch.resume(Path(args.resume), args.steps, args.from_checkpoint)
 
 
 def _main(argv: list[str]) -> int:
@@ -216,6 +248,8 @@ def _main(argv: list[str]) -> int:
     args = make_parser().parse_intermixed_args(argv)
     if args.resume is not None:
       return _resume_main(args)
+    if args.from_checkpoint is not None:
+      raise UsageError("--from-checkpoint N goes with --resume DIR (it names where a resume continues from)")
     resolved = resolve_from_args(args)
   except (UsageError, recipe_lib.RecipeError) as e:
     print(f"run_rl: error: {e}", file=sys.stderr)

@@ -15,27 +15,39 @@ refused before anything is built or written:
 4. only then is a new run's directory claimed (``config.json``, with the run's
    id), the engine built and the program run.
 
+The process that runs, resumes or launches a run holds its directory's lock
+(``run_dir.lock``) from before it reads anything there to its exit; a second
+one is refused naming the holder.
+
 SIGINT or SIGTERM asks the program to stop at the next boundary: the step in
 flight finishes, its update is applied, a checkpoint is written, ``summary.json``
-says ``"ended": "signal"``, and the exit code is 130 or 143. A second signal
-stops at once. ``--resume DIR`` continues from the latest complete checkpoint.
+says ``"ended": "signal"``, and the exit code is 130 or 143. Signals within
+``SIGNAL_WINDOW_S`` of the first are the same stop (a wrapper that forwards the
+terminal's signal delivers it twice); a later one stops at once. ``--resume DIR``
+continues from the latest complete checkpoint in a new segment of the run
+(``run_dir``), after the checkpoint, the records it covers and the saved recipe
+are checked; ``--from-checkpoint N`` continues from an earlier one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import json
 import logging
 import os
+import shutil
 import signal
 import sys
+import time
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from orchestrator import recipe as recipe_lib
-from orchestrator.app import run_dir
+from orchestrator.app import checkpoint_check, run_dir
 from orchestrator.app.console import format_summary, format_table
 from orchestrator.app.host import setup_host
 from orchestrator.app.run_dir import RunDirError
@@ -48,20 +60,25 @@ from orchestrator.distributed.bringup import DistributedError
 from orchestrator.distributed.launcher import LAUNCHED_ENV, LocalJob, resume_hint
 from orchestrator.engine.presets import load_preset
 from orchestrator.live.plot import plot_rewards
-from orchestrator.recipe.loading import job_settings
+from orchestrator.recipe.loading import PROCESS_ID_ENV, job_settings
 from orchestrator.remote import protocol
 
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
+# Signals this soon after the first are that one stop: `timeout` at a terminal, or any wrapper that forwards
+# the terminal's SIGINT, delivers one Ctrl-C to the process group and again to its child.
+SIGNAL_WINDOW_S = 1.0
 # What a user's input can cause before the run starts: one line, exit 2.
 REFUSALS = (recipe_lib.RecipeError, RunDirError, RecordingError, SourceStateError)
 
 
 class StopSignals:
-  """First SIGINT/SIGTERM: stop at the next boundary. Second: stop at once, with one line."""
+  """First SIGINT/SIGTERM: stop at the next boundary. Another within ``SIGNAL_WINDOW_S``: the same stop.
+  One after that: stop at once, with one line."""
 
   def __init__(self, out: Path, *, quiet: bool = False):
     self.out, self.quiet = out, quiet
     self.received: signal.Signals | None = None
+    self._first_at = 0.0
     self._previous: dict[int, Any] = {}
 
   def __enter__(self) -> "StopSignals":
@@ -76,8 +93,11 @@ class StopSignals:
   def _handle(self, signum: int, frame) -> None:
     del frame
     sig = signal.Signals(signum)
+    now = time.monotonic()
+    if self.received is not None and now - self._first_at < SIGNAL_WINDOW_S:
+      return  # the same stop delivered twice (to the process group and again to this process)
     if self.received is None:
-      self.received = sig
+      self.received, self._first_at = sig, now
       if self.quiet:  # another process of the job tells the terminal
         return
       print(f"\nrun_rl: {sig.name} received: stopping after the step in flight (its update applied and"
@@ -99,9 +119,13 @@ class RunPlan:
     resolved: the recipe, with each key's source and the recipe file it came from.
     out: the run directory: a new run claims it, a resumed run continues the run in it.
     run_id: the run's id: a new one, or the resumed run's (checkpoints of other runs are refused).
-    resumes: continue the run in ``out`` from its latest complete checkpoint instead of starting one.
+    resumes: continue the run in ``out`` from a checkpoint instead of starting one.
     launch_argv: the ``run_rl`` arguments of each local process when the recipe asks for
       ``distributed.num_processes`` processes on this host (the run's directory pinned).
+    segments: a resumed run's segments so far (``run_dir.segments``).
+    from_checkpoint: the checkpoint to resume from (None: the latest).
+    write_dir: where this segment writes its records, summary and trace: ``out`` for a new run, the new
+      segment's directory for a resume (set once the resume is checked).
   """
 
   resolved: recipe_lib.ResolvedRecipe
@@ -109,6 +133,9 @@ class RunPlan:
   run_id: str
   resumes: bool
   launch_argv: tuple[str, ...]
+  segments: tuple[run_dir.Segment, ...] = ()
+  from_checkpoint: int | None = None
+  write_dir: Path | None = None
 
   @property
   def recipe(self) -> recipe_lib.Recipe:
@@ -120,24 +147,43 @@ def plan_new_run(resolved: recipe_lib.ResolvedRecipe, out: Path | None, argv: Se
   processes are started with ``argv``. Writes nothing."""
   recipe = resolved.recipe
   out = out or (Path(recipe.run.out) if recipe.run.out else run_dir.default_out(recipe.name))
-  return RunPlan(resolved, out, run_id=run_dir.new_run_id(), resumes=False, launch_argv=(*argv, f"run.out={out}"))
+  return RunPlan(resolved, out, run_id=run_dir.new_run_id(), resumes=False, launch_argv=(*argv, f"run.out={out}"),
+                 write_dir=out)
 
 
-def plan_resume(path: Path, steps: int | None) -> RunPlan:
-  """Continuing the run in ``path`` as it was configured, ``steps`` extending it if given. Writes nothing.
+def plan_resume(path: Path, steps: int | None, from_checkpoint: int | None = None) -> RunPlan:
+  """Continuing the run in ``path`` as it was configured, ``steps`` extending it if given (else the length its
+  latest segment ran to). Writes nothing.
 
   Raises:
-    RunDirError / RecipeError: no run there, or its config.json no longer makes a valid recipe.
+    RunDirError / RecipeError: no run there, its config.json was edited or no longer makes a valid recipe.
   """
   config = run_dir.read_config(path)
-  resolved = resolved_from_saved(config, steps)
-  return RunPlan(resolved, path, run_id=config["run_id"], resumes=True,
-                 launch_argv=("--resume", str(path), *([f"--steps={steps}"] if steps else [])))
+  edited = run_dir.edited_keys(config)
+  if edited:
+    raise RunDirError(
+        f"--resume {path}: {path / run_dir.CONFIG} was edited after the run wrote it ({', '.join(edited)});"
+        " a resume runs the recipe the run started with: restore the file (only --steps may change, on the"
+        " command line), or start a new run with the new recipe")
+  if edited is None:
+    logging.getLogger("step_boundary.run").warning(
+        "run_rl: %s carries no recipe digest (written by an older version); it is resumed as it reads",
+        path / run_dir.CONFIG)
+  segs = tuple(run_dir.segments(path, config))
+  resolved = resolved_from_saved(config, steps, saved_steps=segs[-1].steps)
+  argv = ("--resume", str(path), *([f"--steps={steps}"] if steps else []),
+          *([f"--from-checkpoint={from_checkpoint}"] if from_checkpoint is not None else []))
+  return RunPlan(resolved, path, run_id=config["run_id"], resumes=True, launch_argv=argv, segments=segs,
+                 from_checkpoint=from_checkpoint)
 
 
-def resolved_from_saved(config: dict, steps: int | None) -> recipe_lib.ResolvedRecipe:
-  """The recipe a run directory's config.json describes, with ``steps`` extended if given."""
+def resolved_from_saved(config: dict, steps: int | None, *, saved_steps: int | None = None
+                        ) -> recipe_lib.ResolvedRecipe:
+  """The recipe a run directory's config.json describes, run to ``steps`` if given, else to ``saved_steps``
+  (the length the latest segment ran to)."""
   values = recipe_lib.flatten(config["config"], where="config.json")
+  if steps is None and saved_steps is not None and saved_steps != values.get("steps"):
+    steps = saved_steps
   if steps is not None:
     values["steps"] = steps
   for name, key in recipe_lib.ENV_SWITCHES.items():  # a process's identity is never saved: it comes anew
@@ -167,16 +213,36 @@ def start(resolved: recipe_lib.ResolvedRecipe, out: Path | None, *, argv: list[s
   return execute(plan_new_run(resolved, out, argv or ()))
 
 
-def resume(path: Path, steps: int | None) -> int:
-  """Continues the run in ``path`` from its latest complete checkpoint; ``steps`` may extend it."""
+def resume(path: Path, steps: int | None, from_checkpoint: int | None = None) -> int:
+  """Continues the run in ``path`` from its latest complete checkpoint (or ``from_checkpoint``); ``steps``
+  may extend it. The run directory's lock is taken before anything there is read."""
   try:
-    plan = plan_resume(path, steps)
+    held = _lock(path, flag="--resume")
+    with held:
+      plan = plan_resume(path, steps, from_checkpoint)
+      return execute(plan)
   except REFUSALS as e:
     return _refuse(e)
-  return execute(plan)
+
+
+def _holds_the_lock() -> bool:
+  """Whether this process takes the run directory's lock: not a process the launcher started (the launcher
+  holds it), nor a process other than 0 of a job started by hand (process 0 owns the directory)."""
+  return os.environ.get(LAUNCHED_ENV) != "1" and os.environ.get(PROCESS_ID_ENV, "0").strip() in ("", "0")
+
+
+def _lock(path: Path, *, flag: str, create: bool = False):
+  """``path``'s lock (``run_dir.lock``), or nothing to hold where another process holds it for this one."""
+  return run_dir.lock(path, flag=flag, create=create) if _holds_the_lock() else contextlib.nullcontext()
 
 
 def execute(plan: RunPlan) -> int:
+  """Runs ``plan`` (see ``_execute``), releasing the lock a new run took on its directory when it ends."""
+  with contextlib.ExitStack() as held:
+    return _execute(plan, held)
+
+
+def _execute(plan: RunPlan, held: contextlib.ExitStack) -> int:
   """Runs ``plan`` in this process, or in the local processes it asks for; returns the exit code.
 
   The same order for a new run and a resumed one: join the job (exit 1 if that
@@ -185,9 +251,10 @@ def execute(plan: RunPlan) -> int:
   run claims its directory; process 0 says what runs; the run.
   """
   if plan.recipe.distributed.launches_local:
-    return _launch_local(plan)
+    return _launch_local(plan, held)
+  writes_to: list[Path | None] = [None]  # where a lost peer's summary goes, once this segment has a directory
   try:
-    job = _join(plan.recipe, plan.out)
+    job = _join(plan.recipe, writes_to)
   except DistributedError as e:
     return _refuse(e, code=1)
   code = _admit(job, plan.recipe)
@@ -197,10 +264,13 @@ def execute(plan: RunPlan) -> int:
   if code is not None:
     return code
   host, point, source = checked
-  if not plan.resumes:
-    plan, refusal = _claim(plan, job)
+  if plan.resumes:
+    plan = _open_segment(plan, point, job)
+  else:
+    plan, refusal = _claim(plan, job, held)
     if refusal is not None:
       return _refuse(refusal, job=job)
+  writes_to[0] = plan.write_dir
   if job.is_primary:
     print(_opening_line(plan, job, host=host, point=point), file=sys.stderr)
   return _run_program(plan, source=source, resume=point, job=job)
@@ -227,9 +297,9 @@ def _checks(plan: RunPlan, job: job_lib.Job):
   if not plan.resumes and job.is_primary:  # process 0 owns the run directory
     _check_new_out(plan)
   host = setup_host(recipe, distributed=job.distributed)
-  point = resume_point(recipe, plan.out, plan.run_id, primary=job.is_primary) if plan.resumes else None
   source = preflight(recipe, plan.out, run_id=plan.run_id, steps=recipe.steps if plan.resumes else None,
                      distributed=job.distributed, primary=job.is_primary)
+  point = resume_point(plan, source) if plan.resumes else None
   return host, point, source
 
 
@@ -262,12 +332,17 @@ def preflight(recipe, out: Path, *, run_id: str | None, steps: int | None = None
     _check_trainer_token(recipe)
   ckpt_dir = checkpoint_dir_for(recipe, out) if not remote or recipe.trainer.spawn else None
   if ckpt_dir and primary:
-    foreign = {step: meta.get("run_id") for step, meta in read_checkpoints(ckpt_dir).items()
-               if meta.get("run_id") != run_id or run_id is None}
-    if foreign:
+    checkpoints = read_checkpoints(ckpt_dir)
+    foreign = {step: meta["run_id"] for step, meta in checkpoints.items()
+               if isinstance(meta, dict) and isinstance(meta.get("run_id"), str) and meta["run_id"] != run_id}
+    if steps is None and checkpoints and not foreign:  # a new run: a damaged checkpoint is no one's to reuse
+      raise RunDirError(
+          f"checkpoint directory {ckpt_dir} holds checkpoints this run did not write (steps {sorted(checkpoints)});"
+          " use a new checkpoint.directory")
+    if foreign:  # a damaged one is the resume's to report (resume_point), by name
       raise RunDirError(
           f"checkpoint directory {ckpt_dir} holds checkpoints of another run (steps {sorted(foreign)}, run"
-          f" {sorted(set(map(str, foreign.values())))[0]}); use a new checkpoint.directory, or continue that"
+          f" {sorted(set(foreign.values()))[0]}); use a new checkpoint.directory, or continue that"
           " run with `run_rl --resume` on its run directory")
   return source
 
@@ -304,41 +379,88 @@ def _check_trainer_token(recipe) -> None:
         f" trainer.token_file=FILE or ${protocol.TOKEN_ENV}")
 
 
-def resume_point(recipe, path: Path, run_id: str, *, primary: bool = True):
-  """The latest complete checkpoint of run ``run_id`` and the records it covers.
+def resume_point(plan: RunPlan, source):
+  """The checkpoint a resume continues from, checked, with the records it covers.
+
+  Every checkpoint's metadata is checked (``checkpoint_check``); the latest is
+  used unless ``plan.from_checkpoint`` names another. The records of the steps
+  it covers must be intact in the run's segments; step ``N - 1``'s, if a kill
+  came between the checkpoint and its line, is restored from the checkpoint.
 
   Raises:
-    RunDirError: no complete checkpoint, one of another run, or nothing left to run.
+    RunDirError: no complete checkpoint, a bad one (named, with the newest valid one to resume from instead),
+      records that do not cover it, or nothing left to run.
   """
   # import here: gRPC and the engines load after setup_host (a refusal loads neither)
   from orchestrator.app.runner import ResumePoint, checkpoint_dir_for
   from orchestrator.engine.checkpointing import read_checkpoints  # import here: JAX-side (after setup_host)
 
+  recipe, path = plan.recipe, plan.out
   ckpt_dir = checkpoint_dir_for(recipe, path)
   checkpoints = read_checkpoints(ckpt_dir) if ckpt_dir else {}
   if not checkpoints:
     raise RunDirError(f"--resume {path}: no complete checkpoint in {ckpt_dir}; nothing to resume from"
                       " (start a new run with --out)")
-  step = max(checkpoints)
+  problems = checkpoint_check.problems(checkpoints, run_id=plan.run_id, source=source)
+  valid = sorted(step for step, problem in problems.items() if problem is None)
+  instead = (f"resume from checkpoint {valid[-1]}, the newest valid one, with `run_rl --resume {path}"
+             f" --from-checkpoint {valid[-1]}` (the checkpoints after it are moved aside, not deleted)" if valid
+             else "no checkpoint of the run is valid; start a new run with --out")
+  step = max(checkpoints) if plan.from_checkpoint is None else plan.from_checkpoint
+  if step not in checkpoints:
+    raise RunDirError(f"--from-checkpoint {step}: {ckpt_dir} holds no complete checkpoint {step} (it holds"
+                      f" {', '.join(map(str, sorted(checkpoints)))})")
+  if problems[step] is not None:
+    raise RunDirError(f"--resume {path}: checkpoint {step} in {ckpt_dir} {problems[step]}; {instead}")
+  if step >= recipe.steps:
+    raise RunDirError(f"--resume {path}: the run already did {step} of {recipe.steps} steps;"
+                      f" pass --steps N with N > {step} to extend it")
   metadata = checkpoints[step]
-  if metadata.get("run_id") != run_id:
-    raise RunDirError(f"--resume {path}: checkpoint {step} in {ckpt_dir} belongs to another run"
-                      f" ({metadata.get('run_id')!r}, not {run_id!r}); it cannot continue this one")
-  if "policy_state" not in metadata or "source_state" not in metadata:
-    raise RunDirError(f"--resume {path}: checkpoint {step} holds no run state (written by an older version)")
-  done = int(metadata["step"])
-  if done >= recipe.steps:
-    raise RunDirError(f"--resume {path}: the run already did {done} of {recipe.steps} steps;"
-                      f" pass --steps N with N > {done} to extend it")
-  if not primary:  # process 0 cuts records.jsonl; the others only read what the checkpoint covers
-    return ResumePoint(step, metadata, run_dir.read_records(path, int(metadata["records_count"])))
-  kept = run_dir.keep_records(path, int(metadata["records_count"]))
-  if len(kept) < int(metadata["records_count"]):
-    logging.getLogger("step_boundary.run").warning(
-        "run_rl: records.jsonl holds %d of the %d records checkpoint %d covers (the run was killed between"
-        " the checkpoint and its record); the missing step's record is lost", len(kept),
-        metadata["records_count"], step)
-  return ResumePoint(step, metadata, kept)
+  records = run_dir.run_records(list(plan.segments), step)
+  restored = None
+  pending = metadata.get("pending_record")
+  if len(records) == step - 1 and pending is not None:  # killed between the checkpoint and its record
+    restored = dict(pending, restored_from_checkpoint=step)
+    records.append(restored)
+  if len(records) < step:
+    earlier = [s for s in valid if s <= len(records)]
+    fix = (f"resume from checkpoint {earlier[-1]} with --from-checkpoint {earlier[-1]}" if earlier
+           else "restore the records files, or start a new run with --out")
+    raise RunDirError(f"--resume {path}: the run's records end after step {len(records) - 1}, but checkpoint"
+                      f" {step} covers steps 0 to {step - 1}; {fix}")
+  superseded = sorted(s for s in checkpoints if s > step)
+  return ResumePoint(step, metadata, records, restored_record=restored, superseded_checkpoints=superseded)
+
+
+def _open_segment(plan: RunPlan, point, job: job_lib.Job) -> RunPlan:
+  """Process 0 opens the resume's segment (``run_dir.new_segment``): its records begin with a restored one,
+  if any, and the checkpoints after the one resumed from move into it. Every process waits for that."""
+  write_dir = None
+  if job.is_primary:
+    first_step = point.steps_done - (1 if point.restored_record is not None else 0)
+    segment = run_dir.new_segment(plan.out, first_step=first_step, steps=plan.recipe.steps,
+                                  resumed_from=point.checkpoint_step)
+    if point.restored_record is not None:
+      (segment.path / run_dir.RECORDS).write_text(json.dumps(point.restored_record) + "\n", encoding="utf-8")
+    if point.superseded_checkpoints:
+      _move_aside(plan, point.superseded_checkpoints, segment.path / run_dir.SUPERSEDED_CHECKPOINTS)
+    write_dir = str(segment.path)
+  write_dir = job.agreement.broadcast("segment", write_dir)
+  return dataclasses.replace(plan, write_dir=Path(write_dir) if write_dir else None)
+
+
+def _move_aside(plan: RunPlan, steps: list[int], into: Path) -> None:
+  """Moves the checkpoints after the one a resume continues from into ``into`` (kept, not deleted): the
+  resumed run writes its own checkpoints of those steps."""
+  # import here: gRPC and the engines load after setup_host (a refusal loads neither)
+  from orchestrator.app.runner import checkpoint_dir_for
+
+  ckpt_dir = Path(checkpoint_dir_for(plan.recipe, plan.out))
+  into.mkdir(parents=True)
+  for step in steps:
+    shutil.move(str(ckpt_dir / str(step)), str(into / str(step)))
+  print(f"run_rl: moved checkpoints {', '.join(map(str, steps))} (after the one resumed from) to {into}",
+        file=sys.stderr)
 
 
 def _agreed(job, checks):
@@ -352,19 +474,21 @@ def _agreed(job, checks):
   return (result, None) if refusal is None else (None, _refuse(refusal, job=job))
 
 
-def _claim(plan: RunPlan, job: job_lib.Job) -> tuple[RunPlan, str | None]:
-  """Process 0 claims a new run's directory (``config.json``); every process then takes process 0's run id and
-  directory, since every process writes checkpoints under them. Returns the claimed plan and why the claim
-  failed (None: claimed)."""
+def _claim(plan: RunPlan, job: job_lib.Job, held: contextlib.ExitStack) -> tuple[RunPlan, str | None]:
+  """Process 0 locks a new run's directory (held in ``held``) and claims it (``config.json``); every process
+  then takes process 0's run id and directory, since every process writes checkpoints under them. Returns the
+  claimed plan and why the claim failed (None: claimed)."""
   claimed = {"run_id": plan.run_id, "out": str(plan.out), "refusal": None}
   if job.is_primary:
     try:
+      held.enter_context(_lock(plan.out, flag="--out", create=True))
       run_dir.claim_new(plan.out, {"run_id": plan.run_id, "recipe": plan.resolved.path,
                                    "config": recipe_lib.run_config_dict(plan.recipe), "sources": plan.resolved.sources})
-    except RunDirError as e:  # another run claimed the directory between the check and now
+    except RunDirError as e:  # another run claimed or holds the directory since the check
       claimed["refusal"] = str(e)
   claimed = job.agreement.broadcast("claim", claimed)
-  return dataclasses.replace(plan, run_id=claimed["run_id"], out=Path(claimed["out"])), claimed["refusal"]
+  out = Path(claimed["out"])
+  return dataclasses.replace(plan, run_id=claimed["run_id"], out=out, write_dir=out), claimed["refusal"]
 
 
 def _opening_line(plan: RunPlan, job: job_lib.Job, *, host: str, point) -> str:
@@ -379,12 +503,14 @@ def _opening_line(plan: RunPlan, job: job_lib.Job, *, host: str, point) -> str:
           f" host core reserved: {host}{processes}")
 
 
-def _launch_local(plan: RunPlan) -> int:
+def _launch_local(plan: RunPlan, held: contextlib.ExitStack) -> int:
   """Starts ``distributed.num_processes`` local processes of this run (``launcher.LocalJob``); a new run's
-  directory is checked first."""
+  directory is checked and locked first (a resumed one was locked before it was read). The launcher holds the
+  lock for its processes."""
   if not plan.resumes:
     try:
       run_dir.check_new(plan.out)
+      held.enter_context(_lock(plan.out, flag="--out", create=True))
     except RunDirError as e:
       return _refuse(e)
   recipe, d = plan.recipe, plan.recipe.distributed
@@ -393,13 +519,13 @@ def _launch_local(plan: RunPlan) -> int:
                   timeout_s=d.timeout_s).run()
 
 
-def _end_run_on_lost_peer(out: Path, job: job_lib.Job, line: str) -> None:
-  """What a process of a run does when the watchdog reports a lost peer: one line, the summary (process 0),
-  exit 1."""
+def _end_run_on_lost_peer(writes_to: list, job: job_lib.Job, line: str) -> None:
+  """What a process of a run does when the watchdog reports a lost peer: one line, the summary (process 0, in
+  this segment's directory once it has one: never an earlier segment's), exit 1."""
   step = job.current_step()
   where = "during bring-up" if step is None else f"at step {step}"
-  kept = ""
-  if job.is_primary and (out / run_dir.CONFIG).is_file():
+  kept, out = "", writes_to[0]
+  if job.is_primary and out is not None:
     run_dir.write_summary(out, {"ended": "error", "last_step": step, "error": line})
     kept = f"; records so far are kept in {out / run_dir.RECORDS}"
   if os.environ.get(LAUNCHED_ENV) != "1":  # else the launcher says it, once, with how the process ended
@@ -407,11 +533,11 @@ def _end_run_on_lost_peer(out: Path, job: job_lib.Job, line: str) -> None:
   os._exit(1)
 
 
-def _join(recipe, out: Path) -> job_lib.Job:
+def _join(recipe, writes_to: list) -> job_lib.Job:
   """This process's job: alone, or joined to the one ``recipe.distributed`` names (before JAX starts)."""
   if not recipe.distributed.enabled:
     return job_lib.single()
-  return job_lib.join_job(recipe.distributed, on_lost_peer=functools.partial(_end_run_on_lost_peer, out))
+  return job_lib.join_job(recipe.distributed, on_lost_peer=functools.partial(_end_run_on_lost_peer, writes_to))
 
 
 def _refuse(e: Exception | str, *, job=None, code: int = 2) -> int:
@@ -425,16 +551,16 @@ def _refuse(e: Exception | str, *, job=None, code: int = 2) -> int:
 
 def _run_program(plan: RunPlan, *, source, resume, job: job_lib.Job) -> int:
   """Builds the run and runs it to its end, a stop or a failure; process 0 writes what it ends with."""
-  recipe, out, run_id = plan.recipe, plan.out, plan.run_id
+  recipe, out, run_id, write_dir = plan.recipe, plan.out, plan.run_id, plan.write_dir
   with StopSignals(out, quiet=not job.is_primary) as stop:  # held to the end: a late Ctrl-C gets no traceback
     handle, code = None, None
     try:
       # import here: gRPC and the engines load after setup_host (a refusal loads neither)
       from orchestrator.app.runner import build_run
 
-      previous_trace = run_dir.read_trace_events(out) if resume and job.is_primary else []
+      previous_trace = _previous_trace(plan) if resume and job.is_primary else []
       handle = build_run(recipe, out, source=source, run_id=run_id, resume=resume, stop_requested=stop.requested,
-                         job=job)
+                         job=job, write_dir=write_dir)
       job.current_step = lambda: handle.current_step  # the step a lost peer's line names
       result = handle.run()
     except recipe_lib.RecipeError as e:
@@ -442,7 +568,7 @@ def _run_program(plan: RunPlan, *, source, resume, job: job_lib.Job) -> int:
     except Exception as e:  # pylint: disable=broad-except
       if job.watchdog is not None:  # a collective failed because a peer died? Then the watchdog names it.
         job.watchdog.wait_for_loss()
-      code = _fail(out, e, None if handle is None else handle.current_step, job)
+      code = _fail(write_dir, e, None if handle is None else handle.current_step, job)
     finally:
       if handle is not None:
         handle.close()
@@ -453,15 +579,23 @@ def _run_program(plan: RunPlan, *, source, resume, job: job_lib.Job) -> int:
       job.finish(succeeded=True)
       return EXIT_CODES[stop.received or _signal_named(result.stop_reason)] if result.ended == "stopped" else 0
     if previous_trace:
-      run_dir.merge_trace(out, previous_trace, resumed_at=resume.steps_done)
-    _write_recording(recipe, handle.program.source, result)
-    code = _report(out, result, run_id, stop)
+      run_dir.merge_trace(write_dir, previous_trace, resumed_at=resume.steps_done)
+    recorded = True
+    try:
+      _write_recording(recipe, handle.program.source, result, write_dir)
+    except (RunDirError, OSError) as e:
+      print(f"run_rl: error: the rollouts were not recorded: {e}", file=sys.stderr)
+      recorded = False
+    code = _report(plan, result, stop)
+    code = code if code or recorded else 1
     job.finish(succeeded=True)
     return code
 
 
-def _write_recording(recipe, source, result) -> None:
-  """A live run with ``rollouts.record_to`` writes what it trained on, replayable as a recording."""
+def _write_recording(recipe, source, result, write_dir: Path) -> None:
+  """A live run with ``rollouts.record_to`` writes what it trained on, replayable as a recording, holding the
+  recording directory's lock. A resumed segment never writes over the recording an earlier one wrote: it
+  writes its own steps' into ``write_dir/recording``."""
   record_to = recipe.rollouts.record_to
   live = live_part(source)
   recorded = live.recorded_steps() if live is not None else None
@@ -469,20 +603,46 @@ def _write_recording(recipe, source, result) -> None:
     return
   from orchestrator.live.rollouts import recorded_groups  # import here: JAX-side (after setup_host)
 
-  manifest = write_recording(Path(record_to), recorded_groups(recorded, recipe.rollouts.generations_per_group),
-                             vocab_size=load_preset(recipe.model).vocab_size,
-                             produced_by={"tool": "run_rl (live loop)", "recipe": recipe.name,
-                                          "task": dataclasses.asdict(recipe.task), "steps": result.last_step + 1})
+  target = Path(record_to)
+  if (target / "manifest.json").exists():
+    target = write_dir / "recording"
+  with run_dir.lock(target, flag="rollouts.record_to", create=True):
+    manifest = write_recording(target, recorded_groups(recorded, recipe.rollouts.generations_per_group),
+                               vocab_size=load_preset(recipe.model).vocab_size,
+                               produced_by={"tool": "run_rl (live loop)", "recipe": recipe.name,
+                                            "task": dataclasses.asdict(recipe.task), "steps": result.last_step + 1})
+  record_to = str(target)
   result.summary = result.summary.replace(
       run=dict(result.summary.run, recording={"path": record_to, "groups": manifest["num_groups"]}))
   print(f"run_rl: wrote the {manifest['num_groups']} groups this run trained on to {record_to}"
         f" (replay them with rollouts.source=recording rollouts.recording={record_to})", file=sys.stderr)
 
 
-def _report(out: Path, result, run_id: str, stop: StopSignals) -> int:
-  run = dict(result.summary.run, run_id=run_id)
+def _previous_trace(plan: RunPlan) -> list:
+  """The trace events of the run so far: the latest earlier segment's trace holds every segment's before it."""
+  for segment in reversed(plan.segments):
+    events = run_dir.read_trace_events(segment.path)
+    if events:
+      return events
+  return []
+
+
+def _segments_view(plan: RunPlan) -> dict[str, Any]:
+  """What a resumed segment's summary says about the run's segments (its own included)."""
+  def entry(segment: run_dir.Segment) -> dict[str, Any]:
+    return {"segment": segment.index, "summary": str(segment.path / run_dir.SUMMARY),
+            "first_step": segment.first_step, "resumed_from_checkpoint": segment.resumed_from}
+
+  earlier = [entry(s) for s in plan.segments if s.path != plan.write_dir]
+  return {"segment": len(earlier), "segments": [*earlier, {"segment": len(earlier),
+                                                           "summary": str(plan.write_dir / run_dir.SUMMARY)}]}
+
+
+def _report(plan: RunPlan, result, stop: StopSignals) -> int:
+  out, write_dir = plan.out, plan.write_dir
+  run = dict(result.summary.run, run_id=plan.run_id, **(_segments_view(plan) if plan.resumes else {}))
   modes = " → ".join(dict.fromkeys(r.mode for r in result.records))
-  plot = plot_rewards(result.records, out / "reward.png", title=f"{out.name}: reward per step ({modes})")
+  plot = plot_rewards(result.records, write_dir / "reward.png", title=f"{out.name}: reward per step ({modes})")
   if plot:
     run["reward_plot"] = str(plot)
   summary = result.summary.replace(run=run)
@@ -492,7 +652,7 @@ def _report(out: Path, result, run_id: str, stop: StopSignals) -> int:
     received = stop.received or _signal_named(result.stop_reason)
     summary = summary.replace(ended="signal", run=dict(run, signal=received.name,
                                                        resume_command=f"run_rl --resume {out}"))
-  run_dir.write_summary(out, summary.to_json())
+  run_dir.write_summary(write_dir, summary.to_json())
   print(format_table(result.records))
   print()
   print(format_summary(summary))
@@ -511,12 +671,16 @@ def _signal_named(name: str | None) -> signal.Signals:
     return signal.SIGTERM  # a stop asked for by other means ends like a polite termination
 
 
-def _fail(out: Path, error: Exception, step: int | None, job) -> int:
+def _fail(out: Path | None, error: Exception, step: int | None, job) -> int:
   """An unexpected failure: exit 1, one line, the traceback in error.log (process 0), the records kept."""
   where = "during bring-up" if step is None else f"at step {step}"
   if not job.is_primary:  # its log is the launcher's (or the host's) to keep
     traceback.print_exception(error)
     print(f"run_rl: {job.label}the run failed {where}: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
+    return 1
+  if out is None:  # no segment of this run's own to write into: an earlier segment's files stay as they were
+    traceback.print_exception(error)
+    print(f"run_rl: the run failed {where}: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
     return 1
   log_path = out / run_dir.ERROR_LOG
   log_path.write_text("".join(traceback.format_exception(error)), encoding="utf-8")

@@ -1,22 +1,38 @@
-"""A run's directory: what it holds, how a new run claims one, and how a stopped run is found again.
+"""A run's directory: what it holds, who may write it, and how a stopped run is found again.
 
-    DIR/config.json     the resolved recipe, each key's source, the run's id (written first)
-    DIR/records.jsonl   one BoundaryRecord per step, appended as steps finish
-    DIR/summary.json    how the run ended and its medians (written at the end, or at a stop)
-    DIR/trace.json      the Perfetto trace (one process group per run segment)
+    DIR/config.json     the resolved recipe, each key's source, the run's id and the recipe's digest
+                        (written once, by the run that claims DIR)
+    DIR/run.lock        held (an OS file lock) by the one process that runs, resumes or records into DIR
+    DIR/records.jsonl   one BoundaryRecord per step of the run as started (segment 0), appended as steps finish
+    DIR/summary.json    how segment 0 ended and its medians (written at its end, or at a stop)
+    DIR/trace.json      segment 0's Perfetto trace
     DIR/checkpoints/    checkpoints, unless the recipe names another directory
-    DIR/error.log       the traceback of an unexpected failure, if there was one
+    DIR/error.log       the traceback of an unexpected failure of segment 0, if there was one
+    DIR/segments/N/     resume N: segment.json (where it starts), then its own records.jsonl, summary.json,
+                        trace.json and error.log (and checkpoints it moved aside with --from-checkpoint)
 
-A run never writes into a directory that holds another run: ``claim_new``
-refuses it, and ``--resume DIR`` continues the run that is there.
+A run never writes into a directory that holds another run (``claim_new``
+refuses it), and nothing a segment completed is ever rewritten: a resume
+writes a new segment, whose records begin where its checkpoint left off. The
+run's records are every segment's, in order, a later segment's replacing an
+earlier one's from its first step on (``run_records``); a segment's
+``summary.json`` covers the whole run up to its end (the combined view), the
+latest segment's being the run's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import errno
+import fcntl
+import hashlib
 import json
 import os
+import socket
+import sys
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +42,13 @@ SUMMARY = "summary.json"
 TRACE = "trace.json"
 ERROR_LOG = "error.log"
 CHECKPOINTS = "checkpoints"
+LOCK = "run.lock"
+SEGMENTS = "segments"
+SEGMENT = "segment.json"
+SUPERSEDED_CHECKPOINTS = "superseded_checkpoints"
 RUN_FILES = (CONFIG, RECORDS, SUMMARY, TRACE)
+# Fields every record has (a line without them was not written by a run).
+RECORD_FIELDS = ("step", "mode", "staged", "reason", "actions", "update_s", "step_s", "micro_batch_s")
 
 
 class RunDirError(ValueError):
@@ -76,14 +98,122 @@ def default_out(name: str, root: Path = Path("runs")) -> Path:
 
 
 def claim_new(path: Path, config: dict[str, Any]) -> None:
-  """Creates the run directory and writes ``config.json`` (fails if another run got there first)."""
-  path.mkdir(parents=True, exist_ok=True)
+  """Writes a new run's ``config.json``, with the recipe's digest (fails if another run got there first).
+
+  The caller holds ``path``'s lock (``lock``), which created the directory.
+  """
+  config = dict(config, digest=config_digest(config["config"]))
   try:
     with (path / CONFIG).open("x") as f:
       json.dump(config, f, indent=2, default=str)
   except FileExistsError:
     raise RunDirError(f"--out {path} already holds a run (it appeared while this one started);"
                       " choose a new --out") from None
+
+
+# ---------------------------------------------------------------------------- the lock
+class DirLock:
+  """An exclusive lock on a directory (``DIR/run.lock``); the OS releases it when the process ends.
+
+  A directory the lock created and nothing else wrote into is removed again on release (a refusal after the
+  lock leaves nothing behind).
+  """
+
+  def __init__(self, path: Path, fd: int, *, created: bool = False):
+    self.path, self._fd, self._created = path, fd, created
+
+  def release(self) -> None:
+    if self._fd is None:
+      return
+    if self._created and [p.name for p in self.path.iterdir()] == [LOCK]:
+      (self.path / LOCK).unlink()
+      self.path.rmdir()
+    os.close(self._fd)  # closing the descriptor drops the lock
+    self._fd = None
+
+  def __enter__(self) -> "DirLock":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.release()
+
+
+def lock(path: Path, *, flag: str, create: bool = False) -> DirLock:
+  """Takes ``path``'s lock before anything there is read or written, creating the directory if ``create``.
+
+  Raises:
+    RunDirError: another process holds it (its pid and command named), or ``path`` cannot be written.
+  """
+  created = create and not path.exists()
+  if create:
+    try:
+      path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+      raise RunDirError(f"{flag} {path}: cannot create it ({e.strerror}); choose a directory you can write") from None
+  elif not path.is_dir():
+    raise RunDirError(f"{flag} {path}: no such directory")
+  if not os.access(path, os.W_OK | os.X_OK):
+    raise RunDirError(f"{flag} {path}: the directory is not writable; every run writes its outputs there"
+                      " (a resume writes a new segment): make it writable, or copy the run somewhere writable")
+  try:
+    fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+  except OSError as e:
+    raise RunDirError(f"{flag} {path}: cannot open {path / LOCK} ({e.strerror}); make the directory writable")
+  try:
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+  except OSError as e:
+    holder = _holder(fd)
+    os.close(fd)
+    if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+      raise RunDirError(f"{flag} {path}: cannot lock {path / LOCK} ({e.strerror})") from None
+    raise RunDirError(f"{flag} {path} is in use by {holder}; wait for it to end or stop it,"
+                      " then try again") from None
+  os.ftruncate(fd, 0)
+  os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "command": " ".join(sys.argv),
+                           "since": datetime.datetime.now().isoformat(timespec="seconds")}).encode())
+  return DirLock(path, fd, created=created)
+
+
+def _holder(fd: int) -> str:
+  """Who holds a lock, as its lock file says."""
+  try:
+    info = json.loads(os.pread(fd, 4096, 0).decode("utf-8"))
+    return f"pid {int(info['pid'])} on {info.get('host')} (`{info.get('command')}`, since {info.get('since')})"
+  except (OSError, ValueError, KeyError, TypeError):
+    return "another process (its lock file names none)"
+
+
+# ---------------------------------------------------------------------------- the recipe's digest
+def _flat(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+  out = {}
+  for name, value in tree.items():
+    if isinstance(value, Mapping):
+      out.update(_flat(value, f"{prefix}{name}."))
+    else:
+      out[f"{prefix}{name}"] = value
+  return out
+
+
+def _sha256(value: Any) -> str:
+  return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def config_digest(config: Mapping[str, Any]) -> dict[str, Any]:
+  """The recipe's digest as ``config.json`` keeps it: the whole recipe's, and each key's (to name an edit)."""
+  return {"sha256": _sha256(config), "keys": {key: _sha256(value)[:16] for key, value in _flat(config).items()}}
+
+
+def edited_keys(config: dict[str, Any]) -> list[str] | None:
+  """The recipe keys of ``config.json`` changed since the run wrote it ([] for none), or None when it carries
+  no digest (a run of an older version)."""
+  digest = config.get("digest")
+  if not isinstance(digest, dict) or not isinstance(digest.get("keys"), dict):
+    return None
+  if digest.get("sha256") == _sha256(config["config"]):
+    return []
+  now = {key: _sha256(value)[:16] for key, value in _flat(config["config"]).items()}
+  saved = digest["keys"]
+  return sorted(k for k in set(now) | set(saved) if now.get(k) != saved.get(k)) or ["(the recipe's layout)"]
 
 
 def read_config(path: Path, flag: str = "--resume") -> dict[str, Any]:
@@ -106,32 +236,165 @@ def read_config(path: Path, flag: str = "--resume") -> dict[str, Any]:
   return config
 
 
-def read_records(path: Path, count: int) -> list[dict[str, Any]]:
-  """The first ``count`` records of ``records.jsonl``, read only (a torn line ends them)."""
-  records_path = path / RECORDS
-  lines = records_path.read_text(encoding="utf-8").splitlines() if records_path.exists() else []
-  kept = []
-  for line in lines[:count]:
-    try:
-      kept.append(json.loads(line))
-    except json.JSONDecodeError:
-      break
-  return kept
+# ---------------------------------------------------------------------------- segments
+@dataclasses.dataclass(frozen=True)
+class Segment:
+  """One stretch of a run: the run as started (index 0, files in DIR) or one resume (``DIR/segments/N``).
 
-
-def keep_records(path: Path, count: int) -> list[dict[str, Any]]:
-  """Cuts ``records.jsonl`` to its first ``count`` records (the steps a checkpoint covers); returns them.
-
-  Records after them belong to steps the resumed run will run again. A torn
-  last line (a kill mid-write) is dropped.
+  Attributes:
+    index: 0 for the run as started, N for the N-th resume.
+    path: the directory holding its records, summary, trace and error log.
+    first_step: the step of its first record (a later segment's records replace earlier ones from here on).
+    steps: the run's length as this segment ran it (``--steps`` extends it).
+    resumed_from: the checkpoint (steps done) it continued from; None for segment 0.
   """
-  kept = read_records(path, count)
-  (path / RECORDS).write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
-  return kept
+
+  index: int
+  path: Path
+  first_step: int
+  steps: int | None
+  resumed_from: int | None = None
+
+  @property
+  def records_path(self) -> Path:
+    return self.path / RECORDS
+
+
+def segments(path: Path, config: dict[str, Any]) -> list[Segment]:
+  """The run's segments in order. A segment directory without its ``segment.json`` (a resume that
+  ended before it began) holds nothing and is skipped.
+
+  Raises:
+    RunDirError: a ``segment.json`` that is damaged.
+  """
+  steps = _flat(config.get("config", {})).get("steps")
+  out = [Segment(0, path, 0, steps if isinstance(steps, int) else None)]
+  for index in _segment_numbers(path):
+    where = path / SEGMENTS / str(index) / SEGMENT
+    if not where.exists():
+      continue
+    try:
+      data = json.loads(where.read_text(encoding="utf-8"))
+      segment = Segment(index, where.parent, _count(data["first_step"]), _count(data["steps"]),
+                        _count(data["resumed_from"]))
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
+      raise RunDirError(f"--resume {path}: {where} is damaged ({type(e).__name__}: {e}); restore it, or copy the"
+                        " run without that segment") from None
+    out.append(segment)
+  return out
+
+
+def _count(value: Any) -> int:
+  if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    raise ValueError(f"{value!r} is not a step count")
+  return value
+
+
+def _segment_numbers(path: Path) -> list[int]:
+  root = path / SEGMENTS
+  if not root.is_dir():
+    return []
+  return sorted(int(p.name) for p in root.iterdir() if p.is_dir() and p.name.isdigit())
+
+
+def new_segment(path: Path, *, first_step: int, steps: int, resumed_from: int) -> Segment:
+  """Creates the next segment's directory and its ``segment.json`` (after the resume was validated)."""
+  index = max(_segment_numbers(path), default=0) + 1
+  where = path / SEGMENTS / str(index)
+  where.mkdir(parents=True)  # never exist_ok: a segment is never shared
+  segment = Segment(index, where, first_step, steps, resumed_from)
+  tmp = where / (SEGMENT + ".tmp")
+  tmp.write_text(json.dumps({"first_step": first_step, "steps": steps, "resumed_from": resumed_from,
+                             "started": datetime.datetime.now().isoformat(timespec="seconds")}), encoding="utf-8")
+  tmp.replace(where / SEGMENT)
+  return segment
+
+
+def latest_segment(path: Path) -> Path:
+  """The directory of the run's latest segment: its ``summary.json`` is the run's combined view."""
+  return segments(path, read_config(path, flag="run directory"))[-1].path
+
+
+def all_records(path: Path) -> list[dict[str, Any]]:
+  """Every step's record as the run's segments now hold them (a later segment's replacing an earlier one's)."""
+  return run_records(segments(path, read_config(path, flag="run directory")), needed=sys.maxsize)
+
+
+# ---------------------------------------------------------------------------- records
+@dataclasses.dataclass
+class _Line:
+  record: dict[str, Any] | None
+  where: str  # "FILE line N"
+  problem: str | None = None
+
+
+def run_records(segs: list[Segment], needed: int) -> list[dict[str, Any]]:
+  """The records of steps 0..``needed``-1 as the run's segments hold them, read only.
+
+  Each segment's file holds consecutive steps from its ``first_step``; a later
+  segment's records replace an earlier one's from its first step on. A torn
+  last line of a file (a kill mid-write) is no record. Returns fewer records
+  than ``needed`` when the files end before (the caller decides).
+
+  Raises:
+    RunDirError: a record the run needs is damaged (names the file and line).
+  """
+  by_step: dict[int, _Line] = {}
+  for seg in segs:
+    by_step = {step: line for step, line in by_step.items() if step < seg.first_step}
+    for offset, line in enumerate(_read_lines(seg.records_path)):
+      by_step[seg.first_step + offset] = line
+  out = []
+  for step in range(needed):
+    line = by_step.get(step)
+    if line is None:
+      break
+    if line.problem is None and line.record.get("step") != step:
+      line.problem = f"it holds step {line.record.get('step')!r} where step {step} belongs"
+    if line.problem is not None:
+      raise RunDirError(f"{line.where} is damaged ({line.problem}); the resume needs it (step {step}): restore the"
+                        " file, or resume from a checkpoint before that step with --from-checkpoint")
+    out.append(line.record)
+  return out
+
+
+def _read_lines(records_path: Path) -> list[_Line]:
+  """A records file's lines, each parsed or with its problem; a torn last line (no newline) is dropped."""
+  try:
+    data = records_path.read_bytes()
+  except FileNotFoundError:
+    return []
+  except OSError as e:
+    raise RunDirError(f"{records_path} cannot be read ({e.strerror}); make it readable") from None
+  raw = data.split(b"\n")
+  torn = raw.pop()  # after the last newline: empty, or a line cut short by a kill
+  del torn
+  lines = []
+  for number, text in enumerate(raw, start=1):
+    lines.append(_parse_line(text, f"{records_path} line {number}"))
+  return lines
+
+
+def _parse_line(text: bytes, where: str) -> _Line:
+  try:
+    record = json.loads(text.decode("utf-8"))
+  except UnicodeDecodeError as e:
+    return _Line(None, where, f"not UTF-8 at byte {e.start}")
+  except json.JSONDecodeError as e:
+    return _Line(None, where, f"not JSON: {e.msg} at column {e.colno}")
+  if not isinstance(record, dict):
+    return _Line(None, where, f"a JSON {type(record).__name__}, not a record")
+  missing = [f for f in RECORD_FIELDS if f not in record]
+  if missing:
+    return _Line(None, where, f"no {', '.join(missing)}")
+  if isinstance(record["step"], bool) or not isinstance(record["step"], int):
+    return _Line(None, where, f"step {record['step']!r} is not a step number")
+  return _Line(record, where)
 
 
 def read_trace_events(path: Path) -> list[dict[str, Any]]:
-  """The events of an earlier segment's trace, or none if it was never written (a killed run)."""
+  """The events of a segment's trace (every earlier segment's too), or none if it was never written (a killed
+  run)."""
   try:
     return list(json.loads((path / TRACE).read_text(encoding="utf-8"))["traceEvents"])
   except (OSError, ValueError, KeyError, TypeError):
@@ -145,7 +408,7 @@ def write_summary(path: Path, summary: dict[str, Any]) -> None:
 
 
 def merge_trace(path: Path, previous_events: list[dict[str, Any]], *, resumed_at: int) -> None:
-  """Puts the earlier segments' events back in front of this segment's trace, as separate processes."""
+  """Puts the earlier segments' events in front of this segment's trace (in ``path``), as separate processes."""
   current = read_trace_events(path)
   offset = 10 * (max((int(e.get("pid", 0)) for e in previous_events), default=0) // 10 + 1)
   for event in current:

@@ -131,11 +131,22 @@ def checkpoint_dir_for(recipe: Recipe, out: Path) -> str | None:
 
 @dataclasses.dataclass
 class ResumePoint:
-  """Where a stopped run continues: its latest complete checkpoint and the records it covers."""
+  """Where a stopped run continues: a checked checkpoint and the records it covers.
+
+  Attributes:
+    checkpoint_step: the checkpoint's step (the steps it covers).
+    metadata: its metadata, checked (``checkpoint_check``).
+    previous_records: the records of steps 0 to ``checkpoint_step - 1``, from the run's segments.
+    restored_record: the last of them when it came from the checkpoint (the run was killed before writing
+      it), else None.
+    superseded_checkpoints: later checkpoints (``--from-checkpoint``), moved aside when the resume starts.
+  """
 
   checkpoint_step: int
   metadata: dict
   previous_records: list
+  restored_record: dict | None = None
+  superseded_checkpoints: list = dataclasses.field(default_factory=list)
 
   @property
   def steps_done(self) -> int:
@@ -200,20 +211,22 @@ class RunHandle:
       self.closers.pop()()
 
 
-def make_worker(recipe: Recipe, out: Path, closers: list):
-  """The trainer the recipe names: a ``TrainerWorker`` here, or a ``RemoteTrainerWorker`` (spawning its server).
+def make_worker(recipe: Recipe, out: Path, closers: list, write_dir: Path | None = None):
+  """The trainer the recipe names: a ``TrainerWorker`` here, or a ``RemoteTrainerWorker`` (spawning its server,
+  whose recipe and log go in ``write_dir``, default ``out``).
 
   Appends what must be closed after the run to ``closers``; returns ``(worker, trainer_info)``.
   """
+  write_dir = write_dir or out
   t = recipe.trainer
   if t.location == "local":
     return TrainerWorker(build_engine_from_recipe(recipe, checkpoint_dir=checkpoint_dir_for(recipe, out))), None
   limits = protocol.Limits(max_message_bytes=t.max_message_bytes, timeout_s=t.timeout_s)
   address, token = t.address, protocol.read_token(t.token_file)
   if t.spawn:
-    child = SpawnedTrainer(recipe_lib.to_dict(recipe), recipe_path=out / "trainer_recipe.json",
+    child = SpawnedTrainer(recipe_lib.to_dict(recipe), recipe_path=write_dir / "trainer_recipe.json",
                            checkpoint_dir=checkpoint_dir_for(recipe, out), address=address or "127.0.0.1:0",
-                           timeout_s=max(t.timeout_s, 60.0), log_path=out / "trainer.log")
+                           timeout_s=max(t.timeout_s, 60.0), log_path=write_dir / "trainer.log")
     closers.append(child.stop)
     address, token = child.address, child.token
   worker = RemoteTrainerWorker(address, recipe_digest=protocol.recipe_digest(recipe), token=token, limits=limits,
@@ -224,18 +237,21 @@ def make_worker(recipe: Recipe, out: Path, closers: list):
 
 
 def build_run(recipe: Recipe, out: Path, *, source, run_id: str, resume: ResumePoint | None = None,
-              stop_requested=None, progress: bool = True, job=None) -> RunHandle:
+              stop_requested=None, progress: bool = True, job=None, write_dir: Path | None = None) -> RunHandle:
   """Builds the engine, worker, policy and program for a validated recipe and a checked source.
 
-  With ``resume``, the engine restores that checkpoint, the source and the
-  policy continue from the positions it saved, and records are appended.
-  In a job of several processes (``job``), every process builds the same run;
-  only process 0 writes records and the trace and shows progress.
+  ``out`` is the run's directory (its checkpoints), ``write_dir`` (default
+  ``out``) where this segment writes its records and trace. With ``resume``,
+  the engine restores that checkpoint, the source and the policy continue from
+  the positions it saved, and the records it covers are carried. In a job of
+  several processes (``job``), every process builds the same run; only process
+  0 writes records and the trace and shows progress.
   """
   closers: list = []
+  write_dir = write_dir or out
   try:
-    worker, trainer_info = make_worker(recipe, out, closers)
-    handle = _build_program(recipe, out, worker, source=source, run_id=run_id, resume=resume,
+    worker, trainer_info = make_worker(recipe, out, closers, write_dir)
+    handle = _build_program(recipe, write_dir, worker, source=source, run_id=run_id, resume=resume,
                             stop_requested=stop_requested, progress=progress and (job is None or job.is_primary),
                             job=job)
   except BaseException:

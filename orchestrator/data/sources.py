@@ -105,6 +105,10 @@ class SyntheticSteps(_Positioned):
     """Synthetic steps never run out: ``limit``."""
     return limit
 
+  def positions_at(self, steps: Iterable[int]) -> dict[int, dict[str, Any]]:
+    """The position before each of ``steps``, as ``get_state`` gives it there (to check a saved one)."""
+    return {step: {"kind": self.kind, "next_step": step} for step in steps}
+
 
 class ReplaySteps(_Positioned):
   """A recording replayed through its grain pipeline; its position is the grain iterator's state."""
@@ -128,6 +132,20 @@ class ReplaySteps(_Positioned):
   def set_state(self, state: dict[str, Any]) -> None:
     _check_kind(state, self.kind)
     self._iterator.set_state(state["grain"])
+
+  def positions_at(self, steps: Iterable[int]) -> dict[int, dict[str, Any]]:
+    """The position before each of ``steps``, as ``get_state`` gives it there: the recording replayed again
+    in a separate pass (position unchanged), to check a saved one. Steps past the recording's end are left out."""
+    wanted, out = set(steps), {}
+    iterator = iter(self._pipeline)
+    for step in range(max(wanted, default=-1) + 1):
+      if step in wanted:
+        out[step] = {"kind": self.kind, "grain": iterator.get_state()}
+      try:
+        next(iterator)
+      except StopIteration:
+        break
+    return out
 
   def count_steps(self, limit: int) -> int:
     """How many whole steps the recording holds, up to ``limit`` (a separate pass; position unchanged)."""

@@ -428,19 +428,26 @@ class RLProgram:
       boundary.device_wait_s = max(0.0, update_ready - boundary.stage.ended_at)
       self._observe(boundary)
 
-  def checkpoint_metadata(self, done: int) -> dict[str, Any]:
-    """What a checkpoint after ``done`` steps holds beside the engine state: the whole run's state."""
+  def checkpoint_metadata(self, done: int, pending_record: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What a checkpoint after ``done`` steps holds beside the engine state: the whole run's state.
+
+    ``pending_record`` is step ``done - 1``'s record as known at the save: its line is written after the
+    checkpoint, and a resume restores it from here if a kill came between the two.
+    """
     planned = self._boundaries.get(done)  # one micro-batch per step: planned before this checkpoint
     return {"step": done, "run_id": self.config.run_id, "mode": self.policy.mode.value,
             "scored": done in self.config.scored_checkpoint_steps, "records_count": done,
             "source_state": self._source_state_before(done), "policy_state": self.policy.state_dict(),
-            "next_plan": plan_to_json(planned.plan) if planned and planned.plan else None}
+            "next_plan": plan_to_json(planned.plan) if planned and planned.plan else None,
+            "pending_record": pending_record}
 
   def _checkpoint_and_sync(self, boundary: _Boundary) -> None:
     done = boundary.step + 1
     if self.config.checkpoint_due(done) or (boundary.stop and self.worker.capabilities.can_checkpoint):
       start = self.clock()
-      boundary.checkpoint_path = self.worker.save_checkpoint(self.checkpoint_metadata(done))
+      self.recorder.sync_records()  # every record before this step is on disk before the checkpoint is
+      metadata = self.checkpoint_metadata(done, self.recorder.provisional_record(boundary))
+      boundary.checkpoint_path = self.worker.save_checkpoint(metadata)
       self._result.checkpoint_path = boundary.checkpoint_path
       boundary.spans["checkpoint_s"] = self.clock() - start
       self.recorder.span(f"checkpoint {done}", start, self.clock(), Lane.BOUNDARY_WORK)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import os
 import socket
 import statistics
 import time
@@ -94,6 +95,9 @@ class BoundaryRecord:
   sampled_tokens_per_s: float | None = None
   # Several processes: each process's stage_s and device_wait_s, in process order (the policy saw the max).
   per_process: dict | None = None
+  # Restored from the checkpoint after this step (the run was killed before writing it): what the record knew
+  # when the checkpoint was saved; the checkpoint's and weight sync's own times, and what came after, are None.
+  restored_from_checkpoint: int | None = None
 
   def to_json(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
@@ -207,8 +211,12 @@ class Recorder:
       prev_ready = ready
     return out
 
-  def finish_record(self, boundary, first_dispatch: float | None) -> BoundaryRecord:
-    """Builds, keeps and writes step ``boundary.step``'s record (see ``BoundaryRecord``)."""
+  def provisional_record(self, boundary) -> dict[str, Any]:
+    """Step ``boundary.step``'s record as far as it is known now, as JSON, without keeping it: what a
+    checkpoint saved before the record is written carries, so that a kill between the two loses no record."""
+    return self._build_record(boundary, boundary.first_dispatch).to_json()
+
+  def _build_record(self, boundary, first_dispatch: float | None) -> BoundaryRecord:
     k = boundary.step
     update = self._watcher.get(update_key(k))
     update_ready = self.ready_at(update_key(k))
@@ -221,9 +229,8 @@ class Recorder:
     step_start = self._last_update_ready
     if step_start is None:
       step_start = self._watcher.get(fwd_bwd_key(k, 0)).dispatched_at
-    self._last_update_ready = update_ready
     plan, metrics, spans = boundary.plan, boundary.metrics or StepMetrics(), boundary.spans
-    record = BoundaryRecord(
+    return BoundaryRecord(
         step=k, mode=boundary.mode, staged=boundary.stage is not None,
         stage_before_update=bool(plan and plan.stage and plan.stage_before_update),
         probe=bool(plan and plan.probe), reason=plan.reason if plan else "last step",
@@ -245,6 +252,17 @@ class Recorder:
         **(dataclasses.asdict(boundary.rollout) if boundary.rollout else {}),
         per_process=boundary.per_process,
     )
+
+  def sync_records(self) -> None:
+    """Puts the records written so far on disk (before a checkpoint that covers them is saved)."""
+    if self._records_file:
+      self._records_file.flush()
+      os.fsync(self._records_file.fileno())
+
+  def finish_record(self, boundary, first_dispatch: float | None) -> BoundaryRecord:
+    """Builds, keeps and writes step ``boundary.step``'s record (see ``BoundaryRecord``)."""
+    record = self._build_record(boundary, first_dispatch)
+    self._last_update_ready = self.ready_at(update_key(boundary.step))
     self.records.append(record)
     if self._records_file:
       self._records_file.write(json.dumps(record.to_json()) + "\n")

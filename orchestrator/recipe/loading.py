@@ -70,6 +70,8 @@ def read_recipe_file(path: str | Path) -> dict[str, Any]:
   return flatten(raw, where=f"recipe {path}")
 
 
+#: The environment variable that names a process's place in a job started elsewhere.
+PROCESS_ID_ENV = "STEP_BOUNDARY_PROCESS_ID"
 ENV_SWITCHES = {
     "PIPELINE_STEP_BOUNDARY": "step_boundary.pipeline_step_boundary",
     "STAGE_NEXT_MICROBATCH": "step_boundary.stage_next_microbatch",
@@ -77,7 +79,7 @@ ENV_SWITCHES = {
     "RAGGED_BUFFER_FACTOR": "engine.ragged_buffer_factor",
     "RETRY_WHEN_TOKENS_DROPPED": "engine.retry_when_tokens_dropped",
     # A process's identity in a job started elsewhere (a launcher sets these per process).
-    "STEP_BOUNDARY_PROCESS_ID": "distributed.process_id",
+    PROCESS_ID_ENV: "distributed.process_id",
     "STEP_BOUNDARY_COORDINATOR_ADDRESS": "distributed.coordinator_address",
 }
 #: Keys that name one process, never the run: not saved with it, taken anew (environment) on resume.

@@ -1,0 +1,105 @@
+"""A checkpoint's metadata, checked as the input it is before a resume trusts it.
+
+A checkpoint holds, beside the engine's state, the whole run's state as JSON
+(``RLProgram.checkpoint_metadata``): the step, the run's id, the policy's
+state, the rollout source's position, the next boundary's plan and step
+``step - 1``'s record as known at the save. Anything in a file can be damaged
+or edited, so each field is typed, range-checked and cross-checked here: the
+step against the checkpoint's own number and its records count, the source's
+position against the step (a replayed recording is replayed again to the
+same step and compared), the policy's state by loading it. ``problem`` says
+what is wrong in words a refusal can carry; the resume refuses a bad latest
+checkpoint by name and names the newest valid one to resume from instead.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from orchestrator.contract import SourceStateError
+from orchestrator.data.sources import ReplaySteps, SyntheticSteps
+from orchestrator.loop.program import plan_from_json
+from policies import Mode, StepBoundaryPolicy
+
+# The keys every checkpoint of this version holds, and what each must be.
+_REQUIRED = ("step", "run_id", "mode", "records_count", "source_state", "policy_state")
+
+
+def problems(checkpoints: Mapping[int, Any], *, run_id: str, source) -> dict[int, str | None]:
+  """For each checkpoint (its step → metadata): what is wrong with it, or None for one a resume can use."""
+  expected = _expected_positions(source, checkpoints)
+  return {step: problem(step, metadata, run_id=run_id, source=source, expected_position=expected.get(step))
+          for step, metadata in checkpoints.items()}
+
+
+def problem(step: int, metadata: Any, *, run_id: str, source, expected_position: Any = None) -> str | None:
+  """What is wrong with checkpoint ``step``'s metadata for run ``run_id`` and ``source``, or None."""
+  if not isinstance(metadata, dict) or not metadata:
+    return "has no metadata a resume can read (damaged, or not written by run_rl)"
+  missing = [key for key in _REQUIRED if key not in metadata]
+  if missing:
+    return f"lacks {', '.join(missing)} in its metadata (damaged, or written by an older version)"
+  if metadata["run_id"] != run_id:
+    return f"belongs to another run ({metadata['run_id']!r}, not {run_id!r})"
+  saved_step = metadata["step"]
+  if not _is_count(saved_step) or saved_step != step:
+    return f"says it is after step {saved_step!r}, but it is checkpoint {step}: its metadata is damaged"
+  if step < 1:
+    return "is before the first step (0 steps done): there is nothing to resume"
+  if metadata["records_count"] != step or not _is_count(metadata["records_count"]):
+    return f"covers {metadata['records_count']!r} records, but a checkpoint after {step} steps covers {step}"
+  if metadata["mode"] not in {m.value for m in Mode}:
+    return f"names mode {metadata['mode']!r}, which is none of {', '.join(m.value for m in Mode)}"
+  if "scored" in metadata and not isinstance(metadata["scored"], bool):
+    return f"has scored={metadata['scored']!r}, not true or false"
+  try:
+    StepBoundaryPolicy(Mode.OFF).load_state_dict(metadata["policy_state"])
+  except (ValueError, TypeError) as e:
+    return f"holds a policy state that cannot be restored ({e})"
+  if metadata.get("next_plan") is not None:
+    try:
+      plan_from_json(metadata["next_plan"])
+    except (TypeError, ValueError, KeyError) as e:
+      return f"holds a next-boundary plan that cannot be read ({type(e).__name__}: {e})"
+  pending = metadata.get("pending_record")
+  if pending is not None and (not isinstance(pending, dict) or pending.get("step") != step - 1):
+    return f"holds a pending record that is not step {step - 1}'s"
+  return _position_problem(step, metadata["source_state"], source, expected_position)
+
+
+def _is_count(value: Any) -> bool:
+  return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _expected_positions(source, checkpoints: Mapping[int, Any]) -> dict[int, Any]:
+  """Where a source that can tell says it stands before each checkpoint's step (as JSON), else nothing."""
+  if isinstance(source, (ReplaySteps, SyntheticSteps)):
+    return {step: _as_json(state) for step, state in source.positions_at(checkpoints).items()}
+  return {}
+
+
+def _as_json(value: Any) -> Any:
+  return json.loads(json.dumps(value))
+
+
+def _position_problem(step: int, state: Any, source, expected: Any) -> str | None:
+  """A saved source position must be this source's, before ``step``; restoring it must work."""
+  kind = getattr(source, "kind", None)
+  if not isinstance(state, dict) or state.get("kind") != kind:
+    got = state.get("kind") if isinstance(state, dict) else type(state).__name__
+    return f"holds a rollout position of kind {got!r}, but the run's source is {kind!r}"
+  next_step = state.get("next_step", step)
+  if not _is_count(next_step) or next_step != step:
+    return f"holds a rollout position before step {next_step!r}, but it is after step {step - 1}"
+  if expected is not None and _as_json(state) != expected:
+    return (f"holds a rollout position that is not where the recording stands before step {step} (the"
+            " recording replayed again gives another): the position or the recording was changed")
+  try:
+    source.set_state(state)  # the source's own checks (a live source: the sampled steps it carries)
+  except SourceStateError as e:
+    return f"holds a rollout position that cannot be restored ({e})"
+  except Exception as e:  # pylint: disable=broad-except  # a damaged position can fail anywhere in grain
+    return f"holds a rollout position that cannot be restored ({type(e).__name__}: {e})"
+  return None

@@ -1,0 +1,311 @@
+"""A run directory nothing can corrupt: one process at a time, segments that never rewrite a finished run,
+records and checkpoint metadata checked as input, the saved recipe held to its digest."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from orchestrator import recipe as recipe_lib
+from orchestrator.app import cli, run_dir
+from orchestrator.loop.program import RLProgram
+from tests.conftest import REPO
+
+BASE = ["model=tiny", "rollouts.source=synthetic", "batch.micro_batches_per_step=2", "run.reserve_host_core=false",
+        "step_boundary.wait_threshold_s=0", "checkpoint.every=2"]
+
+
+@pytest.fixture(autouse=True)
+def _no_env_switches(monkeypatch):
+  for name in recipe_lib.ENV_SWITCHES:
+    monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory) -> Path:
+  """A completed 4-step run with checkpoints 2 and 4 (copied by each test that changes it)."""
+  run = tmp_path_factory.mktemp("finished") / "run"
+  assert cli.main(BASE + ["steps=4", "--out", str(run)]) == 0
+  return run
+
+
+@pytest.fixture(scope="module")
+def six_step_digest(tmp_path_factory) -> str:
+  run = tmp_path_factory.mktemp("six") / "run"
+  assert cli.main(BASE + ["steps=6", "--out", str(run)]) == 0
+  return _summary(run)["final_state_digest"]
+
+
+def _copy(finished: Path, tmp_path: Path) -> Path:
+  run = tmp_path / "run"
+  shutil.copytree(finished, run)
+  return run
+
+
+def _summary(run: Path) -> dict:
+  return json.loads((run_dir.latest_segment(run) / run_dir.SUMMARY).read_text())
+
+
+def _files(run: Path) -> dict[str, bytes]:
+  """Every file of a run directory and its bytes (the lock file aside: it names its holder)."""
+  return {str(p.relative_to(run)): p.read_bytes() for p in sorted(run.rglob("*"))
+          if p.is_file() and p.name != run_dir.LOCK}
+
+
+def _refused(argv, capsys) -> str:
+  code = cli.main(argv)
+  err = capsys.readouterr().err.strip()
+  assert code == 2, err
+  assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+  return err
+
+
+def _metadata_path(run: Path, step: int) -> Path:
+  return run / "checkpoints" / str(step) / "metadata" / "metadata"
+
+
+# ---------------------------------------------------------------------------- the lock
+def test_a_held_run_directory_is_refused_naming_the_holder_before_anything_is_read(finished, tmp_path, capsys):
+  run = _copy(finished, tmp_path)
+  (run / run_dir.CONFIG).write_text("not json")  # a resume that read it would refuse it for that instead
+  before = _files(run)
+  with run_dir.lock(run, flag="test"):
+    err = _refused(["--resume", str(run), "--steps", "6"], capsys)
+  assert f"is in use by pid {os.getpid()}" in err
+  assert _files(run) == before
+
+
+def test_a_new_run_into_a_held_directory_is_refused(tmp_path, capsys):
+  out = tmp_path / "new"
+  with run_dir.lock(out, flag="test", create=True):
+    err = _refused(BASE + ["steps=2", "--out", str(out)], capsys)
+  assert "in use by pid" in err and not (out / run_dir.CONFIG).exists()
+
+
+def test_the_lock_is_released_when_its_holder_ends(tmp_path):
+  """The OS drops the lock of a process that dies (even by SIGKILL): the next one takes it."""
+  out = tmp_path / "dir"
+  child = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path;"
+                            " from orchestrator.app import run_dir;"
+                            f" held = run_dir.lock(Path({str(out)!r}), flag='t', create=True);"
+                            " print('held', flush=True); time.sleep(600)"],
+                           cwd=REPO, stdout=subprocess.PIPE, text=True)
+  try:
+    assert child.stdout.readline().strip() == "held"
+    with pytest.raises(run_dir.RunDirError, match=f"in use by pid {child.pid}"):
+      run_dir.lock(out, flag="t")
+  finally:
+    child.send_signal(signal.SIGKILL)
+    child.wait(timeout=60)
+  run_dir.lock(out, flag="t").release()
+
+
+def test_the_rig_refuses_a_run_directory(finished, tmp_path, capsys):
+  run = _copy(finished, tmp_path)
+  before = _files(run)
+  err = _refused(["rig", "--out", str(run), "--recording", "recordings/rig_small"], capsys)
+  assert "holds a run" in err
+  assert _files(run) == before
+
+
+def test_a_directory_the_lock_created_is_removed_after_a_refusal(tmp_path, capsys):
+  out = tmp_path / "rig-out"
+  code = cli.main(["rig", "--out", str(out), "--recording", str(tmp_path / "no-such-recording")])
+  capsys.readouterr()
+  assert code == 2 and not out.exists()
+
+
+@pytest.mark.slow
+def test_two_resumes_at_once_run_one_and_refuse_the_other(finished, tmp_path):
+  run = _copy(finished, tmp_path)
+  env = {k: v for k, v in os.environ.items() if k not in recipe_lib.ENV_SWITCHES}
+  env["PJRT_NPROC"] = "1"
+  procs = [subprocess.Popen([sys.executable, "-m", "orchestrator.app.cli", "--resume", str(run), "--steps", "30"],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+           for _ in range(2)]
+  results = [(p.wait(timeout=600), p.communicate()[1]) for p in procs]
+  codes = sorted(code for code, _ in results)
+  assert codes == [0, 2], results
+  refused = next(err for code, err in results if code == 2)
+  assert "is in use by pid" in refused and len(refused.strip().splitlines()) == 1
+  assert [r["step"] for r in run_dir.all_records(run)] == list(range(30))
+  assert len(list((run / run_dir.SEGMENTS).iterdir())) == 1  # the refused one opened no segment
+
+
+# ---------------------------------------------------------------------------- segments
+def test_extending_a_finished_run_writes_a_segment_and_leaves_the_run_as_it_was(finished, six_step_digest,
+                                                                              tmp_path):
+  run = _copy(finished, tmp_path)
+  before = _files(run)
+  assert cli.main(["--resume", str(run), "--steps", "6"]) == 0
+  after = _files(run)
+  assert {k: after[k] for k in before} == before  # not one byte of the finished run changed
+  segment = run / run_dir.SEGMENTS / "1"
+  summary = _summary(run)
+  assert run_dir.latest_segment(run) == segment
+  assert summary["final_state_digest"] == six_step_digest
+  assert summary["steps"] == 6 and summary["segment"] == 1  # the combined view covers every step
+  assert [s["summary"] for s in summary["segments"]] == [str(run / "summary.json"), str(segment / "summary.json")]
+  assert [r["step"] for r in run_dir.all_records(run)] == list(range(6))
+  assert [json.loads(line)["step"] for line in (segment / "records.jsonl").read_text().splitlines()] == [4, 5]
+  # A later resume continues the extended run, to the length its latest segment ran to.
+  assert run_dir.segments(run, run_dir.read_config(run))[-1].steps == 6
+
+
+def test_a_failed_resume_leaves_every_file_of_the_finished_run_byte_identical(finished, tmp_path, monkeypatch,
+                                                                             capsys):
+  run = _copy(finished, tmp_path)
+  before = _files(run)
+  read_metrics = RLProgram._read_metrics
+
+  def fail_at_step_5(self, boundary):
+    if boundary.step == 5:
+      raise RuntimeError("the device fell over")
+    return read_metrics(self, boundary)
+
+  monkeypatch.setattr(RLProgram, "_read_metrics", fail_at_step_5)
+  assert cli.main(["--resume", str(run), "--steps", "8"]) == 1
+  assert "the device fell over" in capsys.readouterr().err
+  after = _files(run)
+  assert {k: after[k] for k in before} == before
+  segment = run / run_dir.SEGMENTS / "1"
+  assert json.loads((segment / "summary.json").read_text())["ended"] == "error"
+  assert (segment / "error.log").exists()
+
+
+def test_a_kill_between_a_checkpoint_and_its_record_loses_no_record(finished, tmp_path):
+  """As a run killed right after checkpoint 2 leaves it: record 1 not yet written, no checkpoint 4, no summary.
+  The resume restores record 1 from the checkpoint and trains to the digest of the run never killed."""
+  run = _copy(finished, tmp_path)
+  lines = (run / "records.jsonl").read_text().splitlines(keepends=True)
+  (run / "records.jsonl").write_text(lines[0])
+  shutil.rmtree(run / "checkpoints" / "4")
+  (run / "summary.json").unlink()
+  assert cli.main(["--resume", str(run)]) == 0
+  records = run_dir.all_records(run)
+  assert [r["step"] for r in records] == [0, 1, 2, 3]
+  assert records[1]["restored_from_checkpoint"] == 2 and records[1]["step_s"] is not None
+  assert [r.get("restored_from_checkpoint") for r in records[2:]] == [None, None]
+  assert _summary(run)["final_state_digest"] == json.loads((finished / "summary.json").read_text())[
+      "final_state_digest"]
+
+
+# ---------------------------------------------------------------------------- records checked
+def _change_line(run: Path, number: int, change) -> None:
+  path = run / "records.jsonl"
+  lines = path.read_bytes().split(b"\n")
+  lines[number - 1] = change(lines[number - 1])
+  path.write_bytes(b"\n".join(lines))
+
+
+@pytest.mark.parametrize("change,problem", [
+    (lambda line: line.replace(b'"step": 1', b'"step": 1,', 1), "not JSON"),
+    (lambda line: b"{}", "no step"),
+    (lambda line: line[:10] + b"\xff" + line[11:], "not UTF-8"),
+    (lambda line: line.replace(b'"step": 1', b'"step": 3', 1), "holds step 3 where step 1 belongs"),
+    (lambda line: b"[1, 2]", "a JSON list"),
+], ids=["torn-json", "empty-object", "not-utf8", "wrong-step", "not-an-object"])
+def test_a_damaged_record_the_resume_needs_is_refused_naming_file_and_line(change, problem, finished, tmp_path,
+                                                                          capsys):
+  run = _copy(finished, tmp_path)
+  _change_line(run, 2, change)
+  before = _files(run)
+  err = _refused(["--resume", str(run), "--steps", "6"], capsys)
+  assert f"{run / 'records.jsonl'} line 2 is damaged" in err and problem in err, err
+  assert _files(run) == before  # refused, not "repaired"
+
+
+# ---------------------------------------------------------------------------- checkpoint metadata checked
+def _edit_metadata(run: Path, step: int, edit) -> None:
+  path = _metadata_path(run, step)
+  metadata = json.loads(path.read_text())
+  edit(metadata)
+  path.write_text(json.dumps(metadata))
+
+
+@pytest.mark.parametrize("edit,problem", [
+    (lambda m: m.update(step="four"), "says it is after step 'four'"),
+    (lambda m: m.pop("records_count"), "lacks records_count"),
+    (lambda m: m.update(records_count=3), "covers 3 records"),
+    (lambda m: m["source_state"].update(next_step=3), "a rollout position before step 3"),
+    (lambda m: m.update(source_state={"kind": "replay", "grain": {}}), "of kind 'replay'"),
+    (lambda m: m.update(policy_state={"mode": "off"}), "policy state that cannot be restored"),
+    (lambda m: m.update(mode="fast"), "names mode 'fast'"),
+], ids=["step-not-a-number", "no-records-count", "records-count", "position", "source-kind", "policy", "mode"])
+def test_damaged_metadata_on_the_latest_checkpoint_is_refused_naming_the_valid_one(edit, problem, finished,
+                                                                                  tmp_path, capsys):
+  run = _copy(finished, tmp_path)
+  _edit_metadata(run, 4, edit)
+  before = _files(run)
+  err = _refused(["--resume", str(run), "--steps", "6"], capsys)
+  assert "checkpoint 4" in err and problem in err, err
+  assert "--from-checkpoint 2" in err
+  assert _files(run) == before
+
+
+def test_a_checkpoint_of_another_run_is_refused(finished, tmp_path, capsys):
+  run = _copy(finished, tmp_path)
+  _edit_metadata(run, 4, lambda m: m.update(run_id="someone-else"))
+  err = _refused(["--resume", str(run), "--steps", "6"], capsys)
+  assert "holds checkpoints of another run (steps [4], run someone-else)" in err
+
+
+def test_a_junk_checkpoint_is_refused_and_from_checkpoint_moves_it_aside(finished, six_step_digest, tmp_path,
+                                                                        capsys):
+  run = _copy(finished, tmp_path)
+  junk = run / "checkpoints" / "9"
+  shutil.copytree(run / "checkpoints" / "4", junk)
+  _metadata_path(run, 9).write_text("{not json")
+  err = _refused(["--resume", str(run), "--steps", "12"], capsys)
+  assert "checkpoint 9" in err and "--from-checkpoint 4" in err, err
+  assert cli.main(["--resume", str(run), "--steps", "6", "--from-checkpoint", "4"]) == 0
+  assert not junk.exists()
+  assert (run / run_dir.SEGMENTS / "1" / run_dir.SUPERSEDED_CHECKPOINTS / "9" / "metadata").is_dir()  # kept
+  assert _summary(run)["final_state_digest"] == six_step_digest
+
+
+def test_from_checkpoint_refuses_a_checkpoint_that_is_not_there(finished, tmp_path, capsys):
+  run = _copy(finished, tmp_path)
+  err = _refused(["--resume", str(run), "--steps", "6", "--from-checkpoint", "3"], capsys)
+  assert "no complete checkpoint 3" in err and "2, 4" in err
+  assert "goes with --resume" in _refused(["--from-checkpoint", "2"], capsys)
+
+
+# ---------------------------------------------------------------------------- the saved recipe
+def test_an_edited_config_is_refused_naming_the_changed_keys(finished, tmp_path, capsys):
+  run = _copy(finished, tmp_path)
+  config = json.loads((run / run_dir.CONFIG).read_text())
+  config["config"]["engine"]["learning_rate"] *= 10
+  config["config"]["batch"]["rows"] = 8
+  (run / run_dir.CONFIG).write_text(json.dumps(config))
+  before = _files(run)
+  err = _refused(["--resume", str(run), "--steps", "6"], capsys)
+  assert "was edited" in err and "batch.rows, engine.learning_rate" in err, err
+  assert _files(run) == before
+
+
+def test_a_config_digest_names_the_keys_that_changed():
+  config = {"config": {"steps": 4, "engine": {"learning_rate": 0.1, "seed": 0}}}
+  config["digest"] = run_dir.config_digest(config["config"])
+  assert run_dir.edited_keys(config) == []
+  config["config"]["engine"]["seed"] = 1
+  assert run_dir.edited_keys(config) == ["engine.seed"]
+  config["config"]["engine"]["new"] = 1
+  assert run_dir.edited_keys(config) == ["engine.new", "engine.seed"]
+  assert run_dir.edited_keys({"config": {}}) is None  # an older run's config: no digest to check
+
+
+def test_a_directory_that_cannot_be_written_is_refused_in_one_line(finished, tmp_path, capsys, monkeypatch):
+  run = _copy(finished, tmp_path)
+  before = _files(run)
+  monkeypatch.setattr(run_dir.os, "access", lambda path, mode: False)  # root can write anything: pretend
+  err = _refused(["--resume", str(run), "--steps", "6"], capsys)
+  assert "not writable" in err
+  assert _files(run) == before
