@@ -151,12 +151,12 @@ def rig_main(argv: list[str]) -> int:
           " the recipe", file=sys.stderr)
     return 2
   out = args.out or str(default_out(f"{recipe.name}-rig"))
+  if any((Path(out) / name).exists() for name in ("predictions.json", "report.json")):
+    print(f"run_rl rig: error: --out {out} already holds a rig report; choose a new --out", file=sys.stderr)
+    return 2
   if run_dir.holds_a_run(Path(out)):
     print(f"run_rl rig: error: --out {out} holds a run; the rig writes its report in a directory of its own:"
           " choose a new --out", file=sys.stderr)
-    return 2
-  if any((Path(out) / name).exists() for name in ("predictions.json", "report.json")):
-    print(f"run_rl rig: error: --out {out} already holds a rig report; choose a new --out", file=sys.stderr)
     return 2
   try:
     held = run_dir.lock(Path(out), flag="run_rl rig --out", create=True)

@@ -217,6 +217,8 @@ def resume(path: Path, steps: int | None, from_checkpoint: int | None = None) ->
   """Continues the run in ``path`` from its latest complete checkpoint (or ``from_checkpoint``); ``steps``
   may extend it. The run directory's lock is taken before anything there is read."""
   try:
+    if not (path / run_dir.CONFIG).is_file():
+      run_dir.read_config(path)  # refuses, naming what is missing: a directory with no run gets no lock file
     held = _lock(path, flag="--resume")
     with held:
       plan = plan_resume(path, steps, from_checkpoint)

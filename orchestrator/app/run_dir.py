@@ -151,7 +151,8 @@ def lock(path: Path, *, flag: str, create: bool = False) -> DirLock:
     except OSError as e:
       raise RunDirError(f"{flag} {path}: cannot create it ({e.strerror}); choose a directory you can write") from None
   elif not path.is_dir():
-    raise RunDirError(f"{flag} {path}: no such directory")
+    what = "run directory" if flag == "--resume" else "directory"
+    raise RunDirError(f"{flag} {path}: no such {what}")
   if not os.access(path, os.W_OK | os.X_OK):
     raise RunDirError(f"{flag} {path}: the directory is not writable; every run writes its outputs there"
                       " (a resume writes a new segment): make it writable, or copy the run somewhere writable")
