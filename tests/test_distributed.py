@@ -22,6 +22,7 @@ import pytest
 
 from orchestrator.addresses import free_loopback_port
 from orchestrator import recipe as recipe_lib
+from orchestrator.app import run_dir
 from orchestrator.data import packing
 from orchestrator.data.synthetic import SyntheticRollouts
 from orchestrator.distributed import launcher
@@ -150,15 +151,15 @@ def test_a_killed_process_ends_the_run_in_one_line_and_resume_reaches_the_uninte
 
   resumed = _run_rl(["--resume", str(out)])
   assert resumed.returncode == 0, resumed.stderr[-2000:]
-  assert len((out / "records.jsonl").read_text().splitlines()) == 16
-  trace = json.loads((out / "trace.json").read_text())["traceEvents"]
+  assert [r["step"] for r in run_dir.all_records(out)] == list(range(16))
+  trace = json.loads((run_dir.latest_segment(out) / "trace.json").read_text())["traceEvents"]
   tracks = {e["args"]["name"] for e in trace if e.get("name") == "process_name"}
   assert {"process 0: device", "process 1: device", "process 1: host"} <= {t.split(" (")[0] for t in tracks}
   assert any(e.get("pid", 0) > 100 and e.get("ph") == "X" and e["name"].startswith("fwd_bwd") for e in trace)
 
   reference = _run_rl(RUN + ["steps=16", "distributed.num_processes=1", "--out", str(tmp_path / "one")])
   assert reference.returncode == 0, reference.stderr[-2000:]
-  digest = json.loads((out / "summary.json").read_text())["final_state_digest"]
+  digest = json.loads((run_dir.latest_segment(out) / "summary.json").read_text())["final_state_digest"]
   assert digest == json.loads((tmp_path / "one" / "summary.json").read_text())["final_state_digest"]
 
 

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from orchestrator.app import cli
+from orchestrator.app import cli, run_dir
 from orchestrator import recipe as recipe_lib
 from orchestrator.live.rollouts import LiveRollouts, LiveShape, RolloutError
 from orchestrator.live.tasks import FirstLetter
@@ -117,9 +117,9 @@ def test_run_rl_runs_the_live_loop_and_resumes_it_exactly(tmp_path, monkeypatch)
   assert all(r["reward_mean"] is not None and r["weights_version"] == max(0, r["step"] - 1) for r in records)
   shutil.rmtree(run / "checkpoints" / "4")
   assert cli.main(["--resume", str(run)]) == 0
-  again = json.loads((run / "summary.json").read_text())
-  assert again["final_state_digest"] == first["final_state_digest"]
-  again_records = [json.loads(line) for line in (run / "records.jsonl").read_text().splitlines()]
+  again = json.loads((run_dir.latest_segment(run) / "summary.json").read_text())
+  assert again["final_state_digest"] == first["final_state_digest"] and again["segment"] == 1
+  again_records = run_dir.all_records(run)
   assert [r["reward_mean"] for r in again_records] == [r["reward_mean"] for r in records]
 
 

@@ -11,7 +11,7 @@ import grpc
 import numpy as np
 import pytest
 
-from orchestrator.app import cli
+from orchestrator.app import cli, run_dir
 from orchestrator import recipe as recipe_lib
 from orchestrator.data.trajectory import Trajectory
 from orchestrator.remote import protocol, wire
@@ -299,7 +299,7 @@ def test_a_driver_killed_mid_run_leaves_the_trainer_ready_to_resume(tmp_path, ca
     finally:
       del os.environ[protocol.TOKEN_ENV]
     assert code == 0, capsys.readouterr().err
-    resumed = json.loads((out / "summary.json").read_text())["final_state_digest"]
+    resumed = json.loads((run_dir.latest_segment(out) / "summary.json").read_text())["final_state_digest"]
   finally:
     server.terminate()
     _, server_err = server.communicate(timeout=30)

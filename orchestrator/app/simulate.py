@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import statistics
+import sys
 from pathlib import Path
 
 from orchestrator.app import run_dir
@@ -138,11 +139,11 @@ def components_from_run(path) -> tuple[Components, dict]:
                       update_waits_for_last=calibrated["update_waits_for_last"])
     return components, {name: _measured(records, records[0]["mode"]) for name, records in arms.items() if records}
   config = run_dir.read_config(path, flag="simulate --from")
-  lines = (path / run_dir.RECORDS).read_text().splitlines() if (path / run_dir.RECORDS).exists() else []
-  records = [json.loads(line) for line in lines if line.strip()]
+  segments = run_dir.segments(path, config)
+  records = run_dir.run_records(segments, needed=sys.maxsize)  # every step, across the segments
   if len(records) < 2:
     raise run_dir.RunDirError(f"simulate --from {path}: it holds {len(records)} records; at least 2 are needed")
-  summary_path = path / run_dir.SUMMARY
+  summary_path = segments[-1].path / run_dir.SUMMARY
   summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
   engine = config["config"].get("engine", {})
   components = _fit(records, wait_floor_s=summary.get("wait_floor_max_s") or 0.0,
