@@ -68,6 +68,23 @@ class NoStagingEngine(RecordingEngine):
   wait_for_device = None
 
 
+class DivergingEngine(RecordingEngine):
+  """The recording engine whose loss and gradient norm are NaN from program step ``from_step`` on.
+
+  With ``skipped`` it says it skipped those updates (what ``skip_nonfinite_updates`` reports).
+  """
+
+  def __init__(self, from_step: int, *, skipped: bool = False, wait_s: float = 0.5):
+    super().__init__(wait_s)
+    self.from_step, self.skipped = from_step, skipped
+
+  def get_metrics(self):
+    metrics = dict(super().get_metrics(), grad_norm=1.0)
+    if self.step > self.from_step:  # step k's metrics are read after its update: self.step is k + 1
+      metrics.update(loss=float("nan"), grad_norm=float("nan"), skipped_update=self.skipped)
+    return metrics
+
+
 def payload_steps(steps: int, micro: int):
   return [[f"s{k}m{i}" for i in range(micro)] for k in range(steps)]
 

@@ -223,15 +223,44 @@ def test_failure_during_the_run_exits_1_naming_the_step(tmp_path, capsys, monkey
   assert (tmp_path / "out" / "records.jsonl").read_text() == '{"step": 0}\n'
 
 
+def test_a_learning_rate_that_diverges_stops_the_run_at_that_step_in_one_line(tmp_path):
+  """1e300 overflows the first update's weights, so step 1's loss is NaN (two steps are the fewest that reach
+  it): exit 1, one line, the checkpoint after step 0 kept and none of step 1."""
+  out = tmp_path / "run"
+  env = dict(os.environ, PYTHONPATH=str(REPO))
+  for name in recipe_lib.ENV_SWITCHES:
+    env.pop(name, None)
+  proc = subprocess.run(
+      [sys.executable, "-m", "orchestrator.app.cli", "model=tiny", "rollouts.source=synthetic", "steps=2",
+       "batch.rows=4", "batch.micro_batches_per_step=1", "checkpoint.every=1", "run.reserve_host_core=false",
+       "engine.learning_rate=1e300", "--out", str(out)],
+      capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600,
+  )
+  assert proc.returncode == 1, proc.stderr[-3000:]
+  assert "Traceback" not in proc.stderr
+  lines = [line for line in proc.stderr.splitlines() if "the run stopped" in line]
+  assert len(lines) == 1 and lines[0].startswith("run_rl: the run stopped at step 1: loss nan"), proc.stderr[-3000:]
+  line = lines[0]
+  assert f"records so far are kept in {out / 'records.jsonl'}" in line
+  assert "the last checkpoint is after 1 steps" in line and "none of step 1 or later" in line
+  assert "lower engine.learning_rate" in line and f"run_rl --resume {out}" in line
+  summary = json.loads((out / "summary.json").read_text())
+  assert summary["ended"] == "error" and summary["last_step"] == 1 and "NonFiniteStepError" in summary["error"]
+  records = [json.loads(r) for r in (out / "records.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in records] == [0, 1]
+  assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.isdigit()) == ["1"]
+
+
 def test_run_rl_end_to_end_on_the_tiny_preset(tmp_path):
   out = tmp_path / "run"
   env = dict(os.environ, PYTHONPATH=str(REPO))
   for name in recipe_lib.ENV_SWITCHES:
     env.pop(name, None)
   proc = subprocess.run(
+      # The pinned zero threshold keeps staging on however loaded the machine is (the test counts staged boundaries).
       [sys.executable, "-m", "orchestrator.app.cli", "model=tiny", "batch.rows=16", "steps=4",
        "batch.micro_batches_per_step=2", "checkpoint.every=2", f"checkpoint.directory={tmp_path / 'ckpt'}",
-       "--out", str(out)],
+       "step_boundary.wait_threshold_s=0", "--out", str(out)],
       capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600,
   )
   assert proc.returncode == 0, proc.stderr[-3000:]
@@ -302,9 +331,10 @@ def test_rig_takes_the_recording_from_the_recipe_or_refuses_without_one(tmp_path
 
 def test_engine_backend_tunix_peft_runs_through_run_rl_and_stages(tmp_path, capsys):
   """The registry's second backend, picked by a recipe key: a stock Tunix PeftTrainer, staging."""
+  # The pinned zero threshold keeps staging on however loaded the machine is (the test reads every boundary).
   code, out, err = _main(["model=tiny", "engine.backend=tunix_peft", "steps=3", "batch.micro_batches_per_step=2",
                           "rollouts.source=synthetic", "run.reserve_host_core=false",
-                          "--out", str(tmp_path / "out")], capsys)
+                          "step_boundary.wait_threshold_s=0", "--out", str(tmp_path / "out")], capsys)
   assert code == 0, err[-2000:]
   assert "mode: requested stage_before_update, ended stage_before_update" in out
   assert "falling back" not in err

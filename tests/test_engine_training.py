@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from orchestrator.engine import build_engine
+from orchestrator.engine.mesh import MeshConfig, missing_devices
 from tests.engine_helpers import run_unstaged
 
 
@@ -98,3 +99,16 @@ def test_build_engine_refuses_unknown_options_and_presets():
     build_engine("tiny", mesh={"fsdp": 4})
   with pytest.raises(ValueError, match="unknown axes \\['tp'\\]"):
     build_engine("tiny", mesh={"tp": 2})
+
+
+def test_the_device_hint_names_the_devices_each_process_needs():
+  """XLA forces devices per process: two processes on one CPU host need 2 each for a 4-device mesh, not 4."""
+  mesh = MeshConfig(fsdp=2, expert=2)
+  flag = "--xla_force_host_platform_device_count="
+  assert missing_devices(mesh, visible=4, processes=2) is None
+  assert f"{flag}4 before" in missing_devices(mesh, visible=1, processes=1)
+  job = missing_devices(mesh, visible=2, processes=2)
+  assert f"{flag}2 in every process" in job and "4 ÷ 2" in job and f"{flag}4" not in job
+  assert f"{flag}1 in every process" in missing_devices(mesh, visible=2, processes=4)
+  uneven = missing_devices(mesh, visible=3, processes=3)
+  assert "cannot split 4 devices evenly" in uneven and flag not in uneven

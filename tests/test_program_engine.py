@@ -16,9 +16,12 @@ from policies import Mode, StepBoundaryPolicy
 STEPS, MICRO = 4, 2
 
 
-def _run(engine, source, mode, *, out_dir=None, steps=STEPS, weight_sync=None, **policy_kw):
+def _run(engine, source, mode, *, out_dir=None, steps=STEPS, weight_sync=None, wait_threshold_s=0.0, **policy_kw):
+  """Runs the program. The pinned zero threshold never judges a wait low, so no staged mode here turns its
+  staging off because the machine is loaded; the auto-disable test passes its own (and a fake's waits)."""
   worker = TrainerWorker(engine)
-  policy = StepBoundaryPolicy(mode, engine_can_stage=worker.capabilities.can_stage, **policy_kw)
+  policy = StepBoundaryPolicy(mode, engine_can_stage=worker.capabilities.can_stage,
+                              wait_threshold_s=wait_threshold_s, **policy_kw)
   program = RLProgram(
       worker, policy, source.steps(steps, MICRO),
       ProgramConfig(steps=steps, micro_batches_per_step=MICRO, out_dir=out_dir),
@@ -44,8 +47,7 @@ def test_every_mode_trains_bit_identically_to_off(digests_per_mode, mode):
 
 
 def test_records_trace_and_summary_are_written(tiny_engine, tiny_source, tmp_path):
-  # A pinned zero threshold keeps staging on however loaded the host is (the test reads every boundary as staged).
-  result, _ = _run(tiny_engine, tiny_source, Mode.STAGE_BEFORE_UPDATE, out_dir=str(tmp_path), wait_threshold_s=0.0)
+  result, _ = _run(tiny_engine, tiny_source, Mode.STAGE_BEFORE_UPDATE, out_dir=str(tmp_path))
   lines = (tmp_path / "records.jsonl").read_text().splitlines()
   records = [json.loads(line) for line in lines]
   assert [r["step"] for r in records] == list(range(STEPS))
@@ -65,15 +67,18 @@ def test_records_trace_and_summary_are_written(tiny_engine, tiny_source, tmp_pat
 
 
 def test_staged_micro_batch_is_the_next_steps_first(tiny_engine, tiny_source):
-  result, _ = _run(tiny_engine, tiny_source, Mode.STAGE_AFTER_UPDATE, wait_threshold_s=0.0)  # no auto-disable
+  result, policy = _run(tiny_engine, tiny_source, Mode.STAGE_AFTER_UPDATE)
+  assert [r.staged for r in result.records] == [True] * (STEPS - 1) + [False] and policy.history == []
   for r in result.records[:-1]:
     expected = tiny_engine.prepare_fwd_bwd_input(tiny_source.micro_batch(r.step + 1, 0)).digest
     assert r.staged_digest == expected
 
 
-class _SlowPrepare:
-  """The tiny engine with a prepare that outlasts any micro-batch (0.3 s of host work).
+class _StageOutlastsCompute:
+  """The tiny engine with a stage that outlasts the compute by construction, whatever the machine's speed.
 
+  Its prepare first waits until the queued micro-batches are done; its device wait then blocks as the
+  engine's does but reports 0 s (nothing was left to hide behind), below any calibrated threshold.
   Every contract method is a real method (a ``__getattr__`` that forwards them is not
   seen by ``isinstance`` against a Protocol from Python 3.12 on).
   """
@@ -91,11 +96,12 @@ class _SlowPrepare:
     return self._engine.get_metrics()
 
   def prepare_fwd_bwd_input(self, payload):
-    time.sleep(0.3)
+    self._engine.wait_for_device()
     return self._engine.prepare_fwd_bwd_input(payload)
 
   def wait_for_device(self):
-    return self._engine.wait_for_device()
+    self._engine.wait_for_device()
+    return 0.0
 
   def save_checkpoint(self, metadata=None):
     return self._engine.save_checkpoint(metadata)
@@ -111,10 +117,13 @@ class _SlowPrepare:
 
 
 def test_auto_disable_fires_when_the_stage_outlasts_the_last_micro_batch(tiny_engine, tiny_source):
-  engine = _SlowPrepare(tiny_engine)
+  engine = _StageOutlastsCompute(tiny_engine)
   for protocol in (TrainingEngine, StagingEngine, CheckpointingEngine, WeightSource):
     assert isinstance(engine, protocol), protocol.__name__
-  result, policy = _run(engine, tiny_source, Mode.STAGE_BEFORE_UPDATE, steps=5, disable_after=2)
+  # Calibrated (no pinned threshold): the floor the fake reports is 0 s, so the threshold is the 2 ms margin.
+  result, policy = _run(engine, tiny_source, Mode.STAGE_BEFORE_UPDATE, steps=5, disable_after=2,
+                        wait_threshold_s=None)
+  assert policy.threshold_s == 0.002
   assert [r.staged for r in result.records] == [True, True, False, False, False]
   assert [t.kind for t in policy.history] == ["auto_disable"]
   assert result.summary.policy.final_mode.value == "pipelined"
@@ -173,7 +182,7 @@ def test_stock_tunix_trainer_stages_and_trains_the_same_in_every_mode(tiny_sourc
   for mode in Mode:
     engine = TunixTrainerEngine("tiny", micro_batches_per_step=MICRO)
     assert isinstance(engine, StagingEngine)
-    result, policy = _run(engine, tiny_source, mode, steps=3, wait_threshold_s=0.0)
+    result, policy = _run(engine, tiny_source, mode, steps=3)
     digests[mode] = (result.summary.final_state_digest, tuple(r.loss for r in result.records))
     assert policy.mode is mode and [r.staged for r in result.records] == [mode.staged] * 2 + [False]
     if mode.staged:  # the staged input is the next step's first micro-batch

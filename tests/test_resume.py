@@ -25,6 +25,9 @@ DENSE = ["model=tiny", "rollouts.source=synthetic", "batch.micro_batches_per_ste
 MOE = DENSE[1:] + ["model=tiny_moe", "engine.ragged_buffer_factor=0.9", "engine.retry_when_tokens_dropped=true"]
 # Slower steps for the child-process tests, so a signal lands mid-run.
 CHILD = DENSE + ["batch.rows=16"]
+# A pinned zero threshold never judges a wait low: no staged mode turns its staging off because the machine
+# is loaded, so the policy's path (and the records that show it) does not depend on timing.
+PINNED = ["step_boundary.wait_threshold_s=0"]
 MODE_FLAGS = {
     Mode.OFF: ["--no-pipeline_step_boundary", "--no-stage_before_update"],
     Mode.PIPELINED: ["--no-stage_next_microbatch"],
@@ -71,12 +74,15 @@ def reference_digests(tmp_path_factory):
 def test_a_resumed_run_trains_like_an_uninterrupted_one(model, mode, reference_digests, tmp_path):
   base = DENSE if model == "dense" else MOE
   run = tmp_path / "run"
-  assert cli.main(base + MODE_FLAGS[mode] + ["steps=2", "checkpoint.every=2", "--out", str(run)]) == 0
+  assert cli.main(base + MODE_FLAGS[mode] + PINNED + ["steps=2", "checkpoint.every=2", "--out", str(run)]) == 0
   assert cli.main(["--resume", str(run), "--steps", "4"]) == 0
   summary = _summary(run)
   assert summary["final_state_digest"] == reference_digests[model]
-  assert [r["step"] for r in _records(run)] == [0, 1, 2, 3] and summary["steps"] == 4
-  assert summary["ended"] == "completed" and summary["requested_mode"] == mode.value
+  records = _records(run)
+  assert [r["step"] for r in records] == [0, 1, 2, 3] and summary["steps"] == 4
+  assert summary["ended"] == "completed" and summary["requested_mode"] == summary["final_mode"] == mode.value
+  # Each segment stages every boundary but its last step's (step 1 ended the first segment).
+  assert [r["staged"] for r in records] == [mode.staged, False, mode.staged, False]
   trace = json.loads((run_dir.latest_segment(run) / "trace.json").read_text())["traceEvents"]
   assert len({e["pid"] for e in trace}) == 4  # device and host, for each of the two segments
 
@@ -236,9 +242,7 @@ def test_resuming_from_a_mid_run_checkpoint_repeats_the_run_exactly(micro, sourc
   import shutil
 
   run = tmp_path / "run"
-  # A pinned zero threshold never judges a wait low: the policy's path does not depend on timing.
-  argv = DENSE[:-2] + [f"batch.micro_batches_per_step={micro}", "run.reserve_host_core=false",
-                       "step_boundary.wait_threshold_s=0"]
+  argv = DENSE[:-2] + [f"batch.micro_batches_per_step={micro}", "run.reserve_host_core=false"] + PINNED
   if source == "recording":  # the grain iterator's saved state picks the replay up where it was
     argv += RECORDING
   assert cli.main(argv + ["steps=4", "checkpoint.every=2", "--out", str(run)]) == 0

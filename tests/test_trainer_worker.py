@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 
 import pytest
 
-from orchestrator.loop.program import ProgramConfig, RLProgram
+from orchestrator.loop.program import NonFiniteStepError, ProgramConfig, RLProgram
 from orchestrator.loop.trainer_worker import TrainerWorker, WorkerUsageError
 from policies import Mode, StepBoundaryPolicy
-from tests.fakes import NoStagingEngine, RecordingEngine, payload_steps
+from tests.fakes import DivergingEngine, NoStagingEngine, RecordingEngine, payload_steps
 
 # docs/design.md §5's table, boundary by boundary, for the boundary after step k (M = 2).
 EXPECTED_BOUNDARY = {
@@ -113,6 +115,45 @@ def test_auto_disable_switches_the_call_order_mid_run():
   assert result.summary.policy.auto_disables == 1
   assert calls.count("wait") == 2
   assert [r.transition for r in result.records][:2] == [None, "auto_disable"]
+
+
+# ----------------------------------------------------------------- a non-finite step
+@pytest.mark.parametrize("sync_first", [False, True], ids=["sync_after", "sync_before_next_step"])
+@pytest.mark.parametrize("micro", [1, 2])
+@pytest.mark.parametrize("mode", list(Mode), ids=lambda m: m.name)
+def test_a_non_finite_step_ends_the_run_after_its_record_and_is_never_checkpointed(mode, micro, sync_first,
+                                                                                   tmp_path):
+  engine = DivergingEngine(from_step=2)
+  with pytest.raises(NonFiniteStepError) as excinfo:
+    _run(engine, mode, steps=5, micro=micro, checkpoint_every=1, sync_before_next_step=sync_first,
+         out_dir=str(tmp_path))
+  error = excinfo.value
+  assert (error.step, error.checkpoint_steps, error.checkpoint_path) == (2, 2, "ckpt/2")
+  assert math.isnan(error.loss) and math.isnan(error.grad_norm)
+  assert "step 2's loss is nan" in str(error) and "ckpt/2" in str(error)
+  # Records 0..2 are written, step 2's with its non-finite loss; nothing of step 3 or later.
+  records = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in records] == [0, 1, 2] and math.isnan(records[2]["loss"])
+  # Checkpoints after 1 and 2 steps only: none holds step 2's update or a later one, whatever the call order.
+  assert [c for c in engine.calls if c.startswith("checkpoint")] == ["checkpoint:1", "checkpoint:2"]
+  assert "metrics:3" in engine.calls and "sync:3" not in engine.calls
+
+
+def test_updates_the_engine_skipped_are_not_a_non_finite_state_and_the_run_goes_on():
+  """Negative control: under skip_nonfinite_updates the weights stayed finite, so every checkpoint is written."""
+  engine = DivergingEngine(from_step=2, skipped=True)
+  calls, result, _ = _run(engine, Mode.STAGE_BEFORE_UPDATE, steps=5, checkpoint_every=1)
+  assert [c for c in calls if c.startswith("checkpoint")] == [f"checkpoint:{n}" for n in range(1, 6)]
+  assert [r.step for r in result.records] == [0, 1, 2, 3, 4] and math.isnan(result.records[4].loss)
+
+
+def test_sync_before_next_step_reads_the_metrics_before_a_checkpoint():
+  calls, _, _ = _run(RecordingEngine(), Mode.STAGE_BEFORE_UPDATE, steps=2, sync_before_next_step=True,
+                     checkpoint_every=1)
+  assert calls == [
+      "fwd_bwd:s0m0", "fwd_bwd:s0m1", "prepare:s1m0", "wait", "update", "metrics:1", "checkpoint:1", "sync:1",
+      "fwd_bwd:prepared:s1m0", "fwd_bwd:s1m1", "update", "metrics:2", "checkpoint:2", "sync:2",
+  ]
 
 
 # ----------------------------------------------------------------- misuse

@@ -6,7 +6,7 @@ import types
 
 import pytest
 
-from integrations.tunix_grpo import compat
+from integrations.tunix_grpo import AddonUsageError, compat, install
 from integrations.tunix_grpo.compat import UnsupportedTunixError
 from integrations.tunix_grpo.throttle import CountingThrottler
 
@@ -79,6 +79,111 @@ def test_settings_the_add_on_cannot_reproduce_are_refused(path, value, named):
   with pytest.raises(UnsupportedTunixError) as excinfo:
     compat.check(_fake_learner(**{path: value}))
   assert named in _one_line(excinfo)
+
+
+# ---------------------------------------------------------------- install and uninstall (no model needed)
+class _StockLearner:
+  """A learner whose loop methods live on its class, as a Tunix learner's do."""
+
+  def _run_global_step(self, *args):
+    raise AssertionError("not run in these tests")
+
+  def _run_all_micro_batch_steps(self, *args):
+    raise AssertionError("not run in these tests")
+
+
+def _stock_learner() -> _StockLearner:
+  learner = _StockLearner()
+  for name, value in vars(_fake_learner()).items():
+    if name not in ("_run_global_step", "_run_all_micro_batch_steps"):
+      setattr(learner, name, value)
+  return learner
+
+
+def _assert_stock(learner, throttler) -> None:
+  """The learner is exactly as built: its own throttler object, its class's very loop functions."""
+  assert learner.rl_cluster._actor_trainer._throttler is throttler
+  assert "_run_global_step" not in vars(learner) and "_run_all_micro_batch_steps" not in vars(learner)
+  assert learner._run_global_step.__func__ is _StockLearner._run_global_step
+  assert learner._run_all_micro_batch_steps.__func__ is _StockLearner._run_all_micro_batch_steps
+
+
+def test_install_replaces_the_throttler_and_loops_and_uninstall_restores_them_exactly():
+  learner = _stock_learner()
+  stock = learner.rl_cluster._actor_trainer._throttler
+  addon = install(learner, "stage_before_update")
+  # Negative control for _assert_stock: installed, the learner is not stock.
+  with pytest.raises(AssertionError):
+    _assert_stock(learner, stock)
+  assert learner._run_all_micro_batch_steps.__func__ is type(addon)._run_all_micro_batch_steps
+  assert learner.rl_cluster._actor_trainer._throttler is addon.throttler and addon.installed
+  addon.uninstall()
+  _assert_stock(learner, stock)
+  assert not addon.installed
+
+
+def test_a_second_install_on_one_learner_is_refused_naming_the_learner_and_the_fix():
+  learner = _stock_learner()
+  stock = learner.rl_cluster._actor_trainer._throttler
+  first = install(learner, "stage_before_update")
+  with pytest.raises(AddonUsageError) as excinfo:
+    install(learner, "pipelined")
+  message = _one_line(excinfo)
+  assert "already installed" in message and f"{id(learner):#x}" in message and "uninstall()" in message
+  # The refused install changed nothing: the first add-on is still the one installed.
+  assert first.installed and learner.rl_cluster._actor_trainer._throttler is first.throttler
+  first.uninstall()
+  _assert_stock(learner, stock)
+
+
+def test_install_uninstall_twice_over_restores_the_stock_learner_each_time():
+  learner = _stock_learner()
+  stock = learner.rl_cluster._actor_trainer._throttler
+  for mode in ("stage_before_update", "off"):
+    addon = install(learner, mode)
+    assert learner.rl_cluster._actor_trainer._throttler is addon.throttler
+    addon.uninstall()
+    _assert_stock(learner, stock)
+
+
+def test_a_second_uninstall_is_refused_and_changes_nothing():
+  learner = _stock_learner()
+  stock = learner.rl_cluster._actor_trainer._throttler
+  addon = install(learner, "stage_before_update")
+  addon.uninstall()
+  with pytest.raises(AddonUsageError, match="uninstalled from its learner .* already"):
+    addon.uninstall()
+  _assert_stock(learner, stock)
+
+
+def test_a_stale_add_on_cannot_uninstall_the_one_installed_since():
+  learner = _stock_learner()
+  stock = learner.rl_cluster._actor_trainer._throttler
+  old = install(learner, "stage_before_update")
+  old.uninstall()
+  new = install(learner, "pipelined")
+  with pytest.raises(AddonUsageError, match="another add-on is installed"):
+    old.uninstall()
+  assert new.installed and learner.rl_cluster._actor_trainer._throttler is new.throttler
+  new.uninstall()
+  _assert_stock(learner, stock)
+
+
+@pytest.mark.parametrize("value", [0, -3, 1.5, 2.0, "2", True])
+def test_max_inflight_that_bounds_nothing_is_refused_naming_the_value(value):
+  learner = _stock_learner()
+  stock = learner.rl_cluster._actor_trainer._throttler
+  with pytest.raises(ValueError) as excinfo:
+    install(learner, "stage_before_update", max_inflight=value)
+  assert f"max_inflight={value!r}" in _one_line(excinfo) and ">= 1" in str(excinfo.value)
+  _assert_stock(learner, stock)
+
+
+def test_a_positive_max_inflight_is_the_throttlers_bound():
+  learner = _stock_learner()
+  addon = install(learner, "stage_before_update", max_inflight=1)
+  assert addon.throttler.max_inflight == 1
+  addon.uninstall()
 
 
 # ---------------------------------------------------------------- the throttle

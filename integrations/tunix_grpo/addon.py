@@ -55,6 +55,23 @@ log = logging.getLogger("step_boundary.tunix_grpo")
 ROLLOUT_WAIT_RESOLUTION_S = 1e-3
 #: Wait-floor samples taken at install: a wait on finished work, what a device wait reads with nothing to hide.
 FLOOR_SAMPLES = 16
+#: The learner's instance attribute naming the add-on installed on it: one at a time, so uninstall
+#: always has the stock throttler and loop methods to put back, never another add-on's.
+INSTALLED_ATTRIBUTE = "_step_boundary_addon"
+
+
+class AddonUsageError(RuntimeError):
+  """The add-on was asked to do something its state does not allow (a second install, a second uninstall)."""
+
+
+def _check_max_inflight(max_inflight: Any) -> None:
+  """An explicit in-flight bound must bound something: a positive integer (the throttler reads <= 0 as none)."""
+  if max_inflight is None:
+    return
+  if isinstance(max_inflight, bool) or not isinstance(max_inflight, (int, np.integer)) or max_inflight < 1:
+    raise ValueError(
+        f"max_inflight={max_inflight!r}: the micro-batches allowed in flight must be an integer >= 1;"
+        " pass e.g. max_inflight=2, or leave it unset to use the trainer's max_inflight_computations")
 
 
 class _PlacingQueue:
@@ -132,7 +149,12 @@ class StepBoundaryAddon:
   """
 
   def __init__(self, learner: Any, policy: StepBoundaryPolicy, *, max_inflight: int | None = None):
+    _check_max_inflight(max_inflight)
     compat.check(learner)
+    if vars(learner).get(INSTALLED_ATTRIBUTE) is not None:
+      raise AddonUsageError(
+          f"the step-boundary add-on is already installed on this learner ({type(learner).__name__}"
+          f" at {id(learner):#x}); call uninstall() on the add-on install() returned before installing again")
     self.policy = policy
     self._learner = learner
     self._cluster = learner.rl_cluster
@@ -146,13 +168,15 @@ class StepBoundaryAddon:
     self._pending: GrpoBoundary | None = None
     self._micro_batches = 0
     self._blocks_at_boundary = 0
+    # Calibrated before anything on the learner changes, so a failure here leaves it stock.
+    if policy.threshold_s is None or not policy.floor_samples:
+      policy.calibrate(self._sample_wait_floor())
     self._saved = (self._trainer._throttler, learner.__dict__.get("_run_global_step"),
                    learner.__dict__.get("_run_all_micro_batch_steps"))
     self._trainer._throttler = self.throttler
     learner._run_global_step = self._run_global_step
     learner._run_all_micro_batch_steps = self._run_all_micro_batch_steps
-    if policy.threshold_s is None or not policy.floor_samples:
-      policy.calibrate(self._sample_wait_floor())
+    setattr(learner, INSTALLED_ATTRIBUTE, self)
 
   # ------------------------------------------------------------------ bring-up
   def _sample_wait_floor(self) -> list[float]:
@@ -164,8 +188,26 @@ class StepBoundaryAddon:
       samples.append(time.perf_counter() - start)
     return samples
 
+  @property
+  def installed(self) -> bool:
+    """Whether this add-on is the one installed on its learner now."""
+    return vars(self._learner).get(INSTALLED_ATTRIBUTE) is self
+
   def uninstall(self) -> None:
-    """Puts back the trainer's throttler and the learner's own loop methods."""
+    """Puts back the trainer's throttler and the learner's own loop methods, exactly as install found them.
+
+    Raises:
+      AddonUsageError: this add-on is not installed on its learner (uninstalled already).
+    """
+    if not self.installed:
+      learner = f"{type(self._learner).__name__} at {id(self._learner):#x}"
+      if vars(self._learner).get(INSTALLED_ATTRIBUTE) is not None:
+        raise AddonUsageError(
+            f"this step-boundary add-on was uninstalled from its learner ({learner}) and another add-on is"
+            " installed there now; call uninstall() on the add-on the latest install() returned")
+      raise AddonUsageError(
+          f"this step-boundary add-on was uninstalled from its learner ({learner}) already; the learner"
+          " runs stock Tunix, so there is nothing to undo: drop the second uninstall()")
     throttler, global_step, micro_steps = self._saved
     self._trainer._throttler = throttler
     for name, saved in (("_run_global_step", global_step), ("_run_all_micro_batch_steps", micro_steps)):
@@ -173,6 +215,7 @@ class StepBoundaryAddon:
         self._learner.__dict__.pop(name, None)
       else:
         setattr(self._learner, name, saved)
+    del self._learner.__dict__[INSTALLED_ATTRIBUTE]
 
   # ------------------------------------------------------------------ the learner's loops
   def _run_global_step(self, full_batch_size, mini_batch_size, service_target_batch_size, grad_acc_steps,
@@ -346,10 +389,13 @@ def install(learner: Any, policy: StepBoundaryPolicy | Mode | str = Mode.STAGE_B
   Args:
     learner: the learner, built as usual on its ``RLCluster``.
     policy: a ``StepBoundaryPolicy``, or a mode name for one with default settings.
-    max_inflight: micro-batches allowed in flight (default: the trainer's ``max_inflight_computations``).
+    max_inflight: micro-batches allowed in flight, an integer >= 1 (default: the trainer's
+      ``max_inflight_computations``).
 
   Raises:
     compat.UnsupportedTunixError: a Tunix version, learner or setting the add-on cannot drive exactly.
+    AddonUsageError: the add-on is installed on ``learner`` already (uninstall that one first).
+    ValueError: ``max_inflight`` is not an integer >= 1.
   """
   if not isinstance(policy, StepBoundaryPolicy):
     policy = StepBoundaryPolicy(policy)

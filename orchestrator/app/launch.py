@@ -60,6 +60,7 @@ from orchestrator.distributed.bringup import DistributedError
 from orchestrator.distributed.launcher import LAUNCHED_ENV, LocalJob, resume_hint
 from orchestrator.engine.presets import load_preset
 from orchestrator.live.plot import plot_rewards
+from orchestrator.loop.program import NonFiniteStepError
 from orchestrator.recipe.loading import PROCESS_ID_ENV, job_settings
 from orchestrator.remote import protocol
 
@@ -567,6 +568,9 @@ def _run_program(plan: RunPlan, *, source, resume, job: job_lib.Job) -> int:
       result = handle.run()
     except recipe_lib.RecipeError as e:
       code = _refuse(e)
+    except NonFiniteStepError as e:  # the training diverged, the code did not fail: one line, no traceback
+      handle.close()  # the progress bar ends first, so the line stands alone (a second close does nothing)
+      code = _stopped_non_finite(out, write_dir, e, job)
     except Exception as e:  # pylint: disable=broad-except
       if job.watchdog is not None:  # a collective failed because a peer died? Then the watchdog names it.
         job.watchdog.wait_for_loss()
@@ -671,6 +675,27 @@ def _signal_named(name: str | None) -> signal.Signals:
     return signal.Signals[name]
   except KeyError:
     return signal.SIGTERM  # a stop asked for by other means ends like a polite termination
+
+
+def _stopped_non_finite(out: Path, write_dir: Path, error: NonFiniteStepError, job) -> int:
+  """Step k's loss or gradient norm is not finite: exit 1, one line; records and earlier checkpoints kept (the
+  error log and summary go in this segment's ``write_dir``)."""
+  resume = ""
+  if error.checkpoint_steps is None:
+    last = "no checkpoint was written"
+  else:
+    where = f" ({error.checkpoint_path})" if error.checkpoint_path else ""
+    last = f"the last checkpoint is after {error.checkpoint_steps} steps{where}, none of step {error.step} or later"
+    resume = f", or `run_rl --resume {out}` from that checkpoint if the cause was transient"
+  if job.is_primary:
+    (write_dir / run_dir.ERROR_LOG).write_text("".join(traceback.format_exception(error)), encoding="utf-8")
+    run_dir.write_summary(write_dir, {"ended": "error", "last_step": error.step,
+                                      "error": f"NonFiniteStepError: {error}", "checkpoint_path": error.checkpoint_path})
+  print(f"run_rl: {job.label}the run stopped at step {error.step}: loss {error.loss}, gradient norm"
+        f" {error.grad_norm} (not finite); records so far are kept in {write_dir / run_dir.RECORDS}; {last};"
+        f" lower engine.learning_rate (or set engine.skip_nonfinite_updates=true)"
+        f" and start a new run{resume}", file=sys.stderr)
+  return 1
 
 
 def _fail(out: Path | None, error: Exception, step: int | None, job) -> int:

@@ -43,12 +43,30 @@ def make_mesh(config: MeshConfig) -> Mesh:
 
 def check_devices(config: MeshConfig) -> None:
   """Raises ValueError when fewer devices are visible than the mesh needs (saying how to get more on CPU)."""
-  visible = len(jax.devices())
-  if visible < config.num_devices:
-    raise ValueError(
-        f"mesh {dataclasses.asdict(config)} needs {config.num_devices} devices but {visible} are visible;"
-        f" on CPU set XLA_FLAGS=--xla_force_host_platform_device_count={config.num_devices} before JAX is"
-        " imported")
+  message = missing_devices(config, visible=len(jax.devices()), processes=jax.process_count())
+  if message is not None:
+    raise ValueError(message)
+
+
+def missing_devices(config: MeshConfig, *, visible: int, processes: int) -> str | None:
+  """Why ``visible`` devices (of a job of ``processes``) cannot hold the mesh, and the fix; None if they can.
+
+  XLA's flag forces devices in each process, so a job of several processes needs the mesh's devices
+  divided by the processes in each one, not the mesh's count.
+  """
+  if visible >= config.num_devices:
+    return None
+  needed = f"mesh {dataclasses.asdict(config)} needs {config.num_devices} devices but {visible} are visible"
+  if processes <= 1:
+    return (f"{needed}; on CPU set XLA_FLAGS=--xla_force_host_platform_device_count={config.num_devices} before"
+            " JAX is imported")
+  if config.num_devices % processes:
+    return (f"{needed} in a job of {processes} processes, which cannot split {config.num_devices} devices"
+            f" evenly; size the mesh to a multiple of {processes} devices")
+  per_process = config.num_devices // processes
+  return (f"{needed} in a job of {processes} processes; on CPU set"
+          f" XLA_FLAGS=--xla_force_host_platform_device_count={per_process} in every process (devices per"
+          f" process: {config.num_devices} ÷ {processes}) before JAX is imported")
 
 
 def qwen3_sharding() -> qwen3_model.ShardingConfig:

@@ -11,6 +11,11 @@ at the start of the run), the middle ones at the start of the step, the last
 by the step's own boundary. With one micro-batch per step the first is the
 last, so the boundary it belongs to is planned when it is dispatched.
 
+A step whose loss or gradient norm is not finite ends the run there
+(``NonFiniteStepError``, raised once the step's record is written): no
+checkpoint of it or of any later step is written, so the checkpoints on disk
+are all from steps whose metrics were finite (docs/design.md §8).
+
 The ``Recorder`` owns the measurements: completion stamps, host spans, records,
 trace and summary. The program reaches its trainer only through
 ``orchestrator.contract.Worker`` and its steps only through ``StepSource`` (and,
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -38,7 +44,42 @@ from policies.step_boundary import format_seconds
 
 log = logging.getLogger("step_boundary.program")
 
-__all__ = ["ProgramConfig", "ProgramResult", "RLProgram", "HostWeightStore"]
+__all__ = ["ProgramConfig", "ProgramResult", "RLProgram", "HostWeightStore", "NonFiniteStepError"]
+
+
+class NonFiniteStepError(RuntimeError):
+  """Step ``step``'s loss or gradient norm is not finite: the run stopped after recording it.
+
+  Attributes:
+    step, loss, grad_norm: the step and what its metrics read.
+    checkpoint_steps: the steps the last checkpoint covers (None: no checkpoint); every checkpoint was
+      written before this step's metrics were read, and none after.
+    checkpoint_path: where this run wrote that checkpoint (None: none written by this run, e.g. the
+      checkpoint a resumed run started from).
+  """
+
+  def __init__(self, step: int, metrics: StepMetrics, checkpoint_steps: int | None, checkpoint_path: str | None):
+    loss, grad_norm = metrics.loss, metrics.grad_norm
+    self.step, self.loss, self.grad_norm = step, loss, grad_norm
+    self.checkpoint_steps, self.checkpoint_path = checkpoint_steps, checkpoint_path
+    if checkpoint_steps is None:
+      last = "no checkpoint was written"
+    else:
+      last = f"the last checkpoint covers {checkpoint_steps} steps" + (f" ({checkpoint_path})" if checkpoint_path
+                                                                          else "")
+    super().__init__(f"step {step}'s loss is {loss} and its gradient norm {grad_norm}: not finite, so the run"
+                     f" stopped there and wrote no checkpoint of it or later; {last}")
+
+
+def non_finite(metrics: StepMetrics | None) -> bool:
+  """Whether the step's loss or gradient norm is a number that is not finite.
+
+  An update the engine skipped (``skip_nonfinite_updates``) is not: it left weights and optimizer state as
+  they were, finite, and the run goes on.
+  """
+  if metrics is None or metrics.skipped_update:
+    return False
+  return any(x is not None and not math.isfinite(x) for x in (metrics.loss, metrics.grad_norm))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +150,7 @@ class _Boundary:
   transition: str | None = None
   metrics: StepMetrics | None = None
   checkpoint_path: str | None = None
+  non_finite: bool = False  # step k's loss or gradient norm is not finite: the run ends after its record
   first_dispatch: float | None = None
   next_ready: bool | None = None  # None: the run's last step
   rollout_wait_s: float | None = None  # how long the next step's rollouts kept this boundary waiting
@@ -215,6 +257,8 @@ class RLProgram:
     self._payloads: dict[int, Sequence[Any]] = {}
     self._source_states: dict[int, Any] = {}  # the source's position before each step was pulled
     self._result = ProgramResult([], None, None, None)
+    # The steps the last checkpoint covers: a resumed run starts from one after start_step steps.
+    self._last_checkpoint_steps: int | None = config.start_step or None
     if (config.checkpoint_every or config.scored_checkpoint_steps) and not worker.capabilities.can_checkpoint:
       raise ValueError("checkpoints are asked for (checkpoint_every / scored_checkpoint_steps) but the engine"
                        " has no save_checkpoint / restore_checkpoint; turn checkpoints off or use an engine"
@@ -301,11 +345,15 @@ class RLProgram:
       boundary = self._boundaries.get(k) or self._open_boundary(k)
       for action in boundary.actions:
         self._execute(action, boundary)
+        if boundary.non_finite:  # nothing more of this run: no checkpoint, no sync, no next step
+          break
       boundary.rollout = self.live.step_stats(k) if self.live is not None else None
       self.recorder.finish_record(boundary, boundary.first_dispatch)
       del self._boundaries[k], self._payloads[k]
       self._source_states.pop(k, None)  # only the position before step k+1 can still be checkpointed
       self._result.last_step = k
+      if boundary.non_finite:
+        raise NonFiniteStepError(k, boundary.metrics, self._last_checkpoint_steps, self._result.checkpoint_path)
       if boundary.stop:
         self._result.ended = "stopped"
         return
@@ -385,7 +433,8 @@ class RLProgram:
       if boundary.observe_after_dispatch:
         self._observe(boundary)
     elif action is Action.METRICS:
-      self._read_metrics(boundary)
+      if boundary.metrics is None:  # read already where a checkpoint came first (sync_before_next_step)
+        self._read_metrics(boundary)
     elif action is Action.CHECKPOINT_AND_SYNC:
       self._checkpoint_and_sync(boundary)
 
@@ -427,6 +476,7 @@ class RLProgram:
       # Staged after the update: the device wait is how long the update still ran after the stage.
       boundary.device_wait_s = max(0.0, update_ready - boundary.stage.ended_at)
       self._observe(boundary)
+    boundary.non_finite = non_finite(boundary.metrics)  # the loop ends the run with it (NonFiniteStepError)
 
   def checkpoint_metadata(self, done: int, pending_record: dict[str, Any] | None = None) -> dict[str, Any]:
     """What a checkpoint after ``done`` steps holds beside the engine state: the whole run's state.
@@ -444,11 +494,15 @@ class RLProgram:
   def _checkpoint_and_sync(self, boundary: _Boundary) -> None:
     done = boundary.step + 1
     if self.config.checkpoint_due(done) or (boundary.stop and self.worker.capabilities.can_checkpoint):
+      if boundary.metrics is None:  # sync_before_next_step: read them first (the save waits for the update too)
+        self._read_metrics(boundary)
+        if boundary.non_finite:  # never saved
+          return
       start = self.clock()
       self.recorder.sync_records()  # every record before this step is on disk before the checkpoint is
       metadata = self.checkpoint_metadata(done, self.recorder.provisional_record(boundary))
       boundary.checkpoint_path = self.worker.save_checkpoint(metadata)
-      self._result.checkpoint_path = boundary.checkpoint_path
+      self._result.checkpoint_path, self._last_checkpoint_steps = boundary.checkpoint_path, done
       boundary.spans["checkpoint_s"] = self.clock() - start
       self.recorder.span(f"checkpoint {done}", start, self.clock(), Lane.BOUNDARY_WORK)
     start = self.clock()
