@@ -203,6 +203,16 @@ def update_delay(recorder: Recorder, boundary: "_Boundary", m: int, threshold: f
     return None
 
 
+def log_staged(boundary: "_Boundary", *, low: bool) -> None:
+  """The ``[boundary]`` line of a staged boundary, once its device wait is known."""
+  plan = boundary.plan
+  where = "before" if plan.stage_before_update else "after"
+  note = " — below the threshold: the stage outlasted the compute" if low else ""
+  log.info("[boundary] step %d STAGED%s %s update in %s; the device still computed %s after it%s",
+           boundary.step, " (re-probe)" if plan.probe else "", where, format_seconds(boundary.stage.stage_s),
+           format_seconds(boundary.device_wait_s), note)
+
+
 class RLProgram:
   """Drives a ``Worker`` through ``config.steps`` optimizer steps.
 
@@ -453,11 +463,7 @@ class RLProgram:
                               rollout_wait_s=seen["rollout_wait_s"])
     boundary.low_wait = obs.low
     boundary.transition = obs.transition.kind if obs.transition else None
-    where = "before" if plan.stage_before_update else "after"
-    low = " — below the threshold: the stage outlasted the compute" if obs.low else ""
-    log.info("[boundary] step %d STAGED%s %s update in %s; the device still computed %s after it%s",
-             boundary.step, " (re-probe)" if plan.probe else "", where, format_seconds(boundary.stage.stage_s),
-             format_seconds(boundary.device_wait_s), low)
+    log_staged(boundary, low=obs.low)
 
   # ------------------------------------------------------------------ boundary work
   def _read_metrics(self, boundary: _Boundary) -> None:
@@ -479,11 +485,9 @@ class RLProgram:
     boundary.non_finite = non_finite(boundary.metrics)  # the loop ends the run with it (NonFiniteStepError)
 
   def checkpoint_metadata(self, done: int, pending_record: dict[str, Any] | None = None) -> dict[str, Any]:
-    """What a checkpoint after ``done`` steps holds beside the engine state: the whole run's state.
-
-    ``pending_record`` is step ``done - 1``'s record as known at the save: its line is written after the
-    checkpoint, and a resume restores it from here if a kill came between the two.
-    """
+    """What a checkpoint after ``done`` steps holds beside the engine state: the whole run's state, and
+    ``pending_record``: step ``done - 1``'s record as known at the save (a resume restores it if a kill came
+    between the checkpoint and that record's line)."""
     planned = self._boundaries.get(done)  # one micro-batch per step: planned before this checkpoint
     return {"step": done, "run_id": self.config.run_id, "mode": self.policy.mode.value,
             "scored": done in self.config.scored_checkpoint_steps, "records_count": done,
