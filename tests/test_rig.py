@@ -19,7 +19,7 @@ from orchestrator.rig.arms import RigError, parse_arms
 from orchestrator.rig.checks import CheckKind, cross_arm_checks, prediction_checks
 from orchestrator.rig.recording_engine import FORWARDED_PROTOCOLS, CallRecordingEngine, require_snapshots
 from orchestrator.rig.remote_host import RigHost
-from orchestrator.rig.report import verdict
+from orchestrator.rig.report import prediction_score, verdict, verdict_line
 from tests.conftest import REPO
 
 
@@ -91,7 +91,7 @@ def test_unscorable_with_too_few_boundaries(rig_inputs):
   recipe, rec, root = rig_inputs
   result = run_rig(recipe, rec, ["stage_before_update"], root / "short", steps=2)
   assert _status(result.report, "prediction_boundary_idle") == ["unscorable"]
-  assert result.report["verdict"]["unscorable"] >= 1
+  assert result.report["predictions_score"]["unscorable"] >= 1
 
 
 def test_a_different_micro_batch_order_is_reported_as_failed(rig_inputs):
@@ -145,7 +145,11 @@ def test_a_missed_prediction_is_reported_while_a_failed_correctness_check_fails_
       ("rerun_counts_equal", CheckKind.CORRECTNESS, "pass"), ("final_state_identical", CheckKind.CORRECTNESS, "fail")]
   for checks, code in ((same + missed, 0), (diverged + missed, 1), (diverged, 1)):
     assert RigResult(tmp_path, {}, [], checks).exit_code == code == _exit_by_name(checks)
-  assert verdict(diverged + missed) == {"pass": 1, "fail": 3, "unscorable": 0}
+  # The verdict counts correctness only; the missed bands are scored apart and change neither it nor the exit.
+  assert verdict(diverged + missed) == {"pass": 1, "fail": 1, "unscorable": 0}
+  assert verdict(same + missed) == {"pass": 2, "fail": 0, "unscorable": 0}
+  assert prediction_score(same + missed) == {"within_band": 0, "scored": 2, "unscorable": 0}
+  assert verdict_line(same + missed) == "verdict: 2 passed, 0 failed, 0 unscorable; predictions: 0/2 within band"
   too_few = prediction_checks(_arm_report("pipelined", idle_s=0.5, step_s=9.0), bands, n_records=2)
   assert [c.to_json()["status"] for c in too_few] == ["unscorable"] * 2
   assert RigResult(tmp_path, {}, [], same + too_few).exit_code == 0

@@ -7,7 +7,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from orchestrator.loop.trace import chrome_trace
-from orchestrator.rig.checks import Check
+from orchestrator.rig.checks import Check, CheckKind
 from policies.step_boundary import format_seconds as fs
 
 COLORS = {"micro-batch": "#4C78A8", "re-run": "#9ECAE9", "update": "#54A24B", "idle": "#E45756", "stage": "#F58518",
@@ -17,11 +17,30 @@ HOST_KINDS = {"stage": "stage", "prepare": "prepare", "dispatch": "dispatch", "u
 
 
 def verdict(checks: Iterable[Check]) -> dict:
-  """How many checks, of every kind, passed, failed and were unscorable."""
+  """How many correctness checks passed, failed and were unscorable: what the verdict and the exit code count
+  (a missed prediction band is the machine's noise, not a broken run: ``prediction_score`` counts those)."""
   counts = {"pass": 0, "fail": 0, "unscorable": 0}
   for c in checks:
-    counts[c.status] += 1
+    if c.kind is CheckKind.CORRECTNESS:
+      counts[c.status] += 1
   return counts
+
+
+def prediction_score(checks: Iterable[Check]) -> dict:
+  """The prediction bands: how many were scored, how many of those the measurement fell within, how many
+  were unscorable (too few boundaries)."""
+  bands = [c for c in checks if c.kind is CheckKind.PREDICTION]
+  scored = [c for c in bands if c.ok is not None]
+  return {"within_band": sum(1 for c in scored if c.ok), "scored": len(scored),
+          "unscorable": len(bands) - len(scored)}
+
+
+def verdict_line(checks: Sequence[Check]) -> str:
+  """``verdict: 12 passed, 0 failed, 0 unscorable; predictions: 3/4 within band`` (correctness first)."""
+  counts, bands = verdict(checks), prediction_score(checks)
+  unscorable = f", {bands['unscorable']} unscorable" if bands["unscorable"] else ""
+  return (f"verdict: {counts['pass']} passed, {counts['fail']} failed, {counts['unscorable']} unscorable;"
+          f" predictions: {bands['within_band']}/{bands['scored']} within band{unscorable}")
 
 
 def targets(arms, components) -> list[dict]:
@@ -59,7 +78,7 @@ def write_reports(out: Path, arms, predictions, checks: Sequence[Check], compone
                   recording) -> dict:
   """Writes every report file into ``out``; returns ``report.json``'s content (checks as ``Check.to_json``)."""
   counts = verdict(checks)
-  line = f"verdict: {counts['pass']} passed, {counts['fail']} failed, {counts['unscorable']} unscorable"
+  line = verdict_line(checks)
   target_rows = targets(arms, components)
   report = {
       "recipe": recipe.name,
@@ -70,6 +89,7 @@ def write_reports(out: Path, arms, predictions, checks: Sequence[Check], compone
       "checks": [c.to_json() for c in checks],
       "targets": target_rows,
       "verdict": counts,
+      "predictions_score": prediction_score(checks),
       "verdict_line": line,
   }
   (out / "report.json").write_text(json.dumps(report, indent=2))
