@@ -183,8 +183,9 @@ def resolved_from_saved(config: dict, steps: int | None, *, saved_steps: int | N
   """The recipe a run directory's config.json describes, run to ``steps`` if given, else to ``saved_steps``
   (the length the latest segment ran to)."""
   values = recipe_lib.flatten(config["config"], where="config.json")
+  steps_source = "flag --steps (resume)"
   if steps is None and saved_steps is not None and saved_steps != values.get("steps"):
-    steps = saved_steps
+    steps, steps_source = saved_steps, "flag --steps (an earlier resume)"
   if steps is not None:
     values["steps"] = steps
   for name, key in recipe_lib.ENV_SWITCHES.items():  # a process's identity is never saved: it comes anew
@@ -193,7 +194,7 @@ def resolved_from_saved(config: dict, steps: int | None, *, saved_steps: int | N
   recipe = build_checked(values)
   sources = dict(config.get("sources", {}))
   if steps is not None:
-    sources["steps"] = "flag --steps (resume)"
+    sources["steps"] = steps_source
   return recipe_lib.ResolvedRecipe(recipe, sources, str(config.get("recipe")))
 
 
@@ -221,11 +222,14 @@ def resume(path: Path, steps: int | None, from_checkpoint: int | None = None) ->
     if not (path / run_dir.CONFIG).is_file():
       run_dir.read_config(path)  # refuses, naming what is missing: a directory with no run gets no lock file
     held = _lock(path, flag="--resume")
-    with held:
-      plan = plan_resume(path, steps, from_checkpoint)
-      return execute(plan)
   except REFUSALS as e:
     return _refuse(e)
+  with held:
+    try:
+      plan = plan_resume(path, steps, from_checkpoint)
+    except REFUSALS as e:
+      return _refuse(e)
+    return execute(plan)
 
 
 def _holds_the_lock() -> bool:
