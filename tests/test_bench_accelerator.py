@@ -1,13 +1,58 @@
-"""The accelerator benchmark's decisions, from numbers built here: sizes, steps, rows, the digests verdict."""
+"""The accelerator benchmark: a tiny run on CPU end to end, and its decisions from numbers built here.
+
+The end-to-end run pins the policy (``--wait-threshold-s 0``: no wait is low,
+so no staging turns itself off) and gives a budget far above what the run
+needs, bounded by ``--max-tries 1`` and ``--max-steps 3``: nothing it checks
+depends on how fast this machine is.
+"""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from orchestrator.bench.accelerator import main
 from orchestrator.bench.accelerator_plan import (Size, StopAfter, digest_verdict, format_table, mode_row, next_size,
                                                  steps_per_arm)
 from orchestrator.loop.recorder import BoundaryRecord
 from policies import Mode, StepBoundaryPolicy
+from tests.conftest import REPO
 
 MODES = ["off", "pipelined", "stage_after_update", "stage_before_update"]
+
+
+def test_a_tiny_run_on_cpu_prints_the_table_writes_the_json_and_trains_every_mode_alike(tmp_path):
+  out = tmp_path / "bench.json"
+  env = dict(os.environ, PYTHONPATH=str(REPO), PJRT_NPROC="1", XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  proc = subprocess.run(
+      [sys.executable, "-m", "orchestrator.bench.accelerator", "--minutes", "5", "--preset", "tiny",
+       "--max-tries", "1", "--max-steps", "3", "--wait-threshold-s", "0", "--out", str(out)],
+      capture_output=True, text=True, timeout=400, cwd=tmp_path, env=env)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  lines = proc.stdout.splitlines()
+  assert lines[0].startswith("devices: cpu x1 used of 1")
+  header = next(line for line in lines if line.startswith("mode "))
+  for column in ("step_s", "idle_ms", "strict_ms", "map_ms", "copy_ms", "staged_MB/dev", "mem_GB", "digest"):
+    assert column in header
+  assert [line.split()[0] for line in lines if line.split() and line.split()[0] in MODES] == MODES
+  assert "digests: identical" in proc.stdout
+
+  report = json.loads(out.read_text())
+  rows = report["modes"]
+  assert [r["mode"] for r in rows] == MODES
+  assert all(r["steps"] == 3 and not r["cut_short"] for r in rows)
+  assert len({r["final_state_digest"] for r in rows}) == 1 and report["identical"] and report["exit_status"] == 0
+  assert set(report["digests"]) == set(MODES)
+  for r in rows:  # pinned: every boundary of a staged mode staged, and its input was timed
+    assert r["staged_boundaries"] == (r["boundaries"] if Mode(r["mode"]).staged else 0)
+    assert r["inputs_timed"] == 3 * 3 and r["median_placement_s"] is not None
+  assert report["devices"]["platform"] == "cpu" and len(report["sizing"]["tries"]) == 1
+  assert report["input_copy"]["bytes"] > 0 and report["plan"]["steps_per_arm"] == 3
+  assert report["printed"] == lines  # everything printed is in the JSON
 
 
 # ---------------------------------------------------------------- sizing
@@ -136,3 +181,16 @@ def test_an_arm_cut_short_makes_the_digests_not_comparable():
   line, status = digest_verdict(rows)
   assert status == 3 and "stage_before_update (3 of 5 steps)" in line
 
+
+# ---------------------------------------------------------------- refusals, before anything starts
+def test_bad_usage_is_refused_in_one_line_before_anything_runs(tmp_path, capsys):
+  assert main(["--preset", "nope", "--out", str(tmp_path / "x.json")]) == 2
+  assert "model='nope' is not a preset" in capsys.readouterr().err
+  assert main(["--preset", "tiny", "--out", str(tmp_path)]) == 2
+  assert "is a directory" in capsys.readouterr().err
+  assert main(["--preset", "tiny", "--wait-threshold-s", "soon", "--out", str(tmp_path / "x.json")]) == 2
+  assert "--wait-threshold-s soon" in capsys.readouterr().err
+  with pytest.raises(SystemExit) as exit_info:
+    main(["--max-steps", "1"])
+  assert exit_info.value.code == 2 and "a boundary lies between two steps" in capsys.readouterr().err
+  assert not (tmp_path / "x.json").exists()
