@@ -188,13 +188,14 @@ def _why_stop(bench: Bench, tries: list, size: Size, nxt: Size | None) -> str | 
     return "in the target window" if in_window(last["micro_batch_s"], args.target_s) else "no size moves it closer"
   if len(tries) >= args.max_tries:
     return f"--max-tries {args.max_tries} reached"
-  # The try's parts scale apart: the build with the layers, generating rollouts with the rows, the micro-batches
-  # it ran (about 4 per micro-batch of a step: each alone, then back to back) with both; the rest stays.
+  # The try's parts scale apart: the build with the layers (a smaller size builds no faster), generating rollouts
+  # with the rows, the micro-batches it ran (two per micro-batch of a step: each alone, then back to back) with
+  # both; the rest stays.
   rows, layers = nxt.rows / size.rows, nxt.num_layers / size.num_layers
   build, generate = last["build_s"], WARMUP_STEPS * last["generate_step_s"]
-  compute = 4 * bench.micro_batches * WARMUP_STEPS * last["micro_batch_s"]
+  compute = 2 * bench.micro_batches * WARMUP_STEPS * last["micro_batch_s"]
   rest = max(0.0, last["try_s"] - build - generate - compute)
-  estimate = build * max(1.0, layers) + generate * max(1.0, rows) + compute * max(1.0, rows * layers) + rest
+  estimate = build * max(1.0, layers) + generate * rows + compute * rows * layers + rest
   if time.perf_counter() + estimate > bench.started + SIZING_SHARE * (bench.deadline - bench.started):
     return "the sizing share of the budget is spent"
   return None
