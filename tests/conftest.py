@@ -1,15 +1,30 @@
-"""Shared fixtures: one compiled ``tiny`` engine per test session, restored to its start per test."""
+"""Shared fixtures: one compiled ``tiny`` engine per test session, restored to its start per test; one
+persistent XLA compilation cache per test session, shared with every child process it starts."""
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
+from orchestrator.app.host import COMPILATION_CACHE_ENV, use_compilation_cache
+
 REPO = Path(__file__).resolve().parents[1]
+
+# Most tests build the same few programs again (in this process and in the run_rl processes they start): a
+# cache for this session compiles each once per host layout (orchestrator.app.host keys it by the thread pool
+# and forced devices, so no test loads a program built for another layout). Set before JAX's first compile.
+if COMPILATION_CACHE_ENV not in os.environ:  # =off runs the suite without one
+  _cache = tempfile.mkdtemp(prefix="step-boundary-test-xla-cache-")
+  atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+  os.environ[COMPILATION_CACHE_ENV] = _cache
+use_compilation_cache()
 
 
 @pytest.fixture(scope="session")

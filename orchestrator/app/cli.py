@@ -25,6 +25,7 @@ from pathlib import Path
 from orchestrator import recipe as recipe_lib
 from orchestrator.app import launch, run_dir
 from orchestrator.app.arguments import UsageError, UsageErrorParser, parse_subcommand, subcommand_parser
+from orchestrator.app.host import use_compilation_cache
 from orchestrator.app.run_dir import RunDirError, default_out
 from orchestrator.app.serve_trainer import serve_main
 from orchestrator.app.simulate import components_from_run, format_fit, format_simulation, simulate
@@ -171,6 +172,7 @@ def _run_rig(recipe, recording: str, args, out: str) -> int:
   """The rig's run, once its report directory is held."""
   if recipe.run.reserve_host_core:
     reserve_host_core()
+  use_compilation_cache()
   logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr, force=True)
   # import here: gRPC and the engines load after the host core is reserved
   from orchestrator.app.runner import resolve_path
