@@ -58,9 +58,9 @@ def compilation_cache_dir(base: str | Path, environ=os.environ) -> Path:
 
 def use_compilation_cache(environ=os.environ) -> Path | None:
   """Turns on XLA's persistent compilation cache when ``$STEP_BOUNDARY_COMPILATION_CACHE`` names a directory
-  (``off`` or empty: no cache)
-  (after the thread settings, which key it); returns the directory, or None. Every program is cached, however
-  quick its compile. Before the first compile: a cache chosen later is not used."""
+  (``off`` or unset: none); returns the directory used, or None. Call after the thread settings, which key it,
+  and before the first compile (a cache chosen later is not used). Every program is cached, however quick its
+  compile."""
   base = environ.get(COMPILATION_CACHE_ENV)
   if not base or base == "off":
     return None
