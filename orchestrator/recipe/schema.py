@@ -41,6 +41,29 @@ def _at_most(section: str, obj: Any, keys: tuple[str, ...], maximum: float) -> N
       raise RecipeError(f"{section}{'.' if section else ''}{key}={value} is out of range: it must be <= {maximum:,}")
 
 
+#: The seeds a recipe may give (every ``*.seed`` key): JAX's PRNG takes a signed 64-bit integer, and numpy's
+#: seeding (synthetic rollouts, tasks, sampling seeds, the initial weights' extra draws) none below 0.
+SEED_RANGE = (0, 2**63 - 1)
+
+
+def _check_seeds(recipe: Any) -> None:
+  """Every seed key of every section is an integer JAX and numpy can both seed with (found by name, so a
+  new ``*.seed`` key is checked too): a seed out of range fails only at bring-up, after the run directory
+  was claimed."""
+  low, high = SEED_RANGE
+  for section in dataclasses.fields(recipe):
+    values = getattr(recipe, section.name)
+    if not dataclasses.is_dataclass(values):
+      continue
+    for field in dataclasses.fields(values):
+      if field.name == "seed" or field.name.endswith("_seed"):
+        seed = getattr(values, field.name)
+        if isinstance(seed, bool) or not isinstance(seed, int) or not low <= seed <= high:
+          raise RecipeError(f"{section.name}.{field.name}={seed} is out of range: a seed must be an integer in"
+                            f" [{low}, 2**63 - 1 = {high}] (JAX's PRNG takes signed 64-bit seeds, numpy none"
+                            " below 0)")
+
+
 class MeshSection(MeshConfig):
   """Device mesh axis sizes (``orchestrator.engine.mesh_shape.MeshConfig``); their product is the devices."""
 
@@ -371,6 +394,7 @@ class Recipe:
     for section in (self.mesh, self.batch, self.rollouts, self.task, self.step_boundary, self.simulate, self.trainer,
                     self.distributed, self.run):
       section.validate()
+    _check_seeds(self)
     self.checkpoint.validate(self.steps)
     if self.model not in available_presets():
       raise RecipeError(f"model={self.model!r} is not a preset; available: {', '.join(available_presets())}")
