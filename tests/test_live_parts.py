@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
-from orchestrator.live.tasks import ModularAddition, Problem, ReverseString, group_advantages, make_task
+from orchestrator.live.tasks import (TASKS, ModularAddition, Problem, ReverseString, _held_out, group_advantages,
+                                     make_task, split_sizes)
 from orchestrator.live.tokenizer import EOS, CharTokenizer
+from orchestrator.recipe import RecipeError
+from orchestrator.recipe.schema import TASK_RANGES, TASK_SIZE_KEYS, TaskSection
 
 
 def test_tokenizer_round_trips_and_stops_at_eos():
@@ -66,6 +71,51 @@ def test_make_task_refuses_unknown_names_and_settings():
     make_task("modular_addition", width=3)
 
 
+def test_a_task_s_prompts_are_the_ones_it_draws():
+  for task in (ModularAddition(modulus=3), ReverseString(length=2, letters=3)):
+    space = set(task.prompts())
+    drawn = {task.problem(0, split, i).prompt for split in ("train", "eval") for i in range(200)}
+    assert len(space) == 9 and drawn == space
+
+
+def _all_sizes(name):
+  """Every combination of ``name``'s size keys in their recipe ranges."""
+  keys = TASK_SIZE_KEYS[name]
+  for values in itertools.product(*(range(TASK_RANGES[k][0], TASK_RANGES[k][1] + 1) for k in keys)):
+    yield dict(zip(keys, values))
+
+
+@pytest.mark.parametrize("name", sorted(TASKS))
+def test_every_size_in_range_draws_from_both_splits_or_is_refused(name):
+  """The whole class, not the examples: a task whose few prompts all fall on one side of the held-out split
+  would draw from the other forever. Every size the recipe accepts draws from both; the refused ones really
+  leave a split empty (counted over the whole prompt space)."""
+  refused = []
+  for sizes in _all_sizes(name):
+    task = TASKS[name](**sizes)
+    try:
+      TaskSection(name=name, **sizes).validate()
+    except RecipeError as e:
+      assert "split empty" in str(e), e
+      sides = {_held_out(p, task.eval_share) for p in task.prompts()}
+      assert len(sides) == 1, sizes  # every prompt on one side
+      with pytest.raises(ValueError, match="split empty"):
+        make_task(name, **sizes)
+      refused.append(tuple(sizes.values()))
+      continue
+    assert task.problem(0, "train", 0).prompt and task.problem(0, "eval", 0).prompt
+  expected = {"modular_addition": [(2,)], "reverse": [(2, 1), (3, 1)], "first_letter": [(2, 1), (2, 3), (3, 1)]}
+  assert refused == expected[name]
+
+
+def test_split_sizes_count_a_small_space_exactly_and_stop_early_on_a_large_one():
+  assert split_sizes(ModularAddition(modulus=2)) == split_sizes(ModularAddition(modulus=2), enough=10)
+  small = split_sizes(ModularAddition(modulus=2))
+  assert (small.train, small.eval, small.exact, small.empty) == (4, 0, True, "evaluation")
+  large = split_sizes(ReverseString(length=10, letters=26), enough=64)
+  assert not large.exact and large.train >= 64 and large.eval == 64 and large.empty is None
+
+
 def test_group_advantages_center_each_group():
   adv = group_advantages(np.array([1, 0, 0, 0, 1, 1, 1, 1], np.float32), 4)
   assert adv[:4].sum() == pytest.approx(0, abs=1e-5) and adv[0] > 0 > adv[1]
@@ -108,3 +158,4 @@ def test_synced_weights_change_what_is_sampled(sampler):
   _, original, _ = model_lib.build_model(load_preset("tiny"), 0)
   sampler.sync(original, version=4)
   assert sampler.greedy(["3+4%7=", "rev:abc>"]) == before
+
