@@ -161,6 +161,25 @@ def update_delay(recorder: Recorder, boundary: "_Boundary", m: int, threshold: f
     return None
 
 
+def observe(policy: StepBoundaryPolicy, recorder: Recorder, agreement: SingleProcess, boundary: "_Boundary",
+            m: int) -> None:
+  """Feeds a staged boundary's measurements (every process's, combined) to the policy; notes what it judged."""
+  plan, threshold = boundary.plan, policy.threshold_s
+  delay = update_delay(recorder, boundary, m, threshold)
+  measured = {"stage_s": boundary.stage.stage_s, "device_wait_s": boundary.device_wait_s, "update_delay_s": delay,
+              "rollout_wait_s": boundary.rollout_wait_s or 0.0}
+  seen, boundary.per_process = agree_on_measurements(agreement, boundary.step, measured, threshold)
+  obs = policy.observe(boundary.step, stage_s=seen["stage_s"], device_wait_s=seen["device_wait_s"],
+                       probe=plan.probe, update_delay_s=seen["update_delay_s"], rollout_wait_s=seen["rollout_wait_s"])
+  boundary.low_wait = obs.low
+  boundary.transition = obs.transition.kind if obs.transition else None
+  where = "before" if plan.stage_before_update else "after"
+  low = " — below the threshold: the stage outlasted the compute" if obs.low else ""
+  log.info("[boundary] step %d STAGED%s %s update in %s; the device still computed %s after it%s",
+           boundary.step, " (re-probe)" if plan.probe else "", where, format_seconds(boundary.stage.stage_s),
+           format_seconds(boundary.device_wait_s), low)
+
+
 class RLProgram:
   """Drives a ``Worker`` through ``config.steps`` optimizer steps.
 
@@ -394,21 +413,7 @@ class RLProgram:
 
   # ------------------------------------------------------------------ the policy's measurements
   def _observe(self, boundary: _Boundary) -> None:
-    plan, threshold = boundary.plan, self.policy.threshold_s
-    delay = update_delay(self.recorder, boundary, self.config.micro_batches_per_step, threshold)
-    measured = {"stage_s": boundary.stage.stage_s, "device_wait_s": boundary.device_wait_s, "update_delay_s": delay,
-                "rollout_wait_s": boundary.rollout_wait_s or 0.0}
-    seen, boundary.per_process = agree_on_measurements(self.agreement, boundary.step, measured, threshold)
-    obs = self.policy.observe(boundary.step, stage_s=seen["stage_s"], device_wait_s=seen["device_wait_s"],
-                              probe=plan.probe, update_delay_s=seen["update_delay_s"],
-                              rollout_wait_s=seen["rollout_wait_s"])
-    boundary.low_wait = obs.low
-    boundary.transition = obs.transition.kind if obs.transition else None
-    where = "before" if plan.stage_before_update else "after"
-    low = " — below the threshold: the stage outlasted the compute" if obs.low else ""
-    log.info("[boundary] step %d STAGED%s %s update in %s; the device still computed %s after it%s",
-             boundary.step, " (re-probe)" if plan.probe else "", where, format_seconds(boundary.stage.stage_s),
-             format_seconds(boundary.device_wait_s), low)
+    observe(self.policy, self.recorder, self.agreement, boundary, self.config.micro_batches_per_step)
 
   # ------------------------------------------------------------------ boundary work
   def _read_metrics(self, boundary: _Boundary) -> None:
