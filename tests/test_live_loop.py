@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 
 import pytest
 
@@ -11,7 +12,7 @@ from orchestrator.app import cli
 from orchestrator import recipe as recipe_lib
 from orchestrator.live.rollouts import LiveRollouts, LiveShape, RolloutError
 from orchestrator.live.tasks import FirstLetter
-from orchestrator.loop.program import ProgramConfig, RLProgram
+from orchestrator.loop.program import ProgramConfig, RLProgram, StoppedWithoutCheckpointError
 from orchestrator.loop.trainer_worker import TrainerWorker
 from policies import Mode, StepBoundaryPolicy
 
@@ -99,6 +100,56 @@ class _FailingTask(FirstLetter):
 def test_a_failing_rollout_thread_surfaces_at_the_next_boundary_with_records_kept(rig):
   with pytest.raises(RolloutError, match="failed while sampling step 2: ValueError: the task's prompt file is gone"):
     _run(rig, Mode.STAGE_BEFORE_UPDATE, 1, task=_FailingTask(length=4, letters=8))
+
+
+def test_a_stop_ends_the_wait_for_a_stuck_sampler(rig):
+  """The sampling thread hangs inside step 2 (holding the sampler). The loop, waiting for step 2's rollouts
+  at boundary 1, keeps waiting until stop_requested turns true, then ends within a bounded time; step 2's
+  checkpoint would have to carry those rollouts, so the run ends with the line that says so. The evaluation,
+  which needs the sampler, gives up on a stop too."""
+  engine, start, initial, sampler = rig
+  engine.restore(start)
+  sampler.sync(initial, 0)
+  reached, release, stop = threading.Event(), threading.Event(), threading.Event()
+
+  class StuckTask(FirstLetter):
+    def problem(self, seed, split, index):
+      if split == "train" and index >= 2 * 2 * 2:  # step 2's first group
+        reached.set()
+        release.wait(120)
+      return super().problem(seed, split, index)
+
+  source = LiveRollouts(sampler, StuckTask(length=4, letters=8), LiveShape(STEPS, MICRO, 2, 4, 1, seed=3))
+  program = RLProgram(TrainerWorker(engine), StepBoundaryPolicy(Mode.STAGE_BEFORE_UPDATE, wait_threshold_s=0.0),
+                      source, ProgramConfig(steps=STEPS, micro_batches_per_step=MICRO, stop_grace_s=0.2),
+                      weight_sync=source.sync, stop_requested=lambda: "SIGTERM" if stop.is_set() else None)
+  outcome = {}
+
+  def run():
+    try:
+      outcome["result"] = program.run()
+    except Exception as e:  # pylint: disable=broad-except  # the test reads it
+      outcome["error"] = e
+
+  thread = threading.Thread(target=run, daemon=True)
+  thread.start()
+  try:
+    assert reached.wait(120)
+    thread.join(timeout=0.5)
+    assert thread.is_alive() and not outcome  # no stop: still waiting
+    stop.set()
+    thread.join(timeout=60)
+    assert not thread.is_alive(), "the loop did not end after the stop"
+    assert isinstance(outcome["error"], StoppedWithoutCheckpointError)
+    assert str(outcome["error"]).startswith("stopped by SIGTERM after step 1, but no checkpoint of it could be"
+                                            " written")
+    assert [r.step for r in program.records] == [0]
+    assert source.evaluate(None, 0, 4, stop=stop.is_set) is None  # the sampler is still held
+  finally:
+    release.set()
+    source.close()
+  source._thread.join(timeout=60)  # the sampler is shared with the other tests here
+  assert not source._thread.is_alive()
 
 
 def test_run_rl_runs_the_live_loop_and_resumes_it_exactly(tmp_path, monkeypatch):

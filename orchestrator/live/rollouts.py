@@ -13,7 +13,9 @@ exist before that boundary's weight sync, so nothing can be staged there
 The source is an iterator of steps like the others (``orchestrator.data.sources``):
 ``next`` blocks until the next step is sampled; ``get_state`` is its position
 plus the already-sampled steps a resumed run cannot sample again (their
-weights are older than the checkpoint's).
+weights are older than the checkpoint's). The program never blocks in them:
+it first polls ``ready`` (or ``ready_to_checkpoint``) with a timeout, looking
+at its stop flag in between, so a stuck sampler cannot hold a stop.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -30,6 +33,10 @@ from orchestrator.contract import RolloutStats, SourceStateError
 from orchestrator.data.trajectory import Trajectory, TrajectoryGroup
 from orchestrator.live.sampler import LiveSampler
 from orchestrator.live.tasks import group_advantages
+
+
+#: How long one wait for the sampler lasts before the waiter looks at its stop flag again.
+WAIT_POLL_S = 0.1
 
 
 class RolloutError(RuntimeError):
@@ -120,13 +127,22 @@ class LiveRollouts:
   def version_for(self, step: int) -> int:
     return max(0, step - self.shape.max_staleness)
 
+  def _carried(self, first: int) -> list[int]:
+    """The steps a position before ``first`` must carry: those sampled with weights older than ``first``'s,
+    which a run resumed there cannot sample again (those past this source's last step included)."""
+    return [s for s in range(first, first + self.shape.max_staleness) if self.version_for(s) < first]
+
   def blocked_on_sync(self, step: int) -> bool:
     """True when ``step``'s rollouts need weights that have not been synced yet."""
     with self._cond:
       return step < self.shape.steps and self.version_for(step) > self._synced
 
   def sync(self, version: int, weights: Any) -> None:
-    """The weight sync: keeps the weights of ``version`` (copied to host) for the steps that need them."""
+    """The weight sync: keeps the weights of ``version`` (copied to host) for the steps that need them.
+
+    It never waits for the sampler: the copy waits only for the update that produced the weights, and the
+    condition's lock is never held while sampling (the sampler has its own).
+    """
     if weights is None:
       return
     host = jax.device_get(weights)
@@ -196,8 +212,7 @@ class LiveRollouts:
     self._start()
     with self._cond:
       first = self._next
-      older = [s for s in range(first, min(first + self.shape.max_staleness, self.shape.steps))
-               if self.version_for(s) < first]
+      older = [s for s in self._carried(first) if s < self.shape.steps]
       start = time.perf_counter()
       ready = all(s in self._ready for s in older)
       self._cond.wait_for(lambda: all(s in self._ready for s in older) or self._error is not None)
@@ -208,6 +223,32 @@ class LiveRollouts:
   def state_json(self, state: dict[str, Any]) -> dict[str, Any]:
     """``state`` as JSON (the sampled steps' arrays as lists), for a checkpoint's metadata."""
     return dict(state, sampled=[r.to_json() for r in state["sampled"]])
+
+  # ---------------------------------------------------------------- waiting with a timeout
+  def ready(self, step: int, timeout_s: float) -> bool:
+    """Waits at most ``timeout_s`` until taking ``step`` (``get_state``, then ``next``) would not wait for
+    sampling; True then, False on the timeout. Raises the sampling thread's error."""
+    self._start()
+    with self._cond:
+      needed = [s for s in {step, *self._carried(step)} if self._next <= s < self.shape.steps]
+      return self._wait_sampled(needed, timeout_s)
+
+  def ready_to_checkpoint(self, position: int, timeout_s: float) -> bool:
+    """Waits at most ``timeout_s`` until a checkpoint at ``position`` (its state: the position before that
+    step) has every sampled step it must carry; True then, False on the timeout. Raises the sampling
+    thread's error."""
+    self._start()
+    with self._cond:
+      # Those already taken are in the state, kept when they were.
+      needed = [s for s in self._carried(position) if self._next <= s < self.shape.steps]
+      return self._wait_sampled(needed, timeout_s)
+
+  def _wait_sampled(self, steps: list[int], timeout_s: float) -> bool:
+    """Under the condition: waits at most ``timeout_s`` for ``steps`` to be sampled."""
+    done = self._cond.wait_for(lambda: self._error is not None or all(s in self._ready for s in steps),
+                               timeout=max(0.0, timeout_s))
+    self._raise_error()
+    return bool(done)
 
   def set_state(self, state: dict[str, Any]) -> None:
     """Continues from ``get_state()``'s output; call before the first ``next`` and sync the checkpoint's weights."""
@@ -298,13 +339,23 @@ class LiveRollouts:
     return payload, rewards, int(sum(len(c) for c in samples.completion_ids))
 
   # ---------------------------------------------------------------- evaluation
-  def evaluate(self, weights: Any, version: int, prompts: int) -> float:
-    """Greedy accuracy on ``prompts`` held-out problems with the given weights."""
+  def evaluate(self, weights: Any, version: int, prompts: int, *,
+               stop: Callable[[], Any] | None = None) -> float | None:
+    """Greedy accuracy on ``prompts`` held-out problems with the given weights.
+
+    It needs the sampler, which the sampling thread may hold: with ``stop`` the wait for it looks at
+    ``stop()`` every ``WAIT_POLL_S`` and gives up (None) once it is true.
+    """
     problems = [self._task.problem(self.shape.seed, "eval", j) for j in range(prompts)]
-    with self._sampler_lock:
+    while not self._sampler_lock.acquire(timeout=WAIT_POLL_S):
+      if stop is not None and stop():
+        return None
+    try:
       if weights is not None:
         self._sampler.sync(weights, version)
       answers = self._sampler.greedy([p.prompt for p in problems])
+    finally:
+      self._sampler_lock.release()
     return float(np.mean([self._task.reward(p, a) for p, a in zip(problems, answers)]))
 
 

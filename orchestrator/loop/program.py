@@ -29,6 +29,7 @@ from orchestrator.contract import RunSummary, StageReceipt, StepMetrics, StepSou
 from orchestrator.data.sources import as_step_source
 from orchestrator.distributed.agreement import KeyValueAgreement, SingleProcess, combine_max
 from orchestrator.loop.job_timings import merge_process_timings
+from orchestrator.loop.live_waits import LiveWaits, StoppedWithoutCheckpointError, StopWhileWaiting, latest_checkpoint
 from orchestrator.loop.recorder import BoundaryRecord, Lane, Recorder, Span, fwd_bwd_key, update_key
 from orchestrator.loop.watcher import Watched
 from orchestrator.loop.weight_sync import HostWeightStore
@@ -38,7 +39,7 @@ from policies.step_boundary import format_seconds
 
 log = logging.getLogger("step_boundary.program")
 
-__all__ = ["ProgramConfig", "ProgramResult", "RLProgram", "HostWeightStore"]
+__all__ = ["ProgramConfig", "ProgramResult", "RLProgram", "HostWeightStore", "StoppedWithoutCheckpointError"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +59,8 @@ class ProgramConfig:
     start_step: steps already done (a resumed run): the loop runs steps
       ``start_step .. steps - 1`` and appends to ``records.jsonl``.
     run_id: saved with every checkpoint, so a checkpoint names its run.
+    stop_grace_s: once a stop is asked for, how long a checkpoint may still wait for the rollouts it
+      must carry (a live source at staleness >= 1) before the run ends without it.
   """
 
   steps: int
@@ -69,6 +72,7 @@ class ProgramConfig:
   out_dir: str | None = None
   start_step: int = 0
   run_id: str | None = None
+  stop_grace_s: float = 5.0
 
   def __post_init__(self):
     if self.steps < 1:
@@ -194,9 +198,10 @@ class RLProgram:
       (default: a live source's own ``sync``, else ``HostWeightStore``).
     on_step: called with each finished ``BoundaryRecord`` (progress display).
     clock: seconds, monotonic.
-    stop_requested: polled when each boundary is planned; once it returns True
-      that step is the last: its update is applied, a checkpoint is written
-      (when the engine can) and the run ends with ``ended="stopped"``.
+    stop_requested: polled when each boundary is planned and while rollouts are
+      awaited (``LiveWaits``); once it returns True that step is the last: its
+      update is applied, a checkpoint is written (when the engine can, else
+      ``StoppedWithoutCheckpointError``) and the run ends ``ended="stopped"``.
     previous_records: records of the steps before ``config.start_step`` (a
       resumed run), so the summary covers the whole run.
     first_plan: the plan a resumed run's first boundary was already given
@@ -228,12 +233,14 @@ class RLProgram:
     self.recorder = Recorder(clock, config.micro_batches_per_step, config.out_dir, on_step,
                              previous_records=previous_records)
     self.current_step: int | None = None  # the step being run (for error messages)
-    self._stop_requested = stop_requested or (lambda: False)
+    self.stop_requested = stop_requested or (lambda: False)
     self._first_plan = first_plan
     self._boundaries: dict[int, _Boundary] = {}
     self._payloads: dict[int, Sequence[Any]] = {}
     self._source_states: dict[int, Any] = {}  # the source's position before each step was pulled
     self._result = ProgramResult([], None, None, None)
+    self._waits = None if self.live is None else LiveWaits(
+        self.live, self.stop_requested, grace_s=config.stop_grace_s, latest=lambda: latest_checkpoint(self.records))
     if (config.checkpoint_every or config.scored_checkpoint_steps) and not worker.capabilities.can_checkpoint:
       raise ValueError("checkpoints are asked for (checkpoint_every / scored_checkpoint_steps) but the engine"
                        " has no save_checkpoint / restore_checkpoint; turn checkpoints off or use an engine"
@@ -291,6 +298,8 @@ class RLProgram:
 
   def _pull(self, k: int) -> None:
     """Takes step k's payloads from the source, noting the source's position before it."""
+    if self._waits is not None:  # a stuck or slow sampler must not hold a stop
+      self._waits.take(k, first_of_run=k == self.config.start_step)
     self._source_states[k] = self.source.get_state()
     try:
       payloads = next(self.source)
@@ -318,8 +327,12 @@ class RLProgram:
       for i in range(1, m - 1):
         self._dispatch_micro(k, i, self._payload(k, i))
       boundary = self._boundaries.get(k) or self._open_boundary(k)
-      for action in boundary.actions:
-        self._execute(action, boundary)
+      for done, action in enumerate(boundary.actions):
+        try:
+          self._execute(action, boundary)
+        except StopWhileWaiting as stop:  # for step k+1's rollouts: it was never dispatched
+          self._end_after(boundary, stop.reason, boundary.actions[:done])
+          break
       boundary.rollout = self.live.step_stats(k) if self.live is not None else None
       self.recorder.finish_record(boundary, boundary.first_dispatch)
       del self._boundaries[k], self._payloads[k]
@@ -328,6 +341,20 @@ class RLProgram:
       if boundary.stop:
         self._result.ended = "stopped"
         return
+
+  def _end_after(self, boundary: _Boundary, reason: str, executed: tuple[Action, ...]) -> None:
+    """Ends the run after step k as a stop at its planning would: update applied, metrics read, checkpointed."""
+    self.current_step, self._result.stop_reason, boundary.stop = boundary.step, reason, True
+    ran = [Action.WAIT_AND_UPDATE] if self.worker.update_owed else []
+    if ran:  # staged before the update: the update waited behind the stage
+      self._watch_update(boundary.step, self.worker.apply_deferred_update().update)
+    for action, done in ((Action.METRICS, boundary.metrics), (Action.CHECKPOINT_AND_SYNC, boundary.checkpoint_path)):
+      if done is None:
+        self._execute(action, boundary)
+        ran.append(action)
+    boundary.actions = (*executed, *ran)  # the record says what ran, and why it stopped there
+    boundary.plan = boundary.plan and dataclasses.replace(
+        boundary.plan, reason=f"stopped by {reason} while waiting for step {boundary.step + 1}'s rollouts")
 
   def _open_boundary(self, k: int) -> _Boundary:
     """Plans the boundary after step k (just before its last micro-batch is dispatched)."""
@@ -350,7 +377,7 @@ class RLProgram:
 
   def _agreed_stop(self, k: int) -> bool:
     """Whether any process was asked to stop (every process then stops after step k)."""
-    reason = agree_on_stop(self.agreement, k, self._stop_requested())
+    reason = agree_on_stop(self.agreement, k, self.stop_requested())
     self._result.stop_reason = reason or self._result.stop_reason
     return reason is not None
 
@@ -444,6 +471,8 @@ class RLProgram:
   def _checkpoint_and_sync(self, boundary: _Boundary) -> None:
     done = boundary.step + 1
     if self.config.checkpoint_due(done) or (boundary.stop and self.worker.capabilities.can_checkpoint):
+      if self._waits is not None:  # the rollouts it carries (docs/design.md §8)
+        self._waits.checkpoint(boundary.step, self._result.stop_reason if boundary.stop else None)
       start = self.clock()
       boundary.checkpoint_path = self.worker.save_checkpoint(self.checkpoint_metadata(done))
       self._result.checkpoint_path = boundary.checkpoint_path
