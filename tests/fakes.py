@@ -165,7 +165,7 @@ class StuckLiveSource:
   def ready(self, step, timeout_s):
     return self._arrives(step < self.stuck_at, timeout_s)
 
-  def ready_to_checkpoint(self, position, timeout_s):
+  def ready_to_checkpoint(self, position, timeout_s, *, extendable=True):
     return self._arrives(self.staleness == 0 or position < self.stuck_at, timeout_s)
 
   def _arrives(self, there: bool, timeout_s: float) -> bool:

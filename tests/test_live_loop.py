@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import threading
 
@@ -150,6 +151,27 @@ def test_a_stop_ends_the_wait_for_a_stuck_sampler(rig):
     source.close()
   source._thread.join(timeout=60)  # the sampler is shared with the other tests here
   assert not source._thread.is_alive()
+
+
+def _digest(stdout: str) -> str:
+  return re.search(r"^final state digest: (\w+)$", stdout, re.M).group(1)
+
+
+def test_a_finished_live_run_extended_by_resume_trains_like_a_longer_run(tmp_path, monkeypatch, capsys):
+  """A live run of 4 steps with checkpoints, resumed with --steps 8, reaches the digest of 8 steps run at once.
+  Step 4 trains on rollouts of weights version 3 (staleness 1), which no checkpoint after 4 steps holds: the
+  last checkpoint carries step 4's rollouts, sampled when it was written."""
+  for name in recipe_lib.ENV_SWITCHES:
+    monkeypatch.delenv(name, raising=False)
+  argv = ["rollouts.groups_per_micro_batch=2", "batch.rows=4", "task.eval_prompts=4", "checkpoint.every=2",
+          "run.reserve_host_core=false"]
+  assert cli.main(argv + ["steps=8", "--out", str(tmp_path / "eight")]) == 0
+  eight = _digest(capsys.readouterr().out)
+  run = tmp_path / "four"
+  assert cli.main(argv + ["steps=4", "--out", str(run)]) == 0
+  four = _digest(capsys.readouterr().out)
+  assert cli.main(["--resume", str(run), "--steps", "8"]) == 0
+  assert _digest(capsys.readouterr().out) == eight != four
 
 
 def test_run_rl_runs_the_live_loop_and_resumes_it_exactly(tmp_path, monkeypatch):

@@ -139,10 +139,15 @@ class LiveSource(Protocol):
     sampling; True then, False on the timeout. Raises the sampling thread's error."""
     ...
 
-  def ready_to_checkpoint(self, position: int, timeout_s: float) -> bool:
+  def ready_to_checkpoint(self, position: int, timeout_s: float, *, extendable: bool = True) -> bool:
     """Waits at most ``timeout_s`` until a checkpoint at ``position`` (the position before that step) has
     every sampled step it must carry: those sampled with weights older than its own, which a resumed run
-    cannot sample again. True then, False on the timeout."""
+    cannot sample again. True then, False on the timeout.
+
+    ``extendable``: also the steps past the source's last one that the position carries (the source samples
+    them on this request), so the run can be extended from the checkpoint; without it, only those the run
+    itself trains.
+    """
     ...
 
 

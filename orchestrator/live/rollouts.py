@@ -16,6 +16,13 @@ plus the already-sampled steps a resumed run cannot sample again (their
 weights are older than the checkpoint's). The program never blocks in them:
 it first polls ``ready`` (or ``ready_to_checkpoint``) with a timeout, looking
 at its stop flag in between, so a stuck sampler cannot hold a stop.
+
+A position near the end of the run carries steps past it too: a run of N steps
+extended later (``run_rl --resume DIR --steps M``) trains step N first, and at
+staleness S >= 1 that step needs weights version N - S, which no checkpoint of
+N steps holds. So a checkpoint whose position needs such steps asks the
+sampling thread for them (``ready_to_checkpoint``) and keeps them; nothing past
+the end is sampled for a run that writes no such checkpoint.
 """
 
 from __future__ import annotations
@@ -111,6 +118,8 @@ class LiveRollouts:
     self._delivered: dict[int, StepRollouts] = {}
     self._next = 0
     self._produce_from = 0
+    self._produce_until = shape.steps  # raised by a checkpoint that carries steps past the end
+    self._first_version = 0  # the oldest weights this source can still sample with (a resumed run: its checkpoint's)
     self._error: BaseException | None = None
     self._closed = False
     self._thread: threading.Thread | None = None
@@ -129,7 +138,7 @@ class LiveRollouts:
 
   def _carried(self, first: int) -> list[int]:
     """The steps a position before ``first`` must carry: those sampled with weights older than ``first``'s,
-    which a run resumed there cannot sample again (those past this source's last step included)."""
+    which a run resumed there cannot sample again (past this source's last step too: an extended run's)."""
     return [s for s in range(first, first + self.shape.max_staleness) if self.version_for(s) < first]
 
   def blocked_on_sync(self, step: int) -> bool:
@@ -221,8 +230,20 @@ class LiveRollouts:
       return {"kind": self.kind, "next_step": first, "sampled": [self._ready[s] for s in older]}
 
   def state_json(self, state: dict[str, Any]) -> dict[str, Any]:
-    """``state`` as JSON (the sampled steps' arrays as lists), for a checkpoint's metadata."""
-    return dict(state, sampled=[r.to_json() for r in state["sampled"]])
+    """``state`` as JSON (the sampled steps' arrays as lists), for a checkpoint's metadata.
+
+    With the steps past the source's last one that the position carries, as far as they are sampled
+    (``ready_to_checkpoint`` asks for them and waits): a run extended from this checkpoint trains them first.
+    """
+    past_end = []
+    with self._cond:
+      for s in self._carried(state["next_step"]):
+        if s < self.shape.steps:
+          continue
+        if s not in self._ready:
+          break
+        past_end.append(self._ready[s])  # never taken (past the end), so still here
+    return dict(state, sampled=[r.to_json() for r in [*state["sampled"], *past_end]])
 
   # ---------------------------------------------------------------- waiting with a timeout
   def ready(self, step: int, timeout_s: float) -> bool:
@@ -233,14 +254,25 @@ class LiveRollouts:
       needed = [s for s in {step, *self._carried(step)} if self._next <= s < self.shape.steps]
       return self._wait_sampled(needed, timeout_s)
 
-  def ready_to_checkpoint(self, position: int, timeout_s: float) -> bool:
+  def ready_to_checkpoint(self, position: int, timeout_s: float, *, extendable: bool = True) -> bool:
     """Waits at most ``timeout_s`` until a checkpoint at ``position`` (its state: the position before that
-    step) has every sampled step it must carry; True then, False on the timeout. Raises the sampling
-    thread's error."""
+    step) has every sampled step it must carry; True then, False on the timeout.
+
+    ``extendable``: also the steps past the source's last one that it carries (asking the sampling thread for
+    them), so the run can be extended from the checkpoint; they are left out when they cannot be sampled any
+    more (weights older than this source has: a resumed run's checkpoint lacked them). Raises the sampling
+    thread's error.
+    """
     self._start()
     with self._cond:
-      # Those already taken are in the state, kept when they were.
-      needed = [s for s in self._carried(position) if self._next <= s < self.shape.steps]
+      carried = self._carried(position)
+      needed = [s for s in carried if self._next <= s < self.shape.steps]  # those taken are in the state already
+      past_end = [s for s in carried if s >= self.shape.steps]
+      if extendable and all(s in self._ready or self.version_for(s) >= self._first_version for s in past_end):
+        needed += past_end
+        if past_end and past_end[-1] >= self._produce_until:
+          self._produce_until = past_end[-1] + 1
+          self._cond.notify_all()
       return self._wait_sampled(needed, timeout_s)
 
   def _wait_sampled(self, steps: list[int], timeout_s: float) -> bool:
@@ -260,14 +292,16 @@ class LiveRollouts:
     self._next = int(state["next_step"])
     self._ready = {r["step"]: StepRollouts.from_json(r) for r in state["sampled"]}
     # Steps that need weights older than the checkpoint's cannot be sampled again: the state must carry them.
-    owed = [s for s in range(self._next, min(self._next + self.shape.max_staleness, self.shape.steps))
-            if self.version_for(s) < self._next]
-    if sorted(self._ready) != owed:
-      raise SourceStateError(f"the saved rollout position before step {self._next} carries steps {sorted(self._ready)},"
+    # It may carry more (steps past the end of the run that wrote it, which this run may never reach).
+    owed = [s for s in self._carried(self._next) if s < self.shape.steps]
+    carried = sorted(self._ready)
+    if carried != list(range(self._next, self._next + len(carried))) or not set(owed) <= set(carried):
+      raise SourceStateError(f"the saved rollout position before step {self._next} carries steps {carried},"
                              f" but max_staleness {self.shape.max_staleness} needs {owed}; the run cannot be resumed"
                              " from this checkpoint")
-    self._produce_from = self._next + len(self._ready)
+    self._produce_from = self._next + len(carried)
     self._synced = self._next  # the checkpoint's weights; sync() delivers them
+    self._first_version = self._next
     self._weights = {}
 
   # ---------------------------------------------------------------- the thread
@@ -284,10 +318,12 @@ class LiveRollouts:
   def _produce(self) -> None:
     step = self._produce_from
     try:
-      while step < self.shape.steps:
+      while True:
         version = self.version_for(step)
         with self._cond:
-          self._cond.wait_for(lambda: self._closed or (version <= self._synced and version in self._weights))
+          # Past the run's last step only when a checkpoint asks (``_produce_until``); close() ends the wait.
+          self._cond.wait_for(lambda: self._closed or (step < self._produce_until and version <= self._synced
+                                                       and version in self._weights))
           if self._closed:
             return
           weights = self._weights[version]

@@ -8,10 +8,13 @@ these stops need no agreement between processes.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from orchestrator.contract import LiveSource
+
+log = logging.getLogger("step_boundary.program")
 
 #: How long one ask for a live source's rollouts waits before the loop looks at its stop flag again.
 WAIT_POLL_S = 0.1
@@ -72,8 +75,9 @@ class LiveWaits:
     """Returns once the checkpoint after ``step`` can be written with the rollouts it must carry.
 
     At staleness S >= 1 the position before step k+1 holds the steps sampled with weights older than the
-    checkpoint's, up to k+S. Once a stop is asked for (``stopping``: it already was) the wait lasts at most
-    ``grace_s``; then no checkpoint can be written.
+    checkpoint's, up to k+S, past the run's end too, so the run can be extended from it. Once a stop is asked
+    for (``stopping``: it already was) the wait lasts at most ``grace_s``; then the checkpoint goes without
+    the steps past the end, or, where the run's own are missing, not at all.
 
     Raises:
       StoppedWithoutCheckpointError: a stop came, and the rollouts the checkpoint must carry did not.
@@ -84,6 +88,11 @@ class LiveWaits:
       except StopWhileWaiting as stop:
         stopping = stop.reason  # the loop stops at the next boundary; this one waits no longer than a stop may
     if self.live.ready_to_checkpoint(step + 1, self.grace_s):
+      return None
+    if self.live.ready_to_checkpoint(step + 1, 0.0, extendable=False):
+      log.warning("[checkpoint] the checkpoint after step %d lacks the rollouts of the steps past the run's end:"
+                  " %s came before they were sampled, so the run cannot be extended from it (--resume --steps)",
+                  step, stopping)
       return None
     raise StoppedWithoutCheckpointError(
         f"stopped by {stopping} after step {step}, but no checkpoint of it could be written: it must carry"
