@@ -153,6 +153,40 @@ def test_a_stop_ends_the_wait_for_a_stuck_sampler(rig):
   assert not source._thread.is_alive()
 
 
+def test_the_wait_for_a_step_s_rollouts_is_its_rollout_wait_and_is_not_judged(rig):
+  """The loop polls ready() before it takes a step; the time it waited there is the boundary's rollout wait, so
+  the policy does not judge that boundary's stage (a short device wait after waiting for sampling says nothing
+  about staging). Sampling step 1 is held until the loop has waited one poll for it."""
+  engine, start, initial, sampler = rig
+  engine.restore(start)
+  sampler.sync(initial, 0)
+  release = threading.Event()
+
+  class HeldTask(FirstLetter):
+    def problem(self, seed, split, index):
+      if split == "train" and 2 * 2 <= index < 2 * 2 * 2:  # step 1's groups
+        release.wait(120)
+      return super().problem(seed, split, index)
+
+  class Watched(LiveRollouts):
+    def ready(self, step, timeout_s):
+      done = super().ready(step, timeout_s)
+      if step == 1 and not done:
+        release.set()  # the loop waited for step 1: let its sampling go on
+      return done
+
+  source = Watched(sampler, HeldTask(length=4, letters=8), LiveShape(STEPS, MICRO, 2, 4, 1, seed=3))
+  policy = StepBoundaryPolicy(Mode.STAGE_BEFORE_UPDATE, wait_threshold_s=1e9)  # any judged wait would be low
+  try:
+    result = RLProgram(TrainerWorker(engine), policy, source, ProgramConfig(steps=STEPS, micro_batches_per_step=MICRO),
+                       weight_sync=source.sync).run()
+  finally:
+    release.set()
+    source.close()
+  assert release.is_set() and result.records[0].rollout_wait_s > 0
+  assert policy.counters["rollout_waits"] >= 1 and result.records[0].low_wait is None
+
+
 def _digest(stdout: str) -> str:
   return re.search(r"^final state digest: (\w+)$", stdout, re.M).group(1)
 

@@ -125,7 +125,7 @@ class LiveRollouts:
     self._thread: threading.Thread | None = None
     self._recorded: list[StepRollouts] | None = [] if record else None
     self._last_wait_s = 0.0
-    self._state_wait_s = 0.0  # the part of that wait spent in ``get_state`` just before it
+    self._take_wait_s = 0.0  # the part of that wait spent before ``next``: in ``ready`` and ``get_state``
 
   @property
   def sampler(self) -> LiveSampler:
@@ -173,8 +173,8 @@ class LiveRollouts:
       start = time.perf_counter()
       ready = step in self._ready
       self._cond.wait_for(lambda: step in self._ready or self._error is not None)
-      self._last_wait_s = self._state_wait_s + (0.0 if ready else time.perf_counter() - start)
-      self._state_wait_s = 0.0
+      self._last_wait_s = self._take_wait_s + (0.0 if ready else time.perf_counter() - start)
+      self._take_wait_s = 0.0
       self._raise_error()
       rollouts = self._ready.pop(step)
       self._delivered[step] = rollouts
@@ -186,7 +186,8 @@ class LiveRollouts:
 
   @property
   def last_wait_s(self) -> float:
-    """How long the last ``next`` blocked for its step to be sampled (its ``get_state`` wait included)."""
+    """How long taking the last step waited for it to be sampled (``ready``'s and ``get_state``'s waits before
+    ``next`` included: the program polls ``ready`` first)."""
     return self._last_wait_s
 
   def recorded_steps(self) -> list[StepRollouts] | None:
@@ -225,7 +226,7 @@ class LiveRollouts:
       start = time.perf_counter()
       ready = all(s in self._ready for s in older)
       self._cond.wait_for(lambda: all(s in self._ready for s in older) or self._error is not None)
-      self._state_wait_s = 0.0 if ready else time.perf_counter() - start
+      self._take_wait_s += 0.0 if ready else time.perf_counter() - start
       self._raise_error()
       return {"kind": self.kind, "next_step": first, "sampled": [self._ready[s] for s in older]}
 
@@ -252,7 +253,13 @@ class LiveRollouts:
     self._start()
     with self._cond:
       needed = [s for s in {step, *self._carried(step)} if self._next <= s < self.shape.steps]
-      return self._wait_sampled(needed, timeout_s)
+      if all(s in self._ready for s in needed):
+        return True
+      start = time.perf_counter()
+      try:
+        return self._wait_sampled(needed, timeout_s)
+      finally:  # the step's rollout wait (``last_wait_s``), which the policy must not judge as a stage's
+        self._take_wait_s += time.perf_counter() - start
 
   def ready_to_checkpoint(self, position: int, timeout_s: float, *, extendable: bool = True) -> bool:
     """Waits at most ``timeout_s`` until a checkpoint at ``position`` (its state: the position before that
