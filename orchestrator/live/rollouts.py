@@ -231,11 +231,9 @@ class LiveRollouts:
       return {"kind": self.kind, "next_step": first, "sampled": [self._ready[s] for s in older]}
 
   def state_json(self, state: dict[str, Any]) -> dict[str, Any]:
-    """``state`` as JSON (the sampled steps' arrays as lists), for a checkpoint's metadata.
-
-    With the steps past the source's last one that the position carries, as far as they are sampled
-    (``ready_to_checkpoint`` asks for them and waits): a run extended from this checkpoint trains them first.
-    """
+    """``state`` as JSON (the sampled steps' arrays as lists), for a checkpoint's metadata; with the steps past
+    the source's last one that the position carries, as far as they are sampled (``ready_to_checkpoint`` asks
+    for them): a run extended from this checkpoint trains them first."""
     past_end = []
     with self._cond:
       for s in self._carried(state["next_step"]):
@@ -253,23 +251,14 @@ class LiveRollouts:
     self._start()
     with self._cond:
       needed = [s for s in {step, *self._carried(step)} if self._next <= s < self.shape.steps]
-      if all(s in self._ready for s in needed):
-        return True
-      start = time.perf_counter()
-      try:
-        return self._wait_sampled(needed, timeout_s)
-      finally:  # the step's rollout wait (``last_wait_s``), which the policy must not judge as a stage's
-        self._take_wait_s += time.perf_counter() - start
+      done, waited = self._wait_sampled(needed, timeout_s)
+      self._take_wait_s += waited  # the step's rollout wait (``last_wait_s``): the policy must not judge it
+      return done
 
   def ready_to_checkpoint(self, position: int, timeout_s: float, *, extendable: bool = True) -> bool:
-    """Waits at most ``timeout_s`` until a checkpoint at ``position`` (its state: the position before that
-    step) has every sampled step it must carry; True then, False on the timeout.
-
-    ``extendable``: also the steps past the source's last one that it carries (asking the sampling thread for
-    them), so the run can be extended from the checkpoint; they are left out when they cannot be sampled any
-    more (weights older than this source has: a resumed run's checkpoint lacked them). Raises the sampling
-    thread's error.
-    """
+    """Waits at most ``timeout_s`` until a checkpoint at ``position`` has every sampled step it must carry (see
+    ``LiveSource.ready_to_checkpoint``). Those past the end, asked of the sampling thread here, are left out when
+    they cannot be sampled any more (weights older than this source's: its checkpoint lacked them)."""
     self._start()
     with self._cond:
       carried = self._carried(position)
@@ -280,14 +269,16 @@ class LiveRollouts:
         if past_end and past_end[-1] >= self._produce_until:
           self._produce_until = past_end[-1] + 1
           self._cond.notify_all()
-      return self._wait_sampled(needed, timeout_s)
+      return self._wait_sampled(needed, timeout_s)[0]
 
-  def _wait_sampled(self, steps: list[int], timeout_s: float) -> bool:
-    """Under the condition: waits at most ``timeout_s`` for ``steps`` to be sampled."""
-    done = self._cond.wait_for(lambda: self._error is not None or all(s in self._ready for s in steps),
-                               timeout=max(0.0, timeout_s))
+  def _wait_sampled(self, steps: list[int], timeout_s: float) -> tuple[bool, float]:
+    """Under the condition: waits at most ``timeout_s`` for ``steps`` to be sampled; whether they are, and the
+    seconds waited (0.0 when none was missing). Raises the sampling thread's error."""
+    sampled = lambda: all(s in self._ready for s in steps)  # noqa: E731
+    start, waited = time.perf_counter(), not sampled()
+    done = self._cond.wait_for(lambda: self._error is not None or sampled(), timeout=max(0.0, timeout_s))
     self._raise_error()
-    return bool(done)
+    return bool(done), time.perf_counter() - start if waited else 0.0
 
   def set_state(self, state: dict[str, Any]) -> None:
     """Continues from ``get_state()``'s output; call before the first ``next`` and sync the checkpoint's weights."""
