@@ -1,8 +1,10 @@
-"""A recording fake engine: every call the worker and program make, in order."""
+"""Fakes for the tests: a recording engine (every call the worker and program make, in order), a live source whose
+rollouts stop arriving, an in-memory key-value client."""
 
 from __future__ import annotations
 
 import dataclasses
+import time
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,3 +114,79 @@ class FakeKeyValueClient:
 
   def key_value_dir_get(self, prefix):
     return [(k, v) for k, v in self.store.items() if k.startswith(prefix)]
+
+
+class StuckLiveSource:
+  """A live step source (``StepSource`` and ``LiveSource``) whose rollouts stop arriving at step ``stuck_at``.
+
+  Steps are ``payload_steps``' names. Step ``s`` is sampled with weights ``s - staleness``, so at staleness >= 1
+  a checkpoint before step ``s`` must carry it, like ``LiveRollouts``'s: a checkpoint at ``stuck_at`` or later
+  can never be written. ``waited`` counts the timed waits on a step that never arrives.
+  """
+
+  kind = "stuck-live"
+
+  def __init__(self, steps: int, micro: int, *, stuck_at: int, staleness: int = 1):
+    self._steps = payload_steps(steps, micro)
+    self.stuck_at, self.staleness = stuck_at, staleness
+    self.next_step = 0
+    self.waited = 0
+    self.synced: list[int] = []
+
+  # StepSource
+  def __iter__(self):
+    return self
+
+  def __next__(self):
+    if self.next_step >= self.stuck_at:
+      raise AssertionError(f"step {self.next_step} was taken before ready() said it was there")
+    self.next_step += 1
+    return self._steps[self.next_step - 1]
+
+  def get_state(self):
+    return {"kind": self.kind, "next_step": self.next_step}
+
+  def state_json(self, state):
+    return dict(state)
+
+  def set_state(self, state):
+    self.next_step = state["next_step"]
+
+  def count_steps(self, limit):
+    return min(limit, len(self._steps))
+
+  def close(self):
+    pass
+
+  # LiveSource
+  last_wait_s = 0.0
+
+  def blocked_on_sync(self, step):
+    return self.staleness == 0 and step > 0
+
+  def sync(self, version, weights):
+    self.synced.append(version)
+
+  def step_stats(self, step):
+    return None
+
+  def check(self):
+    pass
+
+  def evaluate(self, weights, version, prompts, *, stop=None):
+    return 0.0
+
+  def recorded_steps(self):
+    return None
+
+  def ready(self, step, timeout_s):
+    return self._arrives(step < self.stuck_at, timeout_s)
+
+  def ready_to_checkpoint(self, position, timeout_s, *, extendable=True):
+    return self._arrives(self.staleness == 0 or position < self.stuck_at, timeout_s)
+
+  def _arrives(self, there: bool, timeout_s: float) -> bool:
+    if not there:
+      self.waited += 1
+      time.sleep(timeout_s)  # the whole timeout, as a source whose sampler is stuck
+    return there

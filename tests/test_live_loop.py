@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
+import threading
 
 import pytest
 
@@ -11,7 +13,7 @@ from orchestrator.app import cli, run_dir
 from orchestrator import recipe as recipe_lib
 from orchestrator.live.rollouts import LiveRollouts, LiveShape, RolloutError
 from orchestrator.live.tasks import FirstLetter
-from orchestrator.loop.program import ProgramConfig, RLProgram
+from orchestrator.loop.program import ProgramConfig, RLProgram, StoppedWithoutCheckpointError
 from orchestrator.loop.trainer_worker import TrainerWorker
 from policies import Mode, StepBoundaryPolicy
 
@@ -99,6 +101,111 @@ class _FailingTask(FirstLetter):
 def test_a_failing_rollout_thread_surfaces_at_the_next_boundary_with_records_kept(rig):
   with pytest.raises(RolloutError, match="failed while sampling step 2: ValueError: the task's prompt file is gone"):
     _run(rig, Mode.STAGE_BEFORE_UPDATE, 1, task=_FailingTask(length=4, letters=8))
+
+
+def test_a_stop_ends_the_wait_for_a_stuck_sampler(rig):
+  """The sampling thread hangs inside step 2 (holding the sampler). The loop, waiting for step 2's rollouts
+  at boundary 1, keeps waiting until stop_requested turns true, then ends within a bounded time; step 2's
+  checkpoint would have to carry those rollouts, so the run ends with the line that says so. The evaluation,
+  which needs the sampler, gives up on a stop too."""
+  engine, start, initial, sampler = rig
+  engine.restore(start)
+  sampler.sync(initial, 0)
+  reached, release, stop = threading.Event(), threading.Event(), threading.Event()
+
+  class StuckTask(FirstLetter):
+    def problem(self, seed, split, index):
+      if split == "train" and index >= 2 * 2 * 2:  # step 2's first group
+        reached.set()
+        release.wait(120)
+      return super().problem(seed, split, index)
+
+  source = LiveRollouts(sampler, StuckTask(length=4, letters=8), LiveShape(STEPS, MICRO, 2, 4, 1, seed=3))
+  program = RLProgram(TrainerWorker(engine), StepBoundaryPolicy(Mode.STAGE_BEFORE_UPDATE, wait_threshold_s=0.0),
+                      source, ProgramConfig(steps=STEPS, micro_batches_per_step=MICRO, stop_grace_s=0.2),
+                      weight_sync=source.sync, stop_requested=lambda: "SIGTERM" if stop.is_set() else None)
+  outcome = {}
+
+  def run():
+    try:
+      outcome["result"] = program.run()
+    except Exception as e:  # pylint: disable=broad-except  # the test reads it
+      outcome["error"] = e
+
+  thread = threading.Thread(target=run, daemon=True)
+  thread.start()
+  try:
+    assert reached.wait(120)
+    thread.join(timeout=0.5)
+    assert thread.is_alive() and not outcome  # no stop: still waiting
+    stop.set()
+    thread.join(timeout=60)
+    assert not thread.is_alive(), "the loop did not end after the stop"
+    assert isinstance(outcome["error"], StoppedWithoutCheckpointError)
+    assert str(outcome["error"]).startswith("stopped by SIGTERM after step 1, but no checkpoint of it could be"
+                                            " written")
+    assert [r.step for r in program.records] == [0]
+    assert source.evaluate(None, 0, 4, stop=stop.is_set) is None  # the sampler is still held
+  finally:
+    release.set()
+    source.close()
+  source._thread.join(timeout=60)  # the sampler is shared with the other tests here
+  assert not source._thread.is_alive()
+
+
+def test_the_wait_for_a_step_s_rollouts_is_its_rollout_wait_and_is_not_judged(rig):
+  """The loop polls ready() before it takes a step; the time it waited there is the boundary's rollout wait, so
+  the policy does not judge that boundary's stage (a short device wait after waiting for sampling says nothing
+  about staging). Sampling step 1 is held until the loop has waited one poll for it."""
+  engine, start, initial, sampler = rig
+  engine.restore(start)
+  sampler.sync(initial, 0)
+  release = threading.Event()
+
+  class HeldTask(FirstLetter):
+    def problem(self, seed, split, index):
+      if split == "train" and 2 * 2 <= index < 2 * 2 * 2:  # step 1's groups
+        release.wait(120)
+      return super().problem(seed, split, index)
+
+  class Watched(LiveRollouts):
+    def ready(self, step, timeout_s):
+      done = super().ready(step, timeout_s)
+      if step == 1 and not done:
+        release.set()  # the loop waited for step 1: let its sampling go on
+      return done
+
+  source = Watched(sampler, HeldTask(length=4, letters=8), LiveShape(STEPS, MICRO, 2, 4, 1, seed=3))
+  policy = StepBoundaryPolicy(Mode.STAGE_BEFORE_UPDATE, wait_threshold_s=1e9)  # any judged wait would be low
+  try:
+    result = RLProgram(TrainerWorker(engine), policy, source, ProgramConfig(steps=STEPS, micro_batches_per_step=MICRO),
+                       weight_sync=source.sync).run()
+  finally:
+    release.set()
+    source.close()
+  assert release.is_set() and result.records[0].rollout_wait_s > 0
+  assert policy.counters["rollout_waits"] >= 1 and result.records[0].low_wait is None
+
+
+def _digest(stdout: str) -> str:
+  return re.search(r"^final state digest: (\w+)$", stdout, re.M).group(1)
+
+
+def test_a_finished_live_run_extended_by_resume_trains_like_a_longer_run(tmp_path, monkeypatch, capsys):
+  """A live run of 4 steps with checkpoints, resumed with --steps 8, reaches the digest of 8 steps run at once.
+  Step 4 trains on rollouts of weights version 3 (staleness 1), which no checkpoint after 4 steps holds: the
+  last checkpoint carries step 4's rollouts, sampled when it was written."""
+  for name in recipe_lib.ENV_SWITCHES:
+    monkeypatch.delenv(name, raising=False)
+  argv = ["rollouts.groups_per_micro_batch=2", "batch.rows=4", "task.eval_prompts=4", "checkpoint.every=2",
+          "run.reserve_host_core=false"]
+  assert cli.main(argv + ["steps=8", "--out", str(tmp_path / "eight")]) == 0
+  eight = _digest(capsys.readouterr().out)
+  run = tmp_path / "four"
+  assert cli.main(argv + ["steps=4", "--out", str(run)]) == 0
+  four = _digest(capsys.readouterr().out)
+  assert cli.main(["--resume", str(run), "--steps", "8"]) == 0
+  assert _digest(capsys.readouterr().out) == eight != four
 
 
 def test_run_rl_runs_the_live_loop_and_resumes_it_exactly(tmp_path, monkeypatch):

@@ -1,12 +1,24 @@
-"""Parts of the live RL loop: the character tokenizer, tasks and rewards, GRPO advantages, the sampler."""
+"""Parts of the live RL loop: the character tokenizer, tasks and rewards, GRPO advantages, the sampler, and the
+loop's waits for rollouts (a stop ends them)."""
 
 from __future__ import annotations
+
+import itertools
+import threading
+import time
 
 import numpy as np
 import pytest
 
-from orchestrator.live.tasks import ModularAddition, Problem, ReverseString, group_advantages, make_task
+from orchestrator.live.tasks import (TASKS, ModularAddition, Problem, ReverseString, _held_out, group_advantages,
+                                     make_task, split_sizes)
 from orchestrator.live.tokenizer import EOS, CharTokenizer
+from orchestrator.loop.program import ProgramConfig, RLProgram, StoppedWithoutCheckpointError
+from orchestrator.loop.trainer_worker import TrainerWorker
+from orchestrator.recipe import RecipeError
+from orchestrator.recipe.schema import TASK_RANGES, TASK_SIZE_KEYS, TaskSection
+from policies import Mode, StepBoundaryPolicy
+from tests.fakes import RecordingEngine, StuckLiveSource
 
 
 def test_tokenizer_round_trips_and_stops_at_eos():
@@ -66,6 +78,51 @@ def test_make_task_refuses_unknown_names_and_settings():
     make_task("modular_addition", width=3)
 
 
+def test_a_task_s_prompts_are_the_ones_it_draws():
+  for task in (ModularAddition(modulus=3), ReverseString(length=2, letters=3)):
+    space = set(task.prompts())
+    drawn = {task.problem(0, split, i).prompt for split in ("train", "eval") for i in range(200)}
+    assert len(space) == 9 and drawn == space
+
+
+def _all_sizes(name):
+  """Every combination of ``name``'s size keys in their recipe ranges."""
+  keys = TASK_SIZE_KEYS[name]
+  for values in itertools.product(*(range(TASK_RANGES[k][0], TASK_RANGES[k][1] + 1) for k in keys)):
+    yield dict(zip(keys, values))
+
+
+@pytest.mark.parametrize("name", sorted(TASKS))
+def test_every_size_in_range_draws_from_both_splits_or_is_refused(name):
+  """The whole class, not the examples: a task whose few prompts all fall on one side of the held-out split
+  would draw from the other forever. Every size the recipe accepts draws from both; the refused ones really
+  leave a split empty (counted over the whole prompt space)."""
+  refused = []
+  for sizes in _all_sizes(name):
+    task = TASKS[name](**sizes)
+    try:
+      TaskSection(name=name, **sizes).validate()
+    except RecipeError as e:
+      assert "split empty" in str(e), e
+      sides = {_held_out(p, task.eval_share) for p in task.prompts()}
+      assert len(sides) == 1, sizes  # every prompt on one side
+      with pytest.raises(ValueError, match="split empty"):
+        make_task(name, **sizes)
+      refused.append(tuple(sizes.values()))
+      continue
+    assert task.problem(0, "train", 0).prompt and task.problem(0, "eval", 0).prompt
+  expected = {"modular_addition": [(2,)], "reverse": [(2, 1), (3, 1)], "first_letter": [(2, 1), (2, 3), (3, 1)]}
+  assert refused == expected[name]
+
+
+def test_split_sizes_count_a_small_space_exactly_and_stop_early_on_a_large_one():
+  assert split_sizes(ModularAddition(modulus=2)) == split_sizes(ModularAddition(modulus=2), enough=10)
+  small = split_sizes(ModularAddition(modulus=2))
+  assert (small.train, small.eval, small.exact, small.empty) == (4, 0, True, "evaluation")
+  large = split_sizes(ReverseString(length=10, letters=26), enough=64)
+  assert not large.exact and large.train >= 64 and large.eval == 64 and large.empty is None
+
+
 def test_group_advantages_center_each_group():
   adv = group_advantages(np.array([1, 0, 0, 0, 1, 1, 1, 1], np.float32), 4)
   assert adv[:4].sum() == pytest.approx(0, abs=1e-5) and adv[0] > 0 > adv[1]
@@ -108,3 +165,81 @@ def test_synced_weights_change_what_is_sampled(sampler):
   _, original, _ = model_lib.build_model(load_preset("tiny"), 0)
   sampler.sync(original, version=4)
   assert sampler.greedy(["3+4%7=", "rev:abc>"]) == before
+
+
+# ---------------------------------------------------------------------------- waits for rollouts
+def _run_in_thread(program):
+  outcome = {}
+
+  def run():
+    try:
+      outcome["result"] = program.run()
+    except Exception as e:  # pylint: disable=broad-except  # the test reads it
+      outcome["error"] = e
+
+  thread = threading.Thread(target=run, daemon=True)
+  thread.start()
+  return thread, outcome
+
+
+def _wait_for(predicate, timeout_s=60.0):
+  deadline = time.monotonic() + timeout_s
+  while not predicate():
+    assert time.monotonic() < deadline, "timed out"
+    time.sleep(0.01)
+
+
+CASES = [(mode, staleness, 2) for mode in Mode for staleness in (0, 1)]
+CASES += [(Mode.STAGE_BEFORE_UPDATE, staleness, 1) for staleness in (0, 1)]
+
+
+@pytest.mark.parametrize("mode,staleness,micro", CASES, ids=lambda c: getattr(c, "name", str(c)))
+def test_a_stop_ends_the_wait_for_rollouts_that_never_come(mode, staleness, micro):
+  """Step 3's rollouts never arrive. Without a stop the loop keeps waiting (the negative control); once
+  stop_requested turns true it returns within a bounded time: on-policy (staleness 0) with step 2's update
+  applied and checkpointed ("stopped"); at staleness 1 step 3's checkpoint would have to carry step 3's
+  rollouts, so the run ends with one line naming the latest checkpoint instead."""
+  source = StuckLiveSource(6, micro, stuck_at=3, staleness=staleness)
+  engine, stop = RecordingEngine(), threading.Event()
+  program = RLProgram(TrainerWorker(engine), StepBoundaryPolicy(mode, wait_threshold_s=0.0), source,
+                      ProgramConfig(steps=6, micro_batches_per_step=micro, checkpoint_every=2, stop_grace_s=0.2),
+                      stop_requested=lambda: "SIGTERM" if stop.is_set() else None)
+  thread, outcome = _run_in_thread(program)
+  _wait_for(lambda: source.waited > 0)
+  thread.join(timeout=0.5)
+  assert thread.is_alive() and not outcome, outcome  # no stop: still waiting for step 3
+  waits = source.waited
+  stop.set()
+  stopped_at = time.monotonic()
+  thread.join(timeout=30)
+  assert not thread.is_alive(), "the loop did not end after the stop"
+  assert time.monotonic() - stopped_at < 30 and waits > 1
+  assert not any(call.startswith("fwd_bwd:s3") for call in engine.calls)
+  assert engine.calls.count("update") == 3  # steps 0..2, step 2's too (staged before the update, it was owed)
+  if staleness == 0:
+    result = outcome["result"]
+    assert result.ended == "stopped" and result.stop_reason == "SIGTERM" and result.last_step == 2
+    assert result.checkpoint_path == "ckpt/3" and engine.calls[-1] == "checkpoint:3"
+    assert [r.step for r in result.records] == [0, 1, 2]
+    assert "stopped by SIGTERM while waiting for step 3's rollouts" in result.records[-1].reason
+  else:
+    error = outcome["error"]
+    assert isinstance(error, StoppedWithoutCheckpointError)
+    assert str(error).startswith("stopped by SIGTERM after step 2, but no checkpoint of it could be written")
+    assert str(error).endswith("the latest checkpoint is ckpt/2 (after step 1); `run_rl --resume` continues from it")
+    assert "checkpoint:3" not in engine.calls
+
+
+def test_a_stop_while_waiting_for_the_first_step_s_rollouts_names_what_is_left():
+  source = StuckLiveSource(4, 2, stuck_at=0)
+  stop = threading.Event()
+  program = RLProgram(TrainerWorker(RecordingEngine()), StepBoundaryPolicy(Mode.STAGE_BEFORE_UPDATE), source,
+                      ProgramConfig(steps=4, micro_batches_per_step=2, start_step=0),
+                      stop_requested=lambda: "SIGINT" if stop.is_set() else None)
+  thread, outcome = _run_in_thread(program)
+  _wait_for(lambda: source.waited > 0)
+  stop.set()
+  thread.join(timeout=30)
+  assert not thread.is_alive()
+  assert str(outcome["error"]) == ("stopped by SIGINT while waiting for step 0's rollouts, before this run trained a"
+                                   " step; no checkpoint was written, so the run cannot be resumed: start it again")

@@ -135,6 +135,40 @@ CASES = [
     ("threshold-word", ["step_boundary.wait_threshold_s=soon"], {}, "wait_threshold_s: expected float"),
     ("reprobe-zero", ["step_boundary.reprobe_every=0"], {}, "step_boundary.reprobe_every=0 is out of range"),
     ("checkpoint-every-negative", ["checkpoint.every=-1"], {}, "checkpoint.every=-1 is out of range"),
+    # Sizes inside their ranges whose few prompts all land on one side of the held-out split: a draw from the
+    # other side would spin forever (every such size in range: tests/test_live_parts.py).
+    ("task-modulus-no-eval-prompt", ["task.name=modular_addition", "task.modulus=2"], {},
+     "task.name=modular_addition task.modulus=2 leaves the evaluation split empty: its 4 prompts split 4 for"
+     " training and 0 for evaluation"),
+    ("task-reverse-no-train-prompt", ["task.name=reverse", "task.letters=2", "task.length=1"], {},
+     "task.name=reverse task.letters=2 task.length=1 leaves the training split empty: its 2 prompts split 0 for"
+     " training and 2 for evaluation"),
+    ("task-reverse-3-letters-no-train-prompt", ["task.name=reverse", "task.letters=3", "task.length=1"], {},
+     "leaves the training split empty: its 3 prompts split 0 for training and 3 for evaluation"),
+    ("task-first-letter-no-eval-prompt", ["task.name=first_letter", "task.letters=3", "task.length=1"], {},
+     "task.name=first_letter task.letters=3 task.length=1 leaves the evaluation split empty: its 3 prompts split 3"
+     " for training and 0 for evaluation"),
+    ("task-first-letter-2-letters-no-eval-prompt", ["task.name=first_letter", "task.letters=2", "task.length=1"],
+     {}, "leaves the evaluation split empty: its 2 prompts split 2 for training and 0 for evaluation"),
+    ("task-first-letter-8-words-no-eval-prompt", ["task.name=first_letter", "task.letters=2", "task.length=3"], {},
+     "leaves the evaluation split empty: its 8 prompts split 8 for training and 0 for evaluation"),
+    ("task-split-names-sizes-that-work", ["task.name=reverse", "task.letters=2", "task.length=1"], {},
+     "; use task.letters=4 (1 training, 3 evaluation prompts) or task.length=2 (3 training, 1 evaluation prompts)"),
+    ("task-split-checked-for-any-source", ["rollouts.source=synthetic", "task.name=modular_addition",
+                                           "task.modulus=2"], {}, "leaves the evaluation split empty"),
+    # Every seed key: JAX's PRNG takes signed 64-bit seeds, numpy's seeding none below 0.
+    ("engine-seed-1e23", ["engine.seed=1e23"], {},
+     "engine.seed=99999999999999991611392 is out of range: a seed must be an integer in [0, 2**63 - 1"),
+    ("engine-seed-1e30", ["engine.seed=1e30"], {}, "engine.seed=1000000000000000019884624838656 is out of range"),
+    ("engine-seed-2-to-the-63", ["engine.seed=9223372036854775808"], {},
+     "engine.seed=9223372036854775808 is out of range: a seed must be an integer in [0, 2**63 - 1 ="
+     " 9223372036854775807]"),
+    ("engine-seed-negative", ["engine.seed=-2"], {}, "engine.seed=-2 is out of range"),
+    ("engine-seed-fraction", ["engine.seed=0.5"], {}, "engine.seed: expected a whole number"),
+    ("rollouts-seed-1e23", ["rollouts.seed=1e23"], {}, "rollouts.seed=99999999999999991611392 is out of range"),
+    ("rollouts-seed-negative", ["rollouts.seed=-1"], {}, "rollouts.seed=-1 is out of range"),
+    ("rollouts-seed-synthetic-1e30", ["rollouts.source=synthetic", "model=tiny", "rollouts.seed=1e30"], {},
+     "rollouts.seed=1000000000000000019884624838656 is out of range"),
     ("scored-step-zero", ["checkpoint.scored_steps=[0]"], {}, "checkpoint.scored_steps [0] are outside"),
     ("model-unknown", ["model=huge"], {}, "model='huge' is not a preset"),
     ("name-a-path", ["name=../../elsewhere"], {}, "name='../../elsewhere': use letters, digits"),

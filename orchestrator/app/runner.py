@@ -180,8 +180,9 @@ class RunHandle:
 
   def run(self):
     live = self.program.live if self.eval_prompts else None
-    worker, start = self.program.worker, self.program.config.start_step
-    before = live.evaluate(worker.export_weights(), start, self.eval_prompts) if live is not None else None
+    worker, start, stop = self.program.worker, self.program.config.start_step, self.program.stop_requested
+    # An evaluation waits for the sampler, which a stuck sampling thread holds: a stop skips it (None).
+    before = live.evaluate(worker.export_weights(), start, self.eval_prompts, stop=stop) if live is not None else None
     try:
       if self.progress is None:
         result = self.program.run()
@@ -190,11 +191,12 @@ class RunHandle:
           result = self.program.run()
     finally:
       self.program.source.close()
-    if live is not None:
+    if live is not None and before is not None:
       done = (result.last_step or 0) + 1
-      result.summary = result.summary.replace(evaluation=Evaluation(
-          eval_accuracy_start=before, eval_prompts=self.eval_prompts,
-          eval_accuracy_end=live.evaluate(worker.export_weights(), done, self.eval_prompts)))
+      after = live.evaluate(worker.export_weights(), done, self.eval_prompts, stop=stop)
+      if after is not None:
+        result.summary = result.summary.replace(evaluation=Evaluation(
+            eval_accuracy_start=before, eval_prompts=self.eval_prompts, eval_accuracy_end=after))
     if self.trainer_info:
       result.summary = result.summary.replace(trainer=self.trainer_info)
     return result

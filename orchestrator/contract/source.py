@@ -10,14 +10,17 @@ run would have. Recorded and synthetic rollouts are step sources
 A source that samples its rollouts from the weights being trained (the live
 loop, ``orchestrator.live.rollouts``) is also a ``LiveSource``: it says when a
 step must wait for a weight sync, takes the sync, and reports what sampling
-cost. The program checks once, when it is built, which parts a source has
-(``live_part``), the way the worker checks its engine's capabilities.
+cost. Its waits have timeouts (``ready``, ``ready_to_checkpoint``, the
+evaluation's ``stop``), so the program can look at its stop flag while the
+sampler is slow or stuck. The program checks once, when it is built, which
+parts a source has (``live_part``), the way the worker checks its engine's
+capabilities.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from orchestrator.contract.engine import missing_methods
@@ -119,12 +122,32 @@ class LiveSource(Protocol):
     """Raises the sampling thread's error, if it failed (the program calls it at every boundary)."""
     ...
 
-  def evaluate(self, weights: Any, version: int, prompts: int) -> float:
-    """Greedy accuracy of ``weights`` on ``prompts`` held-out prompts (seeded by ``version``)."""
+  def evaluate(self, weights: Any, version: int, prompts: int, *,
+               stop: Callable[[], Any] | None = None) -> float | None:
+    """Greedy accuracy of ``weights`` on ``prompts`` held-out prompts (seeded by ``version``).
+
+    While it waits for the sampler it looks at ``stop()`` now and then; None when that turned true first.
+    """
     ...
 
   def recorded_steps(self) -> Sequence[Any] | None:
     """Every step taken so far when the run records its rollouts; None when it does not."""
+    ...
+
+  def ready(self, step: int, timeout_s: float) -> bool:
+    """Waits at most ``timeout_s`` until taking ``step`` (``get_state``, then ``next``) would not wait for
+    sampling; True then, False on the timeout. Raises the sampling thread's error."""
+    ...
+
+  def ready_to_checkpoint(self, position: int, timeout_s: float, *, extendable: bool = True) -> bool:
+    """Waits at most ``timeout_s`` until a checkpoint at ``position`` (the position before that step) has
+    every sampled step it must carry: those sampled with weights older than its own, which a resumed run
+    cannot sample again. True then, False on the timeout.
+
+    ``extendable``: also the steps past the source's last one that the position carries (the source samples
+    them on this request), so the run can be extended from the checkpoint; without it, only those the run
+    itself trains.
+    """
     ...
 
 

@@ -13,7 +13,16 @@ exist before that boundary's weight sync, so nothing can be staged there
 The source is an iterator of steps like the others (``orchestrator.data.sources``):
 ``next`` blocks until the next step is sampled; ``get_state`` is its position
 plus the already-sampled steps a resumed run cannot sample again (their
-weights are older than the checkpoint's).
+weights are older than the checkpoint's). The program never blocks in them:
+it first polls ``ready`` (or ``ready_to_checkpoint``) with a timeout, looking
+at its stop flag in between, so a stuck sampler cannot hold a stop.
+
+A position near the end of the run carries steps past it too: a run of N steps
+extended later (``run_rl --resume DIR --steps M``) trains step N first, and at
+staleness S >= 1 that step needs weights version N - S, which no checkpoint of
+N steps holds. So a checkpoint whose position needs such steps asks the
+sampling thread for them (``ready_to_checkpoint``) and keeps them; nothing past
+the end is sampled for a run that writes no such checkpoint.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -30,6 +40,10 @@ from orchestrator.contract import RolloutStats, SourceStateError
 from orchestrator.data.trajectory import Trajectory, TrajectoryGroup
 from orchestrator.live.sampler import LiveSampler
 from orchestrator.live.tasks import group_advantages
+
+
+#: How long one wait for the sampler lasts before the waiter looks at its stop flag again.
+WAIT_POLL_S = 0.1
 
 
 class RolloutError(RuntimeError):
@@ -104,12 +118,14 @@ class LiveRollouts:
     self._delivered: dict[int, StepRollouts] = {}
     self._next = 0
     self._produce_from = 0
+    self._produce_until = shape.steps  # raised by a checkpoint that carries steps past the end
+    self._first_version = 0  # the oldest weights this source can still sample with (a resumed run: its checkpoint's)
     self._error: BaseException | None = None
     self._closed = False
     self._thread: threading.Thread | None = None
     self._recorded: list[StepRollouts] | None = [] if record else None
     self._last_wait_s = 0.0
-    self._state_wait_s = 0.0  # the part of that wait spent in ``get_state`` just before it
+    self._take_wait_s = 0.0  # the part of that wait spent before ``next``: in ``ready`` and ``get_state``
 
   @property
   def sampler(self) -> LiveSampler:
@@ -120,13 +136,22 @@ class LiveRollouts:
   def version_for(self, step: int) -> int:
     return max(0, step - self.shape.max_staleness)
 
+  def _carried(self, first: int) -> list[int]:
+    """The steps a position before ``first`` must carry: those sampled with weights older than ``first``'s,
+    which a run resumed there cannot sample again (past this source's last step too: an extended run's)."""
+    return [s for s in range(first, first + self.shape.max_staleness) if self.version_for(s) < first]
+
   def blocked_on_sync(self, step: int) -> bool:
     """True when ``step``'s rollouts need weights that have not been synced yet."""
     with self._cond:
       return step < self.shape.steps and self.version_for(step) > self._synced
 
   def sync(self, version: int, weights: Any) -> None:
-    """The weight sync: keeps the weights of ``version`` (copied to host) for the steps that need them."""
+    """The weight sync: keeps the weights of ``version`` (copied to host) for the steps that need them.
+
+    It never waits for the sampler: the copy waits only for the update that produced the weights, and the
+    condition's lock is never held while sampling (the sampler has its own).
+    """
     if weights is None:
       return
     host = jax.device_get(weights)
@@ -148,8 +173,8 @@ class LiveRollouts:
       start = time.perf_counter()
       ready = step in self._ready
       self._cond.wait_for(lambda: step in self._ready or self._error is not None)
-      self._last_wait_s = self._state_wait_s + (0.0 if ready else time.perf_counter() - start)
-      self._state_wait_s = 0.0
+      self._last_wait_s = self._take_wait_s + (0.0 if ready else time.perf_counter() - start)
+      self._take_wait_s = 0.0
       self._raise_error()
       rollouts = self._ready.pop(step)
       self._delivered[step] = rollouts
@@ -161,7 +186,8 @@ class LiveRollouts:
 
   @property
   def last_wait_s(self) -> float:
-    """How long the last ``next`` blocked for its step to be sampled (its ``get_state`` wait included)."""
+    """How long taking the last step waited for it to be sampled (``ready``'s and ``get_state``'s waits before
+    ``next`` included: the program polls ``ready`` first)."""
     return self._last_wait_s
 
   def recorded_steps(self) -> list[StepRollouts] | None:
@@ -196,18 +222,63 @@ class LiveRollouts:
     self._start()
     with self._cond:
       first = self._next
-      older = [s for s in range(first, min(first + self.shape.max_staleness, self.shape.steps))
-               if self.version_for(s) < first]
+      older = [s for s in self._carried(first) if s < self.shape.steps]
       start = time.perf_counter()
       ready = all(s in self._ready for s in older)
       self._cond.wait_for(lambda: all(s in self._ready for s in older) or self._error is not None)
-      self._state_wait_s = 0.0 if ready else time.perf_counter() - start
+      self._take_wait_s += 0.0 if ready else time.perf_counter() - start
       self._raise_error()
       return {"kind": self.kind, "next_step": first, "sampled": [self._ready[s] for s in older]}
 
   def state_json(self, state: dict[str, Any]) -> dict[str, Any]:
-    """``state`` as JSON (the sampled steps' arrays as lists), for a checkpoint's metadata."""
-    return dict(state, sampled=[r.to_json() for r in state["sampled"]])
+    """``state`` as JSON (the sampled steps' arrays as lists), for a checkpoint's metadata; with the steps past
+    the source's last one that the position carries, as far as they are sampled (``ready_to_checkpoint`` asks
+    for them): a run extended from this checkpoint trains them first."""
+    past_end = []
+    with self._cond:
+      for s in self._carried(state["next_step"]):
+        if s < self.shape.steps:
+          continue
+        if s not in self._ready:
+          break
+        past_end.append(self._ready[s])  # never taken (past the end), so still here
+    return dict(state, sampled=[r.to_json() for r in [*state["sampled"], *past_end]])
+
+  # ---------------------------------------------------------------- waiting with a timeout
+  def ready(self, step: int, timeout_s: float) -> bool:
+    """Waits at most ``timeout_s`` until taking ``step`` (``get_state``, then ``next``) would not wait for
+    sampling; True then, False on the timeout. Raises the sampling thread's error."""
+    self._start()
+    with self._cond:
+      needed = [s for s in {step, *self._carried(step)} if self._next <= s < self.shape.steps]
+      done, waited = self._wait_sampled(needed, timeout_s)
+      self._take_wait_s += waited  # the step's rollout wait (``last_wait_s``): the policy must not judge it
+      return done
+
+  def ready_to_checkpoint(self, position: int, timeout_s: float, *, extendable: bool = True) -> bool:
+    """Waits at most ``timeout_s`` until a checkpoint at ``position`` has every sampled step it must carry (see
+    ``LiveSource.ready_to_checkpoint``). Those past the end, asked of the sampling thread here, are left out when
+    they cannot be sampled any more (weights older than this source's: its checkpoint lacked them)."""
+    self._start()
+    with self._cond:
+      carried = self._carried(position)
+      needed = [s for s in carried if self._next <= s < self.shape.steps]  # those taken are in the state already
+      past_end = [s for s in carried if s >= self.shape.steps]
+      if extendable and all(s in self._ready or self.version_for(s) >= self._first_version for s in past_end):
+        needed += past_end
+        if past_end and past_end[-1] >= self._produce_until:
+          self._produce_until = past_end[-1] + 1
+          self._cond.notify_all()
+      return self._wait_sampled(needed, timeout_s)[0]
+
+  def _wait_sampled(self, steps: list[int], timeout_s: float) -> tuple[bool, float]:
+    """Under the condition: waits at most ``timeout_s`` for ``steps`` to be sampled; whether they are, and the
+    seconds waited (0.0 when none was missing). Raises the sampling thread's error."""
+    sampled = lambda: all(s in self._ready for s in steps)  # noqa: E731
+    start, waited = time.perf_counter(), not sampled()
+    done = self._cond.wait_for(lambda: self._error is not None or sampled(), timeout=max(0.0, timeout_s))
+    self._raise_error()
+    return bool(done), time.perf_counter() - start if waited else 0.0
 
   def set_state(self, state: dict[str, Any]) -> None:
     """Continues from ``get_state()``'s output; call before the first ``next`` and sync the checkpoint's weights."""
@@ -219,14 +290,16 @@ class LiveRollouts:
     self._next = int(state["next_step"])
     self._ready = {r["step"]: StepRollouts.from_json(r) for r in state["sampled"]}
     # Steps that need weights older than the checkpoint's cannot be sampled again: the state must carry them.
-    owed = [s for s in range(self._next, min(self._next + self.shape.max_staleness, self.shape.steps))
-            if self.version_for(s) < self._next]
-    if sorted(self._ready) != owed:
-      raise SourceStateError(f"the saved rollout position before step {self._next} carries steps {sorted(self._ready)},"
+    # It may carry more (steps past the end of the run that wrote it, which this run may never reach).
+    owed = [s for s in self._carried(self._next) if s < self.shape.steps]
+    carried = sorted(self._ready)
+    if carried != list(range(self._next, self._next + len(carried))) or not set(owed) <= set(carried):
+      raise SourceStateError(f"the saved rollout position before step {self._next} carries steps {carried},"
                              f" but max_staleness {self.shape.max_staleness} needs {owed}; the run cannot be resumed"
                              " from this checkpoint")
-    self._produce_from = self._next + len(self._ready)
+    self._produce_from = self._next + len(carried)
     self._synced = self._next  # the checkpoint's weights; sync() delivers them
+    self._first_version = self._next
     self._weights = {}
 
   # ---------------------------------------------------------------- the thread
@@ -243,10 +316,12 @@ class LiveRollouts:
   def _produce(self) -> None:
     step = self._produce_from
     try:
-      while step < self.shape.steps:
+      while True:
         version = self.version_for(step)
         with self._cond:
-          self._cond.wait_for(lambda: self._closed or (version <= self._synced and version in self._weights))
+          # Past the run's last step only when a checkpoint asks (``_produce_until``); close() ends the wait.
+          self._cond.wait_for(lambda: self._closed or (step < self._produce_until and version <= self._synced
+                                                       and version in self._weights))
           if self._closed:
             return
           weights = self._weights[version]
@@ -298,13 +373,23 @@ class LiveRollouts:
     return payload, rewards, int(sum(len(c) for c in samples.completion_ids))
 
   # ---------------------------------------------------------------- evaluation
-  def evaluate(self, weights: Any, version: int, prompts: int) -> float:
-    """Greedy accuracy on ``prompts`` held-out problems with the given weights."""
+  def evaluate(self, weights: Any, version: int, prompts: int, *,
+               stop: Callable[[], Any] | None = None) -> float | None:
+    """Greedy accuracy on ``prompts`` held-out problems with the given weights.
+
+    It needs the sampler, which the sampling thread may hold: with ``stop`` the wait for it looks at
+    ``stop()`` every ``WAIT_POLL_S`` and gives up (None) once it is true.
+    """
     problems = [self._task.problem(self.shape.seed, "eval", j) for j in range(prompts)]
-    with self._sampler_lock:
+    while not self._sampler_lock.acquire(timeout=WAIT_POLL_S):
+      if stop is not None and stop():
+        return None
+    try:
       if weights is not None:
         self._sampler.sync(weights, version)
       answers = self._sampler.greedy([p.prompt for p in problems])
+    finally:
+      self._sampler_lock.release()
     return float(np.mean([self._task.reward(p, a) for p, a in zip(problems, answers)]))
 
 

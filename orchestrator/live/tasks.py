@@ -7,13 +7,20 @@ reward function (``reward``: 1.0 for a correct answer, 0.0 otherwise, and 0.0
 for a malformed completion), so a recipe picks a task by name (``task.name``)
 and its sizes by key (``task.*``). Prompts of the ``eval`` split never appear
 in ``train``: held-out accuracy measures generalisation, not recall.
+
+A task's prompts are a finite space (``prompts()``: every one, in a fixed
+order), split by a hash of the prompt. Problems are drawn with replacement, so
+a split needs one prompt, not one per draw; but a draw retries until it lands
+on its split, so an empty split would spin forever: ``split_sizes`` counts
+both, the recipe refuses sizes that leave one empty, and ``make_task`` too.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Callable
+import itertools
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -69,9 +76,16 @@ class ModularAddition:
   def problem(self, seed: int, split: str, index: int) -> Problem:
     def make(rng):
       a, b = (int(x) for x in rng.integers(0, self.modulus, 2))
-      return Problem(f"{a}+{b}%{self.modulus}=", f"{(a + b) % self.modulus:0{self.max_answer_length}d}")
+      return Problem(self._prompt(a, b), f"{(a + b) % self.modulus:0{self.max_answer_length}d}")
 
     return _draw(seed, split, index, self.eval_share, make)
+
+  def _prompt(self, a: int, b: int) -> str:
+    return f"{a}+{b}%{self.modulus}="
+
+  def prompts(self) -> Iterator[str]:
+    """Every prompt ``problem`` can draw, either split."""
+    return (self._prompt(a, b) for a in range(self.modulus) for b in range(self.modulus))
 
   @property
   def answer_alphabet(self) -> str:
@@ -100,6 +114,10 @@ class _WordTask:
   def answer_alphabet(self) -> str:
     return LETTERS[: self.letters]
 
+  def prompts(self) -> Iterator[str]:
+    """Every prompt ``problem`` can draw, either split."""
+    return (self._prompt("".join(w)) for w in itertools.product(LETTERS[: self.letters], repeat=self.length))
+
 
 @dataclasses.dataclass(frozen=True)
 class ReverseString(_WordTask):
@@ -112,9 +130,12 @@ class ReverseString(_WordTask):
   def problem(self, seed: int, split: str, index: int) -> Problem:
     def make(rng):
       word = _word(rng, self.letters, self.length)
-      return Problem(f"rev:{word}>", word[::-1])
+      return Problem(self._prompt(word), word[::-1])
 
     return _draw(seed, split, index, self.eval_share, make)
+
+  def _prompt(self, word: str) -> str:
+    return f"rev:{word}>"
 
   @property
   def max_answer_length(self) -> int:
@@ -132,13 +153,44 @@ class FirstLetter(_WordTask):
   def problem(self, seed: int, split: str, index: int) -> Problem:
     def make(rng):
       word = _word(rng, self.letters, self.length)
-      return Problem(f"1st:{word}>", word[0])
+      return Problem(self._prompt(word), word[0])
 
     return _draw(seed, split, index, self.eval_share, make)
+
+  def _prompt(self, word: str) -> str:
+    return f"1st:{word}>"
 
   @property
   def max_answer_length(self) -> int:
     return 1
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitSizes:
+  """Distinct prompts in each split of a task; ``exact`` False: counting stopped early, so at least these."""
+
+  train: int
+  eval: int
+  exact: bool
+
+  @property
+  def empty(self) -> str | None:
+    """The split that holds no prompt ("training" or "evaluation"), or None."""
+    return "training" if self.train == 0 else "evaluation" if self.eval == 0 else None
+
+
+def split_sizes(task, *, enough: int = 1) -> SplitSizes:
+  """Counts ``task``'s prompts per split, stopping once both hold ``enough`` (a space of 26**10 words is never
+  walked whole: only a small space can leave a split empty, and that one is counted exactly)."""
+  train = held_out = 0
+  for prompt in task.prompts():
+    if _held_out(prompt, task.eval_share):
+      held_out += 1
+    else:
+      train += 1
+    if train >= enough and held_out >= enough:
+      return SplitSizes(train, held_out, exact=False)
+  return SplitSizes(train, held_out, exact=True)
 
 
 def max_generation_steps(task) -> int:
@@ -161,7 +213,8 @@ def make_task(name: str, **sizes):
   """The task ``name`` with ``sizes`` (its fields).
 
   Raises:
-    ValueError: an unknown task or size (named, with what exists).
+    ValueError: an unknown task or size (named, with what exists), or sizes that leave a split empty (drawing
+      from it would never end).
   """
   if name not in TASKS:
     raise ValueError(f"task.name={name!r} is not a task; use one of {sorted(TASKS)}")
@@ -170,7 +223,12 @@ def make_task(name: str, **sizes):
   unknown = sorted(set(sizes) - known)
   if unknown:
     raise ValueError(f"task {name!r} has no settings {unknown}; it takes {sorted(known)}")
-  return cls(**sizes)
+  task = cls(**sizes)
+  counted = split_sizes(task)
+  if counted.empty:
+    raise ValueError(f"task {name!r} with {sizes} leaves the {counted.empty} split empty ({counted.train} training,"
+                     f" {counted.eval} evaluation prompts); use larger sizes")
+  return task
 
 
 def group_advantages(rewards: np.ndarray, generations: int) -> np.ndarray:

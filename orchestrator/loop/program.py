@@ -35,6 +35,7 @@ from orchestrator.contract import RunSummary, StageReceipt, StepMetrics, StepSou
 from orchestrator.data.sources import as_step_source
 from orchestrator.distributed.agreement import KeyValueAgreement, SingleProcess, combine_max
 from orchestrator.loop.job_timings import merge_process_timings
+from orchestrator.loop.live_waits import LiveWaits, StoppedWithoutCheckpointError, StopWhileWaiting, latest_checkpoint
 from orchestrator.loop.recorder import BoundaryRecord, Lane, Recorder, Span, fwd_bwd_key, update_key
 from orchestrator.loop.watcher import Watched
 from orchestrator.loop.weight_sync import HostWeightStore
@@ -44,7 +45,8 @@ from policies.step_boundary import format_seconds
 
 log = logging.getLogger("step_boundary.program")
 
-__all__ = ["ProgramConfig", "ProgramResult", "RLProgram", "HostWeightStore", "NonFiniteStepError"]
+__all__ = ["ProgramConfig", "ProgramResult", "RLProgram", "HostWeightStore", "NonFiniteStepError",
+           "StoppedWithoutCheckpointError"]
 
 
 class NonFiniteStepError(RuntimeError):
@@ -99,6 +101,8 @@ class ProgramConfig:
     start_step: steps already done (a resumed run): the loop runs steps
       ``start_step .. steps - 1`` and appends to ``records.jsonl``.
     run_id: saved with every checkpoint, so a checkpoint names its run.
+    stop_grace_s: once a stop is asked for, how long a checkpoint may still wait for the rollouts it
+      must carry (a live source at staleness >= 1) before the run ends without it.
   """
 
   steps: int
@@ -110,6 +114,7 @@ class ProgramConfig:
   out_dir: str | None = None
   start_step: int = 0
   run_id: str | None = None
+  stop_grace_s: float = 5.0
 
   def __post_init__(self):
     if self.steps < 1:
@@ -213,6 +218,21 @@ def log_staged(boundary: "_Boundary", *, low: bool) -> None:
            format_seconds(boundary.device_wait_s), note)
 
 
+def observe(policy: StepBoundaryPolicy, recorder: Recorder, agreement: SingleProcess, boundary: "_Boundary",
+            m: int) -> None:
+  """Feeds a staged boundary's measurements (every process's, combined) to the policy; notes what it judged."""
+  plan, threshold = boundary.plan, policy.threshold_s
+  delay = update_delay(recorder, boundary, m, threshold)
+  measured = {"stage_s": boundary.stage.stage_s, "device_wait_s": boundary.device_wait_s, "update_delay_s": delay,
+              "rollout_wait_s": boundary.rollout_wait_s or 0.0}
+  seen, boundary.per_process = agree_on_measurements(agreement, boundary.step, measured, threshold)
+  obs = policy.observe(boundary.step, stage_s=seen["stage_s"], device_wait_s=seen["device_wait_s"],
+                       probe=plan.probe, update_delay_s=seen["update_delay_s"], rollout_wait_s=seen["rollout_wait_s"])
+  boundary.low_wait = obs.low
+  boundary.transition = obs.transition.kind if obs.transition else None
+  log_staged(boundary, low=obs.low)
+
+
 class RLProgram:
   """Drives a ``Worker`` through ``config.steps`` optimizer steps.
 
@@ -227,9 +247,10 @@ class RLProgram:
       (default: a live source's own ``sync``, else ``HostWeightStore``).
     on_step: called with each finished ``BoundaryRecord`` (progress display).
     clock: seconds, monotonic.
-    stop_requested: polled when each boundary is planned; once it returns True
-      that step is the last: its update is applied, a checkpoint is written
-      (when the engine can) and the run ends with ``ended="stopped"``.
+    stop_requested: polled when each boundary is planned and while rollouts are
+      awaited (``LiveWaits``); once it returns True that step is the last: its
+      update is applied, a checkpoint is written (when the engine can, else
+      ``StoppedWithoutCheckpointError``) and the run ends ``ended="stopped"``.
     previous_records: records of the steps before ``config.start_step`` (a
       resumed run), so the summary covers the whole run.
     first_plan: the plan a resumed run's first boundary was already given
@@ -261,7 +282,7 @@ class RLProgram:
     self.recorder = Recorder(clock, config.micro_batches_per_step, config.out_dir, on_step,
                              previous_records=previous_records)
     self.current_step: int | None = None  # the step being run (for error messages)
-    self._stop_requested = stop_requested or (lambda: False)
+    self.stop_requested = stop_requested or (lambda: False)
     self._first_plan = first_plan
     self._boundaries: dict[int, _Boundary] = {}
     self._payloads: dict[int, Sequence[Any]] = {}
@@ -269,6 +290,8 @@ class RLProgram:
     self._result = ProgramResult([], None, None, None)
     # The steps the last checkpoint covers: a resumed run starts from one after start_step steps.
     self._last_checkpoint_steps: int | None = config.start_step or None
+    self._waits = None if self.live is None else LiveWaits(
+        self.live, self.stop_requested, grace_s=config.stop_grace_s, latest=lambda: latest_checkpoint(self.records))
     if (config.checkpoint_every or config.scored_checkpoint_steps) and not worker.capabilities.can_checkpoint:
       raise ValueError("checkpoints are asked for (checkpoint_every / scored_checkpoint_steps) but the engine"
                        " has no save_checkpoint / restore_checkpoint; turn checkpoints off or use an engine"
@@ -326,6 +349,8 @@ class RLProgram:
 
   def _pull(self, k: int) -> None:
     """Takes step k's payloads from the source, noting the source's position before it."""
+    if self._waits is not None:  # a stuck or slow sampler must not hold a stop
+      self._waits.take(k, first_of_run=k == self.config.start_step)
     self._source_states[k] = self.source.get_state()
     try:
       payloads = next(self.source)
@@ -353,8 +378,12 @@ class RLProgram:
       for i in range(1, m - 1):
         self._dispatch_micro(k, i, self._payload(k, i))
       boundary = self._boundaries.get(k) or self._open_boundary(k)
-      for action in boundary.actions:
-        self._execute(action, boundary)
+      for done, action in enumerate(boundary.actions):
+        try:
+          self._execute(action, boundary)
+        except StopWhileWaiting as stop:  # for step k+1's rollouts: it was never dispatched
+          self._end_after(boundary, stop.reason, boundary.actions[:done])
+          break
         if boundary.non_finite:  # nothing more of this run: no checkpoint, no sync, no next step
           break
       boundary.rollout = self.live.step_stats(k) if self.live is not None else None
@@ -367,6 +396,20 @@ class RLProgram:
       if boundary.stop:
         self._result.ended = "stopped"
         return
+
+  def _end_after(self, boundary: _Boundary, reason: str, executed: tuple[Action, ...]) -> None:
+    """Ends the run after step k as a stop at its planning would: update applied, metrics read, checkpointed."""
+    self.current_step, self._result.stop_reason, boundary.stop = boundary.step, reason, True
+    ran = [Action.WAIT_AND_UPDATE] if self.worker.update_owed else []
+    if ran:  # staged before the update: the update waited behind the stage
+      self._watch_update(boundary.step, self.worker.apply_deferred_update().update)
+    for action, done in ((Action.METRICS, boundary.metrics), (Action.CHECKPOINT_AND_SYNC, boundary.checkpoint_path)):
+      if done is None:
+        self._execute(action, boundary)
+        ran.append(action)
+    boundary.actions = (*executed, *ran)  # the record says what ran, and why it stopped there
+    boundary.plan = boundary.plan and dataclasses.replace(
+        boundary.plan, reason=f"stopped by {reason} while waiting for step {boundary.step + 1}'s rollouts")
 
   def _open_boundary(self, k: int) -> _Boundary:
     """Plans the boundary after step k (just before its last micro-batch is dispatched)."""
@@ -389,7 +432,7 @@ class RLProgram:
 
   def _agreed_stop(self, k: int) -> bool:
     """Whether any process was asked to stop (every process then stops after step k)."""
-    reason = agree_on_stop(self.agreement, k, self._stop_requested())
+    reason = agree_on_stop(self.agreement, k, self.stop_requested())
     self._result.stop_reason = reason or self._result.stop_reason
     return reason is not None
 
@@ -453,17 +496,7 @@ class RLProgram:
 
   # ------------------------------------------------------------------ the policy's measurements
   def _observe(self, boundary: _Boundary) -> None:
-    plan, threshold = boundary.plan, self.policy.threshold_s
-    delay = update_delay(self.recorder, boundary, self.config.micro_batches_per_step, threshold)
-    measured = {"stage_s": boundary.stage.stage_s, "device_wait_s": boundary.device_wait_s, "update_delay_s": delay,
-                "rollout_wait_s": boundary.rollout_wait_s or 0.0}
-    seen, boundary.per_process = agree_on_measurements(self.agreement, boundary.step, measured, threshold)
-    obs = self.policy.observe(boundary.step, stage_s=seen["stage_s"], device_wait_s=seen["device_wait_s"],
-                              probe=plan.probe, update_delay_s=seen["update_delay_s"],
-                              rollout_wait_s=seen["rollout_wait_s"])
-    boundary.low_wait = obs.low
-    boundary.transition = obs.transition.kind if obs.transition else None
-    log_staged(boundary, low=obs.low)
+    observe(self.policy, self.recorder, self.agreement, boundary, self.config.micro_batches_per_step)
 
   # ------------------------------------------------------------------ boundary work
   def _read_metrics(self, boundary: _Boundary) -> None:
@@ -502,6 +535,8 @@ class RLProgram:
         self._read_metrics(boundary)
         if boundary.non_finite:  # never saved
           return
+      if self._waits is not None:  # the rollouts it carries (docs/design.md §8)
+        self._waits.checkpoint(boundary.step, self._result.stop_reason if boundary.stop else None)
       start = self.clock()
       self.recorder.sync_records()  # every record before this step is on disk before the checkpoint is
       metadata = self.checkpoint_metadata(done, self.recorder.provisional_record(boundary))

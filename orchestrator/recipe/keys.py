@@ -69,6 +69,13 @@ def parse_bool(value: Any, key: str) -> bool:
 def _parse_number(value: Any, kind: type, key: str):
   if isinstance(value, bool):
     raise RecipeError(f"{key}: expected {kind.__name__}, got boolean {value}")
+  if kind is int:  # a whole number given as one is kept exactly (a float keeps 53 bits: seeds would change)
+    if isinstance(value, int):
+      return value
+    try:
+      return int(str(value).strip())
+    except ValueError:
+      pass
   if isinstance(value, (int, float)):
     number = value
   else:

@@ -17,7 +17,7 @@ from orchestrator import addresses
 from orchestrator.engine.mesh_shape import MeshConfig
 from orchestrator.engine.options import EngineOptions
 from orchestrator.engine.presets import available_presets, load_preset
-from orchestrator.live.tasks import MAX_PROMPT_LENGTH, TASKS, make_task, max_generation_steps
+from orchestrator.live.tasks import MAX_PROMPT_LENGTH, TASKS, make_task, max_generation_steps, split_sizes
 from orchestrator.live.tokenizer import CharTokenizer
 from policies import Mode
 
@@ -39,6 +39,29 @@ def _at_most(section: str, obj: Any, keys: tuple[str, ...], maximum: float) -> N
     value = getattr(obj, key)
     if value is not None and value > maximum:
       raise RecipeError(f"{section}{'.' if section else ''}{key}={value} is out of range: it must be <= {maximum:,}")
+
+
+#: The seeds a recipe may give (every ``*.seed`` key): JAX's PRNG takes a signed 64-bit integer, and numpy's
+#: seeding (synthetic rollouts, tasks, sampling seeds, the initial weights' extra draws) none below 0.
+SEED_RANGE = (0, 2**63 - 1)
+
+
+def _check_seeds(recipe: Any) -> None:
+  """Every seed key of every section is an integer JAX and numpy can both seed with (found by name, so a
+  new ``*.seed`` key is checked too): a seed out of range fails only at bring-up, after the run directory
+  was claimed."""
+  low, high = SEED_RANGE
+  for section in dataclasses.fields(recipe):
+    values = getattr(recipe, section.name)
+    if not dataclasses.is_dataclass(values):
+      continue
+    for field in dataclasses.fields(values):
+      if field.name == "seed" or field.name.endswith("_seed"):
+        seed = getattr(values, field.name)
+        if isinstance(seed, bool) or not isinstance(seed, int) or not low <= seed <= high:
+          raise RecipeError(f"{section.name}.{field.name}={seed} is out of range: a seed must be an integer in"
+                            f" [{low}, 2**63 - 1 = {high}] (JAX's PRNG takes signed 64-bit seeds, numpy none"
+                            " below 0)")
 
 
 class MeshSection(MeshConfig):
@@ -108,6 +131,13 @@ class RolloutsSection:
       raise RecipeError("rollouts.source=recording needs rollouts.recording=DIR")
 
 
+#: Each task's size keys (``task.*``); ``TaskSection.make`` passes these to the task.
+TASK_SIZE_KEYS = {"modular_addition": ("modulus",), "reverse": ("letters", "length"),
+                  "first_letter": ("letters", "length")}
+#: The range a recipe may give each ``task.*`` number.
+TASK_RANGES = {"modulus": (2, 999), "length": (1, 10), "letters": (2, 26), "eval_prompts": (1, 4096)}
+
+
 @dataclasses.dataclass
 class TaskSection:
   """The live loop's task (``rollouts.source: sampler``): its name and sizes."""
@@ -121,16 +151,47 @@ class TaskSection:
   def validate(self) -> None:
     if self.name not in TASKS:
       raise RecipeError(f"task.name={self.name!r} is not a task; use one of {', '.join(sorted(TASKS))}")
-    for key, low, high in (("modulus", 2, 999), ("length", 1, 10), ("letters", 2, 26), ("eval_prompts", 1, 4096)):
+    for key, (low, high) in TASK_RANGES.items():
       value = getattr(self, key)
       if not low <= value <= high:
         raise RecipeError(f"task.{key}={value} is out of range: it must be in [{low}, {high}]")
+    self._check_splits()
+
+  def _sizes(self, **changed: int) -> dict[str, int]:
+    return {key: changed.get(key, getattr(self, key)) for key in TASK_SIZE_KEYS[self.name]}
 
   def make(self):
-    sizes = {"modular_addition": {"modulus": self.modulus},
-             "reverse": {"length": self.length, "letters": self.letters},
-             "first_letter": {"length": self.length, "letters": self.letters}}[self.name]
-    return make_task(self.name, **sizes)
+    return make_task(self.name, **self._sizes())
+
+  def _check_splits(self) -> None:
+    """A prompt is drawn again until it lands on its split (held out by a hash of the prompt), so sizes whose
+    few prompts all land on one side would make every draw from the other spin forever: refused here."""
+    task = TASKS[self.name](**self._sizes())
+    counted = split_sizes(task)
+    if counted.empty is None:
+      return
+    given = " ".join(f"task.{key}={value}" for key, value in self._sizes().items())
+    fixes = [fix for fix in map(self._nearest_working, TASK_SIZE_KEYS[self.name]) if fix]
+    raise RecipeError(
+        f"task.name={self.name} {given} leaves the {counted.empty} split empty: its"
+        f" {counted.train + counted.eval} prompts split {counted.train} for training and {counted.eval} for"
+        f" evaluation (about {task.eval_share:.0%} are held out, by a hash of the prompt), so a draw from the"
+        f" {counted.empty} split would never end; use {' or '.join(fixes) or 'larger sizes'}")
+
+  def _nearest_working(self, key: str) -> str | None:
+    """The value of ``key`` nearest to this one (the others kept) whose splits both hold a prompt, with their
+    sizes; None when there is none in range."""
+    low, high = TASK_RANGES[key]
+    current = getattr(self, key)
+    for distance in range(1, high - low + 1):
+      for value in (current + distance, current - distance):
+        if low <= value <= high:
+          counted = split_sizes(TASKS[self.name](**self._sizes(**{key: value})), enough=1000)
+          if counted.empty is None:
+            more = "" if counted.exact else " or more"
+            return (f"task.{key}={value} ({counted.train}{more} training, {counted.eval}{more} evaluation"
+                    " prompts)")
+    return None
 
 
 @dataclasses.dataclass
@@ -371,6 +432,7 @@ class Recipe:
     for section in (self.mesh, self.batch, self.rollouts, self.task, self.step_boundary, self.simulate, self.trainer,
                     self.distributed, self.run):
       section.validate()
+    _check_seeds(self)
     self.checkpoint.validate(self.steps)
     if self.model not in available_presets():
       raise RecipeError(f"model={self.model!r} is not a preset; available: {', '.join(available_presets())}")

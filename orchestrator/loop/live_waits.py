@@ -1,0 +1,107 @@
+"""The step loop's waits for a live source's rollouts, each with a timeout and the stop flag (docs/design.md §8).
+
+A sampler that is stuck or slow must not hold a stop. ``LiveWaits`` asks the source with a timeout
+(``LiveSource.ready``, ``ready_to_checkpoint``) and looks at the stop flag between asks; the program decides
+what a stop there ends. A live source runs in one process only (the recipe refuses it in a job of several), so
+these stops need no agreement between processes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from orchestrator.contract import LiveSource
+
+log = logging.getLogger("step_boundary.program")
+
+#: How long one ask for a live source's rollouts waits before the loop looks at its stop flag again.
+WAIT_POLL_S = 0.1
+
+
+class StoppedWithoutCheckpointError(RuntimeError):
+  """A stop came where no checkpoint of the steps done could be written; the message names the latest one."""
+
+
+class StopWhileWaiting(Exception):
+  """A stop was asked for while the loop waited for rollouts; ``reason``: what asked (a signal's name)."""
+
+  def __init__(self, reason: str):
+    super().__init__(reason)
+    self.reason = reason
+
+
+def latest_checkpoint(records: Sequence[Any]) -> str:
+  """Where a run that could not checkpoint its last steps continues from (the last of ``records``, a resumed
+  run's earlier ones included, that names a checkpoint), as the end of its one line."""
+  last = next((r for r in reversed(records) if r.checkpoint_path), None)
+  if last is None:
+    return "no checkpoint was written, so the run cannot be resumed: start it again"
+  return (f"the latest checkpoint is {last.checkpoint_path} (after step {last.step}); `run_rl --resume` continues"
+          " from it")
+
+
+class LiveWaits:
+  """The loop's waits on ``live``: for a step's rollouts and for those a checkpoint must carry.
+
+  Args:
+    live: the source.
+    stop_requested: the program's stop flag (truthy: a stop was asked for; a string names what asked).
+    grace_s: once a stop is asked for, how long a checkpoint may still wait for its rollouts.
+    latest: the end of the line a run that cannot checkpoint ends with (``latest_checkpoint``'s).
+  """
+
+  def __init__(self, live: LiveSource, stop_requested: Callable[[], Any], *, grace_s: float,
+               latest: Callable[[], str]):
+    self.live, self.stop_requested, self.grace_s, self.latest = live, stop_requested, grace_s, latest
+
+  def take(self, step: int, *, first_of_run: bool) -> None:
+    """Returns once ``step`` can be taken (``get_state``, ``next``) without waiting for sampling.
+
+    Raises:
+      StopWhileWaiting: a stop was asked for first (the loop ends after the step before).
+      StoppedWithoutCheckpointError: that, for the run's first step (no step of this run to end after).
+    """
+    try:
+      self._wait(lambda timeout_s: self.live.ready(step, timeout_s))
+    except StopWhileWaiting as stop:
+      if not first_of_run:
+        raise
+      raise StoppedWithoutCheckpointError(f"stopped by {stop.reason} while waiting for step {step}'s rollouts,"
+                                          f" before this run trained a step; {self.latest()}") from None
+
+  def checkpoint(self, step: int, stopping: str | None) -> None:
+    """Returns once the checkpoint after ``step`` can be written with the rollouts it must carry.
+
+    At staleness S >= 1 the position before step k+1 holds the steps sampled with weights older than the
+    checkpoint's, up to k+S, past the run's end too, so the run can be extended from it. Once a stop is asked
+    for (``stopping``: it already was) the wait lasts at most ``grace_s``; then the checkpoint goes without
+    the steps past the end, or, where the run's own are missing, not at all.
+
+    Raises:
+      StoppedWithoutCheckpointError: a stop came, and the rollouts the checkpoint must carry did not.
+    """
+    if not stopping:
+      try:
+        return self._wait(lambda timeout_s: self.live.ready_to_checkpoint(step + 1, timeout_s))
+      except StopWhileWaiting as stop:
+        stopping = stop.reason  # the loop stops at the next boundary; this one waits no longer than a stop may
+    if self.live.ready_to_checkpoint(step + 1, self.grace_s):
+      return None
+    if self.live.ready_to_checkpoint(step + 1, 0.0, extendable=False):
+      log.warning("[checkpoint] the checkpoint after step %d lacks the rollouts of the steps past the run's end:"
+                  " %s came before they were sampled, so the run cannot be extended from it (--resume --steps)",
+                  step, stopping)
+      return None
+    raise StoppedWithoutCheckpointError(
+        f"stopped by {stopping} after step {step}, but no checkpoint of it could be written: it must carry"
+        " rollouts sampled ahead with older weights (rollouts.max_staleness), and the sampler did not deliver"
+        f" them within {self.grace_s:g} s; {self.latest()}")
+
+  def _wait(self, ready: Callable[[float], bool]) -> None:
+    """Calls ``ready(timeout_s)`` until it is true, looking at the stop flag between calls."""
+    while not ready(WAIT_POLL_S):
+      asked = self.stop_requested()
+      if asked:
+        raise StopWhileWaiting(asked if isinstance(asked, str) else "stop")
