@@ -60,7 +60,7 @@ from orchestrator.distributed.bringup import DistributedError
 from orchestrator.distributed.launcher import LAUNCHED_ENV, LocalJob, resume_hint
 from orchestrator.engine.presets import load_preset
 from orchestrator.live.plot import plot_rewards
-from orchestrator.loop.program import NonFiniteStepError
+from orchestrator.loop.program import NonFiniteStepError, StoppedWithoutCheckpointError
 from orchestrator.recipe.loading import PROCESS_ID_ENV, job_settings
 from orchestrator.remote import protocol
 
@@ -575,6 +575,10 @@ def _run_program(plan: RunPlan, *, source, resume, job: job_lib.Job) -> int:
     except NonFiniteStepError as e:  # the training diverged, the code did not fail: one line, no traceback
       handle.close()  # the progress bar ends first, so the line stands alone (a second close does nothing)
       code = _stopped_non_finite(out, write_dir, e, job)
+    except StoppedWithoutCheckpointError as e:  # a stop that came while the sampler held the run: as asked
+      if handle is not None:
+        handle.close()
+      code = _stopped_without_checkpoint(write_dir, e, stop, job)
     except Exception as e:  # pylint: disable=broad-except
       if job.watchdog is not None:  # a collective failed because a peer died? Then the watchdog names it.
         job.watchdog.wait_for_loss()
@@ -679,6 +683,17 @@ def _signal_named(name: str | None) -> signal.Signals:
     return signal.Signals[name]
   except KeyError:
     return signal.SIGTERM  # a stop asked for by other means ends like a polite termination
+
+
+def _stopped_without_checkpoint(write_dir: Path, error: Exception, stop: StopSignals, job) -> int:
+  """A stop while the loop waited for rollouts it could not checkpoint without: the signal's exit code, one
+  line naming the checkpoint to resume from; the summary says so."""
+  received = stop.received or signal.SIGTERM
+  if job.is_primary and write_dir is not None:
+    run_dir.write_summary(write_dir, {"ended": "signal", "signal": received.name, "checkpoint_path": None,
+                                      "error": f"{type(error).__name__}: {error}"})
+  print(f"run_rl: {job.label}stopped by {received.name} while waiting for rollouts: {error}", file=sys.stderr)
+  return EXIT_CODES[received]
 
 
 def _stopped_non_finite(out: Path, write_dir: Path, error: NonFiniteStepError, job) -> int:
