@@ -233,6 +233,32 @@ def observe(policy: StepBoundaryPolicy, recorder: Recorder, agreement: SinglePro
   log_staged(boundary, low=obs.low)
 
 
+def calibrate_policy(policy: StepBoundaryPolicy, worker: Worker, agreement: SingleProcess,
+                     samples_wanted: int) -> float | None:
+  """Samples the wait floor (nothing in flight) and calibrates the policy; returns the threshold.
+
+  A resumed policy keeps the floor it measured before (its threshold stays the run's); a policy that will
+  never stage needs none.
+  """
+  if not worker.capabilities.can_stage or not policy.requested_mode.staged or policy.floor_samples:
+    return policy.threshold_s
+  samples = worker.sample_wait_floor(samples_wanted)
+  # Every process calibrates on the slowest floor, so each reaches the same threshold.
+  return policy.calibrate(agreement.combine("wait floor", {"samples": list(samples)})["samples"])
+
+
+def run_state(done: int, config: "ProgramConfig", policy: StepBoundaryPolicy, source_state: Any,
+              next_plan: BoundaryPlan | None, pending_record: dict[str, Any] | None) -> dict[str, Any]:
+  """What a checkpoint after ``done`` steps holds beside the engine state: the whole run's state (the step,
+  the run's id, the policy's state, the source's position before step ``done``, the next boundary's plan
+  when it was made before the checkpoint) and ``pending_record``: step ``done - 1``'s record as known at the
+  save (a resume restores it if a kill came between the checkpoint and that record's line)."""
+  return {"step": done, "run_id": config.run_id, "mode": policy.mode.value,
+          "scored": done in config.scored_checkpoint_steps, "records_count": done,
+          "source_state": source_state, "policy_state": policy.state_dict(),
+          "next_plan": plan_to_json(next_plan) if next_plan else None, "pending_record": pending_record}
+
+
 class RLProgram:
   """Drives a ``Worker`` through ``config.steps`` optimizer steps.
 
@@ -245,8 +271,7 @@ class RLProgram:
     config: the loop's settings.
     weight_sync: called as ``weight_sync(step, weights)`` after each step
       (default: a live source's own ``sync``, else ``HostWeightStore``).
-    on_step: called with each finished ``BoundaryRecord`` (progress display).
-    clock: seconds, monotonic.
+    on_step: called with each finished ``BoundaryRecord`` (progress display). clock: seconds, monotonic.
     stop_requested: polled when each boundary is planned and while rollouts are
       awaited (``LiveWaits``); once it returns True that step is the last: its
       update is applied, a checkpoint is written (when the engine can, else
@@ -303,17 +328,8 @@ class RLProgram:
 
   # ------------------------------------------------------------------ bring-up
   def calibrate(self) -> float | None:
-    """Samples the wait floor (nothing in flight) and calibrates the policy; returns the threshold.
-
-    A resumed policy keeps the floor it measured before (its threshold stays the run's).
-    """
-    if not self.worker.capabilities.can_stage or not self.policy.requested_mode.staged:
-      return self.policy.threshold_s
-    if self.policy.floor_samples:
-      return self.policy.threshold_s
-    samples = self.worker.sample_wait_floor(self.config.calibration_samples)
-    # Every process calibrates on the slowest floor, so each reaches the same threshold.
-    return self.policy.calibrate(self.agreement.combine("wait floor", {"samples": list(samples)})["samples"])
+    """Samples the wait floor (nothing in flight) and calibrates the policy; returns the threshold."""
+    return calibrate_policy(self.policy, self.worker, self.agreement, self.config.calibration_samples)
 
   # ------------------------------------------------------------------ loop
   def run(self) -> ProgramResult:
@@ -518,15 +534,10 @@ class RLProgram:
     boundary.non_finite = non_finite(boundary.metrics)  # the loop ends the run with it (NonFiniteStepError)
 
   def checkpoint_metadata(self, done: int, pending_record: dict[str, Any] | None = None) -> dict[str, Any]:
-    """What a checkpoint after ``done`` steps holds beside the engine state: the whole run's state, and
-    ``pending_record``: step ``done - 1``'s record as known at the save (a resume restores it if a kill came
-    between the checkpoint and that record's line)."""
+    """What a checkpoint after ``done`` steps holds beside the engine state (``run_state``)."""
     planned = self._boundaries.get(done)  # one micro-batch per step: planned before this checkpoint
-    return {"step": done, "run_id": self.config.run_id, "mode": self.policy.mode.value,
-            "scored": done in self.config.scored_checkpoint_steps, "records_count": done,
-            "source_state": self._source_state_before(done), "policy_state": self.policy.state_dict(),
-            "next_plan": plan_to_json(planned.plan) if planned and planned.plan else None,
-            "pending_record": pending_record}
+    return run_state(done, self.config, self.policy, self._source_state_before(done),
+                     planned.plan if planned else None, pending_record)
 
   def _checkpoint_and_sync(self, boundary: _Boundary) -> None:
     done = boundary.step + 1
