@@ -304,7 +304,7 @@ def test_processes_that_measured_different_waits_still_take_the_same_path(agreed
 @pytest.mark.slow
 def test_a_signal_to_one_process_stops_every_process_after_the_same_step_with_a_checkpoint(tmp_path):
   out = tmp_path / "run"
-  run = subprocess.Popen([sys.executable, "-m", "orchestrator.app.cli", *RUN, "steps=200", "checkpoint.every=0",
+  run = subprocess.Popen([sys.executable, "-m", "orchestrator.app.cli", *RUN, "steps=5000", "checkpoint.every=0",
                           "distributed.num_processes=2", "--out", str(out)], cwd=REPO, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
   deadline = time.monotonic() + 300
@@ -313,12 +313,13 @@ def test_a_signal_to_one_process_stops_every_process_after_the_same_step_with_a_
     if records.exists() and len(records.read_text().splitlines()) >= 2:
       break
     time.sleep(0.05)
+  assert run.poll() is None, f"the run ended before a signal could be sent (rc={run.returncode})"
   os.kill(_process_pids(run.pid)[1], signal.SIGTERM)  # the signal reaches process 1 alone
   _, err = run.communicate(timeout=120)
   assert run.returncode == 143, err[-2000:]
   summary = json.loads((out / "summary.json").read_text())
   assert summary["ended"] == "signal" and summary["signal"] == "SIGTERM"
   last = summary["last_step"]
-  assert last < 199 and (out / "checkpoints" / str(last + 1)).is_dir()
+  assert last < 4999 and (out / "checkpoints" / str(last + 1)).is_dir()
   assert len((out / "records.jsonl").read_text().splitlines()) == last + 1
   assert "Traceback" not in err and f"stopped by SIGTERM after step {last}" in err
