@@ -199,6 +199,13 @@ for before in (True, False):
   got = run_staged(e, steps, before_update=before)
   assert [m.loss for m in got] == [m.loss for m in ref], (got, ref)
   assert e.state_digest() == ref_digest
+prepared = e.prepare_fwd_bwd_input(steps[0][0])
+held = {{}}
+for array in prepared.arrays.values():
+  for shard in array.addressable_shards:
+    held[shard.device.id] = held.get(shard.device.id, 0) + shard.data.nbytes
+assert len(held) == {devices} and prepared.bytes_per_device == tuple(held[i] for i in sorted(held)), held
+assert e.device_memory() is None  # CPU devices report no allocator statistics
 leaf = e.export_weights()["layers"][0]["attn"]["q_proj"]["w"]
 print("sharding", leaf.sharding.spec, "devices", len(leaf.sharding.device_set))
 assert len(leaf.sharding.device_set) == {devices}

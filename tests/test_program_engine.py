@@ -188,6 +188,7 @@ def test_stock_tunix_trainer_stages_and_trains_the_same_in_every_mode(tiny_sourc
     if mode.staged:  # the staged input is the next step's first micro-batch
       for r in result.records[:-1]:
         assert r.staged_digest == engine.prepare_fwd_bwd_input(tiny_source.micro_batch(r.step + 1, 0)).digest
+        assert r.staged_bytes_per_device is None and r.device_bytes_in_use is None  # the adapter does not say
   assert len(set(digests.values())) == 1
 
 
@@ -207,3 +208,29 @@ def test_staging_the_wrong_micro_batch_on_the_tunix_adapter_changes_training(tin
       engine.update()
     results.append(engine.state_digest())
   assert results[0] != results[1]
+
+
+def _held_per_device(prepared) -> list[int]:
+  """What a prepared input's arrays really hold on each device: their shards' bytes, by device id."""
+  held: dict[int, int] = {}
+  for array in prepared.arrays.values():
+    for shard in array.addressable_shards:
+      held[shard.device.id] = held.get(shard.device.id, 0) + shard.data.nbytes
+  return [held[i] for i in sorted(held)]
+
+
+@pytest.mark.parametrize("mode", [Mode.STAGE_BEFORE_UPDATE, Mode.STAGE_AFTER_UPDATE], ids=lambda m: m.name)
+def test_every_staged_boundary_records_what_its_input_holds_on_the_devices(tiny_engine, tiny_source, mode):
+  result, _ = _run(tiny_engine, tiny_source, mode)
+  staged = [r for r in result.records if r.staged]
+  assert len(staged) == STEPS - 1
+  for r in staged:
+    expected = _held_per_device(tiny_engine.prepare_fwd_bwd_input(tiny_source.micro_batch(r.step + 1, 0)))
+    assert r.staged_bytes_per_device == expected and sum(expected) > 0
+    assert r.device_bytes_in_use is None and r.device_bytes_limit is None  # CPU reports no allocator statistics
+  assert result.records[-1].staged_bytes_per_device is None
+  timings = result.summary.timings
+  assert timings.peak_staged_bytes_per_device == max(max(r.staged_bytes_per_device) for r in staged)
+  assert timings.peak_device_bytes_in_use is None
+  summary = result.summary.to_json()
+  assert list(summary)[-2:] == ["peak_staged_bytes_per_device", "peak_device_bytes_in_use"]

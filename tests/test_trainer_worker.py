@@ -247,3 +247,11 @@ def test_checkpoint_of_step_k_while_step_k_plus_1_defers_its_update():
       "fwd_bwd:prepared:s2m0", "metrics:2", "checkpoint:2", "sync:2", "update", "metrics:3",
       "checkpoint:3", "sync:3",
   ]
+
+
+def test_engines_that_cannot_tell_record_no_device_memory():
+  _, result, _ = _run(RecordingEngine(), Mode.STAGE_BEFORE_UPDATE)
+  assert not TrainerWorker(RecordingEngine()).capabilities.can_report_memory
+  fields = ("staged_bytes_per_device", "device_bytes_in_use", "device_bytes_limit")
+  assert all(getattr(r, f) is None for r in result.records for f in fields)
+  assert result.summary.timings.peak_staged_bytes_per_device is None

@@ -22,7 +22,7 @@ import numpy as np
 from orchestrator.data import packing
 from orchestrator.data.trajectory import Trajectory
 from orchestrator.engine import mesh as mesh_lib
-from orchestrator.engine.placement import place_tree
+from orchestrator.engine.placement import bytes_per_device, place_tree
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -43,6 +43,8 @@ class PreparedFwdBwdInput:
     rows: in a job of several processes, the rows ``(start, stop)`` of the
       micro-batch this process packed and placed (``host_arrays`` holds only
       those); None when this process holds every row.
+    bytes_per_device: (a property) what the placed arrays hold on each of this
+      process's devices, in device-id order.
   """
 
   arrays: Mapping[str, jax.Array]
@@ -59,15 +61,31 @@ class PreparedFwdBwdInput:
     """Content digest of the inputs, hashed when first asked for (never on the stage itself)."""
     return packing.content_digest(self.host_arrays)
 
+  @functools.cached_property
+  def bytes_per_device(self) -> tuple[int, ...]:
+    """Bytes the placed arrays hold on each of this process's devices (device-id order), from their shardings."""
+    return bytes_per_device(self.arrays.values())
+
 
 class MicroBatchInputs:
-  """Packs payloads into ``[rows, tokens_per_row]`` arrays and places them on ``shardings``."""
+  """Packs payloads into ``[rows, tokens_per_row]`` arrays and places them on ``shardings``.
+
+  ``devices`` are this process's devices of the shardings, in device-id order.
+  """
 
   def __init__(self, rows: int, tokens_per_row: int, vocab_size: int, shardings: Mapping[str, jax.sharding.Sharding]):
     self.rows, self.tokens_per_row, self.vocab_size = rows, tokens_per_row, vocab_size
     self.shardings = dict(shardings)
+    self.devices = sorted(self.shardings["input_tokens"].addressable_devices, key=lambda d: d.id)
     # Several processes: this process's block of each micro-batch (None: it holds every row).
     self.local_block = mesh_lib.process_block(self.shardings["input_tokens"], (rows, tokens_per_row))
+
+  @functools.cached_property
+  def input_bytes(self) -> tuple[int, ...]:
+    """What one micro-batch's input holds on each of ``devices`` once placed (every input has the same shapes)."""
+    host = self.pack([Trajectory(np.array([1], np.int32), np.array([2], np.int32), 0.0)])
+    return bytes_per_device(jax.ShapeDtypeStruct(host[name].shape, host[name].dtype, sharding=self.shardings[name])
+                            for name in host)
 
   def pack(self, payload: Sequence[Trajectory]) -> dict[str, np.ndarray]:
     """The whole micro-batch, packed (its shapes are the compiled step's)."""
