@@ -56,7 +56,8 @@ class BoundaryRecord:
   Device memory, per device of this process in device-id order (lists), where a boundary staged:
   ``staged_bytes_per_device`` is what the staged input holds (None: the engine does not say),
   ``device_bytes_in_use`` and ``device_bytes_limit`` what the allocator reported right after the stage
-  (None: the backend does not report it, e.g. CPU).
+  (None: the backend does not report it, e.g. CPU). ``device_free_bytes`` is the free memory of the
+  fullest device (over every process) the plan was given, on any boundary the memory gate looked at.
   """
 
   step: int
@@ -106,6 +107,7 @@ class BoundaryRecord:
   staged_bytes_per_device: list[int] | None = None
   device_bytes_in_use: list[int] | None = None
   device_bytes_limit: list[int] | None = None
+  device_free_bytes: int | None = None
 
   def to_json(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
@@ -117,13 +119,14 @@ class BoundaryRecord:
 
 
 def _memory_fields(boundary) -> dict[str, Any]:
-  """The record's device-memory fields (``BoundaryRecord``) from the boundary's stage."""
-  stage = boundary.stage
+  """The record's device-memory fields (``BoundaryRecord``) from the boundary's stage and headroom."""
+  stage, headroom = boundary.stage, boundary.headroom
   memory = stage.memory if stage is not None else None
   held = stage.staged_bytes_per_device if stage is not None else None
   return {"staged_bytes_per_device": None if held is None else list(held),
           "device_bytes_in_use": None if memory is None else list(memory.bytes_in_use),
-          "device_bytes_limit": None if memory is None else list(memory.bytes_limit)}
+          "device_bytes_limit": None if memory is None else list(memory.bytes_limit),
+          "device_free_bytes": None if headroom is None else headroom.free_bytes}
 
 
 def _peak(values) -> int | None:
