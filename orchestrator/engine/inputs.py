@@ -7,6 +7,12 @@ the micro-batch (its rows, and its tokens where ``context`` spans processes):
 which row each trajectory goes to is decided over the whole payload, then the
 process writes its rows and builds the global array from them
 (``jax.make_array_from_process_local_data``).
+
+On a GPU or TPU a payload's arrays go through pinned host memory on their way
+to the devices (``placement.staging_memory_kind``), so the staged copy is a
+transfer that runs beside the compute; on CPU they are copied as they are. A
+job of several processes builds its global arrays from the host arrays
+directly (not through pinned memory yet).
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import numpy as np
 from orchestrator.data import packing
 from orchestrator.data.trajectory import Trajectory
 from orchestrator.engine import mesh as mesh_lib
-from orchestrator.engine.placement import bytes_per_device, place_tree
+from orchestrator.engine.placement import bytes_per_device, place_tree, staging_memory_kind
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -70,13 +76,16 @@ class PreparedFwdBwdInput:
 class MicroBatchInputs:
   """Packs payloads into ``[rows, tokens_per_row]`` arrays and places them on ``shardings``.
 
-  ``devices`` are this process's devices of the shardings, in device-id order.
+  ``devices`` are this process's devices of the shardings (device-id order); ``host_memory_kind`` the host
+  memory a payload goes through on its way there (``placement.staging_memory_kind``: pinned host memory on
+  an accelerator, None on CPU).
   """
 
   def __init__(self, rows: int, tokens_per_row: int, vocab_size: int, shardings: Mapping[str, jax.sharding.Sharding]):
     self.rows, self.tokens_per_row, self.vocab_size = rows, tokens_per_row, vocab_size
     self.shardings = dict(shardings)
     self.devices = sorted(self.shardings["input_tokens"].addressable_devices, key=lambda d: d.id)
+    self.host_memory_kind = staging_memory_kind(self.devices)
     # Several processes: this process's block of each micro-batch (None: it holds every row).
     self.local_block = mesh_lib.process_block(self.shardings["input_tokens"], (rows, tokens_per_row))
 
@@ -114,7 +123,7 @@ class MicroBatchInputs:
 
   def _place(self, host: dict[str, np.ndarray]) -> dict[str, jax.Array]:
     if self.local_block is None:
-      return place_tree(host, self.shardings)
+      return place_tree(host, self.shardings, via=self.host_memory_kind)
     shape = (self.rows, self.tokens_per_row)
     return {name: jax.make_array_from_process_local_data(self.shardings[name], array, shape)
             for name, array in host.items()}
