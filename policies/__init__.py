@@ -4,6 +4,8 @@ from policies.call_order import Action, boundary_actions
 from policies.step_boundary import (
     BoundaryPlan,
     CalibrationRule,
+    DeviceHeadroom,
+    HeadroomRule,
     Mode,
     ModeFlags,
     MODE_TABLE,
@@ -19,6 +21,8 @@ __all__ = [
     "boundary_actions",
     "BoundaryPlan",
     "CalibrationRule",
+    "DeviceHeadroom",
+    "HeadroomRule",
     "Mode",
     "ModeFlags",
     "MODE_TABLE",

@@ -30,6 +30,8 @@ staged (requested)   bring-up                             engine lacks staging m
 staged               ``plan(step)``                       ``step`` in ``excluded_steps``        unchanged; no stage there
 staged, or a probe   ``plan(step, next_ready=False)``     the next step's rollouts wait for     unchanged; no stage there
                                                           this boundary's weight sync           (``next_not_ready``)
+staged, or a probe   ``plan(step, headroom=…)``           the devices' free bytes are below     unchanged; no stage there
+                                                          ``min_free_device_bytes``             (``no_memory_headroom``)
 staged               ``observe`` (stage waited for        —                                     unchanged; not judged
                      rollouts)                                                                  (``rollout_waits``)
 staged               ``observe`` (not low)                —                                     unchanged; low count → 0
@@ -56,6 +58,20 @@ with ``rel_margin = 0.1`` and ``abs_margin = 0.002`` s by default: a wait must
 clear the noisiest floor sample by 10 %, and by at least 2 ms (scheduler noise
 on a local runtime). A pinned ``wait_threshold_s`` skips calibration. Until
 there is a threshold, waits are recorded but not judged.
+
+Memory headroom (``HeadroomRule``): a stage holds one more micro-batch's input
+on the devices while the last one computes. Where the engine reports its
+devices' memory, ``plan`` is given a ``DeviceHeadroom`` (the free bytes of the
+fullest device, and what a staged input holds on one device) and stages only
+if the free bytes reach::
+
+    required_bytes = input_bytes + max(input_bytes × rel_margin, abs_margin_bytes)
+
+with ``rel_margin = 0.1`` and ``abs_margin_bytes = 64 MiB`` for
+``min_free_device_bytes="auto"`` (the default), or the number given; ``0`` turns
+the gate off. A refused stage is a PIPELINED boundary: nothing is observed, so
+it neither extends nor resets the low-wait streak. Without a ``DeviceHeadroom``
+(the engine cannot tell) nothing is gated.
 """
 
 from __future__ import annotations
@@ -78,6 +94,16 @@ def format_seconds(x: float | None) -> str:
   if abs(x) < 1:
     return f"{x * 1e3:.2f} ms"
   return f"{x:.3f} s"
+
+
+def format_bytes(n: int | None) -> str:
+  """Bytes in the binary unit that keeps them readable (B, KiB, MiB, GiB)."""
+  if n is None:
+    return "-"
+  for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+    if abs(n) >= size:
+      return f"{n / size:.2f} {unit}"
+  return f"{n} B"
 
 
 class Mode(enum.Enum):
@@ -221,6 +247,51 @@ class CalibrationRule:
     return max(floor_max_s * (1 + self.rel_margin), floor_max_s + self.abs_margin_s)
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DeviceHeadroom:
+  """What a stage would have room for, as the devices report it when a boundary is planned.
+
+  Attributes:
+    free_bytes: the least free memory of any device (its limit less what is in use; over every
+      process of a job).
+    input_bytes: what one staged micro-batch's input holds on one device (the most on any device).
+  """
+
+  free_bytes: int
+  input_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadroomRule:
+  """The free device memory a stage needs under ``min_free_device_bytes="auto"``: the staged input's own
+  bytes and a margin of ``rel_margin`` of them, at least ``abs_margin_bytes`` (allocator rounding and
+  fragmentation, and the small buffers the next dispatch allocates)."""
+
+  rel_margin: float = 0.1
+  abs_margin_bytes: int = 64 << 20
+
+  def required_bytes(self, input_bytes: int, setting: int | str = "auto") -> int:
+    """The free bytes a stage of ``input_bytes`` per device needs under ``setting`` (a number is itself)."""
+    if setting != "auto":
+      return int(setting)
+    return input_bytes + max(math.ceil(input_bytes * self.rel_margin), self.abs_margin_bytes)
+
+
+def checked_min_free(value: int | str) -> int | str:
+  """``min_free_device_bytes`` as given, once it is ``"auto"`` or a whole number of bytes >= 0."""
+  if value != "auto" and not (type(value) is int and value >= 0):
+    raise ValueError(f"min_free_device_bytes must be 'auto' or a whole number of bytes >= 0 (0: no memory gate),"
+                     f" got {value!r}")
+  return value
+
+
+def no_headroom_reason(headroom: DeviceHeadroom, required_bytes: int, setting: int | str) -> str:
+  """The plan reason of a stage refused for memory, with its numbers."""
+  return (f"no_memory_headroom: {format_bytes(headroom.free_bytes)} free on the fullest device, below the"
+          f" {format_bytes(required_bytes)} a stage needs (min_free_device_bytes={setting}; the staged input"
+          f" holds {format_bytes(headroom.input_bytes)} per device)")
+
+
 @dataclasses.dataclass(frozen=True)
 class Observation:
   """What the policy made of one staged boundary's measurements."""
@@ -247,6 +318,9 @@ class StepBoundaryPolicy:
       boundaries later; None never probes.
     excluded_steps: boundaries (by step) where no stage happens.
     calibration: the rule that turns a wait floor into a threshold.
+    min_free_device_bytes: the free device memory a stage needs: ``"auto"`` (``headroom_rule`` applied
+      to the staged input's size), a number of bytes, or 0 (no memory gate).
+    headroom_rule: what ``"auto"`` requires.
 
   Raises:
     StagingUnsupportedError: a staged mode with ``require_staging`` on an
@@ -266,6 +340,8 @@ class StepBoundaryPolicy:
       excluded_steps: Iterable[int] = (),
       calibration: CalibrationRule = CalibrationRule(),
       engine_missing: Sequence[str] = ("prepare_fwd_bwd_input", "wait_for_device"),
+      min_free_device_bytes: int | str = "auto",
+      headroom_rule: HeadroomRule = HeadroomRule(),
   ):
     self.requested_mode = Mode.parse(mode)
     if disable_after < 1:
@@ -274,6 +350,7 @@ class StepBoundaryPolicy:
       raise ValueError(f"reprobe_every must be >= 1 or None, got {reprobe_every}")
     if wait_threshold_s is not None and not (wait_threshold_s >= 0 and math.isfinite(wait_threshold_s)):
       raise ValueError(f"wait_threshold_s must be a finite number >= 0, got {wait_threshold_s}")
+    self.min_free_device_bytes, self.headroom_rule = checked_min_free(min_free_device_bytes), headroom_rule
     self.disable_after = disable_after
     self.reprobe_every = reprobe_every
     self.excluded_steps = frozenset(int(s) for s in excluded_steps)
@@ -295,6 +372,7 @@ class StepBoundaryPolicy:
         "probes": 0,
         "next_not_ready": 0,
         "rollout_waits": 0,
+        "no_memory_headroom": 0,
     }
     self._low_waits: list[float] = []
     self._disabled_at: int | None = None
@@ -324,6 +402,11 @@ class StepBoundaryPolicy:
   @property
   def auto_disabled(self) -> bool:
     return self._disabled_at is not None
+
+  @property
+  def gates_on_memory(self) -> bool:
+    """Whether a ``DeviceHeadroom`` given to ``plan`` can refuse a stage (``min_free_device_bytes`` is not 0)."""
+    return self.min_free_device_bytes != 0
 
   def _apply(self, step: int | None, to_mode: Mode, kind: str, reason: str) -> Transition:
     """The one place the mode changes: records, counts and logs the transition."""
@@ -403,30 +486,41 @@ class StepBoundaryPolicy:
     return self._threshold_s
 
   # ------------------------------------------------------------------ plans
-  def plan(self, step: int, *, next_ready: bool = True) -> BoundaryPlan:
+  def plan(self, step: int, *, next_ready: bool = True, headroom: DeviceHeadroom | None = None) -> BoundaryPlan:
     """What to do at the boundary after ``step``.
 
     ``next_ready`` False says the next step's first micro-batch cannot exist
     before this boundary's weight sync (on-policy rollouts): nothing can be
-    staged, whatever the mode, and the boundary is not judged.
+    staged, whatever the mode, and the boundary is not judged. ``headroom``
+    is the devices' free memory (None: the engine cannot tell): below what a
+    stage needs, the boundary is pipelined instead (``no_memory_headroom``).
     """
     mode = self.mode
     if mode is Mode.OFF:
       return BoundaryPlan.for_mode(step, mode, reason="pipelining off")
-    if not next_ready and (mode.staged or self._probe_due(step)):
+    probe = mode is Mode.PIPELINED and self._probe_due(step)
+    if not next_ready and (mode.staged or probe):
       self.counters["next_not_ready"] += 1
       return BoundaryPlan.unstaged(step, mode,
                                    reason="the next step's rollouts need this boundary's weight sync (on-policy)")
-    if mode is Mode.PIPELINED:
-      if self._probe_due(step):
-        self._probe_used = True
-        self.counters["probes"] += 1
-        return BoundaryPlan.for_mode(step, mode, staged_as=self.requested_mode, probe=True,
-                                     reason=f"re-probe {self.reprobe_every} boundaries after auto-disable")
+    if not (mode.staged or probe):
       return BoundaryPlan.for_mode(step, mode, reason=self.reason)
-    if step in self.excluded_steps:
+    if mode.staged and step in self.excluded_steps:
       self.counters["excluded_boundaries"] += 1
       return BoundaryPlan.unstaged(step, mode, reason="boundary excluded by the recipe")
+    if headroom is not None and self.gates_on_memory:
+      required = self.headroom_rule.required_bytes(headroom.input_bytes, self.min_free_device_bytes)
+      if headroom.free_bytes < required:  # counted, logged (a warning the first time), pipelined; the mode stays
+        self.counters["no_memory_headroom"] = self.counters.get("no_memory_headroom", 0) + 1
+        reason = no_headroom_reason(headroom, required, self.min_free_device_bytes)
+        log.log(logging.WARNING if self.counters["no_memory_headroom"] == 1 else logging.INFO,
+                "[policy] step %d: %s; pipelined instead", step, reason)
+        return BoundaryPlan.unstaged(step, mode, reason=reason)
+    if probe:
+      self._probe_used = True
+      self.counters["probes"] += 1
+      return BoundaryPlan.for_mode(step, mode, staged_as=self.requested_mode, probe=True,
+                                   reason=f"re-probe {self.reprobe_every} boundaries after auto-disable")
     self.counters["staged_boundaries"] += 1
     return BoundaryPlan.for_mode(step, mode, reason=self.reason)
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from orchestrator.contract import (
-    CheckpointingEngine, LiveSource, Receipt, RunSummary, SourceStateError, StagingEngine, StepMetrics, StepSource,
-    StepTimings, TrainingEngine, WeightSource, Worker, live_part, missing_methods)
+    CheckpointingEngine, DeviceMemory, LiveSource, Receipt, RunSummary, SourceStateError, StagingEngine, StepMetrics,
+    StepSource, StepTimings, TrainingEngine, WeightSource, Worker, live_part, missing_methods)
 from orchestrator.data.sources import IterableSteps, ReplaySteps, SyntheticSteps, as_step_source
 from orchestrator.data.synthetic import SyntheticRollouts
 from orchestrator.live.rollouts import LiveRollouts
@@ -255,3 +255,14 @@ def test_the_summary_json_holds_each_part_and_leaves_out_the_parts_that_do_not_a
   assert not {"processes", "agreement", "trainer", "reward_first_step", "eval_accuracy_end"} & set(data)
   data = summary.replace(trainer={"location": "remote"}, run={"run_id": "r1"}).to_json()
   assert data["trainer"] == {"location": "remote"} and data["run_id"] == "r1"
+
+
+def test_device_memory_round_trips_and_names_a_bad_report():
+  memory = DeviceMemory(bytes_in_use=(10, 30), bytes_limit=(100, 100), input_bytes=(4, 4))
+  assert memory.free_bytes == 70 and DeviceMemory.from_json(memory.to_json()) == memory
+  assert DeviceMemory.from_json(None) is None
+  for bad, named in (({"bytes_in_use": [1], "bytes_limit": [2]}, "lacks 'input_bytes'"),
+                     ({"bytes_in_use": [1], "bytes_limit": [2, 3], "input_bytes": [1]}, "one per device"),
+                     ({"bytes_in_use": [-1], "bytes_limit": [2], "input_bytes": [1]}, "bytes_in_use must be")):
+    with pytest.raises(ValueError, match=named):
+      DeviceMemory.from_json(bad)

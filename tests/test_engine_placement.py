@@ -1,12 +1,15 @@
-"""Placement edge cases and the throttler's queue discipline."""
+"""Placement edge cases, the host memory a staged copy starts from, and the throttler's queue discipline."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
+import pytest
 
 from orchestrator.engine import mesh as mesh_lib
-from orchestrator.engine.placement import place_tree
+from orchestrator.engine.placement import PINNED_HOST, bytes_per_device, place_tree, staging_memory_kind
 from orchestrator.engine.throttler import InflightThrottler
 
 
@@ -32,6 +35,51 @@ def test_place_tree_handles_scalars_zero_width_non_arrays_and_placed_leaves():
   assert out["zero_width"].shape == (2, 0)
   assert isinstance(out["host"], jax.Array) and out["host"].sharding.is_equivalent_to(target, 2)
   np.testing.assert_array_equal(out["host"], tree["host"])
+
+
+@dataclasses.dataclass(frozen=True)
+class _Memory:
+  kind: str
+
+
+@dataclasses.dataclass(frozen=True)
+class _Device:
+  """What ``staging_memory_kind`` reads of a device: its platform and its memories' kinds."""
+
+  platform: str
+  kinds: tuple[str, ...] = ("device", "pinned_host", "unpinned_host")
+
+  def addressable_memories(self):
+    return [_Memory(k) for k in self.kinds]
+
+
+@pytest.mark.parametrize("devices,expected", [
+    ([_Device("gpu"), _Device("gpu")], PINNED_HOST),
+    ([_Device("tpu")], PINNED_HOST),
+    ([_Device("cpu")], None),  # CPU lists a pinned_host memory too, and keeps the plain copy
+    ([_Device("gpu"), _Device("gpu", ("device", "unpinned_host"))], None),  # one device without it
+    ([_Device("gpu", ("device",))], None),
+    ([], None),
+], ids=["gpus", "tpu", "cpu", "one-gpu-without", "gpu-without", "none"])
+def test_a_staged_copy_goes_through_pinned_host_memory_only_on_accelerators_that_offer_it(devices, expected):
+  assert staging_memory_kind(devices) == expected
+
+
+def test_this_machines_cpu_devices_keep_the_plain_copy():
+  assert staging_memory_kind(jax.devices()) is None
+
+
+def test_placing_through_pinned_host_memory_gives_the_same_arrays_in_device_memory():
+  """The two-step copy (host → pinned host → device) on CPU, which has the memory kind, forced."""
+  mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig())
+  target = mesh_lib.batch_sharding(mesh, 2)
+  tree = {"tokens": np.arange(32, dtype=np.int32).reshape(4, 8), "scalar": np.float32(1.5)}
+  shardings = {k: target for k in tree}
+  direct, pinned = place_tree(tree, shardings), place_tree(tree, shardings, PINNED_HOST)
+  for name in tree:
+    np.testing.assert_array_equal(pinned[name], direct[name])
+    assert pinned[name].sharding == direct[name].sharding and pinned[name].sharding.memory_kind == "device"
+  assert bytes_per_device(pinned.values()) == (32 * 4 + 4,)
 
 
 def test_throttler_bounds_the_queue_and_snapshot_wait_dequeues_nothing():

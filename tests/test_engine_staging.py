@@ -8,6 +8,7 @@ import pytest
 
 from orchestrator.data.trajectory import Trajectory
 from orchestrator.engine import backend_compile_count
+from orchestrator.engine.placement import PINNED_HOST
 from tests.conftest import run_child
 from tests.engine_helpers import FailedComputation, LongComputation, run_staged, run_unstaged
 
@@ -35,6 +36,19 @@ def test_prepared_inputs_train_bit_identically_to_payloads(
   engine, start = tiny_engine_and_start
   engine.restore(start)
   metrics = run_staged(engine, _steps(tiny_source), before_update=before_update)
+  assert (_losses(metrics), engine.state_digest()) == unstaged_reference
+
+
+def test_inputs_placed_through_pinned_host_memory_train_bit_identically(
+    tiny_engine_and_start, tiny_source, unstaged_reference, monkeypatch
+):
+  """On a GPU or TPU every input goes through pinned host memory; forced here on CPU (which has that memory kind
+  but keeps the plain copy) the two-step copy trains exactly as the plain one."""
+  engine, start = tiny_engine_and_start
+  engine.restore(start)
+  assert engine._inputs.host_memory_kind is None  # CPU's own choice
+  monkeypatch.setattr(engine._inputs, "host_memory_kind", PINNED_HOST)
+  metrics = run_staged(engine, _steps(tiny_source))
   assert (_losses(metrics), engine.state_digest()) == unstaged_reference
 
 
@@ -199,6 +213,13 @@ for before in (True, False):
   got = run_staged(e, steps, before_update=before)
   assert [m.loss for m in got] == [m.loss for m in ref], (got, ref)
   assert e.state_digest() == ref_digest
+prepared = e.prepare_fwd_bwd_input(steps[0][0])
+held = {{}}
+for array in prepared.arrays.values():
+  for shard in array.addressable_shards:
+    held[shard.device.id] = held.get(shard.device.id, 0) + shard.data.nbytes
+assert len(held) == {devices} and prepared.bytes_per_device == tuple(held[i] for i in sorted(held)), held
+assert e.device_memory() is None  # CPU devices report no allocator statistics
 leaf = e.export_weights()["layers"][0]["attn"]["q_proj"]["w"]
 print("sharding", leaf.sharding.spec, "devices", len(leaf.sharding.device_set))
 assert len(leaf.sharding.device_set) == {devices}

@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from policies import MODE_TABLE, BoundaryPlan, Mode, StagingUnsupportedError, StepBoundaryPolicy
+from policies import (MODE_TABLE, BoundaryPlan, DeviceHeadroom, HeadroomRule, Mode, StagingUnsupportedError,
+                      StepBoundaryPolicy)
 from policies.step_boundary import CalibrationRule
 
 STAGED = [Mode.STAGE_AFTER_UPDATE, Mode.STAGE_BEFORE_UPDATE]
@@ -218,6 +219,9 @@ def test_no_reprobe_after_unsupported_engine_fallback():
         ({"disable_after": 0}, "disable_after must be >= 1"),
         ({"reprobe_every": 0}, "reprobe_every must be >= 1"),
         ({"wait_threshold_s": -1.0}, "wait_threshold_s must be a finite number"),
+        ({"min_free_device_bytes": -1}, "min_free_device_bytes must be 'auto' or a whole number of bytes >= 0"),
+        ({"min_free_device_bytes": "plenty"}, "min_free_device_bytes must be 'auto' or a whole number"),
+        ({"min_free_device_bytes": 1.5}, "min_free_device_bytes must be 'auto' or a whole number"),
     ],
 )
 def test_bad_arguments_are_refused(kwargs, message):
@@ -261,3 +265,64 @@ def test_the_policy_reports_without_exposing_its_internals():
   assert report.wait_floor_max_s == 0.0002 and report.threshold_s == policy.threshold_s
   assert [t.kind for t in report.transitions] == ["auto_disable"]
   assert report.to_json()["transitions"][0]["to_mode"] == "pipelined"
+
+
+MiB = 1 << 20
+ROOMY, SHORT = DeviceHeadroom(free_bytes=1 << 40, input_bytes=100 * MiB), DeviceHeadroom(free_bytes=150 * MiB,
+                                                                                         input_bytes=100 * MiB)
+
+
+def test_the_auto_headroom_is_the_input_plus_ten_percent_at_least_64_mib():
+  rule = HeadroomRule()
+  assert rule.required_bytes(100 * MiB) == 164 * MiB  # the 64 MiB floor
+  assert rule.required_bytes(1000 * MiB) == 1100 * MiB  # 10 %
+  assert rule.required_bytes(5, 12345) == 12345  # a number given is the requirement itself
+
+
+@pytest.mark.parametrize("mode", STAGED)
+def test_a_boundary_short_of_device_memory_is_pipelined_counted_and_not_judged(mode, caplog):
+  p = _policy(mode, disable_after=2)
+  with caplog.at_level(logging.INFO, "step_boundary.policy"):
+    plans = [p.plan(s, headroom=h) for s, h in enumerate([ROOMY, SHORT, None, SHORT, ROOMY])]
+  assert [pl.stage for pl in plans] == [True, False, True, False, True]
+  refused = plans[1]
+  assert refused.reason.startswith("no_memory_headroom: 150.00 MiB free on the fullest device, below the 164.00 MiB")
+  assert (refused.mode, refused.await_metrics) == (mode, False)  # pipelined, the mode unchanged
+  assert p.counters["no_memory_headroom"] == 2 and p.counters["staged_boundaries"] == 3
+  levels = [r.levelno for r in caplog.records if "no_memory_headroom" in r.getMessage()]
+  assert levels == [logging.WARNING, logging.INFO]  # a warning the first time
+  # A low wait before the refused boundary and one after it: the refusal is no low wait, and resets nothing.
+  p.observe(0, stage_s=0.1, device_wait_s=0.0)
+  p.observe(2, stage_s=0.1, device_wait_s=0.0)
+  assert [t.kind for t in p.history] == ["auto_disable"]
+
+
+def test_the_memory_gate_takes_a_number_and_turns_off_at_zero():
+  fixed = _policy(min_free_device_bytes=200 * MiB)
+  assert not fixed.plan(0, headroom=SHORT).stage
+  assert fixed.plan(1, headroom=DeviceHeadroom(free_bytes=200 * MiB, input_bytes=100 * MiB)).stage  # enough exactly
+  off = _policy(min_free_device_bytes=0)
+  assert not off.gates_on_memory and off.plan(0, headroom=DeviceHeadroom(free_bytes=0, input_bytes=MiB)).stage
+  assert off.counters["no_memory_headroom"] == 0
+
+
+def test_a_probe_short_of_memory_waits_for_a_boundary_with_room():
+  p = _policy(disable_after=1, reprobe_every=1)
+  p.observe(0, stage_s=0.3, device_wait_s=0.0)
+  assert not p.plan(1, headroom=SHORT).stage and p.counters["probes"] == 0
+  probe = p.plan(2, headroom=ROOMY)
+  assert probe.stage and probe.probe
+
+
+@pytest.mark.parametrize("mode", [Mode.OFF, Mode.PIPELINED])
+def test_unstaged_modes_ignore_the_memory_gate(mode):
+  p = _policy(mode)
+  assert p.plan(0, headroom=SHORT) == p.plan(0) and p.counters["no_memory_headroom"] == 0
+
+
+def test_a_policy_state_saved_before_the_memory_gate_still_counts_refusals():
+  p = _policy()
+  state = p.state_dict()
+  del state["counters"]["no_memory_headroom"]
+  p.load_state_dict(state)
+  assert not p.plan(0, headroom=SHORT).stage and p.counters["no_memory_headroom"] == 1

@@ -6,12 +6,14 @@ import json
 import statistics
 import time
 
+import numpy as np
 import pytest
 
-from orchestrator.contract import CheckpointingEngine, StagingEngine, TrainingEngine, WeightSource
+from orchestrator.contract import CheckpointingEngine, DeviceMemory, StagingEngine, TrainingEngine, WeightSource
+from orchestrator.data.trajectory import Trajectory
 from orchestrator.loop.program import ProgramConfig, RLProgram
 from orchestrator.loop.trainer_worker import TrainerWorker
-from policies import Mode, StepBoundaryPolicy
+from policies import BoundaryPlan, Mode, StepBoundaryPolicy, boundary_actions
 
 STEPS, MICRO = 4, 2
 
@@ -74,14 +76,9 @@ def test_staged_micro_batch_is_the_next_steps_first(tiny_engine, tiny_source):
     assert r.staged_digest == expected
 
 
-class _StageOutlastsCompute:
-  """The tiny engine with a stage that outlasts the compute by construction, whatever the machine's speed.
-
-  Its prepare first waits until the queued micro-batches are done; its device wait then blocks as the
-  engine's does but reports 0 s (nothing was left to hide behind), below any calibrated threshold.
-  Every contract method is a real method (a ``__getattr__`` that forwards them is not
-  seen by ``isinstance`` against a Protocol from Python 3.12 on).
-  """
+class _Forwarding:
+  """The tiny engine behind a proxy whose every contract method is a real method (a ``__getattr__`` that
+  forwards them is not seen by ``isinstance`` against a Protocol from Python 3.12 on)."""
 
   def __init__(self, engine):
     self._engine = engine
@@ -96,12 +93,10 @@ class _StageOutlastsCompute:
     return self._engine.get_metrics()
 
   def prepare_fwd_bwd_input(self, payload):
-    self._engine.wait_for_device()
     return self._engine.prepare_fwd_bwd_input(payload)
 
   def wait_for_device(self):
-    self._engine.wait_for_device()
-    return 0.0
+    return self._engine.wait_for_device()
 
   def save_checkpoint(self, metadata=None):
     return self._engine.save_checkpoint(metadata)
@@ -114,6 +109,22 @@ class _StageOutlastsCompute:
 
   def state_digest(self):
     return self._engine.state_digest()
+
+
+class _StageOutlastsCompute(_Forwarding):
+  """The tiny engine with a stage that outlasts the compute by construction, whatever the machine's speed.
+
+  Its prepare first waits until the queued micro-batches are done; its device wait then blocks as the
+  engine's does but reports 0 s (nothing was left to hide behind), below any calibrated threshold.
+  """
+
+  def prepare_fwd_bwd_input(self, payload):
+    self._engine.wait_for_device()
+    return self._engine.prepare_fwd_bwd_input(payload)
+
+  def wait_for_device(self):
+    self._engine.wait_for_device()
+    return 0.0
 
 
 def test_auto_disable_fires_when_the_stage_outlasts_the_last_micro_batch(tiny_engine, tiny_source):
@@ -188,6 +199,7 @@ def test_stock_tunix_trainer_stages_and_trains_the_same_in_every_mode(tiny_sourc
     if mode.staged:  # the staged input is the next step's first micro-batch
       for r in result.records[:-1]:
         assert r.staged_digest == engine.prepare_fwd_bwd_input(tiny_source.micro_batch(r.step + 1, 0)).digest
+        assert r.staged_bytes_per_device is None and r.device_bytes_in_use is None  # the adapter does not say
   assert len(set(digests.values())) == 1
 
 
@@ -207,3 +219,81 @@ def test_staging_the_wrong_micro_batch_on_the_tunix_adapter_changes_training(tin
       engine.update()
     results.append(engine.state_digest())
   assert results[0] != results[1]
+
+
+def _held_per_device(prepared) -> list[int]:
+  """What a prepared input's arrays really hold on each device: their shards' bytes, by device id."""
+  held: dict[int, int] = {}
+  for array in prepared.arrays.values():
+    for shard in array.addressable_shards:
+      held[shard.device.id] = held.get(shard.device.id, 0) + shard.data.nbytes
+  return [held[i] for i in sorted(held)]
+
+
+@pytest.mark.parametrize("mode", [Mode.STAGE_BEFORE_UPDATE, Mode.STAGE_AFTER_UPDATE], ids=lambda m: m.name)
+def test_every_staged_boundary_records_what_its_input_holds_on_the_devices(tiny_engine, tiny_source, mode):
+  result, _ = _run(tiny_engine, tiny_source, mode)
+  staged = [r for r in result.records if r.staged]
+  assert len(staged) == STEPS - 1
+  for r in staged:
+    expected = _held_per_device(tiny_engine.prepare_fwd_bwd_input(tiny_source.micro_batch(r.step + 1, 0)))
+    assert r.staged_bytes_per_device == expected and sum(expected) > 0
+    assert r.device_bytes_in_use is None and r.device_bytes_limit is None  # CPU reports no allocator statistics
+    assert r.device_free_bytes is None  # so nothing was gated
+  assert result.records[-1].staged_bytes_per_device is None
+  timings = result.summary.timings
+  assert timings.peak_staged_bytes_per_device == max(max(r.staged_bytes_per_device) for r in staged)
+  assert timings.peak_device_bytes_in_use is None
+  summary = result.summary.to_json()
+  assert list(summary)[-2:] == ["peak_staged_bytes_per_device", "peak_device_bytes_in_use"]
+
+
+GiB = 1 << 30
+
+
+class _ReportsMemory(_Forwarding):
+  """The tiny engine as it is, plus a memory report: 1 GiB per device with 100 MiB in use, or — while step
+  ``short_at_step`` runs — all but 1 MiB in use. A fake only in what it reports: the training is the engine's."""
+
+  def __init__(self, engine, short_at_step=None):
+    super().__init__(engine)
+    self.short_at_step = short_at_step
+    self.input_bytes = tuple(engine.prepare_fwd_bwd_input(
+        [Trajectory(np.array([1], np.int32), np.array([2], np.int32), 0.0)]).bytes_per_device)
+
+  def device_memory(self):
+    in_use = GiB - (1 << 20) if self._engine.train_step == self.short_at_step else 100 << 20
+    return DeviceMemory(bytes_in_use=(in_use,), bytes_limit=(GiB,), input_bytes=self.input_bytes)
+
+
+@pytest.fixture(scope="module")
+def ungated_digest(tiny_engine_and_start, tiny_source):
+  engine, start = tiny_engine_and_start
+  engine.restore(start)
+  result, _ = _run(engine, tiny_source, Mode.STAGE_BEFORE_UPDATE, steps=5)
+  return result.summary.final_state_digest
+
+
+@pytest.mark.parametrize("short_at_step", [2, None], ids=["short-at-boundary-2", "never-short"])
+def test_a_boundary_short_of_device_memory_is_pipelined_and_trains_the_same(
+    tiny_engine_and_start, tiny_source, ungated_digest, short_at_step):
+  engine, start = tiny_engine_and_start
+  engine.restore(start)
+  memory = _ReportsMemory(engine, short_at_step)
+  result, policy = _run(memory, tiny_source, Mode.STAGE_BEFORE_UPDATE, steps=5)
+  records = result.records
+  refused = {2} if short_at_step == 2 else set()
+  assert [r.staged for r in records] == [s not in refused for s in range(4)] + [False]
+  for r in records[:-1]:
+    assert r.device_free_bytes == (1 << 20 if r.step in refused else GiB - (100 << 20))
+    if r.step in refused:
+      assert r.reason.startswith("no_memory_headroom: 1.00 MiB free on the fullest device")
+      assert r.actions == [a.value for a in boundary_actions(BoundaryPlan.unstaged(2, Mode.PIPELINED, reason=""))]
+      assert r.low_wait is None and r.device_wait_s is None and r.staged_bytes_per_device is None
+    else:
+      assert r.staged_bytes_per_device == list(memory.input_bytes)
+      assert (r.device_bytes_in_use, r.device_bytes_limit) == ([100 << 20], [GiB])
+  assert policy.counters["no_memory_headroom"] == len(refused)
+  assert policy.counters["staged_boundaries"] == 4 - len(refused) and policy.history == []
+  assert result.summary.final_state_digest == ungated_digest  # a refused stage trains the same micro-batches
+  assert result.summary.timings.peak_device_bytes_in_use == 100 << 20

@@ -134,6 +134,14 @@ CASES = [
     ("threshold-negative", ["step_boundary.wait_threshold_s=-1"], {}, "wait_threshold_s=-1.0 is out of range"),
     ("threshold-word", ["step_boundary.wait_threshold_s=soon"], {}, "wait_threshold_s: expected float"),
     ("reprobe-zero", ["step_boundary.reprobe_every=0"], {}, "step_boundary.reprobe_every=0 is out of range"),
+    ("min-free-negative", ["step_boundary.min_free_device_bytes=-1"], {},
+     "step_boundary.min_free_device_bytes=-1 is out of range: use 'auto', 0 (no memory gate)"),
+    ("min-free-word", ["step_boundary.min_free_device_bytes=plenty"], {},
+     "step_boundary.min_free_device_bytes: expected 'auto' or a whole number of bytes (0: no memory gate), got 'plenty'"),
+    ("min-free-fraction", ["step_boundary.min_free_device_bytes=1.5"], {},
+     "step_boundary.min_free_device_bytes: expected 'auto' or a whole number of bytes"),
+    ("min-free-absurd", ["step_boundary.min_free_device_bytes=1e18"], {},
+     "step_boundary.min_free_device_bytes=1000000000000000000 is out of range"),
     ("checkpoint-every-negative", ["checkpoint.every=-1"], {}, "checkpoint.every=-1 is out of range"),
     # Sizes inside their ranges whose few prompts all land on one side of the held-out split: a draw from the
     # other side would spin forever (every such size in range: tests/test_live_parts.py).

@@ -175,6 +175,28 @@ def test_an_oversized_message_is_refused_on_either_side(server):
     worker.close()
 
 
+def test_a_stage_over_the_wire_says_what_its_input_holds_on_the_devices(server, monkeypatch):
+  from orchestrator.app.runner import batch_shape
+  from orchestrator.data.packing import pack_payload
+
+  vocab, rows, tokens = batch_shape(_recipe())
+  packed = pack_payload(_payload(), rows=rows, tokens_per_row=tokens, vocab_size=vocab)
+  worker = _connect(server)
+  try:
+    assert not worker.capabilities.can_report_memory and worker.device_memory() is None  # a CPU trainer
+    receipt = worker.stage_fwd_bwd(_payload())
+    assert receipt.staged_bytes_per_device == (sum(a.nbytes for a in packed.values()),)  # one device
+    assert receipt.memory is None and receipt.input_digest
+    worker.fwd_bwd_staged()
+    # A trainer of a version before memory reports answers a stage with its seconds and digest alone.
+    monkeypatch.setattr(worker, "_call", lambda header, parts=None: ({"stage_s": 0.01, "input_digest": "d"}, {}))
+    old = worker.stage_fwd_bwd(_payload())
+    assert (old.staged_bytes_per_device, old.memory, old.input_digest) == (None, None, "d")
+  finally:
+    monkeypatch.undo()
+    worker.close()
+
+
 def _run(tmp_path, name, capsys, *args, env=None):
   out = tmp_path / name
   old = dict(os.environ)

@@ -8,9 +8,10 @@ import math
 
 import pytest
 
-from orchestrator.loop.program import NonFiniteStepError, ProgramConfig, RLProgram
+from orchestrator.contract import DeviceMemory
+from orchestrator.loop.program import NonFiniteStepError, ProgramConfig, RLProgram, agree_on_headroom
 from orchestrator.loop.trainer_worker import TrainerWorker, WorkerUsageError
-from policies import Mode, StepBoundaryPolicy
+from policies import DeviceHeadroom, Mode, StepBoundaryPolicy
 from tests.fakes import DivergingEngine, NoStagingEngine, RecordingEngine, payload_steps
 
 # docs/design.md §5's table, boundary by boundary, for the boundary after step k (M = 2).
@@ -247,3 +248,70 @@ def test_checkpoint_of_step_k_while_step_k_plus_1_defers_its_update():
       "fwd_bwd:prepared:s2m0", "metrics:2", "checkpoint:2", "sync:2", "update", "metrics:3",
       "checkpoint:3", "sync:3",
   ]
+
+
+class _MemoryEngine(RecordingEngine):
+  """The recording engine with a memory report per step: ``in_use[step]`` of 1000 bytes in use on each of two
+  devices (the second fuller), 10 bytes an input."""
+
+  def __init__(self, in_use):
+    super().__init__()
+    self.in_use = in_use
+
+  def device_memory(self):
+    used = self.in_use.get(self.step, 0)
+    return DeviceMemory(bytes_in_use=(used // 2, used), bytes_limit=(1000, 1000), input_bytes=(10, 10))
+
+
+def test_the_memory_gate_pipelines_the_boundary_the_devices_are_too_full_for():
+  engine = _MemoryEngine({2: 995})
+  worker = TrainerWorker(engine)
+  assert worker.capabilities.can_report_memory
+  policy = StepBoundaryPolicy(Mode.STAGE_BEFORE_UPDATE, wait_threshold_s=0.0, min_free_device_bytes=100)
+
+  def sync(step, weights):
+    engine.calls.append(f"sync:{step}")
+
+  result = RLProgram(worker, policy, payload_steps(4, 2), ProgramConfig(steps=4, micro_batches_per_step=2),
+                     weight_sync=sync).run()
+  calls = engine.calls[engine.calls.index("fwd_bwd:s0m0"):]
+  expected = ["fwd_bwd:s0m0"]
+  for k in range(3):
+    mode = Mode.PIPELINED if k == 2 else Mode.STAGE_BEFORE_UPDATE
+    expected += [c.format(k=k, n=k + 1) for c in EXPECTED_BOUNDARY[mode]]
+  assert calls == expected + ["fwd_bwd:s3m1", "update", "metrics:4", "sync:4"]
+  records = result.records
+  assert [r.staged for r in records] == [True, True, False, False]
+  assert [r.device_free_bytes for r in records] == [1000, 1000, 5, None]  # the fullest device; none after the last
+  assert records[2].reason.startswith("no_memory_headroom: 5 B free") and records[2].low_wait is None
+  assert records[0].device_bytes_in_use == [0, 0] and records[0].device_bytes_limit == [1000, 1000]
+  assert records[0].staged_bytes_per_device is None  # the fake's prepared input does not say what it holds
+  assert policy.counters["no_memory_headroom"] == 1 and policy.mode is Mode.STAGE_BEFORE_UPDATE
+
+
+def test_engines_that_cannot_tell_record_no_device_memory():
+  _, result, _ = _run(RecordingEngine(), Mode.STAGE_BEFORE_UPDATE)
+  assert not TrainerWorker(RecordingEngine()).capabilities.can_report_memory
+  fields = ("staged_bytes_per_device", "device_bytes_in_use", "device_bytes_limit", "device_free_bytes")
+  assert all(getattr(r, f) is None for r in result.records for f in fields)
+  assert result.summary.timings.peak_staged_bytes_per_device is None
+
+
+class _TwoProcesses:
+  """An agreement of two processes whose other process posts ``other``."""
+
+  def __init__(self, other):
+    self.other, self.tags = other, []
+
+  def exchange(self, tag, value):
+    self.tags.append(tag)
+    return [value, self.other]
+
+
+def test_every_process_plans_with_the_least_free_memory_of_the_job():
+  mine = DeviceMemory(bytes_in_use=(100, 300), bytes_limit=(1000, 1000), input_bytes=(8, 8))
+  agreement = _TwoProcesses({"free_bytes": 500, "input_bytes": 16})
+  assert agree_on_headroom(agreement, 3, mine) == DeviceHeadroom(free_bytes=500, input_bytes=16)
+  assert agree_on_headroom(_TwoProcesses(None), 3, mine) == DeviceHeadroom(free_bytes=700, input_bytes=8)
+  assert agree_on_headroom(_TwoProcesses(None), 3, None) is None
+  assert agreement.tags == ["headroom step 3"]

@@ -56,6 +56,7 @@ def policy_from_recipe(recipe: Recipe, capabilities: WorkerCapabilities, *, mode
         reprobe_every=sb.reprobe_every,
         excluded_steps=excluded,
         engine_missing=capabilities.missing_staging_methods,
+        min_free_device_bytes=sb.min_free_device_bytes,
     )
   except StagingUnsupportedError as e:
     raise RecipeError(str(e)) from None

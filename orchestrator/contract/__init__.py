@@ -1,8 +1,8 @@
 """The contracts between the parts, each a runtime-checkable Protocol whose docstrings are the contract.
 
 - ``engine``: what a training engine does (``TrainingEngine``, ``StagingEngine``,
-  ``CheckpointingEngine``, ``WeightSource``, ``SnapshotEngine``), its ``Receipt``
-  and ``StepMetrics``.
+  ``CheckpointingEngine``, ``WeightSource``, ``MemoryReportingEngine``, ``SnapshotEngine``),
+  its ``Receipt``, ``StepMetrics`` and ``DeviceMemory``.
 - ``worker``: what the step loop drives (``Worker``) and the results it hands back.
 - ``source``: where the steps come from (``StepSource``, the optional ``LiveSource``
   part) and ``RolloutStats``.
@@ -15,6 +15,8 @@ the remote worker depend on these alone (docs/design.md §3–4).
 from orchestrator.contract.engine import (
     STAGING_METHODS,
     CheckpointingEngine,
+    DeviceMemory,
+    MemoryReportingEngine,
     PreparedInput,
     Receipt,
     SnapshotEngine,
@@ -36,7 +38,8 @@ from orchestrator.contract.source import LiveSource, RolloutStats, SourceStateEr
 from orchestrator.contract.worker import DeferredUpdate, StageReceipt, Worker, WorkerCapabilities, WorkerUsageError
 
 __all__ = [
-    "AgreementCost", "CheckpointingEngine", "DeferredUpdate", "Evaluation", "LiveSource", "PreparedInput",
+    "AgreementCost", "CheckpointingEngine", "DeferredUpdate", "DeviceMemory", "Evaluation", "LiveSource",
+    "MemoryReportingEngine", "PreparedInput",
     "ProcessTimings", "Receipt", "RolloutStats", "RolloutSummary", "RunSummary", "STAGING_METHODS",
     "SnapshotEngine", "SourceStateError", "StageReceipt", "StagingEngine", "StepMetrics", "StepSource",
     "StepTimings", "TrainingEngine", "WeightSource", "Worker", "WorkerCapabilities", "WorkerUsageError",

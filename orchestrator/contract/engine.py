@@ -5,8 +5,9 @@ This module is the one place the engine contract is written (``docs/design.md``
 the program, the recorder and the remote worker depend on it alone.
 
 Capabilities are layered. ``TrainingEngine`` is what every engine must have;
-``StagingEngine`` adds what staging needs; ``CheckpointingEngine`` and
-``WeightSource`` are optional extras the worker looks up once. All are
+``StagingEngine`` adds what staging needs; ``CheckpointingEngine``,
+``WeightSource`` and ``MemoryReportingEngine`` are optional extras the worker
+looks up once. All are
 runtime-checkable, so ``isinstance(engine, StagingEngine)`` answers whether an
 engine can stage (a method set to ``None`` counts as missing).
 """
@@ -120,9 +121,60 @@ class StepMetrics:
     return dict(out, **self.extra)
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DeviceMemory:
+  """The devices' memory as the backend's allocator reports it, one entry per device.
+
+  The devices are this process's devices of the engine's mesh, in device-id order; every tuple
+  has one entry per device in that order.
+
+  Attributes:
+    bytes_in_use: bytes allocated on each device now.
+    bytes_limit: bytes each device's allocator may hand out in all.
+    input_bytes: bytes one micro-batch's input holds on each device once placed (from its shapes, dtypes
+      and shardings): what a stage adds.
+  """
+
+  bytes_in_use: tuple[int, ...]
+  bytes_limit: tuple[int, ...]
+  input_bytes: tuple[int, ...]
+
+  @property
+  def free_bytes(self) -> int:
+    """The least free memory of any device (limit less in use)."""
+    return min(limit - used for limit, used in zip(self.bytes_limit, self.bytes_in_use))
+
+  def to_json(self) -> dict[str, list[int]]:
+    return {name: list(getattr(self, name)) for name in ("bytes_in_use", "bytes_limit", "input_bytes")}
+
+  @classmethod
+  def from_json(cls, data: Mapping[str, Any] | None) -> "DeviceMemory | None":
+    """``to_json``'s output back (None stays None).
+
+    Raises:
+      ValueError: a field is missing, not a list of whole numbers >= 0, or the lists differ in length.
+    """
+    if data is None:
+      return None
+    try:
+      fields = {name: tuple(data[name]) for name in ("bytes_in_use", "bytes_limit", "input_bytes")}
+    except (KeyError, TypeError) as e:
+      raise ValueError(f"device memory {data!r:.200} lacks {e}; give bytes_in_use, bytes_limit and input_bytes"
+                       " as lists of whole numbers") from None
+    bad = [name for name, values in fields.items() if not values or any(type(v) is not int or v < 0 for v in values)]
+    if bad or len({len(v) for v in fields.values()}) != 1:
+      raise ValueError(f"device memory {data!r:.200}: {', '.join(bad) or 'the lists'} must be non-empty lists of"
+                       " whole numbers >= 0, one per device")
+    return cls(**fields)
+
+
 @runtime_checkable
 class PreparedInput(Protocol):
-  """A micro-batch mapped to model inputs and placed on the devices, not yet dispatched."""
+  """A micro-batch mapped to model inputs and placed on the devices, not yet dispatched.
+
+  It may also say what it holds on the devices: ``bytes_per_device``, a tuple of bytes per device in
+  device-id order (this process's devices); the worker records it with each stage (None where absent).
+  """
 
   @property
   def digest(self) -> str:
@@ -234,6 +286,19 @@ class WeightSource(Protocol):
 
   def state_digest(self) -> str:
     """A hash of weights and optimizer state: equal digests mean bit-identical training."""
+    ...
+
+
+@runtime_checkable
+class MemoryReportingEngine(Protocol):
+  """An engine that can say how full its devices are (the stage's memory gate and records read it)."""
+
+  def device_memory(self) -> DeviceMemory | None:
+    """The devices' memory now; None where the backend does not report it (CPU).
+
+    Must not wait for the devices or change any state: it is read when a
+    boundary is planned and right after each stage.
+    """
     ...
 
 

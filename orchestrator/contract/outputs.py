@@ -18,13 +18,20 @@ from policies import PolicyReport
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class StepTimings:
-  """Medians over every record of the run (a resumed run's earlier records included)."""
+  """Medians over every record of the run (a resumed run's earlier records included).
+
+  ``peak_staged_bytes_per_device`` is the most a staged input held on one device, and
+  ``peak_device_bytes_in_use`` the most a device had in use right after a stage (None: not reported;
+  records of versions before these fields count as not reported).
+  """
 
   steps: int
   median_boundary_idle_s: float | None
   median_boundary_idle_strict_s: float | None
   median_step_s: float | None
   staged_boundaries: int
+  peak_staged_bytes_per_device: int | None = None
+  peak_device_bytes_in_use: int | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -107,6 +114,7 @@ class RunSummary:
   def to_json(self) -> dict[str, Any]:
     """``summary.json``: one flat dict, each part's fields at the top level (processes as a list)."""
     timings, policy = dataclasses.asdict(self.timings), self.policy.to_json()
+    memory = {key: timings.pop(key) for key in ("peak_staged_bytes_per_device", "peak_device_bytes_in_use")}
     # The order summary.json has always had: the step count and the modes first.
     out: dict[str, Any] = {"steps": timings.pop("steps"), "requested_mode": policy.pop("requested_mode"),
                            "final_mode": policy.pop("final_mode")}
@@ -126,4 +134,5 @@ class RunSummary:
     if self.trainer is not None:
       out["trainer"] = dict(self.trainer)
     out.update(self.run)
+    out.update(memory)  # newer keys go last: the order of every earlier key stays as it was
     return out

@@ -13,7 +13,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
-from orchestrator.contract.engine import Receipt, StepMetrics
+from orchestrator.contract.engine import DeviceMemory, Receipt, StepMetrics
 
 
 class WorkerUsageError(RuntimeError):
@@ -29,28 +29,36 @@ class WorkerCapabilities:
     missing_staging_methods: the ``StagingEngine`` methods it lacks, in the Protocol's order.
     can_checkpoint: it can save and restore checkpoints.
     can_export_weights: it can hand out its weights for the sync.
+    can_report_memory: it reports its devices' memory (``device_memory`` answered, once, when the worker
+      was built; CPU backends do not).
   """
 
   can_stage: bool
   missing_staging_methods: tuple[str, ...]
   can_checkpoint: bool
   can_export_weights: bool
+  can_report_memory: bool = False
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
 class StageReceipt:
-  """What staging the next micro-batch cost the host, and a way to fingerprint what was staged.
+  """What staging the next micro-batch cost the host, what it holds on the devices, and its fingerprint.
 
   Attributes:
     stage_s: host seconds ``stage_fwd_bwd`` took (input mapping plus issuing the copy).
     started_at, ended_at: ``time.perf_counter()`` around that call.
     prepared: the staged input (anything with a ``digest``), hashed only when asked.
+    staged_bytes_per_device: bytes the staged input holds on each device, in device-id order (this
+      process's devices); None when the engine does not say.
+    memory: the devices' memory right after the stage (``DeviceMemory``); None when the engine cannot tell.
   """
 
   stage_s: float
   started_at: float
   ended_at: float
   prepared: Any = dataclasses.field(repr=False)
+  staged_bytes_per_device: tuple[int, ...] | None = None
+  memory: DeviceMemory | None = None
 
   @property
   def input_digest(self) -> str | None:
@@ -134,6 +142,10 @@ class Worker(Protocol):
 
   def state_digest(self) -> str | None:
     """The engine's state digest; None when it cannot fingerprint its state."""
+    ...
+
+  def device_memory(self) -> DeviceMemory | None:
+    """The devices' memory now (``MemoryReportingEngine``); None when the engine cannot tell. Waits for nothing."""
     ...
 
   def save_checkpoint(self, metadata: Mapping[str, Any] | None = None) -> str:

@@ -1,7 +1,8 @@
 """The JAX training engine: gradient accumulation over micro-batches, one optimizer update per step.
 
-It implements ``orchestrator.contract.StagingEngine``, ``CheckpointingEngine``
-and ``WeightSource``; the contract's docstrings are its specification. Sibling
+It implements ``orchestrator.contract.StagingEngine``, ``CheckpointingEngine``,
+``WeightSource`` and ``MemoryReportingEngine``; the contract's docstrings are
+its specification. Sibling
 modules hold the rest: the input path (``inputs``, with each process's block
 of a micro-batch in a job of several), the step math (``step_math``), checkpoints
 (``checkpointing``), digests and compile counting (``diagnostics``), the
@@ -32,12 +33,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from orchestrator.contract import Receipt, StepMetrics
+from orchestrator.contract import DeviceMemory, Receipt, StepMetrics
 from orchestrator.data import packing
 from orchestrator.data.trajectory import Trajectory
 from orchestrator.engine import mesh as mesh_lib
 from orchestrator.engine import model as model_lib
 from orchestrator.engine.inputs import MicroBatchInputs, PreparedFwdBwdInput
+from orchestrator.engine.placement import allocator_stats
 from orchestrator.engine.programs import StepPrograms
 from orchestrator.engine.checkpointing import Checkpointer
 from orchestrator.engine.diagnostics import backend_compile_count, tree_digest
@@ -344,6 +346,13 @@ class JaxTrainingEngine:
   def wait_for_device(self) -> float:
     """Blocks until every queued computation is done; returns the seconds it blocked (see ``StagingEngine``)."""
     return self._throttler.block_until_ready()
+
+  def device_memory(self) -> DeviceMemory | None:
+    """This process's devices' memory now, and what an input holds on each (see ``MemoryReportingEngine``);
+    None where the backend reports no allocator statistics (CPU)."""
+    stats = allocator_stats(self._inputs.devices)
+    return None if stats is None else DeviceMemory(bytes_in_use=stats[0], bytes_limit=stats[1],
+                                                   input_bytes=self._inputs.input_bytes)
 
   # ---------------------------------------------------------------- state
   @property

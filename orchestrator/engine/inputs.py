@@ -7,6 +7,12 @@ the micro-batch (its rows, and its tokens where ``context`` spans processes):
 which row each trajectory goes to is decided over the whole payload, then the
 process writes its rows and builds the global array from them
 (``jax.make_array_from_process_local_data``).
+
+On a GPU or TPU a payload's arrays go through pinned host memory on their way
+to the devices (``placement.staging_memory_kind``), so the staged copy is a
+transfer that runs beside the compute; on CPU they are copied as they are. A
+job of several processes builds its global arrays from the host arrays
+directly (not through pinned memory yet).
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import numpy as np
 from orchestrator.data import packing
 from orchestrator.data.trajectory import Trajectory
 from orchestrator.engine import mesh as mesh_lib
-from orchestrator.engine.placement import place_tree
+from orchestrator.engine.placement import bytes_per_device, place_tree, staging_memory_kind
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -43,6 +49,8 @@ class PreparedFwdBwdInput:
     rows: in a job of several processes, the rows ``(start, stop)`` of the
       micro-batch this process packed and placed (``host_arrays`` holds only
       those); None when this process holds every row.
+    bytes_per_device: (a property) what the placed arrays hold on each of this
+      process's devices, in device-id order.
   """
 
   arrays: Mapping[str, jax.Array]
@@ -59,15 +67,34 @@ class PreparedFwdBwdInput:
     """Content digest of the inputs, hashed when first asked for (never on the stage itself)."""
     return packing.content_digest(self.host_arrays)
 
+  @functools.cached_property
+  def bytes_per_device(self) -> tuple[int, ...]:
+    """Bytes the placed arrays hold on each of this process's devices (device-id order), from their shardings."""
+    return bytes_per_device(self.arrays.values())
+
 
 class MicroBatchInputs:
-  """Packs payloads into ``[rows, tokens_per_row]`` arrays and places them on ``shardings``."""
+  """Packs payloads into ``[rows, tokens_per_row]`` arrays and places them on ``shardings``.
+
+  ``devices`` are this process's devices of the shardings (device-id order); ``host_memory_kind`` the host
+  memory a payload goes through on its way there (``placement.staging_memory_kind``: pinned host memory on
+  an accelerator, None on CPU).
+  """
 
   def __init__(self, rows: int, tokens_per_row: int, vocab_size: int, shardings: Mapping[str, jax.sharding.Sharding]):
     self.rows, self.tokens_per_row, self.vocab_size = rows, tokens_per_row, vocab_size
     self.shardings = dict(shardings)
+    self.devices = sorted(self.shardings["input_tokens"].addressable_devices, key=lambda d: d.id)
+    self.host_memory_kind = staging_memory_kind(self.devices)
     # Several processes: this process's block of each micro-batch (None: it holds every row).
     self.local_block = mesh_lib.process_block(self.shardings["input_tokens"], (rows, tokens_per_row))
+
+  @functools.cached_property
+  def input_bytes(self) -> tuple[int, ...]:
+    """What one micro-batch's input holds on each of ``devices`` once placed (every input has the same shapes)."""
+    host = self.pack([Trajectory(np.array([1], np.int32), np.array([2], np.int32), 0.0)])
+    return bytes_per_device(jax.ShapeDtypeStruct(host[name].shape, host[name].dtype, sharding=self.shardings[name])
+                            for name in host)
 
   def pack(self, payload: Sequence[Trajectory]) -> dict[str, np.ndarray]:
     """The whole micro-batch, packed (its shapes are the compiled step's)."""
@@ -96,7 +123,7 @@ class MicroBatchInputs:
 
   def _place(self, host: dict[str, np.ndarray]) -> dict[str, jax.Array]:
     if self.local_block is None:
-      return place_tree(host, self.shardings)
+      return place_tree(host, self.shardings, via=self.host_memory_kind)
     shape = (self.rows, self.tokens_per_row)
     return {name: jax.make_array_from_process_local_data(self.shardings[name], array, shape)
             for name, array in host.items()}

@@ -31,7 +31,8 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from orchestrator.contract import RunSummary, StageReceipt, StepMetrics, StepSource, Worker, RolloutStats, live_part
+from orchestrator.contract import (DeviceMemory, RunSummary, StageReceipt, StepMetrics, StepSource, Worker,
+                                   RolloutStats, live_part)
 from orchestrator.data.sources import as_step_source
 from orchestrator.distributed.agreement import KeyValueAgreement, SingleProcess, combine_max
 from orchestrator.loop.job_timings import merge_process_timings
@@ -39,7 +40,7 @@ from orchestrator.loop.live_waits import LiveWaits, StoppedWithoutCheckpointErro
 from orchestrator.loop.recorder import BoundaryRecord, Lane, Recorder, Span, fwd_bwd_key, update_key
 from orchestrator.loop.watcher import Watched
 from orchestrator.loop.weight_sync import HostWeightStore
-from policies import BoundaryPlan, Mode, StepBoundaryPolicy
+from policies import BoundaryPlan, DeviceHeadroom, Mode, StepBoundaryPolicy
 from policies.call_order import Action, boundary_actions
 from policies.step_boundary import format_seconds
 
@@ -161,6 +162,7 @@ class _Boundary:
   rollout_wait_s: float | None = None  # how long the next step's rollouts kept this boundary waiting
   rollout: RolloutStats | None = None  # what sampling this step's rollouts measured (a live source)
   per_process: dict | None = None  # several processes: each one's stage and device wait, in process order
+  headroom: DeviceHeadroom | None = None  # the devices' memory the plan was given (None: not gated)
   observe_after_dispatch: bool = False
   spans: dict = dataclasses.field(default_factory=dict)
 
@@ -196,6 +198,27 @@ def agree_on_measurements(agreement: SingleProcess, step: int, measured: dict, t
     seen["update_delay_s"] = None  # the slowest process did not wait below the threshold
   keys = ("stage_s", "device_wait_s")
   return seen, ({key: [m[key] for m in per_process] for key in keys} if len(per_process) > 1 else None)
+
+
+def agree_on_headroom(agreement: SingleProcess, step: int, memory: DeviceMemory | None) -> DeviceHeadroom | None:
+  """The headroom every process plans boundary ``step`` with: the least free memory of any device of any
+  process and the most a staged input holds on one device; None where no process reports its memory."""
+  local = None if memory is None else {"free_bytes": memory.free_bytes, "input_bytes": max(memory.input_bytes)}
+  reports = [r for r in agreement.exchange(f"headroom step {step}", local) if r is not None]
+  if not reports:
+    return None
+  return DeviceHeadroom(free_bytes=min(r["free_bytes"] for r in reports),
+                        input_bytes=max(r["input_bytes"] for r in reports))
+
+
+def boundary_headroom(worker: Worker, policy: StepBoundaryPolicy, agreement: SingleProcess,
+                      step: int) -> DeviceHeadroom | None:
+  """What the memory gate plans boundary ``step`` with (read when the boundary is planned, just before the
+  step's last micro-batch is dispatched); None, with no exchange, where the gate cannot apply: it is off, the
+  run never stages, or the worker does not report memory — each the same in every process of a job."""
+  if not (policy.gates_on_memory and policy.requested_mode.staged and worker.capabilities.can_report_memory):
+    return None
+  return agree_on_headroom(agreement, step, worker.device_memory())
 
 
 def update_delay(recorder: Recorder, boundary: "_Boundary", m: int, threshold: float | None) -> float | None:
@@ -434,16 +457,17 @@ class RLProgram:
     stop = k + 1 < self.config.steps and self._agreed_stop(k)
     has_next = k + 1 < self.config.steps and not stop
     next_ready = self._next_ready(k + 1) if has_next else None
-    plan = None
+    plan = headroom = None
     if k == self.config.start_step and self._first_plan is not None and not stop:
       plan = self._first_plan
     elif has_next:
-      plan = self.policy.plan(k, next_ready=next_ready)
+      headroom = boundary_headroom(self.worker, self.policy, self.agreement, k)
+      plan = self.policy.plan(k, next_ready=next_ready, headroom=headroom)
     mode = (plan.mode if plan else self.policy.mode).value
     # Rollouts that need this boundary's weights can only be sampled after its sync.
     sync_first = self.config.sync_before_next_step or next_ready is False
     actions = boundary_actions(plan, sync_before_next_step=sync_first)
-    self._boundaries[k] = _Boundary(k, plan, mode, actions, stop=stop, next_ready=next_ready)
+    self._boundaries[k] = _Boundary(k, plan, mode, actions, stop=stop, next_ready=next_ready, headroom=headroom)
     return self._boundaries[k]
 
   def _agreed_stop(self, k: int) -> bool:
@@ -475,8 +499,7 @@ class RLProgram:
       if not boundary.last_dispatched:  # with M = 1 the boundary before dispatched it as a first
         self._dispatch_micro(k, m - 1, self._payload(k, m - 1))
     elif action is Action.STAGE_FIRST:
-      payload = self._payload(k + 1, 0)
-      boundary.stage = self.worker.stage_fwd_bwd(payload)
+      boundary.stage = self.worker.stage_fwd_bwd(self._payload(k + 1, 0))
       self.recorder.span("stage", boundary.stage.started_at, boundary.stage.ended_at)
     elif action is Action.WAIT_AND_UPDATE:
       applied = self.worker.apply_deferred_update()

@@ -52,6 +52,12 @@ class BoundaryRecord:
   first micro-batch being dispatched; ``boundary_idle_strict_s`` adds idle
   between the last micro-batch finishing and the update's dispatch. Both are
   None after the last step.
+
+  Device memory, per device of this process in device-id order (lists), where a boundary staged:
+  ``staged_bytes_per_device`` is what the staged input holds (None: the engine does not say),
+  ``device_bytes_in_use`` and ``device_bytes_limit`` what the allocator reported right after the stage
+  (None: the backend does not report it, e.g. CPU). ``device_free_bytes`` is the free memory of the
+  fullest device (over every process) the plan was given, on any boundary the memory gate looked at.
   """
 
   step: int
@@ -98,6 +104,10 @@ class BoundaryRecord:
   # Restored from the checkpoint after this step (the run was killed before writing it): what the record knew
   # when the checkpoint was saved; the checkpoint's and weight sync's own times, and what came after, are None.
   restored_from_checkpoint: int | None = None
+  staged_bytes_per_device: list[int] | None = None
+  device_bytes_in_use: list[int] | None = None
+  device_bytes_limit: list[int] | None = None
+  device_free_bytes: int | None = None
 
   def to_json(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
@@ -106,6 +116,23 @@ class BoundaryRecord:
   def from_json(cls, data: dict[str, Any]) -> "BoundaryRecord":
     """A record read back from ``records.jsonl`` (unknown keys are ignored, missing ones None)."""
     return cls(**{f.name: data.get(f.name) for f in dataclasses.fields(cls)})
+
+
+def _memory_fields(boundary) -> dict[str, Any]:
+  """The record's device-memory fields (``BoundaryRecord``) from the boundary's stage and headroom."""
+  stage, headroom = boundary.stage, boundary.headroom
+  memory = stage.memory if stage is not None else None
+  held = stage.staged_bytes_per_device if stage is not None else None
+  return {"staged_bytes_per_device": None if held is None else list(held),
+          "device_bytes_in_use": None if memory is None else list(memory.bytes_in_use),
+          "device_bytes_limit": None if memory is None else list(memory.bytes_limit),
+          "device_free_bytes": None if headroom is None else headroom.free_bytes}
+
+
+def _peak(values) -> int | None:
+  """The largest number in lists of numbers (None where every list is None)."""
+  present = [max(v) for v in values if v]
+  return max(present) if present else None
 
 
 def fwd_bwd_key(step: int, micro_step: int) -> tuple:
@@ -250,7 +277,7 @@ class Recorder:
         t_next_first_dispatch=None if first_dispatch is None else first_dispatch - self.run_start,
         next_ready=boundary.next_ready, rollout_wait_s=boundary.rollout_wait_s,
         **(dataclasses.asdict(boundary.rollout) if boundary.rollout else {}),
-        per_process=boundary.per_process,
+        per_process=boundary.per_process, **_memory_fields(boundary),
     )
 
   def sync_records(self) -> None:
@@ -280,7 +307,9 @@ class Recorder:
                           median_boundary_idle_s=statistics.median(idles) if idles else None,
                           median_boundary_idle_strict_s=statistics.median(stricts) if stricts else None,
                           median_step_s=statistics.median(steps) if steps else None,
-                          staged_boundaries=sum(1 for r in self.records if r.staged))
+                          staged_boundaries=sum(1 for r in self.records if r.staged),
+                          peak_staged_bytes_per_device=_peak(r.staged_bytes_per_device for r in self.records),
+                          peak_device_bytes_in_use=_peak(r.device_bytes_in_use for r in self.records))
     return RunSummary(timings=timings, policy=policy, final_state_digest=final_state_digest,
                       records_path=str(self.out_dir / "records.jsonl") if self.out_dir else None,
                       rollouts=self._rollout_summary())

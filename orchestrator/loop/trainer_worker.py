@@ -7,8 +7,9 @@ today; a remote worker implements the same surface over an RPC.
 
 It satisfies ``orchestrator.contract.Worker`` and returns that contract's
 result types. The engine is checked against ``orchestrator.contract`` once, at construction:
-``TrainingEngine`` is required; ``StagingEngine``, ``CheckpointingEngine`` and
-``WeightSource`` are optional and recorded in ``capabilities``.
+``TrainingEngine`` is required; ``StagingEngine``, ``CheckpointingEngine``,
+``WeightSource`` and ``MemoryReportingEngine`` are optional and recorded in
+``capabilities``.
 
 Misuse is an error, never silently absorbed (``WorkerUsageError``): a second
 ``stage_fwd_bwd`` with one pending, ``fwd_bwd_staged`` with none,
@@ -26,6 +27,7 @@ from typing import Any
 from orchestrator import contract
 from orchestrator.contract import (
     DeferredUpdate,
+    DeviceMemory,
     Receipt,
     StageReceipt,
     StepMetrics,
@@ -56,6 +58,8 @@ class TrainerWorker:
         missing_staging_methods=contract.missing_methods(engine, contract.StagingEngine),
         can_checkpoint=not contract.missing_methods(engine, contract.CheckpointingEngine),
         can_export_weights=not contract.missing_methods(engine, contract.WeightSource),
+        can_report_memory=(not contract.missing_methods(engine, contract.MemoryReportingEngine)
+                           and engine.device_memory() is not None),
     )
     self._staged: Any = None
     self._update_owed = False
@@ -90,7 +94,9 @@ class TrainerWorker:
   def stage_fwd_bwd(self, payload: Any) -> StageReceipt:
     """Prepares ``payload`` ahead (``prepare_fwd_bwd_input``) and keeps it; dispatches nothing.
 
-    Allowed while an update is owed (that is the point of staging before the update).
+    Allowed while an update is owed (that is the point of staging before the update). The receipt
+    carries what the input holds per device and, where the engine reports it, the devices' memory
+    after the stage (both read after the stage's own timing).
 
     Raises:
       WorkerUsageError: the engine cannot stage, or an input is already staged.
@@ -104,7 +110,10 @@ class TrainerWorker:
     start = time.perf_counter()
     self._staged = self._engine.prepare_fwd_bwd_input(payload)
     end = time.perf_counter()
-    return StageReceipt(stage_s=end - start, started_at=start, ended_at=end, prepared=self._staged)
+    held = getattr(self._staged, "bytes_per_device", None)
+    return StageReceipt(stage_s=end - start, started_at=start, ended_at=end, prepared=self._staged,
+                        staged_bytes_per_device=None if held is None else tuple(int(n) for n in held),
+                        memory=self.device_memory())
 
   def fwd_bwd_staged(self, apply_optimizer: bool = False, defer_update: bool = False) -> Receipt:
     """Dispatches the staged input as the next micro-batch (same options as ``fwd_bwd``).
@@ -194,6 +203,10 @@ class TrainerWorker:
     """The engine's state digest; None if it cannot fingerprint its state."""
     digest = getattr(self._engine, "state_digest", None)
     return digest() if callable(digest) else None
+
+  def device_memory(self) -> DeviceMemory | None:
+    """The engine's ``device_memory()``; None when it cannot tell (``capabilities.can_report_memory``)."""
+    return self._engine.device_memory() if self.capabilities.can_report_memory else None
 
   def save_checkpoint(self, metadata: Mapping[str, Any] | None = None) -> str:
     """Saves the training state as of the last applied update; returns the checkpoint's path.

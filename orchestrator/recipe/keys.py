@@ -107,6 +107,14 @@ def coerce(key: str, value: Any) -> Any:
       if isinstance(value, str) and value.strip().lower() == "auto":
         return "auto"
       return _parse_number(value, float, key)
+    if key == "step_boundary.min_free_device_bytes":
+      if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+      try:
+        return _parse_number(value, int, key)
+      except RecipeError:
+        raise RecipeError(f"{key}: expected 'auto' or a whole number of bytes (0: no memory gate), got {value!r}"
+                          ) from None
     errors = []
     for option in options:
       try:

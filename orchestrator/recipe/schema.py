@@ -223,6 +223,8 @@ class StepBoundarySection:
   exclude_checkpoint_boundaries: bool = True
   sync_before_next_step: bool = False
   calibration_samples: int = 8
+  # The free device memory a stage needs: "auto" (the staged input's bytes + max(10 %, 64 MiB)), bytes, or 0 (off).
+  min_free_device_bytes: int | str = "auto"
 
   @property
   def staging_requested(self) -> bool:
@@ -243,6 +245,10 @@ class StepBoundarySection:
     t = self.wait_threshold_s
     if t != "auto" and t < 0:
       raise RecipeError(f"step_boundary.wait_threshold_s={t} is out of range: use 'auto' or a number >= 0")
+    free = self.min_free_device_bytes
+    if free != "auto" and (type(free) is not int or not 0 <= free <= 1 << 50):
+      raise RecipeError(f"step_boundary.min_free_device_bytes={free!r} is out of range: use 'auto', 0 (no memory"
+                        f" gate) or a whole number of bytes up to {1 << 50:,}")
     if self.stage_next_microbatch and not self.pipeline_step_boundary:
       raise RecipeError(
           "step_boundary.stage_next_microbatch=true needs step_boundary.pipeline_step_boundary=true:"

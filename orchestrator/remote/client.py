@@ -38,6 +38,7 @@ import grpc
 
 from orchestrator.contract import (
     DeferredUpdate,
+    DeviceMemory,
     Receipt,
     StageReceipt,
     StepMetrics,
@@ -62,6 +63,7 @@ class TrainerRefusedError(RuntimeError):
 @dataclasses.dataclass(frozen=True)
 class _Staged:
   digest: str | None
+  bytes_per_device: tuple[int, ...] | None = None
 
 
 class RemoteCompletion:
@@ -117,7 +119,9 @@ class RemoteTrainerWorker:
     self.capabilities = WorkerCapabilities(can_stage=caps["can_stage"],
                                            missing_staging_methods=tuple(caps["missing_staging_methods"]),
                                            can_checkpoint=caps["can_checkpoint"],
-                                           can_export_weights=caps["can_export_weights"])
+                                           can_export_weights=caps["can_export_weights"],
+                                           # a trainer of a version before memory reports sends no such key
+                                           can_report_memory=bool(caps.get("can_report_memory", False)))
     self._estimate_offset()
     self._attach_confirmed = threading.Event()
     self._attached = False
@@ -264,8 +268,11 @@ class RemoteTrainerWorker:
     start = time.perf_counter()
     header, _ = self._call({"method": "stage"}, wire.encode_payload("stage", list(payload)))
     end = time.perf_counter()
-    self._staged = _Staged(header["input_digest"])
-    return StageReceipt(stage_s=end - start, started_at=start, ended_at=end, prepared=self._staged)
+    held = header.get("staged_bytes_per_device")  # absent from a trainer of a version before memory reports
+    self._staged = _Staged(header["input_digest"], None if held is None else tuple(held))
+    return StageReceipt(stage_s=end - start, started_at=start, ended_at=end, prepared=self._staged,
+                        staged_bytes_per_device=self._staged.bytes_per_device,
+                        memory=DeviceMemory.from_json(header.get("memory")))
 
   def fwd_bwd_staged(self, apply_optimizer: bool = False, defer_update: bool = False) -> Receipt:
     if self._early is not None:
@@ -311,6 +318,12 @@ class RemoteTrainerWorker:
     start = time.perf_counter()
     self._call({"method": "wait_for_device"})
     return time.perf_counter() - start
+
+  def device_memory(self) -> DeviceMemory | None:
+    """The trainer's devices' memory (one round trip); None, asking nothing, when it does not report memory."""
+    if not self.capabilities.can_report_memory:
+      return None
+    return DeviceMemory.from_json(self._call({"method": "device_memory"})[0]["memory"])
 
   def get_metrics(self) -> StepMetrics:
     return StepMetrics.coerce(self._call({"method": "get_metrics"})[0]["metrics"])

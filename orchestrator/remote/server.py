@@ -45,6 +45,7 @@ server is logged here with its traceback and answered ``INTERNAL`` in one line
 from __future__ import annotations
 
 import collections
+import dataclasses
 import hmac
 import logging
 import secrets
@@ -128,6 +129,22 @@ def _receipt_json(receipt, ids: Callable[[Any, str, int, int], int | None]) -> d
           "update": _receipt_json(receipt.update, ids)}
 
 
+def _stage_json(stage) -> dict:
+  """What a stage reply carries: its seconds and digest, and (since they were added; a driver that does not know
+  them ignores them) what the staged input holds per device and the devices' memory after the stage."""
+  held, memory = stage.staged_bytes_per_device, stage.memory
+  return {"stage_s": stage.stage_s, "input_digest": stage.input_digest,
+          "staged_bytes_per_device": None if held is None else list(held),
+          "memory": None if memory is None else memory.to_json()}
+
+
+def _rig_host(rig):
+  """The rig's host this trainer was served with; WorkerUsageError when it has none."""
+  if rig is None:
+    raise WorkerUsageError("this trainer was started without the rig's host; serve it with run_rl serve-trainer")
+  return rig
+
+
 def _number(value: Any) -> Any:
   """A metric as JSON: numbers keep their kind (an int stays an int), anything else becomes its text."""
   if hasattr(value, "item") and getattr(value, "size", 1) == 1:
@@ -183,6 +200,7 @@ _REQUEST_CHECKS: dict[str, Callable[[dict, dict], None]] = {
     "apply_deferred_update": lambda header, arrays: wire.read_flag(header, "then_dispatch_staged"),
     "update": _no_fields,
     "wait_for_device": _no_fields,
+    "device_memory": _no_fields,
     "get_metrics": _no_fields,
     "export_weights": _no_fields,
     "echo": _no_fields,
@@ -415,10 +433,7 @@ class TrainerService:
     return wire.encode({"session": session, "protocol": protocol.PROTOCOL_VERSION,
                         "server_time": time.perf_counter(),
                         "attach_deadline_s": self._sessions.attach_deadline_s,
-                        "capabilities": {"can_stage": caps.can_stage,
-                                         "missing_staging_methods": list(caps.missing_staging_methods),
-                                         "can_checkpoint": caps.can_checkpoint,
-                                         "can_export_weights": caps.can_export_weights}})
+                        "capabilities": dataclasses.asdict(caps)})  # a driver ignores capabilities it does not know
 
   def clock(self, request: bytes, context) -> bytes:
     self._sessions.check(self._session_of(context), attached=False)
@@ -535,8 +550,7 @@ class TrainerService:
         defer_update=wire.read_flag(header, "defer_update"))))
 
   def _do_stage(self, header, arrays) -> bytes:
-    stage = self._worker.stage_fwd_bwd(wire.decode_payload(header, arrays))
-    return wire.encode({"stage_s": stage.stage_s, "input_digest": stage.input_digest})
+    return wire.encode(_stage_json(self._worker.stage_fwd_bwd(wire.decode_payload(header, arrays))))
 
   def _do_fwd_bwd_staged(self, header, arrays) -> bytes:
     return self._receipt(self._counted(self._worker.fwd_bwd_staged(
@@ -572,6 +586,10 @@ class TrainerService:
   def _do_wait_for_device(self, header, arrays) -> bytes:
     return wire.encode({"waited_s": self._worker.wait_for_device()})
 
+  def _do_device_memory(self, header, arrays) -> bytes:
+    memory = self._worker.device_memory()
+    return wire.encode({"memory": None if memory is None else memory.to_json()})
+
   def _do_get_metrics(self, header, arrays) -> bytes:
     return wire.encode({"metrics": {k: _number(v) for k, v in self._worker.get_metrics().to_json().items()}})
 
@@ -587,17 +605,13 @@ class TrainerService:
 
   def _do_rig_begin_arm(self, header, arrays) -> bytes:
     """The rig: back to the state the first arm started from, with the engine's calls recorded."""
-    if self._rig is None:
-      raise WorkerUsageError("this trainer was started without the rig's host; serve it with run_rl serve-trainer")
-    self._worker = TrainerWorker(self._rig.begin_arm(wire.read_text(header, "fault")))
+    self._worker = TrainerWorker(_rig_host(self._rig).begin_arm(wire.read_text(header, "fault")))
     self._micro_batches_since_update = 0  # an arm starts from a snapshot taken at a step boundary
     return wire.encode(self._rig.info())
 
   def _do_rig_end_arm(self, header, arrays) -> bytes:
     """The rig: the arm's engine calls (kind, content digest) and the compiles it caused."""
-    if self._rig is None:
-      raise WorkerUsageError("this trainer was started without the rig's host; serve it with run_rl serve-trainer")
-    events, compiles = self._rig.end_arm()
+    events, compiles = _rig_host(self._rig).end_arm()
     self._worker = TrainerWorker(self._engine)
     self._micro_batches_since_update = None
     return wire.encode({"events": events, "compiles": compiles})

@@ -11,7 +11,7 @@ from orchestrator.rig.arms import RigError
 
 #: The Protocols whose methods the proxy forwards; it has each method exactly when the engine does.
 FORWARDED_PROTOCOLS = (contract.TrainingEngine, contract.StagingEngine, contract.CheckpointingEngine,
-                       contract.WeightSource, contract.SnapshotEngine)
+                       contract.WeightSource, contract.SnapshotEngine, contract.MemoryReportingEngine)
 
 
 def require_snapshots(engine: Any) -> None:
@@ -103,6 +103,9 @@ class CallRecordingEngine:
 
   def state_digest(self) -> str:
     return self._engine.state_digest()
+
+  def device_memory(self) -> contract.DeviceMemory | None:
+    return self._engine.device_memory()
 
   def snapshot(self) -> Any:
     return self._engine.snapshot()
