@@ -3,6 +3,7 @@ records and checkpoint metadata checked as input, the saved recipe held to its d
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -72,39 +73,59 @@ def _metadata_path(run: Path, step: int) -> Path:
 
 
 # ---------------------------------------------------------------------------- the lock
+@contextlib.contextmanager
+def _held_by_another_process(path: Path):
+  """``path``'s lock, held by a child process until the block ends (then killed: the OS drops its lock)."""
+  child = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path;"
+                            " from orchestrator.app import run_dir;"
+                            f" held = run_dir.lock(Path({str(path)!r}), flag='t', create=True);"
+                            " print('held', flush=True); time.sleep(600)"],
+                           cwd=REPO, stdout=subprocess.PIPE, text=True)
+  try:
+    assert child.stdout.readline().strip() == "held"
+    yield child.pid
+  finally:
+    child.send_signal(signal.SIGKILL)
+    child.wait(timeout=60)
+
+
 def test_a_held_run_directory_is_refused_naming_the_holder_before_anything_is_read(finished, tmp_path, capsys):
   run = _copy(finished, tmp_path)
   (run / run_dir.CONFIG).write_text("not json")  # a resume that read it would refuse it for that instead
   before = _files(run)
-  with run_dir.lock(run, flag="test"):
+  with _held_by_another_process(run) as holder:
     err = _refused(["--resume", str(run), "--steps", "6"], capsys)
-  assert f"is in use by pid {os.getpid()}" in err
+  assert f"is in use by pid {holder}" in err
   assert _files(run) == before
 
 
 def test_a_new_run_into_a_held_directory_is_refused(tmp_path, capsys):
   out = tmp_path / "new"
-  with run_dir.lock(out, flag="test", create=True):
+  with _held_by_another_process(out):
     err = _refused(BASE + ["steps=2", "--out", str(out)], capsys)
   assert "in use by pid" in err and not (out / run_dir.CONFIG).exists()
 
 
-def test_the_lock_is_released_when_its_holder_ends(tmp_path):
-  """The OS drops the lock of a process that dies (even by SIGKILL): the next one takes it."""
+def test_the_lock_is_released_when_its_holder_ends_and_this_process_may_take_its_own_again(tmp_path):
+  """The OS drops the lock of a process that dies (even by SIGKILL): the next one takes it. A process that
+  holds a lock takes it again as a no-op (a live ``record`` holds its directory, then its run takes it)."""
   out = tmp_path / "dir"
-  child = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path;"
-                            " from orchestrator.app import run_dir;"
-                            f" held = run_dir.lock(Path({str(out)!r}), flag='t', create=True);"
-                            " print('held', flush=True); time.sleep(600)"],
-                           cwd=REPO, stdout=subprocess.PIPE, text=True)
-  try:
-    assert child.stdout.readline().strip() == "held"
-    with pytest.raises(run_dir.RunDirError, match=f"in use by pid {child.pid}"):
+  with _held_by_another_process(out) as holder:
+    with pytest.raises(run_dir.RunDirError, match=f"in use by pid {holder}"):
       run_dir.lock(out, flag="t")
-  finally:
-    child.send_signal(signal.SIGKILL)
-    child.wait(timeout=60)
-  run_dir.lock(out, flag="t").release()
+  held = run_dir.lock(out, flag="t")
+  with run_dir.lock(out, flag="t"):  # re-entered: releasing it keeps the first
+    pass
+  assert run_dir._key(out) in run_dir._HELD
+  held.release()
+  assert run_dir._key(out) not in run_dir._HELD
+
+
+def test_two_checkout_copies_sharing_a_checkpoint_directory_cannot_run_at_once(finished, tmp_path, capsys):
+  shared = tmp_path / "shared-ckpt"
+  with _held_by_another_process(shared):
+    err = _refused(BASE + ["steps=2", f"checkpoint.directory={shared}", "--out", str(tmp_path / "x")], capsys)
+  assert "checkpoint.directory" in err and "in use by pid" in err
 
 
 def test_the_rig_refuses_a_run_directory(finished, tmp_path, capsys):

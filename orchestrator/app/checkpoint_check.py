@@ -18,6 +18,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from orchestrator.app.run_dir import RECORD_FIELDS
 from orchestrator.contract import SourceStateError
 from orchestrator.data.sources import ReplaySteps, SyntheticSteps
 from orchestrator.loop.program import plan_from_json
@@ -27,15 +28,19 @@ from policies import Mode, StepBoundaryPolicy
 _REQUIRED = ("step", "run_id", "mode", "records_count", "source_state", "policy_state")
 
 
-def problems(checkpoints: Mapping[int, Any], *, run_id: str, source) -> dict[int, str | None]:
+def problems(checkpoints: Mapping[int, Any], *, run_id: str, source, config_sha256: str | None = None
+             ) -> dict[int, str | None]:
   """For each checkpoint (its step → metadata): what is wrong with it, or None for one a resume can use."""
   expected = _expected_positions(source, checkpoints)
-  return {step: problem(step, metadata, run_id=run_id, source=source, expected_position=expected.get(step))
+  return {step: problem(step, metadata, run_id=run_id, source=source, expected_position=expected.get(step),
+                        config_sha256=config_sha256)
           for step, metadata in checkpoints.items()}
 
 
-def problem(step: int, metadata: Any, *, run_id: str, source, expected_position: Any = None) -> str | None:
-  """What is wrong with checkpoint ``step``'s metadata for run ``run_id`` and ``source``, or None."""
+def problem(step: int, metadata: Any, *, run_id: str, source, expected_position: Any = None,
+            config_sha256: str | None = None) -> str | None:
+  """What is wrong with checkpoint ``step``'s metadata for run ``run_id`` and ``source``, or None.
+  ``config_sha256``: the digest of the recipe config.json holds now (a checkpoint names the one it ran)."""
   if not isinstance(metadata, dict) or not metadata:
     return "has no metadata a resume can read (damaged, or not written by run_rl)"
   missing = [key for key in _REQUIRED if key not in metadata]
@@ -50,7 +55,7 @@ def problem(step: int, metadata: Any, *, run_id: str, source, expected_position:
     return "is before the first step (0 steps done): there is nothing to resume"
   if metadata["records_count"] != step or not _is_count(metadata["records_count"]):
     return f"covers {metadata['records_count']!r} records, but a checkpoint after {step} steps covers {step}"
-  if metadata["mode"] not in {m.value for m in Mode}:
+  if not isinstance(metadata["mode"], str) or metadata["mode"] not in {m.value for m in Mode}:
     return f"names mode {metadata['mode']!r}, which is none of {', '.join(m.value for m in Mode)}"
   if "scored" in metadata and not isinstance(metadata["scored"], bool):
     return f"has scored={metadata['scored']!r}, not true or false"
@@ -64,8 +69,16 @@ def problem(step: int, metadata: Any, *, run_id: str, source, expected_position:
     except (TypeError, ValueError, KeyError) as e:
       return f"holds a next-boundary plan that cannot be read ({type(e).__name__}: {e})"
   pending = metadata.get("pending_record")
-  if pending is not None and (not isinstance(pending, dict) or pending.get("step") != step - 1):
-    return f"holds a pending record that is not step {step - 1}'s"
+  if pending is not None:
+    if not isinstance(pending, dict) or pending.get("step") != step - 1:
+      return f"holds a pending record that is not step {step - 1}'s"
+    missing = [f for f in RECORD_FIELDS if f not in pending]
+    if missing:
+      return f"holds a pending record of step {step - 1} without {', '.join(missing)}"
+  digest = metadata.get("config_sha256")
+  if digest is not None and config_sha256 is not None and digest != config_sha256:
+    return ("was written by the run's recipe as it was, not as config.json now reads (config.json was edited"
+            " since): restore config.json")
   return _position_problem(step, metadata["source_state"], source, expected_position)
 
 

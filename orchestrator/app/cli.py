@@ -97,8 +97,19 @@ def record_main(argv: list[str]) -> int:
     return resolved
   recipe = resolved.recipe
   if recipe.rollouts.source == "sampler":  # record a live run: the rollouts it trains on, as it trains
-    resolved.recipe.rollouts.record_to = args.out
-    return launch.start(resolved, None)
+    out = Path(args.out)
+    if (out / "manifest.json").exists():
+      print(f"run_rl record: error: {out} already holds a recording; recordings are read-only,"
+            " choose a new --out", file=sys.stderr)
+      return 2
+    try:
+      held = run_dir.lock(out, flag="run_rl record --out", create=True)
+    except RunDirError as e:
+      print(f"run_rl record: error: {e}", file=sys.stderr)
+      return 2
+    with held:  # the run takes it again (a no-op) and writes the recording at its end
+      resolved.recipe.rollouts.record_to = args.out
+      return launch.start(resolved, None)
   preset = load_preset(recipe.model)
   r = recipe.rollouts
   shape = RolloutShape(

@@ -127,6 +127,8 @@ class RunPlan:
     from_checkpoint: the checkpoint to resume from (None: the latest).
     write_dir: where this segment writes its records, summary and trace: ``out`` for a new run, the new
       segment's directory for a resume (set once the resume is checked).
+    config_sha256: the digest of the recipe as config.json holds it (as read now, for a resume); every
+      checkpoint carries it.
   """
 
   resolved: recipe_lib.ResolvedRecipe
@@ -137,6 +139,7 @@ class RunPlan:
   segments: tuple[run_dir.Segment, ...] = ()
   from_checkpoint: int | None = None
   write_dir: Path | None = None
+  config_sha256: str | None = None
 
   @property
   def recipe(self) -> recipe_lib.Recipe:
@@ -149,7 +152,7 @@ def plan_new_run(resolved: recipe_lib.ResolvedRecipe, out: Path | None, argv: Se
   recipe = resolved.recipe
   out = out or (Path(recipe.run.out) if recipe.run.out else run_dir.default_out(recipe.name))
   return RunPlan(resolved, out, run_id=run_dir.new_run_id(), resumes=False, launch_argv=(*argv, f"run.out={out}"),
-                 write_dir=out)
+                 write_dir=out, config_sha256=run_dir.recipe_sha256(recipe_lib.run_config_dict(recipe)))
 
 
 def plan_resume(path: Path, steps: int | None, from_checkpoint: int | None = None) -> RunPlan:
@@ -175,7 +178,7 @@ def plan_resume(path: Path, steps: int | None, from_checkpoint: int | None = Non
   argv = ("--resume", str(path), *([f"--steps={steps}"] if steps else []),
           *([f"--from-checkpoint={from_checkpoint}"] if from_checkpoint is not None else []))
   return RunPlan(resolved, path, run_id=config["run_id"], resumes=True, launch_argv=argv, segments=segs,
-                 from_checkpoint=from_checkpoint)
+                 from_checkpoint=from_checkpoint, config_sha256=run_dir.recipe_sha256(config["config"]))
 
 
 def resolved_from_saved(config: dict, steps: int | None, *, saved_steps: int | None = None
@@ -267,7 +270,7 @@ def _execute(plan: RunPlan, held: contextlib.ExitStack) -> int:
   code = _admit(job, plan.recipe)
   if code is not None:
     return code
-  checked, code = _agreed(job, lambda: _checks(plan, job))
+  checked, code = _agreed(job, lambda: _checks(plan, job, held))
   if code is not None:
     return code
   host, point, source = checked
@@ -297,24 +300,40 @@ def _admit(job: job_lib.Job, recipe) -> int | None:
   return None
 
 
-def _checks(plan: RunPlan, job: job_lib.Job):
+def _checks(plan: RunPlan, job: job_lib.Job, held: contextlib.ExitStack):
   """Everything that may refuse the run, in order: a new run's directory (process 0), the host settings, a
-  resumed run's checkpoint, the preflight. Returns (host core reserved, resume point or None, rollout source)."""
+  checkpoint directory of the recipe's own (locked by process 0, held in ``held``), the preflight, a resumed
+  run's checkpoint. Returns (host core reserved, resume point or None, rollout source)."""
   recipe = plan.recipe
   if not plan.resumes and job.is_primary:  # process 0 owns the run directory
     _check_new_out(plan)
   host = setup_host(recipe, distributed=job.distributed)
+  if job.is_primary:
+    _lock_checkpoint_directory(plan, held)
   source = preflight(recipe, plan.out, run_id=plan.run_id, steps=recipe.steps if plan.resumes else None,
                      distributed=job.distributed, primary=job.is_primary)
   point = resume_point(plan, source) if plan.resumes else None
   return host, point, source
 
 
+def _lock_checkpoint_directory(plan: RunPlan, held: contextlib.ExitStack) -> None:
+  """A checkpoint directory outside the run directory (``checkpoint.directory``) is locked as well: two runs
+  (or two copies of one run directory) must never write the same checkpoints."""
+  from orchestrator.app.runner import checkpoint_dir_for  # import here: gRPC and the engines load after setup_host
+
+  if plan.recipe.trainer.location == "remote" and not plan.recipe.trainer.spawn:
+    return  # a remote trainer's own checkpoints: its server holds them
+  ckpt_dir = checkpoint_dir_for(plan.recipe, plan.out)
+  if ckpt_dir is None or Path(ckpt_dir).resolve().is_relative_to(plan.out.resolve()):
+    return
+  held.enter_context(_lock(Path(ckpt_dir), flag="checkpoint.directory", create=True))
+
+
 def _check_new_out(plan: RunPlan) -> None:
   """A new run's directory must hold no run, and its ``rollouts.record_to`` must not exist yet."""
   run_dir.check_new(plan.out)
   record_to = plan.recipe.rollouts.record_to
-  if record_to and Path(record_to).exists():
+  if record_to and Path(record_to).exists() and not run_dir.holds_only_its_lock(Path(record_to)):
     raise RunDirError(f"rollouts.record_to={record_to} already exists; recordings are read-only, choose a new"
                       " directory")
 
@@ -408,7 +427,8 @@ def resume_point(plan: RunPlan, source):
   if not checkpoints:
     raise RunDirError(f"--resume {path}: no complete checkpoint in {ckpt_dir}; nothing to resume from"
                       " (start a new run with --out)")
-  problems = checkpoint_check.problems(checkpoints, run_id=plan.run_id, source=source)
+  problems = checkpoint_check.problems(checkpoints, run_id=plan.run_id, source=source,
+                                      config_sha256=plan.config_sha256)
   valid = sorted(step for step, problem in problems.items() if problem is None)
   instead = (f"resume from checkpoint {valid[-1]}, the newest valid one, with `run_rl --resume {path}"
              f" --from-checkpoint {valid[-1]}` (the checkpoints after it are moved aside, not deleted)" if valid
@@ -485,17 +505,20 @@ def _claim(plan: RunPlan, job: job_lib.Job, held: contextlib.ExitStack) -> tuple
   """Process 0 locks a new run's directory (held in ``held``) and claims it (``config.json``); every process
   then takes process 0's run id and directory, since every process writes checkpoints under them. Returns the
   claimed plan and why the claim failed (None: claimed)."""
-  claimed = {"run_id": plan.run_id, "out": str(plan.out), "refusal": None}
+  claimed = {"run_id": plan.run_id, "out": str(plan.out), "config_sha256": plan.config_sha256, "refusal": None}
   if job.is_primary:
     try:
       held.enter_context(_lock(plan.out, flag="--out", create=True))
+      if plan.recipe.rollouts.record_to:  # the recording directory too, until the run has written it
+        held.enter_context(_lock(Path(plan.recipe.rollouts.record_to), flag="rollouts.record_to", create=True))
       run_dir.claim_new(plan.out, {"run_id": plan.run_id, "recipe": plan.resolved.path,
                                    "config": recipe_lib.run_config_dict(plan.recipe), "sources": plan.resolved.sources})
     except RunDirError as e:  # another run claimed or holds the directory since the check
       claimed["refusal"] = str(e)
   claimed = job.agreement.broadcast("claim", claimed)
   out = Path(claimed["out"])
-  return dataclasses.replace(plan, run_id=claimed["run_id"], out=out, write_dir=out), claimed["refusal"]
+  return (dataclasses.replace(plan, run_id=claimed["run_id"], out=out, write_dir=out,
+                              config_sha256=claimed["config_sha256"]), claimed["refusal"])
 
 
 def _opening_line(plan: RunPlan, job: job_lib.Job, *, host: str, point) -> str:
@@ -567,7 +590,7 @@ def _run_program(plan: RunPlan, *, source, resume, job: job_lib.Job) -> int:
 
       previous_trace = _previous_trace(plan) if resume and job.is_primary else []
       handle = build_run(recipe, out, source=source, run_id=run_id, resume=resume, stop_requested=stop.requested,
-                         job=job, write_dir=write_dir)
+                         job=job, write_dir=write_dir, config_sha256=plan.config_sha256)
       job.current_step = lambda: handle.current_step  # the step a lost peer's line names
       result = handle.run()
     except recipe_lib.RecipeError as e:

@@ -119,12 +119,13 @@ class DirLock:
   lock leaves nothing behind).
   """
 
-  def __init__(self, path: Path, fd: int, *, created: bool = False):
+  def __init__(self, path: Path, fd: int | None, *, created: bool = False):
     self.path, self._fd, self._created = path, fd, created
 
   def release(self) -> None:
-    if self._fd is None:
+    if self._fd is None:  # released, or a re-entry of a lock this process already holds
       return
+    _HELD.discard(_key(self.path))
     if self._created and [p.name for p in self.path.iterdir()] == [LOCK]:
       (self.path / LOCK).unlink()
       self.path.rmdir()
@@ -138,12 +139,23 @@ class DirLock:
     self.release()
 
 
+# The directories this process holds the lock of: taking one again is a no-op (``record`` holds its recording
+# directory, and the run it starts takes it again).
+_HELD: set[str] = set()
+
+
+def _key(path: Path) -> str:
+  return os.path.realpath(path)
+
+
 def lock(path: Path, *, flag: str, create: bool = False) -> DirLock:
   """Takes ``path``'s lock before anything there is read or written, creating the directory if ``create``.
 
   Raises:
     RunDirError: another process holds it (its pid and command named), or ``path`` cannot be written.
   """
+  if _key(path) in _HELD:
+    return DirLock(path, None)
   created = create and not path.exists()
   if create:
     try:
@@ -157,7 +169,7 @@ def lock(path: Path, *, flag: str, create: bool = False) -> DirLock:
     raise RunDirError(f"{flag} {path}: the directory is not writable; every run writes its outputs there"
                       " (a resume writes a new segment): make it writable, or copy the run somewhere writable")
   try:
-    fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)  # never write through a link
   except OSError as e:
     raise RunDirError(f"{flag} {path}: cannot open {path / LOCK} ({e.strerror}); make the directory writable")
   try:
@@ -172,7 +184,13 @@ def lock(path: Path, *, flag: str, create: bool = False) -> DirLock:
   os.ftruncate(fd, 0)
   os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "command": " ".join(sys.argv),
                            "since": datetime.datetime.now().isoformat(timespec="seconds")}).encode())
+  _HELD.add(_key(path))
   return DirLock(path, fd, created=created)
+
+
+def holds_only_its_lock(path: Path) -> bool:
+  """Whether ``path`` is a directory that holds nothing but a lock file (taken, nothing written yet)."""
+  return path.is_dir() and [p.name for p in path.iterdir()] in ([], [LOCK])
 
 
 def _holder(fd: int) -> str:
@@ -197,6 +215,11 @@ def _flat(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def _sha256(value: Any) -> str:
   return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def recipe_sha256(config: Mapping[str, Any]) -> str:
+  """The digest of a run's recipe as ``config.json`` holds it (every checkpoint of the run carries it too)."""
+  return _sha256(config)
 
 
 def config_digest(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -232,8 +255,11 @@ def read_config(path: Path, flag: str = "--resume") -> dict[str, Any]:
     config = json.loads(config_path.read_text(encoding="utf-8"))
   except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
     raise RunDirError(f"{flag} {path}: {config_path} cannot be read ({e})") from None
-  if not isinstance(config, dict) or not isinstance(config.get("config"), dict) or not config.get("run_id"):
-    raise RunDirError(f"{flag} {path}: {config_path} is not a run config written by run_rl")
+  if (not isinstance(config, dict) or not isinstance(config.get("config"), dict)
+      or not isinstance(config.get("run_id"), str) or not config["run_id"]
+      or not isinstance(config.get("sources", {}), dict)):
+    raise RunDirError(f"{flag} {path}: {config_path} is not a run config written by run_rl (damaged or edited);"
+                      " restore it")
   return config
 
 

@@ -155,13 +155,13 @@ class ResumePoint:
 
 
 def program_config(recipe: Recipe, out: Path | None, *, steps: int | None = None, start_step: int = 0,
-                   run_id: str | None = None) -> ProgramConfig:
+                   run_id: str | None = None, config_sha256: str | None = None) -> ProgramConfig:
   sb, ckpt = recipe.step_boundary, recipe.checkpoint
   return ProgramConfig(
       steps=steps or recipe.steps, micro_batches_per_step=recipe.batch.micro_batches_per_step,
       checkpoint_every=ckpt.every, scored_checkpoint_steps=tuple(ckpt.scored_steps),
       sync_before_next_step=sb.sync_before_next_step, calibration_samples=sb.calibration_samples,
-      out_dir=str(out) if out else None, start_step=start_step, run_id=run_id,
+      out_dir=str(out) if out else None, start_step=start_step, run_id=run_id, config_sha256=config_sha256,
   )
 
 
@@ -240,7 +240,8 @@ def make_worker(recipe: Recipe, out: Path, closers: list, write_dir: Path | None
 
 
 def build_run(recipe: Recipe, out: Path, *, source, run_id: str, resume: ResumePoint | None = None,
-              stop_requested=None, progress: bool = True, job=None, write_dir: Path | None = None) -> RunHandle:
+              stop_requested=None, progress: bool = True, job=None, write_dir: Path | None = None,
+              config_sha256: str | None = None) -> RunHandle:
   """Builds the engine, worker, policy and program for a validated recipe and a checked source.
 
   ``out`` is the run's directory (its checkpoints), ``write_dir`` (default
@@ -254,7 +255,8 @@ def build_run(recipe: Recipe, out: Path, *, source, run_id: str, resume: ResumeP
   write_dir = write_dir or out
   try:
     worker, trainer_info = make_worker(recipe, out, closers, write_dir)
-    handle = _build_program(recipe, write_dir, worker, source=source, run_id=run_id, resume=resume,
+    handle = _build_program(recipe, write_dir, worker, source=source, run_id=run_id, config_sha256=config_sha256,
+                            resume=resume,
                             stop_requested=stop_requested, progress=progress and (job is None or job.is_primary),
                             job=job)
   except BaseException:
@@ -265,7 +267,8 @@ def build_run(recipe: Recipe, out: Path, *, source, run_id: str, resume: ResumeP
   return handle
 
 
-def _build_program(recipe: Recipe, out: Path, worker, *, source, run_id: str, resume, stop_requested,
+def _build_program(recipe: Recipe, out: Path, worker, *, source, run_id: str, config_sha256: str | None, resume,
+                   stop_requested,
                    progress: bool, job=None) -> RunHandle:
   policy = policy_from_recipe(recipe, worker.capabilities)
   start_step, previous, first_plan = 0, [], None
@@ -287,7 +290,8 @@ def _build_program(recipe: Recipe, out: Path, worker, *, source, run_id: str, re
       bar.update(1)
 
   primary = job is None or job.is_primary
-  config = program_config(recipe, out if primary else None, start_step=start_step, run_id=run_id)
+  config = program_config(recipe, out if primary else None, start_step=start_step, run_id=run_id,
+                          config_sha256=config_sha256)
   live = recipe.rollouts.source == "sampler"
   program = RLProgram(worker, policy, source, config, on_step=on_step, stop_requested=stop_requested,
                       previous_records=previous, first_plan=first_plan, agreement=job.agreement if job else None)

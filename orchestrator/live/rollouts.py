@@ -308,10 +308,15 @@ class LiveRollouts:
       self._thread = threading.Thread(target=self._produce, name="rollouts", daemon=True)
       self._thread.start()
 
-  def close(self) -> None:
+  def close(self, timeout_s: float = 60.0) -> None:
+    """Stops the sampling thread and waits for it (``timeout_s`` at most): a thread still inside JAX when the
+    interpreter exits aborts the process (exit 134) instead of letting it end with its own exit code."""
     with self._cond:
       self._closed = True
       self._cond.notify_all()
+    thread = self._thread
+    if thread is not None and thread is not threading.current_thread():
+      thread.join(timeout_s)
 
   def _produce(self) -> None:
     step = self._produce_from

@@ -102,6 +102,8 @@ class ProgramConfig:
     start_step: steps already done (a resumed run): the loop runs steps
       ``start_step .. steps - 1`` and appends to ``records.jsonl``.
     run_id: saved with every checkpoint, so a checkpoint names its run.
+    config_sha256: the run's recipe digest (config.json's), saved with every checkpoint, so a resume can tell
+      an edited config.json even where its own digest was removed.
     stop_grace_s: once a stop is asked for, how long a checkpoint may still wait for the rollouts it
       must carry (a live source at staleness >= 1) before the run ends without it.
   """
@@ -115,6 +117,7 @@ class ProgramConfig:
   out_dir: str | None = None
   start_step: int = 0
   run_id: str | None = None
+  config_sha256: str | None = None
   stop_grace_s: float = 5.0
 
   def __post_init__(self):
@@ -276,7 +279,7 @@ def run_state(done: int, config: "ProgramConfig", policy: StepBoundaryPolicy, so
   the run's id, the policy's state, the source's position before step ``done``, the next boundary's plan
   when it was made before the checkpoint) and ``pending_record``: step ``done - 1``'s record as known at the
   save (a resume restores it if a kill came between the checkpoint and that record's line)."""
-  return {"step": done, "run_id": config.run_id, "mode": policy.mode.value,
+  return {"step": done, "run_id": config.run_id, "config_sha256": config.config_sha256, "mode": policy.mode.value,
           "scored": done in config.scored_checkpoint_steps, "records_count": done,
           "source_state": source_state, "policy_state": policy.state_dict(),
           "next_plan": plan_to_json(next_plan) if next_plan else None, "pending_record": pending_record}
