@@ -267,6 +267,8 @@ def test_run_rl_end_to_end_on_the_tiny_preset(tmp_path):
   assert "median boundary idle:" in proc.stdout and "staged boundaries: 3; auto-disables: 0" in proc.stdout
   assert "final state digest:" in proc.stdout
   assert "[boundary] step 0 STAGED before update in" in proc.stderr
+  opening = next(line for line in proc.stderr.splitlines() if line.startswith("run_rl: recipe "))
+  assert "; devices: " in opening and " × cpu, the mesh uses 1; JAX " in opening, opening
   records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
   assert [r["step"] for r in records] == [0, 1, 2, 3]
   summary = json.loads((out / "summary.json").read_text())

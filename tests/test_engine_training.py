@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 
 from orchestrator.engine import build_engine
-from orchestrator.engine.mesh import MeshConfig, missing_devices
+from orchestrator.engine.mesh import MeshConfig, describe_devices, device_summary, missing_devices
 from tests.engine_helpers import run_unstaged
 
 
@@ -112,3 +113,13 @@ def test_the_device_hint_names_the_devices_each_process_needs():
   assert f"{flag}1 in every process" in missing_devices(mesh, visible=2, processes=4)
   uneven = missing_devices(mesh, visible=3, processes=3)
   assert "cannot split 4 devices evenly" in uneven and flag not in uneven
+
+
+def test_the_device_report_names_platform_kind_count_and_jax():
+  """What run_rl's opening line says about the devices: per kind, the platform where the kind does not say it."""
+  found = f"devices: {len(jax.devices())} × cpu, the mesh uses 1; JAX {jax.__version__}"
+  assert describe_devices(MeshConfig()) == found
+  gpus = device_summary([("gpu", "NVIDIA H100 80GB HBM3")] * 8, 4, "0.12.0")
+  assert gpus == "devices: 8 × NVIDIA H100 80GB HBM3 (gpu), the mesh uses 4; JAX 0.12.0"
+  tpus = device_summary([("tpu", "TPU v5 lite")] * 4 + [("cpu", "cpu")], 4, "0.10.2")
+  assert tpus == "devices: 4 × TPU v5 lite, 1 × cpu, the mesh uses 4; JAX 0.10.2"

@@ -92,6 +92,7 @@ def served(tmp_path_factory):
 # ---------------------------------------------------------------- a token by default
 def test_serve_trainer_without_a_token_writes_one_only_its_owner_can_read(served):
   assert f"token in {served.token_file} (mode 0600)" in served.ready_line
+  assert "; devices: " in served.ready_line and " × cpu, the mesh uses 1; JAX " in served.ready_line
   info = served.token_file.lstat()
   assert stat.S_ISREG(info.st_mode) and stat.S_IMODE(info.st_mode) == 0o600
   assert len(served.token_file.read_text().strip()) >= 43  # secrets.token_urlsafe(32)
@@ -106,8 +107,11 @@ def test_a_driver_without_the_servers_token_is_refused(served):
 def test_a_driver_with_the_token_file_runs(served, tmp_path, capsys):
   code = cli.main([*BASE, "trainer.location=remote", f"trainer.address={served.address}",
                    f"trainer.token_file={served.token_file}", "--out", str(tmp_path / "run")])
-  assert code == 0, capsys.readouterr().err
+  err = capsys.readouterr().err
+  assert code == 0, err
   assert json.loads((tmp_path / "run" / "summary.json").read_text())["trainer"]["location"] == "remote"
+  opening = next(line for line in err.splitlines() if line.startswith("run_rl: recipe "))
+  assert opening.endswith("; devices: the remote trainer's (its serve-trainer line names them)"), opening
 
 
 def _serve_without_serving(monkeypatch, argv, env=None) -> dict:

@@ -273,7 +273,7 @@ def _execute(plan: RunPlan, held: contextlib.ExitStack) -> int:
   checked, code = _agreed(job, lambda: _checks(plan, job, held))
   if code is not None:
     return code
-  host, point, source = checked
+  host, point, source, devices = checked
   if plan.resumes:
     plan = _open_segment(plan, point, job)
   else:
@@ -282,7 +282,7 @@ def _execute(plan: RunPlan, held: contextlib.ExitStack) -> int:
       return _refuse(refusal, job=job)
   writes_to[0] = plan.write_dir
   if job.is_primary:
-    print(_opening_line(plan, job, host=host, point=point), file=sys.stderr)
+    print(_opening_line(plan, job, host=host, point=point, devices=devices), file=sys.stderr)
   return _run_program(plan, source=source, resume=point, job=job)
 
 
@@ -303,7 +303,7 @@ def _admit(job: job_lib.Job, recipe) -> int | None:
 def _checks(plan: RunPlan, job: job_lib.Job, held: contextlib.ExitStack):
   """Everything that may refuse the run, in order: a new run's directory (process 0), the host settings, a
   checkpoint directory of the recipe's own (locked by process 0, held in ``held``), the preflight, a resumed
-  run's checkpoint. Returns (host core reserved, resume point or None, rollout source)."""
+  run's checkpoint. Returns (host core reserved, resume point or None, rollout source, the devices found)."""
   recipe = plan.recipe
   if not plan.resumes and job.is_primary:  # process 0 owns the run directory
     _check_new_out(plan)
@@ -313,7 +313,16 @@ def _checks(plan: RunPlan, job: job_lib.Job, held: contextlib.ExitStack):
   source = preflight(recipe, plan.out, run_id=plan.run_id, steps=recipe.steps if plan.resumes else None,
                      distributed=job.distributed, primary=job.is_primary)
   point = resume_point(plan, source) if plan.resumes else None
-  return host, point, source
+  return host, point, source, _devices_found(recipe)
+
+
+def _devices_found(recipe) -> str:
+  """The devices the run computes on, as the opening line names them (JAX is up: the preflight counted them)."""
+  if recipe.trainer.location == "remote":  # this process runs no JAX; the trainer's host names its devices
+    return "devices: the remote trainer's (its serve-trainer line names them)"
+  from orchestrator.engine.mesh import describe_devices  # import here: JAX-side (after setup_host)
+
+  return describe_devices(recipe.mesh)
 
 
 def _lock_checkpoint_directory(plan: RunPlan, held: contextlib.ExitStack) -> None:
@@ -521,16 +530,17 @@ def _claim(plan: RunPlan, job: job_lib.Job, held: contextlib.ExitStack) -> tuple
                               config_sha256=claimed["config_sha256"]), claimed["refusal"])
 
 
-def _opening_line(plan: RunPlan, job: job_lib.Job, *, host: str, point) -> str:
-  """What process 0 says before the run: the recipe and where it writes, or where a resumed run continues."""
+def _opening_line(plan: RunPlan, job: job_lib.Job, *, host: str, point, devices: str) -> str:
+  """What process 0 says before the run: the recipe and where it writes, or where a resumed run continues; and
+  the devices JAX found."""
   recipe = plan.recipe
   if plan.resumes:
     return (f"run_rl: resuming {plan.out} ({recipe.name}, mode {recipe.mode.name}) after step {point.steps_done - 1}"
-            f" from checkpoint {point.checkpoint_step}; {recipe.steps - point.steps_done} steps to go")
+            f" from checkpoint {point.checkpoint_step}; {recipe.steps - point.steps_done} steps to go; {devices}")
   processes = f"; {job.identity.num_processes} processes" if job.distributed else ""
   return (f"run_rl: recipe {plan.resolved.path} ({recipe.name}), mode {recipe.mode.name}, model {recipe.model},"
           f" {recipe.steps} steps × {recipe.batch.micro_batches_per_step} micro-batches; out {plan.out};"
-          f" host core reserved: {host}{processes}")
+          f" host core reserved: {host}{processes}; {devices}")
 
 
 def _launch_local(plan: RunPlan, held: contextlib.ExitStack) -> int:

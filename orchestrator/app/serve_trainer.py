@@ -184,7 +184,7 @@ def _serve(recipe, listen: str, checkpoint_dir: str, token: str | None, token_de
            exit_with_driver: bool) -> int:
   # import here: gRPC and the engines load after setup_host (a refusal loads neither)
   from orchestrator.app.runner import build_engine_from_recipe
-  from orchestrator.engine.mesh import check_devices  # import here: JAX-side (after setup_host)
+  from orchestrator.engine.mesh import check_devices, describe_devices  # import here: JAX-side (after setup_host)
   from orchestrator.remote.server import TrainerService, start_server  # import here: JAX-side (after setup_host)
   from orchestrator.rig.remote_host import RigHost  # import here: JAX-side (after setup_host)
 
@@ -210,7 +210,8 @@ def _serve(recipe, listen: str, checkpoint_dir: str, token: str | None, token_de
   for sig in (signal.SIGINT, signal.SIGTERM):  # a stop request is the normal end of a server: exit 0
     signal.signal(sig, lambda signum, frame: stop.set())
   print(f"run_rl serve-trainer: listening on {host}:{port} (recipe {recipe.name}, model {recipe.model},"
-        f" protocol {protocol.PROTOCOL_VERSION}, {token_described}; checkpoints in {checkpoint_dir})", flush=True)
+        f" protocol {protocol.PROTOCOL_VERSION}, {token_described}; checkpoints in {checkpoint_dir};"
+        f" {describe_devices(recipe.mesh)})", flush=True)
   stop.wait()
   server.stop(grace=2).wait()
   print("run_rl serve-trainer: stopped", file=sys.stderr)

@@ -34,6 +34,11 @@ class HostCoreReservation:
   reason: str
 
 
+#: ``$PJRT_NPROC`` as this process had it before ``reserve_host_core`` sized XLA's pool for itself: what a child
+#: process it starts inherits (the child reserves its own core; a pool size the user set is kept).
+PJRT_NPROC_BEFORE_RESERVING: dict[str, str | None] = {}
+
+
 def reserve_host_core(host_cores: int = 1, *, xla_threads: int | None = None) -> HostCoreReservation:
   """Gives XLA all cores but ``host_cores`` and keeps the rest for this thread.
 
@@ -53,6 +58,7 @@ def reserve_host_core(host_cores: int = 1, *, xla_threads: int | None = None) ->
   if len(cores) <= host_cores:
     return HostCoreReservation(cores, cores, False, f"only {len(cores)} core(s) available")
   xla_cores, reserved = cores[:-host_cores], cores[-host_cores:]
+  PJRT_NPROC_BEFORE_RESERVING.setdefault("value", os.environ.get("PJRT_NPROC"))
   os.environ["PJRT_NPROC"] = str(xla_threads or len(xla_cores))
   os.environ.setdefault("XLA_FLAGS", "")
   os.sched_setaffinity(0, xla_cores)

@@ -9,7 +9,9 @@ dimension through a ``ShardingConfig``; ``qwen3_sharding`` builds one for these 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+from collections.abc import Sequence
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -18,7 +20,7 @@ from tunix.models.qwen3 import model as qwen3_model
 from orchestrator.engine.mesh_shape import AXES, ROW_AXES, TOKEN_AXIS, MeshConfig
 
 __all__ = ["AXES", "ROW_AXES", "TOKEN_AXIS", "MeshConfig", "make_mesh", "qwen3_sharding", "batch_sharding",
-           "replicated", "check_batch_shape", "check_devices", "process_block"]
+           "replicated", "check_batch_shape", "check_devices", "describe_devices", "device_summary", "process_block"]
 
 
 def make_mesh(config: MeshConfig) -> Mesh:
@@ -46,6 +48,22 @@ def check_devices(config: MeshConfig) -> None:
   message = missing_devices(config, visible=len(jax.devices()), processes=jax.process_count())
   if message is not None:
     raise ValueError(message)
+
+
+def describe_devices(config: MeshConfig) -> str:
+  """The devices JAX found, for the run's opening line: how many of each kind (a job's, over every process),
+  how many the mesh takes, and JAX's version (``devices: 8 × NVIDIA H100 80GB HBM3 (gpu), the mesh uses 8;
+  JAX 0.12.0.1``)."""
+  return device_summary([(d.platform, d.device_kind) for d in jax.devices()], config.num_devices, jax.__version__)
+
+
+def device_summary(devices: Sequence[tuple[str, str]], used: int, jax_version: str) -> str:
+  """``devices`` as (platform, kind) pairs → ``devices: 1 × cpu, the mesh uses 1; JAX 0.10.2``; the platform
+  is named where the kind does not start with it (``NVIDIA H100`` is a ``gpu``, ``TPU v5 lite`` a ``tpu``)."""
+  counts = collections.Counter(devices)
+  kinds = ", ".join(f"{n} × {kind}" + ("" if kind.lower().startswith(platform.lower()) else f" ({platform})")
+                    for (platform, kind), n in counts.items())
+  return f"devices: {kinds or 'none'}, the mesh uses {used}; JAX {jax_version}"
 
 
 def missing_devices(config: MeshConfig, *, visible: int, processes: int) -> str | None:

@@ -20,6 +20,7 @@ import threading
 import time
 from pathlib import Path
 
+from orchestrator.engine.host_threads import PJRT_NPROC_BEFORE_RESERVING
 from orchestrator.remote import protocol
 
 
@@ -45,7 +46,12 @@ class SpawnedTrainer:
     recipe_path.write_text(json.dumps(child_recipe(recipe_dict), indent=1, default=str), encoding="utf-8")
     self.token = secrets.token_hex(16)
     env = dict(os.environ, **{protocol.TOKEN_ENV: self.token})
-    env.pop("PJRT_NPROC", None)  # the child sizes XLA's pool itself
+    # The pool size the user set is kept (it changes the last bits of some sums); the one this process chose
+    # when it reserved its host core is not (the child reserves its own).
+    if "value" in PJRT_NPROC_BEFORE_RESERVING:
+      env.pop("PJRT_NPROC", None)
+      if PJRT_NPROC_BEFORE_RESERVING["value"] is not None:
+        env["PJRT_NPROC"] = PJRT_NPROC_BEFORE_RESERVING["value"]
     cmd = [sys.executable, "-m", "orchestrator.app.cli", "serve-trainer", "--recipe", str(recipe_path),
            "--listen", address, "--exit-with-driver"]
     if checkpoint_dir:
