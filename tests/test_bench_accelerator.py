@@ -148,6 +148,12 @@ def test_a_row_reads_staged_bytes_and_memory_from_records_that_carry_them():
       (5_000_000_000, 80_000_000_000, "records")
   assert (row["staged_boundaries"], row["boundaries"], row["steps"], row["cut_short"]) == (3, 3, 4, False)
   assert row["median_step_s"] == 2.5 and row["median_boundary_idle_s"] == 0.001
+  # The records hold these per device (lists in device order): the row takes the most on one device.
+  records, report = _records(Mode.STAGE_BEFORE_UPDATE, 4, staged_bytes_per_device=[1024, 2048],
+                             device_bytes_in_use=[5_000_000_000, None], device_bytes_limit=[80_000_000_000] * 2)
+  row = mode_row(Mode.STAGE_BEFORE_UPDATE, records, report, "d", INPUTS, None, steps_asked=4, wall_s=9.0)
+  assert (row["staged_bytes_per_device"], row["device_bytes_in_use"], row["device_bytes_limit"]) == \
+      (2048, 5_000_000_000, 80_000_000_000)
   assert row["median_mapping_s"] == 0.002 and row["median_placement_s"] == 0.0005
 
 

@@ -224,8 +224,9 @@ def test_failure_during_the_run_exits_1_naming_the_step(tmp_path, capsys, monkey
 
 
 def test_a_learning_rate_that_diverges_stops_the_run_at_that_step_in_one_line(tmp_path):
-  """1e300 overflows the first update's weights, so step 1's loss is NaN (two steps are the fewest that reach
-  it): exit 1, one line, the checkpoint after step 0 kept and none of step 1."""
+  """1e30 (a float32 still, unlike 1e300, which the recipe refuses) overflows the first update's weights, so
+  step 1's loss is NaN (two steps are the fewest that reach it): exit 1, one line, the checkpoint after step 0
+  kept and none of step 1."""
   out = tmp_path / "run"
   env = dict(os.environ, PYTHONPATH=str(REPO))
   for name in recipe_lib.ENV_SWITCHES:
@@ -233,7 +234,7 @@ def test_a_learning_rate_that_diverges_stops_the_run_at_that_step_in_one_line(tm
   proc = subprocess.run(
       [sys.executable, "-m", "orchestrator.app.cli", "model=tiny", "rollouts.source=synthetic", "steps=2",
        "batch.rows=4", "batch.micro_batches_per_step=1", "checkpoint.every=1", "run.reserve_host_core=false",
-       "engine.learning_rate=1e300", "--out", str(out)],
+       "engine.learning_rate=1e30", "--out", str(out)],
       capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600,
   )
   assert proc.returncode == 1, proc.stderr[-3000:]

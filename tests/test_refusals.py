@@ -114,6 +114,7 @@ CASES = [
     ("lr-nan", ["engine.learning_rate=nan"], {}, "engine.learning_rate: expected a finite number"),
     ("lr-inf", ["engine.learning_rate=inf"], {}, "engine.learning_rate: expected a finite number"),
     ("lr-zero", ["engine.learning_rate=0"], {}, "engine.learning_rate=0.0 is out of range"),
+    ("lr-past-float32", ["engine.learning_rate=1e300"], {}, "engine.learning_rate=1e+300 is out of range: it must be <="),
     ("grad-norm-negative", ["engine.max_grad_norm=-1"], {}, "engine.max_grad_norm=-1.0 is out of range"),
     ("weight-decay-negative", ["engine.weight_decay=-0.1"], {}, "engine.weight_decay=-0.1 is out of range"),
     ("inflight-zero", ["engine.max_inflight=0"], {}, "engine.max_inflight=0 is out of range"),

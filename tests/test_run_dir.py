@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator import recipe as recipe_lib
-from orchestrator.app import cli, run_dir
+from orchestrator.app import checkpoint_check, cli, run_dir
 from orchestrator.loop.program import RLProgram
 from tests.conftest import REPO
 
@@ -330,3 +330,34 @@ def test_a_directory_that_cannot_be_written_is_refused_in_one_line(finished, tmp
   err = _refused(["--resume", str(run), "--steps", "6"], capsys)
   assert "not writable" in err
   assert _files(run) == before
+
+
+def test_rollouts_a_live_checkpoint_carries_are_checked_before_a_resume_trains_on_them(finished):
+  """A live checkpoint carries sampled steps; one the engine could not train on is refused by name (a
+  negative control: the same metadata passes with payloads that check)."""
+  class CarryingSource:
+    kind = "live"
+
+    def set_state(self, state):
+      del state
+
+    def carried_payloads(self):
+      return [(4, 0, ["not a trajectory"])]
+
+  def refuse(payload):
+    raise ValueError(f"payload[0] is a {type(payload[0]).__name__}, expected a Trajectory")
+
+  metadata = json.loads(_metadata_path(finished, 4).read_text())
+  metadata["source_state"] = {"kind": "live", "next_step": 4, "sampled": []}
+  problem = checkpoint_check.problem(4, metadata, run_id=metadata["run_id"], source=CarryingSource(),
+                                     payload_check=refuse)
+  assert problem is not None and "carries rollouts of step 4" in problem and "expected a Trajectory" in problem
+  assert checkpoint_check.problem(4, metadata, run_id=metadata["run_id"], source=CarryingSource(),
+                                  payload_check=lambda payload: None) is None
+  assert "config.json was edited" in checkpoint_check.problem(
+      4, dict(metadata, config_sha256="0" * 64), run_id=metadata["run_id"], source=CarryingSource(),
+      config_sha256="1" * 64)
+  assert "names mode ['x']" in checkpoint_check.problem(4, dict(metadata, mode=["x"]), run_id=metadata["run_id"],
+                                                        source=CarryingSource())
+  assert "pending record of step 3 without" in checkpoint_check.problem(
+      4, dict(metadata, pending_record={"step": 3}), run_id=metadata["run_id"], source=CarryingSource())

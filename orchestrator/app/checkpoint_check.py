@@ -28,17 +28,19 @@ from policies import Mode, StepBoundaryPolicy
 _REQUIRED = ("step", "run_id", "mode", "records_count", "source_state", "policy_state")
 
 
-def problems(checkpoints: Mapping[int, Any], *, run_id: str, source, config_sha256: str | None = None
-             ) -> dict[int, str | None]:
-  """For each checkpoint (its step → metadata): what is wrong with it, or None for one a resume can use."""
+def problems(checkpoints: Mapping[int, Any], *, run_id: str, source, config_sha256: str | None = None,
+             payload_check=None) -> dict[int, str | None]:
+  """For each checkpoint (its step → metadata): what is wrong with it, or None for one a resume can use.
+  ``payload_check`` raises ValueError for a payload the engine cannot train on (rollouts a checkpoint
+  carries)."""
   expected = _expected_positions(source, checkpoints)
   return {step: problem(step, metadata, run_id=run_id, source=source, expected_position=expected.get(step),
-                        config_sha256=config_sha256)
+                        config_sha256=config_sha256, payload_check=payload_check)
           for step, metadata in checkpoints.items()}
 
 
 def problem(step: int, metadata: Any, *, run_id: str, source, expected_position: Any = None,
-            config_sha256: str | None = None) -> str | None:
+            config_sha256: str | None = None, payload_check=None) -> str | None:
   """What is wrong with checkpoint ``step``'s metadata for run ``run_id`` and ``source``, or None.
   ``config_sha256``: the digest of the recipe config.json holds now (a checkpoint names the one it ran)."""
   if not isinstance(metadata, dict) or not metadata:
@@ -79,7 +81,7 @@ def problem(step: int, metadata: Any, *, run_id: str, source, expected_position:
   if digest is not None and config_sha256 is not None and digest != config_sha256:
     return ("was written by the run's recipe as it was, not as config.json now reads (config.json was edited"
             " since): restore config.json")
-  return _position_problem(step, metadata["source_state"], source, expected_position)
+  return _position_problem(step, metadata["source_state"], source, expected_position, payload_check)
 
 
 def _is_count(value: Any) -> bool:
@@ -97,7 +99,7 @@ def _as_json(value: Any) -> Any:
   return json.loads(json.dumps(value))
 
 
-def _position_problem(step: int, state: Any, source, expected: Any) -> str | None:
+def _position_problem(step: int, state: Any, source, expected: Any, payload_check=None) -> str | None:
   """A saved source position must be this source's, before ``step``; restoring it must work."""
   kind = getattr(source, "kind", None)
   if not isinstance(state, dict) or state.get("kind") != kind:
@@ -115,4 +117,11 @@ def _position_problem(step: int, state: Any, source, expected: Any) -> str | Non
     return f"holds a rollout position that cannot be restored ({e})"
   except Exception as e:  # pylint: disable=broad-except  # a damaged position can fail anywhere in grain
     return f"holds a rollout position that cannot be restored ({type(e).__name__}: {e})"
+  carried = getattr(source, "carried_payloads", None)  # a live source's sampled steps, trained on next
+  if carried is not None and payload_check is not None:
+    for carried_step, micro, payload in carried():
+      try:
+        payload_check(payload)
+      except ValueError as e:
+        return f"carries rollouts of step {carried_step} that cannot be trained on (micro-batch {micro}: {e})"
   return None

@@ -51,6 +51,7 @@ from orchestrator.app import checkpoint_check, run_dir
 from orchestrator.app.console import format_summary, format_table
 from orchestrator.app.host import setup_host
 from orchestrator.app.run_dir import RunDirError
+from orchestrator.data.packing import validate_payload
 from orchestrator.data.recording import RecordingError, write_recording
 from orchestrator.contract import SourceStateError, live_part
 from orchestrator.distributed import job as job_lib
@@ -427,7 +428,7 @@ def resume_point(plan: RunPlan, source):
       records that do not cover it, or nothing left to run.
   """
   # import here: gRPC and the engines load after setup_host (a refusal loads neither)
-  from orchestrator.app.runner import ResumePoint, checkpoint_dir_for
+  from orchestrator.app.runner import ResumePoint, batch_shape, checkpoint_dir_for
   from orchestrator.engine.checkpointing import read_checkpoints  # import here: JAX-side (after setup_host)
 
   recipe, path = plan.recipe, plan.out
@@ -436,8 +437,10 @@ def resume_point(plan: RunPlan, source):
   if not checkpoints:
     raise RunDirError(f"--resume {path}: no complete checkpoint in {ckpt_dir}; nothing to resume from"
                       " (start a new run with --out)")
-  problems = checkpoint_check.problems(checkpoints, run_id=plan.run_id, source=source,
-                                      config_sha256=plan.config_sha256)
+  vocab_size, _, tokens_per_row = batch_shape(recipe)
+  problems = checkpoint_check.problems(
+      checkpoints, run_id=plan.run_id, source=source, config_sha256=plan.config_sha256,
+      payload_check=functools.partial(validate_payload, tokens_per_row=tokens_per_row, vocab_size=vocab_size))
   valid = sorted(step for step, problem in problems.items() if problem is None)
   instead = (f"resume from checkpoint {valid[-1]}, the newest valid one, with `run_rl --resume {path}"
              f" --from-checkpoint {valid[-1]}` (the checkpoints after it are moved aside, not deleted)" if valid

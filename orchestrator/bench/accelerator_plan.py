@@ -102,6 +102,14 @@ def _median(values) -> float | None:
   return statistics.median(values) if values else None
 
 
+def _most_on_one_device(value):
+  """A record's per-device figure (a list in device order) as the most on any one device; a number as is."""
+  if isinstance(value, (list, tuple)):
+    known = [v for v in value if v is not None]
+    return max(known) if known else None
+  return value
+
+
 def mode_row(mode: Mode, records: list, policy, digest: str | None, inputs: dict, device_memory: dict | None,
              *, steps_asked: int, wall_s: float, input_copy: dict | None = None) -> dict:
   """One mode's figures from its records, the engine's input timings (``inputs``) and the device's memory.
@@ -113,7 +121,7 @@ def mode_row(mode: Mode, records: list, policy, digest: str | None, inputs: dict
   """
   boundaries = records[:-1]
   staged = [r for r in boundaries if r.staged]
-  field = lambda name, rs: _median(getattr(r, name, None) for r in rs)  # noqa: E731
+  field = lambda name, rs: _median(_most_on_one_device(getattr(r, name, None)) for r in rs)  # noqa: E731
   in_use, limit = field("device_bytes_in_use", records), field("device_bytes_limit", records)
   memory_from = "records" if in_use is not None else None
   if in_use is None and device_memory:

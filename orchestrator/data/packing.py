@@ -38,6 +38,10 @@ FIELDS: dict[str, np.dtype] = {
 MAX_ABS_ADVANTAGE = 1e6
 
 
+#: How far above 0 a sampled log-probability may round (float32 log-softmax of a near-certain token).
+LOGPROB_TOLERANCE = 1e-3
+
+
 def validate_payload(
     payload: Sequence[Trajectory], *, tokens_per_row: int, vocab_size: int
 ) -> None:
@@ -93,6 +97,8 @@ def validate_payload(
         raise ValueError(f"payload[{i}].old_logprobs has dtype {old.dtype}; expected float")
       if not np.all(np.isfinite(old)):
         raise ValueError(f"payload[{i}].old_logprobs holds non-finite values; log-probs must be finite")
+      if np.any(old > LOGPROB_TOLERANCE):
+        raise ValueError(f"payload[{i}].old_logprobs holds {float(old.max()):g}; a log-probability is <= 0")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,6 +22,10 @@ BACKENDS: dict[str, str] = {
 CHECKPOINTING_BACKENDS = ("jax",)
 
 
+#: The largest finite float32: optimizer hyperparameters past it are inf on the devices.
+FLOAT32_MAX = 3.4028234663852886e38
+
+
 @dataclasses.dataclass
 class EngineOptions:
   """Everything about the engine that is not the model's shape, the mesh or where checkpoints go.
@@ -62,6 +66,9 @@ class EngineOptions:
       value = getattr(self, key)
       if not (math.isfinite(value) and value > 0):
         raise ValueError(f"engine.{key}={value} is out of range: it must be a finite number > 0")
+      if value > FLOAT32_MAX:  # the optimizer holds it as a float32: it would be inf there
+        raise ValueError(f"engine.{key}={value} is out of range: it must be <= {FLOAT32_MAX:.4g} (the largest"
+                         " float32, which the optimizer computes in)")
     for key in ("weight_decay", "clip_eps_low", "clip_eps_high"):
       value = getattr(self, key)
       if not (math.isfinite(value) and value >= 0):

@@ -97,12 +97,8 @@ class LiveShape:
 
 
 class LiveRollouts:
-  """Samples steps on a background thread, each from its fixed weights version.
-
-  A ``StepSource`` and a ``LiveSource`` (``orchestrator.contract``). With
-  ``record``, every step taken is kept for ``recorded_steps`` (a run that
-  writes its rollouts as a recording).
-  """
+  """Samples steps on a background thread, each from its fixed weights version; a ``StepSource`` and a
+  ``LiveSource`` (``orchestrator.contract``). With ``record``, every step taken is kept for ``recorded_steps``."""
 
   kind = "live"
 
@@ -302,6 +298,10 @@ class LiveRollouts:
     self._first_version = self._next
     self._weights = {}
 
+  def carried_payloads(self) -> list[tuple[int, int, list[Trajectory]]]:
+    """(step, micro-batch, payload) of each step a restored position carries (checked before a resume)."""
+    return [(step, i, p) for step, r in sorted(self._ready.items()) for i, p in enumerate(r.payloads)]
+
   # ---------------------------------------------------------------- the thread
   def _start(self) -> None:
     if self._thread is None:
@@ -309,14 +309,12 @@ class LiveRollouts:
       self._thread.start()
 
   def close(self, timeout_s: float = 60.0) -> None:
-    """Stops the sampling thread and waits for it (``timeout_s`` at most): a thread still inside JAX when the
-    interpreter exits aborts the process (exit 134) instead of letting it end with its own exit code."""
+    """Stops the sampling thread and waits for it: one inside JAX at exit aborts the process (exit 134)."""
     with self._cond:
       self._closed = True
       self._cond.notify_all()
-    thread = self._thread
-    if thread is not None and thread is not threading.current_thread():
-      thread.join(timeout_s)
+    if self._thread not in (None, threading.current_thread()):
+      self._thread.join(timeout_s)
 
   def _produce(self) -> None:
     step = self._produce_from
