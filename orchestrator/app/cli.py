@@ -95,21 +95,39 @@ def record_main(argv: list[str]) -> int:
   args, resolved = parse_subcommand(p, argv)
   if args is None:
     return resolved
-  recipe = resolved.recipe
-  if recipe.rollouts.source == "sampler":  # record a live run: the rollouts it trains on, as it trains
-    out = Path(args.out)
-    if (out / "manifest.json").exists():
-      print(f"run_rl record: error: {out} already holds a recording; recordings are read-only,"
-            " choose a new --out", file=sys.stderr)
-      return 2
-    try:
-      held = run_dir.lock(out, flag="run_rl record --out", create=True)
-    except RunDirError as e:
-      print(f"run_rl record: error: {e}", file=sys.stderr)
-      return 2
-    with held:  # the run takes it again (a no-op) and writes the recording at its end
-      resolved.recipe.rollouts.record_to = args.out
+  recipe, out = resolved.recipe, Path(args.out)
+  held = _hold_new_recording(out)
+  if held is None:
+    return 2
+  with held:
+    if recipe.rollouts.source == "sampler":  # a live run: the rollouts it trains on, as it trains
+      resolved.recipe.rollouts.record_to = args.out  # the run takes the lock again (a no-op), writes at its end
       return launch.start(resolved, None)
+    return _record_generated(recipe, resolved.path, out)
+
+
+def _hold_new_recording(out: Path) -> run_dir.DirLock | None:
+  """``out``'s lock for a new recording, or None after one line saying why it cannot be one. A recording is
+  looked for before the lock (an existing one is read-only: no lock file is written into it) and again after
+  (another process may have written one meanwhile)."""
+  held = None
+  try:
+    if not (out / "manifest.json").exists():
+      held = run_dir.lock(out, flag="run_rl record --out", create=True)
+  except RunDirError as e:
+    print(f"run_rl record: error: {e}", file=sys.stderr)
+    return None
+  if held is None or (out / "manifest.json").exists():
+    if held is not None:
+      held.release()
+    print(f"run_rl record: error: {out} already holds a recording; recordings are read-only,"
+          " choose a new --out", file=sys.stderr)
+    return None
+  return held
+
+
+def _record_generated(recipe, recipe_path, out: Path) -> int:
+  """Generated trajectory groups in the recipe's shapes, written as a recording in ``out`` (held)."""
   preset = load_preset(recipe.model)
   r = recipe.rollouts
   shape = RolloutShape(
@@ -118,23 +136,9 @@ def record_main(argv: list[str]) -> int:
       max_tokens=recipe.batch.tokens_per_row or preset.tokens_per_row,
       vocab_size=preset.vocab_size, seed=r.seed,
   )
-  out = Path(args.out)
-  if (out / "manifest.json").exists():
-    print(f"run_rl record: error: {out} already holds a recording; recordings are read-only,"
-          " choose a new --out", file=sys.stderr)
-    return 2
-  try:
-    held = run_dir.lock(out, flag="run_rl record --out", create=True)
-  except RunDirError as e:
-    print(f"run_rl record: error: {e}", file=sys.stderr)
-    return 2
-  with held:
-    if (out / "manifest.json").exists():  # written by another process before this one took the lock
-      print(f"run_rl record: error: {out} already holds a recording; choose a new --out", file=sys.stderr)
-      return 2
-    manifest = write_recording(out, generate_groups(shape), vocab_size=preset.vocab_size,
-                               produced_by={"tool": "run_rl record", "recipe": resolved.path,
-                                            "shape": dataclasses.asdict(shape)})
+  manifest = write_recording(out, generate_groups(shape), vocab_size=preset.vocab_size,
+                             produced_by={"tool": "run_rl record", "recipe": recipe_path,
+                                          "shape": dataclasses.asdict(shape)})
   print(f"run_rl record: wrote {manifest['num_groups']} groups, {manifest['num_trajectories']}"
         f" trajectories to {out}")
   return 0

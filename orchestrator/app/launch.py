@@ -435,8 +435,9 @@ def resume_point(plan: RunPlan, source):
   ckpt_dir = checkpoint_dir_for(recipe, path)
   checkpoints = read_checkpoints(ckpt_dir) if ckpt_dir else {}
   if not checkpoints:
-    raise RunDirError(f"--resume {path}: no complete checkpoint in {ckpt_dir}; nothing to resume from"
-                      " (start a new run with --out)")
+    raise RunDirError(f"--resume {path}: no complete checkpoint in {ckpt_dir}; the run ended before its first"
+                      " one, so there is nothing to resume from: start it again with a new --out (this directory"
+                      " keeps what it recorded)")
   vocab_size, _, tokens_per_row = batch_shape(recipe)
   problems = checkpoint_check.problems(
       checkpoints, run_id=plan.run_id, source=source, config_sha256=plan.config_sha256,
