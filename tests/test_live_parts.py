@@ -242,4 +242,4 @@ def test_a_stop_while_waiting_for_the_first_step_s_rollouts_names_what_is_left()
   thread.join(timeout=30)
   assert not thread.is_alive()
   assert str(outcome["error"]) == ("stopped by SIGINT while waiting for step 0's rollouts, before this run trained a"
-                                   " step; no checkpoint was written, so the run cannot be resumed: start it again")
+                                   " step; no checkpoint was written, so the run cannot be resumed: start it again with a new --out")

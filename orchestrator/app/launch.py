@@ -729,7 +729,7 @@ def _stopped_without_checkpoint(write_dir: Path, error: Exception, stop: StopSig
   if job.is_primary and write_dir is not None:
     run_dir.write_summary(write_dir, {"ended": "signal", "signal": received.name, "checkpoint_path": None,
                                       "error": f"{type(error).__name__}: {error}"})
-  print(f"run_rl: {job.label}stopped by {received.name} while waiting for rollouts: {error}", file=sys.stderr)
+  print(f"run_rl: {job.label}{error}", file=sys.stderr)  # the error says what stopped it, where, and what is left
   return EXIT_CODES[received]
 
 

@@ -37,7 +37,7 @@ def latest_checkpoint(records: Sequence[Any]) -> str:
   run's earlier ones included, that names a checkpoint), as the end of its one line."""
   last = next((r for r in reversed(records) if r.checkpoint_path), None)
   if last is None:
-    return "no checkpoint was written, so the run cannot be resumed: start it again"
+    return "no checkpoint was written, so the run cannot be resumed: start it again with a new --out"
   return (f"the latest checkpoint is {last.checkpoint_path} (after step {last.step}); `run_rl --resume` continues"
           " from it")
 
