@@ -4,6 +4,7 @@ rollouts stop arriving, an in-memory key-value client."""
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 
 
@@ -190,3 +191,18 @@ class StuckLiveSource:
       self.waited += 1
       time.sleep(timeout_s)  # the whole timeout, as a source whose sampler is stuck
     return there
+
+
+def run_in_thread(program):
+  """Runs ``program`` on a daemon thread; returns (the thread, a dict that gets "result" or "error")."""
+  outcome = {}
+
+  def run():
+    try:
+      outcome["result"] = program.run()
+    except Exception as e:  # pylint: disable=broad-except  # the test reads it
+      outcome["error"] = e
+
+  thread = threading.Thread(target=run, daemon=True)
+  thread.start()
+  return thread, outcome

@@ -16,6 +16,7 @@ from orchestrator.live.tasks import FirstLetter
 from orchestrator.loop.program import ProgramConfig, RLProgram, StoppedWithoutCheckpointError
 from orchestrator.loop.trainer_worker import TrainerWorker
 from policies import Mode, StepBoundaryPolicy
+from tests.fakes import run_in_thread
 
 STEPS, MICRO = 4, 2
 TASK = FirstLetter(length=4, letters=8)
@@ -124,16 +125,7 @@ def test_a_stop_ends_the_wait_for_a_stuck_sampler(rig):
   program = RLProgram(TrainerWorker(engine), StepBoundaryPolicy(Mode.STAGE_BEFORE_UPDATE, wait_threshold_s=0.0),
                       source, ProgramConfig(steps=STEPS, micro_batches_per_step=MICRO, stop_grace_s=0.2),
                       weight_sync=source.sync, stop_requested=lambda: "SIGTERM" if stop.is_set() else None)
-  outcome = {}
-
-  def run():
-    try:
-      outcome["result"] = program.run()
-    except Exception as e:  # pylint: disable=broad-except  # the test reads it
-      outcome["error"] = e
-
-  thread = threading.Thread(target=run, daemon=True)
-  thread.start()
+  thread, outcome = run_in_thread(program)
   try:
     assert reached.wait(120)
     thread.join(timeout=0.5)

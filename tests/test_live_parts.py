@@ -18,7 +18,7 @@ from orchestrator.loop.trainer_worker import TrainerWorker
 from orchestrator.recipe import RecipeError
 from orchestrator.recipe.schema import TASK_RANGES, TASK_SIZE_KEYS, TaskSection
 from policies import Mode, StepBoundaryPolicy
-from tests.fakes import RecordingEngine, StuckLiveSource
+from tests.fakes import RecordingEngine, StuckLiveSource, run_in_thread
 
 
 def test_tokenizer_round_trips_and_stops_at_eos():
@@ -168,18 +168,6 @@ def test_synced_weights_change_what_is_sampled(sampler):
 
 
 # ---------------------------------------------------------------------------- waits for rollouts
-def _run_in_thread(program):
-  outcome = {}
-
-  def run():
-    try:
-      outcome["result"] = program.run()
-    except Exception as e:  # pylint: disable=broad-except  # the test reads it
-      outcome["error"] = e
-
-  thread = threading.Thread(target=run, daemon=True)
-  thread.start()
-  return thread, outcome
 
 
 def _wait_for(predicate, timeout_s=60.0):
@@ -204,7 +192,7 @@ def test_a_stop_ends_the_wait_for_rollouts_that_never_come(mode, staleness, micr
   program = RLProgram(TrainerWorker(engine), StepBoundaryPolicy(mode, wait_threshold_s=0.0), source,
                       ProgramConfig(steps=6, micro_batches_per_step=micro, checkpoint_every=2, stop_grace_s=0.2),
                       stop_requested=lambda: "SIGTERM" if stop.is_set() else None)
-  thread, outcome = _run_in_thread(program)
+  thread, outcome = run_in_thread(program)
   _wait_for(lambda: source.waited > 0)
   thread.join(timeout=0.5)
   assert thread.is_alive() and not outcome, outcome  # no stop: still waiting for step 3
@@ -236,7 +224,7 @@ def test_a_stop_while_waiting_for_the_first_step_s_rollouts_names_what_is_left()
   program = RLProgram(TrainerWorker(RecordingEngine()), StepBoundaryPolicy(Mode.STAGE_BEFORE_UPDATE), source,
                       ProgramConfig(steps=4, micro_batches_per_step=2, start_step=0),
                       stop_requested=lambda: "SIGINT" if stop.is_set() else None)
-  thread, outcome = _run_in_thread(program)
+  thread, outcome = run_in_thread(program)
   _wait_for(lambda: source.waited > 0)
   stop.set()
   thread.join(timeout=30)
