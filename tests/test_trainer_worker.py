@@ -216,10 +216,10 @@ def test_program_refuses_a_source_that_runs_out():
     p.run()
 
 
-def test_excluded_boundary_runs_pipelined_and_the_rest_stay_staged():
-  engine = RecordingEngine()
+def _four_steps_with_one_pipelined(engine, policy, pipelined_at: int):
+  """Runs 4 steps of 2 micro-batches with a weight sync that logs; returns the result and asserts the calls
+  are every boundary staged before the update but ``pipelined_at``'s, which runs PIPELINED."""
   worker = TrainerWorker(engine)
-  policy = StepBoundaryPolicy(Mode.STAGE_BEFORE_UPDATE, wait_threshold_s=0.0, excluded_steps=[1])
 
   def sync(step, weights):
     engine.calls.append(f"sync:{step}")
@@ -229,10 +229,15 @@ def test_excluded_boundary_runs_pipelined_and_the_rest_stay_staged():
   calls = engine.calls[engine.calls.index("fwd_bwd:s0m0"):]
   expected = ["fwd_bwd:s0m0"]
   for k in range(3):
-    mode = Mode.PIPELINED if k == 1 else Mode.STAGE_BEFORE_UPDATE
+    mode = Mode.PIPELINED if k == pipelined_at else Mode.STAGE_BEFORE_UPDATE
     expected += [c.format(k=k, n=k + 1) for c in EXPECTED_BOUNDARY[mode]]
-  expected += ["fwd_bwd:s3m1", "update", "metrics:4", "sync:4"]
-  assert calls == expected
+  assert calls == expected + ["fwd_bwd:s3m1", "update", "metrics:4", "sync:4"]
+  return result
+
+
+def test_excluded_boundary_runs_pipelined_and_the_rest_stay_staged():
+  policy = StepBoundaryPolicy(Mode.STAGE_BEFORE_UPDATE, wait_threshold_s=0.0, excluded_steps=[1])
+  result = _four_steps_with_one_pipelined(RecordingEngine(), policy, pipelined_at=1)
   assert [r.staged for r in result.records] == [True, False, True, False]
   assert result.records[1].reason == "boundary excluded by the recipe"
   assert policy.mode is Mode.STAGE_BEFORE_UPDATE
@@ -265,21 +270,9 @@ class _MemoryEngine(RecordingEngine):
 
 def test_the_memory_gate_pipelines_the_boundary_the_devices_are_too_full_for():
   engine = _MemoryEngine({2: 995})
-  worker = TrainerWorker(engine)
-  assert worker.capabilities.can_report_memory
+  assert TrainerWorker(engine).capabilities.can_report_memory
   policy = StepBoundaryPolicy(Mode.STAGE_BEFORE_UPDATE, wait_threshold_s=0.0, min_free_device_bytes=100)
-
-  def sync(step, weights):
-    engine.calls.append(f"sync:{step}")
-
-  result = RLProgram(worker, policy, payload_steps(4, 2), ProgramConfig(steps=4, micro_batches_per_step=2),
-                     weight_sync=sync).run()
-  calls = engine.calls[engine.calls.index("fwd_bwd:s0m0"):]
-  expected = ["fwd_bwd:s0m0"]
-  for k in range(3):
-    mode = Mode.PIPELINED if k == 2 else Mode.STAGE_BEFORE_UPDATE
-    expected += [c.format(k=k, n=k + 1) for c in EXPECTED_BOUNDARY[mode]]
-  assert calls == expected + ["fwd_bwd:s3m1", "update", "metrics:4", "sync:4"]
+  result = _four_steps_with_one_pipelined(engine, policy, pipelined_at=2)
   records = result.records
   assert [r.staged for r in records] == [True, True, False, False]
   assert [r.device_free_bytes for r in records] == [1000, 1000, 5, None]  # the fullest device; none after the last
