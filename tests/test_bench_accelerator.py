@@ -191,7 +191,7 @@ def test_an_arm_cut_short_makes_the_digests_not_comparable():
 # ---------------------------------------------------------------- refusals, before anything starts
 def test_bad_usage_is_refused_in_one_line_before_anything_runs(tmp_path, capsys):
   assert main(["--preset", "nope", "--out", str(tmp_path / "x.json")]) == 2
-  assert "model='nope' is not a preset" in capsys.readouterr().err
+  assert "model.preset='nope' is not a preset" in capsys.readouterr().err
   assert main(["--preset", "tiny", "--out", str(tmp_path)]) == 2
   assert "is a directory" in capsys.readouterr().err
   assert main(["--preset", "tiny", "--wait-threshold-s", "soon", "--out", str(tmp_path / "x.json")]) == 2

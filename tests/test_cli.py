@@ -131,7 +131,7 @@ def _main(argv, capsys, env=None):
         (["--no-stage_next_microbatch", "--require_staging"], {}, "require_staging=true but staging is off"),
         (["engine.retry_when_tokens_dropped=true"], {}, "needs an MoE model, but 'tiny' is dense"),
         (["mesh.fsdp=3"], {}, "does not split over mesh.fsdp×mesh.expert=3"),
-        (["model=huge"], {}, "model='huge' is not a preset; available:"),
+        (["model=huge"], {}, "model.preset='huge' is not a preset; available:"),
         (["notakeyvalue"], {}, "override 'notakeyvalue' is not key=value"),
         (["--steps", "x"], {}, "argument --steps: invalid int value"),
         ([], {"PIPELINE_STEP_BOUNDARY": "maybe"}, "environment PIPELINE_STEP_BOUNDARY='maybe'"),
@@ -194,7 +194,7 @@ def test_print_config_shows_every_key_and_its_source(capsys):
   assert lines["steps"].split()[1] == "4" and lines["steps"].endswith("# flag --steps")
   assert lines["engine.seed"].endswith("# override")
   assert lines["step_boundary.stage_before_update"].endswith("# env STAGE_BEFORE_UPDATE")
-  assert lines["model"].endswith("# recipe") and lines["engine.weight_decay"].endswith("# default")
+  assert lines["model.preset"].endswith("# recipe") and lines["engine.weight_decay"].endswith("# default")
   assert "# mode: STAGE_AFTER_UPDATE" in out
 
 
@@ -276,7 +276,7 @@ def test_run_rl_end_to_end_on_the_tiny_preset(tmp_path):
   assert summary["final_state_digest"] in proc.stdout
   assert json.loads((out / "trace.json").read_text())["traceEvents"]
   config = json.loads((out / "config.json").read_text())
-  assert config["sources"]["model"] == "override"
+  assert config["sources"]["model.preset"] == "override"
   assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name.isdigit()) == ["2", "4"]
 
 

@@ -179,7 +179,7 @@ CASES = [
     ("rollouts-seed-synthetic-1e30", ["rollouts.source=synthetic", "model=tiny", "rollouts.seed=1e30"], {},
      "rollouts.seed=1000000000000000019884624838656 is out of range"),
     ("scored-step-zero", ["checkpoint.scored_steps=[0]"], {}, "checkpoint.scored_steps [0] are outside"),
-    ("model-unknown", ["model=huge"], {}, "model='huge' is not a preset"),
+    ("model-unknown", ["model=huge"], {}, "model.preset='huge' is not a preset"),
     ("name-a-path", ["name=../../elsewhere"], {}, "name='../../elsewhere': use letters, digits"),
     ("key-unknown", ["engine.learnin_rate=1"], {}, "did you mean 'engine.learning_rate'?"),
     ("not-key-value", ["notakeyvalue"], {}, "is not key=value"),

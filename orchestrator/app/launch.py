@@ -59,7 +59,6 @@ from orchestrator.distributed.admission import JobMismatchError
 from orchestrator.distributed.agreement import AgreementError, ProcessLostError
 from orchestrator.distributed.bringup import DistributedError
 from orchestrator.distributed.launcher import LAUNCHED_ENV, LocalJob, resume_hint
-from orchestrator.engine.presets import load_preset
 from orchestrator.live.plot import plot_rewards
 from orchestrator.loop.program import NonFiniteStepError, StoppedWithoutCheckpointError
 from orchestrator.recipe.loading import PROCESS_ID_ENV, job_settings
@@ -542,7 +541,7 @@ def _opening_line(plan: RunPlan, job: job_lib.Job, *, host: str, point, devices:
     return (f"run_rl: resuming {plan.out} ({recipe.name}, mode {recipe.mode.name}) after step {point.steps_done - 1}"
             f" from checkpoint {point.checkpoint_step}; {recipe.steps - point.steps_done} steps to go; {devices}")
   processes = f"; {job.identity.num_processes} processes" if job.distributed else ""
-  return (f"run_rl: recipe {plan.resolved.path} ({recipe.name}), mode {recipe.mode.name}, model {recipe.model},"
+  return (f"run_rl: recipe {plan.resolved.path} ({recipe.name}), mode {recipe.mode.name}, model {recipe.model.name},"
           f" {recipe.steps} steps × {recipe.batch.micro_batches_per_step} micro-batches; out {plan.out};"
           f" host core reserved: {host}{processes}; {devices}")
 
@@ -659,7 +658,7 @@ def _write_recording(recipe, source, result, write_dir: Path) -> None:
     target = write_dir / "recording"
   with run_dir.lock(target, flag="rollouts.record_to", create=True):
     manifest = write_recording(target, recorded_groups(recorded, recipe.rollouts.generations_per_group),
-                               vocab_size=load_preset(recipe.model).vocab_size,
+                               vocab_size=recipe.model_preset().vocab_size,
                                produced_by={"tool": "run_rl (live loop)", "recipe": recipe.name,
                                             "task": dataclasses.asdict(recipe.task), "steps": result.last_step + 1})
   record_to = str(target)

@@ -209,7 +209,7 @@ def _serve(recipe, listen: str, checkpoint_dir: str, token: str | None, token_de
   host, _ = protocol.split_address(listen)
   for sig in (signal.SIGINT, signal.SIGTERM):  # a stop request is the normal end of a server: exit 0
     signal.signal(sig, lambda signum, frame: stop.set())
-  print(f"run_rl serve-trainer: listening on {host}:{port} (recipe {recipe.name}, model {recipe.model},"
+  print(f"run_rl serve-trainer: listening on {host}:{port} (recipe {recipe.name}, model {recipe.model.name},"
         f" protocol {protocol.PROTOCOL_VERSION}, {token_described}; checkpoints in {checkpoint_dir};"
         f" {describe_devices(recipe.mesh)})", flush=True)
   stop.wait()

@@ -16,7 +16,6 @@ import sys
 from pathlib import Path
 
 from orchestrator.app import run_dir
-from orchestrator.engine.presets import load_preset
 from policies import Mode
 from policies.boundary_model import Components, predict
 from policies.step_boundary import format_seconds
@@ -40,7 +39,7 @@ def tokens_per_device_per_step(recipe) -> float:
   if recipe.simulate.tokens_per_device:
     per_micro = recipe.simulate.tokens_per_device
   else:
-    preset = load_preset(recipe.model)
+    preset = recipe.model_preset()
     rows = recipe.batch.rows or preset.rows
     tokens = recipe.batch.tokens_per_row or preset.tokens_per_row
     devices = recipe.mesh.fsdp * recipe.mesh.context * recipe.mesh.expert

@@ -17,9 +17,10 @@ from typing import Any
 
 from orchestrator.contract import TrainingEngine
 from orchestrator.engine.options import BACKENDS, EngineOptions
+from orchestrator.engine.presets import ModelPreset
 
 
-def build_backend(preset: str, options: EngineOptions, *, mesh: Mapping[str, int] | None = None,
+def build_backend(preset: str | ModelPreset, options: EngineOptions, *, mesh: Mapping[str, int] | None = None,
                   rows: int | None = None, tokens_per_row: int | None = None,
                   checkpoint_dir: str | None = None, micro_batches_per_step: int = 1) -> TrainingEngine:
   """Builds the engine ``options.backend`` names.

@@ -90,7 +90,8 @@ class _InitialState:
 
 
 def _initial_state(preset: ModelPreset, options: EngineOptions, mesh, optimizer) -> _InitialState:
-  graphdefs, host_params, specs = model_lib.build_model(preset, options.seed, options.capacity_factor)
+  graphdefs, host_params, specs = model_lib.build_model(preset, options.seed, options.capacity_factor, mesh=mesh,
+                                                        dtype=options.dtype)
   param_shardings = model_lib.param_shardings(mesh, specs)
   scalar_sharding = mesh_lib.replicated(mesh)
   params = jax.device_put(host_params, param_shardings)

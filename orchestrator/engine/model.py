@@ -1,4 +1,4 @@
-"""Build a Tunix Qwen3 from a preset, with seeded random weights, split into graph and params."""
+"""Build a Tunix Qwen3 from a preset (seeded random weights) or a checkpoint, split into graph and params."""
 
 from __future__ import annotations
 
@@ -7,13 +7,18 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from tunix.models.qwen3 import model as qwen3_model
+from tunix.models.qwen3 import params as qwen3_params
 
 from orchestrator.engine import mesh as mesh_lib
 from orchestrator.engine import moe as moe_lib
 from orchestrator.engine.presets import ModelPreset
 
 
-def model_config(preset: ModelPreset) -> qwen3_model.ModelConfig:
+#: JAX's dtype for each compute dtype a recipe may name (``engine.dtype``); weights stay float32.
+COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def model_config(preset: ModelPreset, dtype: str = "float32") -> qwen3_model.ModelConfig:
   return qwen3_model.ModelConfig(
       num_layers=preset.num_layers,
       vocab_size=preset.vocab_size,
@@ -28,11 +33,17 @@ def model_config(preset: ModelPreset) -> qwen3_model.ModelConfig:
       num_experts=preset.num_experts,
       num_experts_per_tok=preset.num_experts_per_tok,
       shd_config=mesh_lib.qwen3_sharding(),
+      dtype=COMPUTE_DTYPES[dtype],
+      param_dtype=jnp.float32,
   )
 
 
-def build_model(preset: ModelPreset, seed: int, capacity_factor: float | None = None):
-  """Returns ``(graphdefs, params, partition_specs)`` for a randomly initialised Qwen3.
+def build_model(preset: ModelPreset, seed: int, capacity_factor: float | None = None, *, mesh=None,
+                dtype: str = "float32"):
+  """Returns ``(graphdefs, params, partition_specs)`` for a Qwen3: randomly initialised with ``seed``, or,
+  when ``preset.checkpoint`` names a Hugging Face checkpoint, with its weights (read through Tunix's loader,
+  onto ``mesh``'s shardings as they load when a mesh is given, else onto the default device; upcast to
+  float32, the weights' dtype here). ``dtype`` is the compute dtype.
 
   ``graphdefs`` has two entries over the same params: ``"capacity"`` routes MoE
   tokens with ``capacity_factor`` (None: dropless) and ``"dropless"`` never
@@ -42,7 +53,11 @@ def build_model(preset: ModelPreset, seed: int, capacity_factor: float | None = 
   sides give zero gradients); those are re-drawn from a scaled normal here,
   seeded, so every weight learns.
   """
-  model = qwen3_model.Qwen3(model_config(preset), rngs=nnx.Rngs(seed))
+  config = model_config(preset, dtype)
+  if preset.checkpoint:
+    model = qwen3_params.create_model_from_safe_tensors(preset.checkpoint, config, mesh, dtype=jnp.float32)
+  else:
+    model = qwen3_model.Qwen3(config, rngs=nnx.Rngs(seed))
   graphdefs = {}
   if preset.is_moe:
     moe_lib.install(model, None)
@@ -62,7 +77,8 @@ def build_model(preset: ModelPreset, seed: int, capacity_factor: float | None = 
       return jnp.asarray(draw, x.dtype)
     return x
 
-  params = jax.tree_util.tree_map_with_path(redraw_zeros, params)
+  if not preset.checkpoint:  # a checkpoint's weights are kept as they are
+    params = jax.tree_util.tree_map_with_path(redraw_zeros, params)
   return graphdefs, params, nnx.to_pure_dict(specs)
 
 

@@ -22,6 +22,9 @@ BACKENDS: dict[str, str] = {
 CHECKPOINTING_BACKENDS = ("jax",)
 
 
+#: The compute dtypes ``engine.dtype`` may name (``orchestrator.engine.model`` maps them to JAX's).
+COMPUTE_DTYPES = ("float32", "bfloat16")
+
 #: The largest finite float32: optimizer hyperparameters past it are inf on the devices.
 FLOAT32_MAX = 3.4028234663852886e38
 
@@ -44,6 +47,8 @@ class EngineOptions:
       discarded and re-run with a program that drops nothing (dropless re-run).
     skip_nonfinite_updates: ``update()`` reads the gradient norm on the host and
       skips the optimizer step when it is not finite.
+    dtype: the compute dtype of the forward and backward passes (``COMPUTE_DTYPES``);
+      weights, gradients' accumulation and the optimizer state stay float32.
   """
 
   backend: str = "jax"
@@ -57,6 +62,7 @@ class EngineOptions:
   ragged_buffer_factor: float = -1.0
   retry_when_tokens_dropped: bool = False
   skip_nonfinite_updates: bool = False
+  dtype: str = "float32"
 
   def validate(self, preset: ModelPreset | None = None) -> None:
     """Raises ValueError naming the ``engine.*`` key, its value and the fix."""
@@ -73,6 +79,8 @@ class EngineOptions:
       value = getattr(self, key)
       if not (math.isfinite(value) and value >= 0):
         raise ValueError(f"engine.{key}={value} is out of range: it must be a finite number >= 0")
+    if self.dtype not in COMPUTE_DTYPES:
+      raise ValueError(f"engine.dtype={self.dtype!r} is not a compute dtype; use one of {', '.join(COMPUTE_DTYPES)}")
     if not 1 <= self.max_inflight <= 1024:
       raise ValueError(f"engine.max_inflight={self.max_inflight} is out of range: it must be in [1, 1024]")
     if preset is not None:

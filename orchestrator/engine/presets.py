@@ -38,6 +38,9 @@ class ModelPreset:
   num_experts_per_tok: int | None = None
   rows: int = 4
   tokens_per_row: int = 64
+  # A Hugging Face checkpoint directory the weights are loaded from (None: seeded random weights). Set by
+  # ``hf_checkpoint.preset_from_config`` from the recipe's ``model.checkpoint``, never by a preset file.
+  checkpoint: str | None = None
 
   @property
   def is_moe(self) -> bool:
@@ -63,7 +66,7 @@ def load_preset(name: str, **overrides: Any) -> ModelPreset:
   with path.open() as f:
     raw = yaml.safe_load(f) or {}
   raw.update(overrides)
-  known = {f.name for f in dataclasses.fields(ModelPreset)}
+  known = {f.name for f in dataclasses.fields(ModelPreset)} - {"checkpoint"}
   unknown = sorted(set(raw) - known)
   if unknown:
     raise ValueError(

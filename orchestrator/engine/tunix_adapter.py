@@ -40,7 +40,7 @@ from orchestrator.data.trajectory import Trajectory
 from orchestrator.engine import model as model_lib
 from orchestrator.engine.options import EngineOptions
 from orchestrator.engine.loss import LossConfig, attention_mask, policy_loss_sum
-from orchestrator.engine.presets import load_preset
+from orchestrator.engine.presets import ModelPreset, load_preset
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -68,17 +68,18 @@ class TunixTrainerEngine:
     learning_rate, weight_decay, max_grad_norm: AdamW with global-norm clipping.
     clip_eps_low, clip_eps_high: the loss's ratio clipping range.
     seed: weight seed.
+    dtype: the compute dtype (``engine.dtype``).
   """
 
-  def __init__(self, preset: str = "tiny", *, micro_batches_per_step: int, rows: int | None = None,
+  def __init__(self, preset: str | ModelPreset = "tiny", *, micro_batches_per_step: int, rows: int | None = None,
                tokens_per_row: int | None = None, learning_rate: float = 1e-3, weight_decay: float = 0.0,
                max_grad_norm: float = 1.0, clip_eps_low: float = 0.2, clip_eps_high: float = 0.28,
-               seed: int = 0):
-    self.preset = load_preset(preset)
+               seed: int = 0, dtype: str = "float32"):
+    self.preset = load_preset(preset) if isinstance(preset, str) else preset
     self.rows = rows or self.preset.rows
     self.tokens_per_row = tokens_per_row or self.preset.tokens_per_row
     self.micro_batches_per_step = micro_batches_per_step
-    graphdefs, params, _ = model_lib.build_model(self.preset, seed)
+    graphdefs, params, _ = model_lib.build_model(self.preset, seed, dtype=dtype)
     self.model = nnx.merge(graphdefs["capacity"], params)
     loss_config = LossConfig(clip_eps_low, clip_eps_high)
 
@@ -188,7 +189,7 @@ class TunixTrainerEngine:
     return h.hexdigest()
 
 
-def build_tunix_engine(preset: str, *, mesh: Mapping[str, int] | None, rows: int | None,
+def build_tunix_engine(preset: str | ModelPreset, *, mesh: Mapping[str, int] | None, rows: int | None,
                        tokens_per_row: int | None, checkpoint_dir: str | None, micro_batches_per_step: int,
                        **options: Any) -> TunixTrainerEngine:
   """The ``tunix_peft`` backend: a stock ``PeftTrainer`` on one device, without checkpoints.
@@ -210,7 +211,7 @@ def build_tunix_engine(preset: str, *, mesh: Mapping[str, int] | None, rows: int
   if unsupported:
     raise ValueError(f"engine.backend=tunix_peft cannot honour {unsupported}; leave them at their defaults")
   kept = {k: options[k] for k in ("learning_rate", "weight_decay", "max_grad_norm", "clip_eps_low",
-                                  "clip_eps_high", "seed") if k in options}
+                                  "clip_eps_high", "seed", "dtype") if k in options}
   return TunixTrainerEngine(preset, micro_batches_per_step=micro_batches_per_step, rows=rows,
                             tokens_per_row=tokens_per_row, **kept)
 

@@ -144,6 +144,15 @@ def _coerce_plain(key: str, t: Any, value: Any) -> Any:
   raise RecipeError(f"{key}: unsupported type {t}")  # pragma: no cover
 
 
+#: Short forms a recipe, an override or a saved run may use for a key: ``model: tiny`` is ``model.preset: tiny``.
+ALIASES = {"model": "model.preset"}
+
+
+def canonical(key: str) -> str:
+  """The schema's key for ``key`` (itself, or what its short form stands for)."""
+  return ALIASES.get(key, key)
+
+
 def suggest(key: str) -> str:
   """``"; did you mean 'KEY'?"`` for the closest known key (or one with the same leaf name), else ``""``."""
   close = difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.5)
@@ -159,7 +168,9 @@ def flatten(tree: Mapping[str, Any], prefix: str = "", where: str = "recipe") ->
   known = set(all_keys())
   for name, value in tree.items():
     key = f"{prefix}{name}"
-    if isinstance(value, Mapping) and key in _section_paths():
+    if key in ALIASES and not isinstance(value, Mapping):
+      out[ALIASES[key]] = value
+    elif isinstance(value, Mapping) and key in _section_paths():
       out.update(flatten(value, f"{key}.", where))
     elif key in known:
       out[key] = value

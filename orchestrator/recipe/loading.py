@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from orchestrator.recipe.keys import all_keys, build, coerce, flatten, get, suggest
+from orchestrator.recipe.keys import all_keys, build, canonical, coerce, flatten, get, suggest
 from orchestrator.recipe.schema import Recipe, RecipeError, validate
 
 RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
@@ -132,7 +132,7 @@ def resolve(
     if "=" not in item:
       raise RecipeError(f"override {item!r} is not key=value (e.g. engine.learning_rate=3e-4)")
     key, raw = item.split("=", 1)
-    key = key.strip()
+    key = canonical(key.strip())
     if key not in set(all_keys()):
       raise RecipeError(f"override {item!r}: unknown key {key!r}{suggest(key)}")
     values[key] = coerce(key, yaml.safe_load(raw) if raw.strip() else raw)

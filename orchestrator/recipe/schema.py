@@ -16,8 +16,10 @@ from typing import Any
 from orchestrator import addresses
 from orchestrator.engine.mesh_shape import MeshConfig
 from orchestrator.engine.options import EngineOptions
-from orchestrator.engine.presets import available_presets, load_preset
+from orchestrator.engine import hf_checkpoint
+from orchestrator.engine.presets import ModelPreset, available_presets, load_preset
 from orchestrator.live.tasks import MAX_PROMPT_LENGTH, TASKS, make_task, max_generation_steps, split_sizes
+from orchestrator.live.hf_tokenizer import HFTokenizer, TokenizerError
 from orchestrator.live.tokenizer import CharTokenizer
 from policies import Mode
 
@@ -72,6 +74,82 @@ class MeshSection(MeshConfig):
       MeshConfig.validate(self)
     except ValueError as e:
       raise RecipeError(str(e)) from None
+
+
+#: The preset a recipe without ``model.preset`` or ``model.checkpoint`` trains.
+DEFAULT_PRESET = "small"
+
+
+@dataclasses.dataclass
+class ModelSection:
+  """The model: a preset (``configs/model/*.yaml``, seeded random weights) or a Hugging Face Qwen3 checkpoint.
+
+  ``model: NAME`` in a recipe (or ``model=NAME``) is short for ``model.preset: NAME``. With a checkpoint the
+  sizes come from its ``config.json``; a preset given beside it must agree with them.
+  """
+
+  preset: str | None = None  # None: the checkpoint's sizes, or DEFAULT_PRESET
+  checkpoint: str | None = None  # a directory: config.json, *.safetensors (and tokenizer.json for the live loop)
+  chat_template: bool = False  # live loop: prompts go through the checkpoint's chat template
+
+  @property
+  def name(self) -> str:
+    """What the run trains, for people: the preset's name or the checkpoint's directory."""
+    return self.checkpoint or self.preset or DEFAULT_PRESET
+
+  def load(self) -> ModelPreset:
+    """The model's sizes (and, from a checkpoint, where its weights are), checked; no weights are read.
+
+    Raises:
+      RecipeError: an unknown preset, a checkpoint directory that cannot be used, or the two disagreeing.
+    """
+    key = (self.preset, self.checkpoint)
+    if key not in _LOADED_MODELS:
+      _LOADED_MODELS[key] = self._load()
+    return _LOADED_MODELS[key]
+
+  def _load(self) -> ModelPreset:
+    if self.preset is not None and self.preset not in available_presets():
+      raise RecipeError(f"model.preset={self.preset!r} is not a preset; available: {', '.join(available_presets())}"
+                        " (or give model.checkpoint=DIR)")
+    if self.checkpoint is None:
+      return load_preset(self.preset or DEFAULT_PRESET)
+    try:
+      loaded = hf_checkpoint.load_preset_from_checkpoint(self.checkpoint)
+    except hf_checkpoint.CheckpointDirError as e:
+      raise RecipeError(str(e)) from None
+    if self.preset is not None:
+      named = load_preset(self.preset)
+      differs = hf_checkpoint.disagreement(named, loaded)
+      if differs:
+        raise RecipeError(f"model.preset={self.preset} and model.checkpoint={self.checkpoint} disagree: the preset"
+                          f" has {differs}; drop model.preset (the checkpoint's sizes are used) or name the"
+                          " matching preset")
+      loaded = dataclasses.replace(loaded, rows=named.rows, tokens_per_row=named.tokens_per_row)
+    return loaded
+
+  def tokenizer(self):
+    """The live loop's tokenizer: the checkpoint's own, else the character tokenizer.
+
+    Raises:
+      RecipeError: the checkpoint has no usable tokenizer, or a chat template is asked of one without.
+    """
+    if self.checkpoint is None:
+      return CharTokenizer()
+    try:
+      return HFTokenizer(self.checkpoint, chat_template=self.chat_template)
+    except TokenizerError as e:
+      raise RecipeError(str(e)) from None
+
+  def validate(self) -> None:
+    if self.chat_template and self.checkpoint is None:
+      raise RecipeError("model.chat_template=true needs model.checkpoint=DIR (a preset's character tokenizer has"
+                        " no chat template); give a checkpoint or drop model.chat_template")
+    self.load()
+
+
+#: Checked models by (preset, checkpoint): a recipe is validated, then read by every part that builds.
+_LOADED_MODELS: dict[tuple[str | None, str | None], ModelPreset] = {}
 
 
 @dataclasses.dataclass
@@ -393,7 +471,7 @@ class Recipe:
 
   name: str = "unnamed"
   description: str = ""
-  model: str = "small"
+  model: ModelSection = dataclasses.field(default_factory=ModelSection)
   steps: int = 6
   mesh: MeshSection = dataclasses.field(default_factory=MeshSection)
   batch: BatchSection = dataclasses.field(default_factory=BatchSection)
@@ -408,6 +486,10 @@ class Recipe:
   run: RunSection = dataclasses.field(default_factory=RunSection)
 
   # ---------------------------------------------------------------- derived
+  def model_preset(self) -> ModelPreset:
+    """The model's sizes (``ModelSection.load``): what every part that builds a model is given."""
+    return self.model.load()
+
   @property
   def staging_requested(self) -> bool:
     return self.step_boundary.staging_requested
@@ -435,14 +517,12 @@ class Recipe:
     _at_most("", self, ("steps",), 1_000_000_000)
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", self.name):
       raise RecipeError(f"name={self.name!r}: use letters, digits, '.', '_' and '-' (it names the run's directory)")
-    for section in (self.mesh, self.batch, self.rollouts, self.task, self.step_boundary, self.simulate, self.trainer,
-                    self.distributed, self.run):
+    for section in (self.model, self.mesh, self.batch, self.rollouts, self.task, self.step_boundary, self.simulate,
+                    self.trainer, self.distributed, self.run):
       section.validate()
     _check_seeds(self)
     self.checkpoint.validate(self.steps)
-    if self.model not in available_presets():
-      raise RecipeError(f"model={self.model!r} is not a preset; available: {', '.join(available_presets())}")
-    preset = load_preset(self.model)
+    preset = self.model_preset()
     rows, tokens = self.batch.rows or preset.rows, self.batch.tokens_per_row or preset.tokens_per_row
     try:
       self.engine.validate(preset)
@@ -465,8 +545,12 @@ class Recipe:
     if self.mesh.num_devices != 1 or self.engine.backend != "jax":
       raise RecipeError("rollouts.source=sampler runs the live loop on one device with engine.backend=jax;"
                         " use mesh sizes of 1")
-    if CharTokenizer().vocab_size > preset.vocab_size:
-      raise RecipeError(f"model={self.model!r} has too small a vocabulary for the live loop's tokenizer")
+    tokenizer = self.model.tokenizer()
+    if tokenizer.vocab_size > preset.vocab_size:
+      where = (f"model.checkpoint={self.model.checkpoint}: its tokenizer.json has {tokenizer.vocab_size} ids"
+               if self.model.checkpoint else f"the live loop's tokenizer has {tokenizer.vocab_size} ids")
+      raise RecipeError(f"{where}, more than the model's vocabulary of {preset.vocab_size}; use the checkpoint's"
+                        " own tokenizer, or a model with a larger vocabulary")
     r = self.rollouts
     trajectories = r.groups_per_micro_batch * r.generations_per_group
     per_trajectory = MAX_PROMPT_LENGTH + max_generation_steps(self.task.make())

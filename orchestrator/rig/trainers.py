@@ -42,7 +42,7 @@ class LocalRigTrainer:
     options = {f.name: getattr(recipe.engine, f.name) for f in dataclasses.fields(recipe.engine)
                if f.name != "backend"}
     self.recipe = recipe
-    self.engine = build_engine(recipe.model, mesh=dataclasses.asdict(recipe.mesh), rows=recipe.batch.rows,
+    self.engine = build_engine(recipe.model_preset(), mesh=dataclasses.asdict(recipe.mesh), rows=recipe.batch.rows,
                                tokens_per_row=recipe.batch.tokens_per_row, **options)
     require_snapshots(self.engine)
     self.shape = BatchShape(self.engine.rows, self.engine.tokens_per_row, self.engine.preset.vocab_size,
