@@ -21,9 +21,7 @@ from orchestrator.data.sources import ReplaySteps, SyntheticSteps
 from orchestrator.data.synthetic import SyntheticRollouts
 from orchestrator.engine import build_backend
 from orchestrator.engine.options import CHECKPOINTING_BACKENDS
-from orchestrator.engine.presets import load_preset
 from orchestrator.live.tasks import MAX_PROMPT_LENGTH, max_generation_steps
-from orchestrator.live.tokenizer import CharTokenizer
 from orchestrator.loop.program import ProgramConfig, RLProgram, plan_from_json
 from orchestrator.loop.recorder import BoundaryRecord
 from orchestrator.loop.trainer_worker import TrainerWorker, WorkerCapabilities
@@ -64,7 +62,7 @@ def policy_from_recipe(recipe: Recipe, capabilities: WorkerCapabilities, *, mode
 
 def build_engine_from_recipe(recipe: Recipe, *, checkpoint_dir: str | None = None):
   """The engine ``engine.backend`` names, with the recipe's model, mesh, batch shape and options."""
-  return build_backend(recipe.model, recipe.engine, mesh=dataclasses.asdict(recipe.mesh),
+  return build_backend(recipe.model_preset(), recipe.engine, mesh=dataclasses.asdict(recipe.mesh),
                        rows=recipe.batch.rows, tokens_per_row=recipe.batch.tokens_per_row,
                        checkpoint_dir=checkpoint_dir,
                        micro_batches_per_step=recipe.batch.micro_batches_per_step)
@@ -72,7 +70,7 @@ def build_engine_from_recipe(recipe: Recipe, *, checkpoint_dir: str | None = Non
 
 def batch_shape(recipe: Recipe) -> tuple[int, int, int]:
   """(vocab size, rows, tokens per row) the recipe's model and batch section give (no JAX)."""
-  preset = load_preset(recipe.model)
+  preset = recipe.model_preset()
   return preset.vocab_size, recipe.batch.rows or preset.rows, recipe.batch.tokens_per_row or preset.tokens_per_row
 
 
@@ -106,9 +104,9 @@ def live_source(recipe: Recipe, *, steps: int | None = None):
   from orchestrator.live.sampler import LiveSampler
 
   task, r = recipe.task.make(), recipe.rollouts
-  sampler = LiveSampler(load_preset(recipe.model), CharTokenizer(), seed=recipe.engine.seed,
+  sampler = LiveSampler(recipe.model_preset(), recipe.model.tokenizer(), seed=recipe.engine.seed,
                         max_prompt_length=MAX_PROMPT_LENGTH, max_generation_steps=max_generation_steps(task),
-                        alphabet=task.answer_alphabet)
+                        alphabet=task.answer_alphabet, dtype=recipe.engine.dtype)
   shape = LiveShape(steps or recipe.steps, recipe.batch.micro_batches_per_step, r.groups_per_micro_batch,
                     r.generations_per_group, r.max_staleness, r.temperature, r.seed)
   return LiveRollouts(sampler, task, shape, record=bool(r.record_to))

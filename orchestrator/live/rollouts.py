@@ -367,8 +367,7 @@ class LiveRollouts:
     rewards = np.array([self._task.reward(problems[k // g], text) for k, text in enumerate(samples.texts)],
                        np.float32)
     advantages = group_advantages(rewards, g)
-    prompt_ids = [np.concatenate([[self._sampler.tokenizer.bos_id()], ids]).astype(np.int32)
-                  for ids in samples.prompt_ids]
+    prompt_ids = samples.prompt_ids  # as the model was given them: bos and the formatted prompt
     if any(len(c) == 0 for c in samples.completion_ids):
       raise RuntimeError(f"the sampler returned an empty completion at step {step}, micro-batch {i}")
     payload = [Trajectory(prompt_ids[k], samples.completion_ids[k], float(advantages[k]), samples.logprobs[k],

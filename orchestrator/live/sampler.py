@@ -21,7 +21,6 @@ from tunix.generate import sampler as sampler_lib
 
 from orchestrator.engine import model as model_lib
 from orchestrator.engine.presets import ModelPreset
-from orchestrator.live.tokenizer import EOS, CharTokenizer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,19 +42,22 @@ class LiveSampler:
   """Tunix's sampler over the trained Qwen3, restricted to the tokenizer's ids.
 
   Args:
-    preset: the model preset the engine trains (same graph, same initial seed).
-    tokenizer: the character tokenizer (its ids must fit the preset's vocabulary).
+    preset: the model preset the engine trains (same graph, same initial seed or checkpoint).
+    tokenizer: the character tokenizer or a checkpoint's (``hf_tokenizer.HFTokenizer``); its ids must fit the
+      preset's vocabulary. One with ``format_prompt`` (a chat template) formats every prompt first.
     seed: the weight seed, so version 0 equals the engine's initial weights.
     max_prompt_length, max_generation_steps: fixed sizes (no recompiles).
-    alphabet: the characters completions may use (default: the tokenizer's).
+    alphabet: the only characters completions may use (a toy task's answers: fixed length, no eos); None
+      samples any id the tokenizer has, and a completion ends at an end-of-sequence id.
+    dtype: the compute dtype (``engine.dtype``), as the engine trains.
   """
 
-  def __init__(self, preset: ModelPreset, tokenizer: CharTokenizer, *, seed: int, max_prompt_length: int,
-               max_generation_steps: int, alphabet: str | None = None):
+  def __init__(self, preset: ModelPreset, tokenizer, *, seed: int, max_prompt_length: int,
+               max_generation_steps: int, alphabet: str | None = None, dtype: str = "float32"):
     if tokenizer.vocab_size > preset.vocab_size:
       raise ValueError(f"the tokenizer's {tokenizer.vocab_size} ids do not fit {preset.name}'s vocabulary"
                        f" of {preset.vocab_size}")
-    graphdefs, params, _ = model_lib.build_model(preset, seed)
+    graphdefs, params, _ = model_lib.build_model(preset, seed, dtype=dtype)
     self._graphdef = graphdefs["dropless"]  # sampling never drops tokens
     self.tokenizer = tokenizer
     self.max_prompt_length = max_prompt_length
@@ -64,10 +66,15 @@ class LiveSampler:
                                     num_layers=preset.num_layers, num_kv_heads=preset.num_kv_heads,
                                     head_dim=preset.head_dim)
     self._sampler = sampler_lib.Sampler(nnx.merge(self._graphdef, params), tokenizer, cache)
-    # Only the answer's characters are ever sampled: answers have a fixed length, so no eos is needed,
-    # and every completion has exactly max_generation_steps tokens.
-    allowed = set(tokenizer.encode(alphabet if alphabet is not None else tokenizer.alphabet))
+    if alphabet is not None:
+      # Only the answer's characters are ever sampled: answers have a fixed length, so no eos is needed,
+      # and every completion has exactly max_generation_steps tokens.
+      allowed = set(tokenizer.encode(alphabet))
+    else:  # any id the tokenizer can decode (a checkpoint's vocabulary may be padded past the tokenizer's)
+      allowed = set(range(tokenizer.vocab_size))
     self._forbidden = [i for i in range(preset.vocab_size) if i not in allowed]
+    self._eos_ids = list(getattr(tokenizer, "eos_ids", [tokenizer.eos_id()]))
+    self._format = getattr(tokenizer, "format_prompt", None)
     self.weights_version = 0
 
   def sync(self, weights: Any, version: int) -> None:
@@ -77,25 +84,36 @@ class LiveSampler:
     self._sampler.transformer_state = nnx.variables(model)
     self.weights_version = int(version)
 
+  def model_prompt(self, prompt: str) -> str:
+    """The text the model is given for ``prompt`` (through the tokenizer's chat template, if it has one)."""
+    return self._format(prompt) if self._format is not None else prompt
+
+  def prompt_ids(self, prompt: str) -> np.ndarray:
+    """The ids the model is given for ``prompt``: bos (when the tokenizer has one) and the formatted text."""
+    return np.asarray(self._sampler.tokenize(self.model_prompt(prompt)), np.int32)
+
   def sample(self, prompts: Sequence[str], *, seed: int, temperature: float = 1.0) -> Samples:
     """One completion per prompt (repeat a prompt for a group), drawn with ``seed``."""
-    out = self._sampler(list(prompts), max_generation_steps=self.max_generation_steps,
+    out = self._sampler([self.model_prompt(p) for p in prompts], max_generation_steps=self.max_generation_steps,
                         max_prompt_length=self.max_prompt_length, temperature=temperature, top_p=1.0,
-                        seed=int(seed), return_logprobs=True, forbidden_tokens=self._forbidden)
+                        seed=int(seed), return_logprobs=True, forbidden_tokens=self._forbidden,
+                        eos_tokens=self._eos_ids)
     return self._samples(prompts, out)
 
   def greedy(self, prompts: Sequence[str]) -> list[str]:
     """The most likely completion of each prompt (evaluation)."""
-    out = self._sampler(list(prompts), max_generation_steps=self.max_generation_steps,
-                        max_prompt_length=self.max_prompt_length, forbidden_tokens=self._forbidden)
+    out = self._sampler([self.model_prompt(p) for p in prompts], max_generation_steps=self.max_generation_steps,
+                        max_prompt_length=self.max_prompt_length, forbidden_tokens=self._forbidden,
+                        eos_tokens=self._eos_ids)
     return [self.tokenizer.decode(ids) for ids in out.tokens]
 
   def _samples(self, prompts: Sequence[str], out) -> Samples:
     completions, logprobs = [], []
     for ids, lp in zip(out.tokens, out.logprobs):
       ids = np.asarray(ids, np.int32)
-      end = int(np.argmax(ids == EOS)) + 1 if np.any(ids == EOS) else len(ids)
+      ends = np.isin(ids, self._eos_ids)
+      end = int(np.argmax(ends)) + 1 if np.any(ends) else len(ids)
       completions.append(ids[:end])
       logprobs.append(np.asarray(lp, np.float32)[:end])
-    return Samples(list(prompts), [np.asarray(self.tokenizer.encode(p), np.int32) for p in prompts],
+    return Samples(list(prompts), [self.prompt_ids(p) for p in prompts],
                    completions, logprobs, [self.tokenizer.decode(c) for c in completions], self.weights_version)

@@ -1,0 +1,193 @@
+"""A checkpoint's own tokenizer: ``tokenizer.json`` through ``tokenizers``, from local files only.
+
+It has what Tunix's sampler asks of a tokenizer (``encode``, ``decode``,
+``bos_id``, ``eos_id``, ``pad_id``). The special tokens come from the
+checkpoint's files: ``tokenizer_config.json`` (``bos_token``, ``eos_token``,
+``pad_token``), ``generation_config.json`` and ``config.json``
+(``eos_token_id``, which may list several; the sampler stops at any of them).
+A chat template (``tokenizer_config.json``'s ``chat_template`` or a
+``chat_template.jinja`` file) is rendered the way ``transformers`` renders it:
+Jinja in a sandbox, one user message, the generation prompt added.
+
+``char_tokenizer_json`` writes the live loop's character tokenizer in this
+format, so a model trained on a preset exports with a tokenizer any
+``transformers`` user can load.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import jinja2.sandbox
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+from orchestrator.live.tokenizer import ALPHABET, BOS, EOS, PAD
+
+TOKENIZER_FILE = "tokenizer.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+
+
+class TokenizerError(ValueError):
+  """A tokenizer that cannot be used; the message names the file, the value and the fix."""
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+  if not path.is_file():
+    return {}
+  try:
+    data = json.loads(path.read_text())
+  except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    raise TokenizerError(f"{path} is not readable JSON ({e}); restore the checkpoint's copy") from None
+  return data if isinstance(data, dict) else {}
+
+
+def _token_text(value: Any) -> str | None:
+  """A special token as ``tokenizer_config.json`` gives it: a string, or ``{"content": ...}``."""
+  if isinstance(value, Mapping):
+    value = value.get("content")
+  return value if isinstance(value, str) and value else None
+
+
+class HFTokenizer:
+  """The tokenizer in a Hugging Face checkpoint directory.
+
+  Args:
+    directory: holds ``tokenizer.json`` (and optionally ``tokenizer_config.json``, ``generation_config.json``,
+      ``config.json``).
+    chat_template: render each prompt through the checkpoint's chat template before encoding it.
+
+  Raises:
+    TokenizerError: no ``tokenizer.json``, an unreadable one, no end-of-sequence token, a special token the
+      vocabulary lacks, or ``chat_template`` asked for but none in the directory.
+  """
+
+  def __init__(self, directory: str | Path, *, chat_template: bool = False):
+    self.directory = Path(directory).expanduser()
+    path = self.directory / TOKENIZER_FILE
+    if not path.is_file():
+      raise TokenizerError(f"model.checkpoint={directory}: it has no {TOKENIZER_FILE}; the live loop samples"
+                           f" text with the checkpoint's tokenizer: copy its {TOKENIZER_FILE} there")
+    try:
+      self._tokenizer = Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises a bare Exception for a file it cannot parse
+      raise TokenizerError(f"model.checkpoint: {path} is not a tokenizers file ({e}); restore it") from None
+    settings = _read_json(self.directory / "tokenizer_config.json")
+    generation = _read_json(self.directory / "generation_config.json")
+    model = _read_json(self.directory / "config.json")
+    self._bos = self._special_id(_token_text(settings.get("bos_token")), "bos_token")
+    eos = [self._special_id(_token_text(settings.get("eos_token")), "eos_token")]
+    for source in (generation, model):
+      ids = source.get("eos_token_id")
+      eos += ids if isinstance(ids, list) else [ids]
+    self._eos = list(dict.fromkeys(i for i in eos if isinstance(i, int) and not isinstance(i, bool)))
+    if not self._eos:
+      raise TokenizerError(f"model.checkpoint={directory}: no end-of-sequence token (eos_token in"
+                           " tokenizer_config.json or eos_token_id in generation_config.json); add one")
+    bad = [i for i in self._eos if not 0 <= i < self.vocab_size]
+    if bad:
+      raise TokenizerError(f"model.checkpoint={directory}: eos_token_id {bad[0]} is outside the tokenizer's"
+                           f" {self.vocab_size} ids; fix generation_config.json")
+    pad = self._special_id(_token_text(settings.get("pad_token")), "pad_token")
+    self._pad = pad if pad is not None else self._eos[0]
+    self._template = self._chat_template(settings) if chat_template else None
+
+  def _special_id(self, text: str | None, name: str) -> int | None:
+    if text is None:
+      return None
+    token_id = self._tokenizer.token_to_id(text)
+    if token_id is None:
+      raise TokenizerError(f"model.checkpoint={self.directory}: {name} {text!r} (tokenizer_config.json) is not in"
+                           f" {TOKENIZER_FILE}'s vocabulary; fix tokenizer_config.json")
+    return token_id
+
+  def _chat_template(self, settings: Mapping[str, Any]) -> jinja2.Template:
+    source = settings.get("chat_template")
+    if isinstance(source, list):  # several named templates: transformers uses "default"
+      source = next((t.get("template") for t in source if isinstance(t, Mapping) and t.get("name") == "default"),
+                    None)
+    file = self.directory / CHAT_TEMPLATE_FILE
+    if not isinstance(source, str) and file.is_file():
+      source = file.read_text()
+    if not isinstance(source, str):
+      raise TokenizerError(f"model.chat_template=true but model.checkpoint={self.directory} has no chat template"
+                           f" (tokenizer_config.json's chat_template or {CHAT_TEMPLATE_FILE}); add one or set"
+                           " model.chat_template=false")
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+
+    def raise_exception(message):
+      raise jinja2.exceptions.TemplateError(message)
+
+    env.globals["raise_exception"] = raise_exception
+    try:
+      return env.from_string(source)
+    except jinja2.TemplateError as e:
+      raise TokenizerError(f"model.checkpoint={self.directory}: its chat template does not parse ({e})") from None
+
+  # ---------------------------------------------------------------- what the sampler asks of a tokenizer
+  @property
+  def vocab_size(self) -> int:
+    return self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+  def format_prompt(self, prompt: str) -> str:
+    """``prompt`` as the model sees it: through the chat template when one is used, else as is."""
+    if self._template is None:
+      return prompt
+    return self._template.render(messages=[{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                 bos_token=self._text(self._bos), eos_token=self._text(self._eos[0]))
+
+  def _text(self, token_id: int | None) -> str:
+    return "" if token_id is None else self._tokenizer.id_to_token(token_id)
+
+  def encode(self, text: str, **_) -> list[int]:
+    """Ids of ``text`` (no special tokens added: the sampler adds bos itself).
+
+    Raises:
+      ValueError: the vocabulary cannot encode it (a word-level vocabulary without an unknown token).
+    """
+    try:
+      return self._tokenizer.encode(text, add_special_tokens=False).ids
+    except Exception as e:
+      raise ValueError(f"{text!r} cannot be encoded by {self.directory / TOKENIZER_FILE} ({e})") from None
+
+  def decode(self, ids: Iterable[int], **_) -> str:
+    """The text of ``ids`` up to the first end-of-sequence token, special tokens skipped."""
+    kept = []
+    for i in ids:
+      i = int(i)
+      if i in self._eos:
+        break
+      kept.append(i)
+    return self._tokenizer.decode(kept, skip_special_tokens=True)
+
+  def bos_id(self) -> int | None:
+    return self._bos
+
+  def eos_id(self) -> int:
+    return self._eos[0]
+
+  @property
+  def eos_ids(self) -> list[int]:
+    """Every id that ends a completion."""
+    return list(self._eos)
+
+  def pad_id(self) -> int:
+    return self._pad
+
+
+def char_tokenizer_json(directory: str | Path, alphabet: str = ALPHABET) -> None:
+  """Writes the character tokenizer (``orchestrator.live.tokenizer``) as ``tokenizer.json`` and
+  ``tokenizer_config.json`` in ``directory``: the same ids, one per character, pad/bos/eos 0/1/2."""
+  specials = {"<pad>": PAD, "<bos>": BOS, "<eos>": EOS}
+  vocab = dict(specials, **{c: i + 3 for i, c in enumerate(alphabet)})
+  tokenizer = Tokenizer(models.WordLevel(vocab, unk_token=None))
+  tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # one token per character
+  tokenizer.decoder = decoders.Fuse()  # characters join without spaces
+  tokenizer.add_special_tokens(list(specials))
+  out = Path(directory)
+  tokenizer.save(str(out / TOKENIZER_FILE))
+  (out / "tokenizer_config.json").write_text(json.dumps(
+      {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>",
+       "tokenizer_class": "PreTrainedTokenizerFast"}, indent=1))
