@@ -6,6 +6,7 @@
     run_rl rig --recipe R --recording DIR --arms ... --out DIR   A/B the modes
     run_rl simulate --recipe R                              plan with the boundary model
     run_rl serve-trainer --recipe R --listen HOST:PORT      host the trainer for a remote driver
+    run_rl export RUN_DIR --out DIR                         a run's weights as a Hugging Face checkpoint
 
 Exit codes: 0 success; 2 bad usage, an invalid recipe, recording or output
 directory (one message, no traceback, nothing started or written); 1 a failure
@@ -25,6 +26,7 @@ from pathlib import Path
 from orchestrator import recipe as recipe_lib
 from orchestrator.app import launch, run_dir
 from orchestrator.app.arguments import UsageError, UsageErrorParser, parse_subcommand, subcommand_parser
+from orchestrator.app.export import export_main
 from orchestrator.app.host import use_compilation_cache
 from orchestrator.app.run_dir import RunDirError, default_out
 from orchestrator.app.serve_trainer import serve_main
@@ -32,7 +34,6 @@ from orchestrator.app.simulate import components_from_run, format_fit, format_si
 from orchestrator.data.recording import RecordingError, write_recording
 from orchestrator.data.synthetic import RolloutShape, generate_groups
 from orchestrator.engine.host_threads import reserve_host_core
-from orchestrator.engine.presets import load_preset
 
 FLAG_KEYS = {
     "pipeline_step_boundary": "step_boundary.pipeline_step_boundary",
@@ -50,7 +51,7 @@ def make_parser() -> argparse.ArgumentParser:
       description="Run RL training steps with the step-boundary scheduler.",
       epilog="key=value overrides any recipe key by dotted path, e.g. engine.learning_rate=3e-4."
       " Precedence: recipe < environment < flags < key=value. Other commands:"
-      " `run_rl record`, `run_rl rig`, `run_rl simulate` (each with --help).",
+      " `run_rl record`, `run_rl rig`, `run_rl simulate`, `run_rl export` (each with --help).",
   )
   p.add_argument("--recipe", help=f"recipe YAML (default: {recipe_lib.DEFAULT_RECIPE})")
   b = argparse.BooleanOptionalAction
@@ -128,7 +129,7 @@ def _hold_new_recording(out: Path) -> run_dir.DirLock | None:
 
 def _record_generated(recipe, recipe_path, out: Path) -> int:
   """Generated trajectory groups in the recipe's shapes, written as a recording in ``out`` (held)."""
-  preset = load_preset(recipe.model)
+  preset = recipe.model_preset()
   r = recipe.rollouts
   shape = RolloutShape(
       groups=r.groups, generations_per_group=r.generations_per_group,
@@ -230,7 +231,7 @@ def serve_trainer_main(argv: list[str]) -> int:
 
 
 SUBCOMMANDS = {"record": record_main, "rig": rig_main, "simulate": simulate_main,
-               "serve-trainer": serve_trainer_main}
+               "serve-trainer": serve_trainer_main, "export": export_main}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,186 @@
+"""Hugging Face checkpoints: read through Tunix's loader, trained on by run_rl, written back by run_rl export.
+
+The checkpoint the tests load is the tiny preset's own initial weights written
+in Hugging Face layout with the character tokenizer as ``tokenizer.json``: a run
+on it must be bit-identical to the preset's run, which pins the tensor mapping,
+the tokenizer and the sampler's stop (an off-by-one transpose, a missing bos or
+a wrong eos changes the digest).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import jax
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from orchestrator import recipe as recipe_lib
+from orchestrator.app import cli
+from orchestrator.engine import hf_checkpoint, model as model_lib
+from orchestrator.engine.diagnostics import tree_digest
+from orchestrator.engine.presets import load_preset
+from orchestrator.live.hf_tokenizer import HFTokenizer, char_tokenizer_json
+from orchestrator.live.tokenizer import CharTokenizer
+
+#: A short live run of the tiny preset (the default recipe's task, small sizes).
+LIVE = ["steps=2", "rollouts.groups_per_micro_batch=2", "batch.rows=4", "task.eval_prompts=4",
+        "checkpoint.every=2", "run.reserve_host_core=false"]
+
+
+def write_checkpoint(directory, preset_name: str, *, seed: int = 0, tokenizer: bool = True):
+  """The preset's initial weights (seed ``seed``) as a Hugging Face checkpoint in ``directory``."""
+  preset = load_preset(preset_name)
+  _, params, _ = model_lib.build_model(preset, seed)
+  directory.mkdir(parents=True, exist_ok=True)
+  save_file(hf_checkpoint.export_tensors(jax.device_get(params), preset), str(directory / "model.safetensors"))
+  (directory / "config.json").write_text(json.dumps(hf_checkpoint.export_config(preset)))
+  if tokenizer:
+    char_tokenizer_json(directory)
+  return params
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+  directory = tmp_path_factory.mktemp("hf") / "tiny"
+  write_checkpoint(directory, "tiny")
+  return directory
+
+
+@pytest.fixture(autouse=True)
+def _no_switches(monkeypatch):
+  for name in recipe_lib.ENV_SWITCHES:
+    monkeypatch.delenv(name, raising=False)
+
+
+def _summary(run):
+  return json.loads((run / "summary.json").read_text())
+
+
+@pytest.mark.parametrize("preset_name", ["tiny", "tiny_moe"])
+def test_a_checkpoint_loads_to_the_weights_it_was_written_from(tmp_path, preset_name):
+  params = write_checkpoint(tmp_path, preset_name, seed=3, tokenizer=False)
+  loaded = hf_checkpoint.load_preset_from_checkpoint(tmp_path)
+  assert hf_checkpoint.disagreement(load_preset(preset_name), loaded) is None
+  _, again, _ = model_lib.build_model(loaded, seed=0)  # the seed is not used: the weights are the file's
+  assert tree_digest(again) == tree_digest(params)
+
+
+def test_a_transposed_tensor_is_caught_by_its_shape_and_a_swapped_one_by_the_weights(tmp_path):
+  """Negative controls: the mapping is checked, not assumed."""
+  write_checkpoint(tmp_path, "tiny", tokenizer=False)
+  tensors = load_file(str(tmp_path / "model.safetensors"))
+  name = "model.layers.0.self_attn.k_proj.weight"
+  save_file(dict(tensors, **{name: np.ascontiguousarray(tensors[name].T)}), str(tmp_path / "model.safetensors"))
+  with pytest.raises(hf_checkpoint.CheckpointDirError, match=rf"tensor {name} has shape \[64, 32\]"):
+    hf_checkpoint.load_preset_from_checkpoint(tmp_path)
+  up, gate = "model.layers.0.mlp.up_proj.weight", "model.layers.0.mlp.gate_proj.weight"
+  save_file(dict(tensors, **{up: tensors[gate], gate: tensors[up]}), str(tmp_path / "model.safetensors"))
+  _, params, _ = model_lib.build_model(hf_checkpoint.load_preset_from_checkpoint(tmp_path), 0)
+  _, original, _ = model_lib.build_model(load_preset("tiny"), 0)
+  assert tree_digest(params) != tree_digest(original)
+
+
+def test_the_character_tokenizer_as_tokenizer_json_encodes_and_stops_alike(tiny_checkpoint):
+  ours, theirs = CharTokenizer(), HFTokenizer(tiny_checkpoint)
+  text = "1st:abcd> 3+4%7="
+  assert theirs.encode(text) == ours.encode(text)
+  assert (theirs.bos_id(), theirs.eos_id(), theirs.pad_id(), theirs.vocab_size) == (1, 2, 0, ours.vocab_size)
+  ids = ours.encode("abc") + [2] + ours.encode("zz")
+  assert theirs.decode(ids) == ours.decode(ids) == "abc"
+
+
+def test_a_chat_template_formats_the_prompt(tmp_path):
+  char_tokenizer_json(tmp_path)
+  settings = json.loads((tmp_path / "tokenizer_config.json").read_text())
+  settings["chat_template"] = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+                               "{% if add_generation_prompt %}>{% endif %}")
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps(settings))
+  assert HFTokenizer(tmp_path, chat_template=True).format_prompt("1+2") == "<user>1+2>"
+  assert HFTokenizer(tmp_path).format_prompt("1+2") == "1+2"
+
+
+def test_a_live_run_on_the_checkpoint_is_the_preset_s_run_and_exports_back(tiny_checkpoint, tmp_path, capsys):
+  """Loading the preset's weights from a checkpoint trains bit for bit like the preset; the trained weights
+  exported from the run's checkpoint load back to the same weights digest."""
+  assert cli.main(LIVE + ["model=tiny", "--out", str(tmp_path / "preset")]) == 0
+  run = tmp_path / "checkpoint"
+  assert cli.main(LIVE + [f"model.checkpoint={tiny_checkpoint}", "--out", str(run)]) == 0
+  assert _summary(run)["final_state_digest"] == _summary(tmp_path / "preset")["final_state_digest"]
+  assert str(tiny_checkpoint) in json.loads((run / "config.json").read_text())["config"]["model"]["checkpoint"]
+  capsys.readouterr()
+
+  exported = tmp_path / "exported"
+  assert cli.main(["export", str(run), "--out", str(exported)]) == 0
+  assert "weights digest" in capsys.readouterr().out
+  written = json.loads((exported / "export.json").read_text())
+  assert written["step"] == 2 and written["checkpoint"].endswith("checkpoints/2")
+  assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {
+      p.name for p in exported.iterdir()}
+  _, params, _ = model_lib.build_model(hf_checkpoint.load_preset_from_checkpoint(exported), 0)
+  assert tree_digest(params) == written["weights_digest"]
+  _, initial, _ = model_lib.build_model(load_preset("tiny"), 0)
+  assert written["weights_digest"] != tree_digest(initial)  # trained weights, not the start's
+
+  assert cli.main(["export", str(run), "--out", str(exported)]) == 2  # never into an existing directory
+  assert "already exists" in capsys.readouterr().err
+
+
+def test_export_passes_over_a_checkpoint_of_another_run(tiny_checkpoint, tmp_path, capsys):
+  run = tmp_path / "run"
+  assert cli.main(LIVE + ["steps=4", f"model.checkpoint={tiny_checkpoint}", "--out", str(run)]) == 0
+  metadata = run / "checkpoints" / "4" / "metadata" / "metadata"
+  saved = json.loads(metadata.read_text())
+  metadata.write_text(json.dumps(dict(saved, run_id="someone-else")))
+  capsys.readouterr()
+  assert cli.main(["export", str(run), "--out", str(tmp_path / "out")]) == 0
+  captured = capsys.readouterr()
+  assert "passing over checkpoint(s) 4" in captured.err and "belongs to another run" in captured.err
+  assert json.loads((tmp_path / "out" / "export.json").read_text())["step"] == 2
+  assert cli.main(["export", str(run), "--checkpoint", "4", "--out", str(tmp_path / "again")]) == 2
+  assert "belongs to another run" in capsys.readouterr().err and not (tmp_path / "again").exists()
+
+
+def test_bfloat16_compute_trains_and_keeps_float32_weights(tiny_checkpoint, tmp_path):
+  run = tmp_path / "bf16"
+  assert cli.main(LIVE + [f"model.checkpoint={tiny_checkpoint}", "engine.dtype=bfloat16", "checkpoint.every=0",
+                          "--out", str(run)]) == 0
+  records = [json.loads(line) for line in (run / "records.jsonl").read_text().splitlines()]
+  assert len(records) == 2 and all(np.isfinite(r["loss"]) for r in records)
+
+
+def test_refusals_of_checkpoint_directories(tiny_checkpoint, tmp_path):
+  """Each bad directory is refused by validation, before anything is built, in one line naming the fix."""
+  def refused(**changes):
+    values = {"model.checkpoint": str(tiny_checkpoint), "rollouts.source": "sampler", **changes}
+    recipe = recipe_lib.build({k: recipe_lib.coerce(k, v) for k, v in values.items()})
+    with pytest.raises(recipe_lib.RecipeError) as e:
+      recipe.validate()
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+  assert "no such directory" in refused(**{"model.checkpoint": str(tmp_path / "missing")})
+  assert "has no config.json" in refused(**{"model.checkpoint": str(tmp_path)})
+  llama = tmp_path / "llama"
+  shutil.copytree(tiny_checkpoint, llama)
+  (llama / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+  assert "holds a llama model" in refused(**{"model.checkpoint": str(llama)})
+  message = refused(**{"model.preset": "small"})
+  assert "model.preset=small and model.checkpoint=" in message and "disagree" in message
+  no_tokenizer = tmp_path / "no_tokenizer"
+  shutil.copytree(tiny_checkpoint, no_tokenizer)
+  (no_tokenizer / "tokenizer.json").unlink()
+  assert "has no tokenizer.json" in refused(**{"model.checkpoint": str(no_tokenizer)})
+  wide = tmp_path / "wide"
+  shutil.copytree(tiny_checkpoint, wide)
+  char_tokenizer_json(wide, alphabet="".join(chr(0x4E00 + i) for i in range(600)))
+  assert "more than the model's vocabulary of 512" in refused(**{"model.checkpoint": str(wide)})
+  torn = tmp_path / "torn"
+  shutil.copytree(tiny_checkpoint, torn)
+  tensors = load_file(str(torn / "model.safetensors"))
+  del tensors["model.layers.1.mlp.down_proj.weight"]
+  save_file(tensors, str(torn / "model.safetensors"))
+  assert "1 of the model's 25 tensors are missing" in refused(**{"model.checkpoint": str(torn)})
+  assert "needs model.checkpoint" in refused(**{"model.checkpoint": None, "model.chat_template": True})
