@@ -9,11 +9,10 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from orchestrator import recipe as recipe_lib
-from orchestrator.app.console import progress_postfix
+from orchestrator.app.console import Progress
 from orchestrator.app.run_dir import CHECKPOINTS
 from orchestrator.contract import Evaluation, live_part
 from orchestrator.data.recording import open_recording
@@ -174,7 +173,7 @@ class RunHandle:
   """
 
   program: RLProgram
-  progress: object | None
+  progress: Progress | None
   eval_prompts: int = 0
   closers: list = dataclasses.field(default_factory=list)
   trainer_info: dict | None = None
@@ -185,7 +184,7 @@ class RunHandle:
     # An evaluation waits for the sampler, which a stuck sampling thread holds: a stop skips it (None).
     before = live.evaluate(worker.export_weights(), start, self.eval_prompts, stop=stop) if live is not None else None
     try:
-      if self.progress is None:
+      if self.progress is None or self.progress.bar is None:
         result = self.program.run()
       else:
         with logging_redirect_tqdm():
@@ -281,13 +280,8 @@ def _build_program(recipe: Recipe, out: Path, worker, *, source, run_id: str, co
     start_step, previous = resume.steps_done, [BoundaryRecord.from_json(r) for r in resume.previous_records]
     if resume.metadata.get("next_plan"):
       first_plan = plan_from_json(resume.metadata["next_plan"])
-  bar = on_step = None
-  if progress:
-    bar = tqdm(total=recipe.steps, initial=start_step, desc=f"{recipe.name} [{recipe.mode.value}]", unit="step")
-
-    def on_step(record):
-      bar.set_postfix(progress_postfix(record))
-      bar.update(1)
+  bar = Progress(recipe.name, total=recipe.steps, initial=start_step) if progress else None
+  on_step = bar
 
   primary = job is None or job.is_primary
   config = program_config(recipe, out if primary else None, start_step=start_step, run_id=run_id,
