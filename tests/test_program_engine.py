@@ -61,8 +61,13 @@ def test_records_trace_and_summary_are_written(tiny_engine, tiny_source, tmp_pat
     assert r["staged_digest"]
   assert records[-1]["boundary_idle_s"] is None  # no next step
   trace = json.loads((tmp_path / "trace.json").read_text())
-  names = {e["name"] for e in trace["traceEvents"]}
-  assert {"fwd_bwd 0.0", "update 0", "stage", "fwd_bwd 3.1"} <= names
+  events = trace["traceEvents"]
+  assert {"fwd_bwd", "update", "stage"} <= {e["name"] for e in events}
+  slices = {(e["name"], e["args"]["step"], e["args"]["micro_step"]) for e in events
+            if e.get("cat") in ("fwd_bwd", "update")}
+  assert {("fwd_bwd", 0, 0), ("update", 0, -1), ("fwd_bwd", 3, 1)} <= slices
+  loss = [e for e in events if e["ph"] == "C" and e["name"] == "loss"]
+  assert [e["args"]["loss"] for e in loss] == [r["loss"] for r in records]
   s = result.summary
   assert s.timings.staged_boundaries == STEPS - 1 and s.final_state_digest == tiny_engine.state_digest()
   assert s.records_path.endswith("records.jsonl") and s.trace_path.endswith("trace.json")

@@ -1,9 +1,13 @@
-"""What ``run_rl`` prints for people: the per-step table and the summary lines."""
+"""What ``run_rl`` prints for people: the progress, the per-step table and the summary lines."""
 
 from __future__ import annotations
 
+import math
+import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TextIO
+
+from tqdm import tqdm
 
 from policies.step_boundary import format_seconds
 
@@ -69,13 +73,71 @@ def format_summary(summary: RunSummary) -> str:
   return "\n".join(lines)
 
 
-def progress_postfix(record: BoundaryRecord) -> dict[str, str]:
-  """The progress bar's fields after one step."""
-  idle = record.boundary_idle_s
-  fields = {"step_s": f"{record.step_s:.3f}", "idle_s": "-" if idle is None else f"{idle:.4f}",
-            "loss": "-" if record.loss is None else f"{record.loss:.4f}"}
+#: The progress bar's layout: tqdm's default without the rate (the postfix's step time says it), so that a live
+#: run's step time, reward and accuracy fit in 80 columns beside the bar.
+BAR_FORMAT = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]"
+#: Where stderr is not a terminal, about this many plain progress lines over a run instead of a bar.
+PLAIN_LINES = 20
+
+
+def progress_postfix(record: BoundaryRecord) -> str:
+  """The progress bar's postfix after one step: short, so that it fits beside the bar (``BAR_FORMAT``)."""
+  step = f"step={record.step_s:.3f}s"
   if record.reward_mean is not None:
-    fields.update(reward=f"{record.reward_mean:.3f}", acc=f"{record.accuracy:.2f}",
-                  ver=str(record.weights_version), tok_s=f"{record.sampled_tokens_per_s or 0:.0f}",
-                  rollout_wait_s="-" if record.rollout_wait_s is None else f"{record.rollout_wait_s:.3f}")
-  return fields
+    return f"{step} reward={record.reward_mean:.3f} acc={_number(record.accuracy, '.2f')}"
+  idle = record.boundary_idle_s
+  return f"{step} idle={_number(idle, '.4f')}{'s' if idle is not None else ''} loss={_number(record.loss, '.4f')}"
+
+
+def progress_fields(record: BoundaryRecord) -> str:
+  """Every field of a plain progress line (``Progress``): the step's timings, loss and, live, its rollouts."""
+  fields = {"step_s": _number(record.step_s, ".3f"), "idle_s": _number(record.boundary_idle_s, ".4f"),
+            "loss": _number(record.loss, ".4f")}
+  if record.reward_mean is not None:
+    fields.update(reward=_number(record.reward_mean, ".3f"), acc=_number(record.accuracy, ".2f"),
+                  ver=str(record.weights_version), tok_s=_number(record.sampled_tokens_per_s, ".0f"),
+                  rollout_wait_s=_number(record.rollout_wait_s, ".3f"))
+  return " ".join(f"{key}={value}" for key, value in fields.items())
+
+
+def _number(value, spec: str) -> str:
+  return "-" if value is None else format(value, spec)
+
+
+def plain_every(steps: int) -> int:
+  """Steps between two plain progress lines for a run of ``steps`` steps: ``ceil(steps / PLAIN_LINES)``, so
+  a long run prints about 20 lines and one of up to 20 steps a line after every step."""
+  return max(1, math.ceil(steps / PLAIN_LINES))
+
+
+class Progress:
+  """The run's progress on ``stream`` (stderr), as tqdm and Tunix show it: a bar at a terminal; where the
+  stream is not a terminal (a log file, a pipe, CI), no bar but one plain line every ``plain_every`` steps of
+  those this run has left, and after its last step.
+
+  Called with each finished ``BoundaryRecord`` (the program's ``on_step``).
+  """
+
+  def __init__(self, desc: str, *, total: int, initial: int = 0, stream: TextIO | None = None,
+               terminal: bool | None = None):
+    self.desc, self.total, self.initial = desc, total, initial
+    self.stream = stream if stream is not None else sys.stderr
+    if terminal is None:
+      terminal = self.stream.isatty()
+    self.every = plain_every(total - initial)
+    self.bar = (tqdm(total=total, initial=initial, desc=desc, unit="step", file=self.stream, dynamic_ncols=True,
+                     bar_format=BAR_FORMAT) if terminal else None)
+
+  def __call__(self, record: BoundaryRecord) -> None:
+    if self.bar is not None:
+      self.bar.set_postfix_str(progress_postfix(record), refresh=False)
+      self.bar.update(1)
+      return
+    done = record.step + 1
+    if (done - self.initial) % self.every == 0 or done == self.total:
+      print(f"[progress] {self.desc}: step {done}/{self.total} {progress_fields(record)}", file=self.stream,
+            flush=True)
+
+  def close(self) -> None:
+    if self.bar is not None:
+      self.bar.close()

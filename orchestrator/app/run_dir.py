@@ -6,10 +6,12 @@
     DIR/records.jsonl   one BoundaryRecord per step of the run as started (segment 0), appended as steps finish
     DIR/summary.json    how segment 0 ended and its medians (written at its end, or at a stop)
     DIR/trace.json      segment 0's Perfetto trace
+    DIR/tensorboard/    segment 0's TensorBoard event file: each step's scalars (``metrics.backends``)
     DIR/checkpoints/    checkpoints, unless the recipe names another directory
     DIR/error.log       the traceback of an unexpected failure of segment 0, if there was one
     DIR/segments/N/     resume N: segment.json (where it starts), then its own records.jsonl, summary.json,
-                        trace.json and error.log (and checkpoints it moved aside with --from-checkpoint)
+                        trace.json, tensorboard/ and error.log (and checkpoints it moved aside with
+                        --from-checkpoint)
 
 A run never writes into a directory that holds another run (``claim_new``
 refuses it), and nothing a segment completed is ever rewritten: a resume

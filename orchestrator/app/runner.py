@@ -9,11 +9,10 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from orchestrator import recipe as recipe_lib
-from orchestrator.app.console import progress_postfix
+from orchestrator.app.console import Progress
 from orchestrator.app.run_dir import CHECKPOINTS
 from orchestrator.contract import Evaluation, live_part
 from orchestrator.data.recording import open_recording
@@ -22,6 +21,7 @@ from orchestrator.data.synthetic import SyntheticRollouts
 from orchestrator.engine import build_backend
 from orchestrator.engine.options import CHECKPOINTING_BACKENDS
 from orchestrator.live.tasks import MAX_PROMPT_LENGTH, max_generation_steps
+from orchestrator.loop.metrics_log import MetricsLog, open_metrics_log
 from orchestrator.loop.program import ProgramConfig, RLProgram, plan_from_json
 from orchestrator.loop.recorder import BoundaryRecord
 from orchestrator.loop.trainer_worker import TrainerWorker, WorkerCapabilities
@@ -172,8 +172,9 @@ class RunHandle:
   """
 
   program: RLProgram
-  progress: object | None
+  progress: Progress | None
   eval_prompts: int = 0
+  metrics: MetricsLog | None = None
   closers: list = dataclasses.field(default_factory=list)
   trainer_info: dict | None = None
 
@@ -183,7 +184,7 @@ class RunHandle:
     # An evaluation waits for the sampler, which a stuck sampling thread holds: a stop skips it (None).
     before = live.evaluate(worker.export_weights(), start, self.eval_prompts, stop=stop) if live is not None else None
     try:
-      if self.progress is None:
+      if self.progress is None or self.progress.bar is None:
         result = self.program.run()
       else:
         with logging_redirect_tqdm():
@@ -205,11 +206,16 @@ class RunHandle:
     return self.program.current_step
 
   def close(self):
-    """Closes the progress bar, then the remote trainer (and a spawned one's process), if any."""
+    """Closes the progress bar, the metrics log (its events flushed), then the remote trainer (and a spawned
+    one's process), if any; a second call does nothing."""
     if self.progress is not None:
       self.progress.close()
-    while self.closers:
-      self.closers.pop()()
+    try:
+      if self.metrics is not None:
+        self.metrics.close()
+    finally:
+      while self.closers:
+        self.closers.pop()()
 
 
 def make_worker(recipe: Recipe, out: Path, closers: list, write_dir: Path | None = None):
@@ -279,18 +285,23 @@ def _build_program(recipe: Recipe, out: Path, worker, *, source, run_id: str, co
     start_step, previous = resume.steps_done, [BoundaryRecord.from_json(r) for r in resume.previous_records]
     if resume.metadata.get("next_plan"):
       first_plan = plan_from_json(resume.metadata["next_plan"])
-  bar = on_step = None
-  if progress:
-    bar = tqdm(total=recipe.steps, initial=start_step, desc=f"{recipe.name} [{recipe.mode.value}]", unit="step")
-
-    def on_step(record):
-      bar.set_postfix(progress_postfix(record))
-      bar.update(1)
-
   primary = job is None or job.is_primary
+  steps_done: list = []  # what sees each finished record: the progress, the metrics log (opened below)
+  progress = Progress(recipe.name, total=recipe.steps, initial=start_step) if progress else None
+  if progress is not None:
+    steps_done.append(progress)
+
+  def on_step(record):
+    for see in steps_done:
+      see(record)
+
   config = program_config(recipe, out if primary else None, start_step=start_step, run_id=run_id,
                           config_sha256=config_sha256)
   live = recipe.rollouts.source == "sampler"
   program = RLProgram(worker, policy, source, config, on_step=on_step, stop_requested=stop_requested,
                       previous_records=previous, first_plan=first_plan, agreement=job.agreement if job else None)
-  return RunHandle(program, bar, recipe.task.eval_prompts if live else 0)
+  # Opened last, once nothing here can fail any more: the handle's close() is what flushes and closes it.
+  metrics = open_metrics_log(recipe.metrics.backends, out, run_name=out.name, run_id=run_id) if primary else None
+  if metrics is not None:
+    steps_done.append(metrics)
+  return RunHandle(program, progress, recipe.task.eval_prompts if live else 0, metrics=metrics)

@@ -162,6 +162,7 @@ class Recorder:
     self.on_record = on_record
     self.records: list[BoundaryRecord] = list(previous_records)
     self._append = bool(previous_records)
+    self._first_own = len(self.records)  # records before it are an earlier segment's (their own clock and trace)
     self.spans: list[Span] = []
     self.run_start = 0.0
     self._watcher: CompletionWatcher | None = None
@@ -186,12 +187,16 @@ class Recorder:
     if not self.out_dir:
       return None
     path = self.out_dir / "trace.json"
-    path.write_text(json.dumps(chrome_trace(self.watched(), self.spans, self.records, self.run_start)))
+    path.write_text(json.dumps(self._trace()))
     return str(path)
+
+  def _trace(self) -> dict[str, Any]:
+    """This segment's trace: its own records only (an earlier segment's trace holds its steps, on its clock)."""
+    return chrome_trace(self.watched(), self.spans, self.records[self._first_own:], self.run_start)
 
   def trace_events(self, limit: int) -> list[dict[str, Any]]:
     """This process's trace events (the last ``limit`` of them), for process 0 to merge into the run's trace."""
-    events = chrome_trace(self.watched(), self.spans, self.records, self.run_start)["traceEvents"]
+    events = self._trace()["traceEvents"]
     meta = [e for e in events if e["ph"] == "M"]
     timed = sorted((e for e in events if e["ph"] != "M"), key=lambda e: e["ts"])
     return meta + timed[-limit:]

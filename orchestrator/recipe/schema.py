@@ -9,6 +9,7 @@ and the fix. Nothing here imports JAX: a recipe is validated before JAX starts.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import re
 from typing import Any
@@ -450,6 +451,34 @@ class DistributedSection:
                           " serves the coordinator on (every process must name the same one)")
 
 
+#: What ``metrics.backends`` may name: TensorBoard event files in the run's directory, a W&B run.
+METRICS_BACKENDS = ("tensorboard", "wandb")
+
+
+def _importable(package: str) -> bool:
+  """Whether ``package`` can be imported here, found without importing it (validation runs before JAX)."""
+  return importlib.util.find_spec(package) is not None
+
+
+@dataclasses.dataclass
+class MetricsSection:
+  """Where each step's scalars go besides ``records.jsonl`` (``orchestrator/loop/metrics_log.py``)."""
+
+  backends: list[str] = dataclasses.field(default_factory=lambda: ["tensorboard"])  # []: no logging
+
+  def validate(self) -> None:
+    given = f"metrics.backends={self.backends!r}"
+    for name in self.backends:
+      if name not in METRICS_BACKENDS:
+        raise RecipeError(f"{given}: {name!r} is not a metrics backend; use a list of"
+                          f" {', '.join(METRICS_BACKENDS)} (or [] for none)")
+    if len(set(self.backends)) != len(self.backends):
+      raise RecipeError(f"{given} names a backend twice; name each once")
+    if "wandb" in self.backends and not _importable("wandb"):
+      raise RecipeError(f"{given}: the wandb package is not installed; pip install wandb, or drop wandb from"
+                        " metrics.backends")
+
+
 @dataclasses.dataclass
 class RunSection:
   """Where outputs go and how the host is set up."""
@@ -484,6 +513,7 @@ class Recipe:
   trainer: TrainerSection = dataclasses.field(default_factory=TrainerSection)
   distributed: DistributedSection = dataclasses.field(default_factory=DistributedSection)
   run: RunSection = dataclasses.field(default_factory=RunSection)
+  metrics: MetricsSection = dataclasses.field(default_factory=MetricsSection)
 
   # ---------------------------------------------------------------- derived
   def model_preset(self) -> ModelPreset:
@@ -518,7 +548,7 @@ class Recipe:
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", self.name):
       raise RecipeError(f"name={self.name!r}: use letters, digits, '.', '_' and '-' (it names the run's directory)")
     for section in (self.model, self.mesh, self.batch, self.rollouts, self.task, self.step_boundary, self.simulate,
-                    self.trainer, self.distributed, self.run):
+                    self.trainer, self.distributed, self.run, self.metrics):
       section.validate()
     _check_seeds(self)
     self.checkpoint.validate(self.steps)

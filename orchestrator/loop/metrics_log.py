@@ -1,0 +1,157 @@
+"""Each step's scalars where dashboards look: TensorBoard event files in the run's directory (and W&B).
+
+``SCALARS`` is the one table of what is logged: a name per scalar and how it
+is computed from the step's ``BoundaryRecord``. A ``MetricsLog`` is the
+program's ``on_step`` callable: it writes one step's scalars, at the global
+step number, when that step's record is finished — in the pipelined modes
+after step k+1's first micro-batch is dispatched, so the writes run while the
+device computes. tensorboardX's ``SummaryWriter`` turns each scalar into an
+event and hands it to its own writer thread, which does the file I/O.
+
+TensorBoard is written through ``tensorboardX.SummaryWriter`` directly, not
+through Tunix's ``MetricsLogger``: that logger routes every scalar through
+``jax.monitoring``'s process-wide listeners (and its ``close`` clears every
+listener of the process, anyone's), and metrax's ``TensorboardBackend``, which
+it builds, calls ``jax.process_index()`` when it is made — a remote trainer's
+driver starts no JAX. Both end in this same ``SummaryWriter``.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from tensorboardX import SummaryWriter
+
+from orchestrator.loop.recorder import BoundaryRecord
+
+#: Where a segment's TensorBoard events go, inside the directory the segment writes (the run's for the run as
+#: started, ``segments/N/`` for a resume).
+TENSORBOARD_DIR = "tensorboard"
+#: The W&B project every run logs to (a run is named by its directory and identified by its run id).
+WANDB_PROJECT = "step-boundary"
+# tensorboardX's writer thread flushes the event file this often: a run that ends at once (a second Ctrl-C, a
+# lost peer) keeps every step up to the last flush; every other ending closes the writer, which flushes all.
+FLUSH_S = 5
+# Events queued for the writer thread before an add waits for it: many steps' worth, so the step loop never does.
+MAX_QUEUE = 4096
+
+
+def _mean(values: Sequence[float] | None) -> float | None:
+  return statistics.fmean(values) if values else None
+
+
+def _per_second(amount: float | None, seconds: float | None) -> float | None:
+  return amount / seconds if amount is not None and seconds else None
+
+
+def _total(values: Sequence[int] | None) -> int | None:
+  return sum(values) if values else None
+
+
+#: Every scalar logged per optimizer step: its name, and how it is computed from the step's record. A None
+#: (a field the record does not have: no stage, not a live run, the last step's idle) logs nothing that step.
+SCALARS: dict[str, Callable[[BoundaryRecord], float | int | None]] = {
+    "boundary/idle_s": lambda r: r.boundary_idle_s,
+    "boundary/idle_strict_s": lambda r: r.boundary_idle_strict_s,
+    "boundary/stage_s": lambda r: r.stage_s,
+    "boundary/device_wait_s": lambda r: r.device_wait_s,
+    "boundary/staged": lambda r: int(r.staged),
+    "timing/step_s": lambda r: r.step_s,
+    "timing/update_s": lambda r: r.update_s,
+    "timing/micro_batch_s": lambda r: _mean(r.micro_batch_s),  # the mean over the step's micro-batches
+    "train/loss": lambda r: r.loss,
+    "train/grad_norm": lambda r: r.grad_norm,
+    "train/tokens_per_s": lambda r: _per_second(r.tokens, r.step_s),  # tokens that carried loss, per step second
+    "rollout/reward_mean": lambda r: r.reward_mean,
+    "rollout/reward_std": lambda r: r.reward_std,
+    "rollout/accuracy": lambda r: r.accuracy,
+    "rollout/staleness": lambda r: r.staleness,
+    "rollout/wait_s": lambda r: r.rollout_wait_s,  # how long the boundary waited for the next step's rollouts
+    "rollout/sampled_tokens_per_s": lambda r: r.sampled_tokens_per_s,
+    "memory/staged_bytes": lambda r: _total(r.staged_bytes_per_device),  # summed over this process's devices
+}
+
+
+def scalars(record: BoundaryRecord) -> dict[str, float]:
+  """The step's scalars (``SCALARS``), leaving out those its record does not have."""
+  values = {name: compute(record) for name, compute in SCALARS.items()}
+  return {name: float(value) for name, value in values.items() if value is not None}
+
+
+class TensorBoardLog:
+  """Scalars into an event file in ``directory`` (created); TensorBoard reads it with ``--logdir``."""
+
+  def __init__(self, directory: Path):
+    self.directory = directory
+    self._writer = SummaryWriter(str(directory), max_queue=MAX_QUEUE, flush_secs=FLUSH_S)
+
+  def write(self, step: int, values: dict[str, float]) -> None:
+    for name, value in values.items():
+      self._writer.add_scalar(name, value, step)
+
+  def close(self) -> None:
+    self._writer.close()  # waits for the writer thread to write every queued event, then flushes
+
+
+class WandbLog:
+  """Scalars to a W&B run identified by the run's id, so a resumed segment continues the same W&B run."""
+
+  def __init__(self, directory: Path, *, run_name: str, run_id: str | None):
+    import wandb  # import here: an optional package (metrics.backends refuses wandb where it is not installed)
+
+    directory.mkdir(parents=True, exist_ok=True)
+    self._run = wandb.init(project=WANDB_PROJECT, name=run_name, id=run_id, resume="allow", dir=str(directory))
+
+  def write(self, step: int, values: dict[str, float]) -> None:
+    self._run.log(values, step=step)
+
+  def close(self) -> None:
+    self._run.finish()
+
+
+class MetricsLog:
+  """The program's ``on_step``: each finished record's scalars, at its global step, to every backend."""
+
+  def __init__(self, sinks: Sequence[TensorBoardLog | WandbLog]):
+    self.sinks = list(sinks)
+
+  def __call__(self, record: BoundaryRecord) -> None:
+    values = scalars(record)
+    for sink in self.sinks:
+      sink.write(record.step, values)
+
+  def close(self) -> None:
+    """Flushes and closes every backend (a second call does nothing); the first backend's error is raised
+    after the others are closed."""
+    sinks, self.sinks = self.sinks, []
+    failure = None
+    for sink in sinks:
+      try:
+        sink.close()
+      except Exception as e:  # pylint: disable=broad-except
+        failure = failure or e
+    if failure is not None:
+      raise failure
+
+
+def open_metrics_log(backends: Sequence[str], write_dir: Path, *, run_name: str,
+                     run_id: str | None = None) -> MetricsLog | None:
+  """The backends ``metrics.backends`` names, writing into ``write_dir`` (this segment's directory); None
+  when it names none."""
+  if not backends:
+    return None
+  sinks: list[TensorBoardLog | WandbLog] = []
+  try:
+    for name in backends:
+      if name == "tensorboard":
+        sinks.append(TensorBoardLog(write_dir / TENSORBOARD_DIR))
+      elif name == "wandb":
+        sinks.append(WandbLog(write_dir, run_name=run_name, run_id=run_id))
+      else:
+        raise ValueError(f"metrics.backends: {name!r} is not a metrics backend (the recipe's schema lists them)")
+  except BaseException:
+    MetricsLog(sinks).close()
+    raise
+  return MetricsLog(sinks)
