@@ -38,6 +38,7 @@ import numpy as np
 
 from orchestrator.contract import RolloutStats, SourceStateError
 from orchestrator.data.trajectory import Trajectory, TrajectoryGroup
+from orchestrator.live.rewards import Reward, task_reward
 from orchestrator.live.sampler import LiveSampler
 from orchestrator.live.tasks import group_advantages
 
@@ -98,13 +99,19 @@ class LiveShape:
 
 class LiveRollouts:
   """Samples steps on a background thread, each from its fixed weights version; a ``StepSource`` and a
-  ``LiveSource`` (``orchestrator.contract``). With ``record``, every step taken is kept for ``recorded_steps``."""
+  ``LiveSource`` (``orchestrator.contract``). With ``record``, every step taken is kept for ``recorded_steps``.
+
+  ``task`` is a ``tasks.Task``; ``reward`` the training reward, called once per micro-batch (default: the
+  task's own). Accuracy, in training and in the evaluation, is always the task's own check.
+  """
 
   kind = "live"
 
-  def __init__(self, sampler: LiveSampler, task, shape: LiveShape, *, record: bool = False):
+  def __init__(self, sampler: LiveSampler, task, shape: LiveShape, *, record: bool = False,
+               reward: Reward | None = None):
     self._sampler = sampler
     self._task = task
+    self._reward = reward if reward is not None else task_reward(task)
     self.shape = shape
     self._cond = threading.Condition()
     self._sampler_lock = threading.Lock()
@@ -347,15 +354,17 @@ class LiveRollouts:
     with self._sampler_lock:
       if weights is not None and self._sampler.weights_version != version:
         self._sampler.sync(weights, version)
-      payloads, rewards, tokens = [], [], 0
+      payloads, rewards, correct, tokens = [], [], [], 0
       for i in range(sh.micro_batches_per_step):
-        payload, micro_rewards, micro_tokens = self._sample_micro_batch(step, i)
+        payload, micro_rewards, micro_correct, micro_tokens = self._sample_micro_batch(step, i)
         payloads.append(payload)
         rewards.append(micro_rewards)
+        correct.append(micro_correct)
         tokens += micro_tokens
     flat = np.concatenate(rewards)
     return StepRollouts(step, payloads, [r.tolist() for r in rewards], version, float(flat.mean()),
-                        float(flat.std()), float(np.mean(flat == 1.0)), tokens, time.perf_counter() - start)
+                        float(flat.std()), float(np.mean(np.concatenate(correct))), tokens,
+                        time.perf_counter() - start)
 
   def _sample_micro_batch(self, step: int, i: int):
     sh, g = self.shape, self.shape.generations_per_group
@@ -364,8 +373,10 @@ class LiveRollouts:
     prompts = [p.prompt for p in problems for _ in range(g)]
     seed = int(np.random.default_rng((sh.seed, step, i)).integers(2**31 - 1))
     samples = self._sampler.sample(prompts, seed=seed, temperature=sh.temperature)
-    rewards = np.array([self._task.reward(problems[k // g], text) for k, text in enumerate(samples.texts)],
-                       np.float32)
+    each = [problems[k // g] for k in range(len(prompts))]
+    # One call over the micro-batch's completions, as Tunix calls reward functions (a model-based one batches).
+    rewards = self._reward(each, samples.texts, indices=[first_group + k // g for k in range(len(prompts))])
+    correct = np.array([self._task.reward(p, text) == 1.0 for p, text in zip(each, samples.texts)])
     advantages = group_advantages(rewards, g)
     prompt_ids = [np.concatenate([[self._sampler.tokenizer.bos_id()], ids]).astype(np.int32)
                   for ids in samples.prompt_ids]
@@ -373,7 +384,7 @@ class LiveRollouts:
       raise RuntimeError(f"the sampler returned an empty completion at step {step}, micro-batch {i}")
     payload = [Trajectory(prompt_ids[k], samples.completion_ids[k], float(advantages[k]), samples.logprobs[k],
                           first_group + k // g) for k in range(len(prompts))]
-    return payload, rewards, int(sum(len(c) for c in samples.completion_ids))
+    return payload, rewards, correct, int(sum(len(c) for c in samples.completion_ids))
 
   # ---------------------------------------------------------------- evaluation
   def evaluate(self, weights: Any, version: int, prompts: int, *,
