@@ -22,7 +22,7 @@ from orchestrator.data.synthetic import SyntheticRollouts
 from orchestrator.engine import build_backend
 from orchestrator.engine.options import CHECKPOINTING_BACKENDS
 from orchestrator.engine.presets import load_preset
-from orchestrator.live.tasks import MAX_PROMPT_LENGTH, max_generation_steps
+from orchestrator.live.tasks import max_generation_steps
 from orchestrator.live.tokenizer import CharTokenizer
 from orchestrator.loop.program import ProgramConfig, RLProgram, plan_from_json
 from orchestrator.loop.recorder import BoundaryRecord
@@ -107,11 +107,11 @@ def live_source(recipe: Recipe, *, steps: int | None = None):
 
   task, r = recipe.task.make(), recipe.rollouts
   sampler = LiveSampler(load_preset(recipe.model), CharTokenizer(), seed=recipe.engine.seed,
-                        max_prompt_length=MAX_PROMPT_LENGTH, max_generation_steps=max_generation_steps(task),
+                        max_prompt_length=task.max_prompt_tokens, max_generation_steps=max_generation_steps(task),
                         alphabet=task.answer_alphabet)
   shape = LiveShape(steps or recipe.steps, recipe.batch.micro_batches_per_step, r.groups_per_micro_batch,
                     r.generations_per_group, r.max_staleness, r.temperature, r.seed)
-  return LiveRollouts(sampler, task, shape, record=bool(r.record_to))
+  return LiveRollouts(sampler, task, shape, record=bool(r.record_to), reward=recipe.task.make_reward(task))
 
 
 def resolve_path(path: str) -> Path:
