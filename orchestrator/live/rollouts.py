@@ -99,11 +99,8 @@ class LiveShape:
 
 class LiveRollouts:
   """Samples steps on a background thread, each from its fixed weights version; a ``StepSource`` and a
-  ``LiveSource`` (``orchestrator.contract``). With ``record``, every step taken is kept for ``recorded_steps``.
-
-  ``task`` is a ``tasks.Task``; ``reward`` the training reward, called once per micro-batch (default: the
-  task's own). Accuracy, in training and in the evaluation, is always the task's own check.
-  """
+  ``LiveSource`` (``orchestrator.contract``) on a ``tasks.Task``, trained on ``reward`` (default: the task's own;
+  ``score_micro_batch``). With ``record``, every step taken is kept for ``recorded_steps``."""
 
   kind = "live"
 
@@ -354,16 +351,11 @@ class LiveRollouts:
     with self._sampler_lock:
       if weights is not None and self._sampler.weights_version != version:
         self._sampler.sync(weights, version)
-      payloads, rewards, correct, tokens = [], [], [], 0
-      for i in range(sh.micro_batches_per_step):
-        payload, micro_rewards, micro_correct, micro_tokens = self._sample_micro_batch(step, i)
-        payloads.append(payload)
-        rewards.append(micro_rewards)
-        correct.append(micro_correct)
-        tokens += micro_tokens
+      parts = [self._sample_micro_batch(step, i) for i in range(sh.micro_batches_per_step)]
+    payloads, rewards, correct, tokens = (list(part) for part in zip(*parts))
     flat = np.concatenate(rewards)
     return StepRollouts(step, payloads, [r.tolist() for r in rewards], version, float(flat.mean()),
-                        float(flat.std()), float(np.mean(np.concatenate(correct))), tokens,
+                        float(flat.std()), float(np.mean(np.concatenate(correct))), sum(tokens),
                         time.perf_counter() - start)
 
   def _sample_micro_batch(self, step: int, i: int):
@@ -373,10 +365,7 @@ class LiveRollouts:
     prompts = [p.prompt for p in problems for _ in range(g)]
     seed = int(np.random.default_rng((sh.seed, step, i)).integers(2**31 - 1))
     samples = self._sampler.sample(prompts, seed=seed, temperature=sh.temperature)
-    each = [problems[k // g] for k in range(len(prompts))]
-    # One call over the micro-batch's completions, as Tunix calls reward functions (a model-based one batches).
-    rewards = self._reward(each, samples.texts, indices=[first_group + k // g for k in range(len(prompts))])
-    correct = np.array([self._task.reward(p, text) == 1.0 for p, text in zip(each, samples.texts)])
+    rewards, correct = score_micro_batch(self._task, self._reward, problems, samples.texts, first_group, g)
     advantages = group_advantages(rewards, g)
     prompt_ids = [np.concatenate([[self._sampler.tokenizer.bos_id()], ids]).astype(np.int32)
                   for ids in samples.prompt_ids]
@@ -405,6 +394,15 @@ class LiveRollouts:
     finally:
       self._sampler_lock.release()
     return float(np.mean([self._task.reward(p, a) for p, a in zip(problems, answers)]))
+
+
+def score_micro_batch(task, reward: Reward, problems, texts: list[str], first_index: int, generations: int):
+  """(training rewards, correct) of a micro-batch's completions, ``generations`` per problem, the first problem
+  drawn with index ``first_index``. The reward is one call over all of them, as Tunix calls reward functions (a
+  model-based one batches); correct is the task's own check, so accuracy means the same whatever the reward."""
+  each = [problems[k // generations] for k in range(len(texts))]
+  rewards = reward(each, texts, indices=[first_index + k // generations for k in range(len(texts))])
+  return rewards, np.array([task.reward(p, text) == 1.0 for p, text in zip(each, texts)])
 
 
 def recorded_groups(steps: list[StepRollouts], generations: int):
