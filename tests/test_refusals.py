@@ -49,6 +49,29 @@ def _recipe_file(tmp_path, content: bytes | str):
   return ["--recipe", str(path)]
 
 
+GOOD_ROW = '{"prompt": "1+1=", "answer": "2"}\n'
+
+
+def _dataset(tmp_path, content: bytes | str, *keys: str, name: str = "prompts.jsonl"):
+  """A live run on the dataset ``content`` (written to tmp_path/name), with more ``task.*`` keys."""
+  path = tmp_path / name
+  path.write_bytes(content if isinstance(content, bytes) else content.encode())
+  return ["task.name=dataset", f"task.path={path}", *keys]
+
+
+def _parquet_dataset(tmp_path, rows):
+  import pyarrow as pa  # import here: only these rows write Parquet
+  import pyarrow.parquet as pq
+
+  path = tmp_path / "prompts.parquet"
+  pq.write_table(pa.Table.from_pylist(rows), path)
+  return ["task.name=dataset", f"task.path={path}"]
+
+
+def _sums(count: int) -> str:
+  return "".join(f'{{"prompt": "{i}+1=", "answer": "{i + 1}"}}\n' for i in range(count))
+
+
 def _existing_run(tmp_path):
   run = tmp_path / "earlier"
   run.mkdir()
@@ -165,6 +188,64 @@ CASES = [
      "; use task.letters=4 (1 training, 3 evaluation prompts) or task.length=2 (3 training, 1 evaluation prompts)"),
     ("task-split-checked-for-any-source", ["rollouts.source=synthetic", "task.name=modular_addition",
                                            "task.modulus=2"], {}, "leaves the evaluation split empty"),
+    # A dataset of one's own prompts (task.name=dataset): the file and every row are checked up front.
+    ("dataset-no-path", ["task.name=dataset"], {}, "task.name=dataset needs task.path=FILE"),
+    ("dataset-path-missing", ["task.name=dataset", "task.path=/no/such/prompts.jsonl"], {},
+     "task.path=/no/such/prompts.jsonl does not exist"),
+    ("dataset-a-directory", lambda t, g: ["task.name=dataset", f"task.path={t}"], {}, "is a directory; give a JSONL"),
+    ("dataset-empty", lambda t, g: _dataset(t, "\n\n"), {}, "prompts.jsonl is empty: it holds no rows"),
+    ("dataset-neither-kind", lambda t, g: _dataset(t, "prompt,answer\n1+1=,2\n", name="prompts.csv"), {},
+     "prompts.csv is neither JSONL (.jsonl) nor Parquet (.parquet, .pq); convert it"),
+    ("dataset-line-not-an-object", lambda t, g: _dataset(t, GOOD_ROW + "[1, 2]\n"), {},
+     "prompts.jsonl line 2 is a JSON list, not an object; each line must be one JSON object"),
+    ("dataset-line-not-json", lambda t, g: _dataset(t, GOOD_ROW + '{"prompt": "2+2="\n'), {},
+     "prompts.jsonl line 2 is not JSON (Expecting ',' delimiter at column 18)"),
+    ("dataset-jsonl-not-utf8", lambda t, g: _dataset(t, b"\xff\xfe{}\n"), {}, "prompts.jsonl is not UTF-8 text"),
+    ("dataset-parquet-not-parquet", lambda t, g: _dataset(t, GOOD_ROW, name="prompts.parquet"), {},
+     "prompts.parquet is not a Parquet file pyarrow can read"),
+    ("dataset-row-lacks-field", lambda t, g: _dataset(t, GOOD_ROW + '{"prompt": "2+2=", "solution": "4"}\n'), {},
+     "prompts.jsonl line 2 has no field 'answer' (its fields: 'prompt', 'solution'); name the field to read with"
+     " task.answer_field=FIELD"),
+    ("dataset-parquet-row-lacks-field", lambda t, g: _parquet_dataset(t, [{"question": "1+1=", "answer": "2"}]), {},
+     "prompts.parquet row 1 has no field 'prompt' (its fields: 'question', 'answer')"),
+    ("dataset-value-not-a-string", lambda t, g: _dataset(t, GOOD_ROW + '{"prompt": "2+2=", "answer": 4}\n'), {},
+     "prompts.jsonl line 2: field 'answer' is 4 (int), not a string; write it as a string (\"4\")"),
+    ("dataset-character-outside-alphabet", lambda t, g: _dataset(t, GOOD_ROW + '{"prompt": "What is 2+2?", "answer":'
+                                                                    ' "4"}\n'), {},
+     "prompts.jsonl line 2: field 'prompt' has the character 'W', which the character tokenizer cannot encode;"
+     " write the prompts and answers in its characters only"),
+    ("dataset-eval-fraction-zero", lambda t, g: _dataset(t, _sums(20), "task.eval_fraction=0"), {},
+     "task.eval_fraction=0.0 is out of range: it must be in (0, 1)"),
+    ("dataset-eval-fraction-one", lambda t, g: _dataset(t, _sums(20), "task.eval_fraction=1"), {},
+     "task.eval_fraction=1.0 is out of range: it must be in (0, 1)"),
+    ("dataset-no-eval-prompt", lambda t, g: _dataset(t, _sums(3), "task.eval_fraction=0.001"), {},
+     "task.eval_fraction=0.001 holds out none of the 3 distinct prompts of task.path="),
+    ("dataset-eval-file-is-all-of-it", lambda t, g: _dataset(t, _sums(3), f"task.eval_path={t / 'prompts.jsonl'}"),
+     {}, "is also in task.eval_path="),
+    ("dataset-prompt-too-long", lambda t, g: _dataset(t, GOOD_ROW + '{"prompt": "12+34=", "answer": "46"}\n',
+                                                      "task.max_prompt_tokens=6"), {},
+     "prompts.jsonl line 2: the prompt takes 7 tokens (bos included), more than task.max_prompt_tokens=6; raise"
+     " task.max_prompt_tokens or shorten the prompt"),
+    ("dataset-completion-tokens-zero", lambda t, g: _dataset(t, _sums(20), "task.max_completion_tokens=0"), {},
+     "task.max_completion_tokens=0 is out of range: it must be in [1, 4096]"),
+    ("dataset-keys-on-a-built-in-task", ["task.name=reverse", "task.path=prompts.jsonl"], {},
+     "task.path is set but task.name=reverse is a built-in task"),
+    # The rewards a recipe chooses (task.reward): each entry is found and checked up front.
+    ("reward-unknown", ["task.reward=[exactly]"], {},
+     "task.reward[0]='exactly' is not a reward; use one of exact, format, math, or package.module:function"),
+    ("reward-not-importable", ["task.reward=[exact, no_such_reward_module:score]"], {},
+     "task.reward[1]='no_such_reward_module:score': module 'no_such_reward_module' cannot be imported"),
+    ("reward-no-such-function", ["task.reward=[json:no_such_score]"], {}, "module 'json' has no 'no_such_score'"),
+    ("reward-not-callable", ["task.reward=[math:pi]"], {}, "task.reward[0]='math:pi' is a float, not a function"),
+    ("reward-wrong-signature", ["task.reward=[os.path:join]"], {},
+     "task.reward[0]='os.path:join' cannot be called as fn(prompts=..., completions=..., answer=..., mode=...)"),
+    ("reward-weights-length", ["task.reward=[exact]", "task.reward_weights=[1, 2]"], {},
+     "task.reward_weights has 2 weights for 1 task.reward entries (exact)"),
+    ("reward-weights-without-rewards", ["task.reward_weights=[2]"], {}, "but task.reward is not set"),
+    ("reward-format-no-pattern", ["task.reward=[format]"], {}, "task.reward lists format, which needs"
+                                                              " task.format_pattern=REGEX"),
+    ("reward-format-bad-pattern", ["task.reward=[format]", "task.format_pattern=[a-"], {},
+     "task.format_pattern='[a-' is not a regular expression"),
     # Every seed key: JAX's PRNG takes signed 64-bit seeds, numpy's seeding none below 0.
     ("engine-seed-1e23", ["engine.seed=1e23"], {},
      "engine.seed=99999999999999991611392 is out of range: a seed must be an integer in [0, 2**63 - 1"),

@@ -20,7 +20,7 @@ from orchestrator.data.sources import ReplaySteps, SyntheticSteps
 from orchestrator.data.synthetic import SyntheticRollouts
 from orchestrator.engine import build_backend
 from orchestrator.engine.options import CHECKPOINTING_BACKENDS
-from orchestrator.live.tasks import MAX_PROMPT_LENGTH, max_generation_steps
+from orchestrator.live.tasks import max_generation_steps
 from orchestrator.loop.metrics_log import MetricsLog, open_metrics_log
 from orchestrator.loop.program import ProgramConfig, RLProgram, plan_from_json
 from orchestrator.loop.recorder import BoundaryRecord
@@ -103,13 +103,13 @@ def live_source(recipe: Recipe, *, steps: int | None = None):
   from orchestrator.live.rollouts import LiveRollouts, LiveShape
   from orchestrator.live.sampler import LiveSampler
 
-  task, r = recipe.task.make(), recipe.rollouts
+  task, r = recipe.live_task(), recipe.rollouts
   sampler = LiveSampler(recipe.model_preset(), recipe.model.tokenizer(), seed=recipe.engine.seed,
-                        max_prompt_length=MAX_PROMPT_LENGTH, max_generation_steps=max_generation_steps(task),
+                        max_prompt_length=task.max_prompt_tokens, max_generation_steps=max_generation_steps(task),
                         alphabet=task.answer_alphabet, dtype=recipe.engine.dtype)
   shape = LiveShape(steps or recipe.steps, recipe.batch.micro_batches_per_step, r.groups_per_micro_batch,
                     r.generations_per_group, r.max_staleness, r.temperature, r.seed)
-  return LiveRollouts(sampler, task, shape, record=bool(r.record_to))
+  return LiveRollouts(sampler, task, shape, record=bool(r.record_to), reward=recipe.task.make_reward(task))
 
 
 def resolve_path(path: str) -> Path:

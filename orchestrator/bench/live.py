@@ -30,7 +30,7 @@ def _arm(recipe, engine, start, initial, sampler, mode, staleness: int, steps: i
   engine.restore(start)
   sampler.sync(initial, 0)
   r = recipe.rollouts
-  source = LiveRollouts(sampler, recipe.task.make(), LiveShape(
+  source = LiveRollouts(sampler, recipe.live_task(), LiveShape(
       steps, recipe.batch.micro_batches_per_step, r.groups_per_micro_batch, r.generations_per_group, staleness,
       r.temperature, r.seed))
   worker = TrainerWorker(engine)

@@ -38,6 +38,7 @@ import numpy as np
 
 from orchestrator.contract import RolloutStats, SourceStateError
 from orchestrator.data.trajectory import Trajectory, TrajectoryGroup
+from orchestrator.live.rewards import Reward, task_reward
 from orchestrator.live.sampler import LiveSampler
 from orchestrator.live.tasks import group_advantages
 
@@ -98,13 +99,16 @@ class LiveShape:
 
 class LiveRollouts:
   """Samples steps on a background thread, each from its fixed weights version; a ``StepSource`` and a
-  ``LiveSource`` (``orchestrator.contract``). With ``record``, every step taken is kept for ``recorded_steps``."""
+  ``LiveSource`` (``orchestrator.contract``) on a ``tasks.Task``, trained on ``reward`` (default: the task's own;
+  ``score_micro_batch``). With ``record``, every step taken is kept for ``recorded_steps``."""
 
   kind = "live"
 
-  def __init__(self, sampler: LiveSampler, task, shape: LiveShape, *, record: bool = False):
+  def __init__(self, sampler: LiveSampler, task, shape: LiveShape, *, record: bool = False,
+               reward: Reward | None = None):
     self._sampler = sampler
     self._task = task
+    self._reward = reward if reward is not None else task_reward(task)
     self.shape = shape
     self._cond = threading.Condition()
     self._sampler_lock = threading.Lock()
@@ -347,15 +351,12 @@ class LiveRollouts:
     with self._sampler_lock:
       if weights is not None and self._sampler.weights_version != version:
         self._sampler.sync(weights, version)
-      payloads, rewards, tokens = [], [], 0
-      for i in range(sh.micro_batches_per_step):
-        payload, micro_rewards, micro_tokens = self._sample_micro_batch(step, i)
-        payloads.append(payload)
-        rewards.append(micro_rewards)
-        tokens += micro_tokens
+      parts = [self._sample_micro_batch(step, i) for i in range(sh.micro_batches_per_step)]
+    payloads, rewards, correct, tokens = (list(part) for part in zip(*parts))
     flat = np.concatenate(rewards)
     return StepRollouts(step, payloads, [r.tolist() for r in rewards], version, float(flat.mean()),
-                        float(flat.std()), float(np.mean(flat == 1.0)), tokens, time.perf_counter() - start)
+                        float(flat.std()), float(np.mean(np.concatenate(correct))), sum(tokens),
+                        time.perf_counter() - start)
 
   def _sample_micro_batch(self, step: int, i: int):
     sh, g = self.shape, self.shape.generations_per_group
@@ -364,15 +365,14 @@ class LiveRollouts:
     prompts = [p.prompt for p in problems for _ in range(g)]
     seed = int(np.random.default_rng((sh.seed, step, i)).integers(2**31 - 1))
     samples = self._sampler.sample(prompts, seed=seed, temperature=sh.temperature)
-    rewards = np.array([self._task.reward(problems[k // g], text) for k, text in enumerate(samples.texts)],
-                       np.float32)
+    rewards, correct = score_micro_batch(self._task, self._reward, problems, samples.texts, first_group, g)
     advantages = group_advantages(rewards, g)
     prompt_ids = samples.prompt_ids  # as the model was given them: bos and the formatted prompt
     if any(len(c) == 0 for c in samples.completion_ids):
       raise RuntimeError(f"the sampler returned an empty completion at step {step}, micro-batch {i}")
     payload = [Trajectory(prompt_ids[k], samples.completion_ids[k], float(advantages[k]), samples.logprobs[k],
                           first_group + k // g) for k in range(len(prompts))]
-    return payload, rewards, int(sum(len(c) for c in samples.completion_ids))
+    return payload, rewards, correct, int(sum(len(c) for c in samples.completion_ids))
 
   # ---------------------------------------------------------------- evaluation
   def evaluate(self, weights: Any, version: int, prompts: int, *,
@@ -393,6 +393,15 @@ class LiveRollouts:
     finally:
       self._sampler_lock.release()
     return float(np.mean([self._task.reward(p, a) for p, a in zip(problems, answers)]))
+
+
+def score_micro_batch(task, reward: Reward, problems, texts: list[str], first_index: int, generations: int):
+  """(training rewards, correct) of a micro-batch's completions, ``generations`` per problem, the first problem
+  drawn with index ``first_index``. The reward is one call over all of them, as Tunix calls reward functions (a
+  model-based one batches); correct is the task's own check, so accuracy means the same whatever the reward."""
+  each = [problems[k // generations] for k in range(len(texts))]
+  rewards = reward(each, texts, indices=[first_index + k // generations for k in range(len(texts))])
+  return rewards, np.array([task.reward(p, text) == 1.0 for p, text in zip(each, texts)])
 
 
 def recorded_groups(steps: list[StepRollouts], generations: int):

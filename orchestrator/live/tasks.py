@@ -1,14 +1,19 @@
 """Tasks with verifiable rewards: prompts drawn by (seed, split, index), and a reward per completion.
 
-A random model cannot do these; a tiny one can learn them. Answers have a
-fixed length and are sampled from the task's ``answer_alphabet`` only, so a
+``Task`` is what the live loop asks of one. The built-in tasks are here; a
+file of one's own prompts (``task.name: dataset``) is
+``orchestrator.live.datasets``, and rewards a recipe chooses instead of a task's
+own are ``orchestrator.live.rewards``.
+
+The built-in tasks: a random model cannot do them; a tiny one can learn them.
+Answers have a fixed length and are sampled from the task's ``answer_alphabet`` only, so a
 random model scores 1 / len(alphabet) ** length (chance). Each task names its
 reward function (``reward``: 1.0 for a correct answer, 0.0 otherwise, and 0.0
 for a malformed completion), so a recipe picks a task by name (``task.name``)
 and its sizes by key (``task.*``). Prompts of the ``eval`` split never appear
 in ``train``: held-out accuracy measures generalisation, not recall.
 
-A task's prompts are a finite space (``prompts()``: every one, in a fixed
+A built-in task's prompts are a finite space (``prompts()``: every one, in a fixed
 order), split by a hash of the prompt. Problems are drawn with replacement, so
 a split needs one prompt, not one per draw; but a draw retries until it lands
 on its split, so an empty split would spin forever: ``split_sizes`` counts
@@ -20,11 +25,12 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Protocol
 
 import numpy as np
 
-#: Prompt tokens the sampler and the packing allow (bos included): every task's prompts fit.
+#: Prompt tokens the sampler and the packing allow for the built-in tasks (bos included): all their prompts fit.
 MAX_PROMPT_LENGTH = 16
 
 
@@ -34,6 +40,41 @@ class Problem:
 
   prompt: str
   answer: str
+
+
+class Task(Protocol):
+  """What the live loop asks of a task (``LiveRollouts``, the sampler's sizes, the recipe's checks).
+
+  Attributes:
+    name: the ``task.name`` that selects it.
+    answer_alphabet: the characters completions are sampled from (nothing else is ever sampled, and
+      every completion takes ``max_answer_length`` tokens); None: free text in the tokenizer's vocabulary,
+      ending at the model's eos (a dataset read with a checkpoint's tokenizer).
+    max_answer_length: the sampler's generation steps: every completion's tokens, or at most that many.
+    max_prompt_tokens: the prompt tokens the sampler and the packing allow, bos included; every prompt fits.
+
+  ``problem(seed, split, index)`` is a pure function of its arguments (``split``
+  ``"train"`` or ``"eval"``): the same problem in every process and after a
+  resume, which restores the step and so the indices its draws use. No prompt
+  of ``eval`` is ever drawn for ``train``. ``reward(problem, completion)`` is the
+  task's own check, in [0, 1] (1.0: correct): accuracy, the held-out evaluation
+  and, unless ``task.reward`` chooses others, the training reward.
+  ``prompts()`` is every prompt either split can draw, ``held_out(prompt)`` on
+  which side it lies (``split_sizes`` counts both: an empty split is refused).
+  """
+
+  name: str
+  answer_alphabet: str | None
+  max_answer_length: int
+  max_prompt_tokens: int
+
+  def problem(self, seed: int, split: str, index: int) -> Problem: ...
+
+  def reward(self, problem: Problem, completion: str) -> float: ...
+
+  def prompts(self) -> Iterable[str]: ...
+
+  def held_out(self, prompt: str) -> bool: ...
 
 
 def _rng(seed: int, split: str, index: int) -> np.random.Generator:
@@ -62,8 +103,18 @@ def _held_out(key: str, eval_share: float) -> bool:
   return h / 2**32 < eval_share
 
 
+class _BuiltIn:
+  """What the built-in tasks share: a split by a hash of the prompt, and prompts of at most MAX_PROMPT_LENGTH."""
+
+  eval_share: float
+  max_prompt_tokens = MAX_PROMPT_LENGTH
+
+  def held_out(self, prompt: str) -> bool:
+    return _held_out(prompt, self.eval_share)
+
+
 @dataclasses.dataclass(frozen=True)
-class ModularAddition:
+class ModularAddition(_BuiltIn):
   """``a+b%m=`` → ``(a + b) mod m``, zero-padded to the width of ``m - 1``.
 
   Completions are sampled from the answer's digits only, so chance is 1/m.
@@ -100,7 +151,7 @@ class ModularAddition:
 
 
 @dataclasses.dataclass(frozen=True)
-class _WordTask:
+class _WordTask(_BuiltIn):
   """A task on a random word of ``length`` letters drawn from the first ``letters`` of the alphabet."""
 
   length: int
@@ -184,7 +235,7 @@ def split_sizes(task, *, enough: int = 1) -> SplitSizes:
   walked whole: only a small space can leave a split empty, and that one is counted exactly)."""
   train = held_out = 0
   for prompt in task.prompts():
-    if _held_out(prompt, task.eval_share):
+    if task.held_out(prompt):
       held_out += 1
     else:
       train += 1

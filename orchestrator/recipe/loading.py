@@ -98,6 +98,17 @@ class ResolvedRecipe:
   path: str
 
 
+def _override_value(raw: str) -> Any:
+  """An override's value as YAML reads it (``[1, 2]`` is a list); text YAML cannot read is taken as written, so a
+  regular expression such as ``[0-9]+`` needs no quoting (the key's type still checks it)."""
+  if not raw.strip():
+    return raw
+  try:
+    return yaml.safe_load(raw)
+  except yaml.YAMLError:
+    return raw
+
+
 def resolve(
     recipe_path: str | Path | None = None,
     *,
@@ -135,7 +146,7 @@ def resolve(
     key = canonical(key.strip())
     if key not in set(all_keys()):
       raise RecipeError(f"override {item!r}: unknown key {key!r}{suggest(key)}")
-    values[key] = coerce(key, yaml.safe_load(raw) if raw.strip() else raw)
+    values[key] = coerce(key, _override_value(raw))
     sources[key] = "override"
   recipe = build(values)
   for key in all_keys():

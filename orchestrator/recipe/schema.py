@@ -19,8 +19,10 @@ from orchestrator.engine.mesh_shape import MeshConfig
 from orchestrator.engine.options import EngineOptions
 from orchestrator.engine import hf_checkpoint
 from orchestrator.engine.presets import ModelPreset, available_presets, load_preset
-from orchestrator.live.tasks import MAX_PROMPT_LENGTH, TASKS, make_task, max_generation_steps, split_sizes
+from orchestrator.live import datasets as datasets_lib
+from orchestrator.live import rewards as rewards_lib
 from orchestrator.live.hf_tokenizer import HFTokenizer, TokenizerError
+from orchestrator.live.tasks import TASKS, make_task, max_generation_steps, split_sizes
 from orchestrator.live.tokenizer import CharTokenizer
 from policies import Mode
 
@@ -217,30 +219,94 @@ TASK_SIZE_KEYS = {"modular_addition": ("modulus",), "reverse": ("letters", "leng
 TASK_RANGES = {"modulus": (2, 999), "length": (1, 10), "letters": (2, 26), "eval_prompts": (1, 4096)}
 
 
+#: ``task.name`` for a file of one's own prompts (``orchestrator.live.datasets``); the others are ``TASKS``.
+DATASET = "dataset"
+#: The ``task.*`` keys only a dataset reads, unset by default: a built-in task refuses them.
+DATASET_ONLY_KEYS = ("path", "eval_path", "max_prompt_tokens", "max_completion_tokens")
+#: The range of ``task.max_prompt_tokens`` and ``task.max_completion_tokens`` (they size the sampler's cache).
+TOKEN_RANGES = {"max_prompt_tokens": (2, 4096), "max_completion_tokens": (1, 4096)}
+
+
 @dataclasses.dataclass
 class TaskSection:
-  """The live loop's task (``rollouts.source: sampler``): its name and sizes."""
+  """The live loop's task (``rollouts.source: sampler``): its name and sizes, or a file of prompts; and its reward."""
 
-  name: str = "modular_addition"  # modular_addition | reverse | first_letter
+  name: str = "modular_addition"  # modular_addition | reverse | first_letter | dataset
   modulus: int = 7  # modular_addition: answers 0 .. modulus-1
   length: int = 3  # reverse, first_letter: the word's length
   letters: int = 4  # reverse, first_letter: the alphabet's size
   eval_prompts: int = 64  # held-out prompts for the greedy evaluation at the start and the end
+  # name: dataset — prompts and answers read from a file (orchestrator.live.datasets).
+  path: str | None = None  # a JSONL (.jsonl) or Parquet (.parquet) file, one prompt per row
+  prompt_field: str = "prompt"
+  answer_field: str = "answer"
+  eval_fraction: float = 0.1  # held out by a hash of the prompt (unless eval_path gives the evaluation prompts)
+  eval_path: str | None = None  # the evaluation prompts; then nothing of path is held out
+  max_prompt_tokens: int | None = None  # None: the longest prompt's (bos included)
+  max_completion_tokens: int | None = None  # None: the longest answer's
+  # The training reward (orchestrator.live.rewards): built-ins (exact, math, format) or package.module:function,
+  # summed with reward_weights (default all 1.0). None listed: the task's own (a dataset's: exact).
+  reward: list[str] = dataclasses.field(default_factory=list)
+  reward_weights: list[float] = dataclasses.field(default_factory=list)
+  format_pattern: str | None = None  # format: re.fullmatch against the completion, surrounding whitespace stripped
 
   def validate(self) -> None:
-    if self.name not in TASKS:
-      raise RecipeError(f"task.name={self.name!r} is not a task; use one of {', '.join(sorted(TASKS))}")
+    if self.name != DATASET and self.name not in TASKS:
+      raise RecipeError(f"task.name={self.name!r} is not a task; use one of"
+                        f" {', '.join(sorted([*TASKS, DATASET]))}")
     for key, (low, high) in TASK_RANGES.items():
       value = getattr(self, key)
       if not low <= value <= high:
         raise RecipeError(f"task.{key}={value} is out of range: it must be in [{low}, {high}]")
-    self._check_splits()
+    if self.name == DATASET:
+      self._check_dataset_keys()
+    else:
+      self._check_built_in_keys()
+      self._check_splits()
+    if self.name != DATASET:  # a dataset is read with the model's tokenizer: Recipe.validate checks it
+      self.make_reward(self.make())
+
+  def _check_dataset_keys(self) -> None:
+    if not self.path:
+      raise RecipeError("task.name=dataset needs task.path=FILE: a JSONL (.jsonl) or Parquet (.parquet) file with"
+                        f" a {self.prompt_field!r} and an {self.answer_field!r} field per row")
+    if self.eval_path is None and not 0 < self.eval_fraction < 1:
+      raise RecipeError(f"task.eval_fraction={self.eval_fraction} is out of range: it must be in (0, 1), the share"
+                        " of task.path's prompts held out for the evaluation (or give them in task.eval_path)")
+    for key, (low, high) in TOKEN_RANGES.items():
+      value = getattr(self, key)
+      if value is not None and not low <= value <= high:
+        raise RecipeError(f"task.{key}={value} is out of range: it must be in [{low}, {high}]")
+
+  def _check_built_in_keys(self) -> None:
+    for key in DATASET_ONLY_KEYS:
+      if getattr(self, key) is not None:
+        raise RecipeError(f"task.{key} is set but task.name={self.name} is a built-in task (its prompts and sizes are"
+                          f" its own); set task.name=dataset to read prompts from a file, or drop task.{key}")
+
+  def make_reward(self, task):
+    """The training reward ``task.reward`` and ``task.reward_weights`` describe, for ``task`` (``make()``)."""
+    try:
+      return rewards_lib.make_reward(task, self.reward, self.reward_weights, self.format_pattern)
+    except rewards_lib.RewardSpecError as e:
+      raise RecipeError(str(e)) from None
 
   def _sizes(self, **changed: int) -> dict[str, int]:
     return {key: changed.get(key, getattr(self, key)) for key in TASK_SIZE_KEYS[self.name]}
 
-  def make(self):
-    return make_task(self.name, **self._sizes())
+  def make(self, tokenizer=None):
+    """The task (a ``tasks.Task``); a dataset is read and checked here, every time, with ``tokenizer`` (the
+    sampler's; default the character tokenizer)."""
+    if self.name != DATASET:
+      return make_task(self.name, **self._sizes())
+    try:
+      return datasets_lib.load_task(path=self.path, eval_path=self.eval_path, prompt_field=self.prompt_field,
+                                    answer_field=self.answer_field, eval_fraction=self.eval_fraction,
+                                    max_prompt_tokens=self.max_prompt_tokens,
+                                    max_completion_tokens=self.max_completion_tokens,
+                                    tokenizer=tokenizer or CharTokenizer())
+    except datasets_lib.DatasetError as e:
+      raise RecipeError(str(e)) from None
 
   def _check_splits(self) -> None:
     """A prompt is drawn again until it lands on its split (held out by a hash of the prompt), so sizes whose
@@ -520,6 +586,10 @@ class Recipe:
     """The model's sizes (``ModelSection.load``): what every part that builds a model is given."""
     return self.model.load()
 
+  def live_task(self):
+    """The live loop's task, read (a dataset: every row checked) with the tokenizer the sampler uses."""
+    return self.task.make(self.model.tokenizer())
+
   @property
   def staging_requested(self) -> bool:
     return self.step_boundary.staging_requested
@@ -553,6 +623,8 @@ class Recipe:
     _check_seeds(self)
     self.checkpoint.validate(self.steps)
     preset = self.model_preset()
+    if self.task.name == DATASET:  # every row and every reward entry, before anything runs
+      self.task.make_reward(self.live_task())
     rows, tokens = self.batch.rows or preset.rows, self.batch.tokens_per_row or preset.tokens_per_row
     try:
       self.engine.validate(preset)
@@ -583,7 +655,8 @@ class Recipe:
                         " own tokenizer, or a model with a larger vocabulary")
     r = self.rollouts
     trajectories = r.groups_per_micro_batch * r.generations_per_group
-    per_trajectory = MAX_PROMPT_LENGTH + max_generation_steps(self.task.make())
+    task = self.live_task()
+    per_trajectory = task.max_prompt_tokens + max_generation_steps(task)
     if tokens < per_trajectory or trajectories > rows * (tokens // per_trajectory):
       raise RecipeError(
           f"rollouts.groups_per_micro_batch × generations_per_group = {trajectories} trajectories of up to"

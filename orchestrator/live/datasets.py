@@ -1,0 +1,329 @@
+"""A file of one's own prompts as a task (``task.name: dataset``): JSONL or Parquet, read once, checked row by row.
+
+``load_task`` reads ``task.path`` (chosen by its extension, its content
+checked), takes each row's ``task.prompt_field`` and ``task.answer_field``,
+holds out the evaluation prompts — those of ``task.eval_path``, or else about
+``task.eval_fraction`` of the file's, by a hash of the prompt as the built-in
+tasks do — and returns a ``DatasetTask``. Anything that would fail later (a
+missing file, a row without a field, a character the tokenizer cannot encode, a
+prompt too long, an empty split) raises ``DatasetError`` here, naming the file,
+the row and the fix; the recipe turns it into a refusal before anything runs.
+
+Draws are a pure function of (seed, split, index): index ``i`` of a split of
+``n`` rows is position ``i % n`` of epoch ``i // n``'s shuffle of that split
+(grain's ``MapDataset.shuffle``, seeded by the run's seed and the split, a new
+order each epoch). A resumed run restores the step, and so the indices, and
+draws exactly the prompts the first run would have.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from orchestrator.live.rewards import normalise
+from orchestrator.live.tasks import Problem, _held_out
+from orchestrator.live.tokenizer import CharTokenizer
+
+#: The repository root: a relative path that does not exist as given is read from there (as a recording's is).
+REPO_ROOT = Path(__file__).resolve().parents[2]
+JSONL_SUFFIXES = (".jsonl",)
+PARQUET_SUFFIXES = (".parquet", ".pq")
+
+
+class DatasetError(ValueError):
+  """A dataset file or setting that cannot be used; one line naming the key, the file, the row and the fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+  """One row's problem and where it is (``task.path=FILE line N``), for messages."""
+
+  where: str
+  problem: Problem
+
+
+# ---------------------------------------------------------------------------- reading
+
+
+def resolve_path(path: str) -> Path:
+  """``path`` as given if it exists (or is absolute), else relative to the repository root."""
+  given = Path(path)
+  if given.exists() or given.is_absolute():
+    return given
+  return REPO_ROOT / given
+
+
+def read_records(key: str, path: str) -> list[tuple[str, Any]]:
+  """Every record of the file ``key`` (``task.path`` or ``task.eval_path``) names, each with where it is.
+
+  Raises:
+    DatasetError: the file is missing, a directory, neither JSONL nor Parquet, unreadable as its kind, or empty.
+  """
+  found = resolve_path(path)
+  if not found.exists():
+    raise DatasetError(f"{key}={path} does not exist (looked in the working directory and the repository root);"
+                       " give the path of a JSONL or Parquet file of prompts")
+  if found.is_dir():
+    raise DatasetError(f"{key}={path} is a directory; give a JSONL ({', '.join(JSONL_SUFFIXES)}) or Parquet"
+                       f" ({', '.join(PARQUET_SUFFIXES)}) file")
+  suffix = found.suffix.lower()
+  if suffix in JSONL_SUFFIXES:
+    records = _read_jsonl(key, path, found)
+  elif suffix in PARQUET_SUFFIXES:
+    records = _read_parquet(key, path, found)
+  else:
+    raise DatasetError(f"{key}={path} is neither JSONL ({', '.join(JSONL_SUFFIXES)}) nor Parquet"
+                       f" ({', '.join(PARQUET_SUFFIXES)}); convert it, or rename it if it is one of them")
+  if not records:
+    raise DatasetError(f"{key}={path} is empty: it holds no rows; give it one JSON object per line (or a Parquet"
+                       " table) with a prompt and an answer")
+  return records
+
+
+def _read_jsonl(key: str, path: str, found: Path) -> list[tuple[str, Any]]:
+  """The JSON object on each line that is not blank, with ``KEY=PATH line N`` (1-based)."""
+  try:
+    text = found.read_bytes().decode("utf-8")
+  except UnicodeDecodeError as e:
+    raise DatasetError(f"{key}={path} is not UTF-8 text (byte {e.start}), so it is not JSONL; convert it to UTF-8"
+                       " JSON lines, or name a Parquet file .parquet") from None
+  records = []
+  # Split on newlines only: a JSON string may hold U+2028, which str.splitlines would split at.
+  for number, line in enumerate(text.split("\n"), start=1):
+    if not line.strip():
+      continue
+    where = f"{key}={path} line {number}"
+    try:
+      record = json.loads(line)
+    except json.JSONDecodeError as e:
+      raise DatasetError(f"{where} is not JSON ({e.msg} at column {e.colno}); each line must be one JSON object"
+                         ' such as {"prompt": "2+3=", "answer": "5"}') from None
+    if not isinstance(record, dict):
+      raise DatasetError(f"{where} is a JSON {type(record).__name__}, not an object; each line must be one JSON"
+                         ' object such as {"prompt": "2+3=", "answer": "5"}')
+    records.append((where, record))
+  return records
+
+
+def _read_parquet(key: str, path: str, found: Path) -> list[tuple[str, Any]]:
+  """Each row of the Parquet table as a mapping of its columns, with ``KEY=PATH row N`` (1-based)."""
+  try:
+    table = pq.read_table(found)
+  except (pa.ArrowException, OSError) as e:
+    raise DatasetError(f"{key}={path} is not a Parquet file pyarrow can read ({e}); convert it, or name a JSONL"
+                       " file .jsonl") from None
+  return [(f"{key}={path} row {number}", record) for number, record in enumerate(table.to_pylist(), start=1)]
+
+
+def text_field(where: str, record: dict, field: str, key: str) -> str:
+  """``record[field]``, a string; ``key`` is the setting that names the field (for the fix)."""
+  if field not in record:
+    has = ", ".join(repr(name) for name in record) or "none"
+    raise DatasetError(f"{where} has no field {field!r} (its fields: {has}); name the field to read with"
+                       f" {key}=FIELD")
+  value = record[field]
+  if not isinstance(value, str):
+    raise DatasetError(f"{where}: field {field!r} is {value!r} ({type(value).__name__}), not a string; write it as"
+                       f" a string ({json.dumps(str(value))})")
+  return value
+
+
+def read_rows(key: str, path: str, prompt_field: str, answer_field: str) -> list[Row]:
+  """The problems of the file ``key`` names, one per record."""
+  rows = []
+  for where, record in read_records(key, path):
+    prompt = text_field(where, record, prompt_field, "task.prompt_field")
+    answer = text_field(where, record, answer_field, "task.answer_field")
+    rows.append(Row(where, Problem(prompt, answer)))
+  return rows
+
+
+# ---------------------------------------------------------------------------- checks
+
+
+def check_characters(rows: Sequence[Row], tokenizer, prompt_field: str, answer_field: str) -> None:
+  """Every prompt and answer is text ``tokenizer`` can encode (the sampler would fail on the first other one,
+  mid-run): the character tokenizer's characters only; a checkpoint's tokenizer is asked."""
+  if not isinstance(tokenizer, CharTokenizer):
+    for row in rows:
+      for field, text in ((prompt_field, row.problem.prompt), (answer_field, row.problem.answer)):
+        try:
+          tokenizer.encode(text)
+        except ValueError as e:
+          raise DatasetError(f"{row.where}: field {field!r} cannot be encoded by the model's tokenizer ({e})"
+                             ) from None
+    return
+  known = set(tokenizer.alphabet)
+  for row in rows:
+    for field, text in ((prompt_field, row.problem.prompt), (answer_field, row.problem.answer)):
+      bad = next((c for c in text if c not in known), None)
+      if bad is not None:
+        raise DatasetError(f"{row.where}: field {field!r} has the character {bad!r}, which the character tokenizer"
+                           f" cannot encode; write the prompts and answers in its characters only"
+                           f" ({tokenizer.alphabet!r})")
+
+
+def prompt_tokens(tokenizer, prompt: str) -> int:
+  """The tokens ``prompt`` takes in the sampler and the packing: the formatted prompt's (a checkpoint's chat
+  template, if one is used) and the bos before them (where the tokenizer has one)."""
+  formatted = tokenizer.format_prompt(prompt) if hasattr(tokenizer, "format_prompt") else prompt
+  return len(tokenizer.encode(formatted)) + (tokenizer.bos_id() is not None)
+
+
+def check_prompt_lengths(rows: Sequence[Row], tokenizer, max_prompt_tokens: int) -> None:
+  """Every prompt fits ``task.max_prompt_tokens`` (a longer one would not fit the sampler's cache)."""
+  for row in rows:
+    n = prompt_tokens(tokenizer, row.problem.prompt)
+    if n > max_prompt_tokens:
+      raise DatasetError(f"{row.where}: the prompt takes {n} tokens (bos included), more than"
+                         f" task.max_prompt_tokens={max_prompt_tokens}; raise task.max_prompt_tokens or shorten"
+                         " the prompt")
+
+
+# ---------------------------------------------------------------------------- the split
+
+
+def split_by_hash(rows: Sequence[Row], eval_fraction: float) -> tuple[list[Row], list[Row]]:
+  """(train, eval): a row is held out when its prompt's hash falls under ``eval_fraction`` (stable across
+  processes, and a prompt that repeats lands on one side every time)."""
+  train, held_out = [], []
+  for row in rows:
+    (held_out if _held_out(row.problem.prompt, eval_fraction) else train).append(row)
+  return train, held_out
+
+
+def without_prompts_of(rows: Sequence[Row], held_out: Sequence[Row]) -> list[Row]:
+  """``rows`` without those whose prompt is an evaluation prompt: an evaluation prompt is never trained on."""
+  evaluated = {row.problem.prompt for row in held_out}
+  return [row for row in rows if row.problem.prompt not in evaluated]
+
+
+def check_split_by_hash(path: str, eval_fraction: float, rows: Sequence[Row], train: Sequence[Row],
+                        held_out: Sequence[Row]) -> None:
+  """Both sides of ``task.eval_fraction``'s split hold a row (a draw from an empty split has nothing to draw)."""
+  if train and held_out:
+    return
+  distinct = len({row.problem.prompt for row in rows})
+  if not held_out:
+    raise DatasetError(f"task.eval_fraction={eval_fraction} holds out none of the {distinct} distinct prompts of"
+                       f" task.path={path} (by a hash of the prompt), so the evaluation split is empty; raise"
+                       " task.eval_fraction, add prompts, or give evaluation prompts in task.eval_path=FILE")
+  raise DatasetError(f"task.eval_fraction={eval_fraction} holds out all {distinct} distinct prompts of"
+                     f" task.path={path} (by a hash of the prompt), so the training split is empty; lower"
+                     " task.eval_fraction or add prompts")
+
+
+# ---------------------------------------------------------------------------- the task
+
+
+def _shuffle_seed(seed: int, split: str) -> int:
+  """A 32-bit seed (what grain takes) for ``split``'s shuffle under the run's ``seed`` (up to 63 bits)."""
+  return int.from_bytes(hashlib.blake2b(f"{seed}:{split}".encode(), digest_size=4).digest(), "big")
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetTask:
+  """Problems read from a file (``load_task``), drawn in a seeded shuffle per epoch; a ``tasks.Task``.
+
+  ``problem(seed, split, index)`` is a pure function of its arguments: epoch
+  ``index // n`` of the split's ``n`` rows, position ``index % n`` in that
+  epoch's shuffle. Its own reward is ``exact`` (``rewards.normalise`` on both
+  sides). Completions are sampled from the characters the answers use, and a
+  space (shorter answers pad to ``max_answer_length``).
+  """
+
+  train_problems: tuple[Problem, ...]
+  eval_problems: tuple[Problem, ...]
+  answer_alphabet: str | None  # None: free text ending at the model's eos (a checkpoint's tokenizer)
+  max_answer_length: int  # task.max_completion_tokens
+  max_prompt_tokens: int
+  name = "dataset"
+  _orders: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
+
+  def problem(self, seed: int, split: str, index: int) -> Problem:
+    return self._order(seed, split)[index]
+
+  def _order(self, seed: int, split: str):
+    """``split``'s problems in grain's seeded shuffle (a new order each epoch), built once per (seed, split)."""
+    # import here: grain imports JAX, and the recipe reads this module before JAX starts (after the host settings)
+    import grain
+
+    if split not in ("train", "eval"):
+      raise ValueError(f"split {split!r}: use 'train' or 'eval'")
+    key = (seed, split)
+    if key not in self._orders:
+      problems = self.train_problems if split == "train" else self.eval_problems
+      self._orders[key] = grain.MapDataset.source(problems).shuffle(seed=_shuffle_seed(seed, split))
+    return self._orders[key]
+
+  def reward(self, problem: Problem, completion: str) -> float:
+    if not isinstance(completion, str):
+      return 0.0
+    return 1.0 if normalise(completion) == normalise(problem.answer) else 0.0
+
+  def prompts(self) -> Iterator[str]:
+    """Every distinct prompt either split draws."""
+    return iter(dict.fromkeys(p.prompt for p in (*self.train_problems, *self.eval_problems)))
+
+  def held_out(self, prompt: str) -> bool:
+    return prompt in self._eval_prompts
+
+  @functools.cached_property
+  def _eval_prompts(self) -> frozenset[str]:
+    return frozenset(p.prompt for p in self.eval_problems)
+
+
+def answer_alphabet(rows: Sequence[Row], tokenizer) -> str | None:
+  """With the character tokenizer: the characters the answers use, and a space, in the tokenizer's order.
+  With a checkpoint's tokenizer None: completions are free text that ends at the model's eos."""
+  if not isinstance(tokenizer, CharTokenizer):
+    return None
+  used = {c for row in rows for c in row.problem.answer} | {" "}
+  return "".join(c for c in tokenizer.alphabet if c in used)
+
+
+def load_task(*, path: str, eval_path: str | None = None, prompt_field: str = "prompt", answer_field: str = "answer",
+              eval_fraction: float = 0.1, max_prompt_tokens: int | None = None,
+              max_completion_tokens: int | None = None, tokenizer=None) -> DatasetTask:
+  """The dataset task the ``task.*`` keys describe, every row checked.
+
+  ``max_prompt_tokens`` None: the longest prompt's (bos included);
+  ``max_completion_tokens`` None: the longest answer's.
+
+  Raises:
+    DatasetError: see ``read_records``, ``read_rows``, the checks and the split; one line each.
+  """
+  tokenizer = tokenizer or CharTokenizer()
+  rows = read_rows("task.path", path, prompt_field, answer_field)
+  if eval_path is not None:
+    held_out = read_rows("task.eval_path", eval_path, prompt_field, answer_field)
+    train = without_prompts_of(rows, held_out)
+    if not train:
+      raise DatasetError(f"every prompt of task.path={path} is also in task.eval_path={eval_path} (an evaluation"
+                         " prompt is never trained on), so the training split is empty; give task.path other"
+                         " prompts")
+  else:
+    train, held_out = split_by_hash(rows, eval_fraction)
+  every = [*train, *held_out]
+  check_characters(every, tokenizer, prompt_field, answer_field)
+  if max_prompt_tokens is not None:
+    check_prompt_lengths(every, tokenizer, max_prompt_tokens)
+  if eval_path is None:
+    check_split_by_hash(path, eval_fraction, rows, train, held_out)
+  longest_prompt = max(prompt_tokens(tokenizer, row.problem.prompt) for row in every)
+  # free text ends with an eos token (a checkpoint's tokenizer): room for it after the longest answer
+  ends_with_eos = answer_alphabet(every, tokenizer) is None
+  longest_answer = max(len(tokenizer.encode(row.problem.answer)) for row in every) + ends_with_eos
+  return DatasetTask(tuple(row.problem for row in train), tuple(row.problem for row in held_out),
+                     answer_alphabet(every, tokenizer),
+                     max_completion_tokens if max_completion_tokens is not None else max(1, longest_answer),
+                     max_prompt_tokens if max_prompt_tokens is not None else longest_prompt)

@@ -1,0 +1,273 @@
+"""Rewards a recipe chooses (``task.reward``, ``task.reward_weights``): built-ins by name, or a function of one's own.
+
+Every reward has Tunix's reward-function signature (``tunix.rl.rl_learner``:
+``reward_fns``), so a function written for Tunix's GRPO learner works here as is::
+
+    fn(prompts: list[str], completions: list[str], *, answer: list[str], mode: str, **kwargs) -> list[float]
+
+It is called once per micro-batch over all its completions (a prompt repeats
+once per completion of its group, as Tunix repeats it), with the answers
+aligned to the completions and ``mode`` ``"train"``, and returns one finite
+float per completion. Several entries are a weighted sum. A function that
+raises, returns another count, or a value that is not a finite number stops the
+run at that step (``RewardError``), naming the entry and the prompt index (the
+``index`` the train split's problem was drawn with: ``Task.problem``).
+
+The built-ins (``BUILT_INS``): ``exact`` (the answer, after ``normalise``),
+``math`` (the completion's final number equals the answer's) and ``format``
+(``task.format_pattern`` matches the whole completion, surrounding whitespace
+stripped: ``re.fullmatch``). Each scores 1.0 or 0.0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fractions
+import functools
+import importlib
+import inspect
+import math
+import re
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from orchestrator.live.tasks import Problem
+
+RewardFn = Callable[..., Sequence[float]]
+
+
+class RewardSpecError(ValueError):
+  """A ``task.reward`` entry that cannot be used (unknown, not importable, not callable); one line, with the fix."""
+
+
+class RewardError(RuntimeError):
+  """A reward function failed at run time; the message names the entry and the prompt index."""
+
+
+# ---------------------------------------------------------------------------- the built-ins
+
+
+def normalise(text: str) -> str:
+  """``text`` stripped, its runs of whitespace made one space, case-folded (what ``exact`` compares)."""
+  return " ".join(text.split()).casefold()
+
+
+def exact(prompts: Sequence[str], completions: Sequence[str], *, answer: Sequence[str], **_) -> list[float]:
+  """1.0 where the completion equals the answer after ``normalise``, else 0.0."""
+  return [1.0 if isinstance(c, str) and normalise(c) == normalise(a) else 0.0 for c, a in zip(completions, answer)]
+
+
+# A number as answers write it: an optional sign, digits with optional thousands commas (1,000), an optional
+# decimal part, and an optional denominator (3/4).
+_NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:\s*/\s*\d+)?")
+_BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
+_HASHES = re.compile(r"####\s*([^\n]*)")
+
+
+def final_number(text: str) -> fractions.Fraction | None:
+  """The answer ``text`` gives, as an exact fraction: the last ``\\boxed{...}``'s number, else the last
+  ``#### ...``'s, else the last number in the text; None when there is none.
+
+  Exact fractions, so ``1,000``, ``1000.0`` and ``2000/2`` are all 1000 and no tolerance is needed.
+  """
+  if not isinstance(text, str):
+    return None
+  for marked in (_BOXED, _HASHES):
+    found = marked.findall(text)
+    if found:
+      text = found[-1]
+      break
+  numbers = _NUMBER.findall(text)
+  if not numbers:
+    return None
+  try:
+    return fractions.Fraction(numbers[-1].replace(",", "").replace(" ", ""))
+  except (ValueError, ZeroDivisionError):  # 3/0
+    return None
+
+
+def math_answer(prompts: Sequence[str], completions: Sequence[str], *, answer: Sequence[str], **_) -> list[float]:
+  """1.0 where the completion's final number (``final_number``) equals the answer's, else 0.0."""
+  out = []
+  for completion, expected in zip(completions, answer):
+    got, want = final_number(completion), final_number(expected)
+    out.append(1.0 if got is not None and want is not None and got == want else 0.0)
+  return out
+
+
+def format_match(prompts: Sequence[str], completions: Sequence[str], *, pattern: re.Pattern, **_) -> list[float]:
+  """1.0 where ``pattern`` matches the whole completion (``re.fullmatch``, surrounding whitespace stripped)."""
+  return [1.0 if isinstance(c, str) and pattern.fullmatch(c.strip()) else 0.0 for c in completions]
+
+
+#: The built-in rewards by name: each takes the compiled ``task.format_pattern`` (or None) and returns the function.
+BUILT_INS: dict[str, Callable[[re.Pattern | None], RewardFn]] = {
+    "exact": lambda pattern: exact,
+    "math": lambda pattern: math_answer,
+    "format": lambda pattern: functools.partial(format_match, pattern=pattern),
+}
+
+
+# ---------------------------------------------------------------------------- a recipe's reward
+
+
+@dataclasses.dataclass(frozen=True)
+class Term:
+  """One entry of ``task.reward``: its name as the recipe gives it, the function, its weight."""
+
+  name: str
+  fn: RewardFn
+  weight: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Reward:
+  """The weighted sum of a recipe's reward entries, called once per micro-batch."""
+
+  terms: tuple[Term, ...]
+
+  def __call__(self, problems: Sequence[Problem], completions: Sequence[str], *, indices: Sequence[int],
+               mode: str = "train") -> np.ndarray:
+    """One reward per completion (float32); ``problems[k]`` and ``indices[k]`` (its prompt index) are completion
+    ``k``'s.
+
+    Raises:
+      RewardError: an entry raised, returned another count, or a value that is not a finite number.
+    """
+    prompts, answers = [p.prompt for p in problems], [p.answer for p in problems]
+    total = np.zeros(len(completions), np.float64)
+    for term in self.terms:
+      total += term.weight * _checked(term, term_values(term, prompts, completions, answers, indices, mode), indices,
+                                      prompts)
+    return total.astype(np.float32)
+
+
+def term_values(term: Term, prompts, completions, answers, indices, mode: str):
+  """What one entry returns for a micro-batch (called as Tunix calls a reward function)."""
+  try:
+    return term.fn(prompts=list(prompts), completions=list(completions), answer=list(answers), mode=mode)
+  except Exception as e:  # a user's function may raise anything: the run stops with its name, not a traceback
+    raise RewardError(f"task.reward entry {term.name!r} raised {type(e).__name__}: {e} on the micro-batch of prompt"
+                      f" indices {_span(indices)}; fix the function or drop it from task.reward") from e
+
+
+def _checked(term: Term, values, indices: Sequence[int], prompts: Sequence[str]) -> np.ndarray:
+  """``values`` as one finite float per completion, or RewardError naming the entry and the prompt index."""
+  try:
+    count = len(values)
+  except TypeError:
+    raise RewardError(f"task.reward entry {term.name!r} returned {type(values).__name__}, not a list of floats, on the"
+                      f" micro-batch of prompt indices {_span(indices)}; return one float per completion") from None
+  if count != len(indices):
+    raise RewardError(f"task.reward entry {term.name!r} returned {count} values for {len(indices)} completions on the"
+                      f" micro-batch of prompt indices {_span(indices)}; return one float per completion")
+  out = np.empty(count, np.float64)
+  for k, value in enumerate(values):
+    number = _as_number(value)
+    if number is None or not math.isfinite(number):
+      raise RewardError(f"task.reward entry {term.name!r} returned {value!r} for completion {k} (prompt index"
+                        f" {indices[k]}: {prompts[k]!r}); a reward must be a finite number")
+    out[k] = number
+  return out
+
+
+def _as_number(value) -> float | None:
+  """``value`` as a float, or None for what is not a number (a string is not, though float() would take it)."""
+  if isinstance(value, (str, bytes)):
+    return None
+  try:
+    return float(value)
+  except (TypeError, ValueError):
+    return None
+
+
+def _span(indices: Sequence[int]) -> str:
+  return f"{min(indices)}..{max(indices)}" if len(indices) else "(none)"
+
+
+def task_reward(task) -> Reward:
+  """The task's own reward (``task.reward(problem, completion)``, one completion at a time) as a ``Reward``."""
+  def own(prompts, completions, *, answer, **_):
+    return [task.reward(Problem(p, a), c) for p, a, c in zip(prompts, answer, completions)]
+
+  return Reward((Term(f"{task.name}'s own reward", own),))
+
+
+def make_reward(task, names: Sequence[str], weights: Sequence[float], pattern: str | None) -> Reward:
+  """The ``Reward`` a recipe's ``task.reward`` (names; empty: the task's own), ``task.reward_weights`` (empty: all
+  1.0) and ``task.format_pattern`` describe.
+
+  Raises:
+    RewardSpecError: an unknown built-in, a function that cannot be imported, is not callable or cannot take
+      Tunix's reward arguments, weights of another length, or ``format`` without a valid pattern.
+  """
+  if not names:
+    if weights:
+      raise RewardSpecError(f"task.reward_weights={list(weights)} weighs task.reward entries, but task.reward is"
+                            " not set; list the rewards in task.reward, or drop task.reward_weights")
+    return task_reward(task)
+  if weights and len(weights) != len(names):
+    raise RewardSpecError(f"task.reward_weights has {len(weights)} weights for {len(names)} task.reward entries"
+                          f" ({', '.join(names)}); give one weight per entry, or none (all 1.0)")
+  compiled = compile_pattern(pattern) if "format" in names or pattern is not None else None
+  terms = []
+  for i, name in enumerate(names):
+    terms.append(Term(name, resolve(i, name, compiled), float(weights[i]) if weights else 1.0))
+  return Reward(tuple(terms))
+
+
+def compile_pattern(pattern: str | None) -> re.Pattern:
+  """``task.format_pattern`` compiled (``format`` needs it)."""
+  if pattern is None:
+    raise RewardSpecError("task.reward lists format, which needs task.format_pattern=REGEX (matched against the"
+                          " whole completion, surrounding whitespace stripped); set it, or drop format")
+  try:
+    return re.compile(pattern)
+  except re.error as e:
+    raise RewardSpecError(f"task.format_pattern={pattern!r} is not a regular expression ({e}); fix it") from None
+
+
+def resolve(i: int, name: str, pattern: re.Pattern | None) -> RewardFn:
+  """Entry ``i`` of ``task.reward``: a built-in by name, or a ``package.module:function``, checked callable."""
+  if name in BUILT_INS:
+    return BUILT_INS[name](pattern)
+  if ":" not in name:
+    raise RewardSpecError(f"task.reward[{i}]={name!r} is not a reward; use one of {', '.join(sorted(BUILT_INS))}, or"
+                          " package.module:function for a function of your own")
+  fn = import_function(i, name)
+  check_signature(i, name, fn)
+  return fn
+
+
+def import_function(i: int, name: str) -> RewardFn:
+  """The function ``package.module:function`` names (a dotted attribute after the colon is followed)."""
+  module_name, _, attribute = name.partition(":")
+  try:
+    target = importlib.import_module(module_name)
+  except Exception as e:  # an import runs the module's code: anything can fail there
+    raise RewardSpecError(f"task.reward[{i}]={name!r}: module {module_name!r} cannot be imported"
+                          f" ({type(e).__name__}: {e}); put it on PYTHONPATH or fix the name") from None
+  for part in attribute.split("."):
+    if not hasattr(target, part):
+      raise RewardSpecError(f"task.reward[{i}]={name!r}: module {module_name!r} has no {attribute!r}; fix the"
+                            " function's name")
+    target = getattr(target, part)
+  if not callable(target):
+    raise RewardSpecError(f"task.reward[{i}]={name!r} is a {type(target).__name__}, not a function; name a function"
+                          " fn(prompts, completions, **kwargs) that returns one float per completion")
+  return target
+
+
+def check_signature(i: int, name: str, fn: RewardFn) -> None:
+  """``fn`` must take what the loop passes (Tunix's reward arguments), else every step would fail the same way."""
+  try:
+    signature = inspect.signature(fn)
+  except (TypeError, ValueError):  # a builtin without a signature: its first call tells
+    return
+  try:
+    signature.bind(prompts=[], completions=[], answer=[], mode="train")
+  except TypeError as e:
+    raise RewardSpecError(f"task.reward[{i}]={name!r} cannot be called as fn(prompts=..., completions=...,"
+                          f" answer=..., mode=...) ({e}); give it Tunix's reward signature"
+                          " fn(prompts, completions, **kwargs)") from None

@@ -1,0 +1,255 @@
+"""Prompt datasets (``task.name: dataset``) and the rewards a recipe chooses (``task.reward``).
+
+Most tests are pure Python on files written to tmp_path; the last two run
+``run_rl`` on the shipped example dataset for a couple of steps. The refusals
+run end to end in tests/test_refusals.py.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import textwrap
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from orchestrator import recipe as recipe_lib
+from orchestrator.app import cli
+from orchestrator.live import datasets, rewards
+from orchestrator.live.rewards import RewardError, make_reward
+from orchestrator.live.tasks import FirstLetter, ModularAddition, Problem, split_sizes
+from orchestrator.recipe.schema import TaskSection
+
+ROWS = [{"prompt": f"{a}+{b}=", "answer": str(a + b), "id": f"{a}{b}"} for a in range(7) for b in range(7)]
+
+
+def write_jsonl(path, rows):
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  return str(path)
+
+
+def write_parquet(path, rows):
+  pq.write_table(pa.Table.from_pylist(rows), path)
+  return str(path)
+
+
+@pytest.fixture
+def jsonl(tmp_path):
+  return write_jsonl(tmp_path / "prompts.jsonl", ROWS)
+
+
+@pytest.fixture
+def fresh_module(tmp_path, monkeypatch):
+  """Writes ``NAME.py`` into tmp_path (on sys.path) and returns NAME; the module is forgotten afterwards."""
+  names = []
+
+  def write(name, source):
+    (tmp_path / f"{name}.py").write_text(textwrap.dedent(source))
+    names.append(name)
+    return name
+
+  monkeypatch.syspath_prepend(str(tmp_path))
+  yield write
+  for name in names:
+    sys.modules.pop(name, None)
+
+
+# ---------------------------------------------------------------------------- reading and drawing
+
+
+def test_jsonl_and_parquet_give_the_same_task(tmp_path, jsonl):
+  parquet = write_parquet(tmp_path / "prompts.parquet", ROWS)
+  a, b = datasets.load_task(path=jsonl), datasets.load_task(path=parquet)
+  assert a == b
+  assert len(a.train_problems) + len(a.eval_problems) == len(ROWS) and a.eval_problems
+  assert a.max_prompt_tokens == len("6+6=") + 1 and a.max_answer_length == 2  # sizes from the data: bos counted
+  assert a.answer_alphabet == "0123456789 "  # the answers' characters, and a space to pad a shorter one
+  assert split_sizes(a).empty is None
+
+
+def test_other_fields_and_given_sizes_are_used(tmp_path):
+  rows = [{"question": f"{a}*{b}?", "solution": str(a * b)} for a in range(5) for b in range(5)]
+  task = datasets.load_task(path=write_jsonl(tmp_path / "q.jsonl", rows), prompt_field="question",
+                            answer_field="solution", max_prompt_tokens=12, max_completion_tokens=4)
+  assert task.max_prompt_tokens == 12 and task.max_answer_length == 4
+  assert {p.prompt for p in task.train_problems} <= {r["question"] for r in rows}
+
+
+def test_draws_are_a_pure_function_of_seed_split_and_index(jsonl):
+  task, again = datasets.load_task(path=jsonl), datasets.load_task(path=jsonl)  # a resumed run: a new process
+  n = len(task.train_problems)
+  draws = [task.problem(0, "train", i) for i in range(2 * n)]
+  assert draws == [again.problem(0, "train", i) for i in range(2 * n)]
+  assert task.problem(0, "train", 7) == again.problem(0, "train", 7)  # one index alone, not only in sequence
+  # Each epoch is the whole split once, in its own order; another seed shuffles otherwise.
+  assert sorted(map(str, draws[:n])) == sorted(map(str, task.train_problems)) == sorted(map(str, draws[n:]))
+  assert draws[:n] != draws[n:]
+  assert draws[:n] != [task.problem(1, "train", i) for i in range(n)]
+  held_out = {task.problem(0, "eval", i).prompt for i in range(3 * len(task.eval_problems))}
+  assert held_out == {p.prompt for p in task.eval_problems}
+  assert not held_out & {p.prompt for p in draws}
+  assert all(task.held_out(p) for p in held_out) and not any(task.held_out(p.prompt) for p in draws)
+
+
+def test_an_eval_file_holds_out_its_prompts_and_nothing_of_the_training_file(tmp_path, jsonl):
+  evaluation = write_jsonl(tmp_path / "eval.jsonl", [{"prompt": "1+2=", "answer": "3"}, {"prompt": "9+9=",
+                                                                                         "answer": "18"}])
+  task = datasets.load_task(path=jsonl, eval_path=evaluation)
+  assert [p.prompt for p in task.eval_problems] == ["1+2=", "9+9="]
+  # Everything of task.path trains, except a prompt the evaluation asks (it is never trained on).
+  assert sorted(p.prompt for p in task.train_problems) == sorted(r["prompt"] for r in ROWS if r["prompt"] != "1+2=")
+
+
+def test_a_bad_row_is_named_with_its_line_and_fields(tmp_path):
+  path = tmp_path / "bad.jsonl"
+  path.write_text('{"prompt": "1+1=", "answer": "2"}\n\n{"question": "2+2=", "answer": "4"}\n')
+  with pytest.raises(datasets.DatasetError, match=r"bad.jsonl line 3 has no field 'prompt' \(its fields: 'question',"
+                                                  r" 'answer'\); name the field to read with task.prompt_field="):
+    datasets.load_task(path=str(path))
+
+
+# ---------------------------------------------------------------------------- the built-in rewards
+
+
+@pytest.mark.parametrize("completion,answer,expected", [
+    ("7", "7", 1.0), ("  Seven  Days ", "seven days", 1.0), ("ab", "AB", 1.0),
+    ("8", "7", 0.0), ("77", "7", 0.0), ("", "7", 0.0), ("seven  day", "seven days", 0.0), (None, "7", 0.0),
+])
+def test_exact(completion, answer, expected):
+  assert rewards.exact(["p"], [completion], answer=[answer]) == [expected]
+
+
+@pytest.mark.parametrize("completion,answer,expected", [
+    ("7", "7", 1.0), ("the sum is 1,000", "1000", 1.0), ("1000.0", "1000", 1.0), ("0.75", "3/4", 1.0),
+    ("6/8", "0.75", 1.0), (r"so \boxed{42}, not 41", "42", 1.0), ("first 3 then\n#### 12", "12", 1.0),
+    ("long working 5 + 7\n#### 12", "#### 12", 1.0), ("-3", "-3", 1.0), ("1 then 2", "2", 1.0),
+    ("8", "7", 0.0), ("7 then 8", "7", 0.0), (r"\boxed{41} or 42", "42", 0.0), ("no number", "7", 0.0),
+    ("3", "-3", 0.0), ("7", "no number", 0.0), ("1/0", "1", 0.0), (None, "7", 0.0),
+])
+def test_math(completion, answer, expected):
+  assert rewards.math_answer(["p"], [completion], answer=[answer]) == [expected]
+
+
+def test_format_matches_the_whole_stripped_completion():
+  reward = make_reward(FirstLetter(), ["format"], [], r"[0-9]+")
+  got = reward([Problem("p", "1")] * 5, ["12", " 12 ", "12a", "a12", ""], indices=[0] * 5)
+  assert got.tolist() == [1.0, 1.0, 0.0, 0.0, 0.0]  # re.fullmatch: a search would take "12a" and "a12"
+
+
+def test_entries_are_a_weighted_sum():
+  reward = make_reward(ModularAddition(), ["exact", "math", "format"], [1.0, 0.5, 0.25], r"\d+")
+  got = reward([Problem("3+4%7=", "0")] * 3, ["0", "0.0", "x"], indices=[0, 0, 1])
+  assert got.tolist() == [1.75, 0.5, 0.0]  # "0.0": the right number, but not digits only
+
+
+def test_a_built_in_task_keeps_its_own_reward_by_default():
+  task = ModularAddition()
+  problems = [task.problem(0, "train", i) for i in range(20)]
+  completions = [p.answer if i % 2 else "9" for i, p in enumerate(problems)]
+  own = make_reward(task, [], [], None)(problems, completions, indices=list(range(20)))
+  assert own.tolist() == [task.reward(p, c) for p, c in zip(problems, completions)]
+  assert 0 < own.sum() < 20
+
+
+# ---------------------------------------------------------------------------- a function of one's own
+
+
+def test_a_function_of_one_s_own_gets_the_micro_batch_with_the_answers_as_keywords(fresh_module):
+  name = fresh_module("my_rewards_keywords", """
+      calls = []
+
+      def score(prompts, completions, answer, **kwargs):
+        calls.append(dict(prompts=prompts, completions=completions, answer=answer, **kwargs))
+        return [1.0 if c.strip() == a else 0.0 for c, a in zip(completions, answer)]
+      """)
+  reward = make_reward(ModularAddition(), [f"{name}:score"], [], None)
+  problems = [Problem("1+1=", "2")] * 2 + [Problem("2+2=", "4")] * 2
+  got = reward(problems, ["2", "3", "4 ", "4"], indices=[6, 6, 7, 7])
+  assert got.tolist() == [1.0, 0.0, 1.0, 1.0]
+  (call,) = sys.modules[name].calls  # one call for the whole micro-batch
+  assert call == {"prompts": ["1+1=", "1+1=", "2+2=", "2+2="], "completions": ["2", "3", "4 ", "4"],
+                  "answer": ["2", "2", "4", "4"], "mode": "train"}
+
+
+@pytest.mark.parametrize("body,message", [
+    ("raise ValueError('no grader')", "task.reward entry '{name}:score' raised ValueError: no grader on the"
+                                      " micro-batch of prompt indices 6..7; fix the function"),
+    ("return [1.0]", "task.reward entry '{name}:score' returned 1 values for 4 completions on the micro-batch of"
+                     " prompt indices 6..7; return one float per completion"),
+    ("return [0.0, 0.0, float('nan'), 0.0]", "task.reward entry '{name}:score' returned nan for completion 2"
+                                             " (prompt index 7: '2+2='); a reward must be a finite number"),
+    ("return [0.0, 'good', 0.0, 0.0]", "returned 'good' for completion 1 (prompt index 6: '1+1=')"),
+    ("return None", "returned NoneType, not a list of floats"),
+])
+def test_a_failing_function_is_named_with_the_prompt_index(fresh_module, body, message):
+  name = fresh_module(f"my_rewards_failing_{abs(hash(body))}", f"""
+      def score(prompts, completions, **kwargs):
+        {body}
+      """)
+  reward = make_reward(ModularAddition(), ["exact", f"{name}:score"], [], None)
+  problems = [Problem("1+1=", "2")] * 2 + [Problem("2+2=", "4")] * 2
+  with pytest.raises(RewardError) as e:
+    reward(problems, ["2", "3", "4", "4"], indices=[6, 6, 7, 7])
+  assert message.format(name=name) in str(e.value)
+
+
+def test_the_recipe_checks_every_entry_before_anything_runs(jsonl):
+  section = TaskSection(name="dataset", path=jsonl, reward=["exact", "math"], reward_weights=[1.0, 2.0])
+  section.validate()
+  with pytest.raises(recipe_lib.RecipeError, match=r"task.reward\[1\]='mathematics' is not a reward; use one of"
+                                                   " exact, format, math, or package.module:function"):
+    TaskSection(name="dataset", path=jsonl, reward=["exact", "mathematics"]).validate()
+
+
+# ---------------------------------------------------------------------------- run_rl on a dataset
+
+LIVE = ["--recipe", "recipes/dataset_example.yaml", "steps=2", "rollouts.groups_per_micro_batch=2", "batch.rows=4",
+        "task.eval_prompts=4", "run.reserve_host_core=false"]
+
+
+@pytest.fixture
+def no_env_switches(monkeypatch):
+  for name in recipe_lib.ENV_SWITCHES:
+    monkeypatch.delenv(name, raising=False)
+
+
+def _records(run):
+  return [json.loads(line) for line in (run / "records.jsonl").read_text().splitlines()]
+
+
+def test_run_rl_trains_on_the_example_dataset_to_the_end(tmp_path, no_env_switches):
+  run = tmp_path / "run"
+  assert cli.main(LIVE + ["--out", str(run)]) == 0
+  summary = json.loads((run / "summary.json").read_text())
+  assert summary["eval_accuracy_start"] is not None and summary["eval_accuracy_end"] is not None
+  records = _records(run)
+  assert [r["step"] for r in records] == [0, 1]
+  assert all(0.0 <= r["reward_mean"] <= 1.1 and math.isfinite(r["reward_mean"]) for r in records)
+
+
+def test_a_reward_that_raises_stops_the_run_naming_it_and_keeps_the_records_before(tmp_path, no_env_switches,
+                                                                                   fresh_module, capsys):
+  """The example recipe has 2 micro-batches per step of 2 groups each, at staleness 1: the fifth call is step 2's
+  first micro-batch (prompt indices 8 and 9), sampled while step 1 trains. The run stops at boundary 1, which
+  waits for step 2's rollouts: step 0's record is on disk, step 1's boundary never closed."""
+  name = fresh_module("my_rewards_step_two", """
+      calls = []
+
+      def score(prompts, completions, **kwargs):
+        calls.append(len(completions))
+        if len(calls) > 4:
+          raise RuntimeError("the grader is down")
+        return [0.5] * len(completions)
+      """)
+  run = tmp_path / "run"
+  code = cli.main(LIVE + ["steps=3", f"task.reward=[{name}:score]", "task.reward_weights=[]", "--out", str(run)])
+  err = capsys.readouterr().err
+  assert code == 1, err
+  assert (f"the rollout thread failed while sampling step 2: RewardError: task.reward entry '{name}:score' raised"
+          " RuntimeError: the grader is down on the micro-batch of prompt indices 8..9" in err), err
+  assert "Traceback" not in err
+  records = _records(run)
+  assert [r["step"] for r in records] == [0] and records[0]["reward_mean"] == 0.5  # the function's reward trained
