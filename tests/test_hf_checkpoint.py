@@ -184,3 +184,14 @@ def test_refusals_of_checkpoint_directories(tiny_checkpoint, tmp_path):
   save_file(tensors, str(torn / "model.safetensors"))
   assert "1 of the model's 25 tensors are missing" in refused(**{"model.checkpoint": str(torn)})
   assert "needs model.checkpoint" in refused(**{"model.checkpoint": None, "model.chat_template": True})
+
+
+def test_a_dataset_on_the_checkpoint_samples_free_text_that_ends_at_its_eos(tiny_checkpoint, tmp_path):
+  """With a checkpoint's tokenizer a dataset's completions are free text: any id the tokenizer has, up to
+  task.max_completion_tokens, ending at the eos."""
+  run = tmp_path / "run"
+  assert cli.main(["--recipe", "recipes/dataset_example.yaml", f"model.checkpoint={tiny_checkpoint}", "steps=2",
+                   "checkpoint.every=0", "task.max_completion_tokens=6", "run.reserve_host_core=false",
+                   "--out", str(run)]) == 0
+  records = [json.loads(line) for line in (run / "records.jsonl").read_text().splitlines()]
+  assert len(records) == 2 and all(r["reward_mean"] is not None for r in records)
