@@ -23,6 +23,10 @@ from orchestrator.engine import model as model_lib
 from orchestrator.engine.presets import ModelPreset
 
 
+#: A token id no sampler produces: Tunix's stop when the completion's end is found here instead.
+NEVER_SAMPLED = -1
+
+
 @dataclasses.dataclass(frozen=True)
 class Samples:
   """Completions of ``prompts`` (one per prompt), with their per-token log-probs under the sampler.
@@ -94,10 +98,13 @@ class LiveSampler:
 
   def sample(self, prompts: Sequence[str], *, seed: int, temperature: float = 1.0) -> Samples:
     """One completion per prompt (repeat a prompt for a group), drawn with ``seed``."""
+    # Tunix cuts a completion before its eos, and the eos's log-prob with it; a completion that ends must
+    # keep both (the policy learns when to stop, and a first-token eos would leave nothing). So its stop is
+    # an id never sampled, and each completion is cut after its first eos here.
     out = self._sampler([self.model_prompt(p) for p in prompts], max_generation_steps=self.max_generation_steps,
                         max_prompt_length=self.max_prompt_length, temperature=temperature, top_p=1.0,
                         seed=int(seed), return_logprobs=True, forbidden_tokens=self._forbidden,
-                        eos_tokens=self._eos_ids)
+                        eos_tokens=[NEVER_SAMPLED])
     return self._samples(prompts, out)
 
   def greedy(self, prompts: Sequence[str]) -> list[str]:

@@ -263,8 +263,10 @@ class TaskSection:
     else:
       self._check_built_in_keys()
       self._check_splits()
-    if self.name != DATASET:  # a dataset is read with the model's tokenizer: Recipe.validate checks it
+    if self.name != DATASET:
       self.make_reward(self.make())
+    elif self.reward or self.reward_weights:  # the entries now; the rows are read with the model's tokenizer,
+      self.make_reward(None)                  # which Recipe.validate knows
 
   def _check_dataset_keys(self) -> None:
     if not self.path:
