@@ -234,7 +234,7 @@ def test_a_reward_that_raises_stops_the_run_naming_it_and_keeps_the_records_befo
                                                                                    fresh_module, capsys):
   """The example recipe has 2 micro-batches per step of 2 groups each, at staleness 1: the fifth call is step 2's
   first micro-batch (prompt indices 8 and 9), sampled while step 1 trains. The run stops at boundary 1, which
-  waits for step 2's rollouts: step 0's record is on disk, step 1's boundary never closed."""
+  waits for step 2's rollouts: step 1's update is applied and its record written before the run fails."""
   name = fresh_module("my_rewards_step_two", """
       calls = []
 
@@ -252,4 +252,5 @@ def test_a_reward_that_raises_stops_the_run_naming_it_and_keeps_the_records_befo
           " RuntimeError: the grader is down on the micro-batch of prompt indices 8..9" in err), err
   assert "Traceback" not in err
   records = _records(run)
-  assert [r["step"] for r in records] == [0] and records[0]["reward_mean"] == 0.5  # the function's reward trained
+  assert [r["step"] for r in records] == [0, 1] and records[0]["reward_mean"] == 0.5  # the function's reward
+  assert records[1]["loss"] is not None and records[1]["checkpoint_path"] is None  # trained, not checkpointed

@@ -24,6 +24,15 @@ class StoppedWithoutCheckpointError(RuntimeError):
   """A stop came where no checkpoint of the steps done could be written; the message names the latest one."""
 
 
+class SourceFailed(Exception):
+  """The step source failed while step ``step`` was taken (``error``: what it raised); the loop records the
+  boundary it was in, then raises ``error``."""
+
+  def __init__(self, step: int, error: BaseException):
+    super().__init__(f"step {step}'s payloads: {error}")
+    self.step, self.error = step, error
+
+
 class StopWhileWaiting(Exception):
   """A stop was asked for while the loop waited for rollouts; ``reason``: what asked (a signal's name)."""
 

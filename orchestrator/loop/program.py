@@ -36,7 +36,8 @@ from orchestrator.contract import (DeviceMemory, RunSummary, StageReceipt, StepM
 from orchestrator.data.sources import as_step_source
 from orchestrator.distributed.agreement import KeyValueAgreement, SingleProcess, combine_max
 from orchestrator.loop.job_timings import merge_process_timings
-from orchestrator.loop.live_waits import LiveWaits, StoppedWithoutCheckpointError, StopWhileWaiting, latest_checkpoint
+from orchestrator.loop.live_waits import (LiveWaits, SourceFailed, StoppedWithoutCheckpointError, StopWhileWaiting,
+                                          latest_checkpoint)
 from orchestrator.loop.recorder import BoundaryRecord, Lane, Recorder, Span, fwd_bwd_key, update_key
 from orchestrator.loop.watcher import Watched
 from orchestrator.loop.weight_sync import HostWeightStore
@@ -152,6 +153,7 @@ class _Boundary:
   mode: str
   actions: tuple[Action, ...]
   stop: bool = False  # a stop was asked for: this is the run's last step, checkpointed
+  failed: Any = None  # a SourceFailed for step k+1's rollouts: step k is recorded, then the run fails
   last_dispatched: bool = False
   stage: StageReceipt | None = None
   device_wait_s: float | None = None
@@ -222,6 +224,26 @@ def boundary_headroom(worker: Worker, policy: StepBoundaryPolicy, agreement: Sin
   if not (policy.gates_on_memory and policy.requested_mode.staged and worker.capabilities.can_report_memory):
     return None
   return agree_on_headroom(agreement, step, worker.device_memory())
+
+
+def read_metrics(worker: Worker, recorder: Recorder, clock: Callable[[], float], boundary: "_Boundary",
+                 observe_stage: Callable[["_Boundary"], None]) -> None:
+  """Reads step k's metrics (blocks until update k is done); a stage after the update is judged here."""
+  start = clock()
+  boundary.metrics = worker.get_metrics()
+  end = clock()
+  key = update_key(boundary.step)
+  recorder.observe_ready(key, end)
+  update_ready = recorder.ready_at(key)
+  # The read's own cost, not the wait for the update in front of it.
+  boundary.spans["metrics_s"] = end - max(start, update_ready)
+  boundary.spans["metrics_wait_s"] = max(0.0, update_ready - start)
+  recorder.span(f"metrics {boundary.step}", start, end, Lane.BOUNDARY_WORK)
+  if boundary.stage is not None and boundary.device_wait_s is None:
+    # Staged after the update: the device wait is how long the update still ran after the stage.
+    boundary.device_wait_s = max(0.0, update_ready - boundary.stage.ended_at)
+    observe_stage(boundary)
+  boundary.non_finite = non_finite(boundary.metrics)  # the loop ends the run with it (NonFiniteStepError)
 
 
 def update_delay(recorder: Recorder, boundary: "_Boundary", m: int, threshold: float | None) -> float | None:
@@ -364,6 +386,8 @@ class RLProgram:
     try:
       self.calibrate()
       self._loop()
+    except SourceFailed as failed:  # before any boundary was open (the run's first step)
+      raise failed.error from None
     finally:
       trace_path = self.recorder.close()
     result = self._result
@@ -391,11 +415,13 @@ class RLProgram:
 
   def _pull(self, k: int) -> None:
     """Takes step k's payloads from the source, noting the source's position before it."""
-    if self._waits is not None:  # a stuck or slow sampler must not hold a stop
-      self._waits.take(k, first_of_run=k == self.config.start_step)
-    self._source_states[k] = self.source.get_state()
     try:
+      if self._waits is not None:  # a stuck or slow sampler must not hold a stop
+        self._waits.take(k, first_of_run=k == self.config.start_step)
+      self._source_states[k] = self.source.get_state()
       payloads = next(self.source)
+    except (RuntimeError, ValueError) as error:  # a rollout thread's or a recording's failure, for the loop
+      raise SourceFailed(k, error) from error
     except StopIteration:
       pulled = k - self.config.start_step
       raise ValueError("the source yielded no steps" if pulled == 0 else
@@ -423,8 +449,8 @@ class RLProgram:
       for done, action in enumerate(boundary.actions):
         try:
           self._execute(action, boundary)
-        except StopWhileWaiting as stop:  # for step k+1's rollouts: it was never dispatched
-          self._end_after(boundary, stop.reason, boundary.actions[:done])
+        except (StopWhileWaiting, SourceFailed) as stop:  # for step k+1's rollouts: it was never dispatched
+          self._end_after(boundary, stop, boundary.actions[:done])
           break
         if boundary.non_finite:  # nothing more of this run: no checkpoint, no sync, no next step
           break
@@ -433,19 +459,29 @@ class RLProgram:
       del self._boundaries[k], self._payloads[k]
       self._source_states.pop(k, None)  # only the position before step k+1 can still be checkpointed
       self._result.last_step = k
+      if boundary.failed is not None:  # step k's record is written; the failure names the step it sampled
+        raise boundary.failed.error
       if boundary.non_finite:
         raise NonFiniteStepError(k, boundary.metrics, self._last_checkpoint_steps, self._result.checkpoint_path)
       if boundary.stop:
         self._result.ended = "stopped"
         return
 
-  def _end_after(self, boundary: _Boundary, reason: str, executed: tuple[Action, ...]) -> None:
-    """Ends the run after step k as a stop at its planning would: update applied, metrics read, checkpointed."""
-    self.current_step, self._result.stop_reason, boundary.stop = boundary.step, reason, True
+  def _end_after(self, boundary: _Boundary, why: StopWhileWaiting | SourceFailed, executed: tuple[Action, ...]
+                 ) -> None:
+    """Ends the run after step k as a stop at its planning would: update applied, metrics read, checkpointed;
+    after a failed source (step k+1's rollouts), not checkpointed (nothing can sync to it) but recorded."""
+    failed = isinstance(why, SourceFailed)
+    reason = "a failed rollout source" if failed else why.reason
+    if failed:
+      boundary.failed = why
+    else:
+      self.current_step, self._result.stop_reason, boundary.stop = boundary.step, reason, True
     ran = [Action.WAIT_AND_UPDATE] if self.worker.update_owed else []
     if ran:  # staged before the update: the update waited behind the stage
       self._watch_update(boundary.step, self.worker.apply_deferred_update().update)
-    for action, done in ((Action.METRICS, boundary.metrics), (Action.CHECKPOINT_AND_SYNC, boundary.checkpoint_path)):
+    for action, done in ((Action.METRICS, boundary.metrics),
+                         (Action.CHECKPOINT_AND_SYNC, boundary.checkpoint_path or failed or None)):
       if done is None:
         self._execute(action, boundary)
         ran.append(action)
@@ -542,22 +578,7 @@ class RLProgram:
 
   # ------------------------------------------------------------------ boundary work
   def _read_metrics(self, boundary: _Boundary) -> None:
-    """Reads step k's metrics (blocks until update k is done); a stage after the update is judged here."""
-    start = self.clock()
-    boundary.metrics = self.worker.get_metrics()
-    end = self.clock()
-    key = update_key(boundary.step)
-    self.recorder.observe_ready(key, end)
-    update_ready = self.recorder.ready_at(key)
-    # The read's own cost, not the wait for the update in front of it.
-    boundary.spans["metrics_s"] = end - max(start, update_ready)
-    boundary.spans["metrics_wait_s"] = max(0.0, update_ready - start)
-    self.recorder.span(f"metrics {boundary.step}", start, end, Lane.BOUNDARY_WORK)
-    if boundary.stage is not None and boundary.device_wait_s is None:
-      # Staged after the update: the device wait is how long the update still ran after the stage.
-      boundary.device_wait_s = max(0.0, update_ready - boundary.stage.ended_at)
-      self._observe(boundary)
-    boundary.non_finite = non_finite(boundary.metrics)  # the loop ends the run with it (NonFiniteStepError)
+    read_metrics(self.worker, self.recorder, self.clock, boundary, self._observe)
 
   def checkpoint_metadata(self, done: int, pending_record: dict[str, Any] | None = None) -> dict[str, Any]:
     """What a checkpoint after ``done`` steps holds beside the engine state (``run_state``)."""
