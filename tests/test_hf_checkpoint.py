@@ -195,3 +195,29 @@ def test_a_dataset_on_the_checkpoint_samples_free_text_that_ends_at_its_eos(tiny
                    "--out", str(run)]) == 0
   records = [json.loads(line) for line in (run / "records.jsonl").read_text().splitlines()]
   assert len(records) == 2 and all(r["reward_mean"] is not None for r in records)
+
+
+def test_a_resume_refuses_a_prompt_file_or_tokenizer_that_changed(tiny_checkpoint, tmp_path, capsys):
+  """config.json fingerprints the files a run reads; a resume that would read others is refused, and the
+  restored file resumes."""
+  prompts = tmp_path / "prompts.jsonl"
+  shutil.copyfile("examples/prompts.jsonl", prompts)
+  checkpoint = tmp_path / "model"
+  shutil.copytree(tiny_checkpoint, checkpoint)
+  run = tmp_path / "run"
+  assert cli.main(["--recipe", "recipes/dataset_example.yaml", f"model.checkpoint={checkpoint}", f"task.path={prompts}",
+                   "steps=2", "rollouts.groups_per_micro_batch=2", "batch.rows=4", "task.eval_prompts=4",
+                   "checkpoint.every=1", "run.reserve_host_core=false", "--out", str(run)]) == 0
+  saved = json.loads((run / "config.json").read_text())["inputs"]
+  assert set(saved) == {"task.path", "model.checkpoint"} and "tokenizer.json" in saved["model.checkpoint"]["files"]
+  original = prompts.read_text()
+  prompts.write_text(original.replace('"answer": "0"', '"answer": "1"', 1))  # one answer edited
+  capsys.readouterr()
+  assert cli.main(["--resume", str(run), "--steps", "3"]) == 2
+  assert f"task.path: {prompts} changed since the run started" in capsys.readouterr().err
+  prompts.write_text(original)
+  (checkpoint / "tokenizer_config.json").write_text((checkpoint / "tokenizer_config.json").read_text() + " ")
+  assert cli.main(["--resume", str(run), "--steps", "3"]) == 2
+  assert "model.checkpoint" in capsys.readouterr().err
+  shutil.copyfile(tiny_checkpoint / "tokenizer_config.json", checkpoint / "tokenizer_config.json")
+  assert cli.main(["--resume", str(run), "--steps", "3"]) == 0

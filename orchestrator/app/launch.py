@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator import recipe as recipe_lib
-from orchestrator.app import checkpoint_check, run_dir
+from orchestrator.app import checkpoint_check, inputs, run_dir
 from orchestrator.app.console import format_summary, format_table
 from orchestrator.app.host import setup_host
 from orchestrator.app.run_dir import RunDirError
@@ -175,6 +175,10 @@ def plan_resume(path: Path, steps: int | None, from_checkpoint: int | None = Non
         path / run_dir.CONFIG)
   segs = tuple(run_dir.segments(path, config))
   resolved = resolved_from_saved(config, steps, saved_steps=segs[-1].steps)
+  changed = inputs.changed(config.get("inputs"), resolved.recipe)
+  if changed:
+    raise RunDirError(f"--resume {path}: {changed[0]}; a resume reads what the run read (its prompts, tokenizer"
+                      " and rollouts would differ): restore it, or start a new run")
   argv = ("--resume", str(path), *([f"--steps={steps}"] if steps else []),
           *([f"--from-checkpoint={from_checkpoint}"] if from_checkpoint is not None else []))
   return RunPlan(resolved, path, run_id=config["run_id"], resumes=True, launch_argv=argv, segments=segs,
@@ -524,7 +528,8 @@ def _claim(plan: RunPlan, job: job_lib.Job, held: contextlib.ExitStack) -> tuple
       if plan.recipe.rollouts.record_to:  # the recording directory too, until the run has written it
         held.enter_context(_lock(Path(plan.recipe.rollouts.record_to), flag="rollouts.record_to", create=True))
       run_dir.claim_new(plan.out, {"run_id": plan.run_id, "recipe": plan.resolved.path,
-                                   "config": recipe_lib.run_config_dict(plan.recipe), "sources": plan.resolved.sources})
+                                   "config": recipe_lib.run_config_dict(plan.recipe), "sources": plan.resolved.sources,
+                                   "inputs": inputs.fingerprints(plan.recipe)})
     except RunDirError as e:  # another run claimed or holds the directory since the check
       claimed["refusal"] = str(e)
   claimed = job.agreement.broadcast("claim", claimed)

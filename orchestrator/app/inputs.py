@@ -1,0 +1,79 @@
+"""The files a run reads besides its recipe, fingerprinted in ``config.json`` so a resume reads the same ones.
+
+A recipe names its prompt files (``task.path``, ``task.eval_path``), a model
+checkpoint's directory (``model.checkpoint``: its ``config.json`` and tokenizer
+files; the weights are restored from the run's own checkpoint on resume) and a
+recording (``rollouts.recording``: its manifest). A resume that found any of
+them changed would train on other prompts, another tokenizer or other rollouts
+while claiming to continue the run, so it is refused, naming the file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from orchestrator.engine.hf_checkpoint import CONFIG_FILE, TOKENIZER_FILES
+from orchestrator.live import datasets
+
+#: How many bytes are hashed at a time (a prompt file may be large).
+CHUNK_BYTES = 1 << 20
+
+
+def _files(recipe) -> dict[str, tuple[Path, list[Path]]]:
+  """Each input key the recipe uses → where it is and the files that make it up, as they resolve now."""
+  # import here: the runner imports the program; this module is read before a run is planned
+  from orchestrator.app.runner import resolve_path
+
+  files: dict[str, tuple[Path, list[Path]]] = {}
+  task = recipe.task
+  if recipe.rollouts.source == "sampler" and task.name == "dataset":
+    for key in ("path", "eval_path"):
+      if getattr(task, key):
+        path = datasets.resolve_path(getattr(task, key))
+        files[f"task.{key}"] = (path, [path])
+  if recipe.model.checkpoint:
+    directory = Path(recipe.model.checkpoint).expanduser()
+    files["model.checkpoint"] = (directory, [directory / name for name in (CONFIG_FILE, *TOKENIZER_FILES)
+                                             if (directory / name).is_file()])
+  if recipe.rollouts.source == "recording" and recipe.rollouts.recording:
+    manifest = resolve_path(recipe.rollouts.recording) / "manifest.json"
+    files["rollouts.recording"] = (manifest, [manifest])
+  return files
+
+
+def _sha256(paths: list[Path]) -> str:
+  digest = hashlib.sha256()
+  for path in paths:
+    digest.update(path.name.encode() + b"\0")
+    with path.open("rb") as f:
+      while chunk := f.read(CHUNK_BYTES):
+        digest.update(chunk)
+  return digest.hexdigest()
+
+
+def fingerprints(recipe) -> dict[str, dict[str, Any]]:
+  """What ``config.json`` keeps of each input: where it was read and the sha256 of its files."""
+  return {key: {"path": str(where.absolute()), "files": [p.name for p in paths], "sha256": _sha256(paths)}
+          for key, (where, paths) in _files(recipe).items() if paths}
+
+
+def changed(saved: Any, recipe) -> list[str]:
+  """Each input that is not what the run read at its start, in words; [] when all are (or the run predates
+  fingerprints)."""
+  if not isinstance(saved, Mapping):
+    return []
+  now = _files(recipe)
+  out = []
+  for key, before in saved.items():
+    if not isinstance(before, Mapping):
+      continue
+    _, paths = now.get(key, (None, []))
+    missing = [p for p in paths if not p.is_file()]
+    if missing or not paths:
+      out.append(f"{key}: {missing[0] if missing else before.get('path')} is gone")
+    elif [p.name for p in paths] != before.get("files") or _sha256(paths) != before.get("sha256"):
+      out.append(f"{key}: {before.get('path')} changed since the run started")
+  return out
