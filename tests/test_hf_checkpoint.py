@@ -102,13 +102,24 @@ def test_a_chat_template_formats_the_prompt(tmp_path):
   assert HFTokenizer(tmp_path).format_prompt("1+2") == "1+2"
 
 
-def test_a_live_run_on_the_checkpoint_is_the_preset_s_run_and_exports_back(tiny_checkpoint, tmp_path, capsys):
+@pytest.fixture(scope="module")
+def trained(tiny_checkpoint, tmp_path_factory):
+  """A live run of 4 steps on the checkpoint (checkpoints after steps 2 and 4), and the preset's own run."""
+  root = tmp_path_factory.mktemp("trained")
+  with pytest.MonkeyPatch.context() as env:  # module scope: the autouse fixture does not cover it
+    for name in recipe_lib.ENV_SWITCHES:
+      env.delenv(name, raising=False)
+    assert cli.main(LIVE + ["steps=4", "model=tiny", "--out", str(root / "preset")]) == 0
+    assert cli.main(LIVE + ["steps=4", f"model.checkpoint={tiny_checkpoint}", "--out", str(root / "run")]) == 0
+  return root
+
+
+def test_a_live_run_on_the_checkpoint_is_the_preset_s_run_and_exports_back(trained, tiny_checkpoint, tmp_path,
+                                                                          capsys):
   """Loading the preset's weights from a checkpoint trains bit for bit like the preset; the trained weights
   exported from the run's checkpoint load back to the same weights digest."""
-  assert cli.main(LIVE + ["model=tiny", "--out", str(tmp_path / "preset")]) == 0
-  run = tmp_path / "checkpoint"
-  assert cli.main(LIVE + [f"model.checkpoint={tiny_checkpoint}", "--out", str(run)]) == 0
-  assert _summary(run)["final_state_digest"] == _summary(tmp_path / "preset")["final_state_digest"]
+  run = trained / "run"
+  assert _summary(run)["final_state_digest"] == _summary(trained / "preset")["final_state_digest"]
   assert str(tiny_checkpoint) in json.loads((run / "config.json").read_text())["config"]["model"]["checkpoint"]
   capsys.readouterr()
 
@@ -116,7 +127,7 @@ def test_a_live_run_on_the_checkpoint_is_the_preset_s_run_and_exports_back(tiny_
   assert cli.main(["export", str(run), "--out", str(exported)]) == 0
   assert "weights digest" in capsys.readouterr().out
   written = json.loads((exported / "export.json").read_text())
-  assert written["step"] == 2 and written["checkpoint"].endswith("checkpoints/2")
+  assert written["step"] == 4 and written["checkpoint"].endswith("checkpoints/4")
   assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {
       p.name for p in exported.iterdir()}
   _, params, _ = model_lib.build_model(hf_checkpoint.load_preset_from_checkpoint(exported), 0)
@@ -128,9 +139,11 @@ def test_a_live_run_on_the_checkpoint_is_the_preset_s_run_and_exports_back(tiny_
   assert "already exists" in capsys.readouterr().err
 
 
-def test_export_passes_over_a_checkpoint_of_another_run(tiny_checkpoint, tmp_path, capsys):
+def test_export_passes_over_a_checkpoint_of_another_run(trained, tmp_path, capsys):
   run = tmp_path / "run"
-  assert cli.main(LIVE + ["steps=4", f"model.checkpoint={tiny_checkpoint}", "--out", str(run)]) == 0
+  shutil.copytree(trained / "run", run)
+  checkpoints = json.loads((run / "config.json").read_text())["config"]["checkpoint"]["directory"]
+  assert checkpoints is None  # inside the run directory: the copy has its own
   metadata = run / "checkpoints" / "4" / "metadata" / "metadata"
   saved = json.loads(metadata.read_text())
   metadata.write_text(json.dumps(dict(saved, run_id="someone-else")))
@@ -141,14 +154,6 @@ def test_export_passes_over_a_checkpoint_of_another_run(tiny_checkpoint, tmp_pat
   assert json.loads((tmp_path / "out" / "export.json").read_text())["step"] == 2
   assert cli.main(["export", str(run), "--checkpoint", "4", "--out", str(tmp_path / "again")]) == 2
   assert "belongs to another run" in capsys.readouterr().err and not (tmp_path / "again").exists()
-
-
-def test_bfloat16_compute_trains_and_keeps_float32_weights(tiny_checkpoint, tmp_path):
-  run = tmp_path / "bf16"
-  assert cli.main(LIVE + [f"model.checkpoint={tiny_checkpoint}", "engine.dtype=bfloat16", "checkpoint.every=0",
-                          "--out", str(run)]) == 0
-  records = [json.loads(line) for line in (run / "records.jsonl").read_text().splitlines()]
-  assert len(records) == 2 and all(np.isfinite(r["loss"]) for r in records)
 
 
 def test_refusals_of_checkpoint_directories(tiny_checkpoint, tmp_path):
@@ -186,15 +191,15 @@ def test_refusals_of_checkpoint_directories(tiny_checkpoint, tmp_path):
   assert "needs model.checkpoint" in refused(**{"model.checkpoint": None, "model.chat_template": True})
 
 
-def test_a_dataset_on_the_checkpoint_samples_free_text_that_ends_at_its_eos(tiny_checkpoint, tmp_path):
+def test_a_dataset_on_the_checkpoint_samples_free_text_that_ends_at_its_eos_in_bfloat16(tiny_checkpoint, tmp_path):
   """With a checkpoint's tokenizer a dataset's completions are free text: any id the tokenizer has, up to
-  task.max_completion_tokens, ending at the eos."""
+  task.max_completion_tokens, ending at the eos; bfloat16 compute trains (finite losses)."""
   run = tmp_path / "run"
   assert cli.main(["--recipe", "recipes/dataset_example.yaml", f"model.checkpoint={tiny_checkpoint}", "steps=2",
-                   "checkpoint.every=0", "task.max_completion_tokens=6", "run.reserve_host_core=false",
-                   "--out", str(run)]) == 0
+                   "checkpoint.every=0", "task.max_completion_tokens=6", "engine.dtype=bfloat16",
+                   "run.reserve_host_core=false", "--out", str(run)]) == 0
   records = [json.loads(line) for line in (run / "records.jsonl").read_text().splitlines()]
-  assert len(records) == 2 and all(r["reward_mean"] is not None for r in records)
+  assert len(records) == 2 and all(r["reward_mean"] is not None and np.isfinite(r["loss"]) for r in records)
 
 
 def test_a_resume_refuses_a_prompt_file_or_tokenizer_that_changed(tiny_checkpoint, tmp_path, capsys):
