@@ -51,7 +51,7 @@ from pathlib import Path
 from orchestrator.bench.accelerator_plan import WARMUP_STEPS, Printed, digest_verdict
 from orchestrator.engine.host_threads import reserve_host_core
 from orchestrator.recipe import Recipe, RecipeError
-from orchestrator.recipe.schema import BatchSection, StepBoundarySection
+from orchestrator.recipe.schema import BatchSection, ModelSection, StepBoundarySection
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -83,7 +83,7 @@ def _recipe(args) -> Recipe:
     threshold = args.wait_threshold_s if args.wait_threshold_s == "auto" else float(args.wait_threshold_s)
   except ValueError:
     raise RecipeError(f"--wait-threshold-s {args.wait_threshold_s}: give auto or seconds >= 0") from None
-  recipe = Recipe(name="accelerator", model=args.preset, steps=WARMUP_STEPS,
+  recipe = Recipe(name="accelerator", model=ModelSection(preset=args.preset), steps=WARMUP_STEPS,
                   batch=BatchSection(micro_batches_per_step=args.micro_batches, rows=args.rows,
                                      tokens_per_row=args.tokens_per_row),
                   step_boundary=StepBoundarySection(wait_threshold_s=threshold, disable_after=args.disable_after))
