@@ -154,6 +154,8 @@ def test_export_passes_over_a_checkpoint_of_another_run(trained, tmp_path, capsy
   assert json.loads((tmp_path / "out" / "export.json").read_text())["step"] == 2
   assert cli.main(["export", str(run), "--checkpoint", "4", "--out", str(tmp_path / "again")]) == 2
   assert "belongs to another run" in capsys.readouterr().err and not (tmp_path / "again").exists()
+  assert cli.main(["export", str(run), "--out", str(run / "exported")]) == 2  # the run's files are its own
+  assert "is inside the run directory" in capsys.readouterr().err and not (run / "exported").exists()
 
 
 def test_refusals_of_checkpoint_directories(tiny_checkpoint, tmp_path):
@@ -171,7 +173,7 @@ def test_refusals_of_checkpoint_directories(tiny_checkpoint, tmp_path):
   llama = tmp_path / "llama"
   shutil.copytree(tiny_checkpoint, llama)
   (llama / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
-  assert "holds a llama model" in refused(**{"model.checkpoint": str(llama)})
+  assert "names a llama model" in refused(**{"model.checkpoint": str(llama)})
   message = refused(**{"model.preset": "small"})
   assert "model.preset=small and model.checkpoint=" in message and "disagree" in message
   no_tokenizer = tmp_path / "no_tokenizer"

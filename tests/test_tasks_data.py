@@ -254,3 +254,14 @@ def test_a_reward_that_raises_stops_the_run_naming_it_and_keeps_the_records_befo
   records = _records(run)
   assert [r["step"] for r in records] == [0, 1] and records[0]["reward_mean"] == 0.5  # the function's reward
   assert records[1]["loss"] is not None and records[1]["checkpoint_path"] is None  # trained, not checkpointed
+
+
+@pytest.mark.parametrize("completion, answer, score", [
+    (r"so \boxed{\frac{1}{4}}", r"\frac{3}{4}", 0.0),  # the same denominator is not the same number
+    (r"so \boxed{\frac{3}{4}}", "3/4", 1.0),
+    (r"\boxed{\dfrac{-6}{8}}", "-0.75", 1.0),
+    ("#### 42 because 40+2", "42", 1.0),  # the number after ####, not the last in the line
+    ("#### 2", "42", 0.0),
+])
+def test_math_reads_latex_fractions_and_the_number_after_the_hashes(completion, answer, score):
+  assert rewards.math_answer([""], [completion], answer=[answer]) == [score]

@@ -6,28 +6,35 @@ said so) or the one ``--checkpoint N`` names. ``DIR`` gets ``model.safetensors``
 and ``config.json`` (the source checkpoint's, with the sizes set) and the
 tokenizer the run sampled with: the source checkpoint's files, or the
 character tokenizer of a preset's live run. Nothing is written into an existing
-directory: the files are written into a new one beside ``DIR`` and renamed
-into place once complete, so a failed export leaves nothing behind.
+directory: ``DIR`` is created (exclusively) and a failed export removes it
+again; ``export.json``, written last, marks a finished one. The run's lock is
+held meanwhile, so no resume writes checkpoints under the export.
 ``export.json`` names the run, the checkpoint and the weights' digest, which a
 run loading ``DIR`` (``model.checkpoint: DIR``) reproduces.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import os
 import re
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
-from orchestrator.app import run_dir
+import numpy as np
+
+from orchestrator import recipe as recipe_lib
+from orchestrator.app import inputs, run_dir
 from orchestrator.app.arguments import UsageError, UsageErrorParser
 from orchestrator.app.run_dir import RunDirError
 from orchestrator.engine import hf_checkpoint
+from orchestrator.engine.presets import ModelPreset, load_preset
 from orchestrator.recipe import RecipeError
+from orchestrator.recipe.schema import DEFAULT_PRESET
 
 WEIGHTS_FILE = "model.safetensors"
 EXPORT_FILE = "export.json"
@@ -46,21 +53,47 @@ def export_main(argv: list[str]) -> int:
   p.add_argument("--checkpoint", type=int, metavar="N", help="the run's checkpoint after step N (default: newest)")
   try:
     args = p.parse_intermixed_args(argv)
-    source = _source(Path(args.run_dir), args.checkpoint)
-    out = _check_out(Path(args.out))
-  except (UsageError, ExportError, RunDirError, RecipeError) as e:
+    path = Path(args.run_dir)
+    with run_dir.lock(path, flag="run_rl export") if path.is_dir() else contextlib.nullcontext():
+      source = _source(path, args.checkpoint)  # the run's lock: no resume or run writes checkpoints meanwhile
+      out = _check_out(Path(args.out), path, Path(source["checkpoints"]))
+      summary = export(source, out)
+  except (UsageError, ExportError, RunDirError, RecipeError, OSError) as e:
     print(f"run_rl export: error: {e}", file=sys.stderr)
     return 2
-  summary = export(source, out)
   print(f"run_rl export: wrote {out} from {source['checkpoint_path']} (after step {source['step']});"
         f" weights digest {summary['weights_digest']}")
   return 0
 
 
+def _saved_recipe(path: Path, config: dict[str, Any]):
+  """The run's recipe as config.json holds it, not validated again: an export needs none of the files the run
+  read but the model checkpoint's config and tokenizer (checked against their fingerprints)."""
+  values = recipe_lib.flatten(config["config"], where=f"{path / run_dir.CONFIG}")
+  return recipe_lib.build({key: recipe_lib.coerce(key, value) for key, value in values.items()})
+
+
+def _model(path: Path, config: dict[str, Any], recipe) -> tuple[ModelPreset, str | None]:
+  """The run's model sizes, and the checkpoint directory its config and tokenizer are copied from (as the run
+  read it: its fingerprint's absolute path, unchanged since)."""
+  if not recipe.model.checkpoint:
+    return load_preset(recipe.model.preset or DEFAULT_PRESET), None
+  saved = (config.get("inputs") or {}).get("model.checkpoint") or {}
+  directory = saved.get("path") or str(Path(recipe.model.checkpoint).expanduser().absolute())
+  pinned = dataclasses.replace(recipe, model=dataclasses.replace(recipe.model, checkpoint=directory))
+  changed = inputs.changed({"model.checkpoint": saved} if saved else {}, pinned)
+  if changed:
+    raise ExportError(f"{changed[0]}; the export copies the config and tokenizer the run trained with: restore"
+                      " them")
+  try:
+    return hf_checkpoint.preset_from_config(directory, hf_checkpoint.read_config(directory)), directory
+  except hf_checkpoint.CheckpointDirError as e:
+    raise ExportError(f"the run's model checkpoint: {e}") from None
+
+
 def _source(path: Path, step: int | None) -> dict[str, Any]:
   """The run's recipe, model and the checkpoint to export, checked; nothing is read but metadata."""
-  # import here: launch pulls in the program (JAX); the CLI's other commands start without it
-  from orchestrator.app.launch import resolved_from_saved
+  # import here: the runner pulls in the program (JAX); the CLI's other commands start without it
   from orchestrator.app.runner import checkpoint_dir_for
   from orchestrator.engine.checkpointing import read_checkpoints
 
@@ -69,7 +102,8 @@ def _source(path: Path, step: int | None) -> dict[str, Any]:
   if edited:
     raise ExportError(f"{path / run_dir.CONFIG} was edited after the run wrote it ({', '.join(edited)}); the"
                       " checkpoints were trained with the recipe as it was: restore the file")
-  recipe = resolved_from_saved(config, None).recipe
+  recipe = _saved_recipe(path, config)
+  preset, model_dir = _model(path, config, recipe)
   directory = checkpoint_dir_for(recipe, path)
   if directory is None:
     raise ExportError(f"the run in {path} used engine.backend={recipe.engine.backend}, which writes no"
@@ -93,8 +127,9 @@ def _source(path: Path, step: int | None) -> dict[str, Any]:
   if skipped:
     print(f"run_rl export: passing over checkpoint(s) {', '.join(map(str, skipped))} in {directory}: "
           + "; ".join(f"{n} {why[n]}" for n in skipped), file=sys.stderr)
-  return {"run_dir": str(path.absolute()), "run_id": config["run_id"], "recipe": recipe, "step": chosen,
-          "checkpoints": directory, "checkpoint_path": str(Path(directory) / str(chosen))}
+  return {"run_dir": str(path.absolute()), "run_id": config["run_id"], "recipe": recipe, "preset": preset,
+          "model_dir": model_dir, "step": chosen, "checkpoints": directory,
+          "checkpoint_path": str(Path(directory) / str(chosen))}
 
 
 def _not_this_runs(step: int, metadata: Any, run_id: str, digest: str) -> str | None:
@@ -111,9 +146,14 @@ def _not_this_runs(step: int, metadata: Any, run_id: str, digest: str) -> str | 
   return None
 
 
-def _check_out(out: Path) -> Path:
+def _check_out(out: Path, run: Path, checkpoints: Path) -> Path:
   if out.exists() or out.is_symlink():
     raise ExportError(f"--out {out} already exists; an export never writes into an existing path: choose a new one")
+  where = out.absolute().parent.resolve() / out.name
+  for inside, what in ((run, "the run directory"), (checkpoints, "the run's checkpoint directory")):
+    if where.is_relative_to(inside.resolve()):
+      raise ExportError(f"--out {out} is inside {what} {inside}; the run's files are its own: choose a --out"
+                        " outside it")
   parent = out.absolute().parent
   if not parent.is_dir() or not os.access(parent, os.W_OK):
     raise ExportError(f"--out {out}: {parent} is not a writable directory; choose a --out you can write")
@@ -122,73 +162,69 @@ def _check_out(out: Path) -> Path:
 
 def export(source: dict[str, Any], out: Path) -> dict[str, Any]:
   """Writes the checkpoint's weights, config and tokenizer into the new directory ``out``; returns
-  ``export.json``'s content."""
-  # import here: JAX and orbax load only for an export that passed its checks
+  ``export.json``'s content, written last (a directory without it is not a finished export)."""
+  # import here: orbax and the digest's JAX load only for an export that passed its checks
   from safetensors.numpy import save_file
 
   from orchestrator.engine.diagnostics import tree_digest
 
-  recipe = source["recipe"]
-  preset = recipe.model_preset()
-  params = _restore_params(source["checkpoints"], source["step"])
-  staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.absolute().parent))
+  preset = source["preset"]
+  params = _restore_params(source["checkpoint_path"])
+  out.mkdir()  # exclusive: a directory that appeared at --out since the check is refused, never written into
   try:
-    save_file(hf_checkpoint.export_tensors(params, preset), str(staging / WEIGHTS_FILE),
-              metadata={"format": "pt"})
-    base = hf_checkpoint.read_config(preset.checkpoint) if preset.checkpoint else None
-    (staging / hf_checkpoint.CONFIG_FILE).write_text(json.dumps(hf_checkpoint.export_config(preset, base), indent=1))
-    tokenizer = _write_tokenizer(recipe, preset, staging)
+    save_file(hf_checkpoint.export_tensors(params, preset), str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+    base = hf_checkpoint.read_config(source["model_dir"]) if source["model_dir"] else None
+    tokenizer, special_ids = _write_tokenizer(source["recipe"], source["model_dir"], out)
+    config = dict(hf_checkpoint.export_config(preset, base), **special_ids)
+    (out / hf_checkpoint.CONFIG_FILE).write_text(json.dumps(config, indent=1))
     summary = {"run_dir": source["run_dir"], "run_id": source["run_id"], "checkpoint": source["checkpoint_path"],
                "step": source["step"], "weights_digest": tree_digest(params), "tokenizer": tokenizer}
-    (staging / EXPORT_FILE).write_text(json.dumps(summary, indent=1))
-    os.rename(staging, out)  # fails if something appeared at --out meanwhile: nothing is overwritten
+    (out / EXPORT_FILE).write_text(json.dumps(summary, indent=1))
   except BaseException:
-    shutil.rmtree(staging, ignore_errors=True)
+    shutil.rmtree(out, ignore_errors=True)  # made here just now: nothing of anyone else's is in it
     raise
   return summary
 
 
-def _write_tokenizer(recipe, preset, into: Path) -> str | None:
-  """The tokenizer the run sampled with, into ``into``; what it was (None: the run sampled no text)."""
+def _write_tokenizer(recipe, model_dir: str | None, into: Path) -> tuple[str | None, dict[str, int]]:
+  """The tokenizer the run sampled with, into ``into``: what it was (None: the run sampled no text), and the
+  special ids ``config.json`` should name for it."""
   from orchestrator.live.hf_tokenizer import char_tokenizer_json  # import here: only an export writes one
+  from orchestrator.live.tokenizer import BOS, EOS, PAD
 
-  if preset.checkpoint:
-    copied = [name for name in hf_checkpoint.TOKENIZER_FILES if (Path(preset.checkpoint) / name).is_file()]
+  if model_dir:
+    copied = [name for name in hf_checkpoint.TOKENIZER_FILES if (Path(model_dir) / name).is_file()]
     for name in copied:
-      shutil.copyfile(Path(preset.checkpoint) / name, into / name)
-    return f"copied from {preset.checkpoint}: {', '.join(copied)}" if copied else None
+      shutil.copyfile(Path(model_dir) / name, into / name)
+    return (f"copied from {model_dir}: {', '.join(copied)}" if copied else None), {}
   if recipe.rollouts.source == "sampler":
     char_tokenizer_json(into)
-    return "the live loop's character tokenizer"
-  return None
+    return "the live loop's character tokenizer", {"bos_token_id": BOS, "eos_token_id": EOS, "pad_token_id": PAD}
+  return None, {}
 
 
-_KEY = re.compile(r"\['([^']*)'\]|\[(\d+)\]")
+def _restore_params(checkpoint_path: str) -> dict[str, Any]:
+  """The params of a checkpoint as a nested dict of host numpy arrays: only the params are read (not the
+  optimizer's moments), onto no device, whatever mesh wrote them."""
+  import orbax.checkpoint as ocp  # import here: an export that fails its checks never loads orbax
 
-
-def _restore_params(directory: str, step: int) -> dict[str, Any]:
-  """The params of checkpoint ``step`` as a nested dict of numpy arrays, read onto this process's first device
-  (whatever mesh wrote them)."""
-  import jax  # import here: an export that fails its checks never starts JAX
-  import orbax.checkpoint as ocp
-
-  from orchestrator.engine.checkpointing import Checkpointer
-
-  checkpointer = Checkpointer(directory)
-  path = checkpointer.step_path(step)
-  state_dir = path / "state"
-  metadata = ocp.StandardCheckpointer().metadata(state_dir)
+  state_dir = Path(checkpoint_path) / "state"
+  checkpointer = ocp.PyTreeCheckpointer()
+  metadata = checkpointer.metadata(state_dir)
   tree = getattr(metadata, "item_metadata", metadata)
-  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-  target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=device) for k, v in dict(tree).items()}
-  flat = ocp.StandardCheckpointer().restore(state_dir, target)
+  tree = dict(getattr(tree, "tree", tree))
+  keys = [key for key in tree if key[5:].startswith("['params']")]  # key: 5-digit position, then the path
+  item = {key: np.zeros(tree[key].shape, tree[key].dtype) for key in keys}
+  flat = checkpointer.restore(state_dir, args=ocp.args.PyTreeRestore(
+      item=item, restore_args={key: ocp.RestoreArgs(restore_type=np.ndarray) for key in keys}, partial_restore=True))
   params: dict[str, Any] = {}
   for key, value in flat.items():
-    parts = [a if a else int(b) for a, b in _KEY.findall(key[5:])]  # key: 5-digit position, then the path
-    if not parts or parts[0] != "params":
-      continue
+    parts = [a if a else int(b) for a, b in _KEY.findall(key[5:])]
     node = params
     for part in parts[1:-1]:
       node = node.setdefault(part, {})
-    node[parts[-1]] = jax.device_get(value)
+    node[parts[-1]] = np.asarray(value)
   return params
+
+
+_KEY = re.compile(r"\['([^']*)'\]|\[(\d+)\]")

@@ -260,7 +260,7 @@ def build_run(recipe: Recipe, out: Path, *, source, run_id: str, resume: ResumeP
   try:
     worker, trainer_info = make_worker(recipe, out, closers, write_dir)
     handle = _build_program(recipe, write_dir, worker, source=source, run_id=run_id, config_sha256=config_sha256,
-                            resume=resume,
+                            resume=resume, run_name=out.name,
                             stop_requested=stop_requested, progress=progress and (job is None or job.is_primary),
                             job=job)
   except BaseException:
@@ -272,7 +272,7 @@ def build_run(recipe: Recipe, out: Path, *, source, run_id: str, resume: ResumeP
 
 
 def _build_program(recipe: Recipe, out: Path, worker, *, source, run_id: str, config_sha256: str | None, resume,
-                   stop_requested,
+                   run_name: str, stop_requested,
                    progress: bool, job=None) -> RunHandle:
   policy = policy_from_recipe(recipe, worker.capabilities)
   start_step, previous, first_plan = 0, [], None
@@ -301,7 +301,9 @@ def _build_program(recipe: Recipe, out: Path, worker, *, source, run_id: str, co
   program = RLProgram(worker, policy, source, config, on_step=on_step, stop_requested=stop_requested,
                       previous_records=previous, first_plan=first_plan, agreement=job.agreement if job else None)
   # Opened last, once nothing here can fail any more: the handle's close() is what flushes and closes it.
-  metrics = open_metrics_log(recipe.metrics.backends, out, run_name=out.name, run_id=run_id) if primary else None
+  # the dashboard's run is the run directory's (a resumed segment writes into its own directory, out)
+  metrics = open_metrics_log(recipe.metrics.backends, out, run_name=run_name, run_id=run_id) if primary else None
   if metrics is not None:
     steps_done.append(metrics)
-  return RunHandle(program, progress, recipe.task.eval_prompts if live else 0, metrics=metrics)
+  return RunHandle(program, progress, program.live.eval_prompt_count(recipe.task.eval_prompts) if live else 0,
+                   metrics=metrics)

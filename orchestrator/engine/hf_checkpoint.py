@@ -48,7 +48,18 @@ def read_config(directory: str | Path, key: str = "model.checkpoint") -> dict[st
   Raises:
     CheckpointDirError: no such directory, no or unreadable ``config.json``, or another model family.
   """
+  try:
+    return _read_config(directory, key)
+  except OSError as e:  # unreadable: permissions, a broken disk
+    raise CheckpointDirError(f"{key}={directory} cannot be read ({e.strerror or e}); give a directory you can"
+                             " read") from None
+
+
+def _read_config(directory: str | Path, key: str) -> dict[str, Any]:
   path = Path(directory).expanduser()
+  if path.is_file():
+    raise CheckpointDirError(f"{key}={directory} is a file; give the directory holding the checkpoint's"
+                             " config.json and *.safetensors")
   if not path.is_dir():
     raise CheckpointDirError(f"{key}={directory}: no such directory; give a Hugging Face checkpoint directory"
                              " (config.json and *.safetensors)")
@@ -58,7 +69,7 @@ def read_config(directory: str | Path, key: str = "model.checkpoint") -> dict[st
                              " checkpoint was saved to (config.json beside its *.safetensors)")
   try:
     config = json.loads(config_path.read_text())
-  except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+  except (UnicodeDecodeError, json.JSONDecodeError) as e:
     raise CheckpointDirError(f"{key}: {config_path} is not readable JSON ({e}); restore the checkpoint's"
                              f" {CONFIG_FILE}") from None
   if not isinstance(config, dict):
@@ -66,18 +77,30 @@ def read_config(directory: str | Path, key: str = "model.checkpoint") -> dict[st
                              f" restore the checkpoint's {CONFIG_FILE}")
   model_type = config.get("model_type")
   if model_type not in QWEN3_MODEL_TYPES:
-    family = model_type or config.get("architectures") or "no model_type"
-    raise CheckpointDirError(f"{key}={directory} holds a {family!s} model (model_type in {CONFIG_FILE}); this"
-                             f" trainer runs the Qwen3 family ({', '.join(QWEN3_MODEL_TYPES)}): use a Qwen3"
-                             " checkpoint")
+    family = (f"a {model_type} model" if isinstance(model_type, str) and model_type
+              else f"no model_type (architectures: {config.get('architectures')})")
+    raise CheckpointDirError(f"{key}={directory}: its {CONFIG_FILE} names {family}; this trainer runs the Qwen3"
+                             f" family ({', '.join(QWEN3_MODEL_TYPES)}): use a Qwen3 checkpoint")
   return config
+
+
+#: The largest size ``config.json`` may give (larger ones are damage, and would build huge name tables).
+MAX_SIZE = {"num_hidden_layers": 1024, "num_experts": 4096, "num_experts_per_tok": 4096,
+            "num_attention_heads": 4096, "num_key_value_heads": 4096}
+MAX_OTHER_SIZE = 1 << 24
+#: The tensor dtypes (safetensors' names) the loader reads; others (FP8 and its scales, int8) are refused.
+TENSOR_DTYPES = ("F32", "BF16", "F16")
+#: config.json settings Tunix's Qwen3 does not implement, with the value it does implement (absent is fine).
+UNSUPPORTED = {"rope_scaling": None, "attention_bias": False, "use_sliding_window": False, "hidden_act": "silu",
+               "quantization_config": None}
 
 
 def _int(config: Mapping[str, Any], name: str, where: str) -> int:
   value = config.get(name)
-  if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-    raise CheckpointDirError(f"{where}: {name}={value!r} must be a whole number >= 1; restore the checkpoint's"
-                             f" {CONFIG_FILE}")
+  high = MAX_SIZE.get(name, MAX_OTHER_SIZE)
+  if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= high:
+    raise CheckpointDirError(f"{where}: {name}={value!r} must be a whole number in [1, {high:,}]; restore the"
+                             f" checkpoint's {CONFIG_FILE}")
   return value
 
 
@@ -105,13 +128,20 @@ def preset_from_config(directory: str | Path, config: Mapping[str, Any]) -> Mode
     if config.get("norm_topk_prob", True) is not True:
       raise CheckpointDirError(f"{where}: norm_topk_prob={config.get('norm_topk_prob')}: Tunix's Qwen3 MoE"
                                " normalises the top-k routing weights; use a checkpoint that does")
+  for name, implemented in UNSUPPORTED.items():
+    if config.get(name, implemented) != implemented:
+      raise CheckpointDirError(f"{where}: {name}={config[name]!r}, which Tunix's Qwen3 does not implement (it runs"
+                               f" {name}={implemented!r}); use a checkpoint without it")
+  tied = config.get("tie_word_embeddings", False)
+  if not isinstance(tied, bool):
+    raise CheckpointDirError(f"{where}: tie_word_embeddings={tied!r} must be true or false")
   rope = config.get("rope_theta", 1_000_000)
   eps = config.get("rms_norm_eps", 1e-6)
   for name, value in (("rope_theta", rope), ("rms_norm_eps", eps)):
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
       raise CheckpointDirError(f"{where}: {name}={value!r} must be a finite number > 0")
   return ModelPreset(name=Path(directory).name or str(directory), **sizes, rope_theta=rope, norm_eps=float(eps),
-                     use_tied_embedding=bool(config.get("tie_word_embeddings", False)),
+                     use_tied_embedding=tied,
                      checkpoint=str(Path(directory).expanduser().absolute()))
 
 
@@ -155,20 +185,26 @@ def tensor_shapes(directory: str | Path) -> dict[str, tuple[int, ...]]:
   """Every tensor's name and shape in the directory's ``*.safetensors`` files, from their headers only.
 
   Raises:
-    CheckpointDirError: no ``*.safetensors`` file, or one that is not a readable safetensors file.
+    CheckpointDirError: no ``*.safetensors`` file, one that is not a readable safetensors file, or a tensor of
+      a dtype the loader does not read.
   """
   files = sorted(Path(directory).expanduser().glob("*.safetensors"))
   if not files:
     raise CheckpointDirError(f"model.checkpoint={directory}: it has no *.safetensors file; give the directory"
                              " holding the checkpoint's weights")
-  shapes = {}
+  shapes, dtypes = {}, {}
   for file in files:
     try:
       with safe_open(str(file), framework="numpy") as f:
         for name in f.keys():
-          shapes[name] = tuple(f.get_slice(name).get_shape())
+          tensor = f.get_slice(name)
+          shapes[name], dtypes[name] = tuple(tensor.get_shape()), (tensor.get_dtype(), file)
     except Exception as e:  # safetensors raises its own error types for a damaged header
       raise CheckpointDirError(f"model.checkpoint: {file} is not a readable safetensors file ({e}); restore it")
+  for name, (dtype, file) in dtypes.items():
+    if dtype not in TENSOR_DTYPES:
+      raise CheckpointDirError(f"model.checkpoint: tensor {name} in {file} is {dtype}; the loader reads"
+                               f" {', '.join(TENSOR_DTYPES)} weights: use an unquantised checkpoint")
   return shapes
 
 
@@ -263,6 +299,7 @@ def export_config(preset: ModelPreset, base: Mapping[str, Any] | None = None) ->
   """A ``config.json`` for ``preset``'s sizes: the source checkpoint's (``base``) with the sizes and dtype set,
   or a new one for a preset's model."""
   config = dict(base or {})
+  config.pop("dtype", None)  # newer transformers' name for torch_dtype: the weights written are float32
   moe = preset.is_moe
   config.update(model_type="qwen3_moe" if moe else "qwen3", architectures=[QWEN3_MODEL_TYPES[
       "qwen3_moe" if moe else "qwen3"]], torch_dtype="float32", rope_theta=preset.rope_theta,

@@ -68,6 +68,13 @@ def read_records(key: str, path: str) -> list[tuple[str, Any]]:
   Raises:
     DatasetError: the file is missing, a directory, neither JSONL nor Parquet, unreadable as its kind, or empty.
   """
+  try:
+    return _read_records(key, path)
+  except OSError as e:  # unreadable: permissions, a broken disk, a name too long
+    raise DatasetError(f"{key}={path} cannot be read ({e.strerror or e}); give a file you can read") from None
+
+
+def _read_records(key: str, path: str) -> list[tuple[str, Any]]:
   found = resolve_path(path)
   if not found.exists():
     raise DatasetError(f"{key}={path} does not exist (looked in the working directory and the repository root);"
@@ -92,7 +99,7 @@ def read_records(key: str, path: str) -> list[tuple[str, Any]]:
 def _read_jsonl(key: str, path: str, found: Path) -> list[tuple[str, Any]]:
   """The JSON object on each line that is not blank, with ``KEY=PATH line N`` (1-based)."""
   try:
-    text = found.read_bytes().decode("utf-8")
+    text = found.read_bytes().decode("utf-8-sig")  # a byte-order mark (some editors write one) is no text
   except UnicodeDecodeError as e:
     raise DatasetError(f"{key}={path} is not UTF-8 text (byte {e.start}), so it is not JSONL; convert it to UTF-8"
                        " JSON lines, or name a Parquet file .parquet") from None
@@ -177,6 +184,20 @@ def prompt_tokens(tokenizer, prompt: str) -> int:
   template, if one is used) and the bos before them (where the tokenizer has one)."""
   formatted = tokenizer.format_prompt(prompt) if hasattr(tokenizer, "format_prompt") else prompt
   return len(tokenizer.encode(formatted)) + (tokenizer.bos_id() is not None)
+
+
+def check_no_pad_in_prompts(rows: Sequence[Row], tokenizer) -> None:
+  """No prompt, as the model sees it, holds the pad id: Tunix's sampler masks that id out of a prompt, and
+  training would not, so the two would score another sequence (a checkpoint without a pad token pads with
+  its eos, which a chat template may put in every prompt)."""
+  if not hasattr(tokenizer, "format_prompt"):  # the character tokenizer: no character encodes to pad
+    return
+  pad = tokenizer.pad_id()
+  for row in rows:
+    if pad in tokenizer.encode(tokenizer.format_prompt(row.problem.prompt)):
+      raise DatasetError(f"{row.where}: the prompt as the model sees it holds the pad token (id {pad}), which the"
+                         " sampler would mask out of it but training would not; give the checkpoint a pad_token"
+                         " (tokenizer_config.json) that no prompt uses")
 
 
 def check_prompt_lengths(rows: Sequence[Row], tokenizer, max_prompt_tokens: int) -> None:
@@ -315,6 +336,7 @@ def load_task(*, path: str, eval_path: str | None = None, prompt_field: str = "p
     train, held_out = split_by_hash(rows, eval_fraction)
   every = [*train, *held_out]
   check_characters(every, tokenizer, prompt_field, answer_field)
+  check_no_pad_in_prompts(every, tokenizer)
   if max_prompt_tokens is not None:
     check_prompt_lengths(every, tokenizer, max_prompt_tokens)
   if eval_path is None:

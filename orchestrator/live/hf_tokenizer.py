@@ -16,6 +16,7 @@ format, so a model trained on a preset exports with a tokenizer any
 
 from __future__ import annotations
 
+import datetime
 import json
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -115,28 +116,38 @@ class HFTokenizer:
       raise TokenizerError(f"model.chat_template=true but model.checkpoint={self.directory} has no chat template"
                            f" (tokenizer_config.json's chat_template or {CHAT_TEMPLATE_FILE}); add one or set"
                            " model.chat_template=false")
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    # As transformers renders chat templates: loop controls, raise_exception and strftime_now available.
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                       extensions=["jinja2.ext.loopcontrols"])
 
     def raise_exception(message):
       raise jinja2.exceptions.TemplateError(message)
 
     env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
     try:
       return env.from_string(source)
     except jinja2.TemplateError as e:
-      raise TokenizerError(f"model.checkpoint={self.directory}: its chat template does not parse ({e})") from None
+      raise TokenizerError(f"model.checkpoint={self.directory}: its chat template does not parse ({e}); fix it, or"
+                           " set model.chat_template=false") from None
 
   # ---------------------------------------------------------------- what the sampler asks of a tokenizer
   @property
   def vocab_size(self) -> int:
-    return self._tokenizer.get_vocab_size(with_added_tokens=True)
+    """One more than the largest id (ids may leave gaps: the count of tokens could be fewer)."""
+    return max(self._tokenizer.get_vocab(with_added_tokens=True).values()) + 1
 
   def format_prompt(self, prompt: str) -> str:
     """``prompt`` as the model sees it: through the chat template when one is used, else as is."""
     if self._template is None:
       return prompt
-    return self._template.render(messages=[{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                 bos_token=self._text(self._bos), eos_token=self._text(self._eos[0]))
+    try:
+      return self._template.render(messages=[{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                   bos_token=self._text(self._bos), eos_token=self._text(self._eos[0]))
+    except Exception as e:  # a template can fail any way Jinja or its own raise_exception makes it
+      raise TokenizerError(f"model.chat_template=true: the chat template of model.checkpoint={self.directory}"
+                           f" fails on a prompt ({type(e).__name__}: {e}); fix the template or set"
+                           " model.chat_template=false") from None
 
   def _text(self, token_id: int | None) -> str:
     return "" if token_id is None else self._tokenizer.id_to_token(token_id)
@@ -149,8 +160,9 @@ class HFTokenizer:
     """
     try:
       return self._tokenizer.encode(text, add_special_tokens=False).ids
-    except Exception as e:
-      raise ValueError(f"{text!r} cannot be encoded by {self.directory / TOKENIZER_FILE} ({e})") from None
+    except Exception as e:  # tokenizers raises a bare Exception (a word-level vocabulary without [UNK])
+      raise ValueError(f"{text!r} cannot be encoded by model.checkpoint's {self.directory / TOKENIZER_FILE} ({e});"
+                       " use text its vocabulary holds") from None
 
   def decode(self, ids: Iterable[int], **_) -> str:
     """The text of ``ids`` up to the first end-of-sequence token, special tokens skipped."""

@@ -60,29 +60,46 @@ def exact(prompts: Sequence[str], completions: Sequence[str], *, answer: Sequenc
 
 # A number as answers write it: an optional sign, digits with optional thousands commas (1,000), an optional
 # decimal part, and an optional denominator (3/4).
-_NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:\s*/\s*\d+)?")
-_BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
+_NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?(?:\s*/\s*\d+)?")
 _HASHES = re.compile(r"####\s*([^\n]*)")
+# LaTeX fractions as answers write them: \frac{3}{4}, \dfrac{3}{4}, \tfrac34 (single digits), with a sign.
+_FRAC = re.compile(r"\\[dt]?frac\s*(?:\{\s*([-+]?[\d.,]+)\s*\}|(\d))\s*(?:\{\s*([\d.,]+)\s*\}|(\d))")
+BOXED = "\\boxed{"
+
+
+def last_boxed(text: str) -> str | None:
+  """The contents of the last ``\\boxed{...}`` in ``text``, nested braces and all; None when there is none
+  (or it is never closed)."""
+  start = text.rfind(BOXED)
+  if start < 0:
+    return None
+  depth, i = 1, start + len(BOXED)
+  for j in range(i, len(text)):
+    depth += {"{": 1, "}": -1}.get(text[j], 0)
+    if depth == 0:
+      return text[i:j]
+  return None
 
 
 def final_number(text: str) -> fractions.Fraction | None:
-  """The answer ``text`` gives, as an exact fraction: the last ``\\boxed{...}``'s number, else the last
-  ``#### ...``'s, else the last number in the text; None when there is none.
+  """The answer ``text`` gives, as an exact fraction: the number of its last ``\\boxed{...}`` (LaTeX fractions
+  read as such), else the first number after its last ``####``, else its last number; None when there is none.
 
-  Exact fractions, so ``1,000``, ``1000.0`` and ``2000/2`` are all 1000 and no tolerance is needed.
+  Exact fractions, so ``1,000``, ``1000.0``, ``2000/2`` and ``\\frac{2000}{2}`` are all 1000 and no tolerance
+  is needed.
   """
   if not isinstance(text, str):
     return None
-  for marked in (_BOXED, _HASHES):
-    found = marked.findall(text)
-    if found:
-      text = found[-1]
-      break
-  numbers = _NUMBER.findall(text)
+  boxed = last_boxed(text)
+  hashes = _HASHES.findall(text) if boxed is None else []
+  chosen = boxed if boxed is not None else hashes[-1] if hashes else text
+  chosen = _FRAC.sub(lambda m: f"{m[1] or m[2]}/{m[3] or m[4]}", chosen)
+  numbers = _NUMBER.findall(chosen)
   if not numbers:
     return None
+  number = numbers[0] if hashes else numbers[-1]  # "#### 42 because 40+2" answers 42
   try:
-    return fractions.Fraction(numbers[-1].replace(",", "").replace(" ", ""))
+    return fractions.Fraction(number.replace(",", "").replace(" ", ""))
   except (ValueError, ZeroDivisionError):  # 3/0
     return None
 

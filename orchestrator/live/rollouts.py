@@ -375,6 +375,10 @@ class LiveRollouts:
     return payload, rewards, correct, int(sum(len(c) for c in samples.completion_ids))
 
   # ---------------------------------------------------------------- evaluation
+  def eval_prompt_count(self, asked: int) -> int:
+    """``asked``, or what a finite evaluation split holds (a dataset's) if fewer: no prompt counts twice."""
+    return min(asked, len(getattr(self._task, "eval_problems", None) or range(asked)))
+
   def evaluate(self, weights: Any, version: int, prompts: int, *,
                stop: Callable[[], Any] | None = None) -> float | None:
     """Greedy accuracy on ``prompts`` held-out problems with the given weights.

@@ -48,6 +48,13 @@ def _leaf_type(path: str):
   return _hints(cls)[parts[-1]]
 
 
+def is_text_key(key: str) -> bool:
+  """Whether ``key`` holds text (``str`` or ``str | None``): its value from the command line is taken as written."""
+  t = _leaf_type(key)
+  return t is str or (typing.get_origin(t) in (typing.Union, types.UnionType) and str in typing.get_args(t)
+                      and not {int, float} & set(typing.get_args(t)))
+
+
 _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from orchestrator.recipe.keys import all_keys, build, canonical, coerce, flatten, get, suggest
+from orchestrator.recipe.keys import all_keys, build, canonical, coerce, flatten, get, is_text_key, suggest
 from orchestrator.recipe.schema import Recipe, RecipeError, validate
 
 RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
@@ -98,10 +98,17 @@ class ResolvedRecipe:
   path: str
 
 
-def _override_value(raw: str) -> Any:
-  """An override's value as YAML reads it (``[1, 2]`` is a list); text YAML cannot read is taken as written, so a
-  regular expression such as ``[0-9]+`` needs no quoting (the key's type still checks it)."""
+def _override_value(key: str, raw: str) -> Any:
+  """An override's value: as written for a text key (a regular expression such as ``[0-9]+`` or ``#### \\d+``, a
+  path, a name: ``null`` or ``none`` still unset an optional one), else as YAML reads it (``[1, 2]`` is a
+  list), text YAML cannot read taken as written (the key's type checks it).
+
+  Raises:
+    RecipeError: no value (``key=``: an unset shell variable, most likely), which would unset the key silently.
+  """
   if not raw.strip():
+    raise RecipeError(f"override {key}= has no value; give one, or {key}=null to leave it unset")
+  if is_text_key(key):
     return raw
   try:
     return yaml.safe_load(raw)
@@ -146,7 +153,7 @@ def resolve(
     key = canonical(key.strip())
     if key not in set(all_keys()):
       raise RecipeError(f"override {item!r}: unknown key {key!r}{suggest(key)}")
-    values[key] = coerce(key, _override_value(raw))
+    values[key] = coerce(key, _override_value(key, raw))
     sources[key] = "override"
   recipe = build(values)
   for key in all_keys():
