@@ -625,7 +625,9 @@ class Recipe:
     _check_seeds(self)
     self.checkpoint.validate(self.steps)
     preset = self.model_preset()
-    if self.task.name == DATASET:  # every row and every reward entry, before anything runs
+    if self.rollouts.source != "sampler":
+      self._refuse_live_only_keys()
+    elif self.task.name == DATASET:  # every row and every reward entry, before anything runs
       self.task.make_reward(self.live_task())
     rows, tokens = self.batch.rows or preset.rows, self.batch.tokens_per_row or preset.tokens_per_row
     try:
@@ -664,6 +666,17 @@ class Recipe:
           f"rollouts.groups_per_micro_batch × generations_per_group = {trajectories} trajectories of up to"
           f" {per_trajectory} tokens may not fit batch.rows={rows} × batch.tokens_per_row={tokens};"
           " raise rows or tokens_per_row, or sample fewer groups per micro-batch")
+
+  def _refuse_live_only_keys(self) -> None:
+    """Keys only the live loop reads, set for a run that samples nothing: it would ignore them silently."""
+    given = [(key, value) for key, value in (("task.name", self.task.name if self.task.name == DATASET else None),
+                                             ("task.reward", self.task.reward or None),
+                                             ("model.chat_template", self.model.chat_template or None))
+             if value is not None]
+    if given:
+      key, value = given[0]
+      raise RecipeError(f"{key}={value} is read by the live loop only, but rollouts.source={self.rollouts.source}"
+                        " trains on rollouts it does not sample; set rollouts.source=sampler, or drop it")
 
   def _validate_distributed(self) -> None:
     d = self.distributed
