@@ -100,13 +100,20 @@ def live_source(recipe: Recipe, *, steps: int | None = None):
   """The live loop's source: a sampler over the trained model (same preset and seed), on the recipe's task."""
   # import here: the sampler imports JAX, which starts after the host settings; the benchmarks and the rig
   # import this module before them
+  from orchestrator.live.placement import sampler_placement
   from orchestrator.live.rollouts import LiveRollouts, LiveShape
   from orchestrator.live.sampler import LiveSampler
 
   task, r = recipe.live_task(), recipe.rollouts
+  placement = None
+  if recipe.trainer.location == "local":  # a remote trainer's driver samples on its own default device
+    try:
+      placement = sampler_placement(r.placement, recipe.mesh, r.devices)
+    except ValueError as e:  # too few devices: refused before anything is built or written
+      raise RecipeError(str(e)) from None
   sampler = LiveSampler(recipe.model_preset(), recipe.model.tokenizer(), seed=recipe.engine.seed,
                         max_prompt_length=task.max_prompt_tokens, max_generation_steps=max_generation_steps(task),
-                        alphabet=task.answer_alphabet, dtype=recipe.engine.dtype)
+                        alphabet=task.answer_alphabet, dtype=recipe.engine.dtype, placement=placement)
   shape = LiveShape(steps or recipe.steps, recipe.batch.micro_batches_per_step, r.groups_per_micro_batch,
                     r.generations_per_group, r.max_staleness, r.temperature, r.seed)
   return LiveRollouts(sampler, task, shape, record=bool(r.record_to), reward=recipe.task.make_reward(task))

@@ -34,7 +34,8 @@ from orchestrator.contract.outputs import (
     RunSummary,
     StepTimings,
 )
-from orchestrator.contract.source import LiveSource, RolloutStats, SourceStateError, StepSource, live_part
+from orchestrator.contract.source import (LiveSource, RolloutStats, SourceStateError, StepSource, WeightTransfer,
+                                         live_part)
 from orchestrator.contract.worker import DeferredUpdate, StageReceipt, Worker, WorkerCapabilities, WorkerUsageError
 
 __all__ = [
@@ -42,6 +43,6 @@ __all__ = [
     "MemoryReportingEngine", "PreparedInput",
     "ProcessTimings", "Receipt", "RolloutStats", "RolloutSummary", "RunSummary", "STAGING_METHODS",
     "SnapshotEngine", "SourceStateError", "StageReceipt", "StagingEngine", "StepMetrics", "StepSource",
-    "StepTimings", "TrainingEngine", "WeightSource", "Worker", "WorkerCapabilities", "WorkerUsageError",
-    "live_part", "missing_methods",
+    "StepTimings", "TrainingEngine", "WeightSource", "WeightTransfer", "Worker", "WorkerCapabilities",
+    "WorkerUsageError", "live_part", "missing_methods",
 ]

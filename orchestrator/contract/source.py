@@ -50,6 +50,22 @@ class RolloutStats:
   sampled_tokens_per_s: float | None
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WeightTransfer:
+  """What a weight sync moved to a sampler on devices of its own (``rollouts.placement: split``).
+
+  Attributes:
+    bytes: the bytes written on the sampler's devices (every copy: a replicated leaf counts once per device).
+    seconds: from the transfer's dispatch until the copy was on the sampler's devices.
+    started_at, ended_at: the same span on ``time.perf_counter``'s clock (the program's default clock).
+  """
+
+  bytes: int
+  seconds: float
+  started_at: float
+  ended_at: float
+
+
 @runtime_checkable
 class StepSource(Protocol):
   """An iterator of steps whose position can be saved and restored.
@@ -110,8 +126,9 @@ class LiveSource(Protocol):
     """Whether ``step``'s rollouts need weights that have not been synced yet (so it cannot be staged)."""
     ...
 
-  def sync(self, version: int, weights: Any) -> None:
-    """The weight sync: keeps the weights after ``version`` updates for the steps sampled from them."""
+  def sync(self, version: int, weights: Any) -> WeightTransfer | None:
+    """The weight sync: keeps the weights after ``version`` updates for the steps sampled from them; what it
+    copied onto a sampler's own devices, where it has them (else None: a host copy)."""
     ...
 
   def step_stats(self, step: int) -> RolloutStats | None:

@@ -33,11 +33,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import jax
 import numpy as np
 
-from orchestrator.contract import RolloutStats, SourceStateError
+from orchestrator.contract import RolloutStats, SourceStateError, WeightTransfer
 from orchestrator.data.trajectory import Trajectory, TrajectoryGroup
+from orchestrator.live.placement import keep
 from orchestrator.live.rewards import Reward, task_reward
 from orchestrator.live.sampler import LiveSampler
 from orchestrator.live.tasks import group_advantages
@@ -112,7 +112,8 @@ class LiveRollouts:
     self.shape = shape
     self._cond = threading.Condition()
     self._sampler_lock = threading.Lock()
-    self._weights: dict[int, Any] = {0: None}  # version -> host weights; None: the sampler's own (version 0)
+    # version -> weights (host, or on a split sampler's devices); None: the sampler's own (version 0)
+    self._weights: dict[int, Any] = {0: None}
     self._synced = 0
     self._ready: dict[int, StepRollouts] = {}
     self._delivered: dict[int, StepRollouts] = {}
@@ -146,19 +147,21 @@ class LiveRollouts:
     with self._cond:
       return step < self.shape.steps and self.version_for(step) > self._synced
 
-  def sync(self, version: int, weights: Any) -> None:
-    """The weight sync: keeps the weights of ``version`` (copied to host) for the steps that need them.
+  def sync(self, version: int, weights: Any) -> WeightTransfer | None:
+    """The weight sync: keeps the weights of ``version`` for the steps that need them (``placement.keep``: on
+    host, or on a split sampler's devices, then it returns what the transfer moved).
 
     It never waits for the sampler: the copy waits only for the update that produced the weights, and the
     condition's lock is never held while sampling (the sampler has its own).
     """
     if weights is None:
-      return
-    host = jax.device_get(weights)
+      return None
+    kept, moved = keep(self._sampler.placement, weights)
     with self._cond:
-      self._weights[int(version)] = host
+      self._weights[int(version)] = kept
       self._synced = max(self._synced, int(version))
       self._cond.notify_all()
+    return moved
 
   # ---------------------------------------------------------------- the iterator
   def __iter__(self) -> "LiveRollouts":

@@ -21,6 +21,7 @@ from tunix.generate import sampler as sampler_lib
 
 from orchestrator.engine import model as model_lib
 from orchestrator.engine.presets import ModelPreset
+from orchestrator.live.placement import SamplerPlacement, default_device
 
 
 #: A token id no sampler produces: Tunix's stop when the completion's end is found here instead.
@@ -54,14 +55,20 @@ class LiveSampler:
     alphabet: the only characters completions may use (a toy task's answers: fixed length, no eos); None
       samples any id the tokenizer has, and a completion ends at an end-of-sequence id.
     dtype: the compute dtype (``engine.dtype``), as the engine trains.
+    placement: the devices it samples on and holds its weights on (``live.placement``); None: the default
+      device.
   """
 
   def __init__(self, preset: ModelPreset, tokenizer, *, seed: int, max_prompt_length: int,
-               max_generation_steps: int, alphabet: str | None = None, dtype: str = "float32"):
+               max_generation_steps: int, alphabet: str | None = None, dtype: str = "float32",
+               placement: SamplerPlacement | None = None):
     if tokenizer.vocab_size > preset.vocab_size:
       raise ValueError(f"the tokenizer's {tokenizer.vocab_size} ids do not fit {preset.name}'s vocabulary"
                        f" of {preset.vocab_size}")
     graphdefs, params, _ = model_lib.build_model(preset, seed, dtype=dtype)
+    self.placement = placement
+    if placement is not None:  # Tunix's sampler keeps the first weights' shardings: every later sync must match
+      params = placement.put(params)
     self._graphdef = graphdefs["dropless"]  # sampling never drops tokens
     self.tokenizer = tokenizer
     self.max_prompt_length = max_prompt_length
@@ -82,9 +89,13 @@ class LiveSampler:
     self.weights_version = 0
 
   def sync(self, weights: Any, version: int) -> None:
-    """Takes the trainer's weights (any placement; copied to host, then to the sampler's device)."""
-    host = jax.device_get(weights)
-    model = nnx.merge(self._graphdef, jax.tree.map(jnp.asarray, host))
+    """Takes the trainer's weights (any placement; copied to host, then to the sampler's device; with a
+    placement, device to device onto its devices, where ``placement.transfer`` did not put them already)."""
+    if self.placement is not None:
+      placed = self.placement.put(weights)  # no copy for weights already there
+    else:
+      placed = jax.tree.map(jnp.asarray, jax.device_get(weights))
+    model = nnx.merge(self._graphdef, placed)
     self._sampler.transformer_state = nnx.variables(model)
     self.weights_version = int(version)
 
@@ -101,17 +112,19 @@ class LiveSampler:
     # Tunix cuts a completion before its eos, and the eos's log-prob with it; a completion that ends must
     # keep both (the policy learns when to stop, and a first-token eos would leave nothing). So its stop is
     # an id never sampled, and each completion is cut after its first eos here.
-    out = self._sampler([self.model_prompt(p) for p in prompts], max_generation_steps=self.max_generation_steps,
-                        max_prompt_length=self.max_prompt_length, temperature=temperature, top_p=1.0,
-                        seed=int(seed), return_logprobs=True, forbidden_tokens=self._forbidden,
-                        eos_tokens=[NEVER_SAMPLED])
+    with default_device(self.placement):
+      out = self._sampler([self.model_prompt(p) for p in prompts], max_generation_steps=self.max_generation_steps,
+                          max_prompt_length=self.max_prompt_length, temperature=temperature, top_p=1.0,
+                          seed=int(seed), return_logprobs=True, forbidden_tokens=self._forbidden,
+                          eos_tokens=[NEVER_SAMPLED])
     return self._samples(prompts, out)
 
   def greedy(self, prompts: Sequence[str]) -> list[str]:
     """The most likely completion of each prompt (evaluation)."""
-    out = self._sampler([self.model_prompt(p) for p in prompts], max_generation_steps=self.max_generation_steps,
-                        max_prompt_length=self.max_prompt_length, forbidden_tokens=self._forbidden,
-                        eos_tokens=self._eos_ids)
+    with default_device(self.placement):
+      out = self._sampler([self.model_prompt(p) for p in prompts], max_generation_steps=self.max_generation_steps,
+                          max_prompt_length=self.max_prompt_length, forbidden_tokens=self._forbidden,
+                          eos_tokens=self._eos_ids)
     return [self.tokenizer.decode(ids) for ids in out.tokens]
 
   def _samples(self, prompts: Sequence[str], out) -> Samples:

@@ -40,7 +40,7 @@ from orchestrator.loop.live_waits import (LiveWaits, SourceFailed, StoppedWithou
                                           latest_checkpoint)
 from orchestrator.loop.recorder import BoundaryRecord, Lane, Recorder, Span, fwd_bwd_key, update_key
 from orchestrator.loop.watcher import Watched
-from orchestrator.loop.weight_sync import HostWeightStore
+from orchestrator.loop.weight_sync import HostWeightStore, timed_sync
 from policies import BoundaryPlan, DeviceHeadroom, Mode, StepBoundaryPolicy
 from policies.call_order import Action, boundary_actions
 from policies.step_boundary import format_seconds
@@ -602,7 +602,4 @@ class RLProgram:
       self._result.checkpoint_path, self._last_checkpoint_steps = boundary.checkpoint_path, done
       boundary.spans["checkpoint_s"] = self.clock() - start
       self.recorder.span(f"checkpoint {done}", start, self.clock(), Lane.BOUNDARY_WORK)
-    start = self.clock()
-    self.weight_sync(done, self.worker.export_weights())
-    boundary.spans["weight_sync_s"] = self.clock() - start
-    self.recorder.span(f"weight sync {done}", start, self.clock(), Lane.BOUNDARY_WORK)
+    timed_sync(self.weight_sync, self.worker, self.recorder, self.clock, boundary.spans, done)

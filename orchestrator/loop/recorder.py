@@ -108,6 +108,10 @@ class BoundaryRecord:
   device_bytes_in_use: list[int] | None = None
   device_bytes_limit: list[int] | None = None
   device_free_bytes: int | None = None
+  # The weight sync to a sampler on devices of its own (rollouts.placement: split): the bytes written there
+  # and the transfer's seconds (part of weight_sync_s). None where the sync copies to host memory.
+  weight_sync_bytes: int | None = None
+  weight_transfer_s: float | None = None
 
   def to_json(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
@@ -283,6 +287,7 @@ class Recorder:
         next_ready=boundary.next_ready, rollout_wait_s=boundary.rollout_wait_s,
         **(dataclasses.asdict(boundary.rollout) if boundary.rollout else {}),
         per_process=boundary.per_process, **_memory_fields(boundary),
+        weight_sync_bytes=spans.get("weight_sync_bytes"), weight_transfer_s=spans.get("weight_transfer_s"),
     )
 
   def sync_records(self) -> None:

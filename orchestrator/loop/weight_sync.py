@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+
+from orchestrator.contract import WeightTransfer, Worker
+from orchestrator.loop.recorder import Lane, Recorder
 
 
 class HostWeightStore:
@@ -35,3 +39,22 @@ def _host_copy(leaf: Any) -> Any:
   if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
     return [np.asarray(shard.data) for shard in leaf.addressable_shards]
   return jax.device_get(leaf)
+
+
+def timed_sync(weight_sync: Callable[[int, Any], Any], worker: Worker, recorder: Recorder,
+               clock: Callable[[], float], spans: dict, done: int) -> None:
+  """Step ``done - 1``'s weight sync as boundary work: the weights exported and handed to ``weight_sync``.
+
+  Its seconds go in ``spans["weight_sync_s"]``. A sync that copies the weights onto a sampler's own devices
+  says what it moved (a ``WeightTransfer``): its bytes and seconds go in the record too, and the transfer
+  gets a span of its own inside the sync's.
+  """
+  start = clock()
+  moved = weight_sync(done, worker.export_weights())
+  end = clock()
+  spans["weight_sync_s"] = end - start
+  recorder.span(f"weight sync {done}", start, end, Lane.BOUNDARY_WORK)
+  if isinstance(moved, WeightTransfer):
+    spans["weight_sync_bytes"] = moved.bytes
+    spans["weight_transfer_s"] = moved.seconds
+    recorder.span(f"weight transfer {done}", moved.started_at, moved.ended_at, Lane.BOUNDARY_WORK)

@@ -19,13 +19,14 @@ from orchestrator.recipe.keys import all_keys, build, canonical, coerce, flatten
 from orchestrator.recipe.loading import (DEFAULT_RECIPE, ENV_SWITCHES, PROCESS_IDENTITY_KEYS, RECIPES_DIR,
                                          ResolvedRecipe, format_config, read_recipe_file, resolve, run_config_dict,
                                          to_dict)
-from orchestrator.recipe.schema import (ROLLOUT_SOURCES, BatchSection, CheckpointSection, DistributedSection,
-                                        MeshSection, ModelSection, Recipe, RecipeError, RolloutsSection, RunSection,
-                                        SimulateSection, StepBoundarySection, TaskSection, TrainerSection, validate)
+from orchestrator.recipe.schema import (PLACEMENTS, ROLLOUT_SOURCES, BatchSection, CheckpointSection,
+                                        DistributedSection, MeshSection, ModelSection, Recipe, RecipeError,
+                                        RolloutsSection, RunSection, SimulateSection, StepBoundarySection, TaskSection,
+                                        TrainerSection, validate)
 
 __all__ = [
     "BatchSection", "CheckpointSection", "DEFAULT_RECIPE", "DistributedSection", "ENV_SWITCHES", "MeshSection",
-    "ModelSection", "PROCESS_IDENTITY_KEYS", "RECIPES_DIR", "ROLLOUT_SOURCES", "Recipe", "RecipeError",
+    "ModelSection", "PLACEMENTS", "PROCESS_IDENTITY_KEYS", "RECIPES_DIR", "ROLLOUT_SOURCES", "Recipe", "RecipeError",
     "ResolvedRecipe", "RolloutsSection", "RunSection", "SimulateSection", "StepBoundarySection", "TaskSection",
     "TrainerSection", "all_keys", "build", "canonical", "coerce", "flatten", "format_config", "get", "parse_bool",
     "read_recipe_file", "resolve", "run_config_dict", "suggest", "to_dict", "validate",

@@ -170,6 +170,8 @@ class BatchSection:
 
 
 ROLLOUT_SOURCES = ("synthetic", "recording", "sampler")
+#: Where the live loop's sampler runs (``rollouts.placement``; ``orchestrator.live.placement``).
+PLACEMENTS = ("shared", "split")
 
 
 @dataclasses.dataclass
@@ -186,6 +188,10 @@ class RolloutsSection:
   groups_per_micro_batch: int = 4
   temperature: float = 1.0
   record_to: str | None = None  # a live run writes the rollouts it trained on as a recording there
+  # shared: the sampler runs on the trainer's devices; split: on rollouts.devices local devices of its own
+  # (those after the mesh's), with its own copy of the weights, which the weight sync copies device to device.
+  placement: str = "shared"
+  devices: int | None = None  # split: the sampler's devices (default 1)
   # Shape of recordings made by `run_rl record` (log-normal lengths, medians in tokens).
   groups: int = 256
   prompt_len_median: float = 24.0
@@ -210,6 +216,18 @@ class RolloutsSection:
       raise RecipeError(f"rollouts.source={self.source!r}: use one of {', '.join(map(repr, ROLLOUT_SOURCES))}")
     if self.source == "recording" and not self.recording:
       raise RecipeError("rollouts.source=recording needs rollouts.recording=DIR")
+    if self.placement not in PLACEMENTS:
+      raise RecipeError(f"rollouts.placement={self.placement!r}: use one of {', '.join(PLACEMENTS)}")
+    if self.devices is not None:
+      _at_least("rollouts", self, ("devices",), 1)
+      _at_most("rollouts", self, ("devices",), 65_536)
+      if self.placement != "split":
+        raise RecipeError(f"rollouts.devices={self.devices} is for rollouts.placement=split (a sampler on devices"
+                          " of its own); the shared sampler runs on the trainer's devices, so drop it or set"
+                          " rollouts.placement=split")
+    if self.source != "sampler" and self.placement != "shared":
+      raise RecipeError(f"rollouts.placement={self.placement} places the live loop's sampler, but"
+                        f" rollouts.source={self.source}; set rollouts.source=sampler or drop it")
 
 
 #: Each task's size keys (``task.*``); ``TaskSection.make`` passes these to the task.
@@ -648,9 +666,16 @@ class Recipe:
       self._validate_distributed()
 
   def _validate_live(self, preset, rows: int, tokens: int) -> None:
-    if self.mesh.num_devices != 1 or self.engine.backend != "jax":
-      raise RecipeError("rollouts.source=sampler runs the live loop on one device with engine.backend=jax;"
-                        " use mesh sizes of 1")
+    if self.engine.backend != "jax":
+      raise RecipeError(f"rollouts.source=sampler trains with engine.backend=jax, not {self.engine.backend}; set"
+                        " engine.backend=jax or use rollouts.source=recording")
+    if self.trainer.location == "remote" and self.mesh.num_devices != 1:
+      raise RecipeError(f"rollouts.source=sampler with trainer.location=remote samples on the driver beside a"
+                        f" one-device trainer; the mesh asks for {self.mesh.num_devices}: use mesh sizes of 1, or"
+                        " trainer.location=local")
+    if self.trainer.location == "remote" and self.rollouts.placement == "split":
+      raise RecipeError("rollouts.placement=split puts the sampler on devices beside the trainer's, which a"
+                        " remote trainer does not share; use rollouts.placement=shared or trainer.location=local")
     tokenizer = self.model.tokenizer()
     if tokenizer.vocab_size > preset.vocab_size:
       where = (f"model.checkpoint={self.model.checkpoint}: its tokenizer.json has {tokenizer.vocab_size} ids"

@@ -1,0 +1,124 @@
+"""Where the live loop's sampler runs and holds its weights (``rollouts.placement``, docs/design.md §9).
+
+``shared``: on the trainer's devices. With a one-device trainer there is no
+placement (None): the sampler runs on the default device as it always has, so
+that run is unchanged bit for bit. On a mesh the sampler's weights are
+replicated over the mesh's devices. ``split``: on ``rollouts.devices`` local
+devices the trainer's mesh does not use (the ones after it), replicated over
+them; the weight sync copies each update's weights there, device to device
+(``transfer``), while the trainer's thread does its boundary work.
+
+Replicated, not the model's shardings, for two reasons. A sampling program on
+replicated weights and a replicated batch needs no collective, so the sampler's
+thread never issues one: on shared devices, two threads that each issue
+collectives can enqueue them in different orders on different devices, which
+deadlocks a GPU's and can exhaust a CPU client's rendezvous threads; here there
+is nothing to order. And the sampler computes exactly what a one-device sampler
+computes, so every placement samples the same rollouts and a run's digest
+depends only on the trainer's mesh. The cost is a full copy of the weights on
+each sampler device and the same sampling computed on each of them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from orchestrator.contract import WeightTransfer
+from orchestrator.engine.mesh import MeshConfig, missing_devices
+
+#: The axis of a sampler's own mesh (its weights are replicated along it).
+SAMPLER_AXIS = "sampler"
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerPlacement:
+  """The sampler's devices and the one sharding every weight takes there (replicated over them).
+
+  ``moves_at_sync``: the weight sync copies the weights onto these devices (``split``); otherwise it keeps a
+  host copy, which the sampling thread places when it takes that version (``shared``).
+  """
+
+  kind: str
+  devices: tuple[Any, ...]
+  sharding: NamedSharding
+
+  @property
+  def moves_at_sync(self) -> bool:
+    return self.kind == "split"
+
+  def put(self, weights: Any) -> Any:
+    """``weights`` (host arrays or arrays on any devices) on the sampler's devices; does not wait."""
+    return jax.device_put(weights, jax.tree.map(lambda _: self.sharding, weights))
+
+  def transfer(self, weights: Any) -> tuple[Any, WeightTransfer]:
+    """Copies ``weights`` onto the sampler's devices and waits until they are there; the copy and what moved."""
+    start = time.perf_counter()
+    placed = jax.block_until_ready(self.put(weights))
+    end = time.perf_counter()
+    copies = len(self.devices)
+    moved = sum(int(np.prod(leaf.shape)) * leaf.dtype.itemsize for leaf in jax.tree.leaves(placed)) * copies
+    return placed, WeightTransfer(bytes=moved, seconds=end - start, started_at=start, ended_at=end)
+
+  def default_device(self):
+    """A context in which the arrays the sampler creates (its cache, prompts, seeds) start on its devices."""
+    return jax.default_device(self.devices[0])
+
+
+def default_device(placement: SamplerPlacement | None):
+  """``placement.default_device()``, or no change where there is no placement (the default device)."""
+  return contextlib.nullcontext() if placement is None else placement.default_device()
+
+
+def keep(placement: SamplerPlacement | None, weights: Any) -> tuple[Any, WeightTransfer | None]:
+  """What a weight sync keeps of ``weights`` for the sampler, and what it moved: a host copy (no placement, or a
+  shared one: the sampling thread places it when it takes that version), or the copy on a split sampler's
+  devices and its ``WeightTransfer``."""
+  if placement is not None and placement.moves_at_sync:
+    return placement.transfer(weights)
+  return jax.device_get(weights), None
+
+
+def missing_sampler_devices(kind: str, trainer_devices: int, sampler_devices: int, visible: int) -> str | None:
+  """Why ``visible`` local devices cannot hold a trainer of ``trainer_devices`` and a split sampler of
+  ``sampler_devices``, and the fix; None if they can (or the placement is shared)."""
+  if kind != "split" or trainer_devices + sampler_devices <= visible:
+    return None
+  needed = trainer_devices + sampler_devices
+  return (f"rollouts.placement=split needs {needed} local devices (the mesh's {trainer_devices} and"
+          f" rollouts.devices={sampler_devices}) but {visible} are visible; on CPU set"
+          f" XLA_FLAGS=--xla_force_host_platform_device_count={needed} before JAX is imported, or use a smaller mesh,"
+          " fewer rollouts.devices or rollouts.placement=shared")
+
+
+def sampler_placement(kind: str, mesh: MeshConfig, sampler_devices: int | None = None) -> SamplerPlacement | None:
+  """The sampler's placement beside a trainer on ``mesh`` (its first ``mesh.num_devices`` devices, as
+  ``engine.mesh.make_mesh`` takes them); None for a shared sampler beside a one-device trainer.
+
+  Raises:
+    ValueError: too few devices are visible for the mesh, or for the mesh and a split sampler (the message
+      names the counts and the fix).
+  """
+  devices = jax.devices()
+  message = missing_devices(mesh, visible=len(devices), processes=jax.process_count())
+  n = mesh.num_devices
+  if message is None:
+    message = missing_sampler_devices(kind, n, sampler_devices or 1, len(devices))
+  if message is not None:
+    raise ValueError(message)
+  if kind == "shared":
+    if n == 1:
+      return None
+    chosen = tuple(devices[:n])
+  elif kind == "split":
+    chosen = tuple(devices[n:n + (sampler_devices or 1)])
+  else:
+    raise ValueError(f"rollouts.placement={kind!r}: use shared or split")
+  sampler_mesh = Mesh(np.array(chosen), (SAMPLER_AXIS,))
+  return SamplerPlacement(kind, chosen, NamedSharding(sampler_mesh, PartitionSpec()))
