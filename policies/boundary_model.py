@@ -287,7 +287,7 @@ def scale_values(values: Mapping, source: JobShape, target: JobShape) -> tuple[d
   out, changes = dict(values), []
   for name, value in values.items():
     quantity, rule = SCALING.get(name, (None, "not a scaled component"))
-    if quantity is None or isinstance(value, bool):
+    if quantity is None or isinstance(value, bool) or not value:  # a zero stays zero: no rule to cite
       continue
     if quantity in _MODEL_BOUND and source.model != target.model:
       changes.append(ScaledChange(name, 1.0, f"not scaled: {target.model} is another model than"
