@@ -25,7 +25,7 @@ same list the program executes — and ``predict`` times it action by action.
 ``boundary_idle_s`` is the gap between update k finishing and step k+1's first
 micro-batch starting; ``step_s`` adds it, any delay of the update's start and
 the gaps inside the step to the compute-only bound ``M × micro_batch_s +
-update_s`` (plus re-runs).
+first_micro_batch_extra_s + update_s`` (plus re-runs).
 
 A device wait that starts while compute still runs costs the larger of the
 remaining compute and the wait floor (a remote runtime's round trip overlaps
@@ -57,6 +57,9 @@ class Components:
 
   micro_batch_s: float
   update_s: float
+  # device: how much longer a step's first micro-batch computes than the others (the host's work after the
+  # boundary — the record, dashboards, the policy — shares the cores with it on a CPU; about 0 on an accelerator)
+  first_micro_batch_extra_s: float = 0.0
   map_s: float = 0.0  # host: map one micro-batch's rollouts into arrays and issue their copy
   copy_s: float = 0.0  # device: one micro-batch's inputs reaching the device after the host issued them
   sync_copy: bool = False  # an unstaged fwd_bwd's copy queues on the compute stream, behind the update
@@ -80,8 +83,8 @@ class Components:
 
   @property
   def compute_bound_s(self) -> float:
-    return (self.micro_batches_per_step * self.micro_batch_s + self.reruns_per_step * self.rerun_s
-            + self.update_s)
+    return (self.micro_batches_per_step * self.micro_batch_s + self.first_micro_batch_extra_s
+            + self.reruns_per_step * self.rerun_s + self.update_s)
 
   @property
   def in_step_gaps_s(self) -> float:
@@ -258,6 +261,7 @@ SCALING: dict[str, tuple[str | None, str]] = {
     "checkpoint_s": ("weights_per_host", "each host saves its shard of the state (1 / hosts)"),
     "weight_sync_s": ("weights_per_host", "each host exports its shard of the weights (1 / hosts)"),
     "reruns_per_step": ("micro_batches", "re-runs are a share of the micro-batches"),
+    "first_micro_batch_extra_s": (None, "the host's work beside the first micro-batch, per step"),
     "metrics_s": (None, "a few scalars per step"),
     "logging_s": (None, "one record per step"),
     "dispatch_s": (None, "one host call"),

@@ -173,7 +173,7 @@ def test_scaling_rules_follow_rows_devices_hosts_and_micro_batches():
   doubled, changes = scale(c, SHAPE, dataclasses.replace(SHAPE, rows=64))
   assert (doubled.micro_batch_s, doubled.map_s, doubled.copy_s) == pytest.approx((0.12, 0.006, 0.002))
   assert (doubled.update_s, doubled.metrics_s, doubled.weight_sync_s) == (0.004, 0.001, 0.002)
-  assert {ch.component for ch in changes} == {"micro_batch_s", "map_s", "copy_s", "rerun_s"}
+  assert {ch.component for ch in changes} == {"micro_batch_s", "map_s", "copy_s"}  # a zero stays zero
   assert all("x2" in ch.rule for ch in changes)
   wide, _ = scale(c, SHAPE, dataclasses.replace(SHAPE, devices=4, hosts=2, micro_batches_per_step=6))
   assert wide.micro_batch_s == pytest.approx(0.015) and wide.update_s == pytest.approx(0.001)
@@ -320,3 +320,12 @@ def test_simulate_from_a_run_predicts_twice_the_rows_by_the_scaling_rules(tiny_r
   assert "tokens each device holds" in rules["micro_batch_s"] and "x2" in rules["micro_batch_s"]
   lo, hi = next(r["step_range_s"] for r in out["modes"] if r["mode"] == "stage_before_update")
   assert 0 < lo <= hi
+
+
+def test_a_slower_first_micro_batch_is_fitted_apart_and_counted_once_per_step():
+  off = [_record("off", idle=0.01, micro=(0.15, 0.1, 0.1)) for _ in range(4)]
+  c = fit({"off": off}, update_reads_last_flag=False, wait_floor_s=0.0, dispatch_s=0.0).estimate.components
+  assert c.micro_batch_s == pytest.approx(0.1) and c.first_micro_batch_extra_s == pytest.approx(0.05)
+  plain = dataclasses.replace(c, first_micro_batch_extra_s=0.0)
+  for mode in Mode:
+    assert predict(c, mode).step_s - predict(plain, mode).step_s == pytest.approx(0.05)

@@ -50,7 +50,8 @@ def estimate_from_recipe(resolved) -> tuple[Estimate, list[ScaledChange]]:
   """The recipe's ``simulate`` components, with each one's source, scaled from ``simulate.reference_*``."""
   recipe, s = resolved.recipe, resolved.recipe.simulate
   c = Components(
-      micro_batch_s=s.micro_batch_s, update_s=s.update_s, map_s=s.resolved_map_s, copy_s=s.copy_s,
+      micro_batch_s=s.micro_batch_s, first_micro_batch_extra_s=s.first_micro_batch_extra_s, update_s=s.update_s,
+      map_s=s.resolved_map_s, copy_s=s.copy_s,
       sync_copy=s.sync_copy, metrics_s=s.metrics_s, logging_s=s.logging_s, checkpoint_s=s.checkpoint_s,
       weight_sync_s=s.weight_sync_s, update_overlap_share=s.resolved_update_overlap_share,
       dispatch_s=s.dispatch_s, gap_per_dispatch_s=s.gap_per_dispatch_s, wait_floor_s=s.wait_floor_s,
@@ -177,26 +178,15 @@ def _reads_flag(engine: dict) -> bool:
   return bool(engine.get("retry_when_tokens_dropped") or engine.get("skip_nonfinite_updates"))
 
 
-def fit_run(path) -> RunFit:
-  """Components fitted from a run directory (its modes as arms) or a rig directory (its arms).
+def _rig_arms(path: Path) -> tuple[dict, dict, dict | None]:
+  """A rig directory's arms, its calibrated components and its recipe (None: written before it kept one)."""
+  arms = json.loads((path / "records.json").read_text())
+  saved = json.loads((path / "predictions.json").read_text())
+  return {n: rs for n, rs in arms.items() if rs}, saved["components"], saved.get("recipe_config")
 
-  Raises:
-    RunDirError / ValueError: neither a run nor a rig directory, or one without records.
-  """
-  path = Path(path)
-  if (path / "records.json").is_file() and (path / "predictions.json").is_file():
-    arms = json.loads((path / "records.json").read_text())
-    saved = json.loads((path / "predictions.json").read_text())
-    calibrated = saved["components"]
-    config = saved.get("recipe_config")
-    recipe = _recipe_from_config(config) if config else None
-    reads = (_reads_flag(config["engine"]) if config
-             else calibrated.get("update_overlap_share", 1.0) == 0.0 or calibrated.get("update_waits_for_last"))
-    arms = {n: rs for n, rs in arms.items() if rs}
-    result = fit(arms, update_reads_last_flag=bool(reads), wait_floor_s=calibrated["wait_floor_s"],
-                 dispatch_s=calibrated["dispatch_s"], wait_floor_source="calibrated by the rig",
-                 dispatch_source="calibrated by the rig")
-    return RunFit(result, {n: measured(rs) for n, rs in arms.items()}, job_shape(recipe) if recipe else None)
+
+def _run_arms(path: Path) -> tuple[dict, dict, dict]:
+  """A run directory's modes as arms (each mode's records in step order), its summary and its recipe."""
   config = run_dir.read_config(path, flag="simulate --from")
   segments = run_dir.segments(path, config)
   records = run_dir.run_records(segments, needed=sys.maxsize)  # every step, across the segments
@@ -204,13 +194,44 @@ def fit_run(path) -> RunFit:
     raise run_dir.RunDirError(f"simulate --from {path}: it holds {len(records)} records; at least 2 are needed")
   summary_path = segments[-1].path / run_dir.SUMMARY
   summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
-  # A run's "arms" are its modes, each a run of consecutive records (the steps of a mode in order).
   arms: dict[str, list[dict]] = {}
   for r in records:
     arms.setdefault(r["mode"], []).append(r)
-  result = fit(arms, update_reads_last_flag=_reads_flag(config["config"].get("engine", {})),
-               wait_floor_s=summary.get("wait_floor_max_s"))
-  return RunFit(result, {n: measured(rs) for n, rs in arms.items()}, job_shape(_recipe_from_config(config["config"])))
+  return arms, summary, config["config"]
+
+
+def fit_run(paths) -> RunFit:
+  """Components fitted from run directories (their modes as arms) or rig directories (their arms), together.
+
+  Several directories pool their arms (a name seen twice is suffixed with its
+  directory's name); the job and the engine settings are the first one's.
+
+  Raises:
+    RunDirError / ValueError: neither a run nor a rig directory, or one without records.
+  """
+  arms: dict[str, list[dict]] = {}
+  first = None
+  floors, dispatches = [], []
+  for path in (Path(p) for p in ([paths] if isinstance(paths, (str, Path)) else paths)):
+    if (path / "records.json").is_file() and (path / "predictions.json").is_file():
+      these, calibrated, config = _rig_arms(path)
+      floors.append(calibrated["wait_floor_s"])
+      dispatches.append(calibrated["dispatch_s"])
+    else:
+      these, summary, config = _run_arms(path)
+      floors.append(summary.get("wait_floor_max_s"))
+    first = first or (config, path)
+    for name, records in these.items():
+      arms[name if name not in arms else f"{name}@{path.name}"] = records
+  config, path = first
+  rigs = bool(dispatches)
+  floor = max((f for f in floors if f is not None), default=None)
+  result = fit(arms, update_reads_last_flag=_reads_flag(config["engine"]) if config else False, wait_floor_s=floor,
+               dispatch_s=statistics.median(dispatches) if dispatches else None,
+               wait_floor_source="calibrated by the rig" if rigs else "calibrated by the run",
+               dispatch_source="calibrated by the rig")
+  shape = job_shape(_recipe_from_config(config)) if config else None
+  return RunFit(result, {n: measured(rs) for n, rs in arms.items()}, shape)
 
 
 def fit_rows(run: RunFit) -> list[dict]:
@@ -239,11 +260,11 @@ def format_fit(path, run: RunFit, rows: list[dict]) -> str:
   lines = [f"simulate --from {path}: {estimate.components.micro_batches_per_step} micro-batches per step,"
            f" fitted on {', '.join(run.fit.used)}",
            *_components_lines(estimate), "",
-           f"{'arm':<22} {'predicted idle':>15} {'predicted step':>15} {'measured idle':>14} {'measured step':>14}"
+           f"{'arm':<26} {'predicted idle':>15} {'predicted step':>15} {'measured idle':>14} {'measured step':>14}"
            f" {'step error':>11} {'idle error':>11}  within (step 5%, idle {format_seconds(idle_tol)})"]
   for r in rows:
     name = r["arm"] + (" (fit)" if r["fitted_on"] else "")
-    head = (f"{name:<22} {_range(r['boundary_idle_s'], r['boundary_idle_range_s']):>15}"
+    head = (f"{name:<26} {_range(r['boundary_idle_s'], r['boundary_idle_range_s']):>15}"
             f" {_range(r['step_s'], r['step_range_s'], _step_fmt):>15}")
     m = r.get("measured")
     if m is None:

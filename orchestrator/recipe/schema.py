@@ -412,6 +412,7 @@ class SimulateSection:
   meaning and scaling rule). Seconds unless the name says otherwise."""
 
   micro_batch_s: float = 1.0
+  first_micro_batch_extra_s: float = 0.0  # a step's first micro-batch, beside the host's boundary work
   update_s: float = 0.05
   map_s: float | None = None  # host: map one micro-batch and issue its copy (None: input_copy_s, else 0.07)
   input_copy_s: float | None = None  # the earlier spelling of map_s (a host cost, serial with the dispatch)
@@ -438,7 +439,7 @@ class SimulateSection:
   reference_hosts: int | None = None
 
   def validate(self) -> None:
-    _at_least("simulate", self, ("micro_batch_s", "update_s", "map_s", "input_copy_s", "copy_s", "metrics_s",
+    _at_least("simulate", self, ("micro_batch_s", "first_micro_batch_extra_s", "update_s", "map_s", "input_copy_s", "copy_s", "metrics_s",
                                  "logging_s", "checkpoint_s", "weight_sync_s", "update_overlap_share",
                                  "dispatch_s", "gap_per_dispatch_s", "wait_floor_s", "rollout_wait_s",
                                  "reruns_per_step", "rerun_s"), 0)
