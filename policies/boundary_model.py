@@ -1,43 +1,51 @@
 """Boundary model: the timeline of one step boundary per mode, from component times.
 
 Pure Python (no JAX), used by the rig to write predictions before its arms run
-and by ``run_rl simulate`` as a planning tool.
+and by ``run_rl simulate`` as a planning tool. docs/design.md §6 gives each
+component's unit, meaning, how a run identifies it and how it scales.
 
 Model. One device runs its work in dispatch order; one host thread issues it.
 Time 0 is the dispatch of step k's last micro-batch, which starts computing at
 once (the device was busy with the micro-batch before it). Host costs:
-``dispatch_s`` per dispatch, ``prepare_s`` to map and place one micro-batch,
-``boundary_work_s`` for metrics, logging, checkpoint and weight sync. Device
-costs: ``micro_batch_s``, ``update_s`` and, under dropless re-runs,
-``reruns_per_step`` re-runs of ``rerun_s`` each. If ``update_waits_for_last``
-(dropless re-runs read an overflow flag; a non-finite check reads the gradient
-norm), ``update()`` returns to the host only when the last micro-batch is done,
-and dispatches that micro-batch's re-run (when it overflowed) before the update.
+``dispatch_s`` per dispatch call, ``map_s`` to map one micro-batch's rollouts
+into arrays and issue their copy, and the boundary work — ``metrics_s`` and
+``logging_s`` (the METRICS action), ``checkpoint_s`` and ``weight_sync_s``
+(CHECKPOINT_AND_SYNC). Device costs: ``micro_batch_s``, ``update_s``,
+``copy_s`` (one micro-batch's inputs reaching the device) and, under dropless
+re-runs, ``reruns_per_step`` re-runs of ``rerun_s`` each. ``update()`` returns
+to the host once ``1 - update_overlap_share`` of the last micro-batch's compute
+has passed (1: at once; 0: when it is done, as a read of its overflow flag
+makes it), and dispatches that micro-batch's re-run (when it overflowed)
+before the update. Inside a step each micro-batch after the first costs
+``gap_per_dispatch_s`` of device time outside any micro-batch (a round trip
+per dispatch on a remote runtime, a flag read between micro-batches).
 
 Per mode, the host's order is ``policies.call_order.boundary_actions`` — the
 same list the program executes — and ``predict`` times it action by action.
-``boundary_idle_s`` is the
-gap between update k finishing and step k+1's first micro-batch being
-dispatched; ``step_s`` adds it, and any delay of the update's start, to the
-compute-only bound ``M × micro_batch_s + update_s``.
+``boundary_idle_s`` is the gap between update k finishing and step k+1's first
+micro-batch starting; ``step_s`` adds it, any delay of the update's start and
+the gaps inside the step to the compute-only bound ``M × micro_batch_s +
+first_micro_batch_extra_s + update_s`` (plus re-runs).
 
 A device wait that starts while compute still runs costs the larger of the
 remaining compute and the wait floor (a remote runtime's round trip overlaps
-the compute). ``copy_s`` is the device-side transfer of one micro-batch's
-inputs (0: it is inside ``prepare_s``); a staged copy runs beside the compute,
-and with ``sync_copy`` an unstaged ``fwd_bwd`` queues its copy behind the
-update on the compute stream — there STAGE_AFTER_UPDATE hides more than PIPELINED.
+the compute). A staged copy runs beside the compute; an unstaged ``fwd_bwd``
+issues its copy at dispatch and, with ``sync_copy``, that copy queues behind
+the update on the compute stream — there STAGE_AFTER_UPDATE hides more than
+PIPELINED. With ``copy_s`` 0 or an asynchronous copy the two differ only by
+where one dispatch call falls.
 
-Known biases: with ``copy_s`` 0 it assumes the copy issued by ``prepare`` is
-complete when the micro-batch is dispatched, that boundary
-work never contends with compute (optimistic on a 2-core CPU, where host work
-and XLA share the memory bus), and a wait floor that is paid once per deferred
-update (pessimistic for runtimes whose floor overlaps the wait).
+Known biases: boundary work never contends with compute (optimistic on a
+2-core CPU, where host work and XLA share the memory bus), and a wait floor
+is paid once per deferred update (pessimistic for runtimes whose floor
+overlaps the wait).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
+from collections.abc import Mapping
 
 from policies.call_order import Action, boundary_actions
 from policies.step_boundary import BoundaryPlan, Mode
@@ -45,26 +53,43 @@ from policies.step_boundary import BoundaryPlan, Mode
 
 @dataclasses.dataclass(frozen=True)
 class Components:
-  """Measured or assumed component times of one optimizer step, in seconds."""
+  """Measured or assumed component times of one optimizer step (seconds unless named otherwise)."""
 
   micro_batch_s: float
-  prepare_s: float
   update_s: float
-  boundary_work_s: float
-  dispatch_s: float = 0.0005
-  wait_floor_s: float = 0.0
+  # device: how much longer a step's first micro-batch computes than the others (the host's work after the
+  # boundary — the record, dashboards, the policy — shares the cores with it on a CPU; about 0 on an accelerator)
+  first_micro_batch_extra_s: float = 0.0
+  map_s: float = 0.0  # host: map one micro-batch's rollouts into arrays and issue their copy
+  copy_s: float = 0.0  # device: one micro-batch's inputs reaching the device after the host issued them
+  sync_copy: bool = False  # an unstaged fwd_bwd's copy queues on the compute stream, behind the update
+  metrics_s: float = 0.0  # host: read step k's metrics once the update is done
+  logging_s: float = 0.0  # host: the step's record, dashboards and the policy's bookkeeping
+  checkpoint_s: float = 0.0  # host: a checkpoint's save, per boundary (median over the steps)
+  weight_sync_s: float = 0.0  # host: exporting the weights to the samplers
+  update_overlap_share: float = 1.0  # of the last micro-batch's compute, the part update() leaves to the host
+  dispatch_s: float = 0.0005  # host: one dispatch call
+  gap_per_dispatch_s: float = 0.0  # device time lost before each micro-batch after a step's first
+  wait_floor_s: float = 0.0  # the least a device wait costs (a remote runtime's round trip)
+  rollout_wait_s: float = 0.0  # how long the next step's rollouts keep the stage or the first dispatch waiting
   micro_batches_per_step: int = 1
-  update_waits_for_last: bool = False
   reruns_per_step: float = 0.0  # dropless re-runs per step (on average)
   rerun_s: float = 0.0
-  copy_s: float = 0.0  # device-side transfer of one micro-batch's inputs (0: part of prepare_s on the host)
-  rollout_wait_s: float = 0.0  # how long the next step's rollouts keep the stage or the first dispatch waiting
-  sync_copy: bool = False  # an unstaged fwd_bwd's copy queues on the compute stream, behind the update
+
+  @property
+  def boundary_work_s(self) -> float:
+    """The host's boundary work: metrics, logging, checkpoint and weight sync."""
+    return self.metrics_s + self.logging_s + self.checkpoint_s + self.weight_sync_s
 
   @property
   def compute_bound_s(self) -> float:
-    return (self.micro_batches_per_step * self.micro_batch_s + self.reruns_per_step * self.rerun_s
-            + self.update_s)
+    return (self.micro_batches_per_step * self.micro_batch_s + self.first_micro_batch_extra_s
+            + self.reruns_per_step * self.rerun_s + self.update_s)
+
+  @property
+  def in_step_gaps_s(self) -> float:
+    """Device time inside a step outside any computation: one gap per micro-batch after the first."""
+    return max(self.micro_batches_per_step - 1, 0) * self.gap_per_dispatch_s
 
   @property
   def last_rerun_s(self) -> float:
@@ -137,7 +162,7 @@ def _step(t: _Timeline, action: Action, mode: Mode) -> None:
   if action is Action.STAGE_FIRST:
     if c.rollout_wait_s:
       t.host_segment("rollout wait", c.rollout_wait_s)
-    t.host_segment("stage", c.prepare_s)
+    t.host_segment("stage", c.map_s)
     t.first_inputs_ready = t.host + c.copy_s  # a staged copy runs beside the compute
   elif action is Action.WAIT_AND_UPDATE:
     # A wait that starts while compute still runs costs the larger of the remaining compute and the floor.
@@ -146,14 +171,19 @@ def _step(t: _Timeline, action: Action, mode: Mode) -> None:
     t.host = wait_end
     t.dispatch_update(wait_end + d)
   elif action is Action.UPDATE:
-    t.dispatch_update((max(t.host, t.last_done) if c.update_waits_for_last else t.host) + d)
+    # update() hands the host back once (1 - overlap share) of the last micro-batch has run.
+    released = (1.0 - c.update_overlap_share) * t.last_done
+    t.dispatch_update(max(t.host, released) + d)
   elif action is Action.METRICS:
     t.host = max(t.host, t.update_done)  # the metrics read waits for the update
-    t.host_segment("boundary work", c.boundary_work_s)  # metrics, logging, checkpoint and sync
+    t.host_segment("boundary work", c.metrics_s + c.logging_s)
+  elif action is Action.CHECKPOINT_AND_SYNC:
+    t.host = max(t.host, t.update_done)  # saving and exporting read the updated state
+    t.host_segment("boundary work", c.checkpoint_s + c.weight_sync_s)
   elif action is Action.DISPATCH_FIRST:  # maps and places inside the call
     if c.rollout_wait_s:
       t.host_segment("rollout wait", c.rollout_wait_s)
-    t.host_segment("stage" if mode is Mode.STAGE_AFTER_UPDATE else "prepare", c.prepare_s)
+    t.host_segment("stage" if mode is Mode.STAGE_AFTER_UPDATE else "prepare", c.map_s)
     t.first_dispatch = t.host + d
     # A synchronous copy queues behind the update on the compute stream; an asynchronous one runs beside it.
     t.first_inputs_ready = (max(t.update_done, t.first_dispatch) if c.sync_copy else t.first_dispatch) + c.copy_s
@@ -161,13 +191,14 @@ def _step(t: _Timeline, action: Action, mode: Mode) -> None:
     t.first_dispatch = t.host + d
 
 
-def predict(c: Components, mode: Mode) -> Prediction:
+def predict(c: Components, mode: Mode, *, sync_before_next_step: bool = False) -> Prediction:
   """The timeline of one boundary in ``mode`` and what it implies for idle and step time.
 
   Time 0 is the dispatch of step k's last micro-batch; the host has just issued it.
   """
   t = _Timeline(c, c.dispatch_s, [Segment("device", "last micro-batch", 0.0, c.micro_batch_s)])
-  for action in boundary_actions(BoundaryPlan.for_mode(0, mode, reason="modelled")):
+  plan = BoundaryPlan.for_mode(0, mode, reason="modelled")
+  for action in boundary_actions(plan, sync_before_next_step=sync_before_next_step):
     if t.first_dispatch is not None:
       break
     _step(t, action, mode)
@@ -179,11 +210,164 @@ def predict(c: Components, mode: Mode) -> Prediction:
   update_delay = max(0.0, t.update_dispatch - t.last_done)
   # Re-runs of earlier micro-batches sit inside the step; the last one's is already in update_done.
   return Prediction(mode=mode, boundary_idle_s=idle, boundary_idle_strict_s=idle + update_delay,
-                    step_s=c.compute_bound_s + idle + update_delay, update_delay_s=update_delay,
-                    segments=tuple(t.segments))
+                    step_s=c.compute_bound_s + c.in_step_gaps_s + idle + update_delay,
+                    update_delay_s=update_delay, segments=tuple(t.segments))
 
 
 def band(prediction_s: float, *, rel: float, abs_s: float) -> tuple[float, float]:
   """An allowed band around a prediction: ± max(rel × value, abs_s), floored at 0."""
   tol = max(rel * prediction_s, abs_s)
   return max(0.0, prediction_s - tol), prediction_s + tol
+
+
+# ---------------------------------------------------------------------------------------------- scaling
+
+@dataclasses.dataclass(frozen=True)
+class JobShape:
+  """What the scaling rules read of a job: its batch, mesh and model."""
+
+  rows: int  # per micro-batch
+  tokens_per_row: int
+  micro_batches_per_step: int
+  devices: int
+  hosts: int
+  model: str
+
+  @property
+  def tokens_per_device(self) -> float:
+    return self.rows * self.tokens_per_row / self.devices
+
+  @property
+  def tokens_per_host(self) -> float:
+    return self.rows * self.tokens_per_row / self.hosts
+
+  def quantity(self, name: str) -> float:
+    """The quantity a scaling rule is proportional to (``SCALING``'s first column)."""
+    return {"tokens_per_device": self.tokens_per_device, "tokens_per_host": self.tokens_per_host,
+            "weights_per_device": 1.0 / self.devices, "weights_per_host": 1.0 / self.hosts,
+            "micro_batches": float(self.micro_batches_per_step)}[name]
+
+
+#: One row per component: what it is proportional to (None: it stays as it is) and the rule in words.
+#: ``weights_*`` rules hold for the same model only: across models those components are not scaled.
+SCALING: dict[str, tuple[str | None, str]] = {
+    "micro_batch_s": ("tokens_per_device", "compute grows with the tokens each device holds"
+                                           " (rows x tokens per row / devices)"),
+    "rerun_s": ("tokens_per_device", "a re-run is a micro-batch's compute again"),
+    "update_s": ("weights_per_device", "the optimizer touches each device's shard of the weights (1 / devices)"),
+    "map_s": ("tokens_per_host", "each host maps its share of a micro-batch (rows x tokens per row / hosts)"),
+    "copy_s": ("tokens_per_host", "each host's link carries its share of the inputs"
+                                  " (rows x tokens per row / hosts)"),
+    "checkpoint_s": ("weights_per_host", "each host saves its shard of the state (1 / hosts)"),
+    "weight_sync_s": ("weights_per_host", "each host exports its shard of the weights (1 / hosts)"),
+    "reruns_per_step": ("micro_batches", "re-runs are a share of the micro-batches"),
+    "first_micro_batch_extra_s": (None, "the host's work beside the first micro-batch, per step"),
+    "metrics_s": (None, "a few scalars per step"),
+    "logging_s": (None, "one record per step"),
+    "dispatch_s": (None, "one host call"),
+    "gap_per_dispatch_s": (None, "one round trip per dispatch"),
+    "wait_floor_s": (None, "the runtime's round trip"),
+    "rollout_wait_s": (None, "set by the samplers, not by the trainer's shape"),
+    "update_overlap_share": (None, "a share of the last micro-batch (whether update() reads its flag)"),
+    "sync_copy": (None, "how the runtime queues a copy"),
+}
+_MODEL_BOUND = ("tokens_per_device", "weights_per_device", "weights_per_host")  # depend on the model
+
+
+@dataclasses.dataclass(frozen=True)
+class ScaledChange:
+  """One component taken from one job to another, and the rule it rests on."""
+
+  component: str
+  factor: float
+  rule: str
+
+  def as_dict(self) -> dict:
+    return dataclasses.asdict(self)
+
+
+def scale_values(values: Mapping, source: JobShape, target: JobShape) -> tuple[dict, list[ScaledChange]]:
+  """``values`` (component name → value) taken from ``source``'s shape to ``target``'s by ``SCALING``."""
+  out, changes = dict(values), []
+  for name, value in values.items():
+    quantity, rule = SCALING.get(name, (None, "not a scaled component"))
+    if quantity is None or isinstance(value, bool) or not value:  # a zero stays zero: no rule to cite
+      continue
+    if quantity in _MODEL_BOUND and source.model != target.model:
+      changes.append(ScaledChange(name, 1.0, f"not scaled: {target.model} is another model than"
+                                             f" {source.model} (set it in simulate, or fit a run of it)"))
+      continue
+    factor = target.quantity(quantity) / source.quantity(quantity)
+    if factor != 1.0:
+      out[name] = value * factor
+      changes.append(ScaledChange(name, factor, f"{rule}: x{factor:.3g}"))
+  return out, changes
+
+
+def scale(c: Components, source: JobShape, target: JobShape) -> tuple[Components, list[ScaledChange]]:
+  """``c`` fitted or measured on ``source``, taken to ``target`` (micro-batches per step included)."""
+  values, changes = scale_values({f.name: getattr(c, f.name) for f in dataclasses.fields(c)
+                                  if f.name != "micro_batches_per_step"}, source, target)
+  return dataclasses.replace(c, **values, micro_batches_per_step=target.micro_batches_per_step), changes
+
+
+# ---------------------------------------------------------------------------------------------- estimates
+
+@dataclasses.dataclass(frozen=True)
+class Unknown:
+  """What a run cannot identify: the values it may take, each a set of component overrides."""
+
+  name: str
+  why: str
+  options: tuple[Mapping, ...]
+
+  def as_dict(self) -> dict:
+    return {"name": self.name, "why": self.why, "options": [dict(o) for o in self.options]}
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+  """Components with where each came from (recipe, fitted, calibrated, default, ...) and what is unknown.
+
+  ``components`` is the point the prediction is quoted at; each ``Unknown``'s
+  options are the other values the run allows, and a bounded prediction spans
+  every combination of them.
+  """
+
+  components: Components
+  sources: Mapping[str, str]
+  unknowns: tuple[Unknown, ...] = ()
+
+  def scaled(self, source: JobShape, target: JobShape) -> tuple["Estimate", list[ScaledChange]]:
+    components, changes = scale(self.components, source, target)
+    unknowns = tuple(dataclasses.replace(u, options=tuple(scale_values(o, source, target)[0] for o in u.options))
+                     for u in self.unknowns)
+    return Estimate(components, self.sources, unknowns), changes
+
+  def variants(self) -> list[Components]:
+    """The point and every combination the unknowns allow."""
+    out = [self.components]
+    for combo in itertools.product(*(u.options for u in self.unknowns)):
+      merged = {k: v for option in combo for k, v in option.items()}
+      out.append(dataclasses.replace(self.components, **merged))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class BoundedPrediction:
+  """A prediction at the estimate's point, and the range its unknowns allow."""
+
+  point: Prediction
+  step_range_s: tuple[float, float]
+  idle_range_s: tuple[float, float]
+
+  def as_dict(self) -> dict:
+    return {**self.point.as_dict(), "step_range_s": list(self.step_range_s),
+            "boundary_idle_range_s": list(self.idle_range_s)}
+
+
+def predict_bounded(estimate: Estimate, mode: Mode, *, sync_before_next_step: bool = False) -> BoundedPrediction:
+  """``predict`` at the estimate's point and over every combination its unknowns allow."""
+  all_ = [predict(c, mode, sync_before_next_step=sync_before_next_step) for c in estimate.variants()]
+  steps, idles = [p.step_s for p in all_], [p.boundary_idle_s for p in all_]
+  return BoundedPrediction(all_[0], (min(steps), max(steps)), (min(idles), max(idles)))

@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import pytest
 
+from orchestrator import recipe as recipe_lib
 from orchestrator.app import cli
+from orchestrator.app.simulate import estimate_from_recipe
 from policies import Mode
-from policies.boundary_model import Components, band, predict
+from policies.boundary_fit import fit
+from policies.boundary_model import (Components, Estimate, JobShape, Unknown, band, predict, predict_bounded,
+                                     scale)
+from tests.conftest import REPO
 
-C = Components(micro_batch_s=1.0, prepare_s=0.1, update_s=0.05, boundary_work_s=0.2, dispatch_s=0.001,
+C = Components(micro_batch_s=1.0, map_s=0.1, update_s=0.05, metrics_s=0.2, dispatch_s=0.001,
                micro_batches_per_step=3)
 
 
@@ -32,8 +40,8 @@ def test_stage_before_update_hides_preparation_behind_the_last_micro_batch():
 
 
 def test_when_update_waits_for_the_last_micro_batch_only_staging_before_hides_the_copy():
-  c = Components(micro_batch_s=1.0, prepare_s=0.5, update_s=0.05, boundary_work_s=0.2, dispatch_s=0.0,
-                 micro_batches_per_step=3, update_waits_for_last=True)
+  c = Components(micro_batch_s=1.0, map_s=0.5, update_s=0.05, metrics_s=0.2, dispatch_s=0.0,
+                 micro_batches_per_step=3, update_overlap_share=0.0)
   before, after, pipelined = (predict(c, m).boundary_idle_s for m in
                               (Mode.STAGE_BEFORE_UPDATE, Mode.STAGE_AFTER_UPDATE, Mode.PIPELINED))
   assert before == 0.0
@@ -41,7 +49,7 @@ def test_when_update_waits_for_the_last_micro_batch_only_staging_before_hides_th
 
 
 def test_a_stage_that_outlasts_the_micro_batch_delays_the_update():
-  c = Components(micro_batch_s=0.1, prepare_s=0.3, update_s=0.05, boundary_work_s=0.0, dispatch_s=0.0,
+  c = Components(micro_batch_s=0.1, map_s=0.3, update_s=0.05, metrics_s=0.0, dispatch_s=0.0,
                  micro_batches_per_step=2)
   p = predict(c, Mode.STAGE_BEFORE_UPDATE)
   assert p.update_delay_s == pytest.approx(0.2)
@@ -50,16 +58,16 @@ def test_a_stage_that_outlasts_the_micro_batch_delays_the_update():
 
 def test_a_wait_floor_overlaps_the_remaining_compute():
   """The wait costs max(remaining compute, floor), not their sum: 0.1 s stage + 2.8 s floor vs 1 s compute."""
-  c = Components(micro_batch_s=1.0, prepare_s=0.1, update_s=0.05, boundary_work_s=0.0, dispatch_s=0.0,
+  c = Components(micro_batch_s=1.0, map_s=0.1, update_s=0.05, metrics_s=0.0, dispatch_s=0.0,
                  wait_floor_s=2.8, micro_batches_per_step=1)
   assert predict(c, Mode.STAGE_BEFORE_UPDATE).update_delay_s == pytest.approx(0.1 + 2.8 - 1.0)
-  short = Components(micro_batch_s=1.0, prepare_s=0.1, update_s=0.05, boundary_work_s=0.0, dispatch_s=0.0,
+  short = Components(micro_batch_s=1.0, map_s=0.1, update_s=0.05, metrics_s=0.0, dispatch_s=0.0,
                      wait_floor_s=0.5, micro_batches_per_step=1)
   assert predict(short, Mode.STAGE_BEFORE_UPDATE).update_delay_s == 0.0  # hidden by the compute
 
 
 def test_waiting_for_rollouts_delays_whichever_dispatch_or_stage_needs_them():
-  c = Components(micro_batch_s=1.0, prepare_s=0.1, update_s=0.05, boundary_work_s=0.0, dispatch_s=0.0,
+  c = Components(micro_batch_s=1.0, map_s=0.1, update_s=0.05, metrics_s=0.0, dispatch_s=0.0,
                  micro_batches_per_step=2, rollout_wait_s=1.5)
   before = predict(c, Mode.STAGE_BEFORE_UPDATE)
   assert before.boundary_idle_s == 0.0 and before.update_delay_s == pytest.approx(1.5 + 0.1 - 1.0)
@@ -68,7 +76,7 @@ def test_waiting_for_rollouts_delays_whichever_dispatch_or_stage_needs_them():
 
 
 def test_a_synchronous_copy_makes_staging_after_the_update_hide_more_than_pipelining():
-  c = Components(micro_batch_s=1.0, prepare_s=0.05, update_s=0.3, boundary_work_s=0.0, dispatch_s=0.0,
+  c = Components(micro_batch_s=1.0, map_s=0.05, update_s=0.3, metrics_s=0.0, dispatch_s=0.0,
                  copy_s=0.5, sync_copy=True, micro_batches_per_step=2)
   pipelined, after, before = (predict(c, m).boundary_idle_s for m in
                               (Mode.PIPELINED, Mode.STAGE_AFTER_UPDATE, Mode.STAGE_BEFORE_UPDATE))
@@ -96,24 +104,228 @@ def test_simulate_refuses_a_bad_override(capsys):
   assert "simulate.micro_batch_s: expected float" in capsys.readouterr().err
 
 
-def test_simulate_from_a_run_fits_its_components_and_shows_what_it_measured(tmp_path, capsys, monkeypatch):
-  from orchestrator import recipe as recipe_lib
-
-  for name in recipe_lib.ENV_SWITCHES:
-    monkeypatch.delenv(name, raising=False)
-  run = tmp_path / "run"
-  assert cli.main(["model=tiny", "rollouts.source=synthetic", "steps=4", "batch.micro_batches_per_step=2",
-                   "run.reserve_host_core=false", "--out", str(run)]) == 0
-  capsys.readouterr()
-  assert cli.main(["simulate", "--from", str(run)]) == 0
-  out = capsys.readouterr().out
-  lines = {line.split()[0]: line for line in out.splitlines()[3:] if line.strip()}
-  assert set(lines) == {m.value for m in Mode}
-  assert "%" in lines["stage_before_update"] and lines["off"].rstrip().endswith("-")  # measured only for its mode
-  assert lines["stage_before_update"].rstrip().endswith(("yes", "no"))
-  assert "2 micro-batches of" in out
-
-
 def test_simulate_from_a_directory_without_a_run_is_refused(tmp_path, capsys):
   assert cli.main(["simulate", "--from", str(tmp_path)]) == 2
   assert "simulate --from" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------ the components that separate modes
+
+@pytest.mark.parametrize("copy_s,sync_copy,differ", [(0.0, False, False), (0.0, True, False), (0.4, False, False),
+                                                      (0.4, True, True)])
+def test_stage_after_update_and_pipelined_differ_exactly_when_a_copy_queues_behind_the_update(copy_s, sync_copy,
+                                                                                              differ):
+  # dispatch_s 0: the two orders then differ only where the components put the copy.
+  c = Components(micro_batch_s=1.0, update_s=0.3, map_s=0.05, copy_s=copy_s, sync_copy=sync_copy, dispatch_s=0.0,
+                 micro_batches_per_step=2)
+  after, pipelined = predict(c, Mode.STAGE_AFTER_UPDATE), predict(c, Mode.PIPELINED)
+  assert (after.boundary_idle_s != pipelined.boundary_idle_s) is differ
+  assert (after.step_s != pipelined.step_s) is differ
+  if differ:  # the synchronous copy starts when the update ends; the staged one at the stage
+    assert pipelined.boundary_idle_s == pytest.approx(copy_s)
+    assert after.boundary_idle_s == 0.0
+
+
+def test_when_update_waits_for_the_last_micro_batch_a_staged_copy_still_hides_behind_the_update():
+  c = Components(micro_batch_s=1.0, update_s=0.3, map_s=0.05, copy_s=0.4, sync_copy=True, dispatch_s=0.0,
+                 micro_batches_per_step=2, update_overlap_share=0.0)
+  # update() returns at the end of the last micro-batch: stage + copy (0.45 s) outlast the update (0.3 s).
+  after, pipelined = predict(c, Mode.STAGE_AFTER_UPDATE), predict(c, Mode.PIPELINED)
+  assert after.boundary_idle_s == pytest.approx(0.05 + 0.4 - 0.3)
+  assert pipelined.boundary_idle_s == pytest.approx(0.4)
+
+
+def test_the_update_overlap_share_is_continuous():
+  """Staging after update() hides behind what is left of the last micro-batch and the update."""
+  idles = []
+  for share in (0.0, 0.1, 0.2, 0.5):
+    c = Components(micro_batch_s=1.0, update_s=0.05, map_s=0.3, dispatch_s=0.0, micro_batches_per_step=2,
+                   update_overlap_share=share)
+    idles.append(predict(c, Mode.STAGE_AFTER_UPDATE).boundary_idle_s)
+  assert idles == pytest.approx([0.25, 0.15, 0.05, 0.0])
+
+
+def test_gaps_per_dispatch_lengthen_every_mode_by_one_per_micro_batch_after_the_first():
+  c = Components(micro_batch_s=1.0, update_s=0.05, map_s=0.1, metrics_s=0.2, dispatch_s=0.0, micro_batches_per_step=4)
+  gapped = dataclasses.replace(c, gap_per_dispatch_s=0.01)
+  for mode in Mode:
+    assert predict(gapped, mode).step_s - predict(c, mode).step_s == pytest.approx(3 * 0.01)
+
+
+def test_each_boundary_work_term_counts_where_its_action_falls():
+  c = Components(micro_batch_s=1.0, update_s=0.05, metrics_s=0.01, logging_s=0.02, checkpoint_s=0.04,
+                 weight_sync_s=0.08, dispatch_s=0.0, micro_batches_per_step=2)
+  assert c.boundary_work_s == pytest.approx(0.15)
+  assert predict(c, Mode.OFF).boundary_idle_s == pytest.approx(0.15)
+  assert predict(c, Mode.PIPELINED).boundary_idle_s == 0.0  # metrics and sync after the first dispatch
+  # Checkpoint and sync in front of the first dispatch: those two count, the metrics read does not.
+  assert predict(c, Mode.PIPELINED, sync_before_next_step=True).boundary_idle_s == pytest.approx(0.12)
+
+
+# ------------------------------------------------------------------------ scaling
+
+SHAPE = JobShape(rows=32, tokens_per_row=64, micro_batches_per_step=3, devices=1, hosts=1, model="tiny")
+
+
+def test_scaling_rules_follow_rows_devices_hosts_and_micro_batches():
+  c = Components(micro_batch_s=0.06, update_s=0.004, map_s=0.003, copy_s=0.001, metrics_s=0.001,
+                 weight_sync_s=0.002, reruns_per_step=1.5, micro_batches_per_step=3)
+  doubled, changes = scale(c, SHAPE, dataclasses.replace(SHAPE, rows=64))
+  assert (doubled.micro_batch_s, doubled.map_s, doubled.copy_s) == pytest.approx((0.12, 0.006, 0.002))
+  assert (doubled.update_s, doubled.metrics_s, doubled.weight_sync_s) == (0.004, 0.001, 0.002)
+  assert {ch.component for ch in changes} == {"micro_batch_s", "map_s", "copy_s"}  # a zero stays zero
+  assert all("x2" in ch.rule for ch in changes)
+  wide, _ = scale(c, SHAPE, dataclasses.replace(SHAPE, devices=4, hosts=2, micro_batches_per_step=6))
+  assert wide.micro_batch_s == pytest.approx(0.015) and wide.update_s == pytest.approx(0.001)
+  assert wide.map_s == pytest.approx(0.0015) and wide.weight_sync_s == pytest.approx(0.001)
+  assert wide.micro_batches_per_step == 6 and wide.reruns_per_step == pytest.approx(3.0)
+  other, changes = scale(c, SHAPE, dataclasses.replace(SHAPE, model="small"))
+  assert other.micro_batch_s == c.micro_batch_s and other.update_s == c.update_s
+  assert any(ch.component == "micro_batch_s" and ch.rule.startswith("not scaled") for ch in changes)
+
+
+def test_an_unknown_spans_the_predictions_it_allows():
+  c = Components(micro_batch_s=1.0, update_s=0.3, map_s=0.05, dispatch_s=0.0, micro_batches_per_step=2)
+  est = Estimate(c, {}, (Unknown("copy", "not measured", ({"copy_s": 0.4, "sync_copy": True},)),))
+  p = predict_bounded(est, Mode.PIPELINED)
+  assert p.point.boundary_idle_s == 0.0 and p.idle_range_s == pytest.approx((0.0, 0.4))
+  assert predict_bounded(est, Mode.STAGE_BEFORE_UPDATE).idle_range_s == (0.0, 0.0)
+  scaled, _ = est.scaled(SHAPE, dataclasses.replace(SHAPE, rows=64))
+  assert scaled.unknowns[0].options[0]["copy_s"] == pytest.approx(0.8)  # the unknown's values scale too
+
+
+# ------------------------------------------------------------------------ fitting from records
+
+def _record(mode, *, idle, strict=None, stage_s=None, micro=(0.1, 0.1), update_s=0.01, metrics_s=0.002,
+            sync_s=0.003, step_s=None):
+  step = step_s if step_s is not None else sum(micro) + update_s + idle
+  return {"mode": mode, "boundary_idle_s": idle, "boundary_idle_strict_s": idle if strict is None else strict,
+          "stage_s": stage_s, "step_s": step, "micro_batch_s": list(micro), "update_s": update_s,
+          "metrics_s": metrics_s, "checkpoint_s": None, "weight_sync_s": sync_s, "reruns": 0,
+          "rollout_wait_s": None}
+
+
+def test_an_off_only_fit_keeps_the_serial_cost_and_reports_its_split_unidentified():
+  off = [_record("off", idle=0.025) for _ in range(4)]
+  est = fit({"off": off}, update_reads_last_flag=False, wait_floor_s=0.0, dispatch_s=0.0).estimate
+  # OFF's idle less the metrics read and the weight sync: 20 ms of mapping, copy or logging, never zero.
+  c = est.components
+  assert c.map_s + c.copy_s + c.logging_s == pytest.approx(0.02)
+  assert est.sources["copy_s"] == "unidentified" and {u.name for u in est.unknowns} >= {"map_s + copy_s + logging_s"}
+  pipelined = predict_bounded(est, Mode.PIPELINED)
+  assert pipelined.idle_range_s[1] > 0  # a synchronous copy of those 20 ms would show
+  assert predict_bounded(est, Mode.OFF).point.boundary_idle_s == pytest.approx(0.025)
+
+
+def test_a_staged_arm_identifies_the_mapping_and_a_step_residual_the_gap_per_dispatch():
+  off = [_record("off", idle=0.025, step_s=0.235 + 0.004) for _ in range(4)]
+  staged = [_record("stage_before_update", idle=0.0, stage_s=0.02, step_s=0.21 + 0.004) for _ in range(4)]
+  result = fit({"off": off, "stage_before_update": staged, "pipelined": [_record("pipelined", idle=0.0)] * 3},
+               update_reads_last_flag=False, wait_floor_s=0.0, dispatch_s=0.0)
+  assert result.used == ("off", "stage_before_update")
+  c = result.estimate.components
+  assert c.map_s == pytest.approx(0.02) and c.logging_s == pytest.approx(0.0) and c.copy_s == 0.0
+  assert c.gap_per_dispatch_s == pytest.approx(0.004)  # 4 ms per step outside the records' parts, 1 gap
+  assert result.estimate.unknowns == ()
+
+
+def test_one_micro_batch_per_step_leaves_the_gap_unidentified_and_a_flag_read_shows_in_offs_delay():
+  off = [_record("off", idle=0.01, strict=0.012, micro=(0.1,)) for _ in range(3)]
+  est = fit({"off": off}, update_reads_last_flag=True, wait_floor_s=0.001, dispatch_s=0.0).estimate
+  assert est.sources["gap_per_dispatch_s"] == "unidentified"
+  assert est.components.update_overlap_share == 0.0 and est.sources["update_overlap_share"].startswith("fitted")
+
+
+# ------------------------------------------------------------------------ the recipe's simulate section
+
+def _resolve(path, *overrides):
+  return recipe_lib.resolve(REPO / path, overrides=list(overrides), env={})
+
+
+def test_earlier_simulate_keys_still_load_and_a_doubly_spelled_one_is_refused():
+  old = _resolve("recipes/default.yaml", "simulate.input_copy_s=0.3", "simulate.update_waits_for_last=true")
+  est, _ = estimate_from_recipe(old)
+  assert est.components.map_s == 0.3 and est.components.update_overlap_share == 0.0
+  assert est.sources["map_s"] == "override (as simulate.input_copy_s)"
+  with pytest.raises(recipe_lib.RecipeError, match="simulate.input_copy_s and simulate.map_s are both set"):
+    _resolve("recipes/default.yaml", "simulate.input_copy_s=0.3", "simulate.map_s=0.2")
+  with pytest.raises(recipe_lib.RecipeError, match="update_overlap_share=1.5 is out of range"):
+    _resolve("recipes/default.yaml", "simulate.update_overlap_share=1.5")
+
+
+def test_the_production_templates_scale_with_rows_and_micro_batches():
+  def saving(path, *overrides):
+    est, changes = estimate_from_recipe(_resolve(path, *overrides))
+    off, before = (predict_bounded(est, m).point.step_s for m in (Mode.OFF, Mode.STAGE_BEFORE_UPDATE))
+    return off - before, est, changes
+
+  base, est128, _ = saving("recipes/prod_moe_128dev.yaml")
+  wide, est256, changes256 = saving("recipes/prod_moe_256dev.yaml")
+  assert est256.components.micro_batches_per_step == 5 and wide != base
+  assert any(ch.component == "update_s" for ch in changes256)  # measured on 128 devices, run on 256
+  rows2, est_rows2, changes = saving("recipes/prod_moe_128dev.yaml", "batch.rows=128")
+  assert est_rows2.components.copy_s == pytest.approx(2 * est128.components.copy_s)
+  assert est_rows2.components.micro_batch_s == pytest.approx(2 * est128.components.micro_batch_s)
+  assert rows2 > base and {"micro_batch_s", "copy_s", "map_s"} <= {ch.component for ch in changes}
+  p = {m: predict_bounded(est128, m).point for m in (Mode.PIPELINED, Mode.STAGE_AFTER_UPDATE)}
+  assert p[Mode.PIPELINED].boundary_idle_s > p[Mode.STAGE_AFTER_UPDATE].boundary_idle_s  # a synchronous copy
+
+
+def test_simulate_json_names_every_component_and_its_source(capsys):
+  assert cli.main(["simulate", "--recipe", "recipes/prod_moe_256dev.yaml", "--json"]) == 0
+  out = json.loads(capsys.readouterr().out)
+  assert {r["mode"] for r in out["modes"]} == {m.value for m in Mode}
+  assert out["components"]["copy_s"]["source"] == "recipe" and out["components"]["logging_s"]["source"] == "default"
+  assert all(set(r) >= {"step_s", "step_range_s", "boundary_idle_s", "boundary_idle_range_s"} for r in out["modes"])
+  assert {ch["component"] for ch in out["scaled"]} >= {"update_s"}
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+  run = tmp_path_factory.mktemp("fit") / "run"
+  with pytest.MonkeyPatch.context() as mp:
+    for name in recipe_lib.ENV_SWITCHES:
+      mp.delenv(name, raising=False)
+    assert cli.main(["model=tiny", "rollouts.source=synthetic", "steps=4", "batch.micro_batches_per_step=2",
+                     "batch.rows=8", "run.reserve_host_core=false", "--out", str(run)]) == 0
+  return run
+
+
+def test_simulate_from_a_run_fits_its_components_and_shows_what_it_measured(tiny_run, capsys):
+  capsys.readouterr()
+  assert cli.main(["simulate", "--from", str(tiny_run), "--json"]) == 0
+  out = json.loads(capsys.readouterr().out)
+  assert out["fitted_on"] and {r["arm"] for r in out["modes"]} >= {m.value for m in Mode}
+  measured = [r for r in out["modes"] if "measured" in r]
+  assert measured and all(isinstance(r["within"], bool) for r in measured)
+  assert out["components"]["micro_batch_s"]["source"] == "fitted"
+  for name in ("map_s", "copy_s", "logging_s", "sync_copy", "gap_per_dispatch_s"):
+    assert out["components"][name]["source"]  # each says where it came from, unidentified included
+  assert cli.main(["simulate", "--from", str(tiny_run)]) == 0
+  assert "within (step 5%" in capsys.readouterr().out
+
+
+def test_simulate_from_a_run_predicts_twice_the_rows_by_the_scaling_rules(tiny_run, capsys, tmp_path):
+  """Structure only (speed is never asserted): the prediction at 2R rows is the fit's components scaled by the rules."""
+  capsys.readouterr()
+  assert cli.main(["simulate", "--from", str(tiny_run), "--json"]) == 0
+  fitted = json.loads(capsys.readouterr().out)["components"]
+  bigger = tmp_path / "bigger.yaml"
+  bigger.write_text("model: tiny\nsteps: 4\nbatch:\n  micro_batches_per_step: 2\n  rows: 16\n")
+  assert cli.main(["simulate", "--from", str(tiny_run), "--recipe", str(bigger), "--json"]) == 0
+  out = json.loads(capsys.readouterr().out)
+  assert out["components"]["micro_batch_s"]["value"] == pytest.approx(2 * fitted["micro_batch_s"]["value"])
+  assert out["components"]["update_s"]["value"] == pytest.approx(fitted["update_s"]["value"])
+  rules = {ch["component"]: ch["rule"] for ch in out["scaled"]}
+  assert "tokens each device holds" in rules["micro_batch_s"] and "x2" in rules["micro_batch_s"]
+  lo, hi = next(r["step_range_s"] for r in out["modes"] if r["mode"] == "stage_before_update")
+  assert 0 < lo <= hi
+
+
+def test_a_slower_first_micro_batch_is_fitted_apart_and_counted_once_per_step():
+  off = [_record("off", idle=0.01, micro=(0.15, 0.1, 0.1)) for _ in range(4)]
+  c = fit({"off": off}, update_reads_last_flag=False, wait_floor_s=0.0, dispatch_s=0.0).estimate.components
+  assert c.micro_batch_s == pytest.approx(0.1) and c.first_micro_batch_extra_s == pytest.approx(0.05)
+  plain = dataclasses.replace(c, first_micro_batch_extra_s=0.0)
+  for mode in Mode:
+    assert predict(c, mode).step_s - predict(plain, mode).step_s == pytest.approx(0.05)

@@ -71,6 +71,13 @@ def test_rig_end_to_end_two_arms(clean_rig):
   assert data["verdict_line"].startswith("verdict:")
   md = (out / "report.md").read_text()
   assert "## Predictions vs measurements" in md and "## Checks" in md and data["verdict_line"] in md
+  # Every arm again, predicted from components fitted on the OFF arm and the staged arm only.
+  fitted = data["fitted_predictions"]
+  assert fitted["fitted_on"] == ["off", "stage_before_update"] and "## Predictions from the fit on off" in md
+  assert [a["name"] for a in fitted["arms"]] == ["off", "stage_before_update"]
+  for a in fitted["arms"]:
+    lo, hi = a["step_range_s"]
+    assert 0 < lo <= a["step_s"] <= hi and a["measured_step_s"] > 0
 
 
 def test_predictions_file_was_written_before_the_scored_arms(clean_rig):
@@ -215,8 +222,13 @@ def test_the_rig_runs_over_a_remote_trainer_with_the_same_verdicts(rig_inputs, c
   # The fit of that run's records: every arm, with the tolerances it is judged by.
   assert cli.main(["simulate", "--from", str(root / "remote")]) == 0
   out = capsys.readouterr().out
-  assert "within (step 5%" in out and {"off", "stage_before_update", "pipelined"} <= {
-      line.split()[0] for line in out.splitlines()[3:] if line.strip()}
+  assert "within (step 5%" in out and "fitted on off, stage_before_update" in out
+  assert {"off", "stage_before_update", "pipelined"} <= {line.split()[0] for line in out.splitlines() if line.strip()}
+  # The rig keeps its recipe: the fit can be taken to another job (here, twice the rows per micro-batch).
+  assert cli.main(["simulate", "--from", str(root / "remote"), "--json", "--recipe",
+                   str(REPO / "recipes" / "replay_small.yaml"), "model=tiny", "batch.micro_batches_per_step=2",
+                   f"batch.rows={2 * recipe.batch.rows}" if recipe.batch.rows else "batch.rows=64"]) == 0
+  assert json.loads(capsys.readouterr().out)["fitted_on"] == ["off", "stage_before_update"]
 
 
 def test_the_remote_package_imports_nothing_from_the_rig():

@@ -19,18 +19,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import sys
 from pathlib import Path
 
 from orchestrator import recipe as recipe_lib
 from orchestrator.app import launch, run_dir
+from orchestrator.app import simulate as simulate_lib
 from orchestrator.app.arguments import UsageError, UsageErrorParser, parse_subcommand, subcommand_parser
 from orchestrator.app.export import export_main
 from orchestrator.app.host import use_compilation_cache
 from orchestrator.app.run_dir import RunDirError, default_out
 from orchestrator.app.serve_trainer import serve_main
-from orchestrator.app.simulate import components_from_run, format_fit, format_simulation, simulate
 from orchestrator.data.recording import RecordingError, write_recording
 from orchestrator.data.synthetic import RolloutShape, generate_groups
 from orchestrator.engine.host_threads import reserve_host_core
@@ -206,22 +207,37 @@ def _run_rig(recipe, recording: str, args, out: str) -> int:
 
 
 def simulate_main(argv: list[str]) -> int:
-  """``run_rl simulate``: the boundary model fed from the recipe's ``simulate`` section."""
+  """``run_rl simulate``: the boundary model fed from the recipe's ``simulate`` section, or fitted from a run."""
   p = subcommand_parser("simulate", "Predict boundary idle and step time per mode from component times.")
-  p.add_argument("--from", dest="run_dir", metavar="RUN_DIR",
-                 help="fit the components from a run directory's records instead of the recipe's simulate section")
+  p.add_argument("--from", dest="run_dirs", metavar="RUN_DIR", action="append",
+                 help="fit the components from a run's or a rig's records (repeat it to fit an OFF run and a staged"
+                      " run together); with --recipe, predict that recipe's job from them by the scaling rules")
+  p.add_argument("--json", action="store_true", help="print the prediction as JSON")
   args, resolved = parse_subcommand(p, argv)
   if args is None:
     return resolved
-  if args.run_dir:
+  if args.run_dirs:
+    where = " + ".join(args.run_dirs)
     try:
-      components, measured = components_from_run(args.run_dir)
-    except (RunDirError, KeyError, ValueError) as e:
+      run = simulate_lib.fit_run(args.run_dirs)
+      if args.recipe:
+        estimate, changes = simulate_lib.predict_other_job(run, where, resolved)
+        rows = simulate_lib.mode_rows(estimate, simulate_lib.tokens_per_device_per_step(resolved.recipe))
+        out = (simulate_lib.simulation_json(resolved.recipe.name, estimate, changes, rows, used=run.fit.used) if args.json
+               else simulate_lib.format_simulation(resolved.recipe, estimate, changes, rows))
+      else:
+        rows = simulate_lib.fit_rows(run)
+        out = (simulate_lib.simulation_json(where, run.fit.estimate, [], rows, measured=run.arms,
+                               used=run.fit.used) if args.json else simulate_lib.format_fit(where, run, rows))
+    except (RunDirError, recipe_lib.RecipeError, KeyError, ValueError) as e:
       print(f"run_rl simulate: error: {e}", file=sys.stderr)
       return 2
-    print(format_fit(args.run_dir, components, measured))
-    return 0
-  print(format_simulation(resolved.recipe, simulate(resolved.recipe)))
+  else:
+    estimate, changes = simulate_lib.estimate_from_recipe(resolved)
+    rows = simulate_lib.mode_rows(estimate, simulate_lib.tokens_per_device_per_step(resolved.recipe))
+    out = (simulate_lib.simulation_json(resolved.recipe.name, estimate, changes, rows) if args.json
+           else simulate_lib.format_simulation(resolved.recipe, estimate, changes, rows))
+  print(json.dumps(out, indent=2) if args.json else out)
   return 0
 
 

@@ -1,10 +1,13 @@
-"""``run_rl simulate``: the boundary model as a planning tool, fed from a recipe.
+"""``run_rl simulate``: the boundary model as a planning tool, fed from a recipe or fitted from a run.
 
-The recipe's ``simulate`` section gives component times (micro-batch, input
-copy, update, metrics and other boundary work, wait floor, dispatch) and
-whether ``update()`` waits for the last micro-batch; the batch section gives
-micro-batches per step and the token count. See ``policies.boundary_model`` for
-the model's assumptions and where it is pessimistic or optimistic.
+Three uses: the recipe's ``simulate`` section (component times, scaled from the
+job they were measured on to this recipe's batch and mesh when
+``simulate.reference_*`` name it); ``--from RUN_DIR`` (components fitted from a
+run's or a rig's records, each prediction beside what the run measured); and
+``--from RUN_DIR --recipe OTHER.yaml`` (the fitted components taken to another
+job by the scaling rules, each change with the rule it rests on).
+``policies.boundary_model`` holds the model, its assumptions and the rules;
+``policies.boundary_fit`` what a run identifies.
 """
 
 from __future__ import annotations
@@ -16,127 +19,174 @@ import sys
 from pathlib import Path
 
 from orchestrator.app import run_dir
+from orchestrator.recipe import keys as recipe_keys
 from policies import Mode
-from policies.boundary_model import Components, predict
+from policies.boundary_fit import Fit, fit
+from policies.boundary_model import Components, Estimate, JobShape, ScaledChange, predict_bounded
 from policies.step_boundary import format_seconds
 
+#: How close a fit must come to call a prediction good: step within 5 %; idle within the larger
+#: of 5 % of a micro-batch and 2 ms.
+STEP_TOLERANCE = 0.05
+IDLE_TOLERANCE_S = 0.002
 
-def components_from_recipe(recipe) -> Components:
-  s = recipe.simulate
-  return Components(
-      micro_batch_s=s.micro_batch_s,
-      prepare_s=s.input_copy_s,
-      update_s=s.update_s,
-      boundary_work_s=s.metrics_s,
-      dispatch_s=s.dispatch_s,
-      wait_floor_s=s.wait_floor_s,
-      micro_batches_per_step=recipe.batch.micro_batches_per_step,
-      update_waits_for_last=s.update_waits_for_last,
-  )
+#: Recipe keys read under another name (the earlier spellings ``SimulateSection`` still accepts).
+_SPELLINGS = {"map_s": ("map_s", "input_copy_s"), "update_overlap_share": ("update_overlap_share",
+                                                                           "update_waits_for_last")}
+
+
+def job_shape(recipe) -> JobShape:
+  """The recipe's batch, mesh and model as the scaling rules read them."""
+  preset = recipe.model_preset()
+  return JobShape(rows=recipe.batch.rows or preset.rows,
+                  tokens_per_row=recipe.batch.tokens_per_row or preset.tokens_per_row,
+                  micro_batches_per_step=recipe.batch.micro_batches_per_step,
+                  devices=recipe.mesh.fsdp * recipe.mesh.context * recipe.mesh.expert,
+                  hosts=recipe.simulate.hosts or recipe.distributed.num_processes or 1,
+                  model=recipe.model.name)
+
+
+def estimate_from_recipe(resolved) -> tuple[Estimate, list[ScaledChange]]:
+  """The recipe's ``simulate`` components, with each one's source, scaled from ``simulate.reference_*``."""
+  recipe, s = resolved.recipe, resolved.recipe.simulate
+  c = Components(
+      micro_batch_s=s.micro_batch_s, first_micro_batch_extra_s=s.first_micro_batch_extra_s, update_s=s.update_s,
+      map_s=s.resolved_map_s, copy_s=s.copy_s,
+      sync_copy=s.sync_copy, metrics_s=s.metrics_s, logging_s=s.logging_s, checkpoint_s=s.checkpoint_s,
+      weight_sync_s=s.weight_sync_s, update_overlap_share=s.resolved_update_overlap_share,
+      dispatch_s=s.dispatch_s, gap_per_dispatch_s=s.gap_per_dispatch_s, wait_floor_s=s.wait_floor_s,
+      rollout_wait_s=s.rollout_wait_s, micro_batches_per_step=recipe.batch.micro_batches_per_step,
+      reruns_per_step=s.reruns_per_step, rerun_s=s.micro_batch_s if s.rerun_s is None else s.rerun_s)
+  sources = {}
+  for f in dataclasses.fields(c):
+    names = _SPELLINGS.get(f.name, (f.name,))
+    given = [(n, resolved.sources.get(f"simulate.{n}", "default")) for n in names]
+    set_ = [(n, src) for n, src in given if src != "default"]
+    sources[f.name] = (set_[0][1] if set_[0][0] == f.name else f"{set_[0][1]} (as simulate.{set_[0][0]})"
+                       ) if set_ else "default"
+  sources["micro_batches_per_step"] = "recipe batch"
+  target = job_shape(recipe)
+  reference = dataclasses.replace(target, rows=s.reference_rows or target.rows,
+                                  tokens_per_row=s.reference_tokens_per_row or target.tokens_per_row,
+                                  devices=s.reference_devices or target.devices,
+                                  hosts=s.reference_hosts or target.hosts)
+  return Estimate(c, sources).scaled(reference, target)
 
 
 def tokens_per_device_per_step(recipe) -> float:
-  if recipe.simulate.tokens_per_device:
-    per_micro = recipe.simulate.tokens_per_device
-  else:
-    preset = recipe.model_preset()
-    rows = recipe.batch.rows or preset.rows
-    tokens = recipe.batch.tokens_per_row or preset.tokens_per_row
-    devices = recipe.mesh.fsdp * recipe.mesh.context * recipe.mesh.expert
-    per_micro = rows * tokens / devices
+  per_micro = recipe.simulate.tokens_per_device or job_shape(recipe).tokens_per_device
   return per_micro * recipe.batch.micro_batches_per_step
 
 
-def simulate(recipe) -> list[dict]:
-  c = components_from_recipe(recipe)
-  tokens = tokens_per_device_per_step(recipe)
-  off = predict(c, Mode.OFF)
+def mode_rows(estimate: Estimate, tokens_per_step: float | None = None) -> list[dict]:
+  """Per mode: the bounded prediction, and what it saves against OFF."""
+  off = predict_bounded(estimate, Mode.OFF).point
   rows = []
   for mode in Mode:
-    p = predict(c, mode)
-    rows.append({
-        **p.as_dict(),
-        "tokens_per_s_per_device": tokens / p.step_s,
-        "saves_vs_off_s": off.step_s - p.step_s,
-        "saves_vs_off_share": (off.step_s - p.step_s) / off.step_s,
-        "idle_share_of_step": p.boundary_idle_s / p.step_s,
-    })
+    p = predict_bounded(estimate, mode)
+    row = {**p.as_dict(), "saves_vs_off_s": off.step_s - p.point.step_s,
+           "saves_vs_off_share": (off.step_s - p.point.step_s) / off.step_s,
+           "idle_share_of_step": p.point.boundary_idle_s / p.point.step_s}
+    if tokens_per_step:
+      row["tokens_per_s_per_device"] = tokens_per_step / p.point.step_s
+    rows.append(row)
   return rows
 
 
-def format_simulation(recipe, rows) -> str:
-  c = components_from_recipe(recipe)
-  lines = [
-      f"simulate: {recipe.name} — {c.micro_batches_per_step} micro-batches of {format_seconds(c.micro_batch_s)},"
-      f" input copy {format_seconds(c.prepare_s)}, update {format_seconds(c.update_s)},"
-      f" boundary work {format_seconds(c.boundary_work_s)}, wait floor {format_seconds(c.wait_floor_s)},"
-      f" update waits for the last micro-batch: {'yes' if c.update_waits_for_last else 'no'}",
-      f"compute-only bound per step: {c.compute_bound_s:.3f} s",
-      "",
-      f"{'mode':<20} {'boundary idle':>14} {'idle/step':>10} {'step':>10} {'tokens/s/device':>16} {'saves vs OFF':>14}",
-  ]
+def _range(value: float, rng, fmt=format_seconds) -> str:
+  lo, hi = rng
+  return fmt(value) if hi - lo <= 1e-9 else f"{fmt(value)} [{fmt(lo)}–{fmt(hi)}]"
+
+
+def _step_fmt(x: float) -> str:
+  return f"{x:.4f}s"
+
+
+def _components_lines(estimate: Estimate, changes=()) -> list[str]:
+  c = estimate.components
+  lines = ["components (value, source):"]
+  for f in dataclasses.fields(c):
+    value = getattr(c, f.name)
+    shown = (format_seconds(value) if f.name.endswith("_s") else
+             (f"{value:g}" if isinstance(value, float) else str(value)))
+    lines.append(f"  {f.name:<22} {shown:>12}  {estimate.sources.get(f.name, 'default')}")
+  for u in estimate.unknowns:
+    lines.append(f"  unidentified: {u.name} — {u.why}")
+  if changes:
+    lines.append("scaled to this job:")
+    lines += [f"  {ch.component:<22} {ch.rule}" for ch in changes]
+  return lines
+
+
+def format_simulation(recipe, estimate: Estimate, changes, rows) -> str:
+  c = estimate.components
+  lines = [f"simulate: {recipe.name} — {c.micro_batches_per_step} micro-batches per step",
+           *_components_lines(estimate, changes),
+           f"compute-only bound per step: {c.compute_bound_s:.3f} s", "",
+           f"{'mode':<20} {'boundary idle':>14} {'idle/step':>10} {'step':>10} {'tokens/s/device':>16}"
+           f" {'saves vs OFF':>14}"]
   for r in rows:
-    lines.append(
-        f"{r['mode']:<20} {format_seconds(r['boundary_idle_s']):>14} {r['idle_share_of_step']:>10.1%}"
-        f" {r['step_s']:>9.3f}s {r['tokens_per_s_per_device']:>16,.0f} {r['saves_vs_off_share']:>13.1%}")
+    lines.append(f"{r['mode']:<20} {_range(r['boundary_idle_s'], r['boundary_idle_range_s']):>14}"
+                 f" {r['idle_share_of_step']:>10.1%} {_range(r['step_s'], r['step_range_s'], _step_fmt):>10}"
+                 f" {r.get('tokens_per_s_per_device', 0):>16,.0f} {r['saves_vs_off_share']:>13.1%}")
   return "\n".join(lines)
 
 
+def simulation_json(name: str, estimate: Estimate, changes, rows, measured=None, used=()) -> dict:
+  c = estimate.components
+  return {
+      "job": name,
+      "components": {f.name: {"value": getattr(c, f.name), "source": estimate.sources.get(f.name, "default")}
+                     for f in dataclasses.fields(c)},
+      "unidentified": [u.as_dict() for u in estimate.unknowns],
+      "scaled": [ch.as_dict() for ch in changes],
+      "fitted_on": list(used),
+      "modes": rows,
+      "measured": measured or {},
+  }
+
+
+# ---------------------------------------------------------------------------------------------- from a run
+
 def _median(xs) -> float:
-  xs = list(xs)
+  xs = [x for x in xs if x is not None]
   return statistics.median(xs) if xs else 0.0
 
 
-def _fit(records: list[dict], *, wait_floor_s: float, update_waits_for_last: bool, dispatch_s: float | None = None
-         ) -> Components:
-  """Component times from boundary records: medians of what each record measured."""
-  stages = [r["stage_s"] for r in records if r.get("stage_s") is not None]
-  fitted = Components(
-      micro_batch_s=_median(x for r in records for x in r["micro_batch_s"]),
-      prepare_s=_median(stages),
-      update_s=_median(r["update_s"] for r in records),
-      # The host's own boundary work: a metrics read that waited for the update counts only its work
-      # (the model charges the update itself).
-      boundary_work_s=_median(max(0.0, (r.get("metrics_s") or 0) - (r.get("metrics_wait_s") or 0))
-                              + (r.get("checkpoint_s") or 0) + (r.get("weight_sync_s") or 0) for r in records),
-      wait_floor_s=wait_floor_s,
-      micro_batches_per_step=len(records[0]["micro_batch_s"]),
-      update_waits_for_last=update_waits_for_last,
-      reruns_per_step=_median(r.get("reruns") or 0 for r in records),
-      rerun_s=_median(x for r in records for x in r["micro_batch_s"]),
-      rollout_wait_s=_median(r["rollout_wait_s"] for r in records if r.get("rollout_wait_s") is not None),
-  )
-  return fitted if dispatch_s is None else dataclasses.replace(fitted, dispatch_s=dispatch_s)
+def measured(records: list[dict]) -> dict:
+  """What an arm (or a mode of a run) measured: median idle over its boundaries, median step."""
+  return {"mode": records[0]["mode"],
+          "boundary_idle_s": _median(r.get("boundary_idle_s") for r in records[:-1]),
+          "step_s": _median(r["step_s"] for r in records), "steps": len(records),
+          "micro_batch_s": _median(x for r in records for x in r["micro_batch_s"])}
 
 
-def _measured(records: list[dict], mode: str) -> dict:
-  idles = [r["boundary_idle_s"] for r in records[:-1] if r.get("boundary_idle_s") is not None]
-  return {"mode": mode, "boundary_idle_s": _median(idles), "step_s": _median(r["step_s"] for r in records),
-          "steps": len(records)}
+def _recipe_from_config(config: dict):
+  return recipe_keys.build(recipe_keys.flatten(config, where="the run's config"))
 
 
-def components_from_run(path) -> tuple[Components, dict]:
-  """Component times fitted from a run's (or a rig's) records, and what it measured per mode (or per arm).
+@dataclasses.dataclass
+class RunFit:
+  """A run's (or a rig's) records, the fit on them, what each arm measured and the job it ran."""
 
-  A ``run_rl`` run directory: micro-batch, update and boundary-work seconds are
-  the records' medians; the preparation is the median stage (0 when the run
-  never staged); the wait floor is the one the run calibrated. A ``run_rl rig``
-  directory: the same fit over every arm's records (``records.json``), the
-  rig's calibrated wait floor and dispatch, and each arm measured on its own.
+  fit: Fit
+  arms: dict[str, dict]
+  shape: JobShape | None  # None: a rig written before it saved its recipe
 
-  Raises:
-    RunDirError / ValueError: neither a run nor a rig directory, or one without records.
-  """
-  path = Path(path)
-  if (path / "records.json").is_file() and (path / "predictions.json").is_file():
-    arms = json.loads((path / "records.json").read_text())
-    calibrated = json.loads((path / "predictions.json").read_text())["components"]
-    pooled = [r for records in arms.values() for r in records]
-    if len(pooled) < 2:
-      raise run_dir.RunDirError(f"simulate --from {path}: the rig's records.json holds {len(pooled)} records")
-    components = _fit(pooled, wait_floor_s=calibrated["wait_floor_s"], dispatch_s=calibrated["dispatch_s"],
-                      update_waits_for_last=calibrated["update_waits_for_last"])
-    return components, {name: _measured(records, records[0]["mode"]) for name, records in arms.items() if records}
+
+def _reads_flag(engine: dict) -> bool:
+  return bool(engine.get("retry_when_tokens_dropped") or engine.get("skip_nonfinite_updates"))
+
+
+def _rig_arms(path: Path) -> tuple[dict, dict, dict | None]:
+  """A rig directory's arms, its calibrated components and its recipe (None: written before it kept one)."""
+  arms = json.loads((path / "records.json").read_text())
+  saved = json.loads((path / "predictions.json").read_text())
+  return {n: rs for n, rs in arms.items() if rs}, saved["components"], saved.get("recipe_config")
+
+
+def _run_arms(path: Path) -> tuple[dict, dict, dict]:
+  """A run directory's modes as arms (each mode's records in step order), its summary and its recipe."""
   config = run_dir.read_config(path, flag="simulate --from")
   segments = run_dir.segments(path, config)
   records = run_dir.run_records(segments, needed=sys.maxsize)  # every step, across the segments
@@ -144,47 +194,95 @@ def components_from_run(path) -> tuple[Components, dict]:
     raise run_dir.RunDirError(f"simulate --from {path}: it holds {len(records)} records; at least 2 are needed")
   summary_path = segments[-1].path / run_dir.SUMMARY
   summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
-  engine = config["config"].get("engine", {})
-  components = _fit(records, wait_floor_s=summary.get("wait_floor_max_s") or 0.0,
-                    update_waits_for_last=bool(engine.get("retry_when_tokens_dropped")
-                                               or engine.get("skip_nonfinite_updates")))
-  modes = {r["mode"] for r in records}
-  return components, {mode: _measured([r for r in records if r["mode"] == mode], mode) for mode in modes}
+  arms: dict[str, list[dict]] = {}
+  for r in records:
+    arms.setdefault(r["mode"], []).append(r)
+  return arms, summary, config["config"]
 
 
-#: How close a fit must come to call a prediction good: step within 5 %; idle within the larger
-#: of 5 % of a micro-batch and 2 ms.
-STEP_TOLERANCE = 0.05
-IDLE_TOLERANCE_S = 0.002
+def fit_run(paths) -> RunFit:
+  """Components fitted from run directories (their modes as arms) or rig directories (their arms), together.
+
+  Several directories pool their arms (a name seen twice is suffixed with its
+  directory's name); the job and the engine settings are the first one's.
+
+  Raises:
+    RunDirError / ValueError: neither a run nor a rig directory, or one without records.
+  """
+  arms: dict[str, list[dict]] = {}
+  first = None
+  floors, dispatches = [], []
+  for path in (Path(p) for p in ([paths] if isinstance(paths, (str, Path)) else paths)):
+    if (path / "records.json").is_file() and (path / "predictions.json").is_file():
+      these, calibrated, config = _rig_arms(path)
+      floors.append(calibrated["wait_floor_s"])
+      dispatches.append(calibrated["dispatch_s"])
+    else:
+      these, summary, config = _run_arms(path)
+      floors.append(summary.get("wait_floor_max_s"))
+    first = first or (config, path)
+    for name, records in these.items():
+      arms[name if name not in arms else f"{name}@{path.name}"] = records
+  config, path = first
+  rigs = bool(dispatches)
+  floor = max((f for f in floors if f is not None), default=None)
+  result = fit(arms, update_reads_last_flag=_reads_flag(config["engine"]) if config else False, wait_floor_s=floor,
+               dispatch_s=statistics.median(dispatches) if dispatches else None,
+               wait_floor_source="calibrated by the rig" if rigs else "calibrated by the run",
+               dispatch_source="calibrated by the rig")
+  shape = job_shape(_recipe_from_config(config)) if config else None
+  return RunFit(result, {n: measured(rs) for n, rs in arms.items()}, shape)
 
 
-def format_fit(path, components: Components, measured: dict) -> str:
-  """Each measured mode's (or arm's) prediction from the fitted components, beside what was measured."""
-  c = components
-  idle_tol = max(STEP_TOLERANCE * c.micro_batch_s, IDLE_TOLERANCE_S)
-  lines = [
-      f"simulate --from {path}: {c.micro_batches_per_step} micro-batches of {format_seconds(c.micro_batch_s)},"
-      f" stage {format_seconds(c.prepare_s)}, update {format_seconds(c.update_s)}, boundary work"
-      f" {format_seconds(c.boundary_work_s)}, wait floor {format_seconds(c.wait_floor_s)}, rollout wait"
-      f" {format_seconds(c.rollout_wait_s)} (fitted from its records)",
-      "",
-      f"{'mode':<20} {'predicted idle':>15} {'predicted step':>15} {'measured idle':>14} {'measured step':>14}"
-      f" {'step error':>11} {'idle error':>11}  within (step 5%, idle {format_seconds(idle_tol)})",
-  ]
-  rows = dict(measured)
-  for mode in Mode:
-    if not any(m["mode"] == mode.value for m in measured.values()):
-      rows[mode.value] = None
-  for name, m in rows.items():
-    p = predict(c, Mode(m["mode"] if m else name))
+def fit_rows(run: RunFit) -> list[dict]:
+  """Per measured arm, then per mode no arm ran: the prediction beside the measurement, and whether it is within
+  ``STEP_TOLERANCE`` of the step and the larger of 5 % of a micro-batch and ``IDLE_TOLERANCE_S`` of the idle."""
+  estimate = run.fit.estimate
+  idle_tol = max(STEP_TOLERANCE * estimate.components.micro_batch_s, IDLE_TOLERANCE_S)
+  rows = []
+  names = list(run.arms) + [m.value for m in Mode if not any(a["mode"] == m.value for a in run.arms.values())]
+  for name in names:
+    m = run.arms.get(name)
+    p = predict_bounded(estimate, Mode(m["mode"] if m else name))
+    row = {"arm": name, "fitted_on": name in run.fit.used, **p.as_dict()}
+    if m:
+      step_err = (p.point.step_s - m["step_s"]) / m["step_s"]
+      idle_err = p.point.boundary_idle_s - m["boundary_idle_s"]
+      row.update(measured=m, step_error=step_err, idle_error_s=idle_err,
+                 within=abs(step_err) <= STEP_TOLERANCE and abs(idle_err) <= idle_tol)
+    rows.append(row)
+  return rows
+
+
+def format_fit(path, run: RunFit, rows: list[dict]) -> str:
+  estimate = run.fit.estimate
+  idle_tol = max(STEP_TOLERANCE * estimate.components.micro_batch_s, IDLE_TOLERANCE_S)
+  lines = [f"simulate --from {path}: {estimate.components.micro_batches_per_step} micro-batches per step,"
+           f" fitted on {', '.join(run.fit.used)}",
+           *_components_lines(estimate), "",
+           f"{'arm':<26} {'predicted idle':>15} {'predicted step':>15} {'measured idle':>14} {'measured step':>14}"
+           f" {'step error':>11} {'idle error':>11}  within (step 5%, idle {format_seconds(idle_tol)})"]
+  for r in rows:
+    name = r["arm"] + (" (fit)" if r["fitted_on"] else "")
+    head = (f"{name:<26} {_range(r['boundary_idle_s'], r['boundary_idle_range_s']):>15}"
+            f" {_range(r['step_s'], r['step_range_s'], _step_fmt):>15}")
+    m = r.get("measured")
     if m is None:
-      lines.append(f"{name:<20} {format_seconds(p.boundary_idle_s):>15} {format_seconds(p.step_s):>15}"
-                   f" {'-':>14} {'-':>14} {'-':>11} {'-':>11}  -")
+      lines.append(f"{head} {'-':>14} {'-':>14} {'-':>11} {'-':>11}  -")
       continue
-    step_err = (p.step_s - m["step_s"]) / m["step_s"]
-    idle_err = p.boundary_idle_s - m["boundary_idle_s"]
-    ok = abs(step_err) <= STEP_TOLERANCE and abs(idle_err) <= idle_tol
-    lines.append(f"{name:<20} {format_seconds(p.boundary_idle_s):>15} {format_seconds(p.step_s):>15}"
-                 f" {format_seconds(m['boundary_idle_s']):>14} {format_seconds(m['step_s']):>14}"
-                 f" {step_err:>+10.1%} {format_seconds(idle_err):>11}  {'yes' if ok else 'no'}")
+    lines.append(f"{head} {format_seconds(m['boundary_idle_s']):>14} {m['step_s']:>13.4f}s"
+                 f" {r['step_error']:>+10.1%} {format_seconds(r['idle_error_s']):>11}"
+                 f"  {'yes' if r['within'] else 'no'}")
   return "\n".join(lines)
+
+
+def predict_other_job(run: RunFit, path, resolved) -> tuple[Estimate, list[ScaledChange]]:
+  """The run's fitted components taken to ``resolved``'s job by the scaling rules.
+
+  Raises:
+    ValueError: the run does not say what job it ran (a rig written before it saved its recipe).
+  """
+  if run.shape is None:
+    raise ValueError(f"simulate --from {path} --recipe: this rig directory does not record its recipe's batch and"
+                     " mesh (written by an earlier version); run the rig again to predict another job from it")
+  return run.fit.estimate.scaled(run.shape, job_shape(resolved.recipe))

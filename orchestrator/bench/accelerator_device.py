@@ -168,7 +168,7 @@ def measure(bench: Bench, size: Size):
   engine.restore(start)
   return engine, start, {
       "size": dataclasses.asdict(size), "build_s": built_s, "generate_step_s": generate_step_s,
-      "micro_batch_s": components.micro_batch_s, "prepare_s": components.prepare_s,
+      "micro_batch_s": components.micro_batch_s, "prepare_s": components.map_s,
       "update_s": components.update_s, "dispatch_s": components.dispatch_s, "wait_floor_s": components.wait_floor_s,
       "micro_batch_spread": noise, "copy": copy, "memory": bench.memory(), "try_s": time.perf_counter() - t0}
 

@@ -426,21 +426,58 @@ class StepBoundarySection:
 
 @dataclasses.dataclass
 class SimulateSection:
-  """Component times for ``run_rl simulate`` (seconds), in place of a calibration."""
+  """Component times for ``run_rl simulate``, in place of a calibration (docs/design.md §6 gives each one's
+  meaning and scaling rule). Seconds unless the name says otherwise."""
 
   micro_batch_s: float = 1.0
-  input_copy_s: float = 0.07
+  first_micro_batch_extra_s: float = 0.0  # a step's first micro-batch, beside the host's boundary work
   update_s: float = 0.05
-  metrics_s: float = 0.2
-  wait_floor_s: float = 0.0
+  map_s: float | None = None  # host: map one micro-batch and issue its copy (None: input_copy_s, else 0.07)
+  input_copy_s: float | None = None  # the earlier spelling of map_s (a host cost, serial with the dispatch)
+  copy_s: float = 0.0  # device-side transfer of one micro-batch's inputs
+  sync_copy: bool = False  # an unstaged copy queues behind the update on the compute stream
+  metrics_s: float = 0.2  # the metrics read (before: all boundary work; the other terms default to 0)
+  logging_s: float = 0.0
+  checkpoint_s: float = 0.0  # per boundary (a checkpoint every N steps: its seconds / N)
+  weight_sync_s: float = 0.0
+  update_overlap_share: float | None = None  # 0..1; None: from update_waits_for_last, else 1
+  update_waits_for_last: bool | None = None  # the earlier spelling: true is update_overlap_share 0, false 1
   dispatch_s: float = 0.0005
-  update_waits_for_last: bool = False
+  gap_per_dispatch_s: float = 0.0
+  wait_floor_s: float = 0.0
+  rollout_wait_s: float = 0.0
+  reruns_per_step: float = 0.0
+  rerun_s: float | None = None  # None: one micro-batch
   tokens_per_device: int | None = None  # None: rows × tokens_per_row ÷ devices
+  hosts: int | None = None  # None: distributed.num_processes, else 1
+  # The job the times above were measured on (None: this recipe's own); the scaling rules take them to this one.
+  reference_rows: int | None = None
+  reference_tokens_per_row: int | None = None
+  reference_devices: int | None = None
+  reference_hosts: int | None = None
 
   def validate(self) -> None:
-    _at_least("simulate", self, ("micro_batch_s", "input_copy_s", "update_s", "metrics_s", "wait_floor_s",
-                                 "dispatch_s"), 0)
-    _at_least("simulate", self, ("tokens_per_device",), 1)
+    _at_least("simulate", self, ("micro_batch_s", "first_micro_batch_extra_s", "update_s", "map_s", "input_copy_s", "copy_s", "metrics_s",
+                                 "logging_s", "checkpoint_s", "weight_sync_s", "update_overlap_share",
+                                 "dispatch_s", "gap_per_dispatch_s", "wait_floor_s", "rollout_wait_s",
+                                 "reruns_per_step", "rerun_s"), 0)
+    _at_most("simulate", self, ("update_overlap_share",), 1)
+    _at_least("simulate", self, ("tokens_per_device", "hosts", "reference_rows", "reference_tokens_per_row",
+                                 "reference_devices", "reference_hosts"), 1)
+    for new, old in (("map_s", "input_copy_s"), ("update_overlap_share", "update_waits_for_last")):
+      if getattr(self, new) is not None and getattr(self, old) is not None:
+        raise RecipeError(f"simulate.{old} and simulate.{new} are both set; {old} is the earlier spelling of"
+                          f" {new}: keep only simulate.{new}")
+
+  @property
+  def resolved_map_s(self) -> float:
+    return next(v for v in (self.map_s, self.input_copy_s, 0.07) if v is not None)
+
+  @property
+  def resolved_update_overlap_share(self) -> float:
+    if self.update_overlap_share is not None:
+      return self.update_overlap_share
+    return 0.0 if self.update_waits_for_last else 1.0
 
 
 @dataclasses.dataclass

@@ -20,7 +20,7 @@ from policies.boundary_model import Components
 
 def _time_parts(engine, steps) -> dict[str, list]:
   """Each part of every step alone on the device: prepare, dispatch, micro-batch, re-run, update, work."""
-  parts = {k: [] for k in ("micro", "prepare", "dispatch", "update", "work", "rerun", "reruns")}
+  parts = {k: [] for k in ("micro", "prepare", "dispatch", "update", "metrics", "sync", "rerun", "reruns")}
   store = HostWeightStore()
 
   def rerun_if_overflowed() -> int:  # times a re-run apart from the micro-batch after it
@@ -53,8 +53,10 @@ def _time_parts(engine, steps) -> dict[str, list]:
     parts["update"].append(time.perf_counter() - t0)
     t0 = time.perf_counter()
     engine.get_metrics()
+    t1 = time.perf_counter()
     store(engine.train_step, engine.export_weights())
-    parts["work"].append(time.perf_counter() - t0)
+    parts["metrics"].append(t1 - t0)
+    parts["sync"].append(time.perf_counter() - t1)
   return parts
 
 
@@ -100,13 +102,15 @@ def calibrate(engine, steps, snapshot, *, floor_samples: int = 8) -> tuple[Compo
   noise = statistics.stdev(samples) / statistics.mean(samples) if len(samples) > 1 else 0.0
   return Components(
       micro_batch_s=statistics.median(spacing) if spacing else statistics.median(parts["micro"]),
-      prepare_s=statistics.median(parts["prepare"]),
+      map_s=statistics.median(parts["prepare"]),
       update_s=statistics.median(parts["update"]),
-      boundary_work_s=statistics.median(parts["work"]),
+      metrics_s=statistics.median(parts["metrics"]),
+      weight_sync_s=statistics.median(parts["sync"]),
       dispatch_s=statistics.median(parts["dispatch"]),
       wait_floor_s=max(floor),
       micro_batches_per_step=len(steps[0]),
-      update_waits_for_last=engine.rerun_dropped,
+      # A read of the last micro-batch's overflow flag keeps update() until that micro-batch is done.
+      update_overlap_share=0.0 if engine.rerun_dropped else 1.0,
       # The arms are scored on median step seconds: predict the typical step.
       reruns_per_step=statistics.median(parts["reruns"]) if parts["reruns"] else 0.0,
       rerun_s=statistics.median(parts["rerun"]) if parts["rerun"] else 0.0,
@@ -155,8 +159,8 @@ def calibrate_worker(worker, steps, *, floor_samples: int = 8) -> tuple[Componen
   samples = spacing if len(spacing) > 1 else parts["micro"]
   noise = statistics.stdev(samples) / statistics.mean(samples) if len(samples) > 1 else 0.0
   return Components(
-      micro_batch_s=statistics.median(samples), prepare_s=statistics.median(parts["prepare"]),
-      update_s=statistics.median(parts["update"]), boundary_work_s=statistics.median(parts["work"]),
+      micro_batch_s=statistics.median(samples), map_s=statistics.median(parts["prepare"]),
+      update_s=statistics.median(parts["update"]), metrics_s=statistics.median(parts["work"]),
       dispatch_s=statistics.median(parts["dispatch"]), wait_floor_s=max(floor),
       micro_batches_per_step=len(steps[0]),
   ), noise

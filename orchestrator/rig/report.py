@@ -75,7 +75,7 @@ def targets(arms, components) -> list[dict]:
 
 
 def write_reports(out: Path, arms, predictions, checks: Sequence[Check], components, traces, recipe,
-                  recording) -> dict:
+                  recording, fitted: dict | None = None) -> dict:
   """Writes every report file into ``out``; returns ``report.json``'s content (checks as ``Check.to_json``)."""
   counts = verdict(checks)
   line = verdict_line(checks)
@@ -86,6 +86,7 @@ def write_reports(out: Path, arms, predictions, checks: Sequence[Check], compone
       "components": predictions["components"],
       "arms": [{k: v for k, v in a.items() if k != "records"} for a in arms],
       "predictions": predictions,
+      "fitted_predictions": fitted or {},
       "checks": [c.to_json() for c in checks],
       "targets": target_rows,
       "verdict": counts,
@@ -114,12 +115,12 @@ def _markdown(report, arms, components) -> str:
       f"Recording: `{report['recording']}`", "",
       f"**{report['verdict_line']}**", "",
       "## Calibration", "",
-      f"micro-batch {fs(c.micro_batch_s)}, input preparation {fs(c.prepare_s)}"
-      f" ({c.prepare_s / c.micro_batch_s:.1%} of a micro-batch), update {fs(c.update_s)},"
-      f" boundary work (metrics, logging, weight sync) {fs(c.boundary_work_s)},"
+      f"micro-batch {fs(c.micro_batch_s)}, input preparation {fs(c.map_s)}"
+      f" ({c.map_s / c.micro_batch_s:.1%} of a micro-batch), update {fs(c.update_s)},"
+      f" boundary work (metrics {fs(c.metrics_s)}, weight sync {fs(c.weight_sync_s)}),"
       f" dispatch {fs(c.dispatch_s)}, wait floor {fs(c.wait_floor_s)};"
       f" {c.micro_batches_per_step} micro-batches per step; update waits for the last"
-      f" micro-batch: {'yes' if c.update_waits_for_last else 'no'};"
+      f" micro-batch: {'yes' if c.update_overlap_share == 0 else 'no'};"
       f" dropless re-runs: {c.reruns_per_step:.1f} per step of {fs(c.rerun_s)} each."
       f" Compute-only bound per step: {c.compute_bound_s:.4f} s.", "",
       "## Arms (median, min–max)", "",
@@ -143,6 +144,7 @@ def _markdown(report, arms, components) -> str:
         f"| {p['name']} | {fs(p['boundary_idle_s'])} | {fs(lo)}–{fs(hi)} |"
         f" {fs(a['boundary_idle_s']['median']) if a['boundary_idle_s'] else '-'} |"
         f" {p['step_s']:.4f} s | {slo:.4f}–{shi:.4f} s | {a['step_s']['median']:.4f} s |")
+  lines += _fitted_markdown(report["fitted_predictions"])
   lines += ["", f"Predictions written at {report['predictions']['written_at']}, before the first scored arm.",
             "", "## Targets (measured, not asserted)", "", "| target | measured | met |", "| --- | --- | --- |"]
   for t in report["targets"]:
@@ -154,6 +156,30 @@ def _markdown(report, arms, components) -> str:
             "", "Files: `report.json`, `records.json`, `predictions.json`, `trace.json` (ui.perfetto.dev),"
             " `timeline.png`.", ""]
   return "\n".join(lines)
+
+
+def _fitted_markdown(fitted: dict) -> list[str]:
+  """The arms predicted from components fitted on the OFF arm and one staged arm (``rig.fitted_predictions``)."""
+  if not fitted or not fitted.get("arms"):
+    return ["", f"No fitted predictions: {fitted.get('error', 'no records') if fitted else 'not computed'}."]
+  def rng(lo_hi, fmt):
+    lo, hi = lo_hi
+    return "" if hi - lo <= 1e-9 else f" ({fmt(lo)}–{fmt(hi)})"
+  lines = ["", f"## Predictions from the fit on {' and '.join(fitted['fitted_on'])} only", "",
+           "Components fitted from those arms' records (`simulate --from` does the same); every other arm is a true"
+           " prediction. A range is what the components the fit cannot identify allow.", "",
+           "| arm | predicted idle | measured idle | predicted step | measured step | step error | micro-batch |",
+           "| --- | --- | --- | --- | --- | --- | --- |"]
+  for a in fitted["arms"]:
+    name = a["name"] + (" (fit)" if a["fitted_on"] else "")
+    idle = "-" if a["measured_boundary_idle_s"] is None else fs(a["measured_boundary_idle_s"])
+    err = a["step_s"] / a["measured_step_s"] - 1
+    lines.append(f"| {name} | {fs(a['boundary_idle_s'])}{rng(a['boundary_idle_range_s'], fs)} | {idle} |"
+                 f" {a['step_s']:.4f} s{rng(a['step_range_s'], lambda x: f'{x:.4f}')} |"
+                 f" {a['measured_step_s']:.4f} s | {err:+.1%} | {fs(a['measured_micro_batch_s'])} |")
+  for u in fitted["unidentified"]:
+    lines.append(f"\nUnidentified: {u['name']} — {u['why']}.")
+  return lines
 
 
 def _write_trace(path: Path, traces) -> None:

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from orchestrator.data.recording import open_recording
+from orchestrator.recipe.loading import run_config_dict
 from orchestrator.rig.arms import Arm, RigError, apply_faults, arm_steps, parse_arms
 from orchestrator.rig.checks import (Check, check_arm, cross_arm_checks, failing_checks, prediction_checks,
                                      predictions_written_first)
@@ -32,7 +33,8 @@ from orchestrator.rig.replay import replay_plan
 from orchestrator.rig.report import write_reports
 from orchestrator.rig.trainers import LocalRigTrainer, RemoteRigTrainer
 from policies import Mode
-from policies.boundary_model import Components, band, predict
+from policies.boundary_fit import fit
+from policies.boundary_model import Components, band, predict, predict_bounded
 
 __all__ = ["RigError", "RigResult", "run_rig"]
 
@@ -59,8 +61,10 @@ def _stats(xs: Sequence[float]) -> dict | None:
   return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
 
 
-def _predictions(arms, components: Components, noise: float) -> dict:
+def _predictions(arms, components: Components, noise: float, recipe) -> dict:
   predictions = {
+      # The job the arms run, so `simulate --from` can take a fit of them to another job's shape.
+      "recipe_config": run_config_dict(recipe),
       "written_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
       "written_at_monotonic_s": time.monotonic(),
       "components": dataclasses.asdict(components),
@@ -78,6 +82,30 @@ def _predictions(arms, components: Components, noise: float) -> dict:
         "step_band_s": band(p.step_s, rel=max(0.05, 2 * noise), abs_s=0.005),
     })
   return predictions
+
+
+def fitted_predictions(arm_reports: list[dict], calibrated: Components, recipe) -> dict:
+  """Every arm predicted from components fitted on the OFF arm and the first staged arm only (the rest are
+  true predictions), beside what each measured; the fit's sources and unknowns with it."""
+  arms = {a["name"]: a["records"] for a in arm_reports if a["records"]}
+  try:
+    result = fit(arms, update_reads_last_flag=recipe.engine.retry_when_tokens_dropped
+                 or recipe.engine.skip_nonfinite_updates, wait_floor_s=calibrated.wait_floor_s,
+                 dispatch_s=calibrated.dispatch_s, wait_floor_source="calibrated by the rig",
+                 dispatch_source="calibrated by the rig")
+  except ValueError as e:  # too few records: the report says why instead
+    return {"fitted_on": [], "error": str(e), "arms": []}
+  estimate = result.estimate
+  rows = []
+  for a in arm_reports:
+    p = predict_bounded(estimate, Mode(a["mode"]))
+    measured_idle = a["boundary_idle_s"]["median"] if a["boundary_idle_s"] else None
+    rows.append({"name": a["name"], "fitted_on": a["name"] in result.used, **p.as_dict(),
+                 "measured_step_s": a["step_s"]["median"], "measured_boundary_idle_s": measured_idle,
+                 "measured_micro_batch_s": a["micro_batch_s"]["median"]})
+  return {"fitted_on": list(result.used), "components": dataclasses.asdict(estimate.components),
+          "sources": dict(estimate.sources), "unidentified": [u.as_dict() for u in estimate.unknowns],
+          "arms": rows}
 
 
 def _arm_report(arm: Arm, result, components: Components) -> dict:
@@ -99,7 +127,7 @@ def _arm_report(arm: Arm, result, components: Components) -> dict:
       "final_state_digest": summary.final_state_digest,
       "records": [r.to_json() for r in records],
   }
-  stage = report["stage_s"]["median"] if report["stage_s"] else components.prepare_s
+  stage = report["stage_s"]["median"] if report["stage_s"] else components.map_s
   report["prepare_share_of_micro_batch"] = stage / report["micro_batch_s"]["median"]
   return report
 
@@ -136,7 +164,7 @@ def _run_arms(recipe, trainer, recording, arms, out: Path, steps: int, m: int, w
 
   run_arm(Arm("warmup", Mode.STAGE_BEFORE_UPDATE), plan.steps, min(warmup_steps, steps))  # absorbs compiles
   components, noise = trainer.calibrate(plan.steps)
-  predictions = _predictions(arms, components, noise)
+  predictions = _predictions(arms, components, noise, recipe)
   (out / "predictions.json").write_text(json.dumps(predictions, indent=2))  # before any scored arm
 
   arm_reports, checks, traces = [], [], []
@@ -154,5 +182,6 @@ def _run_arms(recipe, trainer, recording, arms, out: Path, steps: int, m: int, w
     pred = next(p for p in predictions["arms"] if p["name"] == arm.name)
     checks += prediction_checks(report, pred, len(result.records))
   checks.insert(0, predictions_written_first(predictions, first_arm_started))
-  report = write_reports(out, arm_reports, predictions, checks, components, traces, recipe, recording)
+  fitted = fitted_predictions(arm_reports, components, recipe)
+  report = write_reports(out, arm_reports, predictions, checks, components, traces, recipe, recording, fitted)
   return RigResult(out, report, arm_reports, checks)

@@ -1,0 +1,205 @@
+"""Fitting the boundary model's components from a run's records: what they identify, and what they leave open.
+
+Pure Python over record dicts (``BoundaryRecord.to_json``), so ``run_rl
+simulate --from`` and the rig share one fit. docs/design.md §6 says what each
+arm identifies:
+
+- any arm: micro-batch compute (a step's first micro-batch apart: it computes
+  beside the host's work after the boundary), the update, the metrics read, checkpoint and
+  weight sync (timed apart by the program), the rollout wait, re-runs, and the
+  device time lost per dispatch inside a step (step seconds less everything
+  else the record timed, per micro-batch after the first);
+- an OFF arm: the serial boundary cost — OFF's idle less the boundary work
+  timed apart and one dispatch: the input's mapping, its copy and the logging
+  (what the program does between the metrics read and the first dispatch);
+- a staged arm besides: the host's mapping (the stage's own seconds), so the
+  rest of OFF's serial cost is the copy and the logging — their split, and
+  whether the copy queues behind the update, stay unknown;
+- an OFF arm's update delay: whether ``update()`` waited for the last
+  micro-batch (a delay: share 0); without one the engine's settings say.
+
+Whatever is not identified becomes an ``Unknown`` with the values it may take,
+and predictions span them; nothing unknown is quietly set to zero.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from collections.abc import Mapping, Sequence
+
+from policies.boundary_model import Components, Estimate, Unknown
+
+DEFAULT_DISPATCH_S = Components.__dataclass_fields__["dispatch_s"].default
+
+
+def _median(xs) -> float | None:
+  xs = [x for x in xs if x is not None]
+  return statistics.median(xs) if xs else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Fit:
+  """An estimate fitted from some arms of a run; ``used`` names them, in the run's order."""
+
+  estimate: Estimate
+  used: tuple[str, ...]
+
+
+def fitting_arms(arms: Mapping[str, Sequence[Mapping]]) -> tuple[str, ...]:
+  """The arms a fit reads: the first OFF arm and the first arm that staged (either may be missing);
+  every arm when neither exists."""
+  off = next((n for n, rs in arms.items() if rs and rs[0]["mode"] == "off"), None)
+  staged = next((n for n, rs in arms.items() if rs and rs[0]["mode"] != "off"
+                 and any(r.get("stage_s") is not None for r in rs)), None)
+  used = tuple(n for n in arms if n in (off, staged))
+  return used or tuple(n for n, rs in arms.items() if rs)
+
+
+def _in_step_gaps(records: Sequence[Mapping]) -> list[float]:
+  """Per step with a boundary before and after it: step seconds less its micro-batches, the update, the idle
+  before its first micro-batch and the delay of its update — the device time outside any computation."""
+  out = []
+  for prev, r in zip(records, records[1:]):
+    if prev.get("boundary_idle_s") is None or r.get("boundary_idle_strict_s") is None:
+      continue
+    delay = r["boundary_idle_strict_s"] - r["boundary_idle_s"]
+    out.append(r["step_s"] - sum(r["micro_batch_s"]) - r["update_s"] - prev["boundary_idle_s"] - delay)
+  return out
+
+
+def fit(arms: Mapping[str, Sequence[Mapping]], *, update_reads_last_flag: bool, wait_floor_s: float | None,
+        dispatch_s: float | None = None, wait_floor_source: str = "calibrated by the run",
+        dispatch_source: str = "calibrated by the run") -> Fit:
+  """Components from the records of ``fitting_arms(arms)``; see the module docstring.
+
+  ``update_reads_last_flag``: the engine's settings make ``update()`` read the
+  last micro-batch's flag (dropless re-runs, a non-finite check). ``wait_floor_s``
+  and ``dispatch_s``: what the run calibrated (None: not known).
+
+  Raises:
+    ValueError: fewer than 2 records in the arms it reads.
+  """
+  used = fitting_arms(arms)
+  pooled = [r for n in used for r in arms[n]]
+  if len(pooled) < 2:
+    raise ValueError(f"a fit needs at least 2 records; the arms {list(used)} hold {len(pooled)}")
+  sources: dict[str, str] = {}
+  unknowns: list[Unknown] = []
+  m = len(pooled[0]["micro_batch_s"])
+  # A step's first micro-batch computes beside the host's work after the boundary: timed apart from the others.
+  micro = (_median(x for r in pooled for x in r["micro_batch_s"][1:]) if m > 1
+           else _median(r["micro_batch_s"][0] for r in pooled))
+  extra = (max(0.0, _median(r["micro_batch_s"][0] - statistics.mean(r["micro_batch_s"][1:]) for r in pooled))
+           if m > 1 else 0.0)
+  values = {
+      "micro_batch_s": micro, "first_micro_batch_extra_s": extra, "update_s": _median(r["update_s"] for r in pooled),
+      # The program times the metrics read net of its wait for the update (the model charges the update).
+      "metrics_s": _median(r.get("metrics_s") or 0.0 for r in pooled),
+      "checkpoint_s": _median(r.get("checkpoint_s") or 0.0 for r in pooled),
+      "weight_sync_s": _median(r.get("weight_sync_s") or 0.0 for r in pooled),
+      "rollout_wait_s": _median(r.get("rollout_wait_s") for r in pooled) or 0.0,
+      "reruns_per_step": _median(r.get("reruns") or 0 for r in pooled),
+      "rerun_s": micro,
+  }
+  sources.update({k: "fitted" for k in values})
+  if m == 1:
+    sources["first_micro_batch_extra_s"] = "inside micro_batch_s (one micro-batch per step)"
+  if wait_floor_s is None:
+    wait_floor_s, sources["wait_floor_s"] = 0.0, "default (the run calibrated none)"
+  else:
+    sources["wait_floor_s"] = wait_floor_source
+  if dispatch_s is None:
+    dispatch_s, sources["dispatch_s"] = DEFAULT_DISPATCH_S, "default"
+  else:
+    sources["dispatch_s"] = dispatch_source
+  values.update(wait_floor_s=wait_floor_s, dispatch_s=dispatch_s)
+
+  gaps = [g for n in used for g in _in_step_gaps(arms[n])]
+  if m > 1 and gaps:
+    values["gap_per_dispatch_s"] = max(0.0, statistics.median(gaps) / (m - 1))
+    sources["gap_per_dispatch_s"] = "fitted"
+  else:
+    values["gap_per_dispatch_s"] = 0.0
+    sources["gap_per_dispatch_s"] = "unidentified"
+    unknowns.append(Unknown("gap_per_dispatch_s", "one micro-batch per step has no gap inside a step to measure;"
+                            " assumed at most a wait floor and a dispatch",
+                            ({"gap_per_dispatch_s": wait_floor_s + dispatch_s},)))
+
+  off = [n for n in used if arms[n][0]["mode"] == "off"]
+  staged = [n for n in used if arms[n][0]["mode"] != "off"]
+  stage_s = _median(r.get("stage_s") for n in staged for r in arms[n])
+  serial = None
+  if off:
+    work = values["metrics_s"] + values["checkpoint_s"] + values["weight_sync_s"]
+    serial = _median(r["boundary_idle_s"] for r in arms[off[0]][:-1])
+    serial = None if serial is None else max(0.0, serial - work - values["rollout_wait_s"] - dispatch_s)
+  _split_serial_cost(values, sources, unknowns, serial, stage_s)
+  values["update_overlap_share"] = _overlap_share(arms, off, update_reads_last_flag, sources, unknowns)
+  sources["micro_batches_per_step"] = "the records"
+  components = Components(micro_batches_per_step=m, **values)
+  return Fit(Estimate(components, sources, tuple(unknowns)), used)
+
+
+def _split_serial_cost(values: dict, sources: dict, unknowns: list, serial: float | None,
+                       stage_s: float | None) -> None:
+  """Mapping, copy and logging from OFF's serial cost and a stage's seconds (see the module docstring)."""
+  sync = Unknown("sync_copy", "no arm tells whether an unstaged copy queues behind the update",
+                 ({"sync_copy": False}, {"sync_copy": True}))
+  values["sync_copy"], sources["sync_copy"] = False, "unidentified"
+  if serial is not None and stage_s is not None:
+    values["map_s"], sources["map_s"] = stage_s, "fitted (the staged arm's stage seconds)"
+    rest = max(0.0, serial - stage_s)
+    # The point puts the rest on the host (logging); the unknown spans moving it to the copy.
+    values.update(copy_s=0.0, logging_s=rest)
+    if rest == 0:
+      none = "fitted (OFF's serial cost is within the stage's seconds: nothing beyond the mapping)"
+      sources.update(copy_s=none, logging_s=none, sync_copy="irrelevant (no copy beyond the mapping)")
+      return
+    sources.update(copy_s="unidentified", logging_s="unidentified")
+    unknowns.append(Unknown("copy_s + logging_s", f"OFF's serial cost beyond the stage ({rest:.6f} s) is a copy"
+                            " or logging; no arm splits them",
+                            ({"copy_s": rest, "logging_s": 0.0}, {"copy_s": rest / 2, "logging_s": rest / 2})))
+    unknowns.append(sync)
+    return
+  if serial is not None:
+    values.update(map_s=serial, copy_s=0.0, logging_s=0.0)
+    sources.update(map_s="fitted as OFF's whole serial cost (split unidentified)", copy_s="unidentified",
+                   logging_s="unidentified")
+    if serial > 0:
+      unknowns.append(Unknown("map_s + copy_s + logging_s", f"OFF's serial cost ({serial:.6f} s) is mapping, copy"
+                              " and logging; only a staged arm separates the mapping",
+                              ({"map_s": 0.0, "copy_s": serial}, {"map_s": 0.0, "logging_s": serial},
+                               {"map_s": serial / 3, "copy_s": serial / 3, "logging_s": serial / 3})))
+      unknowns.append(sync)
+    return
+  stage = stage_s or 0.0
+  values.update(map_s=stage, copy_s=0.0, logging_s=0.0)
+  sources.update(map_s="fitted (stage seconds)" if stage_s is not None else "unidentified",
+                 copy_s="unidentified", logging_s="unidentified")
+  # Without an OFF arm nothing measures the serial cost; assume it at most a stage's seconds again.
+  unknowns.append(Unknown("copy_s + logging_s", "no OFF arm measures the serial cost; assumed at most one"
+                          " stage's seconds beyond the mapping",
+                          ({"copy_s": stage}, {"logging_s": stage})))
+  unknowns.append(sync)
+
+
+def _overlap_share(arms, off: list[str], reads_flag: bool, sources: dict, unknowns: list) -> float:
+  """Whether update() waited for the last micro-batch: OFF's update delay says; else the engine's settings."""
+  if off:
+    delays = [r["boundary_idle_strict_s"] - r["boundary_idle_s"] for r in arms[off[0]][:-1]
+              if r.get("boundary_idle_strict_s") is not None and r.get("boundary_idle_s") is not None]
+    delay = _median(delays)
+    if delay is not None and delay > 0:
+      sources["update_overlap_share"] = f"fitted (OFF's update started {delay:.6f} s after its last micro-batch)"
+      return 0.0
+    if delay is not None and not reads_flag:
+      sources["update_overlap_share"] = "fitted (OFF's update was dispatched before its last micro-batch ended)"
+      return 1.0
+  if not reads_flag:
+    sources["update_overlap_share"] = "engine settings (update() reads no flag)"
+    return 1.0
+  sources["update_overlap_share"] = "engine settings (update() reads the last micro-batch's flag); unconfirmed"
+  unknowns.append(Unknown("update_overlap_share", "no OFF arm shows whether update() waited for the last"
+                          " micro-batch", ({"update_overlap_share": 0.5}, {"update_overlap_share": 1.0})))
+  return 0.0
