@@ -148,12 +148,9 @@ class LiveRollouts:
       return step < self.shape.steps and self.version_for(step) > self._synced
 
   def sync(self, version: int, weights: Any) -> WeightTransfer | None:
-    """The weight sync: keeps the weights of ``version`` for the steps that need them (``placement.keep``: on
-    host, or on a split sampler's devices, then it returns what the transfer moved).
-
-    It never waits for the sampler: the copy waits only for the update that produced the weights, and the
-    condition's lock is never held while sampling (the sampler has its own).
-    """
+    """Keeps the weights of ``version`` for the steps that need them (``placement.keep``: on host, or on a split
+    sampler's devices, returning what the transfer moved). It never waits for the sampler: the copy waits only
+    for the update that produced the weights, and the condition's lock is never held while sampling."""
     if weights is None:
       return None
     kept, moved = keep(self._sampler.placement, weights)
@@ -370,10 +367,9 @@ class LiveRollouts:
     samples = self._sampler.sample(prompts, seed=seed, temperature=sh.temperature)
     rewards, correct = score_micro_batch(self._task, self._reward, problems, samples.texts, first_group, g)
     advantages = group_advantages(rewards, g)
-    prompt_ids = samples.prompt_ids  # as the model was given them: bos and the formatted prompt
     if any(len(c) == 0 for c in samples.completion_ids):
       raise RuntimeError(f"the sampler returned an empty completion at step {step}, micro-batch {i}")
-    payload = [Trajectory(prompt_ids[k], samples.completion_ids[k], float(advantages[k]), samples.logprobs[k],
+    payload = [Trajectory(samples.prompt_ids[k], samples.completion_ids[k], float(advantages[k]), samples.logprobs[k],
                           first_group + k // g) for k in range(len(prompts))]
     return payload, rewards, correct, int(sum(len(c) for c in samples.completion_ids))
 

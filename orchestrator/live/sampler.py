@@ -32,7 +32,8 @@ NEVER_SAMPLED = -1
 class Samples:
   """Completions of ``prompts`` (one per prompt), with their per-token log-probs under the sampler.
 
-  ``completion_ids[i]`` ends with the eos id when the model produced one.
+  ``prompt_ids[i]`` are the ids the model was given (bos where the tokenizer has one, the prompt as
+  formatted); ``completion_ids[i]`` ends with the eos id when the model produced one.
   """
 
   prompts: list[str]
