@@ -122,14 +122,16 @@ class StuckLiveSource:
 
   Steps are ``payload_steps``' names. Step ``s`` is sampled with weights ``s - staleness``, so at staleness >= 1
   a checkpoint before step ``s`` must carry it, like ``LiveRollouts``'s: a checkpoint at ``stuck_at`` or later
-  can never be written. ``waited`` counts the timed waits on a step that never arrives.
+  can never be written. ``waited`` counts the timed waits on a step that never arrives. With ``stuck_micro``,
+  step ``stuck_at``'s first micro-batches arrive and the loop takes it, but micro-batch ``stuck_micro`` never
+  does (a sampler stuck in the middle of a streamed step).
   """
 
   kind = "stuck-live"
 
-  def __init__(self, steps: int, micro: int, *, stuck_at: int, staleness: int = 1):
+  def __init__(self, steps: int, micro: int, *, stuck_at: int, staleness: int = 1, stuck_micro: int | None = None):
     self._steps = payload_steps(steps, micro)
-    self.stuck_at, self.staleness = stuck_at, staleness
+    self.stuck_at, self.staleness, self.stuck_micro = stuck_at, staleness, stuck_micro
     self.next_step = 0
     self.waited = 0
     self.synced: list[int] = []
@@ -139,7 +141,7 @@ class StuckLiveSource:
     return self
 
   def __next__(self):
-    if self.next_step >= self.stuck_at:
+    if self.next_step >= self.stuck_at + (self.stuck_micro is not None):
       raise AssertionError(f"step {self.next_step} was taken before ready() said it was there")
     self.next_step += 1
     return self._steps[self.next_step - 1]
@@ -181,7 +183,11 @@ class StuckLiveSource:
     return None
 
   def ready(self, step, timeout_s):
-    return self._arrives(step < self.stuck_at, timeout_s)
+    return self._arrives(step < self.stuck_at or (step == self.stuck_at and self.stuck_micro is not None),
+                         timeout_s)
+
+  def micro_batch_ready(self, step, index, timeout_s):
+    return self._arrives(step != self.stuck_at or index < self.stuck_micro, timeout_s)
 
   def ready_to_checkpoint(self, position, timeout_s, *, extendable=True):
     return self._arrives(self.staleness == 0 or position < self.stuck_at, timeout_s)

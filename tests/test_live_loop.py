@@ -179,6 +179,44 @@ def test_the_wait_for_a_step_s_rollouts_is_its_rollout_wait_and_is_not_judged(ri
   assert policy.counters["rollout_waits"] >= 1 and result.records[0].low_wait is None
 
 
+def test_a_step_is_taken_and_staged_once_its_first_micro_batch_is_sampled(rig, runs):
+  """Sampling of step 1's second micro-batch is held until the loop waits for it, inside step 1: so the
+  boundary before staged step 1's first micro-batch while its second was not sampled yet. The seconds the
+  loop waited there are step 1's micro_batch_wait_s, and what trains is unchanged (the digest of the run
+  that never waited). Without streaming the loop would wait for the whole step at boundary 0 and the hold
+  would time out."""
+  engine, start, initial, sampler = rig
+  engine.restore(start)
+  sampler.sync(initial, 0)
+  release, held = threading.Event(), []
+
+  class HeldTask(FirstLetter):
+    def problem(self, seed, split, index):
+      if split == "train" and index == (1 * MICRO + 1) * 2:  # step 1, micro-batch 1's first group
+        held.append(release.wait(20))
+      return super().problem(seed, split, index)
+
+  class Watched(LiveRollouts):
+    def micro_batch_ready(self, step, index, timeout_s):
+      done = super().micro_batch_ready(step, index, 0.0)
+      if (step, index) == (1, 1) and not done:
+        release.set()  # the loop waits for it inside step 1: let its sampling go on
+        done = super().micro_batch_ready(step, index, timeout_s)
+      return done
+
+  source = Watched(sampler, HeldTask(length=4, letters=8), LiveShape(STEPS, MICRO, 2, 4, 1, seed=3))
+  policy = StepBoundaryPolicy(Mode.STAGE_BEFORE_UPDATE, wait_threshold_s=0.0)
+  try:
+    result = RLProgram(TrainerWorker(engine), policy, source, ProgramConfig(steps=STEPS, micro_batches_per_step=MICRO),
+                       weight_sync=source.sync).run()
+  finally:
+    release.set()
+    source.close()
+  assert held == [True], "step 1's second micro-batch was not waited for inside step 1"
+  assert result.records[0].staged and result.records[1].micro_batch_wait_s > 0
+  assert result.summary.final_state_digest == runs[(Mode.STAGE_BEFORE_UPDATE, 1)][0].summary.final_state_digest
+
+
 def _digest(stdout: str) -> str:
   return re.search(r"^final state digest: (\w+)$", stdout, re.M).group(1)
 

@@ -218,6 +218,30 @@ def test_a_stop_ends_the_wait_for_rollouts_that_never_come(mode, staleness, micr
     assert "checkpoint:3" not in engine.calls
 
 
+def test_a_stop_while_a_taken_step_waits_for_a_later_micro_batch_ends_the_run_after_the_grace():
+  """Step 3 streams in: its first micro-batch is taken and dispatched, its second never comes. The loop keeps
+  waiting until a stop, then at most stop_grace_s more, and ends naming the latest checkpoint; step 3 is not
+  half-trained into a checkpoint."""
+  source = StuckLiveSource(6, 3, stuck_at=3, stuck_micro=1)
+  engine, stop = RecordingEngine(), threading.Event()
+  program = RLProgram(TrainerWorker(engine), StepBoundaryPolicy(Mode.STAGE_BEFORE_UPDATE, wait_threshold_s=0.0),
+                      source, ProgramConfig(steps=6, micro_batches_per_step=3, checkpoint_every=2, stop_grace_s=0.2),
+                      stop_requested=lambda: "SIGTERM" if stop.is_set() else None)
+  thread, outcome = run_in_thread(program)
+  _wait_for(lambda: source.waited > 0)
+  thread.join(timeout=0.5)
+  assert thread.is_alive() and not outcome, outcome  # no stop: still waiting for step 3's micro-batch 1
+  stop.set()
+  thread.join(timeout=30)
+  assert not thread.is_alive(), "the loop did not end after the stop"
+  error = outcome["error"]
+  assert isinstance(error, StoppedWithoutCheckpointError)
+  assert str(error) == ("stopped by SIGTERM while step 3 waited for its micro-batch 1, which was not sampled within"
+                        " 0.2 s; the latest checkpoint is ckpt/2 (after step 1); `run_rl --resume` continues from it")
+  assert "fwd_bwd:prepared:s3m0" in engine.calls and "fwd_bwd:s3m1" not in engine.calls  # the first: staged
+  assert "checkpoint:4" not in engine.calls
+
+
 def test_a_stop_while_waiting_for_the_first_step_s_rollouts_names_what_is_left():
   source = StuckLiveSource(4, 2, stuck_at=0)
   stop = threading.Event()

@@ -9,7 +9,9 @@ one its arms are skipped, with a note. Every arm starts from the same weights
 and samples the same rollouts (they are a function of the step and the
 staleness; a sampler's weights are replicated wherever it runs, so the
 placements sample alike). Prints, per arm: median boundary idle and strict
-idle, median step seconds, median rollout wait, median weight-sync seconds and
+idle, median step seconds, median rollout wait (at the boundary, for the next
+step's first micro-batch) and wait inside the step for its later micro-batches
+(they stream in), median weight-sync seconds and
 bytes moved to the sampler's devices, sampled tokens per second, the share of
 boundaries staged, and the last 10 steps' mean reward; then one JSON object.
 """
@@ -58,6 +60,7 @@ def _arm(recipe, engine, start, initial, sampler, mode, staleness: int, steps: i
       "weight_sync_bytes": median([x.weight_sync_bytes for x in records if x.weight_sync_bytes is not None]),
       "median_step_s": median([x.step_s for x in records]),
       "median_rollout_wait_s": median([x.rollout_wait_s for x in boundaries if x.rollout_wait_s is not None]),
+      "median_micro_batch_wait_s": median([x.micro_batch_wait_s for x in records if x.micro_batch_wait_s is not None]),
       "sampled_tokens_per_s": median([x.sampled_tokens_per_s for x in records[1:] if x.sampled_tokens_per_s]),
       "staged_share": sum(x.staged for x in boundaries) / max(1, len(boundaries)),
       "reward_last_10": statistics.fmean(x.reward_mean for x in records[-10:]),
@@ -81,11 +84,12 @@ def _samplers(recipe, placements) -> tuple[dict, list[str]]:
 def _print_rows(rows) -> None:
   fmt = lambda x, w, p: f"{x:>{w}.{p}f}" if x is not None else f"{'-':>{w}}"  # noqa: E731
   print(f"{'placement':<9} {'mode':<20} {'S':>2} {'idle_s':>9} {'strict_s':>9} {'step_s':>8} {'rollout_wait_s':>14}"
-        f" {'sync_s':>8} {'sync_bytes':>10} {'tokens/s':>9} {'staged':>7} {'reward':>7}")
+        f" {'mb_wait_s':>9} {'sync_s':>8} {'sync_bytes':>10} {'tokens/s':>9} {'staged':>7} {'reward':>7}")
   for r in rows:
     print(f"{r['placement']:<9} {r['mode']:<20} {r['max_staleness']:>2} {fmt(r['median_boundary_idle_s'], 9, 5)}"
           f" {fmt(r['median_boundary_idle_strict_s'], 9, 5)} {fmt(r['median_step_s'], 8, 4)}"
-          f" {fmt(r['median_rollout_wait_s'], 14, 5)} {fmt(r['median_weight_sync_s'], 8, 5)}"
+          f" {fmt(r['median_rollout_wait_s'], 14, 5)} {fmt(r['median_micro_batch_wait_s'], 9, 5)}"
+          f" {fmt(r['median_weight_sync_s'], 8, 5)}"
           f" {fmt(r['weight_sync_bytes'], 10, 0)} {fmt(r['sampled_tokens_per_s'], 9, 0)} {r['staged_share']:>7.0%}"
           f" {r['reward_last_10']:>7.3f}")
 

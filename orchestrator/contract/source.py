@@ -40,6 +40,8 @@ class RolloutStats:
     reward_mean, reward_std: over the step's completions.
     accuracy: the share of completions whose reward is full marks.
     sampled_tokens_per_s: completion tokens sampled per second of sampling; None if nothing was timed.
+    micro_batch_wait_s: seconds the loop waited, inside the step, for its micro-batches after the first
+      (which the boundary before waited for: ``rollout_wait_s``); 0 when each was sampled before it was due.
   """
 
   weights_version: int
@@ -48,6 +50,7 @@ class RolloutStats:
   reward_std: float
   accuracy: float
   sampled_tokens_per_s: float | None
+  micro_batch_wait_s: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -153,7 +156,15 @@ class LiveSource(Protocol):
 
   def ready(self, step: int, timeout_s: float) -> bool:
     """Waits at most ``timeout_s`` until taking ``step`` (``get_state``, then ``next``) would not wait for
-    sampling; True then, False on the timeout. Raises the sampling thread's error."""
+    sampling: its first micro-batch is sampled. True then, False on the timeout. Raises the sampling thread's
+    error."""
+    ...
+
+  def micro_batch_ready(self, step: int, index: int, timeout_s: float) -> bool:
+    """Waits at most ``timeout_s`` until micro-batch ``index`` of the taken ``step`` is sampled (a step is
+    taken once its first is: the later ones stream in, in training order); True then, False on the timeout.
+    The seconds waited go in the step's ``RolloutStats.micro_batch_wait_s``. Raises the sampling thread's
+    error."""
     ...
 
   def ready_to_checkpoint(self, position: int, timeout_s: float, *, extendable: bool = True) -> bool:

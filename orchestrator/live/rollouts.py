@@ -10,10 +10,17 @@ With ``S = 0`` step s+1 needs the weights of update s: its rollouts cannot
 exist before that boundary's weight sync, so nothing can be staged there
 (``blocked_on_sync``). With ``S >= 1`` they are sampled while step s trains.
 
+Steps stream at micro-batch granularity: the sampler samples a step's
+micro-batches in training order and publishes each as it is done, so step s+1
+can be taken (and its first micro-batch staged) once that micro-batch exists;
+its later ones are waited for, if at all, when the program dispatches them
+(``micro_batch_ready``; the seconds go in that step's ``RolloutStats``).
+
 The source is an iterator of steps like the others (``orchestrator.data.sources``):
-``next`` blocks until the next step is sampled; ``get_state`` is its position
-plus the already-sampled steps a resumed run cannot sample again (their
-weights are older than the checkpoint's). The program never blocks in them:
+``next`` blocks until the next step's first micro-batch is sampled; ``get_state``
+is its position, and ``state_json`` adds the already-sampled steps a resumed run
+cannot sample again (their weights are older than the checkpoint's), which a
+checkpoint first waits for (``ready_to_checkpoint``). The program never blocks in them:
 it first polls ``ready`` (or ``ready_to_checkpoint``) with a timeout, looking
 at its stop flag in between, so a stuck sampler cannot hold a stop.
 
@@ -30,7 +37,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -65,10 +72,11 @@ class StepRollouts:
   sampled_tokens: int
   sampling_s: float
 
-  def stats(self) -> RolloutStats:
+  def stats(self, micro_batch_wait_s: float = 0.0) -> RolloutStats:
     return RolloutStats(weights_version=self.weights_version, staleness=self.step - self.weights_version,
                         reward_mean=self.reward_mean, reward_std=self.reward_std, accuracy=self.accuracy,
-                        sampled_tokens_per_s=self.sampled_tokens / self.sampling_s if self.sampling_s > 0 else None)
+                        sampled_tokens_per_s=self.sampled_tokens / self.sampling_s if self.sampling_s > 0 else None,
+                        micro_batch_wait_s=micro_batch_wait_s)
 
   def to_json(self) -> dict[str, Any]:
     payloads = [[{"prompt_ids": t.prompt_ids.tolist(), "completion_ids": t.completion_ids.tolist(),
@@ -115,8 +123,7 @@ class LiveRollouts:
     # version -> weights (host, or on a split sampler's devices); None: the sampler's own (version 0)
     self._weights: dict[int, Any] = {0: None}
     self._synced = 0
-    self._ready: dict[int, StepRollouts] = {}
-    self._delivered: dict[int, StepRollouts] = {}
+    self._steps = SampledSteps(record)  # guarded by _cond
     self._next = 0
     self._produce_from = 0
     self._produce_until = shape.steps  # raised by a checkpoint that carries steps past the end
@@ -124,9 +131,8 @@ class LiveRollouts:
     self._error: BaseException | None = None
     self._closed = False
     self._thread: threading.Thread | None = None
-    self._recorded: list[StepRollouts] | None = [] if record else None
     self._last_wait_s = 0.0
-    self._take_wait_s = 0.0  # the part of that wait spent before ``next``: in ``ready`` and ``get_state``
+    self._take_wait_s = 0.0  # the part of that wait spent before ``next``, in ``ready``
 
   @property
   def sampler(self) -> LiveSampler:
@@ -164,25 +170,44 @@ class LiveRollouts:
   def __iter__(self) -> "LiveRollouts":
     return self
 
-  def __next__(self) -> list[list[Trajectory]]:
+  def __next__(self) -> Sequence[list[Trajectory]]:
+    """The next step's micro-batches once its first is sampled: a list, or, while the later ones are still
+    being sampled, a ``StreamedPayloads`` whose items wait for theirs."""
     self._start()
     with self._cond:
       step = self._next
       if step >= self.shape.steps:
         raise StopIteration
-      start = time.perf_counter()
-      ready = step in self._ready
-      self._cond.wait_for(lambda: step in self._ready or self._error is not None)
+      start, ready = time.perf_counter(), self._steps.first_sampled(step)
+      self._cond.wait_for(lambda: self._steps.first_sampled(step) or self._error is not None)
       self._last_wait_s = self._take_wait_s + (0.0 if ready else time.perf_counter() - start)
       self._take_wait_s = 0.0
       self._raise_error()
-      rollouts = self._ready.pop(step)
-      self._delivered[step] = rollouts
-      if self._recorded is not None:
-        self._recorded.append(rollouts)
-      self._delivered.pop(step - self.shape.max_staleness - 2, None)
       self._next += 1
-      return rollouts.payloads
+      self._steps.forget(step - self.shape.max_staleness - 2)
+      taken = self._steps.take(step)
+      return taken if taken is not None else StreamedPayloads(self, step, self.shape.micro_batches_per_step)
+
+  def micro_batch(self, step: int, index: int) -> list[Trajectory]:
+    """Micro-batch ``index`` of a taken ``step``, waiting until it is sampled (``micro_batch_ready``'s wait).
+
+    Raises:
+      RolloutError: the sampling thread failed, or the source was closed first.
+    """
+    while not self.micro_batch_ready(step, index, WAIT_POLL_S):
+      with self._cond:
+        if self._closed:
+          raise RolloutError(f"the rollout source was closed before step {step}'s micro-batch {index} was sampled")
+    with self._cond:
+      return self._steps.micro_batches_of(step)[index]
+
+  def micro_batch_ready(self, step: int, index: int, timeout_s: float) -> bool:
+    """Waits at most ``timeout_s`` until micro-batch ``index`` of ``step`` is sampled; True then. The seconds
+    waited count in that step's ``RolloutStats.micro_batch_wait_s``. Raises the sampling thread's error."""
+    with self._cond:
+      done, waited = self._wait_until(lambda: len(self._steps.micro_batches_of(step)) > index, timeout_s)
+      self._steps.micro_batch_wait_s[step] = self._steps.micro_batch_wait_s.get(step, 0.0) + waited
+      return done
 
   @property
   def last_wait_s(self) -> float:
@@ -192,7 +217,7 @@ class LiveRollouts:
 
   def recorded_steps(self) -> list[StepRollouts] | None:
     """Every step taken so far, when built with ``record``; None otherwise."""
-    return self._recorded
+    return self._steps.recorded
 
   def count_steps(self, limit: int) -> int:
     """The steps this source samples (its shape's), up to ``limit``."""
@@ -200,8 +225,8 @@ class LiveRollouts:
 
   def step_stats(self, step: int) -> RolloutStats | None:
     with self._cond:
-      rollouts = self._delivered.get(step)
-    return rollouts.stats() if rollouts else None
+      rollouts, waited = self._steps.delivered.get(step), self._steps.micro_batch_wait_s.get(step, 0.0)
+    return rollouts.stats(waited) if rollouts else None
 
   def check(self) -> None:
     """Raises the rollout thread's error, if it failed (the program checks at every boundary)."""
@@ -214,44 +239,42 @@ class LiveRollouts:
 
   # ---------------------------------------------------------------- position
   def get_state(self) -> dict[str, Any]:
-    """The position before the next step, with the sampled steps a resume could not sample again.
-
-    Called before every step is taken, so it keeps references only; ``state_json``
-    serialises a state when a checkpoint actually needs it.
-    """
+    """The position before the next step. Called before every step is taken, so it waits for nothing:
+    ``state_json`` adds the sampled steps the position carries when a checkpoint needs it."""
     self._start()
     with self._cond:
-      first = self._next
-      older = [s for s in self._carried(first) if s < self.shape.steps]
-      start = time.perf_counter()
-      ready = all(s in self._ready for s in older)
-      self._cond.wait_for(lambda: all(s in self._ready for s in older) or self._error is not None)
-      self._take_wait_s += 0.0 if ready else time.perf_counter() - start
-      self._raise_error()
-      return {"kind": self.kind, "next_step": first, "sampled": [self._ready[s] for s in older]}
+      return {"kind": self.kind, "next_step": self._next}
 
   def state_json(self, state: dict[str, Any]) -> dict[str, Any]:
-    """``state`` as JSON (the sampled steps' arrays as lists), for a checkpoint's metadata; with the steps past
-    the source's last one that the position carries, as far as they are sampled (``ready_to_checkpoint`` asks
-    for them): a run extended from this checkpoint trains them first."""
-    past_end = []
+    """``state`` as JSON, for a checkpoint's metadata, with the steps sampled from weights older than its
+    position's (their arrays as lists), which ``ready_to_checkpoint`` waited for; past the source's last step
+    too, as far as they are sampled (a run extended from this checkpoint trains them first).
+
+    Raises:
+      RuntimeError: a step the position must carry is not sampled yet (``ready_to_checkpoint`` comes first).
+    """
+    sampled = []
     with self._cond:
       for s in self._carried(state["next_step"]):
-        if s < self.shape.steps:
-          continue
-        if s not in self._ready:
+        rollouts = self._steps.complete(s)
+        if rollouts is None and s < self.shape.steps:
+          raise RuntimeError(f"the position before step {state['next_step']} must carry step {s}, which is not"
+                             " sampled yet; wait for ready_to_checkpoint first")
+        if rollouts is None:
           break
-        past_end.append(self._ready[s])  # never taken (past the end), so still here
-    return dict(state, sampled=[r.to_json() for r in [*state["sampled"], *past_end]])
+        sampled.append(rollouts)
+    return {"kind": self.kind, "next_step": state["next_step"], "sampled": [r.to_json() for r in sampled]}
 
   # ---------------------------------------------------------------- waiting with a timeout
   def ready(self, step: int, timeout_s: float) -> bool:
     """Waits at most ``timeout_s`` until taking ``step`` (``get_state``, then ``next``) would not wait for
-    sampling; True then, False on the timeout. Raises the sampling thread's error."""
+    sampling, i.e. its first micro-batch is sampled; True then, False on the timeout. Raises the sampling
+    thread's error."""
     self._start()
     with self._cond:
-      needed = [s for s in {step, *self._carried(step)} if self._next <= s < self.shape.steps]
-      done, waited = self._wait_sampled(needed, timeout_s)
+      if not self._next <= step < self.shape.steps:
+        return True
+      done, waited = self._wait_until(lambda: self._steps.first_sampled(step), timeout_s)
       self._take_wait_s += waited  # the step's rollout wait (``last_wait_s``): the policy must not judge it
       return done
 
@@ -262,19 +285,18 @@ class LiveRollouts:
     self._start()
     with self._cond:
       carried = self._carried(position)
-      needed = [s for s in carried if self._next <= s < self.shape.steps]  # those taken are in the state already
+      needed = [s for s in carried if s < self.shape.steps]  # a taken one too: it may still be streaming
       past_end = [s for s in carried if s >= self.shape.steps]
-      if extendable and all(s in self._ready or self.version_for(s) >= self._first_version for s in past_end):
+      if extendable and all(self._steps.complete(s) or self.version_for(s) >= self._first_version for s in past_end):
         needed += past_end
         if past_end and past_end[-1] >= self._produce_until:
           self._produce_until = past_end[-1] + 1
           self._cond.notify_all()
-      return self._wait_sampled(needed, timeout_s)[0]
+      return self._wait_until(lambda: all(self._steps.complete(s) for s in needed), timeout_s)[0]
 
-  def _wait_sampled(self, steps: list[int], timeout_s: float) -> tuple[bool, float]:
-    """Under the condition: waits at most ``timeout_s`` for ``steps`` to be sampled; whether they are, and the
-    seconds waited (0.0 when none was missing). Raises the sampling thread's error."""
-    sampled = lambda: all(s in self._ready for s in steps)  # noqa: E731
+  def _wait_until(self, sampled: Callable[[], bool], timeout_s: float) -> tuple[bool, float]:
+    """Under the condition: waits at most ``timeout_s`` until ``sampled()``; whether it is, and the seconds
+    waited (0.0 when nothing was missing). Raises the sampling thread's error."""
     start, waited = time.perf_counter(), not sampled()
     done = self._cond.wait_for(lambda: self._error is not None or sampled(), timeout=max(0.0, timeout_s))
     self._raise_error()
@@ -288,11 +310,11 @@ class LiveRollouts:
     if self._thread is not None:
       raise RuntimeError("set_state must come before the first step is taken")
     self._next = int(state["next_step"])
-    self._ready = {r["step"]: StepRollouts.from_json(r) for r in state["sampled"]}
+    ready = self._steps.ready = {r["step"]: StepRollouts.from_json(r) for r in state["sampled"]}
     # Steps that need weights older than the checkpoint's cannot be sampled again: the state must carry them.
     # It may carry more (steps past the end of the run that wrote it, which this run may never reach).
     owed = [s for s in self._carried(self._next) if s < self.shape.steps]
-    carried = sorted(self._ready)
+    carried = sorted(ready)
     if carried != list(range(self._next, self._next + len(carried))) or not set(owed) <= set(carried):
       raise SourceStateError(f"the saved rollout position before step {self._next} carries steps {carried},"
                              f" but max_staleness {self.shape.max_staleness} needs {owed}; the run cannot be resumed"
@@ -304,7 +326,7 @@ class LiveRollouts:
 
   def carried_payloads(self) -> list[tuple[int, int, list[Trajectory]]]:
     """(step, micro-batch, payload) of each step a restored position carries (checked before a resume)."""
-    return [(step, i, p) for step, r in sorted(self._ready.items()) for i, p in enumerate(r.payloads)]
+    return [(step, i, p) for step, r in sorted(self._steps.ready.items()) for i, p in enumerate(r.payloads)]
 
   # ---------------------------------------------------------------- the thread
   def _start(self) -> None:
@@ -334,10 +356,13 @@ class LiveRollouts:
           weights = self._weights[version]
           for old in [v for v in self._weights if v < version]:
             del self._weights[old]
-        rollouts = self.sample_step(step, version, weights)
-        with self._cond:
-          self._ready[step] = rollouts
-          self._cond.notify_all()
+        start, parts = time.perf_counter(), []
+        for i in range(self.shape.micro_batches_per_step):  # in training order, each published when done
+          parts.append(self._sample_micro_batch(step, i, version, weights))
+          with self._cond:
+            self._steps.publish(step, parts, lambda: assemble_step(step, version, parts, time.perf_counter() - start),
+                                taken=step < self._next, micro_batches=self.shape.micro_batches_per_step)
+            self._cond.notify_all()
         step += 1
     except BaseException as e:  # pylint: disable=broad-except  # surfaced at the next boundary
       with self._cond:
@@ -346,32 +371,15 @@ class LiveRollouts:
 
   def sample_step(self, step: int, version: int, weights: Any) -> StepRollouts:
     """Samples every micro-batch of ``step`` with weights ``version`` (deterministic in its arguments)."""
-    sh = self.shape
     start = time.perf_counter()
-    with self._sampler_lock:
+    parts = [self._sample_micro_batch(step, i, version, weights) for i in range(self.shape.micro_batches_per_step)]
+    return assemble_step(step, version, parts, time.perf_counter() - start)
+
+  def _sample_micro_batch(self, step: int, i: int, version: int, weights: Any):
+    with self._sampler_lock:  # per micro-batch: an evaluation may take the sampler (and its weights) between
       if weights is not None and self._sampler.weights_version != version:
         self._sampler.sync(weights, version)
-      parts = [self._sample_micro_batch(step, i) for i in range(sh.micro_batches_per_step)]
-    payloads, rewards, correct, tokens = (list(part) for part in zip(*parts))
-    flat = np.concatenate(rewards)
-    return StepRollouts(step, payloads, [r.tolist() for r in rewards], version, float(flat.mean()),
-                        float(flat.std()), float(np.mean(np.concatenate(correct))), sum(tokens),
-                        time.perf_counter() - start)
-
-  def _sample_micro_batch(self, step: int, i: int):
-    sh, g = self.shape, self.shape.generations_per_group
-    first_group = (step * sh.micro_batches_per_step + i) * sh.groups_per_micro_batch
-    problems = [self._task.problem(sh.seed, "train", first_group + j) for j in range(sh.groups_per_micro_batch)]
-    prompts = [p.prompt for p in problems for _ in range(g)]
-    seed = int(np.random.default_rng((sh.seed, step, i)).integers(2**31 - 1))
-    samples = self._sampler.sample(prompts, seed=seed, temperature=sh.temperature)
-    rewards, correct = score_micro_batch(self._task, self._reward, problems, samples.texts, first_group, g)
-    advantages = group_advantages(rewards, g)
-    if any(len(c) == 0 for c in samples.completion_ids):
-      raise RuntimeError(f"the sampler returned an empty completion at step {step}, micro-batch {i}")
-    payload = [Trajectory(samples.prompt_ids[k], samples.completion_ids[k], float(advantages[k]), samples.logprobs[k],
-                          first_group + k // g) for k in range(len(prompts))]
-    return payload, rewards, correct, int(sum(len(c) for c in samples.completion_ids))
+      return sample_micro_batch(self._sampler, self._task, self._reward, self.shape, step, i)
 
   # ---------------------------------------------------------------- evaluation
   def eval_prompt_count(self, asked: int) -> int:
@@ -396,6 +404,110 @@ class LiveRollouts:
     finally:
       self._sampler_lock.release()
     return float(np.mean([self._task.reward(p, a) for p, a in zip(problems, answers)]))
+
+
+class SampledSteps:
+  """What the sampling thread has produced and the loop has taken, by step; the source's condition guards it.
+
+  Attributes:
+    ready: complete steps not taken yet. delivered: complete steps taken (the last few).
+    partial: the step being sampled, its micro-batches so far (in training order).
+    micro_batch_wait_s: per taken step, the seconds spent waiting for its micro-batches after the first.
+    recorded: every step taken, in order, once complete (None when the run records no rollouts).
+  """
+
+  def __init__(self, record: bool):
+    self.ready: dict[int, StepRollouts] = {}
+    self.delivered: dict[int, StepRollouts] = {}
+    self.partial: dict[int, list[list[Trajectory]]] = {}
+    self.micro_batch_wait_s: dict[int, float] = {}
+    self.recorded: list[StepRollouts] | None = [] if record else None
+
+  def complete(self, step: int) -> StepRollouts | None:
+    """``step`` when all its micro-batches are sampled (taken or not); else None."""
+    return self.ready.get(step) or self.delivered.get(step)
+
+  def micro_batches_of(self, step: int) -> list[list[Trajectory]]:
+    """The micro-batches of ``step`` sampled so far."""
+    done = self.complete(step)
+    return done.payloads if done is not None else self.partial.get(step, [])
+
+  def first_sampled(self, step: int) -> bool:
+    return bool(self.micro_batches_of(step))
+
+  def take(self, step: int) -> list[list[Trajectory]] | None:
+    """Marks ``step`` taken; its payloads when it is complete, None while it still streams."""
+    if step not in self.ready:
+      return None
+    self._deliver(self.ready.pop(step))
+    return self.delivered[step].payloads
+
+  def forget(self, step: int) -> None:
+    """Drops what is kept of a step no position can carry any more."""
+    self.delivered.pop(step, None)
+    self.micro_batch_wait_s.pop(step, None)
+
+  def publish(self, step: int, parts: list, assemble: Callable[[], StepRollouts], *, taken: bool,
+              micro_batches: int) -> None:
+    """``step``'s micro-batches sampled so far (``parts``: ``sample_micro_batch``'s results); once all
+    ``micro_batches`` are, the step, complete (``assemble()``), delivered at once if it was ``taken``."""
+    if len(parts) < micro_batches:
+      self.partial[step] = [part[0] for part in parts]
+      return
+    self.partial.pop(step, None)
+    if taken:
+      self._deliver(assemble())
+    else:
+      self.ready[step] = assemble()
+
+  def _deliver(self, rollouts: StepRollouts) -> None:
+    self.delivered[rollouts.step] = rollouts
+    if self.recorded is not None:
+      self.recorded.append(rollouts)
+
+
+class StreamedPayloads(Sequence):
+  """A taken step's micro-batches while its later ones are still being sampled: item i waits for micro-batch
+  i (``LiveRollouts.micro_batch``); its length is the step's micro-batch count from the start."""
+
+  def __init__(self, source: LiveRollouts, step: int, micro_batches: int):
+    self._source, self._step, self._len = source, step, micro_batches
+
+  def __len__(self) -> int:
+    return self._len
+
+  def __getitem__(self, index):
+    if not isinstance(index, int):
+      raise TypeError(f"a streamed step's micro-batches are indexed by int, not {type(index).__name__}")
+    if not 0 <= index < self._len:
+      raise IndexError(f"micro-batch {index} of a step of {self._len}")
+    return self._source.micro_batch(self._step, index)
+
+
+def sample_micro_batch(sampler: LiveSampler, task, reward: Reward, shape: LiveShape, step: int, i: int):
+  """Samples micro-batch ``i`` of ``step`` with the sampler's current weights: (payload, rewards, correct,
+  completion tokens). Its problems and seed are functions of (seed, step, i) alone."""
+  g = shape.generations_per_group
+  first_group = (step * shape.micro_batches_per_step + i) * shape.groups_per_micro_batch
+  problems = [task.problem(shape.seed, "train", first_group + j) for j in range(shape.groups_per_micro_batch)]
+  prompts = [p.prompt for p in problems for _ in range(g)]
+  seed = int(np.random.default_rng((shape.seed, step, i)).integers(2**31 - 1))
+  samples = sampler.sample(prompts, seed=seed, temperature=shape.temperature)
+  rewards, correct = score_micro_batch(task, reward, problems, samples.texts, first_group, g)
+  advantages = group_advantages(rewards, g)
+  if any(len(c) == 0 for c in samples.completion_ids):
+    raise RuntimeError(f"the sampler returned an empty completion at step {step}, micro-batch {i}")
+  payload = [Trajectory(samples.prompt_ids[k], samples.completion_ids[k], float(advantages[k]), samples.logprobs[k],
+                        first_group + k // g) for k in range(len(prompts))]
+  return payload, rewards, correct, int(sum(len(c) for c in samples.completion_ids))
+
+
+def assemble_step(step: int, version: int, parts: list, sampling_s: float) -> StepRollouts:
+  """A step from its micro-batches' ``sample_micro_batch`` results, in training order."""
+  payloads, rewards, correct, tokens = (list(part) for part in zip(*parts))
+  flat = np.concatenate(rewards)
+  return StepRollouts(step, payloads, [r.tolist() for r in rewards], version, float(flat.mean()), float(flat.std()),
+                      float(np.mean(np.concatenate(correct))), sum(tokens), sampling_s)
 
 
 def score_micro_batch(task, reward: Reward, problems, texts: list[str], first_index: int, generations: int):

@@ -80,6 +80,24 @@ class LiveWaits:
       raise StoppedWithoutCheckpointError(f"stopped by {stop.reason} while waiting for step {step}'s rollouts,"
                                           f" before this run trained a step; {self.latest()}") from None
 
+  def micro_batch(self, step: int, index: int) -> None:
+    """Returns once micro-batch ``index`` of the taken ``step`` is sampled.
+
+    The step's first micro-batches are dispatched already, so a stop cannot end the run before it: once one
+    is asked for, the wait lasts at most ``grace_s`` more, then the run ends without this step.
+
+    Raises:
+      StoppedWithoutCheckpointError: a stop came, and the micro-batch did not within ``grace_s``.
+    """
+    try:
+      return self._wait(lambda timeout_s: self.live.micro_batch_ready(step, index, timeout_s))
+    except StopWhileWaiting as stop:
+      if self.live.micro_batch_ready(step, index, self.grace_s):
+        return None
+      raise StoppedWithoutCheckpointError(
+          f"stopped by {stop.reason} while step {step} waited for its micro-batch {index}, which was not"
+          f" sampled within {self.grace_s:g} s; {self.latest()}") from None
+
   def checkpoint(self, step: int, stopping: str | None) -> None:
     """Returns once the checkpoint after ``step`` can be written with the rollouts it must carry.
 

@@ -70,6 +70,7 @@ SCALARS: dict[str, Callable[[BoundaryRecord], float | int | None]] = {
     "rollout/staleness": lambda r: r.staleness,
     "rollout/wait_s": lambda r: r.rollout_wait_s,  # how long the boundary waited for the next step's rollouts
     "rollout/sampled_tokens_per_s": lambda r: r.sampled_tokens_per_s,
+    "rollout/micro_batch_wait_s": lambda r: r.micro_batch_wait_s,  # inside the step, after its first micro-batch
     "memory/staged_bytes": lambda r: _total(r.staged_bytes_per_device),  # summed over this process's devices
 }
 

@@ -407,6 +407,8 @@ class RLProgram:
       self._pull(k)
       if k - 1 in self._boundaries and self.live is not None:  # a sampling source says how long it blocked
         self._boundaries[k - 1].rollout_wait_s = self.live.last_wait_s
+    if self._waits is not None and i > 0:  # a step streams in: its later micro-batches may still be sampled
+      self._waits.micro_batch(k, i)
     return self._payloads[k][i]
 
   def _next_ready(self, k: int) -> bool:

@@ -99,6 +99,7 @@ class BoundaryRecord:
   reward_std: float | None = None
   accuracy: float | None = None
   sampled_tokens_per_s: float | None = None
+  micro_batch_wait_s: float | None = None  # inside the step: waits for its micro-batches after the first
   # Several processes: each process's stage_s and device_wait_s, in process order (the policy saw the max).
   per_process: dict | None = None
   # Restored from the checkpoint after this step (the run was killed before writing it): what the record knew
