@@ -197,6 +197,26 @@ def test_a_stage_over_the_wire_says_what_its_input_holds_on_the_devices(server, 
     worker.close()
 
 
+def test_an_export_says_what_crossed_the_wire(server):
+  """``last_export`` is the reply as received: the weights' bytes and the header listing them, and the call's
+  seconds (the weight sync records them)."""
+  worker = _connect(server)
+  try:
+    assert worker.last_export is None  # nothing exported yet
+    weights = worker.export_weights()
+    moved = worker.last_export
+  finally:
+    worker.close()
+  params = sum(leaf.nbytes for leaf in _leaves(weights))
+  assert moved.bytes == wire.message_size(wire.encode_tree(weights)) and params < moved.bytes < params + 16384
+  assert 0 < moved.seconds == pytest.approx(moved.ended_at - moved.started_at)
+
+
+def _leaves(tree):
+  """The arrays of a nested dict of weights (the driver's host copy), without JAX."""
+  return [leaf for value in tree.values() for leaf in (_leaves(value) if isinstance(value, dict) else [value])]
+
+
 def _run(tmp_path, name, capsys, *args, env=None):
   out = tmp_path / name
   old = dict(os.environ)

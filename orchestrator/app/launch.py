@@ -365,9 +365,12 @@ def preflight(recipe, out: Path, *, run_id: str | None, steps: int | None = None
 
   source = rollout_source(recipe, steps=steps)
   remote = recipe.trainer.location == "remote"
-  if not remote:  # a remote trainer checks its own devices
+  if not remote or (recipe.trainer.spawn and recipe.rollouts.source == "sampler"):
+    # A remote trainer checks its own devices, except one this run spawns: it starts on this host with this
+    # environment, so it sees these devices, and a live driver has started JAX for its sampler already (a
+    # driver that samples nothing starts no JAX; its spawned trainer refuses a mesh it lacks as it starts).
     _check_devices(recipe, distributed)
-  else:
+  if remote:
     _check_trainer_token(recipe)
   ckpt_dir = checkpoint_dir_for(recipe, out) if not remote or recipe.trainer.spawn else None
   if ckpt_dir and primary:

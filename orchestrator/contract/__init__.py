@@ -3,7 +3,8 @@
 - ``engine``: what a training engine does (``TrainingEngine``, ``StagingEngine``,
   ``CheckpointingEngine``, ``WeightSource``, ``MemoryReportingEngine``, ``SnapshotEngine``),
   its ``Receipt``, ``StepMetrics`` and ``DeviceMemory``.
-- ``worker``: what the step loop drives (``Worker``) and the results it hands back.
+- ``worker``: what the step loop drives (``Worker``, the optional ``WeightsOverWire`` part) and the
+  results it hands back.
 - ``source``: where the steps come from (``StepSource``, the optional ``LiveSource``
   part) and ``RolloutStats``.
 - ``outputs``: what a run hands back (``RunSummary`` and its parts).
@@ -36,13 +37,15 @@ from orchestrator.contract.outputs import (
 )
 from orchestrator.contract.source import (LiveSource, RolloutStats, SourceStateError, StepSource, WeightTransfer,
                                          live_part)
-from orchestrator.contract.worker import DeferredUpdate, StageReceipt, Worker, WorkerCapabilities, WorkerUsageError
+from orchestrator.contract.worker import (DeferredUpdate, StageReceipt, WeightsOverWire, Worker, WorkerCapabilities,
+                                         WorkerUsageError)
 
 __all__ = [
     "AgreementCost", "CheckpointingEngine", "DeferredUpdate", "DeviceMemory", "Evaluation", "LiveSource",
     "MemoryReportingEngine", "PreparedInput",
     "ProcessTimings", "Receipt", "RolloutStats", "RolloutSummary", "RunSummary", "STAGING_METHODS",
     "SnapshotEngine", "SourceStateError", "StageReceipt", "StagingEngine", "StepMetrics", "StepSource",
-    "StepTimings", "TrainingEngine", "WeightSource", "WeightTransfer", "Worker", "WorkerCapabilities",
+    "StepTimings", "TrainingEngine", "WeightSource", "WeightTransfer", "WeightsOverWire", "Worker",
+    "WorkerCapabilities",
     "WorkerUsageError", "live_part", "missing_methods",
 ]

@@ -55,11 +55,15 @@ class RolloutStats:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class WeightTransfer:
-  """What a weight sync moved to a sampler on devices of its own (``rollouts.placement: split``).
+  """What a weight sync moved: onto a sampler on devices of its own (``rollouts.placement: split``, what
+  ``LiveSource.sync`` returns), or over the wire from a trainer in another process (its export,
+  ``WeightsOverWire.last_export``).
 
   Attributes:
-    bytes: the bytes written on the sampler's devices (every copy: a replicated leaf counts once per device).
-    seconds: from the transfer's dispatch until the copy was on the sampler's devices.
+    bytes: onto a sampler's devices, the bytes written there (every copy: a replicated leaf counts once per
+      device); over the wire, the bytes of the reply received (the weights and the header that lists them).
+    seconds: from the transfer's dispatch until the copy was on the sampler's devices; over the wire, the
+      export call's wall time (request, the trainer's copy to host, the reply).
     started_at, ended_at: the same span on ``time.perf_counter``'s clock (the program's default clock).
   """
 

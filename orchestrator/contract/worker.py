@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
 from orchestrator.contract.engine import DeviceMemory, Receipt, StepMetrics
+from orchestrator.contract.source import WeightTransfer
 
 
 class WorkerUsageError(RuntimeError):
@@ -154,4 +155,16 @@ class Worker(Protocol):
 
   def restore_checkpoint(self, step: int | None = None) -> Mapping[str, Any]:
     """Restores the latest (or ``step``'s) checkpoint; drops a staged input; returns its metadata."""
+    ...
+
+
+@runtime_checkable
+class WeightsOverWire(Protocol):
+  """The part of a worker whose trainer runs in another process: ``export_weights`` moves the weights over a
+  wire, and the weight sync records what that moved (``loop.weight_sync.timed_sync``)."""
+
+  @property
+  def last_export(self) -> WeightTransfer | None:
+    """What the last ``export_weights`` received: the reply's bytes and the call's seconds; None before the
+    first, and when the trainer had no weights to send."""
     ...

@@ -113,6 +113,10 @@ class BoundaryRecord:
   # and the transfer's seconds (part of weight_sync_s). None where the sync copies to host memory.
   weight_sync_bytes: int | None = None
   weight_transfer_s: float | None = None
+  # The weight sync from a trainer in another process (trainer.location: remote): the bytes of the export's
+  # reply as received and the export call's seconds (part of weight_sync_s). None for a trainer in this process.
+  weight_sync_wire_bytes: int | None = None
+  weight_sync_wire_s: float | None = None
 
   def to_json(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
@@ -289,6 +293,7 @@ class Recorder:
         **(dataclasses.asdict(boundary.rollout) if boundary.rollout else {}),
         per_process=boundary.per_process, **_memory_fields(boundary),
         weight_sync_bytes=spans.get("weight_sync_bytes"), weight_transfer_s=spans.get("weight_transfer_s"),
+        weight_sync_wire_bytes=spans.get("weight_sync_wire_bytes"), weight_sync_wire_s=spans.get("weight_sync_wire_s"),
     )
 
   def sync_records(self) -> None:

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from orchestrator.contract import WeightTransfer, Worker
+from orchestrator.contract import WeightsOverWire, WeightTransfer, Worker
 from orchestrator.loop.recorder import Lane, Recorder
 
 
@@ -47,13 +47,20 @@ def timed_sync(weight_sync: Callable[[int, Any], Any], worker: Worker, recorder:
 
   Its seconds go in ``spans["weight_sync_s"]``. A sync that copies the weights onto a sampler's own devices
   says what it moved (a ``WeightTransfer``): its bytes and seconds go in the record too, and the transfer
-  gets a span of its own inside the sync's.
+  gets a span of its own inside the sync's. So does the export of a trainer in another process
+  (``WeightsOverWire``), which is the weights crossing the wire: the reply's bytes and the call's seconds.
   """
   start = clock()
-  moved = weight_sync(done, worker.export_weights())
+  weights = worker.export_weights()
+  wired = worker.last_export if isinstance(worker, WeightsOverWire) else None
+  moved = weight_sync(done, weights)
   end = clock()
   spans["weight_sync_s"] = end - start
   recorder.span(f"weight sync {done}", start, end, Lane.BOUNDARY_WORK)
+  if isinstance(wired, WeightTransfer):
+    spans["weight_sync_wire_bytes"] = wired.bytes
+    spans["weight_sync_wire_s"] = wired.seconds
+    recorder.span(f"weight wire transfer {done}", wired.started_at, wired.ended_at, Lane.BOUNDARY_WORK)
   if isinstance(moved, WeightTransfer):
     spans["weight_sync_bytes"] = moved.bytes
     spans["weight_transfer_s"] = moved.seconds

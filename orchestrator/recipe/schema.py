@@ -706,10 +706,6 @@ class Recipe:
     if self.engine.backend != "jax":
       raise RecipeError(f"rollouts.source=sampler trains with engine.backend=jax, not {self.engine.backend}; set"
                         " engine.backend=jax or use rollouts.source=recording")
-    if self.trainer.location == "remote" and self.mesh.num_devices != 1:
-      raise RecipeError(f"rollouts.source=sampler with trainer.location=remote samples on the driver beside a"
-                        f" one-device trainer; the mesh asks for {self.mesh.num_devices}: use mesh sizes of 1, or"
-                        " trainer.location=local")
     if self.trainer.location == "remote" and self.rollouts.placement == "split":
       raise RecipeError("rollouts.placement=split puts the sampler on devices beside the trainer's, which a"
                         " remote trainer does not share; use rollouts.placement=shared or trainer.location=local")

@@ -19,6 +19,10 @@ the rig run unchanged. What differs is made explicit:
   ``WorkerUsageError`` and a malformed value (``INVALID_ARGUMENT``
   "ValueError: ...") ``ValueError``, as the local worker would; any other
   refusal is a ``TrainerRefusedError``.
+* **The weights.** ``export_weights`` is the weight sync's transfer: the
+  trainer's weights come back as host arrays, and ``last_export`` (the
+  contract's ``WeightsOverWire``) says what that reply held on the wire and
+  how long the call took, for the record.
 * **The session.** ``Hello`` answers a session id that every later call
   carries; the constructor opens the ``Attach`` stream and returns only once
   the server confirms it (the server serves no worker call before), and holds
@@ -42,6 +46,7 @@ from orchestrator.contract import (
     Receipt,
     StageReceipt,
     StepMetrics,
+    WeightTransfer,
     WorkerCapabilities,
     WorkerUsageError,
 )
@@ -111,6 +116,7 @@ class RemoteTrainerWorker:
     self._step, self._micro = 0, 0
     self._update_owed = False
     self._staged: _Staged | None = None
+    self.last_export: WeightTransfer | None = None  # the contract's WeightsOverWire: the sync records it
     self.offset_s, self.offset_error_s = 0.0, 0.0
     hello = self._unary("Hello", wire.encode({"protocol": protocol.PROTOCOL_VERSION,
                                                "recipe_digest": recipe_digest}))
@@ -170,6 +176,11 @@ class RemoteTrainerWorker:
 
   def _call(self, header: dict, parts: list | None = None) -> tuple[dict, dict]:
     """One worker call: the request (``wire.encode_parts``) streamed in chunks, the reply joined and decoded."""
+    return wire.decode(self._exchange(header, parts))
+
+  def _exchange(self, header: dict, parts: list | None = None) -> bytes:
+    """One worker call's request streamed in chunks; the reply joined, not yet decoded (its size is what
+    crossed the wire)."""
     message = parts if parts is not None else wire.encode_parts(header)
     size = wire.message_size(message)
     if size > self.limits.max_message_bytes:
@@ -180,7 +191,7 @@ class RemoteTrainerWorker:
     try:
       pieces = self._channel.stream_stream(f"/{protocol.SERVICE}/Invoke")(
           wire.chunks(message), timeout=self.limits.timeout_s, metadata=self._metadata())
-      return wire.decode(wire.join(pieces, self.limits.max_message_bytes))
+      return wire.join(pieces, self.limits.max_message_bytes)
     except grpc.RpcError as e:
       self._raise(e, str(header.get("method")), started)
 
@@ -329,8 +340,16 @@ class RemoteTrainerWorker:
     return StepMetrics.coerce(self._call({"method": "get_metrics"})[0]["metrics"])
 
   def export_weights(self) -> Any:
-    header, arrays = self._call({"method": "export_weights"})
-    return None if header.get("none") else wire.decode_tree(header, arrays)
+    """The trainer's weights as host arrays; what crossed the wire for them is ``last_export``."""
+    start = time.perf_counter()
+    reply = self._exchange({"method": "export_weights"})
+    end = time.perf_counter()
+    header, arrays = wire.decode(reply)
+    if header.get("none"):
+      self.last_export = None
+      return None
+    self.last_export = WeightTransfer(bytes=len(reply), seconds=end - start, started_at=start, ended_at=end)
+    return wire.decode_tree(header, arrays)
 
   def state_digest(self) -> str | None:
     return self._call({"method": "state_digest"})[0]["digest"]
