@@ -6,11 +6,19 @@ arm identifies:
 
 - any arm: micro-batch compute (a step's first micro-batch apart: it computes
   beside the host's work after the boundary), the update, the metrics read, checkpoint and
-  weight sync (timed apart by the program), the rollout wait, re-runs, and the
+  weight sync (timed apart by the program), re-runs, and the
   device time lost per dispatch inside a step (step seconds less everything
   else the record timed, per micro-batch after the first);
+- each arm, for its own mode: the rollout wait (the median of its records'
+  ``rollout_wait_s``). Waits are never pooled over modes: OFF asks for the next
+  step's rollouts after the boundary work, which overlaps the sampler, the
+  other modes before it, and a sampler that sets the pace locks the trainer's
+  cycle to it, so one arm's wait says little about another mode's. A mode
+  without an arm waits an ``Unknown`` spanning the fitted modes' waits (its
+  point: a fitted mode that asks for the rollouts on the same side of the
+  boundary work); with one fitted mode, from nothing to that arm's step;
 - an OFF arm: the serial boundary cost — OFF's idle less the boundary work
-  timed apart and one dispatch: the input's mapping, its copy and the logging
+  timed apart, OFF's own rollout wait and one dispatch: the input's mapping, its copy and the logging
   (what the program does between the metrics read and the first dispatch);
 - a staged arm besides: the host's mapping (the stage's own seconds), so the
   rest of OFF's serial cost is the copy and the logging — their split, and
@@ -29,6 +37,8 @@ import statistics
 from collections.abc import Mapping, Sequence
 
 from policies.boundary_model import Components, Estimate, Unknown
+from policies.call_order import Action, boundary_actions
+from policies.step_boundary import BoundaryPlan, Mode
 
 DEFAULT_DISPATCH_S = Components.__dataclass_fields__["dispatch_s"].default
 
@@ -98,11 +108,11 @@ def fit(arms: Mapping[str, Sequence[Mapping]], *, update_reads_last_flag: bool, 
       "metrics_s": _median(r.get("metrics_s") or 0.0 for r in pooled),
       "checkpoint_s": _median(r.get("checkpoint_s") or 0.0 for r in pooled),
       "weight_sync_s": _median(r.get("weight_sync_s") or 0.0 for r in pooled),
-      "rollout_wait_s": _median(r.get("rollout_wait_s") for r in pooled) or 0.0,
       "reruns_per_step": _median(r.get("reruns") or 0 for r in pooled),
       "rerun_s": micro,
   }
   sources.update({k: "fitted" for k in values})
+  values.update(_rollout_waits(arms, used, sources, unknowns))
   if m == 1:
     sources["first_micro_batch_extra_s"] = "inside micro_batch_s (one micro-batch per step)"
   if wait_floor_s is None:
@@ -133,12 +143,61 @@ def fit(arms: Mapping[str, Sequence[Mapping]], *, update_reads_last_flag: bool, 
   if off:
     work = values["metrics_s"] + values["checkpoint_s"] + values["weight_sync_s"]
     serial = _median(r["boundary_idle_s"] for r in arms[off[0]][:-1])
-    serial = None if serial is None else max(0.0, serial - work - values["rollout_wait_s"] - dispatch_s)
+    # OFF's own rollout wait, as the prediction adds it back: a staged arm's would misstate the serial cost.
+    off_wait = dict(values["rollout_wait_by_mode"]).get(Mode.OFF.value, values["rollout_wait_s"])
+    serial = None if serial is None else max(0.0, serial - work - off_wait - dispatch_s)
   _split_serial_cost(values, sources, unknowns, serial, stage_s)
   values["update_overlap_share"] = _overlap_share(arms, off, update_reads_last_flag, sources, unknowns)
   sources["micro_batches_per_step"] = "the records"
   components = Components(micro_batches_per_step=m, **values)
   return Fit(Estimate(components, sources, tuple(unknowns)), used)
+
+
+def _asks_before_boundary_work(mode: Mode) -> bool:
+  """Whether ``mode``'s call order needs the next step's rollouts before the boundary work (the metrics read)."""
+  actions = boundary_actions(BoundaryPlan.for_mode(0, mode, reason="modelled"))
+  need = next(i for i, a in enumerate(actions) if a in (Action.STAGE_FIRST, Action.DISPATCH_FIRST))
+  return need < actions.index(Action.METRICS)
+
+
+def _rollout_waits(arms, used, sources: dict, unknowns: list) -> dict:
+  """Each fitted arm's rollout wait for its mode, and what a mode without an arm waits (module docstring)."""
+  waits: dict[str, list[float]] = {}
+  steps: dict[str, list[float]] = {}
+  for n in used:
+    these = [r["rollout_wait_s"] for r in arms[n] if r.get("rollout_wait_s") is not None]
+    if these:
+      waits.setdefault(arms[n][0]["mode"], []).extend(these)
+      steps.setdefault(arms[n][0]["mode"], []).extend(r["step_s"] for r in arms[n])
+  if not waits:
+    none = "none recorded (no arm has a live source to wait for)"
+    sources.update(rollout_wait_s=none, rollout_wait_by_mode=none)
+    return {"rollout_wait_s": 0.0, "rollout_wait_by_mode": ()}
+  fitted = {mode: statistics.median(w) for mode, w in waits.items()}
+  by_mode = tuple((m.value, fitted[m.value]) for m in Mode if m.value in fitted)  # in the modes' order
+  sources["rollout_wait_by_mode"] = "fitted (each arm's median, for its own mode)"
+  missing = [m for m in Mode if m.value not in fitted]
+  if not missing:
+    sources["rollout_wait_s"] = "irrelevant (every mode has an arm)"
+    return {"rollout_wait_s": 0.0, "rollout_wait_by_mode": by_mode}
+  sides = {_asks_before_boundary_work(m) for m in missing}
+  near = [w for mode, w in fitted.items() if _asks_before_boundary_work(Mode(mode)) in sides] or list(fitted.values())
+  point = statistics.median(near)
+  names = ", ".join(m.value for m in missing)
+  sources["rollout_wait_s"] = (f"unidentified for {names} (no arm): the fitted wait of a mode that asks for the"
+                               " rollouts on the same side of the boundary work")
+  if len(fitted) > 1:
+    span = ", ".join(f"{mode} {w:.6f} s" for mode, w in by_mode)
+    unknowns.append(Unknown("rollout_wait_s", f"no arm ran {names}: its rollout wait lies between the fitted"
+                            f" modes' ({span}); where a mode asks for the rollouts changes how long it waits",
+                            tuple({"rollout_wait_s": w} for w in sorted(set(fitted.values())))))
+  else:
+    mode, step = next((m, statistics.median(s)) for m, s in steps.items())  # the one fitted mode
+    unknowns.append(Unknown("rollout_wait_s", f"only {mode} has an arm: one mode's rollout wait does not tell"
+                            f" {names}'s (asking earlier can wait up to about a step, {step:.6f} s, where the"
+                            " sampler sets the pace; asking later, nothing)",
+                            ({"rollout_wait_s": 0.0}, {"rollout_wait_s": step})))
+  return {"rollout_wait_s": point, "rollout_wait_by_mode": by_mode}
 
 
 def _split_serial_cost(values: dict, sources: dict, unknowns: list, serial: float | None,

@@ -22,6 +22,15 @@ per dispatch on a remote runtime, a flag read between micro-batches).
 
 Per mode, the host's order is ``policies.call_order.boundary_actions`` — the
 same list the program executes — and ``predict`` times it action by action.
+The next step's rollouts keep the action that first needs them waiting —
+STAGE_FIRST in the staged modes, DISPATCH_FIRST otherwise — for
+``rollout_wait_for(mode)``: the mode's own wait where ``rollout_wait_by_mode``
+names one (a fit names each mode it has an arm of), else ``rollout_wait_s``.
+The wait is an input per mode, not derived from one time at which the
+rollouts are ready: OFF asks for them after the boundary work, which overlaps
+the sampler, the other modes before it; and where the sampler sets the pace the
+trainer's whole cycle locks to it, so the rollouts' arrival relative to the
+boundary moves with the mode as well (docs/design.md §6).
 ``boundary_idle_s`` is the gap between update k finishing and step k+1's first
 micro-batch starting; ``step_s`` adds it, any delay of the update's start and
 the gaps inside the step to the compute-only bound ``M × micro_batch_s +
@@ -38,7 +47,12 @@ where one dispatch call falls.
 Known biases: boundary work never contends with compute (optimistic on a
 2-core CPU, where host work and XLA share the memory bus), and a wait floor
 is paid once per deferred update (pessimistic for runtimes whose floor
-overlaps the wait).
+overlaps the wait). Time 0 has only the last micro-batch left to compute;
+where the previous boundary waited for rollouts, the step's micro-batches
+were dispatched back to back and up to M - 1 more are still queued, so a
+rollout wait that runs beside the compute (STAGE_BEFORE_UPDATE's) hides more
+than the timeline lets it: the update delay is over-predicted by up to that
+compute.
 """
 
 from __future__ import annotations
@@ -72,9 +86,16 @@ class Components:
   gap_per_dispatch_s: float = 0.0  # device time lost before each micro-batch after a step's first
   wait_floor_s: float = 0.0  # the least a device wait costs (a remote runtime's round trip)
   rollout_wait_s: float = 0.0  # how long the next step's rollouts keep the stage or the first dispatch waiting
+  # (mode value, seconds): a mode's own rollout wait, in place of rollout_wait_s — where a mode's call order asks
+  # for the rollouts changes how long they keep it waiting (OFF asks after the boundary work, the others before)
+  rollout_wait_by_mode: tuple[tuple[str, float], ...] = ()
   micro_batches_per_step: int = 1
   reruns_per_step: float = 0.0  # dropless re-runs per step (on average)
   rerun_s: float = 0.0
+
+  def rollout_wait_for(self, mode: Mode) -> float:
+    """How long the next step's rollouts keep ``mode``'s stage or first dispatch waiting."""
+    return dict(self.rollout_wait_by_mode).get(mode.value, self.rollout_wait_s)
 
   @property
   def boundary_work_s(self) -> float:
@@ -159,9 +180,10 @@ class _Timeline:
 def _step(t: _Timeline, action: Action, mode: Mode) -> None:
   """Advances the timeline by one action (actions after the first dispatch hide behind compute)."""
   c, d = t.c, t.c.dispatch_s
+  rollout_wait = c.rollout_wait_for(mode)  # spent where the action that needs the rollouts falls
   if action is Action.STAGE_FIRST:
-    if c.rollout_wait_s:
-      t.host_segment("rollout wait", c.rollout_wait_s)
+    if rollout_wait:
+      t.host_segment("rollout wait", rollout_wait)
     t.host_segment("stage", c.map_s)
     t.first_inputs_ready = t.host + c.copy_s  # a staged copy runs beside the compute
   elif action is Action.WAIT_AND_UPDATE:
@@ -181,8 +203,8 @@ def _step(t: _Timeline, action: Action, mode: Mode) -> None:
     t.host = max(t.host, t.update_done)  # saving and exporting read the updated state
     t.host_segment("boundary work", c.checkpoint_s + c.weight_sync_s)
   elif action is Action.DISPATCH_FIRST:  # maps and places inside the call
-    if c.rollout_wait_s:
-      t.host_segment("rollout wait", c.rollout_wait_s)
+    if rollout_wait:
+      t.host_segment("rollout wait", rollout_wait)
     t.host_segment("stage" if mode is Mode.STAGE_AFTER_UPDATE else "prepare", c.map_s)
     t.first_dispatch = t.host + d
     # A synchronous copy queues behind the update on the compute stream; an asynchronous one runs beside it.
@@ -268,6 +290,7 @@ SCALING: dict[str, tuple[str | None, str]] = {
     "gap_per_dispatch_s": (None, "one round trip per dispatch"),
     "wait_floor_s": (None, "the runtime's round trip"),
     "rollout_wait_s": (None, "set by the samplers, not by the trainer's shape"),
+    "rollout_wait_by_mode": (None, "set by the samplers and where each mode asks for the rollouts"),
     "update_overlap_share": (None, "a share of the last micro-batch (whether update() reads its flag)"),
     "sync_copy": (None, "how the runtime queues a copy"),
 }

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import statistics
 
 import pytest
 
@@ -197,12 +198,13 @@ def test_an_unknown_spans_the_predictions_it_allows():
 # ------------------------------------------------------------------------ fitting from records
 
 def _record(mode, *, idle, strict=None, stage_s=None, micro=(0.1, 0.1), update_s=0.01, metrics_s=0.002,
-            sync_s=0.003, step_s=None):
-  step = step_s if step_s is not None else sum(micro) + update_s + idle
-  return {"mode": mode, "boundary_idle_s": idle, "boundary_idle_strict_s": idle if strict is None else strict,
+            sync_s=0.003, step_s=None, wait=None):
+  strict = idle if strict is None else strict
+  step = step_s if step_s is not None else sum(micro) + update_s + strict
+  return {"mode": mode, "boundary_idle_s": idle, "boundary_idle_strict_s": strict,
           "stage_s": stage_s, "step_s": step, "micro_batch_s": list(micro), "update_s": update_s,
           "metrics_s": metrics_s, "checkpoint_s": None, "weight_sync_s": sync_s, "reruns": 0,
-          "rollout_wait_s": None}
+          "rollout_wait_s": wait}
 
 
 def test_an_off_only_fit_keeps_the_serial_cost_and_reports_its_split_unidentified():
@@ -320,6 +322,80 @@ def test_simulate_from_a_run_predicts_twice_the_rows_by_the_scaling_rules(tiny_r
   assert "tokens each device holds" in rules["micro_batch_s"] and "x2" in rules["micro_batch_s"]
   lo, hi = next(r["step_range_s"] for r in out["modes"] if r["mode"] == "stage_before_update")
   assert 0 < lo <= hi
+
+
+# ------------------------------------------------------------------------ the rollout wait, per mode
+
+# OFF waits 30 ms for rollouts after its boundary work (5 ms) and maps for 20 ms; STAGE_BEFORE_UPDATE asks before
+# the update and waits 150 ms, so its update starts 150 + 20 - 100 = 70 ms after the last micro-batch.
+OFF_WAIT, STAGED_WAIT = 0.030, 0.150
+
+
+def _live_arms(off_waits=(OFF_WAIT,) * 4, staged_waits=(STAGED_WAIT,) * 4):
+  off = [_record("off", idle=0.005 + w + 0.02, wait=w) for w in off_waits]
+  staged = [_record("stage_before_update", idle=0.0, strict=w + 0.02 - 0.1, stage_s=0.02, wait=w)
+            for w in staged_waits]
+  return {"off": off, "stage_before_update": staged}
+
+
+def _live_fit(arms):
+  return fit(arms, update_reads_last_flag=False, wait_floor_s=0.0, dispatch_s=0.0).estimate
+
+
+def test_each_fitted_mode_waits_its_own_arms_rollout_wait():
+  est = _live_fit(_live_arms())
+  c = est.components
+  assert dict(c.rollout_wait_by_mode) == pytest.approx({"off": OFF_WAIT, "stage_before_update": STAGED_WAIT})
+  assert c.map_s == pytest.approx(0.02) and c.logging_s == pytest.approx(0.0)  # OFF's serial cost net of its wait
+  off, staged = (predict_bounded(est, m) for m in (Mode.OFF, Mode.STAGE_BEFORE_UPDATE))
+  assert off.point.boundary_idle_s == pytest.approx(0.005 + OFF_WAIT + 0.02)  # as the OFF arm measured
+  assert staged.point.update_delay_s == pytest.approx(STAGED_WAIT + 0.02 - 0.1)  # as the staged arm measured
+  waits = {m: [s.end_s - s.start_s for s in predict(c, m).segments if s.name == "rollout wait"]
+           for m in (Mode.OFF, Mode.STAGE_BEFORE_UPDATE)}
+  assert waits[Mode.OFF] == pytest.approx([OFF_WAIT])
+  assert waits[Mode.STAGE_BEFORE_UPDATE] == pytest.approx([STAGED_WAIT])
+  assert off.idle_range_s == pytest.approx((off.point.boundary_idle_s,) * 2)  # no unknown moves a fitted mode's wait
+
+
+def test_a_pooled_rollout_wait_mispredicts_both_fitted_modes():
+  """Negative control: the same records with one wait for every mode (their median) fail the checks above."""
+  arms = _live_arms()
+  c = _live_fit(arms).components
+  pooled_wait = statistics.median(r["rollout_wait_s"] for rs in arms.values() for r in rs)
+  pooled = dataclasses.replace(c, rollout_wait_s=pooled_wait, rollout_wait_by_mode=())
+  assert predict(pooled, Mode.OFF).boundary_idle_s != pytest.approx(0.005 + OFF_WAIT + 0.02, abs=0.01)
+  assert predict(pooled, Mode.STAGE_BEFORE_UPDATE).update_delay_s != pytest.approx(STAGED_WAIT + 0.02 - 0.1,
+                                                                                  abs=0.01)
+
+
+def test_a_mode_without_an_arm_waits_an_unknown_between_the_fitted_modes():
+  est = _live_fit(_live_arms())
+  (wait,) = [u for u in est.unknowns if u.name == "rollout_wait_s"]
+  assert sorted(o["rollout_wait_s"] for o in wait.options) == pytest.approx([OFF_WAIT, STAGED_WAIT])
+  assert "pipelined" in wait.why and est.sources["rollout_wait_s"].startswith("unidentified")
+  # PIPELINED asks for the rollouts before the boundary work, as the staged arm did: its point is that wait.
+  assert est.components.rollout_wait_s == pytest.approx(STAGED_WAIT)
+  p = predict_bounded(est, Mode.PIPELINED)
+  # Its first dispatch waits for the rollouts and the mapping; the update is done at 110 ms.
+  assert p.point.boundary_idle_s == pytest.approx(STAGED_WAIT + 0.02 - 0.11)
+  assert p.idle_range_s == pytest.approx((0.0, STAGED_WAIT + 0.02 - 0.11))  # OFF's 30 ms would hide behind it
+  assert p.step_range_s[0] < p.step_range_s[1]
+
+
+def test_one_fitted_mode_leaves_the_others_wait_between_nothing_and_a_step():
+  est = _live_fit({"off": _live_arms()["off"]})
+  (wait,) = [u for u in est.unknowns if u.name == "rollout_wait_s"]
+  step = 0.2 + 0.01 + 0.005 + OFF_WAIT + 0.02
+  assert [o["rollout_wait_s"] for o in wait.options] == pytest.approx([0.0, step])
+  lo, hi = predict_bounded(est, Mode.STAGE_BEFORE_UPDATE).step_range_s
+  assert lo < hi and hi > est.components.compute_bound_s + step - 0.1
+
+
+def test_records_without_a_live_source_wait_for_no_rollouts():
+  est = _live_fit({"off": [_record("off", idle=0.025) for _ in range(3)]})
+  assert est.components.rollout_wait_s == 0.0 and est.components.rollout_wait_by_mode == ()
+  assert est.sources["rollout_wait_s"].startswith("none recorded")
+  assert not [u for u in est.unknowns if u.name == "rollout_wait_s"]
 
 
 def test_a_slower_first_micro_batch_is_fitted_apart_and_counted_once_per_step():

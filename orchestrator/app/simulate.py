@@ -102,13 +102,22 @@ def _step_fmt(x: float) -> str:
   return f"{x:.4f}s"
 
 
+def _shown(name: str, value) -> str:
+  if isinstance(value, tuple):  # (mode, seconds) pairs: rollout_wait_by_mode
+    return ", ".join(f"{mode} {format_seconds(s)}" for mode, s in value) or "-"
+  return (format_seconds(value) if name.endswith("_s") else
+          (f"{value:g}" if isinstance(value, float) else str(value)))
+
+
+def _json_value(value):
+  return dict(value) if isinstance(value, tuple) else value  # (mode, seconds) pairs as an object
+
+
 def _components_lines(estimate: Estimate, changes=()) -> list[str]:
   c = estimate.components
   lines = ["components (value, source):"]
   for f in dataclasses.fields(c):
-    value = getattr(c, f.name)
-    shown = (format_seconds(value) if f.name.endswith("_s") else
-             (f"{value:g}" if isinstance(value, float) else str(value)))
+    shown = _shown(f.name, getattr(c, f.name))
     lines.append(f"  {f.name:<22} {shown:>12}  {estimate.sources.get(f.name, 'default')}")
   for u in estimate.unknowns:
     lines.append(f"  unidentified: {u.name} — {u.why}")
@@ -136,7 +145,8 @@ def simulation_json(name: str, estimate: Estimate, changes, rows, measured=None,
   c = estimate.components
   return {
       "job": name,
-      "components": {f.name: {"value": getattr(c, f.name), "source": estimate.sources.get(f.name, "default")}
+      "components": {f.name: {"value": _json_value(getattr(c, f.name)),
+                              "source": estimate.sources.get(f.name, "default")}
                      for f in dataclasses.fields(c)},
       "unidentified": [u.as_dict() for u in estimate.unknowns],
       "scaled": [ch.as_dict() for ch in changes],
