@@ -52,11 +52,13 @@ class RolloutStats:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class WeightTransfer:
-  """What a weight sync moved to a sampler on devices of its own (``rollouts.placement: split``).
+  """What a weight sync moved to a sampler on devices of its own (``rollouts.placement: split``), or gathered to
+  this process's host from a mesh that spans several processes (a job's live loop).
 
   Attributes:
-    bytes: the bytes written on the sampler's devices (every copy: a replicated leaf counts once per device).
-    seconds: from the transfer's dispatch until the copy was on the sampler's devices.
+    bytes: the bytes written on the sampler's devices (every copy: a replicated leaf counts once per device);
+      for a gather, the bytes of the gathered weights this host received.
+    seconds: from the transfer's dispatch until the copy was on the sampler's devices (or on the host).
     started_at, ended_at: the same span on ``time.perf_counter``'s clock (the program's default clock).
   """
 
@@ -128,7 +130,8 @@ class LiveSource(Protocol):
 
   def sync(self, version: int, weights: Any) -> WeightTransfer | None:
     """The weight sync: keeps the weights after ``version`` updates for the steps sampled from them; what it
-    copied onto a sampler's own devices, where it has them (else None: a host copy)."""
+    copied onto a sampler's own devices, where it has them, or gathered from a mesh spanning several processes
+    (else None: a host copy). In a job of several processes every process calls it at the same point."""
     ...
 
   def step_stats(self, step: int) -> RolloutStats | None:
@@ -143,7 +146,8 @@ class LiveSource(Protocol):
                stop: Callable[[], Any] | None = None) -> float | None:
     """Greedy accuracy of ``weights`` on ``prompts`` held-out prompts (seeded by ``version``).
 
-    While it waits for the sampler it looks at ``stop()`` now and then; None when that turned true first.
+    While it waits for the sampler it looks at ``stop()`` now and then; None when that turned true first. In a
+    job of several processes every process calls it at the same point: the weights are gathered first.
     """
     ...
 
