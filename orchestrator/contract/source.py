@@ -52,13 +52,14 @@ class RolloutStats:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class WeightTransfer:
-  """What a weight sync moved to a sampler on devices of its own (``rollouts.placement: split``), or gathered to
-  this process's host from a mesh that spans several processes (a job's live loop).
+  """What a weight sync moved to a sampler on devices of its own (``rollouts.placement: split``), or gathered
+  onto this process's sampler device from a mesh that spans several processes (a job's live loop).
 
   Attributes:
     bytes: the bytes written on the sampler's devices (every copy: a replicated leaf counts once per device);
-      for a gather, the bytes of the gathered weights this host received.
-    seconds: from the transfer's dispatch until the copy was on the sampler's devices (or on the host).
+      for a gather, the bytes of the whole weights this process keeps.
+    seconds: from the transfer's dispatch until the copy was on the sampler's devices; for a gather, the
+      host seconds of its dispatch (the sampler waits for it as it samples).
     started_at, ended_at: the same span on ``time.perf_counter``'s clock (the program's default clock).
   """
 

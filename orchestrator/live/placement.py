@@ -22,9 +22,10 @@ In a job of several JAX processes (``jax.distributed``) every process samples on
 its own first local device, with the whole weights there: the trainer's mesh
 spans the processes, so a sampler on it would run programs every process must
 enter in the same order, which a sampling thread beside the trainer's cannot
-promise. Each update's weights are gathered to every process's host first
-(``gather_across_processes``): a collective, issued on the trainer's thread at
-the same point of every process's boundary work, and the one the sync adds.
+promise. Each update's weights are gathered onto every process's sampler
+device first (``gather_across_processes``): a collective, issued on the
+trainer's thread at the same point of every process's boundary work, and the
+one the sync adds.
 """
 
 from __future__ import annotations
@@ -86,12 +87,13 @@ def default_device(placement: SamplerPlacement | None):
 
 def keep(placement: SamplerPlacement | None, weights: Any) -> tuple[Any, WeightTransfer | None]:
   """What a weight sync keeps of ``weights`` for the sampler, and what it moved: a host copy (no placement, or a
-  shared one: the sampling thread places it when it takes that version; in a job of several processes, with the
-  gather that made it), or the copy on a split sampler's devices and its ``WeightTransfer``."""
+  shared one: the sampling thread places it when it takes that version), the copy on a split sampler's devices
+  and its ``WeightTransfer``, or, in a job of several processes, the whole weights gathered onto this process's
+  sampler device (``gather_across_processes``, not waited for) and what the gather moved."""
   if placement is not None and placement.moves_at_sync:
     return placement.transfer(weights)
   gathered, moved = gather_across_processes(weights)
-  return jax.device_get(gathered), moved
+  return (jax.device_get(gathered) if moved is None else gathered), moved
 
 
 def _identity(tree: Any) -> Any:
@@ -100,12 +102,15 @@ def _identity(tree: Any) -> Any:
 
 def gather_across_processes(weights: Any) -> tuple[Any, WeightTransfer | None]:
   """``weights`` with every leaf that is sharded over several processes (a job's mesh) replaced by the whole
-  of it on this host, the others as they are; and what the gather moved (None: nothing spanned processes, as
-  in any run of one process, which this leaves unchanged).
+  of it on this process's first local device (a job's sampler device), the others as they are; and what the
+  gather moved (None: nothing spanned processes, as in any run of one process, which this leaves unchanged).
 
-  Those leaves are replicated over their own mesh by one program (all-gathers: a collective), then each
-  process reads its first copy. So every process of the job must call this at the same point of its device
-  work, on the thread that issues the trainer's programs: the weight sync and the evaluations do.
+  Those leaves are replicated over their own mesh by one program (all-gathers: a collective) and this process
+  keeps the copy on its first device. So every process of the job must call this at the same point of its
+  device work, on the thread that issues the trainer's programs: the weight sync and the evaluations do. It
+  dispatches the program and returns; whoever reads the copy waits for it (the sampling thread, as it samples:
+  a wait on a buffer, no program of its own with a collective). So the trainer's thread never waits here for
+  the micro-batch queued before the gather (a pipelined boundary's next one), and ``seconds`` is the dispatch.
 
   Raises:
     TypeError: a leaf sharded over several processes without a ``NamedSharding`` (the engine's have one).
@@ -118,11 +123,11 @@ def gather_across_processes(weights: Any) -> tuple[Any, WeightTransfer | None]:
     if not isinstance(leaves[i].sharding, NamedSharding):
       raise TypeError(f"a weight sharded as {leaves[i].sharding} spans several processes; the weight sync gathers"
                       " NamedSharding arrays only: place the engine's weights with a NamedSharding")
-  start = time.perf_counter()
+  start, here = time.perf_counter(), jax.local_devices()[0]
   replicated = [NamedSharding(leaves[i].sharding.mesh, PartitionSpec()) for i in spread]
   gathered = jax.jit(_identity, out_shardings=replicated)([leaves[i] for i in spread])
-  for i, leaf in zip(spread, gathered):
-    leaves[i] = np.asarray(leaf.addressable_data(0))
+  for i, leaf in zip(spread, gathered):  # the other copies go with ``gathered``: one device holds the weights
+    leaves[i] = next(shard.data for shard in leaf.addressable_shards if shard.device == here)
   end = time.perf_counter()
   moved = sum(leaves[i].nbytes for i in spread)
   return jax.tree.unflatten(treedef, leaves), WeightTransfer(bytes=moved, seconds=end - start, started_at=start,

@@ -383,8 +383,8 @@ class LiveRollouts:
     """Greedy accuracy on ``prompts`` held-out problems with the given weights.
 
     It needs the sampler, which the sampling thread may hold: with ``stop`` the wait for it looks at
-    ``stop()`` every ``WAIT_POLL_S`` and gives up (None) once it is true. The weights reach the host before it
-    (in a job of several processes a collective every process issues, whatever the wait ends in).
+    ``stop()`` every ``WAIT_POLL_S`` and gives up (None) once it is true. In a job of several processes the
+    weights are gathered before it (a collective every process issues, whatever the wait ends in).
     """
     weights = gather_across_processes(weights)[0]
     problems = [self._task.problem(self.shape.seed, "eval", j) for j in range(prompts)]
