@@ -10,6 +10,7 @@ import time
 import numpy as np
 import pytest
 
+from orchestrator.distributed.agreement import SingleProcess
 from orchestrator.live.tasks import (TASKS, ModularAddition, Problem, ReverseString, _held_out, group_advantages,
                                      make_task, split_sizes)
 from orchestrator.live.tokenizer import EOS, CharTokenizer
@@ -255,3 +256,34 @@ def test_a_stop_while_waiting_for_the_first_step_s_rollouts_names_what_is_left()
   assert not thread.is_alive()
   assert str(outcome["error"]) == ("stopped by SIGINT while waiting for step 0's rollouts, before this run trained a"
                                    " step; no checkpoint was written, so the run cannot be resumed: start it again with a new --out")
+
+
+class _OneOfTwo(SingleProcess):
+  """Process 0 of a job of two whose peer was asked for no stop and measured what this process did."""
+
+  num_processes = 2
+
+  def exchange(self, tag, value):
+    return [value, None if tag.startswith("stop") else value]
+
+
+def test_in_a_job_a_stop_seen_while_waiting_for_rollouts_is_agreed_at_the_next_boundary():
+  """One process of a job sees a stop while it waits for step 3's rollouts. Ending its run there would leave the
+  other process dispatching step 3 alone, so the wait goes on; once the rollouts come, the stop goes through the
+  next boundary's exchange and every process ends after step 3, with its checkpoint (one process: test above)."""
+  source = StuckLiveSource(6, 2, stuck_at=3, staleness=1)
+  engine, stop = RecordingEngine(), threading.Event()
+  program = RLProgram(TrainerWorker(engine), StepBoundaryPolicy(Mode.OFF), source,
+                      ProgramConfig(steps=6, micro_batches_per_step=2, checkpoint_every=2, stop_grace_s=0.2),
+                      stop_requested=lambda: "SIGTERM" if stop.is_set() else None, agreement=_OneOfTwo())
+  thread, outcome = run_in_thread(program)
+  _wait_for(lambda: source.waited > 0)
+  stop.set()
+  thread.join(timeout=1.0)  # five times the grace a stop has in one process
+  assert thread.is_alive() and not outcome, outcome
+  source.stuck_at = 99  # the rollouts come
+  thread.join(timeout=30)
+  assert not thread.is_alive()
+  result = outcome["result"]
+  assert result.ended == "stopped" and result.stop_reason == "SIGTERM" and result.last_step == 3
+  assert result.checkpoint_path == "ckpt/4" and engine.calls.count("update") == 4

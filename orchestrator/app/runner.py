@@ -100,6 +100,7 @@ def live_source(recipe: Recipe, *, steps: int | None = None):
   """The live loop's source: a sampler over the trained model (same preset and seed), on the recipe's task."""
   # import here: the sampler imports JAX, which starts after the host settings; the benchmarks and the rig
   # import this module before them
+  import jax
   from orchestrator.live.placement import sampler_placement
   from orchestrator.live.rollouts import LiveRollouts, LiveShape
   from orchestrator.live.sampler import LiveSampler
@@ -116,7 +117,9 @@ def live_source(recipe: Recipe, *, steps: int | None = None):
                         alphabet=task.answer_alphabet, dtype=recipe.engine.dtype, placement=placement)
   shape = LiveShape(steps or recipe.steps, recipe.batch.micro_batches_per_step, r.groups_per_micro_batch,
                     r.generations_per_group, r.max_staleness, r.temperature, r.seed)
-  return LiveRollouts(sampler, task, shape, record=bool(r.record_to), reward=recipe.task.make_reward(task))
+  # Only process 0 writes a recording (launch._run_program): the others of a job keep no steps for one.
+  record = bool(r.record_to) and jax.process_index() == 0
+  return LiveRollouts(sampler, task, shape, record=record, reward=recipe.task.make_reward(task))
 
 
 def resolve_path(path: str) -> Path:
@@ -198,10 +201,10 @@ class RunHandle:
           result = self.program.run()
     finally:
       self.program.source.close()
-    if live is not None and before is not None:
+    if live is not None:  # also where the first gave up (a stop): in a job it gathers the weights, a collective
       done = (result.last_step or 0) + 1
       after = live.evaluate(worker.export_weights(), done, self.eval_prompts, stop=stop)
-      if after is not None:
+      if before is not None and after is not None:
         result.summary = result.summary.replace(evaluation=Evaluation(
             eval_accuracy_start=before, eval_prompts=self.eval_prompts, eval_accuracy_end=after))
     if self.trainer_info:

@@ -56,14 +56,17 @@ class RolloutStats:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class WeightTransfer:
   """What a weight sync moved: onto a sampler on devices of its own (``rollouts.placement: split``, what
-  ``LiveSource.sync`` returns), or over the wire from a trainer in another process (its export,
+  ``LiveSource.sync`` returns), gathered onto this process's sampler device from a mesh that spans several
+  processes (a job's live loop), or over the wire from a trainer in another process (its export,
   ``WeightsOverWire.last_export``).
 
   Attributes:
     bytes: onto a sampler's devices, the bytes written there (every copy: a replicated leaf counts once per
-      device); over the wire, the bytes of the reply received (the weights and the header that lists them).
-    seconds: from the transfer's dispatch until the copy was on the sampler's devices; over the wire, the
-      export call's wall time (request, the trainer's copy to host, the reply).
+      device); for a gather, the bytes of the whole weights this process keeps; over the wire, the bytes of
+      the reply received (the weights and the header that lists them).
+    seconds: from the transfer's dispatch until the copy was on the sampler's devices; for a gather, the host
+      seconds of its dispatch (the sampler waits for it as it samples); over the wire, the export call's wall
+      time (request, the trainer's copy to host, the reply).
     started_at, ended_at: the same span on ``time.perf_counter``'s clock (the program's default clock).
   """
 
@@ -135,7 +138,8 @@ class LiveSource(Protocol):
 
   def sync(self, version: int, weights: Any) -> WeightTransfer | None:
     """The weight sync: keeps the weights after ``version`` updates for the steps sampled from them; what it
-    copied onto a sampler's own devices, where it has them (else None: a host copy)."""
+    copied onto a sampler's own devices, where it has them, or gathered from a mesh spanning several processes
+    (else None: a host copy). In a job of several processes every process calls it at the same point."""
     ...
 
   def step_stats(self, step: int) -> RolloutStats | None:
@@ -150,7 +154,8 @@ class LiveSource(Protocol):
                stop: Callable[[], Any] | None = None) -> float | None:
     """Greedy accuracy of ``weights`` on ``prompts`` held-out prompts (seeded by ``version``).
 
-    While it waits for the sampler it looks at ``stop()`` now and then; None when that turned true first.
+    While it waits for the sampler it looks at ``stop()`` now and then; None when that turned true first. In a
+    job of several processes every process calls it at the same point: the weights are gathered first.
     """
     ...
 

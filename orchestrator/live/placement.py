@@ -17,6 +17,15 @@ is nothing to order. And the sampler computes exactly what a one-device sampler
 computes, so every placement samples the same rollouts and a run's digest
 depends only on the trainer's mesh. The cost is a full copy of the weights on
 each sampler device and the same sampling computed on each of them.
+
+In a job of several JAX processes (``jax.distributed``) every process samples on
+its own first local device, with the whole weights there: the trainer's mesh
+spans the processes, so a sampler on it would run programs every process must
+enter in the same order, which a sampling thread beside the trainer's cannot
+promise. Each update's weights are gathered onto every process's sampler
+device first (``gather_across_processes``): a collective, issued on the
+trainer's thread at the same point of every process's boundary work, and the
+one the sync adds.
 """
 
 from __future__ import annotations
@@ -78,11 +87,51 @@ def default_device(placement: SamplerPlacement | None):
 
 def keep(placement: SamplerPlacement | None, weights: Any) -> tuple[Any, WeightTransfer | None]:
   """What a weight sync keeps of ``weights`` for the sampler, and what it moved: a host copy (no placement, or a
-  shared one: the sampling thread places it when it takes that version), or the copy on a split sampler's
-  devices and its ``WeightTransfer``."""
+  shared one: the sampling thread places it when it takes that version), the copy on a split sampler's devices
+  and its ``WeightTransfer``, or, in a job of several processes, the whole weights gathered onto this process's
+  sampler device (``gather_across_processes``, not waited for) and what the gather moved."""
   if placement is not None and placement.moves_at_sync:
     return placement.transfer(weights)
-  return jax.device_get(weights), None
+  gathered, moved = gather_across_processes(weights)
+  return (jax.device_get(gathered) if moved is None else gathered), moved
+
+
+def _identity(tree: Any) -> Any:
+  return tree  # at module level, so every gather of the same shapes reuses one compiled program
+
+
+def gather_across_processes(weights: Any) -> tuple[Any, WeightTransfer | None]:
+  """``weights`` with every leaf that is sharded over several processes (a job's mesh) replaced by the whole
+  of it on this process's first local device (a job's sampler device), the others as they are; and what the
+  gather moved (None: nothing spanned processes, as in any run of one process, which this leaves unchanged).
+
+  Those leaves are replicated over their own mesh by one program (all-gathers: a collective) and this process
+  keeps the copy on its first device. So every process of the job must call this at the same point of its
+  device work, on the thread that issues the trainer's programs: the weight sync and the evaluations do. It
+  dispatches the program and returns; whoever reads the copy waits for it (the sampling thread, as it samples:
+  a wait on a buffer, no program of its own with a collective). So the trainer's thread never waits here for
+  the micro-batch queued before the gather (a pipelined boundary's next one), and ``seconds`` is the dispatch.
+
+  Raises:
+    TypeError: a leaf sharded over several processes without a ``NamedSharding`` (the engine's have one).
+  """
+  leaves, treedef = jax.tree.flatten(weights)
+  spread = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable]
+  if not spread:
+    return weights, None
+  for i in spread:
+    if not isinstance(leaves[i].sharding, NamedSharding):
+      raise TypeError(f"a weight sharded as {leaves[i].sharding} spans several processes; the weight sync gathers"
+                      " NamedSharding arrays only: place the engine's weights with a NamedSharding")
+  start, here = time.perf_counter(), jax.local_devices()[0]
+  replicated = [NamedSharding(leaves[i].sharding.mesh, PartitionSpec()) for i in spread]
+  gathered = jax.jit(_identity, out_shardings=replicated)([leaves[i] for i in spread])
+  for i, leaf in zip(spread, gathered):  # the other copies go with ``gathered``: one device holds the weights
+    leaves[i] = next(shard.data for shard in leaf.addressable_shards if shard.device == here)
+  end = time.perf_counter()
+  moved = sum(leaves[i].nbytes for i in spread)
+  return jax.tree.unflatten(treedef, leaves), WeightTransfer(bytes=moved, seconds=end - start, started_at=start,
+                                                               ended_at=end)
 
 
 def missing_sampler_devices(kind: str, trainer_devices: int, sampler_devices: int, visible: int) -> str | None:
@@ -99,20 +148,26 @@ def missing_sampler_devices(kind: str, trainer_devices: int, sampler_devices: in
 
 def sampler_placement(kind: str, mesh: MeshConfig, sampler_devices: int | None = None) -> SamplerPlacement | None:
   """The sampler's placement beside a trainer on ``mesh`` (its first ``mesh.num_devices`` devices, as
-  ``engine.mesh.make_mesh`` takes them); None for a shared sampler beside a one-device trainer.
+  ``engine.mesh.make_mesh`` takes them); None for a shared sampler beside a one-device trainer. In a job of
+  several processes, a shared sampler's is this process's first local device (see the module docstring).
 
   Raises:
     ValueError: too few devices are visible for the mesh, or for the mesh and a split sampler (the message
       names the counts and the fix).
   """
-  devices = jax.devices()
-  message = missing_devices(mesh, visible=len(devices), processes=jax.process_count())
+  devices, processes = jax.devices(), jax.process_count()
+  message = missing_devices(mesh, visible=len(devices), processes=processes)
   n = mesh.num_devices
+  if message is None and kind == "split" and processes > 1:
+    message = ("rollouts.placement=split needs local devices beside the trainer's, but in a job of several"
+               " processes the mesh takes every device of the job; use rollouts.placement=shared")
   if message is None:
     message = missing_sampler_devices(kind, n, sampler_devices or 1, len(devices))
   if message is not None:
     raise ValueError(message)
-  if kind == "shared":
+  if kind == "shared" and processes > 1:  # the job's mesh spans processes: each samples on its own device
+    chosen = (jax.local_devices()[0],)
+  elif kind == "shared":
     if n == 1:
       return None
     chosen = tuple(devices[:n])

@@ -44,7 +44,7 @@ import numpy as np
 
 from orchestrator.contract import RolloutStats, SourceStateError, WeightTransfer
 from orchestrator.data.trajectory import Trajectory, TrajectoryGroup
-from orchestrator.live.placement import keep
+from orchestrator.live.placement import gather_across_processes, keep
 from orchestrator.live.rewards import Reward, task_reward
 from orchestrator.live.sampler import LiveSampler
 from orchestrator.live.tasks import group_advantages
@@ -391,12 +391,13 @@ class LiveRollouts:
     """Greedy accuracy on ``prompts`` held-out problems with the given weights.
 
     It needs the sampler, which the sampling thread may hold: with ``stop`` the wait for it looks at
-    ``stop()`` every ``WAIT_POLL_S`` and gives up (None) once it is true.
+    ``stop()`` every ``WAIT_POLL_S`` and gives up (None) once it is true. In a job of several processes the
+    weights are gathered before it (a collective every process issues, whatever the wait ends in).
     """
+    weights = gather_across_processes(weights)[0]
     problems = [self._task.problem(self.shape.seed, "eval", j) for j in range(prompts)]
-    while not self._sampler_lock.acquire(timeout=WAIT_POLL_S):
-      if stop is not None and stop():
-        return None
+    if not acquire_unless(self._sampler_lock, stop):
+      return None
     try:
       if weights is not None:
         self._sampler.sync(weights, version)
@@ -508,6 +509,14 @@ def assemble_step(step: int, version: int, parts: list, sampling_s: float) -> St
   flat = np.concatenate(rewards)
   return StepRollouts(step, payloads, [r.tolist() for r in rewards], version, float(flat.mean()), float(flat.std()),
                       float(np.mean(np.concatenate(correct))), sum(tokens), sampling_s)
+
+
+def acquire_unless(lock: threading.Lock, stop: Callable[[], Any] | None) -> bool:
+  """Takes ``lock``, looking at ``stop()`` every ``WAIT_POLL_S`` while it waits; False (not taken) once it is true."""
+  while not lock.acquire(timeout=WAIT_POLL_S):
+    if stop is not None and stop():
+      return False
+  return True
 
 
 def score_micro_batch(task, reward: Reward, problems, texts: list[str], first_index: int, generations: int):

@@ -2,8 +2,10 @@
 
 A sampler that is stuck or slow must not hold a stop. ``LiveWaits`` asks the source with a timeout
 (``LiveSource.ready``, ``ready_to_checkpoint``) and looks at the stop flag between asks; the program decides
-what a stop there ends. A live source runs in one process only (the recipe refuses it in a job of several), so
-these stops need no agreement between processes.
+what a stop there ends. In a job of several processes a stop seen by one process while it waits would end its
+run while the others go on to the next step, so there a stop never ends a wait (``local_stops`` false): it is
+agreed at the next boundary, as every stop is, and a checkpoint waits for all the rollouts it must carry, which
+every process samples alike.
 """
 
 from __future__ import annotations
@@ -59,11 +61,13 @@ class LiveWaits:
     stop_requested: the program's stop flag (truthy: a stop was asked for; a string names what asked).
     grace_s: once a stop is asked for, how long a checkpoint may still wait for its rollouts.
     latest: the end of the line a run that cannot checkpoint ends with (``latest_checkpoint``'s).
+    local_stops: whether a stop may end a wait (one process); false in a job of several (module docstring).
   """
 
   def __init__(self, live: LiveSource, stop_requested: Callable[[], Any], *, grace_s: float,
-               latest: Callable[[], str]):
+               latest: Callable[[], str], local_stops: bool = True):
     self.live, self.stop_requested, self.grace_s, self.latest = live, stop_requested, grace_s, latest
+    self.local_stops = local_stops
 
   def take(self, step: int, *, first_of_run: bool) -> None:
     """Returns once ``step`` can be taken (``get_state``, ``next``) without waiting for sampling.
@@ -109,7 +113,7 @@ class LiveWaits:
     Raises:
       StoppedWithoutCheckpointError: a stop came, and the rollouts the checkpoint must carry did not.
     """
-    if not stopping:
+    if not stopping or not self.local_stops:  # a job's processes all wait the whole way: none ends alone
       try:
         return self._wait(lambda timeout_s: self.live.ready_to_checkpoint(step + 1, timeout_s))
       except StopWhileWaiting as stop:
@@ -129,6 +133,6 @@ class LiveWaits:
   def _wait(self, ready: Callable[[float], bool]) -> None:
     """Calls ``ready(timeout_s)`` until it is true, looking at the stop flag between calls."""
     while not ready(WAIT_POLL_S):
-      asked = self.stop_requested()
+      asked = self.local_stops and self.stop_requested()
       if asked:
         raise StopWhileWaiting(asked if isinstance(asked, str) else "stop")

@@ -364,7 +364,8 @@ class RLProgram:
     # The steps the last checkpoint covers: a resumed run starts from one after start_step steps.
     self._last_checkpoint_steps: int | None = config.start_step or None
     self._waits = None if self.live is None else LiveWaits(
-        self.live, self.stop_requested, grace_s=config.stop_grace_s, latest=lambda: latest_checkpoint(self.records))
+        self.live, self.stop_requested, grace_s=config.stop_grace_s, latest=lambda: latest_checkpoint(self.records),
+        local_stops=self.agreement.num_processes == 1)
     if (config.checkpoint_every or config.scored_checkpoint_steps) and not worker.capabilities.can_checkpoint:
       raise ValueError("checkpoints are asked for (checkpoint_every / scored_checkpoint_steps) but the engine"
                        " has no save_checkpoint / restore_checkpoint; turn checkpoints off or use an engine"

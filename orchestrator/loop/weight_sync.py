@@ -15,7 +15,8 @@ class HostWeightStore:
   """The default weight sync: copies the updated weights to host memory, as a sampler receives them.
 
   In a job of several processes each process copies the shards it holds (a
-  sampler would receive each host's part from that host).
+  sampler would receive each host's part from that host); the live loop's sync
+  gathers the whole weights instead (``live.placement.gather_across_processes``).
   """
 
   def __init__(self):

@@ -738,9 +738,10 @@ class Recipe:
 
   def _validate_distributed(self) -> None:
     d = self.distributed
-    if self.rollouts.source == "sampler":
-      raise RecipeError("rollouts.source=sampler runs on one process; with distributed.* set use"
-                        " rollouts.source=recording or synthetic, or drop distributed.num_processes")
+    if self.rollouts.source == "sampler" and self.rollouts.placement == "split":
+      raise RecipeError("rollouts.placement=split puts the sampler on local devices beside the trainer's, but with"
+                        " distributed.* set the mesh takes every device of the job; use rollouts.placement=shared"
+                        " (every process samples on its first device) or drop distributed.*")
     if self.trainer.location != "local":
       raise RecipeError("trainer.location=remote drives one trainer process; several JAX processes train"
                         " in place (trainer.location=local), so drop one of the two")
