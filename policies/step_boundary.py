@@ -30,6 +30,9 @@ staged (requested)   bring-up                             engine lacks staging m
 staged               ``plan(step)``                       ``step`` in ``excluded_steps``        unchanged; no stage there
 staged, or a probe   ``plan(step, next_ready=False)``     the next step's rollouts wait for     unchanged; no stage there
                                                           this boundary's weight sync           (``next_not_ready``)
+STAGE_BEFORE_UPDATE  ``plan(step, next_sampled=False)``   the next step's first micro-batch     unchanged; staged after the
+                                                          is not sampled yet                    update there (``staged_after_
+                                                                                                update_for_rollouts``)
 staged, or a probe   ``plan(step, headroom=…)``           the devices' free bytes are below     unchanged; no stage there
                                                           ``min_free_device_bytes``             (``no_memory_headroom``)
 staged               ``observe`` (stage waited for        —                                     unchanged; not judged
@@ -155,6 +158,10 @@ MODE_TABLE: dict[Mode, ModeFlags] = {
     Mode.STAGE_AFTER_UPDATE: ModeFlags(stage=True, stage_before_update=False, await_metrics=False),
     Mode.STAGE_BEFORE_UPDATE: ModeFlags(stage=True, stage_before_update=True, await_metrics=False),
 }
+
+#: Why a STAGE_BEFORE_UPDATE boundary staged after the update (``plan(next_sampled=False)``).
+UPDATE_FIRST_REASON = ("the next step's first micro-batch was not sampled yet: staged after the update, so waiting"
+                       " for it does not hold the update back")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -328,21 +335,11 @@ class StepBoundaryPolicy:
     ValueError: bad arguments.
   """
 
-  def __init__(
-      self,
-      mode: Mode | str,
-      *,
-      engine_can_stage: bool = True,
-      require_staging: bool = False,
-      wait_threshold_s: float | None = None,
-      disable_after: int = 2,
-      reprobe_every: int | None = None,
-      excluded_steps: Iterable[int] = (),
-      calibration: CalibrationRule = CalibrationRule(),
-      engine_missing: Sequence[str] = ("prepare_fwd_bwd_input", "wait_for_device"),
-      min_free_device_bytes: int | str = "auto",
-      headroom_rule: HeadroomRule = HeadroomRule(),
-  ):
+  def __init__(self, mode: Mode | str, *, engine_can_stage: bool = True, require_staging: bool = False,
+               wait_threshold_s: float | None = None, disable_after: int = 2, reprobe_every: int | None = None,
+               excluded_steps: Iterable[int] = (), calibration: CalibrationRule = CalibrationRule(),
+               engine_missing: Sequence[str] = ("prepare_fwd_bwd_input", "wait_for_device"),
+               min_free_device_bytes: int | str = "auto", headroom_rule: HeadroomRule = HeadroomRule()):
     self.requested_mode = Mode.parse(mode)
     if disable_after < 1:
       raise ValueError(f"disable_after must be >= 1, got {disable_after}")
@@ -486,12 +483,16 @@ class StepBoundaryPolicy:
     return self._threshold_s
 
   # ------------------------------------------------------------------ plans
-  def plan(self, step: int, *, next_ready: bool = True, headroom: DeviceHeadroom | None = None) -> BoundaryPlan:
+  def plan(self, step: int, *, next_ready: bool = True, next_sampled: bool | None = None,
+           headroom: DeviceHeadroom | None = None) -> BoundaryPlan:
     """What to do at the boundary after ``step``.
 
     ``next_ready`` False says the next step's first micro-batch cannot exist
     before this boundary's weight sync (on-policy rollouts): nothing can be
-    staged, whatever the mode, and the boundary is not judged. ``headroom``
+    staged, whatever the mode, and the boundary is not judged. ``next_sampled``
+    False says it can, but is not sampled yet: staged before the update, the
+    wait for it would hold the update back, so it is staged after the update
+    (``staged_after_update_for_rollouts``; None: nobody can tell). ``headroom``
     is the devices' free memory (None: the engine cannot tell): below what a
     stage needs, the boundary is pipelined instead (``no_memory_headroom``).
     """
@@ -522,15 +523,14 @@ class StepBoundaryPolicy:
       return BoundaryPlan.for_mode(step, mode, staged_as=self.requested_mode, probe=True,
                                    reason=f"re-probe {self.reprobe_every} boundaries after auto-disable")
     self.counters["staged_boundaries"] += 1
+    if mode is Mode.STAGE_BEFORE_UPDATE and next_sampled is False:
+      self.counters["staged_after_update_for_rollouts"] = self.counters.get("staged_after_update_for_rollouts", 0) + 1
+      return BoundaryPlan.for_mode(step, mode, staged_as=Mode.STAGE_AFTER_UPDATE, reason=UPDATE_FIRST_REASON)
     return BoundaryPlan.for_mode(step, mode, reason=self.reason)
 
   def _probe_due(self, step: int) -> bool:
-    return (
-        self._disabled_at is not None
-        and self.reprobe_every is not None
-        and not self._probe_used
-        and step - self._disabled_at >= self.reprobe_every
-    )
+    return (self._disabled_at is not None and self.reprobe_every is not None and not self._probe_used
+            and step - self._disabled_at >= self.reprobe_every)
 
   # ------------------------------------------------------------------ measurements
   def observe(

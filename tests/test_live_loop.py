@@ -217,6 +217,46 @@ def test_a_step_is_taken_and_staged_once_its_first_micro_batch_is_sampled(rig, r
   assert result.summary.final_state_digest == runs[(Mode.STAGE_BEFORE_UPDATE, 1)][0].summary.final_state_digest
 
 
+def test_a_boundary_whose_next_micro_batch_is_not_sampled_stages_it_after_the_update(rig, runs):
+  """STAGE_BEFORE_UPDATE, with step 1's sampling held until the loop waits to take it: boundary 0 is planned
+  while step 1's first micro-batch is not sampled, so it stages after the update (the update is not held back
+  for the sampler); later boundaries stage before it as the mode says; what trains is unchanged."""
+  from policies.call_order import Action
+  from policies.step_boundary import UPDATE_FIRST_REASON
+
+  engine, start, initial, sampler = rig
+  engine.restore(start)
+  sampler.sync(initial, 0)
+  release = threading.Event()
+
+  class HeldTask(FirstLetter):
+    def problem(self, seed, split, index):
+      if split == "train" and index == MICRO * 2:  # step 1's first group
+        release.wait(20)
+      return super().problem(seed, split, index)
+
+  class Watched(LiveRollouts):
+    def ready(self, step, timeout_s):
+      done = super().ready(step, timeout_s)
+      if step == 1 and timeout_s > 0 and not done:
+        release.set()  # the loop waits to take step 1 (after the update was dispatched)
+      return done
+
+  source = Watched(sampler, HeldTask(length=4, letters=8), LiveShape(STEPS, MICRO, 2, 4, 1, seed=3))
+  policy = StepBoundaryPolicy(Mode.STAGE_BEFORE_UPDATE, wait_threshold_s=0.0)
+  try:
+    result = RLProgram(TrainerWorker(engine), policy, source, ProgramConfig(steps=STEPS, micro_batches_per_step=MICRO),
+                       weight_sync=source.sync).run()
+  finally:
+    release.set()
+    source.close()
+  first = result.records[0]
+  assert first.staged and first.reason == UPDATE_FIRST_REASON and first.rollout_wait_s > 0
+  assert first.actions.index(Action.UPDATE.value) < first.actions.index(Action.STAGE_FIRST.value)
+  assert policy.counters["staged_after_update_for_rollouts"] >= 1 and policy.mode is Mode.STAGE_BEFORE_UPDATE
+  assert result.summary.final_state_digest == runs[(Mode.STAGE_BEFORE_UPDATE, 1)][0].summary.final_state_digest
+
+
 def _digest(stdout: str) -> str:
   return re.search(r"^final state digest: (\w+)$", stdout, re.M).group(1)
 

@@ -326,3 +326,19 @@ def test_a_policy_state_saved_before_the_memory_gate_still_counts_refusals():
   del state["counters"]["no_memory_headroom"]
   p.load_state_dict(state)
   assert not p.plan(0, headroom=SHORT).stage and p.counters["no_memory_headroom"] == 1
+
+
+@pytest.mark.parametrize("next_sampled", [False, True, None])
+def test_a_stage_before_the_update_waits_for_no_rollouts_it_goes_after_the_update_instead(next_sampled):
+  """The next step's first micro-batch not sampled yet: staging it before the update would hold the update
+  back for the sampler, so that boundary stages after the update; the mode stays, and it is counted."""
+  from policies.step_boundary import UPDATE_FIRST_REASON
+
+  policy = StepBoundaryPolicy(Mode.STAGE_BEFORE_UPDATE, wait_threshold_s=0.0)
+  plan = policy.plan(3, next_sampled=next_sampled)
+  assert plan.stage and policy.mode is Mode.STAGE_BEFORE_UPDATE
+  assert plan.stage_before_update is (next_sampled is not False)
+  assert (plan.reason == UPDATE_FIRST_REASON) is (next_sampled is False)
+  assert policy.counters.get("staged_after_update_for_rollouts", 0) == (next_sampled is False)
+  after = StepBoundaryPolicy(Mode.STAGE_AFTER_UPDATE, wait_threshold_s=0.0).plan(3, next_sampled=next_sampled)
+  assert after.stage and not after.stage_before_update and after.reason != UPDATE_FIRST_REASON

@@ -216,6 +216,15 @@ def agree_on_headroom(agreement: SingleProcess, step: int, memory: DeviceMemory 
                         input_bytes=max(r["input_bytes"] for r in reports))
 
 
+def next_sampled(live: Any, agreement: SingleProcess, step: int, next_ready: bool) -> bool | None:
+  """Whether ``step``'s first micro-batch is sampled now, for the plan (``StepBoundaryPolicy.plan``): a live
+  source in one process; None elsewhere — a recorded source has every step, and in a job of several processes
+  each process's sampler is at its own point, while a plan must be the same in every process."""
+  if live is None or not next_ready or isinstance(agreement, KeyValueAgreement):
+    return None
+  return live.ready(step, 0.0)
+
+
 def boundary_headroom(worker: Worker, policy: StepBoundaryPolicy, agreement: SingleProcess,
                       step: int) -> DeviceHeadroom | None:
   """What the memory gate plans boundary ``step`` with (read when the boundary is planned, just before the
@@ -504,7 +513,8 @@ class RLProgram:
       plan = self._first_plan
     elif has_next:
       headroom = boundary_headroom(self.worker, self.policy, self.agreement, k)
-      plan = self.policy.plan(k, next_ready=next_ready, headroom=headroom)
+      plan = self.policy.plan(k, next_ready=next_ready, headroom=headroom,
+                              next_sampled=next_sampled(self.live, self.agreement, k + 1, next_ready))
     mode = (plan.mode if plan else self.policy.mode).value
     # Rollouts that need this boundary's weights can only be sampled after its sync.
     sync_first = self.config.sync_before_next_step or next_ready is False
