@@ -23,7 +23,9 @@ per dispatch on a remote runtime, a flag read between micro-batches).
 Per mode, the host's order is ``policies.call_order.boundary_actions`` — the
 same list the program executes — and ``predict`` times it action by action.
 The next step's rollouts keep the action that first needs them waiting —
-STAGE_FIRST in the staged modes, DISPATCH_FIRST otherwise — for
+STAGE_FIRST in the staged modes, DISPATCH_FIRST otherwise — and a
+STAGE_BEFORE_UPDATE boundary that waits for them is timed in STAGE_AFTER_UPDATE's
+order, as the policy plans it (``step_boundary.stage_order``) — for
 ``rollout_wait_for(mode)``: the mode's own wait where ``rollout_wait_by_mode``
 names one (a fit names each mode it has an arm of), else ``rollout_wait_s``.
 The wait is an input per mode, not derived from one time at which the
@@ -62,7 +64,7 @@ import itertools
 from collections.abc import Mapping
 
 from policies.call_order import Action, boundary_actions
-from policies.step_boundary import BoundaryPlan, Mode
+from policies.step_boundary import BoundaryPlan, Mode, stage_order
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,7 +221,9 @@ def predict(c: Components, mode: Mode, *, sync_before_next_step: bool = False) -
   Time 0 is the dispatch of step k's last micro-batch; the host has just issued it.
   """
   t = _Timeline(c, c.dispatch_s, [Segment("device", "last micro-batch", 0.0, c.micro_batch_s)])
-  plan = BoundaryPlan.for_mode(0, mode, reason="modelled")
+  # A wait for rollouts means the next micro-batch is not sampled when the boundary is planned: the policy then
+  # stages after the update (``stage_order``), and so does the model.
+  plan = BoundaryPlan.for_mode(0, mode, staged_as=stage_order(mode, c.rollout_wait_for(mode) == 0), reason="modelled")
   for action in boundary_actions(plan, sync_before_next_step=sync_before_next_step):
     if t.first_dispatch is not None:
       break

@@ -159,6 +159,14 @@ MODE_TABLE: dict[Mode, ModeFlags] = {
     Mode.STAGE_BEFORE_UPDATE: ModeFlags(stage=True, stage_before_update=True, await_metrics=False),
 }
 
+def stage_order(mode: Mode, next_sampled: bool | None) -> Mode:
+  """The mode whose call order a staged boundary in ``mode`` follows: its own, except STAGE_BEFORE_UPDATE's when
+  the next step's first micro-batch is not sampled yet (``next_sampled`` False) — staged before the update, the
+  wait for it would hold the update back — which follows STAGE_AFTER_UPDATE's. The policy plans by it, and the
+  boundary model times by it."""
+  return Mode.STAGE_AFTER_UPDATE if mode is Mode.STAGE_BEFORE_UPDATE and next_sampled is False else mode
+
+
 #: Why a STAGE_BEFORE_UPDATE boundary staged after the update (``plan(next_sampled=False)``).
 UPDATE_FIRST_REASON = ("the next step's first micro-batch was not sampled yet: staged after the update, so waiting"
                        " for it does not hold the update back")
@@ -523,9 +531,9 @@ class StepBoundaryPolicy:
       return BoundaryPlan.for_mode(step, mode, staged_as=self.requested_mode, probe=True,
                                    reason=f"re-probe {self.reprobe_every} boundaries after auto-disable")
     self.counters["staged_boundaries"] += 1
-    if mode is Mode.STAGE_BEFORE_UPDATE and next_sampled is False:
+    if stage_order(mode, next_sampled) is not mode:
       self.counters["staged_after_update_for_rollouts"] = self.counters.get("staged_after_update_for_rollouts", 0) + 1
-      return BoundaryPlan.for_mode(step, mode, staged_as=Mode.STAGE_AFTER_UPDATE, reason=UPDATE_FIRST_REASON)
+      return BoundaryPlan.for_mode(step, mode, staged_as=stage_order(mode, next_sampled), reason=UPDATE_FIRST_REASON)
     return BoundaryPlan.for_mode(step, mode, reason=self.reason)
 
   def _probe_due(self, step: int) -> bool:
