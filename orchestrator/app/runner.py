@@ -211,6 +211,8 @@ class RunHandle:
             eval_accuracy_start=before, eval_prompts=self.eval_prompts, eval_accuracy_end=after))
     if self.trainer_info:
       result.summary = result.summary.replace(trainer=self.trainer_info)
+    # When the run started (Unix seconds): the origin of every record's t_* times and of trace.json's.
+    result.summary = result.summary.replace(run=dict(result.summary.run, run_started_at=self.program.recorder.wall_start))
     return result
 
   @property
