@@ -257,6 +257,65 @@ def test_a_boundary_whose_next_micro_batch_is_not_sampled_stages_it_after_the_up
   assert result.summary.final_state_digest == runs[(Mode.STAGE_BEFORE_UPDATE, 1)][0].summary.final_state_digest
 
 
+def _new_run(tmp_path, monkeypatch, make_worker, source):
+  """``runner.build_run`` of a 4-step default-recipe run on ``source``, its trainer from ``make_worker``."""
+  from orchestrator.app import runner
+
+  for name in recipe_lib.ENV_SWITCHES:
+    monkeypatch.delenv(name, raising=False)
+  monkeypatch.setattr(runner, "make_worker", make_worker)
+  recipe = recipe_lib.resolve(None, overrides=[f"steps={STEPS}", "task.eval_prompts=16"]).recipe
+  return runner.build_run(recipe, tmp_path / "run", source=source, run_id="bring-up", progress=False)
+
+
+def test_a_new_live_run_samples_while_its_trainer_is_built_and_evaluates_its_start_after_the_last_step(
+    rig, tmp_path, monkeypatch):
+  """build_run starts sampling before it asks for the trainer, and the run trains to the digest of one whose
+  sampling began with its first step; its start evaluation runs after the last step, on a copy of the start's
+  weights, and gives the figure that evaluating them before any step gives."""
+  from orchestrator.engine.diagnostics import tree_digest
+
+  engine, start, initial, sampler = rig
+  later = _run(rig, Mode.STAGE_BEFORE_UPDATE, 1)[0].summary.final_state_digest  # sampling began at step 0
+  engine.restore(start)
+  source = LiveRollouts(sampler, TASK, LiveShape(STEPS, MICRO, 2, 4, 1, seed=3))
+  expected = source.evaluate(initial, 0, 16)  # before any step (the sampler then holds version 0)
+  evaluate, evaluated, handle = source.evaluate, [], None
+
+  def noted(weights, version, prompts, *, stop=None):
+    evaluated.append((version, tree_digest(weights), len(handle.program.records)))
+    return evaluate(weights, version, prompts, stop=stop)
+
+  def make_worker(recipe, out, closers, write_dir=None):
+    assert source._thread is not None and source._thread.is_alive()  # sampling already
+    return TrainerWorker(engine), None
+
+  source.evaluate = noted
+  handle = _new_run(tmp_path, monkeypatch, make_worker, source)
+  try:
+    result = handle.run()
+  finally:
+    handle.close()
+  assert result.summary.final_state_digest == later
+  assert evaluated == [(0, tree_digest(initial), STEPS), (STEPS, tree_digest(engine.export_weights()), STEPS)]
+  assert result.summary.evaluation.eval_accuracy_start == expected
+
+
+def test_a_new_live_run_whose_trainer_cannot_be_built_stops_its_sampling(rig, tmp_path, monkeypatch):
+  engine, start, initial, sampler = rig
+  sampler.sync(initial, 0)
+  source = LiveRollouts(sampler, TASK, LiveShape(STEPS, MICRO, 2, 4, 1, seed=3))
+
+  def make_worker(recipe, out, closers, write_dir=None):
+    raise RuntimeError("no trainer here")
+
+  with pytest.raises(RuntimeError, match="no trainer here"):
+    _new_run(tmp_path, monkeypatch, make_worker, source)
+  assert source._thread is not None
+  source._thread.join(timeout=60)  # closed: the thread ends after the step it was sampling
+  assert not source._thread.is_alive()
+
+
 def _digest(stdout: str) -> str:
   return re.search(r"^final state digest: (\w+)$", stdout, re.M).group(1)
 

@@ -178,7 +178,11 @@ class RunHandle:
   """A built run: ``run()`` it; ``current_step`` names the step if it fails.
 
   With a live source it also evaluates greedy accuracy on held-out prompts
-  before the first step and after the last (``eval_accuracy_start`` / ``_end``).
+  with the weights the run starts from and with those it ends with
+  (``eval_accuracy_start`` / ``_end``). Both evaluations run after the last
+  step, the first on a host copy of the start's weights: greedy sampling is
+  a program of its own, and its compile then stays off the way to the first
+  step (the figure is the same whenever it is computed).
   """
 
   program: RLProgram
@@ -191,9 +195,8 @@ class RunHandle:
   def run(self):
     live = self.program.live if self.eval_prompts else None
     worker, start, stop = self.program.worker, self.program.config.start_step, self.program.stop_requested
-    # An evaluation waits for the sampler, which a stuck sampling thread holds: a stop skips it (None).
-    before = live.evaluate(worker.export_weights(), start, self.eval_prompts, stop=stop) if live is not None else None
     try:
+      start_weights = host_copy(worker.export_weights()) if live is not None else None
       if self.progress is None or self.progress.bar is None:
         result = self.program.run()
       else:
@@ -201,7 +204,9 @@ class RunHandle:
           result = self.program.run()
     finally:
       self.program.source.close()
-    if live is not None:  # also where the first gave up (a stop): in a job it gathers the weights, a collective
+    if live is not None:  # both, also where one gives up (a stop): in a job each gathers the weights, a collective
+      # An evaluation waits for the sampler, which a stuck sampling thread holds: a stop skips it (None).
+      before = live.evaluate(start_weights, start, self.eval_prompts, stop=stop)
       done = (result.last_step or 0) + 1
       after = live.evaluate(worker.export_weights(), done, self.eval_prompts, stop=stop)
       if before is not None and after is not None:
@@ -209,6 +214,8 @@ class RunHandle:
             eval_accuracy_start=before, eval_prompts=self.eval_prompts, eval_accuracy_end=after))
     if self.trainer_info:
       result.summary = result.summary.replace(trainer=self.trainer_info)
+    # When the run started (Unix seconds): the origin of every record's t_* times and of trace.json's.
+    result.summary = result.summary.replace(run=dict(result.summary.run, run_started_at=self.program.recorder.wall_start))
     return result
 
   @property
@@ -226,6 +233,17 @@ class RunHandle:
     finally:
       while self.closers:
         self.closers.pop()()
+
+
+def host_copy(weights):
+  """``weights`` copied to host memory (numpy arrays; None stays None): the engine's next updates leave it as it
+  is, and it holds no device memory. In a job of several processes, the whole weights: those sharded over the
+  processes are gathered first (a collective every process issues here, at the same point)."""
+  # import here: JAX starts after the host settings; the benchmarks and the rig import this module first
+  import jax
+  from orchestrator.live.placement import gather_across_processes
+
+  return jax.device_get(gather_across_processes(weights)[0])
 
 
 def make_worker(recipe: Recipe, out: Path, closers: list, write_dir: Path | None = None):
@@ -267,13 +285,21 @@ def build_run(recipe: Recipe, out: Path, *, source, run_id: str, resume: ResumeP
   """
   closers: list = []
   write_dir = write_dir or out
+  # A new live run samples its first steps while the trainer is built: asking for step 0 starts the sampling
+  # thread, and its work overlaps the trainer's (a resume sets the source's position first, in _build_program).
+  # What a step samples does not depend on when it is sampled (docs/design.md §9).
+  sampling = live_part(source) if resume is None else None
   try:
+    if sampling is not None:
+      sampling.ready(0, 0.0)
     worker, trainer_info = make_worker(recipe, out, closers, write_dir)
     handle = _build_program(recipe, write_dir, worker, source=source, run_id=run_id, config_sha256=config_sha256,
                             resume=resume, run_name=out.name,
                             stop_requested=stop_requested, progress=progress and (job is None or job.is_primary),
                             job=job)
   except BaseException:
+    if sampling is not None:  # RunHandle.run would have closed it
+      source.close()
     while closers:
       closers.pop()()
     raise
