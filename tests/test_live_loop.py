@@ -149,16 +149,7 @@ def test_the_wait_for_a_step_s_rollouts_is_its_rollout_wait_and_is_not_judged(ri
   """The loop polls ready() before it takes a step; the time it waited there is the boundary's rollout wait, so
   the policy does not judge that boundary's stage (a short device wait after waiting for sampling says nothing
   about staging). Sampling step 1 is held until the loop has waited one poll for it."""
-  engine, start, initial, sampler = rig
-  engine.restore(start)
-  sampler.sync(initial, 0)
   release = threading.Event()
-
-  class HeldTask(FirstLetter):
-    def problem(self, seed, split, index):
-      if split == "train" and 2 * 2 <= index < 2 * 2 * 2:  # step 1's groups
-        release.wait(120)
-      return super().problem(seed, split, index)
 
   class Watched(LiveRollouts):
     def ready(self, step, timeout_s):
@@ -167,16 +158,36 @@ def test_the_wait_for_a_step_s_rollouts_is_its_rollout_wait_and_is_not_judged(ri
         release.set()  # the loop waited for step 1: let its sampling go on
       return done
 
-  source = Watched(sampler, HeldTask(length=4, letters=8), LiveShape(STEPS, MICRO, 2, 4, 1, seed=3))
-  policy = StepBoundaryPolicy(Mode.STAGE_BEFORE_UPDATE, wait_threshold_s=1e9)  # any judged wait would be low
+  # any judged wait would be low
+  result, policy, _ = _run_holding(rig, MICRO * 2, Watched, release, wait_threshold_s=1e9)
+  assert release.is_set() and result.records[0].rollout_wait_s > 0
+  assert policy.counters["rollout_waits"] >= 1 and result.records[0].low_wait is None
+
+
+def _run_holding(rig, group: int, watched: type, release: threading.Event, wait_threshold_s: float = 0.0) -> tuple:
+  """A STAGE_BEFORE_UPDATE run at staleness 1 on ``watched`` (a ``LiveRollouts`` that sets ``release`` where the
+  test says), whose sampling of train group ``group`` waits for ``release`` (at most 20 s); the result, the
+  policy and whether the release came in time."""
+  engine, start, initial, sampler = rig
+  engine.restore(start)
+  sampler.sync(initial, 0)
+  held = []
+
+  class HeldTask(FirstLetter):
+    def problem(self, seed, split, index):
+      if split == "train" and index == group:
+        held.append(release.wait(20))
+      return super().problem(seed, split, index)
+
+  source = watched(sampler, HeldTask(length=4, letters=8), LiveShape(STEPS, MICRO, 2, 4, 1, seed=3))
+  policy = StepBoundaryPolicy(Mode.STAGE_BEFORE_UPDATE, wait_threshold_s=wait_threshold_s)
   try:
     result = RLProgram(TrainerWorker(engine), policy, source, ProgramConfig(steps=STEPS, micro_batches_per_step=MICRO),
                        weight_sync=source.sync).run()
   finally:
     release.set()
     source.close()
-  assert release.is_set() and result.records[0].rollout_wait_s > 0
-  assert policy.counters["rollout_waits"] >= 1 and result.records[0].low_wait is None
+  return result, policy, held == [True]
 
 
 def test_a_step_is_taken_and_staged_once_its_first_micro_batch_is_sampled(rig, runs):
@@ -185,16 +196,7 @@ def test_a_step_is_taken_and_staged_once_its_first_micro_batch_is_sampled(rig, r
   loop waited there are step 1's micro_batch_wait_s, and what trains is unchanged (the digest of the run
   that never waited). Without streaming the loop would wait for the whole step at boundary 0 and the hold
   would time out."""
-  engine, start, initial, sampler = rig
-  engine.restore(start)
-  sampler.sync(initial, 0)
-  release, held = threading.Event(), []
-
-  class HeldTask(FirstLetter):
-    def problem(self, seed, split, index):
-      if split == "train" and index == (1 * MICRO + 1) * 2:  # step 1, micro-batch 1's first group
-        held.append(release.wait(20))
-      return super().problem(seed, split, index)
+  release = threading.Event()
 
   class Watched(LiveRollouts):
     def micro_batch_ready(self, step, index, timeout_s):
@@ -204,15 +206,8 @@ def test_a_step_is_taken_and_staged_once_its_first_micro_batch_is_sampled(rig, r
         done = super().micro_batch_ready(step, index, timeout_s)
       return done
 
-  source = Watched(sampler, HeldTask(length=4, letters=8), LiveShape(STEPS, MICRO, 2, 4, 1, seed=3))
-  policy = StepBoundaryPolicy(Mode.STAGE_BEFORE_UPDATE, wait_threshold_s=0.0)
-  try:
-    result = RLProgram(TrainerWorker(engine), policy, source, ProgramConfig(steps=STEPS, micro_batches_per_step=MICRO),
-                       weight_sync=source.sync).run()
-  finally:
-    release.set()
-    source.close()
-  assert held == [True], "step 1's second micro-batch was not waited for inside step 1"
+  result, _, released = _run_holding(rig, (1 * MICRO + 1) * 2, Watched, release)  # step 1, micro-batch 1
+  assert released, "step 1's second micro-batch was not waited for inside step 1"
   assert result.records[0].staged and result.records[1].micro_batch_wait_s > 0
   assert result.summary.final_state_digest == runs[(Mode.STAGE_BEFORE_UPDATE, 1)][0].summary.final_state_digest
 
@@ -224,16 +219,7 @@ def test_a_boundary_whose_next_micro_batch_is_not_sampled_stages_it_after_the_up
   from policies.call_order import Action
   from policies.step_boundary import UPDATE_FIRST_REASON
 
-  engine, start, initial, sampler = rig
-  engine.restore(start)
-  sampler.sync(initial, 0)
   release = threading.Event()
-
-  class HeldTask(FirstLetter):
-    def problem(self, seed, split, index):
-      if split == "train" and index == MICRO * 2:  # step 1's first group
-        release.wait(20)
-      return super().problem(seed, split, index)
 
   class Watched(LiveRollouts):
     def ready(self, step, timeout_s):
@@ -242,16 +228,9 @@ def test_a_boundary_whose_next_micro_batch_is_not_sampled_stages_it_after_the_up
         release.set()  # the loop waits to take step 1 (after the update was dispatched)
       return done
 
-  source = Watched(sampler, HeldTask(length=4, letters=8), LiveShape(STEPS, MICRO, 2, 4, 1, seed=3))
-  policy = StepBoundaryPolicy(Mode.STAGE_BEFORE_UPDATE, wait_threshold_s=0.0)
-  try:
-    result = RLProgram(TrainerWorker(engine), policy, source, ProgramConfig(steps=STEPS, micro_batches_per_step=MICRO),
-                       weight_sync=source.sync).run()
-  finally:
-    release.set()
-    source.close()
+  result, policy, released = _run_holding(rig, MICRO * 2, Watched, release)  # step 1's first group
   first = result.records[0]
-  assert first.staged and first.reason == UPDATE_FIRST_REASON and first.rollout_wait_s > 0
+  assert released and first.staged and first.reason == UPDATE_FIRST_REASON and first.rollout_wait_s > 0
   assert first.actions.index(Action.UPDATE.value) < first.actions.index(Action.STAGE_FIRST.value)
   assert policy.counters["staged_after_update_for_rollouts"] >= 1 and policy.mode is Mode.STAGE_BEFORE_UPDATE
   assert result.summary.final_state_digest == runs[(Mode.STAGE_BEFORE_UPDATE, 1)][0].summary.final_state_digest
