@@ -369,12 +369,6 @@ class LiveRollouts:
         self._error = RuntimeError(f"the rollout thread failed while sampling step {step}: {type(e).__name__}: {e}")
         self._cond.notify_all()
 
-  def sample_step(self, step: int, version: int, weights: Any) -> StepRollouts:
-    """Samples every micro-batch of ``step`` with weights ``version`` (deterministic in its arguments)."""
-    start = time.perf_counter()
-    parts = [self._sample_micro_batch(step, i, version, weights) for i in range(self.shape.micro_batches_per_step)]
-    return assemble_step(step, version, parts, time.perf_counter() - start)
-
   def _sample_micro_batch(self, step: int, i: int, version: int, weights: Any):
     with self._sampler_lock:  # per micro-batch: an evaluation may take the sampler (and its weights) between
       if weights is not None and self._sampler.weights_version != version:
