@@ -78,6 +78,28 @@ def _in_step_gaps(records: Sequence[Mapping]) -> list[float]:
   return out
 
 
+def device_compute(records: Sequence[Mapping]) -> dict:
+  """The device's compute as ``records`` timed it: micro-batch, the first micro-batch's extra, update, re-run.
+
+  A step's first micro-batch computes beside the host's work after the boundary, so it is timed apart from
+  the others. These are the components a busy machine moves between arms (another job's load, the clock),
+  while the boundary components are what the modes change.
+  """
+  m = len(records[0]["micro_batch_s"])
+  micro = (_median(x for r in records for x in r["micro_batch_s"][1:]) if m > 1
+           else _median(r["micro_batch_s"][0] for r in records))
+  extra = (max(0.0, _median(r["micro_batch_s"][0] - statistics.mean(r["micro_batch_s"][1:]) for r in records))
+           if m > 1 else 0.0)
+  return {"micro_batch_s": micro, "first_micro_batch_extra_s": extra,
+          "update_s": _median(r["update_s"] for r in records), "rerun_s": micro}
+
+
+def at_own_compute(components: Components, records: Sequence[Mapping]) -> Components:
+  """``components`` with the device compute ``records`` measured: what the boundary model predicts for an arm
+  once the machine's drift in compute between arms is taken out (the boundary components stay the fit's)."""
+  return dataclasses.replace(components, **device_compute(records))
+
+
 def fit(arms: Mapping[str, Sequence[Mapping]], *, update_reads_last_flag: bool, wait_floor_s: float | None,
         dispatch_s: float | None = None, wait_floor_source: str = "calibrated by the run",
         dispatch_source: str = "calibrated by the run") -> Fit:
@@ -97,19 +119,13 @@ def fit(arms: Mapping[str, Sequence[Mapping]], *, update_reads_last_flag: bool, 
   sources: dict[str, str] = {}
   unknowns: list[Unknown] = []
   m = len(pooled[0]["micro_batch_s"])
-  # A step's first micro-batch computes beside the host's work after the boundary: timed apart from the others.
-  micro = (_median(x for r in pooled for x in r["micro_batch_s"][1:]) if m > 1
-           else _median(r["micro_batch_s"][0] for r in pooled))
-  extra = (max(0.0, _median(r["micro_batch_s"][0] - statistics.mean(r["micro_batch_s"][1:]) for r in pooled))
-           if m > 1 else 0.0)
   values = {
-      "micro_batch_s": micro, "first_micro_batch_extra_s": extra, "update_s": _median(r["update_s"] for r in pooled),
+      **device_compute(pooled),
       # The program times the metrics read net of its wait for the update (the model charges the update).
       "metrics_s": _median(r.get("metrics_s") or 0.0 for r in pooled),
       "checkpoint_s": _median(r.get("checkpoint_s") or 0.0 for r in pooled),
       "weight_sync_s": _median(r.get("weight_sync_s") or 0.0 for r in pooled),
       "reruns_per_step": _median(r.get("reruns") or 0 for r in pooled),
-      "rerun_s": micro,
   }
   sources.update({k: "fitted" for k in values})
   values.update(_rollout_waits(arms, used, sources, unknowns))

@@ -12,7 +12,7 @@ from orchestrator import recipe as recipe_lib
 from orchestrator.app import cli
 from orchestrator.app.simulate import estimate_from_recipe
 from policies import Mode
-from policies.boundary_fit import fit
+from policies.boundary_fit import at_own_compute, device_compute, fit
 from policies.boundary_model import (Components, Estimate, JobShape, Unknown, band, predict, predict_bounded,
                                      scale)
 from tests.conftest import REPO
@@ -302,6 +302,8 @@ def test_simulate_from_a_run_fits_its_components_and_shows_what_it_measured(tiny
   assert out["fitted_on"] and {r["arm"] for r in out["modes"]} >= {m.value for m in Mode}
   measured = [r for r in out["modes"] if "measured" in r]
   assert measured and all(isinstance(r["within"], bool) for r in measured)
+  assert all(r["at_own_compute"]["step_s"] > 0 and isinstance(r["at_own_compute"]["within"], bool)
+             for r in measured)
   assert out["components"]["micro_batch_s"]["source"] == "fitted"
   for name in ("map_s", "copy_s", "logging_s", "sync_copy", "gap_per_dispatch_s"):
     assert out["components"][name]["source"]  # each says where it came from, unidentified included
@@ -409,3 +411,20 @@ def test_a_slower_first_micro_batch_is_fitted_apart_and_counted_once_per_step():
   plain = dataclasses.replace(c, first_micro_batch_extra_s=0.0)
   for mode in Mode:
     assert predict(c, mode).step_s - predict(plain, mode).step_s == pytest.approx(0.05)
+
+
+def test_an_arm_predicted_at_its_own_compute_keeps_the_fits_boundary_and_drops_the_machines_drift():
+  """A PIPELINED arm whose micro-batches ran 20 % slower (another job on the machine) than the fitted arms'."""
+  off = [_record("off", idle=0.025) for _ in range(4)]
+  staged = [_record("stage_before_update", idle=0.0, stage_s=0.02) for _ in range(4)]
+  slow = [_record("pipelined", idle=0.0, micro=(0.12, 0.12), update_s=0.012) for _ in range(4)]
+  est = fit({"off": off, "stage_before_update": staged}, update_reads_last_flag=False, wait_floor_s=0.0,
+            dispatch_s=0.0).estimate
+  measured_step = statistics.median(r["step_s"] for r in slow)
+  raw = predict(est.components, Mode.PIPELINED).step_s
+  own = predict(at_own_compute(est.components, slow), Mode.PIPELINED)
+  assert abs(raw / measured_step - 1) > 0.1  # the raw prediction carries the drift
+  assert own.step_s == pytest.approx(measured_step) and own.boundary_idle_s == 0.0
+  # Only the compute moves: the boundary components are the fit's.
+  kept = {f.name for f in dataclasses.fields(Components)} - set(device_compute(slow))
+  assert all(getattr(at_own_compute(est.components, slow), n) == getattr(est.components, n) for n in kept)

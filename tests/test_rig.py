@@ -78,6 +78,8 @@ def test_rig_end_to_end_two_arms(clean_rig):
   for a in fitted["arms"]:
     lo, hi = a["step_range_s"]
     assert 0 < lo <= a["step_s"] <= hi and a["measured_step_s"] > 0
+    assert a["at_own_compute"]["step_s"] > 0  # the fit's boundary with the arm's own compute, beside it
+  assert "at own compute: step" in md
 
 
 def test_predictions_file_was_written_before_the_scored_arms(clean_rig):

@@ -21,8 +21,8 @@ from pathlib import Path
 from orchestrator.app import run_dir
 from orchestrator.recipe import keys as recipe_keys
 from policies import Mode
-from policies.boundary_fit import Fit, fit
-from policies.boundary_model import Components, Estimate, JobShape, ScaledChange, predict_bounded
+from policies.boundary_fit import Fit, at_own_compute, device_compute, fit
+from policies.boundary_model import Components, Estimate, JobShape, ScaledChange, predict, predict_bounded
 from policies.step_boundary import format_seconds
 
 #: How close a fit must come to call a prediction good: step within 5 %; idle within the larger
@@ -168,7 +168,8 @@ def measured(records: list[dict]) -> dict:
   return {"mode": records[0]["mode"],
           "boundary_idle_s": _median(r.get("boundary_idle_s") for r in records[:-1]),
           "step_s": _median(r["step_s"] for r in records), "steps": len(records),
-          "micro_batch_s": _median(x for r in records for x in r["micro_batch_s"])}
+          "micro_batch_s": _median(x for r in records for x in r["micro_batch_s"]),
+          "compute": device_compute(records)}
 
 
 def _recipe_from_config(config: dict):
@@ -180,7 +181,8 @@ class RunFit:
   """A run's (or a rig's) records, the fit on them, what each arm measured and the job it ran."""
 
   fit: Fit
-  arms: dict[str, dict]
+  arms: dict[str, dict]  # arm name → what it measured (``measured``)
+  records: dict[str, list[dict]]  # arm name → its records
   shape: JobShape | None  # None: a rig written before it saved its recipe
 
 
@@ -241,7 +243,7 @@ def fit_run(paths) -> RunFit:
                wait_floor_source="calibrated by the rig" if rigs else "calibrated by the run",
                dispatch_source="calibrated by the rig")
   shape = job_shape(_recipe_from_config(config)) if config else None
-  return RunFit(result, {n: measured(rs) for n, rs in arms.items()}, shape)
+  return RunFit(result, {n: measured(rs) for n, rs in arms.items()}, arms, shape)
 
 
 def fit_rows(run: RunFit) -> list[dict]:
@@ -258,8 +260,16 @@ def fit_rows(run: RunFit) -> list[dict]:
     if m:
       step_err = (p.point.step_s - m["step_s"]) / m["step_s"]
       idle_err = p.point.boundary_idle_s - m["boundary_idle_s"]
+      # The same boundary components with the compute this arm measured: the model's error once the
+      # machine's drift in compute between arms is taken out.
+      own = predict(at_own_compute(estimate.components, run.records[name]), Mode(m["mode"]))
+      own_err = (own.step_s - m["step_s"]) / m["step_s"]
       row.update(measured=m, step_error=step_err, idle_error_s=idle_err,
-                 within=abs(step_err) <= STEP_TOLERANCE and abs(idle_err) <= idle_tol)
+                 within=abs(step_err) <= STEP_TOLERANCE and abs(idle_err) <= idle_tol,
+                 at_own_compute={"step_s": own.step_s, "boundary_idle_s": own.boundary_idle_s,
+                                 "step_error": own_err, "idle_error_s": own.boundary_idle_s - m["boundary_idle_s"],
+                                 "within": abs(own_err) <= STEP_TOLERANCE
+                                 and abs(own.boundary_idle_s - m["boundary_idle_s"]) <= idle_tol})
     rows.append(row)
   return rows
 
@@ -271,7 +281,8 @@ def format_fit(path, run: RunFit, rows: list[dict]) -> str:
            f" fitted on {', '.join(run.fit.used)}",
            *_components_lines(estimate), "",
            f"{'arm':<26} {'predicted idle':>15} {'predicted step':>15} {'measured idle':>14} {'measured step':>14}"
-           f" {'step error':>11} {'idle error':>11}  within (step 5%, idle {format_seconds(idle_tol)})"]
+           f" {'step error':>11} {'idle error':>11}  within (step 5%, idle {format_seconds(idle_tol)})"
+           f"  {'at own compute: step':>20} {'error':>7} {'within':>6}"]
   for r in rows:
     name = r["arm"] + (" (fit)" if r["fitted_on"] else "")
     head = (f"{name:<26} {_range(r['boundary_idle_s'], r['boundary_idle_range_s']):>15}"
@@ -280,9 +291,13 @@ def format_fit(path, run: RunFit, rows: list[dict]) -> str:
     if m is None:
       lines.append(f"{head} {'-':>14} {'-':>14} {'-':>11} {'-':>11}  -")
       continue
+    own = r["at_own_compute"]
     lines.append(f"{head} {format_seconds(m['boundary_idle_s']):>14} {m['step_s']:>13.4f}s"
                  f" {r['step_error']:>+10.1%} {format_seconds(r['idle_error_s']):>11}"
-                 f"  {'yes' if r['within'] else 'no'}")
+                 f"  {'yes' if r['within'] else 'no':<31}  {own['step_s']:>19.4f}s {own['step_error']:>+7.1%}"
+                 f" {'yes' if own['within'] else 'no':>6}")
+  lines += ["", "at own compute: the fitted boundary components with the device compute each arm measured (its"
+            " micro-batches and update), so the machine's drift in compute between arms is taken out."]
   return "\n".join(lines)
 
 

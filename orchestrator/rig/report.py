@@ -167,16 +167,21 @@ def _fitted_markdown(fitted: dict) -> list[str]:
     return "" if hi - lo <= 1e-9 else f" ({fmt(lo)}–{fmt(hi)})"
   lines = ["", f"## Predictions from the fit on {' and '.join(fitted['fitted_on'])} only", "",
            "Components fitted from those arms' records (`simulate --from` does the same); every other arm is a true"
-           " prediction. A range is what the components the fit cannot identify allow.", "",
-           "| arm | predicted idle | measured idle | predicted step | measured step | step error | micro-batch |",
-           "| --- | --- | --- | --- | --- | --- | --- |"]
+           " prediction. A range is what the components the fit cannot identify allow. *At own compute*: the"
+           " same boundary components with the device compute the arm itself measured (its micro-batches and"
+           " update), which takes the machine's drift in compute between arms out of the error.", "",
+           "| arm | predicted idle | measured idle | predicted step | measured step | step error | micro-batch"
+           " | at own compute: step | error |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
   for a in fitted["arms"]:
     name = a["name"] + (" (fit)" if a["fitted_on"] else "")
     idle = "-" if a["measured_boundary_idle_s"] is None else fs(a["measured_boundary_idle_s"])
     err = a["step_s"] / a["measured_step_s"] - 1
+    own = a.get("at_own_compute")
+    own_cells = (f"{own['step_s']:.4f} s | {own['step_s'] / a['measured_step_s'] - 1:+.1%}" if own else "- | -")
     lines.append(f"| {name} | {fs(a['boundary_idle_s'])}{rng(a['boundary_idle_range_s'], fs)} | {idle} |"
                  f" {a['step_s']:.4f} s{rng(a['step_range_s'], lambda x: f'{x:.4f}')} |"
-                 f" {a['measured_step_s']:.4f} s | {err:+.1%} | {fs(a['measured_micro_batch_s'])} |")
+                 f" {a['measured_step_s']:.4f} s | {err:+.1%} | {fs(a['measured_micro_batch_s'])} | {own_cells} |")
   for u in fitted["unidentified"]:
     lines.append(f"\nUnidentified: {u['name']} — {u['why']}.")
   return lines

@@ -33,7 +33,7 @@ from orchestrator.rig.replay import replay_plan
 from orchestrator.rig.report import write_reports
 from orchestrator.rig.trainers import LocalRigTrainer, RemoteRigTrainer
 from policies import Mode
-from policies.boundary_fit import fit
+from policies.boundary_fit import at_own_compute, fit
 from policies.boundary_model import Components, band, predict, predict_bounded
 
 __all__ = ["RigError", "RigResult", "run_rig"]
@@ -100,9 +100,12 @@ def fitted_predictions(arm_reports: list[dict], calibrated: Components, recipe) 
   for a in arm_reports:
     p = predict_bounded(estimate, Mode(a["mode"]))
     measured_idle = a["boundary_idle_s"]["median"] if a["boundary_idle_s"] else None
+    # The fit's boundary components with this arm's own compute: the model's error without the machine's drift.
+    own = predict(at_own_compute(estimate.components, a["records"]), Mode(a["mode"])) if a["records"] else None
     rows.append({"name": a["name"], "fitted_on": a["name"] in result.used, **p.as_dict(),
                  "measured_step_s": a["step_s"]["median"], "measured_boundary_idle_s": measured_idle,
-                 "measured_micro_batch_s": a["micro_batch_s"]["median"]})
+                 "measured_micro_batch_s": a["micro_batch_s"]["median"],
+                 "at_own_compute": own and {"step_s": own.step_s, "boundary_idle_s": own.boundary_idle_s}})
   return {"fitted_on": list(result.used), "components": dataclasses.asdict(estimate.components),
           "sources": dict(estimate.sources), "unidentified": [u.as_dict() for u in estimate.unknowns],
           "arms": rows}
