@@ -9,7 +9,7 @@ import statistics
 import pytest
 
 from orchestrator import recipe as recipe_lib
-from orchestrator.app import cli
+from orchestrator.app import cli, compute_probe
 from orchestrator.app.simulate import estimate_from_recipe
 from policies import Mode
 from policies.boundary_fit import at_own_compute, device_compute, fit
@@ -428,3 +428,50 @@ def test_an_arm_predicted_at_its_own_compute_keeps_the_fits_boundary_and_drops_t
   # Only the compute moves: the boundary components are the fit's.
   kept = {f.name for f in dataclasses.fields(Components)} - set(device_compute(slow))
   assert all(getattr(at_own_compute(est.components, slow), n) == getattr(est.components, n) for n in kept)
+
+
+# ------------------------------------------------------------------------ the compute probe
+
+def test_the_probe_scales_the_fitted_compute_by_its_measured_ratio_not_the_rule():
+  fitted = Components(micro_batch_s=0.02, update_s=0.002, rerun_s=0.02, map_s=0.003)
+  small = JobShape(rows=16, tokens_per_row=64, micro_batches_per_step=3, devices=1, hosts=1, model="tiny")
+  big = dataclasses.replace(small, rows=32)
+  scaled, changes = Estimate(fitted, {"micro_batch_s": "fitted"}).scaled(small, big)
+  assert scaled.components.micro_batch_s == pytest.approx(0.04)  # the proportional rule: x2
+  before = compute_probe.ShapeProbe(rows=16, tokens_per_row=64, micro_batch_s=0.010, update_s=0.001)
+  after = compute_probe.ShapeProbe(rows=32, tokens_per_row=64, micro_batch_s=0.033, update_s=0.0015)
+  probed, probed_changes = compute_probe.apply_probe(fitted, scaled, changes, before, after)
+  c = probed.components
+  assert c.micro_batch_s == pytest.approx(0.066) and c.rerun_s == pytest.approx(0.066)  # 0.02 x 3.3
+  assert c.update_s == pytest.approx(0.003) and c.map_s == pytest.approx(0.006)  # map_s keeps its rule
+  rules = {ch.component: ch.rule for ch in probed_changes}
+  assert "probed" in rules["micro_batch_s"] and "x3.3" in rules["micro_batch_s"] and "rule: x2" in rules["micro_batch_s"]
+  assert "probed" not in rules["map_s"] and probed.sources["micro_batch_s"] == "fitted, scaled by the probe"
+
+
+def test_the_probe_refuses_rows_the_devices_do_not_divide():
+  shape = JobShape(rows=6, tokens_per_row=64, micro_batches_per_step=2, devices=4, hosts=1, model="tiny")
+  with pytest.raises(ValueError, match="6 rows per micro-batch over 4 devices"):
+    compute_probe.rows_per_device(shape, "the other job")
+  assert compute_probe.rows_per_device(dataclasses.replace(shape, rows=8), "the other job") == 2
+
+
+def test_simulate_probe_times_both_shapes_and_cites_them(tiny_run, capsys, tmp_path):
+  """Structure only (speed is never asserted): the fitted compute times the probe's ratio, both shapes named."""
+  capsys.readouterr()
+  assert cli.main(["simulate", "--from", str(tiny_run), "--json"]) == 0
+  fitted = json.loads(capsys.readouterr().out)["components"]
+  assert cli.main(["simulate", "--from", str(tiny_run), "--recipe", "recipes/default.yaml", "model=tiny",
+                   "batch.rows=16", "batch.micro_batches_per_step=2", "--probe", "--json"]) == 0
+  out = json.loads(capsys.readouterr().out)
+  run, job = out["probe"]["run"], out["probe"]["job"]
+  assert (run["rows"], job["rows"]) == (8, 16) and run["micro_batch_s"] > 0 and job["micro_batch_s"] > 0
+  assert out["components"]["micro_batch_s"]["value"] == pytest.approx(
+      fitted["micro_batch_s"]["value"] * job["micro_batch_s"] / run["micro_batch_s"])
+  assert "probed on one device" in {ch["component"]: ch["rule"] for ch in out["scaled"]}["micro_batch_s"]
+
+
+def test_simulate_probe_without_a_run_and_another_job_is_refused(capsys):
+  assert cli.main(["simulate", "--probe"]) == 2
+  err = capsys.readouterr().err.strip()
+  assert err.count("\n") == 0 and "--from RUN_DIR and --recipe" in err

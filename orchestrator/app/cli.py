@@ -212,18 +212,26 @@ def simulate_main(argv: list[str]) -> int:
   p.add_argument("--from", dest="run_dirs", metavar="RUN_DIR", action="append",
                  help="fit the components from a run's or a rig's records (repeat it to fit an OFF run and a staged"
                       " run together); with --recipe, predict that recipe's job from them by the scaling rules")
+  p.add_argument("--probe", action="store_true",
+                 help="with --from and --recipe: time the model's micro-batch and update at both jobs' per-device"
+                      " shapes on this machine and scale the fitted compute by that ratio, not the proportional rule")
   p.add_argument("--json", action="store_true", help="print the prediction as JSON")
   args, resolved = parse_subcommand(p, argv)
   if args is None:
     return resolved
+  if args.probe and not (args.run_dirs and args.recipe):
+    print("run_rl simulate: error: --probe times the compute at a run's shape and another job's: give --from"
+          " RUN_DIR and --recipe OTHER.yaml with it", file=sys.stderr)
+    return 2
   if args.run_dirs:
     where = " + ".join(args.run_dirs)
     try:
       run = simulate_lib.fit_run(args.run_dirs)
       if args.recipe:
-        estimate, changes = simulate_lib.predict_other_job(run, where, resolved)
+        estimate, changes, probe = simulate_lib.predict_other_job(run, where, resolved, probe=args.probe)
         rows = simulate_lib.mode_rows(estimate, simulate_lib.tokens_per_device_per_step(resolved.recipe))
-        out = (simulate_lib.simulation_json(resolved.recipe.name, estimate, changes, rows, used=run.fit.used) if args.json
+        out = (simulate_lib.simulation_json(resolved.recipe.name, estimate, changes, rows, used=run.fit.used,
+                                            probe=probe) if args.json
                else simulate_lib.format_simulation(resolved.recipe, estimate, changes, rows))
       else:
         rows = simulate_lib.fit_rows(run)

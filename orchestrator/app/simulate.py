@@ -18,7 +18,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from orchestrator.app import run_dir
+from orchestrator.app import compute_probe, run_dir
 from orchestrator.recipe import keys as recipe_keys
 from policies import Mode
 from policies.boundary_fit import Fit, at_own_compute, device_compute, fit
@@ -141,9 +141,10 @@ def format_simulation(recipe, estimate: Estimate, changes, rows) -> str:
   return "\n".join(lines)
 
 
-def simulation_json(name: str, estimate: Estimate, changes, rows, measured=None, used=()) -> dict:
+def simulation_json(name: str, estimate: Estimate, changes, rows, measured=None, used=(), probe=None) -> dict:
   c = estimate.components
   return {
+      **({"probe": probe} if probe else {}),
       "job": name,
       "components": {f.name: {"value": _json_value(getattr(c, f.name)),
                               "source": estimate.sources.get(f.name, "default")}
@@ -184,6 +185,7 @@ class RunFit:
   arms: dict[str, dict]  # arm name → what it measured (``measured``)
   records: dict[str, list[dict]]  # arm name → its records
   shape: JobShape | None  # None: a rig written before it saved its recipe
+  recipe: object = None  # the run's recipe (None, as ``shape``)
 
 
 def _reads_flag(engine: dict) -> bool:
@@ -242,8 +244,8 @@ def fit_run(paths) -> RunFit:
                dispatch_s=statistics.median(dispatches) if dispatches else None,
                wait_floor_source="calibrated by the rig" if rigs else "calibrated by the run",
                dispatch_source="calibrated by the rig")
-  shape = job_shape(_recipe_from_config(config)) if config else None
-  return RunFit(result, {n: measured(rs) for n, rs in arms.items()}, arms, shape)
+  recipe = _recipe_from_config(config) if config else None
+  return RunFit(result, {n: measured(rs) for n, rs in arms.items()}, arms, recipe and job_shape(recipe), recipe)
 
 
 def fit_rows(run: RunFit) -> list[dict]:
@@ -301,13 +303,23 @@ def format_fit(path, run: RunFit, rows: list[dict]) -> str:
   return "\n".join(lines)
 
 
-def predict_other_job(run: RunFit, path, resolved) -> tuple[Estimate, list[ScaledChange]]:
-  """The run's fitted components taken to ``resolved``'s job by the scaling rules.
+def predict_other_job(run: RunFit, path, resolved, *, probe: bool = False
+                      ) -> tuple[Estimate, list[ScaledChange], dict | None]:
+  """The run's fitted components taken to ``resolved``'s job by the scaling rules, and with ``probe`` the device
+  compute scaled by its measurement at both shapes instead (``compute_probe``; the third item says what it timed).
 
   Raises:
-    ValueError: the run does not say what job it ran (a rig written before it saved its recipe).
+    ValueError: the run does not say what job it ran (a rig written before it saved its recipe), or the probe
+      cannot time a shape.
   """
   if run.shape is None:
     raise ValueError(f"simulate --from {path} --recipe: this rig directory does not record its recipe's batch and"
                      " mesh (written by an earlier version); run the rig again to predict another job from it")
-  return run.fit.estimate.scaled(run.shape, job_shape(resolved.recipe))
+  target = job_shape(resolved.recipe)
+  scaled, changes = run.fit.estimate.scaled(run.shape, target)
+  if not probe:
+    return scaled, changes, None
+  source_probe, target_probe = compute_probe.probe_both(run.recipe, run.shape, resolved.recipe, target)
+  estimate, changes = compute_probe.apply_probe(run.fit.estimate.components, scaled, changes, source_probe,
+                                                target_probe)
+  return estimate, changes, {"run": source_probe.as_dict(), "job": target_probe.as_dict()}

@@ -27,14 +27,16 @@ def _median(xs):
   return statistics.median(xs) if xs else None
 
 
-def bench_preset(preset: str, repeats: int, micro_batches: int = 2) -> dict:
+def bench_preset(preset, repeats: int, micro_batches: int = 2, **build_options) -> dict:
+  """One preset's costs (see the module docstring); ``preset`` a name or a ``ModelPreset``, ``build_options``
+  what ``build_engine`` takes besides (``rows``, ``tokens_per_row``, engine options)."""
   import jax  # import here: numpy's and JAX's threads start after main's reserve_host_core
 
   from orchestrator.data.synthetic import SyntheticRollouts
   from orchestrator.engine import build_engine
 
   start = time.perf_counter()
-  engine = build_engine(preset)
+  engine = build_engine(preset, **build_options)
   build_s = time.perf_counter() - start
   source = SyntheticRollouts(engine.preset.vocab_size, engine.rows, engine.tokens_per_row, seed=1)
   # Warm-up: one full step, so allocation and first-run costs are not measured.
@@ -67,7 +69,7 @@ def bench_preset(preset: str, repeats: int, micro_batches: int = 2) -> dict:
   micro_s = _median(compute)
   prep_s = _median(mapping) + _median(placement)
   return {
-      "preset": preset,
+      "preset": engine.preset.name,
       "rows": engine.rows,
       "tokens_per_row": engine.tokens_per_row,
       "devices": len(engine.mesh.devices.flat),

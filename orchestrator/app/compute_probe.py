@@ -1,0 +1,103 @@
+"""``run_rl simulate --from RUN_DIR --recipe OTHER.yaml --probe``: the device compute at both jobs' shapes, timed here.
+
+The scaling rules (``policies.boundary_model.SCALING``) take a micro-batch's
+compute as proportional to the tokens each device holds. Hardware need not
+follow that at the sizes in question: on the 2-core CPU this project is tested
+on, a tiny-model run's micro-batch cost 1.7x as much at 16 rows of 64 tokens as
+at 8, 3.4x at 32 as at 16 and 2.5x at 64 as at 32 (the step between 16 and 32
+rows is not the logits': halving the vocabulary leaves it where it is). No
+proportional rule predicts that; a measurement of the model at both shapes does.
+
+The probe builds the model at the run's and at the other job's per-device shape
+on this machine's first device, times its micro-batch and its update at each
+(medians over ``repeats``, through ``orchestrator.engine.bench``), and scales the
+fitted compute by the measured ratio. The ratio is used, not the probe's own
+seconds: the run measured its compute under its own load and threads, the probe
+says only how that compute changes with the shape.
+
+Limits (each said in the rule the prediction cites): one device, so a mesh's
+collectives are not timed; synthetic inputs and random weights (an MoE's routing
+load is the synthetic one); the other job's hardware is this machine's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from orchestrator.engine.host_threads import reserve_host_core
+from policies.boundary_model import Components, Estimate, JobShape, ScaledChange
+
+#: The components the probe scales, and the ``ShapeProbe`` measurement each one scales by.
+PROBED = {"micro_batch_s": "micro_batch_s", "rerun_s": "micro_batch_s", "update_s": "update_s"}
+
+
+@dataclasses.dataclass(frozen=True)
+class ShapeProbe:
+  """One job shape timed on one device of this machine (seconds, medians)."""
+
+  rows: int  # per device
+  tokens_per_row: int
+  micro_batch_s: float
+  update_s: float
+
+  def as_dict(self) -> dict:
+    return dataclasses.asdict(self)
+
+
+def rows_per_device(shape: JobShape, where: str) -> int:
+  """The rows one device holds in ``shape`` (the probe times one device's share).
+
+  Raises:
+    ValueError: the rows do not split evenly over the devices.
+  """
+  if shape.rows % shape.devices:
+    raise ValueError(f"simulate --probe: {where} has {shape.rows} rows per micro-batch over {shape.devices} devices,"
+                     " which do not split evenly; the probe times one device's share — use rows that the devices"
+                     " divide")
+  return shape.rows // shape.devices
+
+
+def probe_shape(recipe, shape: JobShape, *, where: str, repeats: int) -> ShapeProbe:
+  """Times ``recipe``'s model at ``shape``'s per-device rows on one device of this machine."""
+  from orchestrator.engine.bench import bench_preset  # import here: it imports JAX, after the host core is kept
+
+  rows = rows_per_device(shape, where)
+  options = {f.name: getattr(recipe.engine, f.name) for f in dataclasses.fields(recipe.engine)
+             if f.name != "backend"}
+  result = bench_preset(recipe.model_preset(), repeats, rows=rows, tokens_per_row=shape.tokens_per_row, **options)
+  return ShapeProbe(rows, shape.tokens_per_row, result["micro_batch_compute_s"], result["update_s"])
+
+
+def probe_both(source_recipe, source: JobShape, target_recipe, target: JobShape, *,
+               repeats: int = 10) -> tuple[ShapeProbe, ShapeProbe]:
+  """The run's shape and the other job's, timed one after the other in this process.
+
+  With ``run.reserve_host_core`` in the run's recipe, one core is kept for the
+  host first, as the run did (a no-op once JAX has started in this process).
+  """
+  if source_recipe.run.reserve_host_core:
+    reserve_host_core()
+  return (probe_shape(source_recipe, source, where="the run", repeats=repeats),
+          probe_shape(target_recipe, target, where="the other job", repeats=repeats))
+
+
+def apply_probe(fitted: Components, scaled: Estimate, changes: list[ScaledChange], source_probe: ShapeProbe,
+                target_probe: ShapeProbe) -> tuple[Estimate, list[ScaledChange]]:
+  """``scaled`` (the fit taken to the other job by the rules) with the probed components scaled by the probe's
+  ratio of ``fitted``'s values instead, each change citing both measurements and what the rule would have said."""
+  rule_factor = {ch.component: ch.factor for ch in changes}
+  values, sources, kept = {}, dict(scaled.sources), [ch for ch in changes if ch.component not in PROBED]
+  for name, measurement in PROBED.items():
+    before, after = getattr(source_probe, measurement), getattr(target_probe, measurement)
+    if not getattr(fitted, name) or not before:
+      continue
+    factor = after / before
+    values[name] = getattr(fitted, name) * factor
+    sources[name] = f"{scaled.sources.get(name, 'default')}, scaled by the probe"
+    kept.append(ScaledChange(name, factor, f"probed on one device of this machine: {before * 1e3:.3f} ms at the"
+                             f" run's {source_probe.rows} x {source_probe.tokens_per_row} rows per device,"
+                             f" {after * 1e3:.3f} ms at {target_probe.rows} x {target_probe.tokens_per_row}:"
+                             f" x{factor:.3g} (the proportional rule: x{rule_factor.get(name, 1.0):.3g};"
+                             " collectives not timed)"))
+  components = dataclasses.replace(scaled.components, **values)
+  return Estimate(components, sources, scaled.unknowns), kept
