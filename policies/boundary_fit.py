@@ -24,7 +24,11 @@ arm identifies:
   rest of OFF's serial cost is the copy and the logging — their split, and
   whether the copy queues behind the update, stay unknown;
 - an OFF arm's update delay: whether ``update()`` waited for the last
-  micro-batch (a delay: share 0); without one the engine's settings say.
+  micro-batch (a delay: share 0); without one the engine's settings say;
+- a staged arm's boundaries that staged after the update and still idled (a
+  live run whose sampler is behind): the host's seconds per dispatch call,
+  where the run calibrated none (a rig calibrates it; a sampler thread in the
+  same process makes those calls slower than an idle host's).
 
 Whatever is not identified becomes an ``Unknown`` with the values it may take,
 and predictions span them; nothing unknown is quietly set to zero.
@@ -136,7 +140,8 @@ def fit(arms: Mapping[str, Sequence[Mapping]], *, update_reads_last_flag: bool, 
   else:
     sources["wait_floor_s"] = wait_floor_source
   if dispatch_s is None:
-    dispatch_s, sources["dispatch_s"] = DEFAULT_DISPATCH_S, "default"
+    paced = None if update_reads_last_flag else _dispatch_where_the_host_set_the_pace(arms, used)
+    dispatch_s, sources["dispatch_s"] = paced or (DEFAULT_DISPATCH_S, "default")
   else:
     sources["dispatch_s"] = dispatch_source
   values.update(wait_floor_s=wait_floor_s, dispatch_s=dispatch_s)
@@ -167,6 +172,32 @@ def fit(arms: Mapping[str, Sequence[Mapping]], *, update_reads_last_flag: bool, 
   sources["micro_batches_per_step"] = "the records"
   components = Components(micro_batches_per_step=m, **values)
   return Fit(Estimate(components, sources, tuple(unknowns)), used)
+
+
+def _dispatch_where_the_host_set_the_pace(arms, used) -> tuple[float, str] | None:
+  """One dispatch call's host seconds, from a staged arm's boundaries that staged after the update and idled.
+
+  There the device waited for the host alone: from the last micro-batch's dispatch the host made three
+  dispatch calls (that micro-batch, the update, the first staged micro-batch) besides waiting for rollouts
+  and staging, so idle = 3 dispatches + rollout wait + stage - last micro-batch - update (update() returns at
+  once: the caller checks the engine reads no flag). A sampler thread in the same process makes those calls
+  slower than an idle host's (it holds the interpreter between them), which a rig's calibration cannot see.
+  None: no such boundary.
+  """
+  calls = []
+  for n in used:
+    for r in arms[n][:-1]:
+      if (r.get("stage_s") is None or r.get("stage_before_update") is not False or not r.get("boundary_idle_s")
+          or r["mode"] == Mode.OFF.value):
+        continue
+      host_s = (r["boundary_idle_s"] + r["micro_batch_s"][-1] + r["update_s"] - (r.get("rollout_wait_s") or 0.0)
+                - r["stage_s"])
+      calls.append(host_s / 3)
+  if not calls:
+    return None
+  d = max(0.0, statistics.median(calls))
+  return d, (f"fitted (a third of the host's seconds beyond the rollout wait and the stage at {len(calls)}"
+             " boundaries that staged after the update and idled)")
 
 
 def _asks_before_boundary_work(mode: Mode) -> bool:

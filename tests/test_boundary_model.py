@@ -475,3 +475,23 @@ def test_simulate_probe_without_a_run_and_another_job_is_refused(capsys):
   assert cli.main(["simulate", "--probe"]) == 2
   err = capsys.readouterr().err.strip()
   assert err.count("\n") == 0 and "--from RUN_DIR and --recipe" in err
+
+
+def test_a_staged_arm_that_idled_after_staging_behind_the_update_fits_the_hosts_dispatch_seconds():
+  """A live arm: the rollouts kept each stage waiting 150 ms, staged after the update; three 2 ms dispatch calls."""
+  d, wait, stage = 0.002, 0.150, 0.02
+  idle = 3 * d + wait + stage - 0.1 - 0.01  # host's path from the last dispatch less the last micro-batch and update
+  staged = [{**_record("stage_before_update", idle=idle, stage_s=stage, wait=wait), "stage_before_update": False}
+            for _ in range(4)]
+  off = [_record("off", idle=0.025, wait=0.03) for _ in range(4)]
+  est = fit({"off": off, "stage_before_update": staged}, update_reads_last_flag=False, wait_floor_s=0.0).estimate
+  assert est.components.dispatch_s == pytest.approx(d) and est.sources["dispatch_s"].startswith("fitted")
+  assert predict(est.components, Mode.STAGE_BEFORE_UPDATE).boundary_idle_s == pytest.approx(idle)
+  # Negative control: boundaries that staged before the update say nothing of it; the default stays.
+  before = [{**r, "stage_before_update": True} for r in staged]
+  est = fit({"off": off, "stage_before_update": before}, update_reads_last_flag=False, wait_floor_s=0.0).estimate
+  assert est.sources["dispatch_s"] == "default"
+  # A rig's calibrated dispatch is kept.
+  est = fit({"off": off, "stage_before_update": staged}, update_reads_last_flag=False, wait_floor_s=0.0,
+            dispatch_s=0.0004).estimate
+  assert est.components.dispatch_s == 0.0004
