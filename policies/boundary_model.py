@@ -74,7 +74,8 @@ class Components:
   micro_batch_s: float
   update_s: float
   # device: how much longer a step's first micro-batch computes than the others (the host's work after the
-  # boundary — the record, dashboards, the policy — shares the cores with it on a CPU; about 0 on an accelerator)
+  # boundary — the record, dashboards, the policy — shares the cores with it on a CPU; about 0 on an accelerator);
+  # negative where it computes faster (the later ones share the cores with the next input's mapping)
   first_micro_batch_extra_s: float = 0.0
   map_s: float = 0.0  # host: map one micro-batch's rollouts into arrays and issue their copy
   copy_s: float = 0.0  # device: one micro-batch's inputs reaching the device after the host issued them

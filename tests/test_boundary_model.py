@@ -413,6 +413,13 @@ def test_a_slower_first_micro_batch_is_fitted_apart_and_counted_once_per_step():
     assert predict(c, mode).step_s - predict(plain, mode).step_s == pytest.approx(0.05)
 
 
+def test_a_faster_first_micro_batch_shortens_the_step_instead_of_counting_as_nothing():
+  off = [_record("off", idle=0.01, micro=(0.08, 0.1, 0.1)) for _ in range(4)]
+  est = fit({"off": off}, update_reads_last_flag=False, wait_floor_s=0.0, dispatch_s=0.0).estimate
+  assert est.components.first_micro_batch_extra_s == pytest.approx(-0.02)
+  assert predict(est.components, Mode.OFF).step_s == pytest.approx(off[0]["step_s"])  # as the arm measured
+
+
 def test_an_arm_predicted_at_its_own_compute_keeps_the_fits_boundary_and_drops_the_machines_drift():
   """A PIPELINED arm whose micro-batches ran 20 % slower (another job on the machine) than the fitted arms'."""
   off = [_record("off", idle=0.025) for _ in range(4)]

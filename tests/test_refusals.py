@@ -134,6 +134,8 @@ CASES = [
     ("steps-negative", ["steps=-3"], {}, "steps=-3 is out of range"),
     ("steps-absurd", ["steps=1e12"], {}, "steps=1000000000000 is out of range: it must be <="),
     ("steps-fraction", ["steps=2.5"], {}, "steps: expected a whole number"),
+    ("first-micro-batch-below-nothing", ["simulate.micro_batch_s=0.1", "simulate.first_micro_batch_extra_s=-0.2"], {},
+     "simulate.first_micro_batch_extra_s=-0.2 is out of range: a first micro-batch cannot take less than nothing"),
     ("lr-nan", ["engine.learning_rate=nan"], {}, "engine.learning_rate: expected a finite number"),
     ("lr-inf", ["engine.learning_rate=inf"], {}, "engine.learning_rate: expected a finite number"),
     ("lr-zero", ["engine.learning_rate=0"], {}, "engine.learning_rate=0.0 is out of range"),

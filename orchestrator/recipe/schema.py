@@ -430,7 +430,7 @@ class SimulateSection:
   meaning and scaling rule). Seconds unless the name says otherwise."""
 
   micro_batch_s: float = 1.0
-  first_micro_batch_extra_s: float = 0.0  # a step's first micro-batch, beside the host's boundary work
+  first_micro_batch_extra_s: float = 0.0  # a step's first micro-batch, beside the host's boundary work (< 0: faster)
   update_s: float = 0.05
   map_s: float | None = None  # host: map one micro-batch and issue its copy (None: input_copy_s, else 0.07)
   input_copy_s: float | None = None  # the earlier spelling of map_s (a host cost, serial with the dispatch)
@@ -457,11 +457,16 @@ class SimulateSection:
   reference_hosts: int | None = None
 
   def validate(self) -> None:
-    _at_least("simulate", self, ("micro_batch_s", "first_micro_batch_extra_s", "update_s", "map_s", "input_copy_s", "copy_s", "metrics_s",
+    _at_least("simulate", self, ("micro_batch_s", "update_s", "map_s", "input_copy_s", "copy_s", "metrics_s",
                                  "logging_s", "checkpoint_s", "weight_sync_s", "update_overlap_share",
                                  "dispatch_s", "gap_per_dispatch_s", "wait_floor_s", "rollout_wait_s",
                                  "reruns_per_step", "rerun_s"), 0)
     _at_most("simulate", self, ("update_overlap_share",), 1)
+    # Negative where the first micro-batch computes faster (the host idle beside it), never below nothing.
+    if self.first_micro_batch_extra_s < -self.micro_batch_s:
+      raise RecipeError(f"simulate.first_micro_batch_extra_s={self.first_micro_batch_extra_s} is out of range: a"
+                        f" first micro-batch cannot take less than nothing, so it must be >= -simulate.micro_batch_s"
+                        f" ({-self.micro_batch_s})")
     _at_least("simulate", self, ("tokens_per_device", "hosts", "reference_rows", "reference_tokens_per_row",
                                  "reference_devices", "reference_hosts"), 1)
     for new, old in (("map_s", "input_copy_s"), ("update_overlap_share", "update_waits_for_last")):
