@@ -255,6 +255,16 @@ def _split_serial_cost(values: dict, sources: dict, unknowns: list, serial: floa
   sync = Unknown("sync_copy", "no arm tells whether an unstaged copy queues behind the update",
                  ({"sync_copy": False}, {"sync_copy": True}))
   values["sync_copy"], sources["sync_copy"] = False, "unidentified"
+  if serial is not None and stage_s is not None and stage_s > serial:
+    # The stage ran beside the compute and took longer than OFF's whole serial cost, mapping on an idle host:
+    # the host's mapping slows beside the compute (shared cores, a remote call waiting on the trainer). OFF's
+    # cost is the mapping's own, and beside the compute the stage hides unless it outlasts the micro-batch.
+    values.update(map_s=serial, copy_s=0.0, logging_s=0.0)
+    sources.update(map_s=f"fitted as OFF's serial cost (the staged arm's stage took {stage_s:.6f} s beside the"
+                         " compute, longer than it: a stage that outlasts a micro-batch is under-predicted)",
+                   copy_s="fitted (nothing beyond the mapping)", logging_s="fitted (nothing beyond the mapping)",
+                   sync_copy="irrelevant (no copy beyond the mapping)")
+    return
   if serial is not None and stage_s is not None:
     values["map_s"], sources["map_s"] = stage_s, "fitted (the staged arm's stage seconds)"
     rest = max(0.0, serial - stage_s)

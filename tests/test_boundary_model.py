@@ -490,7 +490,8 @@ def test_a_staged_arm_that_idled_after_staging_behind_the_update_fits_the_hosts_
   idle = 3 * d + wait + stage - 0.1 - 0.01  # host's path from the last dispatch less the last micro-batch and update
   staged = [{**_record("stage_before_update", idle=idle, stage_s=stage, wait=wait), "stage_before_update": False}
             for _ in range(4)]
-  off = [_record("off", idle=0.025, wait=0.03) for _ in range(4)]
+  # OFF: its boundary work (5 ms), its own rollout wait, the mapping and one dispatch.
+  off = [_record("off", idle=0.005 + 0.03 + stage + d, wait=0.03) for _ in range(4)]
   est = fit({"off": off, "stage_before_update": staged}, update_reads_last_flag=False, wait_floor_s=0.0).estimate
   assert est.components.dispatch_s == pytest.approx(d) and est.sources["dispatch_s"].startswith("fitted")
   assert predict(est.components, Mode.STAGE_BEFORE_UPDATE).boundary_idle_s == pytest.approx(idle)
@@ -502,3 +503,14 @@ def test_a_staged_arm_that_idled_after_staging_behind_the_update_fits_the_hosts_
   est = fit({"off": off, "stage_before_update": staged}, update_reads_last_flag=False, wait_floor_s=0.0,
             dispatch_s=0.0004).estimate
   assert est.components.dispatch_s == 0.0004
+
+
+def test_a_stage_slower_than_offs_whole_serial_cost_leaves_off_predicted_as_it_measured():
+  """A remote stage waits on the trainer's compute: 30 ms beside it, while OFF's mapping took 20 ms on an idle host."""
+  off = [_record("off", idle=0.025) for _ in range(4)]
+  staged = [_record("stage_before_update", idle=0.0, stage_s=0.03) for _ in range(4)]
+  est = fit({"off": off, "stage_before_update": staged}, update_reads_last_flag=False, wait_floor_s=0.0,
+            dispatch_s=0.0).estimate
+  assert est.components.map_s == pytest.approx(0.02) and "longer than it" in est.sources["map_s"]
+  assert predict(est.components, Mode.OFF).boundary_idle_s == pytest.approx(0.025)
+  assert predict(est.components, Mode.STAGE_BEFORE_UPDATE).boundary_idle_s == 0.0
