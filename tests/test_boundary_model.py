@@ -514,3 +514,20 @@ def test_a_stage_slower_than_offs_whole_serial_cost_leaves_off_predicted_as_it_m
   assert est.components.map_s == pytest.approx(0.02) and "longer than it" in est.sources["map_s"]
   assert predict(est.components, Mode.OFF).boundary_idle_s == pytest.approx(0.025)
   assert predict(est.components, Mode.STAGE_BEFORE_UPDATE).boundary_idle_s == 0.0
+
+
+def test_the_probe_counts_the_weights_the_engine_holds():
+  import jax  # import here: the rest of this file runs without JAX
+
+  from orchestrator.engine import build_engine
+  for preset in ("tiny", "tiny_moe"):
+    engine = build_engine(preset, aot=False)
+    assert compute_probe.parameter_count(engine.preset) == sum(x.size for x in jax.tree.leaves(engine._params))
+
+
+def test_the_probe_refuses_a_model_this_machine_cannot_train_before_building_it(tiny_run, capsys):
+  capsys.readouterr()
+  assert cli.main(["simulate", "--from", str(tiny_run), "--recipe", "recipes/default.yaml", "model=qwen3_30b_a3b",
+                   "batch.rows=8", "--probe"]) == 2
+  err = capsys.readouterr().err.strip()
+  assert err.count("\n") == 0 and "qwen3_30b_a3b at 8 x" in err and "GiB to train" in err

@@ -57,6 +57,57 @@ def rows_per_device(shape: JobShape, where: str) -> int:
   return shape.rows // shape.devices
 
 
+def parameter_count(preset) -> int:
+  """The Qwen3 shape's weights: attention, the MLP (or the experts and their router), norms, the embeddings."""
+  attention = preset.embed_dim * preset.head_dim * (2 * preset.num_heads + 2 * preset.num_kv_heads)
+  experts = preset.num_experts or 1
+  mlp = experts * 3 * preset.embed_dim * preset.hidden_dim + (preset.embed_dim * experts if preset.is_moe else 0)
+  norms = 2 * preset.embed_dim + 2 * preset.head_dim
+  embeddings = preset.vocab_size * preset.embed_dim * (1 if preset.use_tied_embedding else 2)
+  return preset.num_layers * (attention + mlp + norms) + embeddings + preset.embed_dim
+
+
+def training_bytes(preset, rows: int, tokens_per_row: int) -> int:
+  """About what one device needs to train ``preset`` at this shape in float32: weights, gradients and two
+  optimizer moments (16 bytes a weight), and the activations a backward pass keeps (per token and layer the
+  residual stream, attention and MLP values; the logits three times)."""
+  tokens = rows * tokens_per_row
+  per_token_layer = 12 * preset.embed_dim + 3 * preset.hidden_dim * (preset.num_experts_per_tok or 1)
+  activations = tokens * (preset.num_layers * per_token_layer + 3 * preset.vocab_size)
+  return 16 * parameter_count(preset) + 4 * activations
+
+
+def _memory_here_bytes() -> tuple[int | None, str]:
+  """The first device's memory limit where the runtime reports one, else the host's available memory."""
+  import jax  # import here: after ``probe_both`` kept the host core, as the run did
+
+  stats = jax.devices()[0].memory_stats() or {}
+  if stats.get("bytes_limit"):
+    return int(stats["bytes_limit"]), f"{jax.devices()[0].device_kind}'s memory"
+  try:
+    with open("/proc/meminfo") as f:
+      kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+    return kib * 1024, "this machine's available memory"
+  except (OSError, StopIteration, ValueError):
+    return None, "unknown"
+
+
+def check_fits(recipe, shape: JobShape, *, where: str) -> None:
+  """Refuses, before anything is built, a shape whose training would not fit this machine's first device.
+
+  Raises:
+    ValueError: the estimate (``training_bytes``) exceeds 80 % of the memory there.
+  """
+  preset, rows = recipe.model_preset(), rows_per_device(shape, where)
+  need = training_bytes(preset, rows, shape.tokens_per_row)
+  have, what = _memory_here_bytes()
+  if have is not None and need > 0.8 * have:
+    raise ValueError(f"simulate --probe: {where}'s model {preset.name} at {rows} x {shape.tokens_per_row} tokens per"
+                     f" device needs about {need / 2**30:,.1f} GiB to train, more than 80 % of {what}"
+                     f" ({have / 2**30:,.1f} GiB); probe on a machine that holds it, or drop --probe to scale by the"
+                     " rules")
+
+
 def probe_shape(recipe, shape: JobShape, *, where: str, repeats: int) -> ShapeProbe:
   """Times ``recipe``'s model at ``shape``'s per-device rows on one device of this machine."""
   from orchestrator.engine.bench import bench_preset  # import here: it imports JAX, after the host core is kept
@@ -77,6 +128,8 @@ def probe_both(source_recipe, source: JobShape, target_recipe, target: JobShape,
   """
   if source_recipe.run.reserve_host_core:
     reserve_host_core()
+  check_fits(source_recipe, source, where="the run")
+  check_fits(target_recipe, target, where="the other job")
   return (probe_shape(source_recipe, source, where="the run", repeats=repeats),
           probe_shape(target_recipe, target, where="the other job", repeats=repeats))
 

@@ -5,7 +5,9 @@ job they were measured on to this recipe's batch and mesh when
 ``simulate.reference_*`` name it); ``--from RUN_DIR`` (components fitted from a
 run's or a rig's records, each prediction beside what the run measured); and
 ``--from RUN_DIR --recipe OTHER.yaml`` (the fitted components taken to another
-job by the scaling rules, each change with the rule it rests on).
+job by the scaling rules, each change with the rule it rests on; with
+``--probe`` the compute by its ratio timed at both shapes, ``compute_probe``).
+A fitted arm's row also gives the prediction at the arm's own measured compute.
 ``policies.boundary_model`` holds the model, its assumptions and the rules;
 ``policies.boundary_fit`` what a run identifies.
 """
