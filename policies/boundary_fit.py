@@ -8,7 +8,9 @@ arm identifies:
   beside the host's work after the boundary), the update, the metrics read, checkpoint and
   weight sync (timed apart by the program), re-runs, and the
   device time lost per dispatch inside a step (step seconds less everything
-  else the record timed, per micro-batch after the first);
+  else the record timed, per micro-batch after the first) — for each arm's own
+  mode, since in a live run it is mostly the wait for the next micro-batch's
+  sampling, which the sampler's pace beside each mode sets;
 - each arm, for its own mode: the rollout wait (the median of its records'
   ``rollout_wait_s``). Waits are never pooled over modes: OFF asks for the next
   step's rollouts after the boundary work, which overlaps the sampler, the
@@ -89,7 +91,7 @@ def device_compute(records: Sequence[Mapping]) -> dict:
   the others. These are the components a busy machine moves between arms (another job's load, the clock),
   while the boundary components are what the modes change.
   """
-  m = len(records[0]["micro_batch_s"])
+  m = min(len(r["micro_batch_s"]) for r in records)  # a shorter record (an earlier run's) is read as far as it goes
   micro = (_median(x for r in records for x in r["micro_batch_s"][1:]) if m > 1
            else _median(r["micro_batch_s"][0] for r in records))
   # Negative where the first runs faster (in OFF the host is idle beside it; later ones share the cores with the
@@ -141,27 +143,23 @@ def fit(arms: Mapping[str, Sequence[Mapping]], *, update_reads_last_flag: bool, 
     wait_floor_s, sources["wait_floor_s"] = 0.0, "default (the run calibrated none)"
   else:
     sources["wait_floor_s"] = wait_floor_source
+  off = [n for n in used if arms[n][0]["mode"] == "off"]
+  staged = [n for n in used if arms[n][0]["mode"] != "off"]
+  values["update_overlap_share"] = _overlap_share(arms, off, update_reads_last_flag, sources, unknowns)
   if dispatch_s is None:
-    paced = None if update_reads_last_flag else _dispatch_where_the_host_set_the_pace(arms, used)
+    # The host-paced boundaries say one dispatch's seconds only where update() returns at once (share 1).
+    paced = (_dispatch_where_the_host_set_the_pace(arms, staged) if values["update_overlap_share"] == 1.0
+             else None)
     dispatch_s, sources["dispatch_s"] = paced or (DEFAULT_DISPATCH_S, "default")
   else:
     sources["dispatch_s"] = dispatch_source
   values.update(wait_floor_s=wait_floor_s, dispatch_s=dispatch_s)
 
-  gaps = [g for n in used for g in _in_step_gaps(arms[n])]
-  if m > 1 and gaps:
-    values["gap_per_dispatch_s"] = max(0.0, statistics.median(gaps) / (m - 1))
-    sources["gap_per_dispatch_s"] = "fitted"
-  else:
-    values["gap_per_dispatch_s"] = 0.0
-    sources["gap_per_dispatch_s"] = "unidentified"
-    unknowns.append(Unknown("gap_per_dispatch_s", "one micro-batch per step has no gap inside a step to measure;"
-                            " assumed at most a wait floor and a dispatch",
-                            ({"gap_per_dispatch_s": wait_floor_s + dispatch_s},)))
+  values.update(_gaps(arms, used, m, wait_floor_s + dispatch_s, sources, unknowns))
 
-  off = [n for n in used if arms[n][0]["mode"] == "off"]
-  staged = [n for n in used if arms[n][0]["mode"] != "off"]
   stage_s = _median(r.get("stage_s") for n in staged for r in arms[n])
+  # A stage that ran beside the last micro-batch's compute (before the update), apart from those on the idle path.
+  stage_beside_s = _median(r.get("stage_s") for n in staged for r in arms[n] if _staged_before_update(r) is True)
   serial = None
   if off:
     work = values["metrics_s"] + values["checkpoint_s"] + values["weight_sync_s"]
@@ -169,37 +167,85 @@ def fit(arms: Mapping[str, Sequence[Mapping]], *, update_reads_last_flag: bool, 
     # OFF's own rollout wait, as the prediction adds it back: a staged arm's would misstate the serial cost.
     off_wait = dict(values["rollout_wait_by_mode"]).get(Mode.OFF.value, values["rollout_wait_s"])
     serial = None if serial is None else max(0.0, serial - work - off_wait - dispatch_s)
-  _split_serial_cost(values, sources, unknowns, serial, stage_s)
-  values["update_overlap_share"] = _overlap_share(arms, off, update_reads_last_flag, sources, unknowns)
+  _split_serial_cost(values, sources, unknowns, serial, stage_s, stage_beside_s)
   sources["micro_batches_per_step"] = "the records"
   components = Components(micro_batches_per_step=m, **values)
   return Fit(Estimate(components, sources, tuple(unknowns)), used)
 
 
-def _dispatch_where_the_host_set_the_pace(arms, used) -> tuple[float, str] | None:
-  """One dispatch call's host seconds, from a staged arm's boundaries that staged after the update and idled.
+def _staged_before_update(record: Mapping) -> bool | None:
+  """Whether the record's boundary staged before the update (None: it did not stage, or an earlier record does
+  not say; a STAGE_AFTER_UPDATE boundary always stages after it)."""
+  if record.get("stage_s") is None:
+    return None
+  if record["mode"] == Mode.STAGE_AFTER_UPDATE.value:
+    return False
+  return record.get("stage_before_update")
 
-  There the device waited for the host alone: from the last micro-batch's dispatch the host made three
-  dispatch calls (that micro-batch, the update, the first staged micro-batch) besides waiting for rollouts
-  and staging, so idle = 3 dispatches + rollout wait + stage - last micro-batch - update (update() returns at
-  once: the caller checks the engine reads no flag). A sampler thread in the same process makes those calls
-  slower than an idle host's (it holds the interpreter between them), which a rig's calibration cannot see.
-  None: no such boundary.
+
+#: What a record's ``actions`` call the boundary work and the staged dispatch (``policies.call_order``).
+_BOUNDARY_WORK = (Action.METRICS.value, Action.CHECKPOINT_AND_SYNC.value)
+
+
+def _host_paced(record: Mapping) -> bool:
+  """A boundary that staged after the update, idled, and ran no boundary work before its first dispatch (a
+  checkpoint due, or ``sync_before_next_step``, puts it there): the host's dispatch calls set its idle."""
+  if _staged_before_update(record) is not False or not record.get("boundary_idle_s"):
+    return False
+  actions = record.get("actions") or []
+  first = actions.index(Action.DISPATCH_FIRST_STAGED.value) if Action.DISPATCH_FIRST_STAGED.value in actions else 0
+  return not any(a in _BOUNDARY_WORK for a in actions[:first])
+
+
+def _dispatch_where_the_host_set_the_pace(arms, staged) -> tuple[float, str] | None:
+  """One dispatch call's host seconds, from a staged arm's boundaries where the host alone set the pace.
+
+  There (``_host_paced``), from the last micro-batch's dispatch the host made three dispatch calls (that
+  micro-batch, the update, the first staged micro-batch) besides waiting for rollouts and staging, so idle =
+  3 dispatches + rollout wait + stage - last micro-batch - update (update() returns at once: the caller checks
+  the overlap share is 1). What it measures is every host second on that path but the wait and the stage —
+  the calls, taking the rollouts, the record — charged wherever a dispatch falls. A sampler thread in the same
+  process makes it longer than an idle host's, which a rig's calibration cannot see. None: no such boundary.
   """
-  calls = []
-  for n in used:
-    for r in arms[n][:-1]:
-      if (r.get("stage_s") is None or r.get("stage_before_update") is not False or not r.get("boundary_idle_s")
-          or r["mode"] == Mode.OFF.value):
-        continue
-      host_s = (r["boundary_idle_s"] + r["micro_batch_s"][-1] + r["update_s"] - (r.get("rollout_wait_s") or 0.0)
-                - r["stage_s"])
-      calls.append(host_s / 3)
+  calls = [(r["boundary_idle_s"] + r["micro_batch_s"][-1] + r["update_s"] - (r.get("rollout_wait_s") or 0.0)
+            - r["stage_s"]) / 3 for n in staged for r in arms[n][:-1] if _host_paced(r)]
   if not calls:
     return None
-  d = max(0.0, statistics.median(calls))
-  return d, (f"fitted (a third of the host's seconds beyond the rollout wait and the stage at {len(calls)}"
-             " boundaries that staged after the update and idled)")
+  return max(0.0, statistics.median(calls)), (
+      f"fitted (a third of the host's seconds beyond the rollout wait and the stage at {len(calls)} boundaries"
+      " that staged after the update and idled)")
+
+
+def _gaps(arms, used, m: int, assumed_s: float, sources: dict, unknowns: list) -> dict:
+  """The device time lost per dispatch inside a step, pooled and per fitted mode (see the module docstring);
+  ``assumed_s`` its bound where one micro-batch per step leaves none to measure (a wait floor and a dispatch)."""
+  out: dict = {}
+  gaps = [g for n in used for g in _in_step_gaps(arms[n])]
+  if m > 1 and gaps:
+    out["gap_per_dispatch_s"] = max(0.0, statistics.median(gaps) / (m - 1))
+    sources["gap_per_dispatch_s"] = "fitted (every fitted arm's, for a mode no arm ran)"
+    by_mode: dict[str, list[float]] = {}
+    for n in used:
+      by_mode.setdefault(arms[n][0]["mode"], []).extend(_in_step_gaps(arms[n]))
+    out["gap_by_mode"] = tuple((mode.value, max(0.0, statistics.median(by_mode[mode.value]) / (m - 1)))
+                               for mode in Mode if by_mode.get(mode.value))
+    sources["gap_by_mode"] = "fitted (each arm's median, for its own mode)"
+    fitted_gaps = dict(out["gap_by_mode"])
+    missing = [mode.value for mode in Mode if mode.value not in fitted_gaps]
+    lo, hi = min(fitted_gaps.values()), max(fitted_gaps.values())
+    if missing and hi - lo > 1e-9:  # a nanosecond apart is one gap (the records' float sums)
+      span = ", ".join(f"{mode} {g:.6f} s" for mode, g in out["gap_by_mode"])
+      unknowns.append(Unknown("gap_per_dispatch_s", f"no arm ran {', '.join(missing)}: its gap per dispatch lies"
+                              f" between the fitted modes' ({span})",
+                              ({"gap_per_dispatch_s": lo}, {"gap_per_dispatch_s": hi})))
+  else:
+    out["gap_per_dispatch_s"] = 0.0
+    sources["gap_per_dispatch_s"] = "unidentified"
+    sources["gap_by_mode"] = "unidentified (as gap_per_dispatch_s)"
+    unknowns.append(Unknown("gap_per_dispatch_s", "one micro-batch per step has no gap inside a step to measure;"
+                            " assumed at most a wait floor and a dispatch",
+                            ({"gap_per_dispatch_s": assumed_s},)))
+  return out
 
 
 def _asks_before_boundary_work(mode: Mode) -> bool:
@@ -250,12 +296,14 @@ def _rollout_waits(arms, used, sources: dict, unknowns: list) -> dict:
 
 
 def _split_serial_cost(values: dict, sources: dict, unknowns: list, serial: float | None,
-                       stage_s: float | None) -> None:
-  """Mapping, copy and logging from OFF's serial cost and a stage's seconds (see the module docstring)."""
+                       stage_s: float | None, stage_beside_s: float | None) -> None:
+  """Mapping, copy and logging from OFF's serial cost and a stage's seconds (see the module docstring);
+  ``stage_beside_s``: the stages that ran beside the last micro-batch's compute (None: none did)."""
   sync = Unknown("sync_copy", "no arm tells whether an unstaged copy queues behind the update",
                  ({"sync_copy": False}, {"sync_copy": True}))
   values["sync_copy"], sources["sync_copy"] = False, "unidentified"
-  if serial is not None and stage_s is not None and stage_s > serial:
+  if serial is not None and stage_beside_s is not None and stage_beside_s > serial:
+    stage_s = stage_beside_s
     # The stage ran beside the compute and took longer than OFF's whole serial cost, mapping on an idle host:
     # the host's mapping slows beside the compute (shared cores, a remote call waiting on the trainer). OFF's
     # cost is the mapping's own, and beside the compute the stage hides unless it outlasts the micro-batch.

@@ -17,8 +17,10 @@ to the host once ``1 - update_overlap_share`` of the last micro-batch's compute
 has passed (1: at once; 0: when it is done, as a read of its overflow flag
 makes it), and dispatches that micro-batch's re-run (when it overflowed)
 before the update. Inside a step each micro-batch after the first costs
-``gap_per_dispatch_s`` of device time outside any micro-batch (a round trip
-per dispatch on a remote runtime, a flag read between micro-batches).
+``gap_for(mode)`` of device time outside any micro-batch (a round trip
+per dispatch on a remote runtime, a flag read between micro-batches, a live
+run's wait for the next micro-batch's sampling): the mode's own where
+``gap_by_mode`` names one, else ``gap_per_dispatch_s``.
 
 Per mode, the host's order is ``policies.call_order.boundary_actions`` — the
 same list the program executes — and ``predict`` times it action by action.
@@ -95,6 +97,13 @@ class Components:
   micro_batches_per_step: int = 1
   reruns_per_step: float = 0.0  # dropless re-runs per step (on average)
   rerun_s: float = 0.0
+  # (mode value, seconds): a mode's own gap per dispatch, in place of gap_per_dispatch_s — in a live run the gap is
+  # mostly the wait for the next micro-batch's sampling, which the sampler's pace beside each mode sets
+  gap_by_mode: tuple[tuple[str, float], ...] = ()
+
+  def gap_for(self, mode: Mode) -> float:
+    """Device time lost before each micro-batch after a step's first, in ``mode``."""
+    return dict(self.gap_by_mode).get(mode.value, self.gap_per_dispatch_s)
 
   def rollout_wait_for(self, mode: Mode) -> float:
     """How long the next step's rollouts keep ``mode``'s stage or first dispatch waiting."""
@@ -110,10 +119,9 @@ class Components:
     return (self.micro_batches_per_step * self.micro_batch_s + self.first_micro_batch_extra_s
             + self.reruns_per_step * self.rerun_s + self.update_s)
 
-  @property
-  def in_step_gaps_s(self) -> float:
+  def in_step_gaps_s(self, mode: Mode) -> float:
     """Device time inside a step outside any computation: one gap per micro-batch after the first."""
-    return max(self.micro_batches_per_step - 1, 0) * self.gap_per_dispatch_s
+    return max(self.micro_batches_per_step - 1, 0) * self.gap_for(mode)
 
   @property
   def last_rerun_s(self) -> float:
@@ -237,7 +245,7 @@ def predict(c: Components, mode: Mode, *, sync_before_next_step: bool = False) -
   update_delay = max(0.0, t.update_dispatch - t.last_done)
   # Re-runs of earlier micro-batches sit inside the step; the last one's is already in update_done.
   return Prediction(mode=mode, boundary_idle_s=idle, boundary_idle_strict_s=idle + update_delay,
-                    step_s=c.compute_bound_s + c.in_step_gaps_s + idle + update_delay,
+                    step_s=c.compute_bound_s + c.in_step_gaps_s(mode) + idle + update_delay,
                     update_delay_s=update_delay, segments=tuple(t.segments))
 
 
@@ -259,6 +267,15 @@ class JobShape:
   devices: int
   hosts: int
   model: str
+  context: int = 1  # of the devices, how many split each row's tokens (the rest split the rows)
+
+  @property
+  def rows_per_device(self) -> float:
+    return self.rows / (self.devices // self.context)
+
+  @property
+  def tokens_per_row_per_device(self) -> float:
+    return self.tokens_per_row / self.context
 
   @property
   def tokens_per_device(self) -> float:
@@ -293,6 +310,7 @@ SCALING: dict[str, tuple[str | None, str]] = {
     "logging_s": (None, "one record per step"),
     "dispatch_s": (None, "one host call"),
     "gap_per_dispatch_s": (None, "one round trip per dispatch"),
+    "gap_by_mode": (None, "one round trip per dispatch, or the sampler's pace beside each mode"),
     "wait_floor_s": (None, "the runtime's round trip"),
     "rollout_wait_s": (None, "set by the samplers, not by the trainer's shape"),
     "rollout_wait_by_mode": (None, "set by the samplers and where each mode asks for the rollouts"),
@@ -336,7 +354,15 @@ def scale(c: Components, source: JobShape, target: JobShape) -> tuple[Components
   """``c`` fitted or measured on ``source``, taken to ``target`` (micro-batches per step included)."""
   values, changes = scale_values({f.name: getattr(c, f.name) for f in dataclasses.fields(c)
                                   if f.name != "micro_batches_per_step"}, source, target)
-  return dataclasses.replace(c, **values, micro_batches_per_step=target.micro_batches_per_step), changes
+  return consistent(dataclasses.replace(c, **values, micro_batches_per_step=target.micro_batches_per_step)), changes
+
+
+def consistent(c: Components) -> Components:
+  """``c`` with a first micro-batch that takes no less than nothing, and no extra at all at one micro-batch per
+  step (where it is inside ``micro_batch_s``): a faster first micro-batch fitted on one job, taken to another
+  whose micro-batch is shorter, would otherwise make a step shorter than its compute."""
+  extra = 0.0 if c.micro_batches_per_step <= 1 else max(c.first_micro_batch_extra_s, -c.micro_batch_s)
+  return c if extra == c.first_micro_batch_extra_s else dataclasses.replace(c, first_micro_batch_extra_s=extra)
 
 
 # ---------------------------------------------------------------------------------------------- estimates

@@ -447,20 +447,41 @@ def test_the_probe_scales_the_fitted_compute_by_its_measured_ratio_not_the_rule(
   assert scaled.components.micro_batch_s == pytest.approx(0.04)  # the proportional rule: x2
   before = compute_probe.ShapeProbe(rows=16, tokens_per_row=64, micro_batch_s=0.010, update_s=0.001)
   after = compute_probe.ShapeProbe(rows=32, tokens_per_row=64, micro_batch_s=0.033, update_s=0.0015)
-  probed, probed_changes = compute_probe.apply_probe(fitted, scaled, changes, before, after)
+  probed, probed_changes = compute_probe.apply_probe(fitted, scaled, changes, small, big, before, after)
   c = probed.components
   assert c.micro_batch_s == pytest.approx(0.066) and c.rerun_s == pytest.approx(0.066)  # 0.02 x 3.3
   assert c.update_s == pytest.approx(0.003) and c.map_s == pytest.approx(0.006)  # map_s keeps its rule
   rules = {ch.component: ch.rule for ch in probed_changes}
-  assert "probed" in rules["micro_batch_s"] and "x3.3" in rules["micro_batch_s"] and "rule: x2" in rules["micro_batch_s"]
+  assert "probed" in rules["micro_batch_s"] and "x3.3" in rules["micro_batch_s"]
+  assert "instead of compute grows with the tokens each device holds" in rules["micro_batch_s"]
   assert "probed" not in rules["map_s"] and probed.sources["micro_batch_s"] == "fitted, scaled by the probe"
 
 
-def test_the_probe_refuses_rows_the_devices_do_not_divide():
-  shape = JobShape(rows=6, tokens_per_row=64, micro_batches_per_step=2, devices=4, hosts=1, model="tiny")
-  with pytest.raises(ValueError, match="6 rows per micro-batch over 4 devices"):
-    compute_probe.rows_per_device(shape, "the other job")
-  assert compute_probe.rows_per_device(dataclasses.replace(shape, rows=8), "the other job") == 2
+def test_the_probe_times_each_jobs_per_device_share_and_refuses_a_batch_the_mesh_does_not_divide():
+  shape = JobShape(rows=8, tokens_per_row=256, micro_batches_per_step=2, devices=8, hosts=1, model="tiny",
+                   context=4)  # 2 devices split the rows, 4 the tokens
+  assert compute_probe.per_device_shape(shape, "the other job") == (4, 64)
+  with pytest.raises(ValueError, match="6 rows of 256 tokens per micro-batch, which do not split evenly over 4"):
+    compute_probe.per_device_shape(dataclasses.replace(shape, rows=6, context=2), "the other job")
+
+
+def test_the_probe_takes_the_update_to_each_devices_shard_of_the_weights():
+  fitted = Components(micro_batch_s=0.02, update_s=0.004)
+  one = JobShape(rows=8, tokens_per_row=64, micro_batches_per_step=2, devices=1, hosts=1, model="tiny")
+  eight = dataclasses.replace(one, rows=64, devices=8)
+  scaled, changes = Estimate(fitted, {}).scaled(one, eight)
+  same = compute_probe.ShapeProbe(rows=8, tokens_per_row=64, micro_batch_s=0.01, update_s=0.001)
+  probed, _ = compute_probe.apply_probe(fitted, scaled, changes, one, eight, same, same)
+  assert probed.components.update_s == pytest.approx(0.004 / 8) and probed.components.micro_batch_s == 0.02
+
+
+def test_a_faster_first_micro_batch_scaled_to_a_shorter_one_never_makes_the_step_shorter_than_its_compute():
+  c = Components(micro_batch_s=0.02, first_micro_batch_extra_s=-0.01, update_s=0.001, micro_batches_per_step=2)
+  small = JobShape(rows=32, tokens_per_row=64, micro_batches_per_step=2, devices=1, hosts=1, model="tiny")
+  scaled, _ = scale(c, small, dataclasses.replace(small, devices=32, rows=32))
+  assert scaled.micro_batch_s == pytest.approx(0.02 / 32) and scaled.first_micro_batch_extra_s >= -scaled.micro_batch_s
+  one, _ = scale(c, small, dataclasses.replace(small, micro_batches_per_step=1))
+  assert one.first_micro_batch_extra_s == 0.0  # inside micro_batch_s at one micro-batch per step
 
 
 def test_simulate_probe_times_both_shapes_and_cites_them(tiny_run, capsys, tmp_path):
@@ -499,6 +520,15 @@ def test_a_staged_arm_that_idled_after_staging_behind_the_update_fits_the_hosts_
   before = [{**r, "stage_before_update": True} for r in staged]
   est = fit({"off": off, "stage_before_update": before}, update_reads_last_flag=False, wait_floor_s=0.0).estimate
   assert est.sources["dispatch_s"] == "default"
+  # Negative control: boundary work before the first dispatch (a checkpoint due) is not three dispatch calls.
+  synced = [{**r, "actions": ["dispatch last", "update", "stage first", "checkpoint and weight sync",
+                              "dispatch first (staged)", "metrics"]} for r in staged]
+  est = fit({"off": off, "stage_before_update": synced}, update_reads_last_flag=False, wait_floor_s=0.0).estimate
+  assert est.sources["dispatch_s"] == "default"
+  # An OFF arm whose update waited for its last micro-batch (share 0) breaks the three-call reading: not fitted.
+  delayed = [{**r, "boundary_idle_strict_s": r["boundary_idle_s"] + 0.01} for r in off]
+  est = fit({"off": delayed, "stage_before_update": staged}, update_reads_last_flag=False, wait_floor_s=0.0).estimate
+  assert est.components.update_overlap_share == 0.0 and est.sources["dispatch_s"] == "default"
   # A rig's calibrated dispatch is kept.
   est = fit({"off": off, "stage_before_update": staged}, update_reads_last_flag=False, wait_floor_s=0.0,
             dispatch_s=0.0004).estimate
@@ -508,10 +538,16 @@ def test_a_staged_arm_that_idled_after_staging_behind_the_update_fits_the_hosts_
 def test_a_stage_slower_than_offs_whole_serial_cost_leaves_off_predicted_as_it_measured():
   """A remote stage waits on the trainer's compute: 30 ms beside it, while OFF's mapping took 20 ms on an idle host."""
   off = [_record("off", idle=0.025) for _ in range(4)]
-  staged = [_record("stage_before_update", idle=0.0, stage_s=0.03) for _ in range(4)]
+  staged = [{**_record("stage_before_update", idle=0.0, stage_s=0.03), "stage_before_update": True}
+            for _ in range(4)]
   est = fit({"off": off, "stage_before_update": staged}, update_reads_last_flag=False, wait_floor_s=0.0,
             dispatch_s=0.0).estimate
   assert est.components.map_s == pytest.approx(0.02) and "longer than it" in est.sources["map_s"]
+  # The same stages on the idle path (staged after the update) are the mapping's cost there: they stand.
+  after = [{**r, "stage_before_update": False} for r in staged]
+  on_idle_path = fit({"off": off, "stage_before_update": after}, update_reads_last_flag=False, wait_floor_s=0.0,
+                     dispatch_s=0.0).estimate
+  assert on_idle_path.components.map_s == pytest.approx(0.03)
   assert predict(est.components, Mode.OFF).boundary_idle_s == pytest.approx(0.025)
   assert predict(est.components, Mode.STAGE_BEFORE_UPDATE).boundary_idle_s == 0.0
 
@@ -525,9 +561,31 @@ def test_the_probe_counts_the_weights_the_engine_holds():
     assert compute_probe.parameter_count(engine.preset) == sum(x.size for x in jax.tree.leaves(engine._params))
 
 
-def test_the_probe_refuses_a_model_this_machine_cannot_train_before_building_it(tiny_run, capsys):
+def test_the_probe_refuses_a_model_this_machine_cannot_train_before_building_it(tiny_run, capsys, monkeypatch):
+  monkeypatch.setattr(compute_probe, "_memory_here_bytes", lambda: (24 * 2**30, "this machine's available memory"))
+  monkeypatch.setattr(compute_probe, "probe_shape", lambda *a, **k: pytest.fail("built before refusing"))
   capsys.readouterr()
   assert cli.main(["simulate", "--from", str(tiny_run), "--recipe", "recipes/default.yaml", "model=qwen3_30b_a3b",
                    "batch.rows=8", "--probe"]) == 2
   err = capsys.readouterr().err.strip()
   assert err.count("\n") == 0 and "qwen3_30b_a3b at 8 x" in err and "GiB to train" in err
+
+
+def test_each_fitted_mode_keeps_its_own_gap_per_dispatch_and_a_mode_without_an_arm_spans_them():
+  """A live run: OFF's second micro-batch waited 20 ms for its sampling, STAGE_BEFORE_UPDATE's 5 ms."""
+  off = [_record("off", idle=0.025, step_s=0.235 + 0.020) for _ in range(4)]
+  staged = [_record("stage_before_update", idle=0.0, stage_s=0.02, step_s=0.21 + 0.005) for _ in range(4)]
+  est = fit({"off": off, "stage_before_update": staged}, update_reads_last_flag=False, wait_floor_s=0.0,
+            dispatch_s=0.0).estimate
+  c = est.components
+  assert dict(c.gap_by_mode) == pytest.approx({"off": 0.020, "stage_before_update": 0.005})
+  assert predict(c, Mode.OFF).step_s == pytest.approx(0.255)  # each fitted arm as it measured
+  assert predict(c, Mode.STAGE_BEFORE_UPDATE).step_s == pytest.approx(0.215)
+  (gap,) = [u for u in est.unknowns if u.name == "gap_per_dispatch_s"]
+  assert sorted(o["gap_per_dispatch_s"] for o in gap.options) == pytest.approx([0.005, 0.020])
+  lo, hi = predict_bounded(est, Mode.PIPELINED).step_range_s
+  assert hi - lo == pytest.approx(0.015)
+  # Negative control: one pooled gap misses both fitted arms.
+  pooled = dataclasses.replace(c, gap_by_mode=())
+  assert predict(pooled, Mode.OFF).step_s != pytest.approx(0.255, abs=0.002)
+  assert predict(pooled, Mode.STAGE_BEFORE_UPDATE).step_s != pytest.approx(0.215, abs=0.002)

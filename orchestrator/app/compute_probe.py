@@ -15,9 +15,13 @@ fitted compute by the measured ratio. The ratio is used, not the probe's own
 seconds: the run measured its compute under its own load and threads, the probe
 says only how that compute changes with the shape.
 
-Limits (each said in the rule the prediction cites): one device, so a mesh's
-collectives are not timed; synthetic inputs and random weights (an MoE's routing
-load is the synthetic one); the other job's hardware is this machine's.
+Limits (each said in the rule the prediction cites): one device holding the
+job's per-device share of a micro-batch (rows over the devices that split rows,
+tokens over ``context``) and the whole model, so a mesh's collectives are not
+timed and the update's ratio is taken to each device's shard of the weights by
+the rule's 1 / devices; synthetic inputs and random weights (an MoE's routing
+load is the synthetic one); the other job's hardware is this machine's. A model
+too large for the first device is refused before anything is built.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 
 from orchestrator.engine.host_threads import reserve_host_core
-from policies.boundary_model import Components, Estimate, JobShape, ScaledChange
+from policies.boundary_model import Components, Estimate, JobShape, ScaledChange, consistent
 
 #: The components the probe scales, and the ``ShapeProbe`` measurement each one scales by.
 PROBED = {"micro_batch_s": "micro_batch_s", "rerun_s": "micro_batch_s", "update_s": "update_s"}
@@ -44,17 +48,19 @@ class ShapeProbe:
     return dataclasses.asdict(self)
 
 
-def rows_per_device(shape: JobShape, where: str) -> int:
-  """The rows one device holds in ``shape`` (the probe times one device's share).
+def per_device_shape(shape: JobShape, where: str) -> tuple[int, int]:
+  """The rows and tokens per row one device holds in ``shape`` (rows split over the devices that do not split
+  tokens, tokens over ``context``, as ``orchestrator.engine.mesh`` places them): what the probe times.
 
   Raises:
-    ValueError: the rows do not split evenly over the devices.
+    ValueError: the rows or the tokens do not split evenly.
   """
-  if shape.rows % shape.devices:
-    raise ValueError(f"simulate --probe: {where} has {shape.rows} rows per micro-batch over {shape.devices} devices,"
-                     " which do not split evenly; the probe times one device's share — use rows that the devices"
-                     " divide")
-  return shape.rows // shape.devices
+  row_devices = shape.devices // shape.context
+  if shape.rows % row_devices or shape.tokens_per_row % shape.context:
+    raise ValueError(f"simulate --probe: {where} has {shape.rows} rows of {shape.tokens_per_row} tokens per"
+                     f" micro-batch, which do not split evenly over {row_devices} devices for rows and {shape.context}"
+                     " for tokens; the probe times one device's share — use a batch the mesh divides")
+  return shape.rows // row_devices, shape.tokens_per_row // shape.context
 
 
 def parameter_count(preset) -> int:
@@ -98,25 +104,35 @@ def check_fits(recipe, shape: JobShape, *, where: str) -> None:
   Raises:
     ValueError: the estimate (``training_bytes``) exceeds 80 % of the memory there.
   """
-  preset, rows = recipe.model_preset(), rows_per_device(shape, where)
-  need = training_bytes(preset, rows, shape.tokens_per_row)
+  preset, (rows, tokens_per_row) = recipe.model_preset(), per_device_shape(shape, where)
+  need = training_bytes(preset, rows, tokens_per_row)
   have, what = _memory_here_bytes()
   if have is not None and need > 0.8 * have:
-    raise ValueError(f"simulate --probe: {where}'s model {preset.name} at {rows} x {shape.tokens_per_row} tokens per"
+    raise ValueError(f"simulate --probe: {where}'s model {preset.name} at {rows} x {tokens_per_row} tokens per"
                      f" device needs about {need / 2**30:,.1f} GiB to train, more than 80 % of {what}"
                      f" ({have / 2**30:,.1f} GiB); probe on a machine that holds it, or drop --probe to scale by the"
                      " rules")
 
 
 def probe_shape(recipe, shape: JobShape, *, where: str, repeats: int) -> ShapeProbe:
-  """Times ``recipe``'s model at ``shape``'s per-device rows on one device of this machine."""
+  """Times ``recipe``'s model at ``shape``'s per-device share on one device of this machine.
+
+  Raises:
+    ValueError: the runtime failed to build or run it (out of memory, most likely), in one line.
+  """
   from orchestrator.engine.bench import bench_preset  # import here: it imports JAX, after the host core is kept
 
-  rows = rows_per_device(shape, where)
+  rows, tokens_per_row = per_device_shape(shape, where)
   options = {f.name: getattr(recipe.engine, f.name) for f in dataclasses.fields(recipe.engine)
              if f.name != "backend"}
-  result = bench_preset(recipe.model_preset(), repeats, rows=rows, tokens_per_row=shape.tokens_per_row, **options)
-  return ShapeProbe(rows, shape.tokens_per_row, result["micro_batch_compute_s"], result["update_s"])
+  preset = recipe.model_preset()
+  try:
+    result = bench_preset(preset, repeats, rows=rows, tokens_per_row=tokens_per_row, **options)
+  except (RuntimeError, MemoryError) as e:  # XLA's errors are RuntimeErrors; the first line says what failed
+    first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    raise ValueError(f"simulate --probe: {where}'s model {preset.name} at {rows} x {tokens_per_row} tokens per"
+                     f" device failed on this machine ({first_line}); drop --probe to scale by the rules") from e
+  return ShapeProbe(rows, tokens_per_row, result["micro_batch_compute_s"], result["update_s"])
 
 
 def probe_both(source_recipe, source: JobShape, target_recipe, target: JobShape, *,
@@ -134,23 +150,33 @@ def probe_both(source_recipe, source: JobShape, target_recipe, target: JobShape,
           probe_shape(target_recipe, target, where="the other job", repeats=repeats))
 
 
-def apply_probe(fitted: Components, scaled: Estimate, changes: list[ScaledChange], source_probe: ShapeProbe,
-                target_probe: ShapeProbe) -> tuple[Estimate, list[ScaledChange]]:
-  """``scaled`` (the fit taken to the other job by the rules) with the probed components scaled by the probe's
-  ratio of ``fitted``'s values instead, each change citing both measurements and what the rule would have said."""
-  rule_factor = {ch.component: ch.factor for ch in changes}
-  values, sources, kept = {}, dict(scaled.sources), [ch for ch in changes if ch.component not in PROBED]
+def apply_probe(fitted: Components, scaled: Estimate, changes: list[ScaledChange], source: JobShape,
+                target: JobShape, source_probe: ShapeProbe, target_probe: ShapeProbe
+                ) -> tuple[Estimate, list[ScaledChange]]:
+  """``scaled`` (the fit taken to the other job by the rules) with the probed components scaled from ``fitted``
+  by the probe's ratio instead, each change citing both measurements and the rule it replaces.
+
+  The probe times the whole model on one device, so the update's ratio is taken to each job's shard of the
+  weights (``source.devices / target.devices``, the rule's 1 / devices) on top.
+  """
+  by_component = {ch.component: ch for ch in changes}
+  values, sources = {}, dict(scaled.sources)
+  kept = [ch for ch in changes if ch.component not in PROBED]
   for name, measurement in PROBED.items():
     before, after = getattr(source_probe, measurement), getattr(target_probe, measurement)
+    rule = by_component.get(name)
     if not getattr(fitted, name) or not before:
+      kept += [rule] if rule else []  # nothing to scale by: the rule's value stands, and says so
       continue
-    factor = after / before
+    shard = source.devices / target.devices if name == "update_s" else 1.0
+    factor = after / before * shard
     values[name] = getattr(fitted, name) * factor
     sources[name] = f"{scaled.sources.get(name, 'default')}, scaled by the probe"
+    instead = rule.rule if rule else "the rules, which leave it as it is"
     kept.append(ScaledChange(name, factor, f"probed on one device of this machine: {before * 1e3:.3f} ms at the"
-                             f" run's {source_probe.rows} x {source_probe.tokens_per_row} rows per device,"
-                             f" {after * 1e3:.3f} ms at {target_probe.rows} x {target_probe.tokens_per_row}:"
-                             f" x{factor:.3g} (the proportional rule: x{rule_factor.get(name, 1.0):.3g};"
-                             " collectives not timed)"))
-  components = dataclasses.replace(scaled.components, **values)
+                             f" run's {source_probe.rows} x {source_probe.tokens_per_row} tokens per device,"
+                             f" {after * 1e3:.3f} ms at {target_probe.rows} x {target_probe.tokens_per_row}"
+                             + (f", x{shard:.3g} for each device's shard of the weights" if shard != 1.0 else "")
+                             + f": x{factor:.3g}, collectives not timed (instead of {instead})"))
+  components = consistent(dataclasses.replace(scaled.components, **values))
   return Estimate(components, sources, scaled.unknowns), kept

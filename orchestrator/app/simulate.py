@@ -22,6 +22,7 @@ from pathlib import Path
 
 from orchestrator.app import compute_probe, run_dir
 from orchestrator.recipe import keys as recipe_keys
+from orchestrator.recipe.schema import Recipe
 from policies import Mode
 from policies.boundary_fit import Fit, at_own_compute, device_compute, fit
 from policies.boundary_model import Components, Estimate, JobShape, ScaledChange, predict, predict_bounded
@@ -45,7 +46,7 @@ def job_shape(recipe) -> JobShape:
                   micro_batches_per_step=recipe.batch.micro_batches_per_step,
                   devices=recipe.mesh.fsdp * recipe.mesh.context * recipe.mesh.expert,
                   hosts=recipe.simulate.hosts or recipe.distributed.num_processes or 1,
-                  model=recipe.model.name)
+                  model=recipe.model.name, context=recipe.mesh.context)
 
 
 def estimate_from_recipe(resolved) -> tuple[Estimate, list[ScaledChange]]:
@@ -187,7 +188,7 @@ class RunFit:
   arms: dict[str, dict]  # arm name → what it measured (``measured``)
   records: dict[str, list[dict]]  # arm name → its records
   shape: JobShape | None  # None: a rig written before it saved its recipe
-  recipe: object = None  # the run's recipe (None, as ``shape``)
+  recipe: Recipe | None = None  # the run's recipe (None, as ``shape``)
 
 
 def _reads_flag(engine: dict) -> bool:
@@ -247,7 +248,8 @@ def fit_run(paths) -> RunFit:
                wait_floor_source="calibrated by the rig" if rigs else "calibrated by the run",
                dispatch_source="calibrated by the rig")
   recipe = _recipe_from_config(config) if config else None
-  return RunFit(result, {n: measured(rs) for n, rs in arms.items()}, arms, recipe and job_shape(recipe), recipe)
+  shape = job_shape(recipe) if recipe is not None else None
+  return RunFit(result, {n: measured(rs) for n, rs in arms.items()}, arms, shape, recipe)
 
 
 def fit_rows(run: RunFit) -> list[dict]:
@@ -322,6 +324,6 @@ def predict_other_job(run: RunFit, path, resolved, *, probe: bool = False
   if not probe:
     return scaled, changes, None
   source_probe, target_probe = compute_probe.probe_both(run.recipe, run.shape, resolved.recipe, target)
-  estimate, changes = compute_probe.apply_probe(run.fit.estimate.components, scaled, changes, source_probe,
-                                                target_probe)
+  estimate, changes = compute_probe.apply_probe(run.fit.estimate.components, scaled, changes, run.shape, target,
+                                                source_probe, target_probe)
   return estimate, changes, {"run": source_probe.as_dict(), "job": target_probe.as_dict()}

@@ -105,7 +105,8 @@ def fitted_predictions(arm_reports: list[dict], calibrated: Components, recipe) 
     rows.append({"name": a["name"], "fitted_on": a["name"] in result.used, **p.as_dict(),
                  "measured_step_s": a["step_s"]["median"], "measured_boundary_idle_s": measured_idle,
                  "measured_micro_batch_s": a["micro_batch_s"]["median"],
-                 "at_own_compute": own and {"step_s": own.step_s, "boundary_idle_s": own.boundary_idle_s}})
+                 "at_own_compute": (None if own is None else
+                                    {"step_s": own.step_s, "boundary_idle_s": own.boundary_idle_s})})
   return {"fitted_on": list(result.used), "components": dataclasses.asdict(estimate.components),
           "sources": dict(estimate.sources), "unidentified": [u.as_dict() for u in estimate.unknowns],
           "arms": rows}
