@@ -563,7 +563,7 @@ def test_the_probe_counts_the_weights_the_engine_holds():
 
 def test_the_probe_refuses_a_model_this_machine_cannot_train_before_building_it(tiny_run, capsys, monkeypatch):
   monkeypatch.setattr(compute_probe, "_memory_here_bytes", lambda: (24 * 2**30, "this machine's available memory"))
-  monkeypatch.setattr(compute_probe, "probe_shape", lambda *a, **k: pytest.fail("built before refusing"))
+  monkeypatch.setattr(compute_probe, "_ShapeUnderTest", lambda *a, **k: pytest.fail("built before refusing"))
   capsys.readouterr()
   assert cli.main(["simulate", "--from", str(tiny_run), "--recipe", "recipes/default.yaml", "model=qwen3_30b_a3b",
                    "batch.rows=8", "--probe"]) == 2
@@ -589,3 +589,15 @@ def test_each_fitted_mode_keeps_its_own_gap_per_dispatch_and_a_mode_without_an_a
   pooled = dataclasses.replace(c, gap_by_mode=())
   assert predict(pooled, Mode.OFF).step_s != pytest.approx(0.255, abs=0.002)
   assert predict(pooled, Mode.STAGE_BEFORE_UPDATE).step_s != pytest.approx(0.215, abs=0.002)
+
+
+def test_a_runtime_failure_while_probing_is_one_line(tiny_run, capsys, monkeypatch):
+  def out_of_memory(*args, **kwargs):
+    raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 123 bytes.\nmore detail")
+
+  monkeypatch.setattr(compute_probe._ShapeUnderTest, "time_one_step", out_of_memory)
+  capsys.readouterr()
+  assert cli.main(["simulate", "--from", str(tiny_run), "--recipe", "recipes/default.yaml", "model=tiny",
+                   "batch.rows=16", "--probe"]) == 2
+  err = capsys.readouterr().err.strip()
+  assert err.count("\n") == 0 and "probing the run's model failed on this machine (RESOURCE_EXHAUSTED" in err

@@ -10,7 +10,7 @@ proportional rule predicts that; a measurement of the model at both shapes does.
 
 The probe builds the model at the run's and at the other job's per-device shape
 on this machine's first device, times its micro-batch and its update at each
-(medians over ``repeats``, through ``orchestrator.engine.bench``), and scales the
+(in turn, step by step, medians over ``repeats``), and scales the
 fitted compute by the measured ratio. The ratio is used, not the probe's own
 seconds: the run measured its compute under its own load and threads, the probe
 says only how that compute changes with the shape.
@@ -27,6 +27,8 @@ too large for the first device is refused before anything is built.
 from __future__ import annotations
 
 import dataclasses
+import statistics
+import time
 
 from orchestrator.engine.host_threads import reserve_host_core
 from policies.boundary_model import Components, Estimate, JobShape, ScaledChange, consistent
@@ -114,40 +116,72 @@ def check_fits(recipe, shape: JobShape, *, where: str) -> None:
                      " rules")
 
 
-def probe_shape(recipe, shape: JobShape, *, where: str, repeats: int) -> ShapeProbe:
-  """Times ``recipe``'s model at ``shape``'s per-device share on one device of this machine.
+class _ShapeUnderTest:
+  """One shape's engine and inputs: a micro-batch and an update, each timed from dispatch to ready."""
 
-  Raises:
-    ValueError: the runtime failed to build or run it (out of memory, most likely), in one line.
-  """
-  from orchestrator.engine.bench import bench_preset  # import here: it imports JAX, after the host core is kept
+  def __init__(self, recipe, shape: JobShape, where: str):
+    from orchestrator.data.synthetic import SyntheticRollouts  # import here: they import JAX, after the host core
+    from orchestrator.engine import build_engine  # is kept (``probe_both``)
 
-  rows, tokens_per_row = per_device_shape(shape, where)
-  options = {f.name: getattr(recipe.engine, f.name) for f in dataclasses.fields(recipe.engine)
-             if f.name != "backend"}
-  preset = recipe.model_preset()
-  try:
-    result = bench_preset(preset, repeats, rows=rows, tokens_per_row=tokens_per_row, **options)
-  except (RuntimeError, MemoryError) as e:  # XLA's errors are RuntimeErrors; the first line says what failed
-    first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
-    raise ValueError(f"simulate --probe: {where}'s model {preset.name} at {rows} x {tokens_per_row} tokens per"
-                     f" device failed on this machine ({first_line}); drop --probe to scale by the rules") from e
-  return ShapeProbe(rows, tokens_per_row, result["micro_batch_compute_s"], result["update_s"])
+    self.where, self.preset = where, recipe.model_preset()
+    self.rows, self.tokens_per_row = per_device_shape(shape, where)
+    options = {f.name: getattr(recipe.engine, f.name) for f in dataclasses.fields(recipe.engine)
+               if f.name != "backend"}
+    self.engine = build_engine(self.preset, rows=self.rows, tokens_per_row=self.tokens_per_row, **options)
+    self.source = SyntheticRollouts(self.preset.vocab_size, self.rows, self.tokens_per_row, seed=1)
+    self.micro_batch_s: list[float] = []
+    self.update_s: list[float] = []
+
+  def time_one_step(self, step: int) -> None:
+    import jax  # import here: see __init__
+
+    prepared = self.engine.prepare_fwd_bwd_input(self.source.micro_batch(step, 0))
+    jax.block_until_ready(prepared.arrays)  # the input on the device: only the compute is timed
+    start = time.perf_counter()
+    self.engine.fwd_bwd(prepared).ready.block_until_ready()
+    self.micro_batch_s.append(time.perf_counter() - start)
+    start = time.perf_counter()
+    self.engine.update().ready.block_until_ready()
+    self.update_s.append(time.perf_counter() - start)
+
+  def result(self) -> ShapeProbe:
+    return ShapeProbe(self.rows, self.tokens_per_row, statistics.median(self.micro_batch_s),
+                      statistics.median(self.update_s))
 
 
 def probe_both(source_recipe, source: JobShape, target_recipe, target: JobShape, *,
-               repeats: int = 10) -> tuple[ShapeProbe, ShapeProbe]:
-  """The run's shape and the other job's, timed one after the other in this process.
+               repeats: int = 15) -> tuple[ShapeProbe, ShapeProbe]:
+  """The run's shape and the other job's, timed in turn step by step in this process (medians over ``repeats``
+  after one warm-up step each), so a change in the machine's load between them moves both alike.
 
-  With ``run.reserve_host_core`` in the run's recipe, one core is kept for the
-  host first, as the run did (a no-op once JAX has started in this process).
+  With ``run.reserve_host_core`` in the run's recipe, one core is kept for the host first, as the run did (a
+  no-op once JAX has started in this process).
+
+  Raises:
+    ValueError: a shape the mesh does not divide, a model the first device cannot hold, or the runtime failed
+      while probing (out of memory, most likely), in one line.
   """
   if source_recipe.run.reserve_host_core:
     reserve_host_core()
   check_fits(source_recipe, source, where="the run")
   check_fits(target_recipe, target, where="the other job")
-  return (probe_shape(source_recipe, source, where="the run", repeats=repeats),
-          probe_shape(target_recipe, target, where="the other job", repeats=repeats))
+  shapes: list[_ShapeUnderTest] = []
+  where = "the run"
+  try:
+    shapes.append(_ShapeUnderTest(source_recipe, source, where))
+    where = "the other job"
+    shapes.append(_ShapeUnderTest(target_recipe, target, where))
+    for step in range(repeats + 1):
+      for shape in shapes:
+        where = shape.where
+        shape.time_one_step(step)
+  except (RuntimeError, MemoryError) as e:  # XLA's errors are RuntimeErrors; the first line says what failed
+    first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    raise ValueError(f"simulate --probe: probing {where}'s model failed on this machine ({first_line}); drop"
+                     " --probe to scale by the rules") from e
+  for shape in shapes:  # the first step of each compiled and warmed up its programs
+    del shape.micro_batch_s[0], shape.update_s[0]
+  return shapes[0].result(), shapes[1].result()
 
 
 def apply_probe(fitted: Components, scaled: Estimate, changes: list[ScaledChange], source: JobShape,

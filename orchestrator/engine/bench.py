@@ -27,16 +27,14 @@ def _median(xs):
   return statistics.median(xs) if xs else None
 
 
-def bench_preset(preset, repeats: int, micro_batches: int = 2, **build_options) -> dict:
-  """One preset's costs (see the module docstring); ``preset`` a name or a ``ModelPreset``, ``build_options``
-  what ``build_engine`` takes besides (``rows``, ``tokens_per_row``, engine options)."""
+def bench_preset(preset: str, repeats: int, micro_batches: int = 2) -> dict:
   import jax  # import here: numpy's and JAX's threads start after main's reserve_host_core
 
   from orchestrator.data.synthetic import SyntheticRollouts
   from orchestrator.engine import build_engine
 
   start = time.perf_counter()
-  engine = build_engine(preset, **build_options)
+  engine = build_engine(preset)
   build_s = time.perf_counter() - start
   source = SyntheticRollouts(engine.preset.vocab_size, engine.rows, engine.tokens_per_row, seed=1)
   # Warm-up: one full step, so allocation and first-run costs are not measured.
@@ -69,7 +67,7 @@ def bench_preset(preset, repeats: int, micro_batches: int = 2, **build_options) 
   micro_s = _median(compute)
   prep_s = _median(mapping) + _median(placement)
   return {
-      "preset": engine.preset.name,
+      "preset": preset,
       "rows": engine.rows,
       "tokens_per_row": engine.tokens_per_row,
       "devices": len(engine.mesh.devices.flat),
