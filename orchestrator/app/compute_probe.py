@@ -3,9 +3,10 @@
 The scaling rules (``policies.boundary_model.SCALING``) take a micro-batch's
 compute as proportional to the tokens each device holds. Hardware need not
 follow that at the sizes in question: on the 2-core CPU this project is tested
-on, a tiny-model run's micro-batch cost 1.7x as much at 16 rows of 64 tokens as
-at 8, 3.4x at 32 as at 16 and 2.5x at 64 as at 32 (the step between 16 and 32
-rows is not the logits': halving the vocabulary leaves it where it is). No
+on, a tiny-model run's micro-batch cost 1.7-2.1x as much at 16 rows of 64
+tokens as at 8, 2.9-3.4x at 32 as at 16 and 2.5-3.0x at 64 as at 32 (two
+samples; halving the vocabulary leaves the step between 16 and 32 rows where it
+is, so it is not the logits'). No
 proportional rule predicts that; a measurement of the model at both shapes does.
 
 The probe builds the model at the run's and at the other job's per-device shape
