@@ -220,13 +220,13 @@ def _gaps(arms, used, m: int, assumed_s: float, sources: dict, unknowns: list) -
   """The device time lost per dispatch inside a step, pooled and per fitted mode (see the module docstring);
   ``assumed_s`` its bound where one micro-batch per step leaves none to measure (a wait floor and a dispatch)."""
   out: dict = {}
-  gaps = [g for n in used for g in _in_step_gaps(arms[n])]
+  by_mode: dict[str, list[float]] = {}
+  for n in used:
+    by_mode.setdefault(arms[n][0]["mode"], []).extend(_in_step_gaps(arms[n]))
+  gaps = [g for mode_gaps in by_mode.values() for g in mode_gaps]
   if m > 1 and gaps:
     out["gap_per_dispatch_s"] = max(0.0, statistics.median(gaps) / (m - 1))
     sources["gap_per_dispatch_s"] = "fitted (every fitted arm's, for a mode no arm ran)"
-    by_mode: dict[str, list[float]] = {}
-    for n in used:
-      by_mode.setdefault(arms[n][0]["mode"], []).extend(_in_step_gaps(arms[n]))
     out["gap_by_mode"] = tuple((mode.value, max(0.0, statistics.median(by_mode[mode.value]) / (m - 1)))
                                for mode in Mode if by_mode.get(mode.value))
     sources["gap_by_mode"] = "fitted (each arm's median, for its own mode)"

@@ -24,7 +24,7 @@ from orchestrator.app import compute_probe, run_dir
 from orchestrator.recipe import keys as recipe_keys
 from orchestrator.recipe.schema import Recipe
 from policies import Mode
-from policies.boundary_fit import Fit, at_own_compute, device_compute, fit
+from policies.boundary_fit import Fit, at_own_compute, fit
 from policies.boundary_model import Components, Estimate, JobShape, ScaledChange, predict, predict_bounded
 from policies.step_boundary import format_seconds
 
@@ -172,8 +172,7 @@ def measured(records: list[dict]) -> dict:
   return {"mode": records[0]["mode"],
           "boundary_idle_s": _median(r.get("boundary_idle_s") for r in records[:-1]),
           "step_s": _median(r["step_s"] for r in records), "steps": len(records),
-          "micro_batch_s": _median(x for r in records for x in r["micro_batch_s"]),
-          "compute": device_compute(records)}
+          "micro_batch_s": _median(x for r in records for x in r["micro_batch_s"])}
 
 
 def _recipe_from_config(config: dict):
@@ -269,13 +268,13 @@ def fit_rows(run: RunFit) -> list[dict]:
       # The same boundary components with the compute this arm measured: the model's error once the
       # machine's drift in compute between arms is taken out.
       own = predict(at_own_compute(estimate.components, run.records[name]), Mode(m["mode"]))
-      own_err = (own.step_s - m["step_s"]) / m["step_s"]
+      own_step_err = (own.step_s - m["step_s"]) / m["step_s"]
+      own_idle_err = own.boundary_idle_s - m["boundary_idle_s"]
       row.update(measured=m, step_error=step_err, idle_error_s=idle_err,
                  within=abs(step_err) <= STEP_TOLERANCE and abs(idle_err) <= idle_tol,
                  at_own_compute={"step_s": own.step_s, "boundary_idle_s": own.boundary_idle_s,
-                                 "step_error": own_err, "idle_error_s": own.boundary_idle_s - m["boundary_idle_s"],
-                                 "within": abs(own_err) <= STEP_TOLERANCE
-                                 and abs(own.boundary_idle_s - m["boundary_idle_s"]) <= idle_tol})
+                                 "step_error": own_step_err, "idle_error_s": own_idle_err,
+                                 "within": abs(own_step_err) <= STEP_TOLERANCE and abs(own_idle_err) <= idle_tol})
     rows.append(row)
   return rows
 
