@@ -25,7 +25,7 @@ from orchestrator.app import cli
 from orchestrator.engine import hf_checkpoint, model as model_lib
 from orchestrator.engine.diagnostics import tree_digest
 from orchestrator.engine.presets import load_preset
-from orchestrator.live.hf_tokenizer import HFTokenizer, char_tokenizer_json
+from orchestrator.live.hf_tokenizer import HFTokenizer, TokenizerError, char_tokenizer_json
 from orchestrator.live.tokenizer import CharTokenizer
 from tests.checkpoint_files import preset_tensors, write_directory, write_safetensors
 
@@ -99,10 +99,10 @@ def test_the_character_tokenizer_as_tokenizer_json_encodes_and_stops_alike(tiny_
 def test_a_chat_template_formats_the_prompt(tmp_path):
   char_tokenizer_json(tmp_path)
   settings = json.loads((tmp_path / "tokenizer_config.json").read_text())
-  settings["chat_template"] = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+  settings["chat_template"] = ("{% for m in messages %}{{ m.role }}:{{ m.content }}{% endfor %}"
                                "{% if add_generation_prompt %}>{% endif %}")
   (tmp_path / "tokenizer_config.json").write_text(json.dumps(settings))
-  assert HFTokenizer(tmp_path, chat_template=True).format_prompt("1+2") == "<user>1+2>"
+  assert HFTokenizer(tmp_path, chat_template=True).format_prompt("1+2") == "user:1+2>"
   assert HFTokenizer(tmp_path).format_prompt("1+2") == "1+2"
 
 
@@ -379,3 +379,56 @@ def test_fifo_and_nan_refusals_name_the_file_and_the_dtype(tmp_path):
   write_directory(tmp_path / "nan", _tensors_with(**{UP.replace(".", "__"): with_nan}))
   with pytest.raises(hf_checkpoint.CheckpointDirError, match=r"holds 1 NaN or infinite value\(s\) of 8,192"):
     hf_checkpoint.load_preset_from_checkpoint(tmp_path / "nan")
+
+
+def _with_template(directory, template: str, *, file: str | None = None):
+  """The character tokenizer in ``directory`` with ``template`` as its chat template (in
+  tokenizer_config.json, or in ``file``)."""
+  char_tokenizer_json(directory)
+  if file:
+    (directory / file).write_text(template)
+    return directory
+  settings = json.loads((directory / "tokenizer_config.json").read_text())
+  (directory / "tokenizer_config.json").write_text(json.dumps(dict(settings, chat_template=template)))
+  return directory
+
+
+#: (id, template, file it is in (None: tokenizer_config.json), the refusal's words).
+TEMPLATE_REFUSALS = [
+    ("raise-exception", "{{ raise_exception('only user and assistant roles') }}", None,
+     "fails on a prompt (TemplateError: only user and assistant roles)"),
+    ("undefined-function", "{{ render_tools(messages) }}", None,
+     "fails on a prompt (UndefinedError: 'render_tools' is undefined)"),
+    ("syntax-error", "{% for m in messages %}{{ m.content }}", None, "does not parse (Unexpected end of template."),
+    ("unencodable-character", "[{{ messages[0].content }}]", None,
+     "writes the character '[', which tokenizer.json's vocabulary cannot encode"),
+    ("jinja-file-raises", "{{ raise_exception('no system prompt') }}", "chat_template.jinja",
+     "chat_template.jinja fails on a prompt (TemplateError: no system prompt)"),
+]
+
+
+@pytest.mark.parametrize("case", TEMPLATE_REFUSALS, ids=[c[0] for c in TEMPLATE_REFUSALS])
+def test_a_chat_template_that_fails_is_refused_when_the_tokenizer_is_made(case, tmp_path):
+  """One probe prompt is rendered and its template text encoded up front. Control: the same directory
+  without model.chat_template makes a tokenizer (the template is not read)."""
+  _, template, file, words = case
+  directory = _with_template(tmp_path, template, file=file)
+  HFTokenizer(directory)
+  with pytest.raises(TokenizerError) as e:
+    HFTokenizer(directory, chat_template=True)
+  message = str(e.value)
+  assert words in message and "\n" not in message
+  assert str(directory / (file or "tokenizer_config.json")) in message
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json", "generation_config.json",
+                                  "chat_template.jinja"])
+def test_a_tokenizer_file_that_is_a_fifo_is_refused_not_waited_on(tmp_path, name):
+  """Control: the regular files make a tokenizer with its chat template."""
+  _with_template(tmp_path, "{{ messages[0].content }}", file="chat_template.jinja")
+  HFTokenizer(tmp_path, chat_template=True)
+  (tmp_path / name).unlink(missing_ok=True)
+  os.mkfifo(tmp_path / name)
+  with pytest.raises(TokenizerError, match=rf"model.checkpoint's .*{name} is a FIFO \(named pipe\)"):
+    HFTokenizer(tmp_path, chat_template=True)
+
