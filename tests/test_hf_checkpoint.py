@@ -432,3 +432,22 @@ def test_a_tokenizer_file_that_is_a_fifo_is_refused_not_waited_on(tmp_path, name
   with pytest.raises(TokenizerError, match=rf"model.checkpoint's .*{name} is a FIFO \(named pipe\)"):
     HFTokenizer(tmp_path, chat_template=True)
 
+
+def _validate(checkpoint, *overrides: str) -> None:
+  values = dict(item.split("=", 1) for item in (f"model.checkpoint={checkpoint}", *overrides))
+  recipe_lib.build({k: recipe_lib.coerce(k, v) for k, v in values.items()}).validate()
+
+
+def test_a_trajectory_longer_than_the_model_s_context_is_refused(tmp_path):
+  """The live loop's prompt + completion, or another source's row, against config.json's
+  max_position_embeddings. Controls: a context that holds them validates."""
+  write_directory(tmp_path / "long", max_position_embeddings=64)
+  _validate(tmp_path / "long", "rollouts.source=sampler", "rollouts.groups_per_micro_batch=2")
+  _validate(tmp_path / "long", "batch.tokens_per_row=64")
+  write_directory(tmp_path / "short", max_position_embeddings=8)
+  with pytest.raises(recipe_lib.RecipeError, match=r"task.max_prompt_tokens \+ task.max_completion_tokens = \d+ \+"
+                     r" \d+ = \d+ tokens is longer than the model's context of 8 .*lower task.max_prompt_tokens"):
+    _validate(tmp_path / "short", "rollouts.source=sampler", "rollouts.groups_per_micro_batch=2")
+  with pytest.raises(recipe_lib.RecipeError, match="batch.tokens_per_row=64 is longer than the model's context of 8"
+                                                   " tokens .* lower batch.tokens_per_row to at most 8"):
+    _validate(tmp_path / "short", "batch.tokens_per_row=64")

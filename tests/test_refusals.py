@@ -381,6 +381,8 @@ CASES = [
      "trajectories but the manifest says 7"),
     ("manifest-schema-version", lambda t, g: _recording(t, g, _set("schema_version", 99)), {},
      "schema_version 99 is not supported"),
+    ("checkpoint-context", lambda t, g: _checkpoint(t, max_position_embeddings=8), {},
+     "tokens is longer than the model's context of 8 (max_position_embeddings"),
     ("chat-template-raises", lambda t, g: _chat_template(t, "{{ raise_exception('no tools') }}"), {},
      "fails on a prompt (TemplateError: no tools)"),
     ("recording-too-short", lambda t, g: ON_RECORDING[:-2] + ["steps=500", "rollouts.source=recording",
