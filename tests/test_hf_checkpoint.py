@@ -451,3 +451,21 @@ def test_a_trajectory_longer_than_the_model_s_context_is_refused(tmp_path):
   with pytest.raises(recipe_lib.RecipeError, match="batch.tokens_per_row=64 is longer than the model's context of 8"
                                                    " tokens .* lower batch.tokens_per_row to at most 8"):
     _validate(tmp_path / "short", "batch.tokens_per_row=64")
+
+
+@pytest.mark.parametrize("file, content, words", [
+    ("generation_config.json", {"eos_token_id": "2"}, "generation_config.json's eos_token_id '2' is not one of"),
+    ("config.json", {"eos_token_id": [2, 9999]}, "config.json's eos_token_id 9999 is not one of the tokenizer's"),
+    ("tokenizer_config.json", [], "tokenizer_config.json holds a JSON list, not an object"),
+])
+def test_tokenizer_settings_that_would_be_skipped_are_refused(tmp_path, file, content, words):
+  """An eos id the sampler could not stop at, or a settings file that is not an object, was passed over.
+  Control: ids that are token ids, or null (none), make a tokenizer that stops at them."""
+  char_tokenizer_json(tmp_path)
+  (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 5]}))
+  (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": None}))
+  assert HFTokenizer(tmp_path).eos_ids == [2, 5]
+  (tmp_path / file).write_text(json.dumps(content))
+  with pytest.raises(TokenizerError) as e:
+    HFTokenizer(tmp_path)
+  assert words in str(e.value) and "\n" not in str(e.value)

@@ -54,7 +54,10 @@ def _read_json(path: Path) -> dict[str, Any]:
     data = hf_checkpoint.read_json(path, what="model.checkpoint's")
   except hf_checkpoint.CheckpointDirError as e:
     raise TokenizerError(str(e)) from None
-  return data if isinstance(data, dict) else {}
+  if not isinstance(data, dict):
+    raise TokenizerError(f"model.checkpoint: {path} holds a JSON {type(data).__name__}, not an object; restore"
+                         " the checkpoint's copy")
+  return data
 
 
 def _read_text(path: Path, max_bytes: int) -> str:
@@ -100,29 +103,37 @@ class HFTokenizer:
     except TokenizerError:
       raise
     except Exception as e:  # tokenizers raises a bare Exception for a file it cannot parse
-      raise TokenizerError(f"model.checkpoint: {path} is not a tokenizers file ({e}); restore it") from None
+      raise TokenizerError(f"model.checkpoint: {path} is not a tokenizers file ({_one_line(e)}); restore it"
+                           ) from None
     settings = _read_json(self.directory / "tokenizer_config.json")
     generation = _read_json(self.directory / "generation_config.json")
     model = _read_json(self.directory / "config.json")
     self._bos = self._special_id(_token_text(settings.get("bos_token")), "bos_token")
-    eos = [self._special_id(_token_text(settings.get("eos_token")), "eos_token")]
-    for source in (generation, model):
-      ids = source.get("eos_token_id")
-      eos += ids if isinstance(ids, list) else [ids]
-    self._eos = list(dict.fromkeys(i for i in eos if isinstance(i, int) and not isinstance(i, bool)))
+    self._eos = self._eos_ids(settings, {"generation_config.json": generation, "config.json": model})
     if not self._eos:
       raise TokenizerError(f"model.checkpoint={directory}: no end-of-sequence token (eos_token in"
                            " tokenizer_config.json or eos_token_id in generation_config.json); add one")
-    bad = [i for i in self._eos if not 0 <= i < self.vocab_size]
-    if bad:
-      raise TokenizerError(f"model.checkpoint={directory}: eos_token_id {bad[0]} is outside the tokenizer's"
-                           f" {self.vocab_size} ids; fix generation_config.json")
     pad = self._special_id(_token_text(settings.get("pad_token")), "pad_token")
     self._pad = pad if pad is not None else self._eos[0]
     self._template, self._template_file = None, None
     if chat_template:
       self._template, self._template_file = self._chat_template(settings)
       self._probe_template()
+
+  def _eos_ids(self, settings: Mapping[str, Any], sources: Mapping[str, Mapping[str, Any]]) -> list[int]:
+    """Every end-of-sequence id the files name: tokenizer_config.json's eos_token, then each file's
+    eos_token_id (one or a list; null is none). One that is not a token id is refused, not skipped: the
+    sampler would not stop at it."""
+    eos = [self._special_id(_token_text(settings.get("eos_token")), "eos_token")]
+    for file, source in sources.items():
+      ids = source.get("eos_token_id")
+      for token_id in ids if isinstance(ids, list) else [ids]:
+        if token_id is not None and (isinstance(token_id, bool) or not isinstance(token_id, int)
+                                     or not 0 <= token_id < self.vocab_size):
+          raise TokenizerError(f"model.checkpoint={self.directory}: {file}'s eos_token_id {token_id!r} is not one"
+                               f" of the tokenizer's {self.vocab_size} ids; fix {file}")
+        eos.append(token_id)
+    return list(dict.fromkeys(i for i in eos if i is not None))
 
   def _special_id(self, text: str | None, name: str) -> int | None:
     if text is None:
