@@ -308,7 +308,8 @@ def _tensor(file: Path, name: str, entry: Any, data_start: int) -> Tensor:
     raise _damaged(file, f"tensor {name} has no valid shape and data_offsets in its header")
   if dtype not in TENSOR_DTYPES:
     raise CheckpointDirError(f"model.checkpoint: tensor {name} in {file} is {dtype}; the loader reads"
-                             f" {', '.join(TENSOR_DTYPES)} weights: use an unquantised checkpoint")
+                             f" {', '.join(TENSOR_DTYPES)} weights (not quantised ones): convert the checkpoint to"
+                             " one of those")
   size_bytes = math.prod(shape) * TENSOR_DTYPES[dtype].itemsize
   if offsets[1] - offsets[0] != size_bytes:
     raise _damaged(file, f"tensor {name}, {dtype} of shape {shape}, is {size_bytes:,} bytes but its header gives"
