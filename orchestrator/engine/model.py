@@ -125,7 +125,7 @@ def load_hf_checkpoint(directory: str, config: qwen3_model.ModelConfig, mesh=Non
 
   def place(path, placement, shape):
     key = ".".join(str(getattr(part, "key", getattr(part, "idx", part))) for part in path)
-    value = np.asarray(values.get(key, values.get(f"{key}.value")), np.float32)
+    value = np.asarray(values[key], np.float32)  # every name is there: the recipe checked the tensors
     if value.shape != shape.shape:
       raise ValueError(f"{directory}: {key} has shape {value.shape}, the model's is {shape.shape}")
     return jax.device_put(value, placement)
