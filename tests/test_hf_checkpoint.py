@@ -10,20 +10,24 @@ a wrong eos changes the digest).
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import jax
+import ml_dtypes
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
+from tunix.models.qwen3 import params as qwen3_params
 
 from orchestrator import recipe as recipe_lib
 from orchestrator.app import cli
 from orchestrator.engine import hf_checkpoint, model as model_lib
 from orchestrator.engine.diagnostics import tree_digest
 from orchestrator.engine.presets import load_preset
-from orchestrator.live.hf_tokenizer import HFTokenizer, char_tokenizer_json
+from orchestrator.live.hf_tokenizer import HFTokenizer, TokenizerError, char_tokenizer_json
 from orchestrator.live.tokenizer import CharTokenizer
+from tests.checkpoint_files import preset_tensors, write_directory, write_safetensors
 
 #: A short live run of the tiny preset (the default recipe's task, small sizes).
 LIVE = ["steps=2", "rollouts.groups_per_micro_batch=2", "batch.rows=4", "task.eval_prompts=4",
@@ -95,10 +99,10 @@ def test_the_character_tokenizer_as_tokenizer_json_encodes_and_stops_alike(tiny_
 def test_a_chat_template_formats_the_prompt(tmp_path):
   char_tokenizer_json(tmp_path)
   settings = json.loads((tmp_path / "tokenizer_config.json").read_text())
-  settings["chat_template"] = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+  settings["chat_template"] = ("{% for m in messages %}{{ m.role }}:{{ m.content }}{% endfor %}"
                                "{% if add_generation_prompt %}>{% endif %}")
   (tmp_path / "tokenizer_config.json").write_text(json.dumps(settings))
-  assert HFTokenizer(tmp_path, chat_template=True).format_prompt("1+2") == "<user>1+2>"
+  assert HFTokenizer(tmp_path, chat_template=True).format_prompt("1+2") == "user:1+2>"
   assert HFTokenizer(tmp_path).format_prompt("1+2") == "1+2"
 
 
@@ -228,3 +232,240 @@ def test_a_resume_refuses_a_prompt_file_or_tokenizer_that_changed(tiny_checkpoin
   assert "model.checkpoint" in capsys.readouterr().err
   shutil.copyfile(tiny_checkpoint / "tokenizer_config.json", checkpoint / "tokenizer_config.json")
   assert cli.main(["--resume", str(run), "--steps", "3"]) == 0
+
+
+# ---------------------------------------------------------------- what a checkpoint holds is what loads, or nothing
+def _weights_digest(directory) -> str:
+  _, params, _ = model_lib.build_model(hf_checkpoint.load_preset_from_checkpoint(directory), 0)
+  return tree_digest(params)
+
+
+@pytest.mark.parametrize("first", [np.float16, np.float32])
+def test_every_tensor_is_read_as_its_own_header_s_dtype(tmp_path, first):
+  """A file whose first tensor is F16 or F32 and the rest BF16 loads each tensor's own values: the weights of
+  the file holding their float32 upcasts. Negative control: Tunix's loader, which maps a whole file as its
+  first tensor's dtype, reads BF16 1.0 as F16 1.875 (or fails on F32 first)."""
+  tensors = dict(preset_tensors(), **{"model.norm.weight": np.ones(64, np.float32)})
+  mixed = {name: x.astype(first if i == 0 else ml_dtypes.bfloat16) for i, (name, x) in enumerate(tensors.items())}
+  write_directory(tmp_path / "mixed", mixed)
+  write_directory(tmp_path / "upcast", {name: x.astype(np.float32) for name, x in mixed.items()})
+  assert _weights_digest(tmp_path / "mixed") == _weights_digest(tmp_path / "upcast")
+  config = model_lib.model_config(hf_checkpoint.load_preset_from_checkpoint(tmp_path / "mixed"))
+  if first is np.float16:
+    tunix = qwen3_params.create_model_from_safe_tensors(str(tmp_path / "mixed"), config)
+    assert np.all(np.asarray(tunix.final_norm.w[...]) == 1.875)
+  else:
+    with pytest.raises(Exception):
+      qwen3_params.create_model_from_safe_tensors(str(tmp_path / "mixed"), config)
+
+
+def _sharded(directory, index_edit=None):
+  """The tiny checkpoint in two shards with their index (edited by ``index_edit(weight_map)``)."""
+  tensors = preset_tensors()
+  write_directory(directory, {}).joinpath("model.safetensors").unlink()
+  names = list(tensors)
+  weight_map = {}
+  for i, part in enumerate((names[:10], names[10:])):
+    file = f"model-0000{i + 1}-of-00002.safetensors"
+    write_safetensors(directory / file, {name: tensors[name] for name in part})
+    weight_map.update(dict.fromkeys(part, file))
+  if index_edit:
+    index_edit(weight_map)
+  (directory / hf_checkpoint.INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+def test_a_sharded_checkpoint_with_its_index_loads_the_same_weights(tmp_path):
+  """The control for the refusals below: shards and an index that agree load like one file."""
+  _sharded(tmp_path / "sharded")
+  write_directory(tmp_path / "one")
+  assert _weights_digest(tmp_path / "sharded") == _weights_digest(tmp_path / "one")
+
+
+def _tensors_with(**changes):
+  """The tiny checkpoint's tensors with some replaced (names given with "__" for ".")."""
+  return dict(preset_tensors(), **{name.replace("__", "."): x for name, x in changes.items()})
+
+
+def _fifo(directory, name):
+  write_directory(directory)
+  (directory / name).unlink(missing_ok=True)
+  os.mkfifo(directory / name)
+
+
+def _raw_safetensors(header: bytes, data_bytes: int) -> bytes:
+  return len(header).to_bytes(8, "little") + header + bytes(data_bytes)
+
+
+UP = "model.layers.0.mlp.up_proj.weight"
+with_nan = preset_tensors()[UP].copy()
+with_nan[3, 5] = np.nan
+#: (id, how the directory is written, the refusal's words): each one edit of the tiny checkpoint.
+CHECKPOINT_REFUSALS = [
+    ("third-layer", lambda d: write_directory(d, dict(preset_tensors(), **{
+        n.replace("layers.1.", "layers.2."): x for n, x in preset_tensors().items() if "layers.1." in n})),
+     "11 tensor(s) in its *.safetensors are not the model's (model.layers.2.self_attn.q_proj.weight,"),
+    ("one-unused-tensor", lambda d: write_directory(d, _tensors_with(rotary__inv_freq=np.ones(8, np.float32))),
+     "1 tensor(s) in its *.safetensors are not the model's (rotary.inv_freq, in model.safetensors)"),
+    ("in-two-files", lambda d: (write_directory(d), write_safetensors(
+        d / "extra.safetensors", {"model.norm.weight": preset_tensors()["model.norm.weight"]})),
+     "tensor model.norm.weight is in both extra.safetensors and model.safetensors"),
+    ("index-elsewhere", lambda d: _sharded(d, lambda m: m.update({"model.norm.weight": "model-00002-of-00002"
+                                                                                     ".safetensors"})),
+     "tensor model.norm.weight is in model-00001-of-00002.safetensors but model.safetensors.index.json places it"),
+    ("index-shard-missing", lambda d: _sharded(d, lambda m: m.update({"lm_head.bias": "model-00003.safetensors"})),
+     "places 1 tensor(s) in files that do not hold them (first: lm_head.bias in model-00003.safetensors)"),
+    ("fp8", lambda d: write_directory(d, _tensors_with(**{UP.replace(".", "__"): preset_tensors()[UP].astype(
+        ml_dtypes.float8_e4m3fn)})), f"tensor {UP} in"),
+    ("nan", lambda d: write_directory(d, _tensors_with(**{UP.replace(".", "__"): with_nan})),
+     f"tensor {UP} in"),
+    ("inf-bf16", lambda d: write_directory(d, {n: (np.full_like(x, np.inf) if n == UP else x).astype(
+        ml_dtypes.bfloat16) for n, x in preset_tensors().items()}), f"holds 8,192 NaN or infinite value(s) of 8,192"),
+    ("kv-heads", lambda d: write_directory(d, num_key_value_heads=3),
+     "num_attention_heads=4 is not a multiple of num_key_value_heads=3"),
+    ("layers-a-string", lambda d: write_directory(d, num_hidden_layers="2"), "num_hidden_layers='2' must be"),
+    ("vocab-missing", lambda d: write_directory(d, vocab_size=...), "vocab_size=None must be a whole number"),
+    ("hidden-zero", lambda d: write_directory(d, hidden_size=0), "hidden_size=0 must be a whole number in [1,"),
+    ("head-dim-odd", lambda d: write_directory(d, head_dim=15), "head_dim=15 is odd"),
+    ("hidden-not-whole-heads", lambda d: write_directory(d, head_dim=..., hidden_size=66),
+     "hidden_size=66 is not a multiple of num_attention_heads=4 and no head_dim is given"),
+    ("context-zero", lambda d: write_directory(d, max_position_embeddings=0), "max_position_embeddings=0 must be"),
+    ("context-float", lambda d: write_directory(d, max_position_embeddings=4096.0),
+     "max_position_embeddings=4096.0 must be"),
+    ("more-experts-per-token", lambda d: write_directory(d, preset_name="tiny_moe", num_experts_per_tok=99),
+     "num_experts_per_tok=99 is more than num_experts="),
+    ("fifo-weights", lambda d: _fifo(d, "model.safetensors"), "is a FIFO (named pipe)"),
+    ("fifo-config", lambda d: _fifo(d, "config.json"), "config.json"),
+    ("fifo-index", lambda d: _fifo(d, hf_checkpoint.INDEX_FILE), "is a FIFO (named pipe)"),
+    ("truncated", lambda d: (write_directory(d), (d / "model.safetensors").write_bytes(
+        (d / "model.safetensors").read_bytes()[:-100])), "past the file's"),
+    ("header-length-past-the-end", lambda d: (write_directory(d), (d / "model.safetensors").write_bytes(
+        (10**9).to_bytes(8, "little") + b"{}")), "its header claims 1,000,000,000 bytes but 2 follow"),
+    ("name-twice-in-a-header", lambda d: (write_directory(d), (d / "model.safetensors").write_bytes(
+        _raw_safetensors(b'{"model.norm.weight": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},'
+                         b' "model.norm.weight": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}', 8))),
+     "names tensor model.norm.weight twice"),
+    ("overlapping-tensors", lambda d: (write_directory(d), (d / "model.safetensors").write_bytes(
+        _raw_safetensors(b'{"model.norm.weight": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},'
+                         b' "lm_head.weight": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}', 8))),
+     "tensors model.norm.weight and lm_head.weight overlap"),
+    ("size-not-the-shape-s", lambda d: (write_directory(d), (d / "model.safetensors").write_bytes(
+        _raw_safetensors(b'{"model.norm.weight": {"dtype": "BF16", "shape": [2], "data_offsets": [0, 8]}}', 8))),
+     "tensor model.norm.weight, BF16 of shape [2], is 4 bytes but its header gives it 8"),
+]
+
+
+@pytest.mark.parametrize("case", CHECKPOINT_REFUSALS, ids=[c[0] for c in CHECKPOINT_REFUSALS])
+def test_a_checkpoint_that_would_load_other_weights_is_refused_naming_what(case, tmp_path):
+  """Each directory is one edit of one that loads (the control: ``write_directory`` alone, checked here
+  too), refused in one line by the check pass, before anything is built."""
+  _, write, words = case
+  write_directory(tmp_path / "good")
+  hf_checkpoint.load_preset_from_checkpoint(tmp_path / "good")
+  write(tmp_path / "bad")
+  with pytest.raises(hf_checkpoint.CheckpointDirError) as e:
+    hf_checkpoint.load_preset_from_checkpoint(tmp_path / "bad")
+  assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_fifo_and_nan_refusals_name_the_file_and_the_dtype(tmp_path):
+  """Words the table's fragments leave out: the FIFO's role, an FP8 tensor's dtype, a NaN's count."""
+  _fifo(tmp_path / "fifo", "config.json")
+  with pytest.raises(hf_checkpoint.CheckpointDirError, match=r"model.checkpoint's config.json .* is a FIFO"):
+    hf_checkpoint.load_preset_from_checkpoint(tmp_path / "fifo")
+  write_directory(tmp_path / "fp8", _tensors_with(**{UP.replace(".", "__"): preset_tensors()[UP].astype(
+      ml_dtypes.float8_e4m3fn)}))
+  with pytest.raises(hf_checkpoint.CheckpointDirError, match="is F8_E4M3; the loader reads F32, BF16, F16"):
+    hf_checkpoint.load_preset_from_checkpoint(tmp_path / "fp8")
+  write_directory(tmp_path / "nan", _tensors_with(**{UP.replace(".", "__"): with_nan}))
+  with pytest.raises(hf_checkpoint.CheckpointDirError, match=r"holds 1 NaN or infinite value\(s\) of 8,192"):
+    hf_checkpoint.load_preset_from_checkpoint(tmp_path / "nan")
+
+
+def _with_template(directory, template: str, *, file: str | None = None):
+  """The character tokenizer in ``directory`` with ``template`` as its chat template (in
+  tokenizer_config.json, or in ``file``)."""
+  char_tokenizer_json(directory)
+  if file:
+    (directory / file).write_text(template)
+    return directory
+  settings = json.loads((directory / "tokenizer_config.json").read_text())
+  (directory / "tokenizer_config.json").write_text(json.dumps(dict(settings, chat_template=template)))
+  return directory
+
+
+#: (id, template, file it is in (None: tokenizer_config.json), the refusal's words).
+TEMPLATE_REFUSALS = [
+    ("raise-exception", "{{ raise_exception('only user and assistant roles') }}", None,
+     "fails on a prompt (TemplateError: only user and assistant roles)"),
+    ("undefined-function", "{{ render_tools(messages) }}", None,
+     "fails on a prompt (UndefinedError: 'render_tools' is undefined)"),
+    ("syntax-error", "{% for m in messages %}{{ m.content }}", None, "does not parse (Unexpected end of template."),
+    ("unencodable-character", "[{{ messages[0].content }}]", None,
+     "writes the character '[', which tokenizer.json's vocabulary cannot encode"),
+    ("jinja-file-raises", "{{ raise_exception('no system prompt') }}", "chat_template.jinja",
+     "chat_template.jinja fails on a prompt (TemplateError: no system prompt)"),
+]
+
+
+@pytest.mark.parametrize("case", TEMPLATE_REFUSALS, ids=[c[0] for c in TEMPLATE_REFUSALS])
+def test_a_chat_template_that_fails_is_refused_when_the_tokenizer_is_made(case, tmp_path):
+  """One probe prompt is rendered and its template text encoded up front. Control: the same directory
+  without model.chat_template makes a tokenizer (the template is not read)."""
+  _, template, file, words = case
+  directory = _with_template(tmp_path, template, file=file)
+  HFTokenizer(directory)
+  with pytest.raises(TokenizerError) as e:
+    HFTokenizer(directory, chat_template=True)
+  message = str(e.value)
+  assert words in message and "\n" not in message
+  assert str(directory / (file or "tokenizer_config.json")) in message
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json", "generation_config.json",
+                                  "chat_template.jinja"])
+def test_a_tokenizer_file_that_is_a_fifo_is_refused_not_waited_on(tmp_path, name):
+  """Control: the regular files make a tokenizer with its chat template."""
+  _with_template(tmp_path, "{{ messages[0].content }}", file="chat_template.jinja")
+  HFTokenizer(tmp_path, chat_template=True)
+  (tmp_path / name).unlink(missing_ok=True)
+  os.mkfifo(tmp_path / name)
+  with pytest.raises(TokenizerError, match=rf"model.checkpoint's .*{name} is a FIFO \(named pipe\)"):
+    HFTokenizer(tmp_path, chat_template=True)
+
+
+def _validate(checkpoint, *overrides: str) -> None:
+  values = dict(item.split("=", 1) for item in (f"model.checkpoint={checkpoint}", *overrides))
+  recipe_lib.build({k: recipe_lib.coerce(k, v) for k, v in values.items()}).validate()
+
+
+def test_a_trajectory_longer_than_the_model_s_context_is_refused(tmp_path):
+  """The live loop's prompt + completion, or another source's row, against config.json's
+  max_position_embeddings. Controls: a context that holds them validates."""
+  write_directory(tmp_path / "long", max_position_embeddings=64)
+  _validate(tmp_path / "long", "rollouts.source=sampler", "rollouts.groups_per_micro_batch=2")
+  _validate(tmp_path / "long", "batch.tokens_per_row=64")
+  write_directory(tmp_path / "short", max_position_embeddings=8)
+  with pytest.raises(recipe_lib.RecipeError, match=r"task.max_prompt_tokens \+ task.max_completion_tokens = \d+ \+"
+                     r" \d+ = \d+ tokens is longer than the model's context of 8 .*lower task.max_prompt_tokens"):
+    _validate(tmp_path / "short", "rollouts.source=sampler", "rollouts.groups_per_micro_batch=2")
+  with pytest.raises(recipe_lib.RecipeError, match="batch.tokens_per_row=64 is longer than the model's context of 8"
+                                                   " tokens .* lower batch.tokens_per_row to at most 8"):
+    _validate(tmp_path / "short", "batch.tokens_per_row=64")
+
+
+@pytest.mark.parametrize("file, content, words", [
+    ("generation_config.json", {"eos_token_id": "2"}, "generation_config.json's eos_token_id '2' is not one of"),
+    ("config.json", {"eos_token_id": [2, 9999]}, "config.json's eos_token_id 9999 is not one of the tokenizer's"),
+    ("tokenizer_config.json", [], "tokenizer_config.json holds a JSON list, not an object"),
+])
+def test_tokenizer_settings_that_would_be_skipped_are_refused(tmp_path, file, content, words):
+  """An eos id the sampler could not stop at, or a settings file that is not an object, was passed over.
+  Control: ids that are token ids, or null (none), make a tokenizer that stops at them."""
+  char_tokenizer_json(tmp_path)
+  (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 5]}))
+  (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": None}))
+  assert HFTokenizer(tmp_path).eos_ids == [2, 5]
+  (tmp_path / file).write_text(json.dumps(content))
+  with pytest.raises(TokenizerError) as e:
+    HFTokenizer(tmp_path)
+  assert words in str(e.value) and "\n" not in str(e.value)

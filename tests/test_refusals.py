@@ -9,6 +9,7 @@ API: ``ValueError``).
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
 
@@ -21,6 +22,7 @@ from orchestrator.data.packing import pack_payload
 from orchestrator.data.recording import MANIFEST, write_recording
 from orchestrator.data.synthetic import RolloutShape, generate_groups
 from orchestrator.data.trajectory import Trajectory
+from tests.checkpoint_files import preset_tensors, write_directory
 
 SHAPE = RolloutShape(groups=16, generations_per_group=4, prompt_len_median=8, completion_len_median=6,
                      max_tokens=64, vocab_size=512, seed=5)
@@ -70,6 +72,33 @@ def _parquet_dataset(tmp_path, rows):
 
 def _sums(count: int) -> str:
   return "".join(f'{{"prompt": "{i}+1=", "answer": "{i + 1}"}}\n' for i in range(count))
+
+
+def _checkpoint(tmp_path, *keys: str, tensors=None, **config_changes):
+  """A run on a tiny checkpoint written with ``tensors`` and ``config_changes`` (``checkpoint_files``)."""
+  directory = write_directory(tmp_path / "model", tensors, **config_changes)
+  return [f"model.checkpoint={directory}", *keys]
+
+
+def _nan_in(name: str):
+  tensors = preset_tensors()
+  tensors[name] = tensors[name].copy()
+  tensors[name].flat[7] = np.nan
+  return tensors
+
+
+def _fifo_weights(tmp_path):
+  argv = _checkpoint(tmp_path)
+  (tmp_path / "model" / "model.safetensors").unlink()
+  os.mkfifo(tmp_path / "model" / "model.safetensors")
+  return argv
+
+
+def _chat_template(tmp_path, template: str):
+  argv = _checkpoint(tmp_path, "rollouts.source=sampler", "model.chat_template=true")
+  settings = tmp_path / "model" / "tokenizer_config.json"
+  settings.write_text(json.dumps(dict(json.loads(settings.read_text()), chat_template=template)))
+  return argv
 
 
 def _existing_run(tmp_path):
@@ -367,6 +396,18 @@ CASES = [
      "trajectories but the manifest says 7"),
     ("manifest-schema-version", lambda t, g: _recording(t, g, _set("schema_version", 99)), {},
      "schema_version 99 is not supported"),
+    ("checkpoint-nan-weight", lambda t, g: _checkpoint(t, tensors=_nan_in("model.norm.weight")), {},
+     "tensor model.norm.weight in"),
+    ("checkpoint-third-layer", lambda t, g: _checkpoint(t, tensors=dict(preset_tensors(), **{
+        "model.layers.2.input_layernorm.weight": np.ones(64, np.float32)})), {},
+     "1 tensor(s) in its *.safetensors are not the model's (model.layers.2.input_layernorm.weight"),
+    ("checkpoint-kv-heads", lambda t, g: _checkpoint(t, num_key_value_heads=3), {},
+     "num_attention_heads=4 is not a multiple of num_key_value_heads=3"),
+    ("checkpoint-weights-a-fifo", lambda t, g: _fifo_weights(t), {}, "model.safetensors is a FIFO (named pipe)"),
+    ("checkpoint-context", lambda t, g: _checkpoint(t, max_position_embeddings=8), {},
+     "tokens is longer than the model's context of 8 (max_position_embeddings"),
+    ("chat-template-raises", lambda t, g: _chat_template(t, "{{ raise_exception('no tools') }}"), {},
+     "fails on a prompt (TemplateError: no tools)"),
     ("recording-too-short", lambda t, g: ON_RECORDING[:-2] + ["steps=500", "rollouts.source=recording",
                                                              f"rollouts.recording={g}"], {}, "500 were asked for"),
 ]

@@ -4,10 +4,13 @@ A checkpoint directory holds ``config.json`` (the model's sizes), one or more
 ``*.safetensors`` files (the weights, named as ``transformers`` names them) and
 usually the tokenizer's files. Reading one here needs no JAX: the recipe checks
 a directory (sizes, family, every tensor's name and shape, from the files'
-headers) before anything is built, and the weights are then loaded through
-Tunix's loader (``orchestrator.engine.model``), which shards them onto the mesh
-as it reads. ``export_tensors`` is the loader's inverse, so a directory written
-by ``run_rl export`` loads back to the same weights, bit for bit.
+headers, and every weight's finiteness) before anything is built, and the
+weights are then read here tensor by tensor, each as its own header's dtype
+(``tensor_arrays``), for ``orchestrator.engine.model`` to place on the mesh.
+Every file is opened through ``orchestrator.user_files`` (regular files only,
+sizes bounded before reading). ``export_tensors`` is the loader's inverse, so a
+directory written by ``run_rl export`` loads back to the same weights, bit for
+bit.
 """
 
 from __future__ import annotations
@@ -15,17 +18,27 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import mmap
+import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import ml_dtypes
 import numpy as np
-from safetensors import safe_open
 
 from orchestrator.engine.presets import ModelPreset
+from orchestrator.user_files import MIB, UserFileError, open_regular, read_regular_text
 
 CONFIG_FILE = "config.json"
+#: The shard index a checkpoint saved in several files carries (its weight_map names each tensor's file).
+INDEX_FILE = "model.safetensors.index.json"
+#: The most read of a checkpoint's JSON files (config, tokenizer settings, shard index) and of a safetensors
+#: header; a safetensors file's data is read by offset, within the file's size, so its size bounds nothing.
+JSON_MAX_BYTES = 16 * MIB
+HEADER_MAX_BYTES = 100 * MIB
+WEIGHTS_MAX_BYTES = 1 << 50
 #: The ``model_type`` values of the Qwen3 family (dense and MoE) that Tunix's Qwen3 implements.
 QWEN3_MODEL_TYPES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 #: The tokenizer's files a checkpoint directory may carry; ``run_rl export`` copies the ones present.
@@ -40,6 +53,24 @@ SIZE_KEYS = {"num_layers": "num_hidden_layers", "vocab_size": "vocab_size", "emb
 
 class CheckpointDirError(ValueError):
   """A checkpoint directory that cannot be used as given; the message names the file, the value and the fix."""
+
+
+def read_json(path: Path, *, what: str) -> Any:
+  """The JSON in one of a checkpoint's files (``what`` names it in a refusal), read as a regular file of at
+  most ``JSON_MAX_BYTES``.
+
+  Raises:
+    CheckpointDirError: the file is not a regular file within the bound (a FIFO, a device), not UTF-8, or
+      not JSON.
+  """
+  try:
+    text = read_regular_text(path, what=what, max_bytes=JSON_MAX_BYTES)
+  except UserFileError as e:
+    raise CheckpointDirError(str(e)) from None
+  try:
+    return json.loads(text)
+  except json.JSONDecodeError as e:
+    raise CheckpointDirError(f"{what} {path} is not readable JSON ({e}); restore the checkpoint's copy") from None
 
 
 def read_config(directory: str | Path, key: str = "model.checkpoint") -> dict[str, Any]:
@@ -64,14 +95,10 @@ def _read_config(directory: str | Path, key: str) -> dict[str, Any]:
     raise CheckpointDirError(f"{key}={directory}: no such directory; give a Hugging Face checkpoint directory"
                              " (config.json and *.safetensors)")
   config_path = path / CONFIG_FILE
-  if not config_path.is_file():
+  if not os.path.lexists(config_path):
     raise CheckpointDirError(f"{key}={directory}: it has no {CONFIG_FILE}; give the directory a Hugging Face"
                              " checkpoint was saved to (config.json beside its *.safetensors)")
-  try:
-    config = json.loads(config_path.read_text())
-  except (UnicodeDecodeError, json.JSONDecodeError) as e:
-    raise CheckpointDirError(f"{key}: {config_path} is not readable JSON ({e}); restore the checkpoint's"
-                             f" {CONFIG_FILE}") from None
+  config = read_json(config_path, what=f"{key}'s {CONFIG_FILE}")
   if not isinstance(config, dict):
     raise CheckpointDirError(f"{key}: {config_path} holds a JSON {type(config).__name__}, not an object;"
                              f" restore the checkpoint's {CONFIG_FILE}")
@@ -88,8 +115,9 @@ def _read_config(directory: str | Path, key: str) -> dict[str, Any]:
 MAX_SIZE = {"num_hidden_layers": 1024, "num_experts": 4096, "num_experts_per_tok": 4096,
             "num_attention_heads": 4096, "num_key_value_heads": 4096}
 MAX_OTHER_SIZE = 1 << 24
-#: The tensor dtypes (safetensors' names) the loader reads; others (FP8 and its scales, int8) are refused.
-TENSOR_DTYPES = ("F32", "BF16", "F16")
+#: The numpy dtype of each tensor dtype (safetensors' names) the loader reads; others (FP8 and its scales,
+#: int8) are refused.
+TENSOR_DTYPES = {"F32": np.dtype(np.float32), "BF16": np.dtype(ml_dtypes.bfloat16), "F16": np.dtype(np.float16)}
 #: config.json settings Tunix's Qwen3 does not implement, with the value it does implement (absent is fine).
 UNSUPPORTED = {"rope_scaling": None, "attention_bias": False, "use_sliding_window": False, "hidden_act": "silu",
                "quantization_config": None}
@@ -102,6 +130,40 @@ def _int(config: Mapping[str, Any], name: str, where: str) -> int:
     raise CheckpointDirError(f"{where}: {name}={value!r} must be a whole number in [1, {high:,}]; restore the"
                              f" checkpoint's {CONFIG_FILE}")
   return value
+
+
+#: transformers' Qwen3 context length when ``config.json`` gives no ``max_position_embeddings``.
+DEFAULT_CONTEXT_TOKENS = 32_768
+
+
+def context_tokens(config: Mapping[str, Any], where: str) -> int:
+  """The longest sequence the model was trained for: ``config.json``'s ``max_position_embeddings``.
+
+  Raises:
+    CheckpointDirError: it is not a whole number in range.
+  """
+  if "max_position_embeddings" not in config:
+    return DEFAULT_CONTEXT_TOKENS
+  return _int(config, "max_position_embeddings", where)
+
+
+def _check_head_sizes(sizes: dict[str, int], where: str) -> None:
+  """The attention sizes Tunix's Qwen3 can shape its projections from (``head_dim`` defaulted in place)."""
+  heads, kv_heads = sizes["num_heads"], sizes["num_kv_heads"]
+  if heads % kv_heads:
+    raise CheckpointDirError(f"{where}: num_attention_heads={heads} is not a multiple of num_key_value_heads="
+                             f"{kv_heads} (each key/value head serves a whole group of query heads); restore the"
+                             f" checkpoint's {CONFIG_FILE}")
+  if "head_dim" not in sizes:  # transformers' default for Qwen3
+    if sizes["embed_dim"] % heads:
+      raise CheckpointDirError(f"{where}: hidden_size={sizes['embed_dim']} is not a multiple of"
+                               f" num_attention_heads={heads} and no head_dim is given; add head_dim or restore"
+                               f" the checkpoint's {CONFIG_FILE}")
+    sizes["head_dim"] = sizes["embed_dim"] // heads
+  if sizes["head_dim"] % 2:
+    raise CheckpointDirError(f"{where}: head_dim={sizes['head_dim']} is odd; rotary position embeddings rotate"
+                             f" the two halves of each head, so it must be even: restore the checkpoint's"
+                             f" {CONFIG_FILE}")
 
 
 def preset_from_config(directory: str | Path, config: Mapping[str, Any]) -> ModelPreset:
@@ -119,8 +181,12 @@ def preset_from_config(directory: str | Path, config: Mapping[str, Any]) -> Mode
     names = {field: name for field, name in names.items() if field != "head_dim"}
   sizes = {field: _int(config, name, where) for field, name in names.items()
            if not field.startswith("num_experts") or moe}
-  sizes.setdefault("head_dim", sizes["embed_dim"] // sizes["num_heads"])
+  _check_head_sizes(sizes, where)
+  context_tokens(config, where)
   if moe:
+    if sizes["num_experts_per_tok"] > sizes["num_experts"]:
+      raise CheckpointDirError(f"{where}: num_experts_per_tok={sizes['num_experts_per_tok']} is more than"
+                               f" num_experts={sizes['num_experts']}; restore the checkpoint's {CONFIG_FILE}")
     if config.get("mlp_only_layers") or config.get("decoder_sparse_step", 1) != 1:
       raise CheckpointDirError(f"{where}: mlp_only_layers={config.get('mlp_only_layers')} decoder_sparse_step="
                                f"{config.get('decoder_sparse_step')}: every layer must be an MoE layer (Tunix's"
@@ -181,56 +247,218 @@ def expected_tensors(preset: ModelPreset) -> dict[str, tuple[int, ...]]:
   return out
 
 
-def tensor_shapes(directory: str | Path) -> dict[str, tuple[int, ...]]:
-  """Every tensor's name and shape in the directory's ``*.safetensors`` files, from their headers only.
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+  """One tensor of a checkpoint, as its file's header describes it."""
+
+  name: str
+  file: Path
+  dtype: str  # safetensors' name: F32, BF16, F16
+  shape: tuple[int, ...]
+  begin_bytes: int  # from the start of the file
+  end_bytes: int
+
+
+SAFETENSORS_FILE = "model.checkpoint's safetensors file"
+
+
+def _damaged(file: Path, why: str) -> CheckpointDirError:
+  return CheckpointDirError(f"model.checkpoint: {file} is not a readable safetensors file ({why}); restore it")
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+  """A JSON object whose keys are unique (``json`` would keep the last of two silently)."""
+  out = dict(pairs)
+  if len(out) != len(pairs):
+    twice = next(key for i, (key, _) in enumerate(pairs) if key in dict(pairs[:i]))
+    raise ValueError(f"it names tensor {twice} twice")
+  return out
+
+
+def _read_header(file: Path) -> tuple[dict[str, Any], int, int]:
+  """A safetensors file's header (at most ``HEADER_MAX_BYTES``), where its data starts and the file's size."""
+  with open_regular(file, what=SAFETENSORS_FILE, max_bytes=WEIGHTS_MAX_BYTES) as (f, size_bytes):
+    prefix = f.read(8)
+    if len(prefix) < 8:
+      raise _damaged(file, f"it is {size_bytes} bytes, shorter than a header's length")
+    length = int.from_bytes(prefix, "little")
+    if length > size_bytes - 8:
+      raise _damaged(file, f"its header claims {length:,} bytes but {size_bytes - 8:,} follow: it is truncated")
+    if length > HEADER_MAX_BYTES:
+      raise _damaged(file, f"its header is {length:,} bytes, over the {HEADER_MAX_BYTES:,} read for one")
+    raw = f.read(length)
+  try:
+    header = json.loads(raw, object_pairs_hook=_unique_keys)
+  except ValueError as e:  # not UTF-8, not JSON, or a name twice
+    raise _damaged(file, f"its header is not one JSON object of tensors: {e}") from None
+  if not isinstance(header, dict):
+    raise _damaged(file, "its header is not a JSON object")
+  return header, 8 + length, size_bytes
+
+
+def _whole(value: Any) -> bool:
+  return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _tensor(file: Path, name: str, entry: Any, data_start: int) -> Tensor:
+  entry = entry if isinstance(entry, dict) else {}
+  dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+  if not (isinstance(shape, list) and all(map(_whole, shape)) and isinstance(offsets, list) and len(offsets) == 2
+          and all(map(_whole, offsets)) and offsets[0] <= offsets[1]):
+    raise _damaged(file, f"tensor {name} has no valid shape and data_offsets in its header")
+  if dtype not in TENSOR_DTYPES:
+    raise CheckpointDirError(f"model.checkpoint: tensor {name} in {file} is {dtype}; the loader reads"
+                             f" {', '.join(TENSOR_DTYPES)} weights (not quantised ones): convert the checkpoint to"
+                             " one of those")
+  size_bytes = math.prod(shape) * TENSOR_DTYPES[dtype].itemsize
+  if offsets[1] - offsets[0] != size_bytes:
+    raise _damaged(file, f"tensor {name}, {dtype} of shape {shape}, is {size_bytes:,} bytes but its header gives"
+                         f" it {offsets[1] - offsets[0]:,}")
+  return Tensor(name, file, dtype, tuple(shape), data_start + offsets[0], data_start + offsets[1])
+
+
+def _file_tensors(file: Path) -> list[Tensor]:
+  """The tensors of one safetensors file, each within the file and none overlapping another."""
+  header, data_start, size_bytes = _read_header(file)
+  tensors = [_tensor(file, name, entry, data_start) for name, entry in header.items() if name != "__metadata__"]
+  end_bytes, last = data_start, None
+  for tensor in sorted(tensors, key=lambda t: (t.begin_bytes, t.end_bytes)):
+    if tensor.begin_bytes < end_bytes:
+      raise _damaged(file, f"tensors {last} and {tensor.name} overlap")
+    end_bytes, last = tensor.end_bytes, tensor.name
+  if end_bytes > size_bytes:
+    raise _damaged(file, f"tensor {last} ends at byte {end_bytes:,}, past the file's {size_bytes:,}: it is"
+                         " truncated")
+  return tensors
+
+
+def checkpoint_tensors(directory: str | Path) -> dict[str, Tensor]:
+  """Every tensor in the directory's ``*.safetensors`` files, by name, from their headers only.
 
   Raises:
-    CheckpointDirError: no ``*.safetensors`` file, one that is not a readable safetensors file, or a tensor of
-      a dtype the loader does not read.
+    CheckpointDirError: no ``*.safetensors`` file; one that is not a regular, readable safetensors file; a
+      tensor of a dtype the loader does not read; a name in two files (which to load would be a guess); a
+      ``model.safetensors.index.json`` that places a tensor elsewhere.
   """
-  files = sorted(Path(directory).expanduser().glob("*.safetensors"))
+  directory = Path(directory).expanduser()
+  files = sorted(directory.glob("*.safetensors"))
   if not files:
     raise CheckpointDirError(f"model.checkpoint={directory}: it has no *.safetensors file; give the directory"
                              " holding the checkpoint's weights")
-  shapes, dtypes = {}, {}
+  tensors: dict[str, Tensor] = {}
   for file in files:
     try:
-      with safe_open(str(file), framework="numpy") as f:
-        for name in f.keys():
-          tensor = f.get_slice(name)
-          shapes[name], dtypes[name] = tuple(tensor.get_shape()), (tensor.get_dtype(), file)
-    except Exception as e:  # safetensors raises its own error types for a damaged header
-      raise CheckpointDirError(f"model.checkpoint: {file} is not a readable safetensors file ({e}); restore it")
-  for name, (dtype, file) in dtypes.items():
-    if dtype not in TENSOR_DTYPES:
-      raise CheckpointDirError(f"model.checkpoint: tensor {name} in {file} is {dtype}; the loader reads"
-                               f" {', '.join(TENSOR_DTYPES)} weights: use an unquantised checkpoint")
-  return shapes
+      found = _file_tensors(file)
+    except UserFileError as e:
+      raise CheckpointDirError(str(e)) from None
+    for tensor in found:
+      if tensor.name in tensors:
+        raise CheckpointDirError(f"model.checkpoint={directory}: tensor {tensor.name} is in both"
+                                 f" {tensors[tensor.name].file.name} and {file.name}, so which to load is a guess;"
+                                 " remove the file that does not belong")
+      tensors[tensor.name] = tensor
+  _check_index(directory, tensors)
+  return tensors
 
 
-def check_tensors(directory: str | Path, preset: ModelPreset) -> None:
-  """Every tensor ``preset`` needs is in the directory with its shape (extra tensors are left unread).
+def _check_index(directory: Path, tensors: Mapping[str, Tensor]) -> None:
+  """A shard index, when there is one, places every tensor in the file that holds it, and no other."""
+  path = directory / INDEX_FILE
+  if not os.path.lexists(path):
+    return
+  index = read_json(path, what=f"model.checkpoint's {INDEX_FILE}")
+  weight_map = index.get("weight_map") if isinstance(index, dict) else None
+  if not isinstance(weight_map, dict) or not all(isinstance(file, str) for file in weight_map.values()):
+    raise CheckpointDirError(f"model.checkpoint: {path} has no weight_map of tensor names to files; restore it")
+  for name, tensor in tensors.items():
+    listed = weight_map.get(name)
+    if listed != tensor.file.name:
+      says = f"places it in {listed}" if listed else "does not list it"
+      raise CheckpointDirError(f"model.checkpoint={directory}: tensor {name} is in {tensor.file.name} but"
+                               f" {INDEX_FILE} {says}; the files and the index are from different saves: restore"
+                               " the checkpoint")
+  unheld = [name for name in weight_map if name not in tensors]
+  if unheld:
+    raise CheckpointDirError(f"model.checkpoint={directory}: {INDEX_FILE} places {len(unheld)} tensor(s) in files"
+                             f" that do not hold them (first: {unheld[0]} in {weight_map[unheld[0]]}); a shard is"
+                             " missing or stale: restore the checkpoint")
+
+
+def check_tensors(directory: str | Path, preset: ModelPreset) -> dict[str, Tensor]:
+  """Exactly the tensors ``preset`` needs are in the directory, each with its shape; returns them.
 
   Raises:
-    CheckpointDirError: a tensor missing (named, with how many are) or of another shape.
+    CheckpointDirError: a tensor missing (named, with how many are), one the model has no place for (a
+      layer more than ``config.json`` gives: loading would drop it), or one of another shape.
   """
-  found = tensor_shapes(directory)
+  found = checkpoint_tensors(directory)
   wanted = expected_tensors(preset)
   missing = [name for name in wanted if name not in found]
   if missing:
     raise CheckpointDirError(f"model.checkpoint={directory}: {len(missing)} of the model's {len(wanted)} tensors"
                              f" are missing from its *.safetensors (first: {missing[0]}); the files do not match"
                              f" its {CONFIG_FILE}: restore the checkpoint")
+  unexpected = [name for name in found if name not in wanted]
+  if unexpected:
+    named = ", ".join(unexpected[:3]) + (f" and {len(unexpected) - 3} more" if len(unexpected) > 3 else "")
+    raise CheckpointDirError(f"model.checkpoint={directory}: {len(unexpected)} tensor(s) in its *.safetensors are"
+                             f" not the model's ({named}, in {found[unexpected[0]].file.name}); the files do not"
+                             f" match its {CONFIG_FILE} ({preset.num_layers} layers): restore the checkpoint")
   for name, shape in wanted.items():
-    if found[name] != shape:
-      raise CheckpointDirError(f"model.checkpoint={directory}: tensor {name} has shape {list(found[name])} but"
-                               f" {CONFIG_FILE}'s sizes need {list(shape)}; restore the checkpoint")
+    if found[name].shape != shape:
+      raise CheckpointDirError(f"model.checkpoint={directory}: tensor {name} has shape {list(found[name].shape)}"
+                               f" but {CONFIG_FILE}'s sizes need {list(shape)}; restore the checkpoint")
+  return found
+
+
+def tensor_arrays(tensors: Mapping[str, Tensor]) -> Iterator[tuple[Tensor, np.ndarray]]:
+  """Each tensor's values as its own header's dtype: read-only views of its file, mapped into memory (so
+  only the pages read are resident), file by file.
+
+  Raises:
+    CheckpointDirError: a file is no longer a regular file, or is shorter than its header says.
+  """
+  by_file: dict[Path, list[Tensor]] = {}
+  for tensor in tensors.values():
+    by_file.setdefault(tensor.file, []).append(tensor)
+  for file, group in by_file.items():
+    try:
+      with open_regular(file, what=SAFETENSORS_FILE, max_bytes=WEIGHTS_MAX_BYTES) as (f, size_bytes):
+        if size_bytes < max(tensor.end_bytes for tensor in group):
+          raise _damaged(file, "it is shorter than its header says: it changed since it was checked")
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    except UserFileError as e:
+      raise CheckpointDirError(str(e)) from None
+    for tensor in sorted(group, key=lambda t: t.begin_bytes):
+      values = np.frombuffer(mapped, TENSOR_DTYPES[tensor.dtype], count=math.prod(tensor.shape),
+                             offset=tensor.begin_bytes)
+      yield tensor, values.reshape(tensor.shape)
+
+
+#: How many values a finiteness check looks at at once (its mask is a byte each).
+FINITE_CHUNK_VALUES = 1 << 24
+
+
+def check_finite(tensors: Mapping[str, Tensor]) -> None:
+  """Every weight is a finite number: a NaN or an infinity would make the first step's loss non-finite.
+
+  Raises:
+    CheckpointDirError: naming the first tensor holding one, its file and how many it holds.
+  """
+  for tensor, values in tensor_arrays(tensors):
+    chunks = [values.reshape(-1)[i:i + FINITE_CHUNK_VALUES] for i in range(0, values.size, FINITE_CHUNK_VALUES)]
+    bad = sum(chunk.size - int(np.count_nonzero(np.isfinite(chunk))) for chunk in chunks)
+    if bad:
+      raise CheckpointDirError(f"model.checkpoint: tensor {tensor.name} in {tensor.file} holds {bad:,} NaN or"
+                               f" infinite value(s) of {values.size:,}; a model cannot train from it: restore the"
+                               " checkpoint")
 
 
 def load_preset_from_checkpoint(directory: str | Path) -> ModelPreset:
-  """``config.json``'s preset, with every tensor checked against it (no weights are read)."""
+  """``config.json``'s preset, with every tensor checked against it: names, shapes and dtypes from the
+  headers, then every weight read once to check it is finite (nothing is built)."""
   preset = preset_from_config(directory, read_config(directory))
-  check_tensors(directory, preset)
+  check_finite(check_tensors(directory, preset))
   return preset
 
 

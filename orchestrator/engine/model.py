@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from tunix.models.qwen3 import model as qwen3_model
 from tunix.models.qwen3 import params as qwen3_params
+from tunix.utils import compat, torch_utils
 
+from orchestrator.engine import hf_checkpoint
 from orchestrator.engine import mesh as mesh_lib
 from orchestrator.engine import moe as moe_lib
 from orchestrator.engine.presets import ModelPreset
@@ -41,9 +46,9 @@ def model_config(preset: ModelPreset, dtype: str = "float32") -> qwen3_model.Mod
 def build_model(preset: ModelPreset, seed: int, capacity_factor: float | None = None, *, mesh=None,
                 dtype: str = "float32"):
   """Returns ``(graphdefs, params, partition_specs)`` for a Qwen3: randomly initialised with ``seed``, or,
-  when ``preset.checkpoint`` names a Hugging Face checkpoint, with its weights (read through Tunix's loader,
-  onto ``mesh``'s shardings as they load when a mesh is given, else onto the default device; upcast to
-  float32, the weights' dtype here). ``dtype`` is the compute dtype.
+  when ``preset.checkpoint`` names a Hugging Face checkpoint, with its weights (``load_hf_checkpoint``: onto
+  ``mesh``'s shardings when a mesh is given, else onto the default device; upcast to float32, the weights'
+  dtype here). ``dtype`` is the compute dtype.
 
   ``graphdefs`` has two entries over the same params: ``"capacity"`` routes MoE
   tokens with ``capacity_factor`` (None: dropless) and ``"dropless"`` never
@@ -55,7 +60,7 @@ def build_model(preset: ModelPreset, seed: int, capacity_factor: float | None = 
   """
   config = model_config(preset, dtype)
   if preset.checkpoint:
-    model = qwen3_params.create_model_from_safe_tensors(preset.checkpoint, config, mesh, dtype=jnp.float32)
+    model = load_hf_checkpoint(preset.checkpoint, config, mesh)
   else:
     model = qwen3_model.Qwen3(config, rngs=nnx.Rngs(seed))
   graphdefs = {}
@@ -80,6 +85,53 @@ def build_model(preset: ModelPreset, seed: int, capacity_factor: float | None = 
   if not preset.checkpoint:  # a checkpoint's weights are kept as they are
     params = jax.tree_util.tree_map_with_path(redraw_zeros, params)
   return graphdefs, params, nnx.to_pure_dict(specs)
+
+
+#: A Tunix key of one expert's projection, as the key mapping gives it: (layer prefix, expert, projection).
+_EXPERT_KEY = re.compile(r"(layers\.\d+\.mlp\.)experts\.(\d+)\.(gate|up|down)_proj\.kernel")
+
+
+def load_hf_checkpoint(directory: str, config: qwen3_model.ModelConfig, mesh=None) -> qwen3_model.Qwen3:
+  """A Qwen3 with a Hugging Face checkpoint's weights, read tensor by tensor as each header's own dtype.
+
+  Tunix's loader maps every file as the dtype of its first tensor, so a file
+  mixing dtypes would load reinterpreted bytes; here each tensor is read as
+  its header says (``hf_checkpoint.tensor_arrays``), mapped to Tunix's names
+  by Tunix's own key mapping, experts stacked, upcast to float32 and placed on
+  its sharding (``mesh``'s, else the default device) one at a time.
+  """
+  with compat.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+    abstract = nnx.eval_shape(lambda: qwen3_model.Qwen3(config, rngs=nnx.Rngs(params=0)))
+  graphdef, abstract_state = nnx.split(abstract)
+  if mesh is not None:
+    placements = nnx.get_named_sharding(abstract_state, mesh).to_pure_dict()
+  else:
+    placements = jax.tree.map(lambda _: jax.devices()[0], abstract_state.to_pure_dict())
+  # Tunix's own name mapping (private, but the one its loader uses), so the names cannot drift from its model.
+  key_map = qwen3_params._get_key_and_transform_mapping(config)  # pylint: disable=protected-access
+  values, experts = {}, {}
+  for tensor, array in hf_checkpoint.tensor_arrays(hf_checkpoint.checkpoint_tensors(directory)):
+    key, transform = torch_utils.torch_key_to_jax_key(key_map, tensor.name)
+    if transform is not None:
+      permute, reshape = transform
+      array = array.transpose(permute) if permute else array
+      array = array.reshape(reshape) if reshape else array
+    if match := _EXPERT_KEY.fullmatch(key):
+      experts.setdefault(f"{match[1]}{match[3]}_proj", {})[int(match[2])] = array
+    else:
+      values[key] = array
+  for key, by_expert in experts.items():
+    values[key] = np.stack([np.asarray(by_expert[e], np.float32) for e in sorted(by_expert)])
+
+  def place(path, placement, shape):
+    key = ".".join(str(getattr(part, "key", getattr(part, "idx", part))) for part in path)
+    value = np.asarray(values[key], np.float32)  # every name is there: the recipe checked the tensors
+    if value.shape != shape.shape:
+      raise ValueError(f"{directory}: {key} has shape {value.shape}, the model's is {shape.shape}")
+    return jax.device_put(value, placement)
+
+  state = jax.tree_util.tree_map_with_path(place, placements, abstract_state.to_pure_dict())
+  return nnx.merge(graphdef, state)
 
 
 def param_shardings(mesh, specs):

@@ -7,7 +7,11 @@ checkpoint's files: ``tokenizer_config.json`` (``bos_token``, ``eos_token``,
 (``eos_token_id``, which may list several; the sampler stops at any of them).
 A chat template (``tokenizer_config.json``'s ``chat_template`` or a
 ``chat_template.jinja`` file) is rendered the way ``transformers`` renders it:
-Jinja in a sandbox, one user message, the generation prompt added.
+Jinja in a sandbox, one user message, the generation prompt added; one probe
+prompt is rendered when the tokenizer is made, so a template that fails, or
+writes characters the vocabulary cannot encode, is refused before a run starts.
+Every file is read through ``orchestrator.user_files`` (regular files only,
+sizes bounded before reading).
 
 ``char_tokenizer_json`` writes the live loop's character tokenizer in this
 format, so a model trained on a preset exports with a tokenizer any
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -25,10 +30,16 @@ from typing import Any
 import jinja2.sandbox
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
+from orchestrator.engine import hf_checkpoint
 from orchestrator.live.tokenizer import ALPHABET, BOS, EOS, PAD
+from orchestrator.user_files import MIB, UserFileError, read_regular_text
 
 TOKENIZER_FILE = "tokenizer.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
+#: The most read of a ``tokenizer.json`` (large vocabularies take tens of MiB).
+TOKENIZER_MAX_BYTES = 256 * MIB
+#: The prompt a chat template is rendered with when the tokenizer is made (text every vocabulary encodes).
+PROBE_PROMPT = "1+1="
 
 
 class TokenizerError(ValueError):
@@ -36,13 +47,29 @@ class TokenizerError(ValueError):
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-  if not path.is_file():
+  """One of the checkpoint's JSON settings files, or {} where there is none."""
+  if not os.path.lexists(path):
     return {}
   try:
-    data = json.loads(path.read_text())
-  except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-    raise TokenizerError(f"{path} is not readable JSON ({e}); restore the checkpoint's copy") from None
-  return data if isinstance(data, dict) else {}
+    data = hf_checkpoint.read_json(path, what="model.checkpoint's")
+  except hf_checkpoint.CheckpointDirError as e:
+    raise TokenizerError(str(e)) from None
+  if not isinstance(data, dict):
+    raise TokenizerError(f"model.checkpoint: {path} holds a JSON {type(data).__name__}, not an object; restore"
+                         " the checkpoint's copy")
+  return data
+
+
+def _read_text(path: Path, max_bytes: int) -> str:
+  try:
+    return read_regular_text(path, what="model.checkpoint's", max_bytes=max_bytes)
+  except UserFileError as e:
+    raise TokenizerError(str(e)) from None
+
+
+def _one_line(error: Exception) -> str:
+  """An error's text on one line (Jinja's syntax errors add the template's line below)."""
+  return " ".join(str(error).split())
 
 
 def _token_text(value: Any) -> str | None:
@@ -68,32 +95,45 @@ class HFTokenizer:
   def __init__(self, directory: str | Path, *, chat_template: bool = False):
     self.directory = Path(directory).expanduser()
     path = self.directory / TOKENIZER_FILE
-    if not path.is_file():
+    if not os.path.lexists(path):
       raise TokenizerError(f"model.checkpoint={directory}: it has no {TOKENIZER_FILE}; the live loop samples"
                            f" text with the checkpoint's tokenizer: copy its {TOKENIZER_FILE} there")
     try:
-      self._tokenizer = Tokenizer.from_file(str(path))
+      self._tokenizer = Tokenizer.from_str(_read_text(path, TOKENIZER_MAX_BYTES))
+    except TokenizerError:
+      raise
     except Exception as e:  # tokenizers raises a bare Exception for a file it cannot parse
-      raise TokenizerError(f"model.checkpoint: {path} is not a tokenizers file ({e}); restore it") from None
+      raise TokenizerError(f"model.checkpoint: {path} is not a tokenizers file ({_one_line(e)}); restore it"
+                           ) from None
     settings = _read_json(self.directory / "tokenizer_config.json")
     generation = _read_json(self.directory / "generation_config.json")
     model = _read_json(self.directory / "config.json")
     self._bos = self._special_id(_token_text(settings.get("bos_token")), "bos_token")
-    eos = [self._special_id(_token_text(settings.get("eos_token")), "eos_token")]
-    for source in (generation, model):
-      ids = source.get("eos_token_id")
-      eos += ids if isinstance(ids, list) else [ids]
-    self._eos = list(dict.fromkeys(i for i in eos if isinstance(i, int) and not isinstance(i, bool)))
+    self._eos = self._eos_ids(settings, {"generation_config.json": generation, "config.json": model})
     if not self._eos:
       raise TokenizerError(f"model.checkpoint={directory}: no end-of-sequence token (eos_token in"
                            " tokenizer_config.json or eos_token_id in generation_config.json); add one")
-    bad = [i for i in self._eos if not 0 <= i < self.vocab_size]
-    if bad:
-      raise TokenizerError(f"model.checkpoint={directory}: eos_token_id {bad[0]} is outside the tokenizer's"
-                           f" {self.vocab_size} ids; fix generation_config.json")
     pad = self._special_id(_token_text(settings.get("pad_token")), "pad_token")
     self._pad = pad if pad is not None else self._eos[0]
-    self._template = self._chat_template(settings) if chat_template else None
+    self._template, self._template_file = None, None
+    if chat_template:
+      self._template, self._template_file = self._chat_template(settings)
+      self._probe_template()
+
+  def _eos_ids(self, settings: Mapping[str, Any], sources: Mapping[str, Mapping[str, Any]]) -> list[int]:
+    """Every end-of-sequence id the files name: tokenizer_config.json's eos_token, then each file's
+    eos_token_id (one or a list; null is none). One that is not a token id is refused, not skipped: the
+    sampler would not stop at it."""
+    eos = [self._special_id(_token_text(settings.get("eos_token")), "eos_token")]
+    for file, source in sources.items():
+      ids = source.get("eos_token_id")
+      for token_id in ids if isinstance(ids, list) else [ids]:
+        if token_id is not None and (isinstance(token_id, bool) or not isinstance(token_id, int)
+                                     or not 0 <= token_id < self.vocab_size):
+          raise TokenizerError(f"model.checkpoint={self.directory}: {file}'s eos_token_id {token_id!r} is not one"
+                               f" of the tokenizer's {self.vocab_size} ids; fix {file}")
+        eos.append(token_id)
+    return list(dict.fromkeys(i for i in eos if i is not None))
 
   def _special_id(self, text: str | None, name: str) -> int | None:
     if text is None:
@@ -104,14 +144,15 @@ class HFTokenizer:
                            f" {TOKENIZER_FILE}'s vocabulary; fix tokenizer_config.json")
     return token_id
 
-  def _chat_template(self, settings: Mapping[str, Any]) -> jinja2.Template:
-    source = settings.get("chat_template")
+  def _chat_template(self, settings: Mapping[str, Any]) -> tuple[jinja2.Template, Path]:
+    """The checkpoint's chat template, and the file it is in."""
+    source, where = settings.get("chat_template"), self.directory / "tokenizer_config.json"
     if isinstance(source, list):  # several named templates: transformers uses "default"
       source = next((t.get("template") for t in source if isinstance(t, Mapping) and t.get("name") == "default"),
                     None)
     file = self.directory / CHAT_TEMPLATE_FILE
-    if not isinstance(source, str) and file.is_file():
-      source = file.read_text()
+    if not isinstance(source, str) and os.path.lexists(file):
+      source, where = _read_text(file, hf_checkpoint.JSON_MAX_BYTES), file
     if not isinstance(source, str):
       raise TokenizerError(f"model.chat_template=true but model.checkpoint={self.directory} has no chat template"
                            f" (tokenizer_config.json's chat_template or {CHAT_TEMPLATE_FILE}); add one or set"
@@ -126,10 +167,32 @@ class HFTokenizer:
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
     try:
-      return env.from_string(source)
+      return env.from_string(source), where
     except jinja2.TemplateError as e:
-      raise TokenizerError(f"model.checkpoint={self.directory}: its chat template does not parse ({e}); fix it, or"
-                           " set model.chat_template=false") from None
+      raise TokenizerError(f"model.chat_template=true: the chat template in {where} does not parse"
+                           f" ({_one_line(e)}); fix it, or set model.chat_template=false") from None
+
+  def _probe_template(self) -> None:
+    """Renders one prompt, so that a template that fails on every prompt (a Jinja error, its own
+    ``raise_exception``) or writes text the vocabulary cannot encode is refused now, by what it is."""
+    text = self.format_prompt(PROBE_PROMPT).replace(PROBE_PROMPT, "", 1)  # the template's own text
+    try:
+      self._tokenizer.encode(text, add_special_tokens=False)
+      return
+    except Exception as e:  # tokenizers raises a bare Exception (a word-level vocabulary without [UNK])
+      error = e
+    bad = next((c for c in text if not self._encodes(c)), None)
+    what = f"the character {bad!r}" if bad is not None else f"text ({_one_line(error)})"
+    raise TokenizerError(f"model.chat_template=true: the chat template in {self._template_file} writes {what},"
+                         f" which {TOKENIZER_FILE}'s vocabulary cannot encode; fix the template or set"
+                         " model.chat_template=false")
+
+  def _encodes(self, text: str) -> bool:
+    try:
+      self._tokenizer.encode(text, add_special_tokens=False)
+    except Exception:  # tokenizers raises a bare Exception
+      return False
+    return True
 
   # ---------------------------------------------------------------- what the sampler asks of a tokenizer
   @property
@@ -145,8 +208,8 @@ class HFTokenizer:
       return self._template.render(messages=[{"role": "user", "content": prompt}], add_generation_prompt=True,
                                    bos_token=self._text(self._bos), eos_token=self._text(self._eos[0]))
     except Exception as e:  # a template can fail any way Jinja or its own raise_exception makes it
-      raise TokenizerError(f"model.chat_template=true: the chat template of model.checkpoint={self.directory}"
-                           f" fails on a prompt ({type(e).__name__}: {e}); fix the template or set"
+      raise TokenizerError(f"model.chat_template=true: the chat template in {self._template_file} fails on a"
+                           f" prompt ({type(e).__name__}: {_one_line(e)}); fix the template or set"
                            " model.chat_template=false") from None
 
   def _text(self, token_id: int | None) -> str:

@@ -131,6 +131,17 @@ class ModelSection:
       loaded = dataclasses.replace(loaded, rows=named.rows, tokens_per_row=named.tokens_per_row)
     return loaded
 
+  def context_tokens(self) -> int | None:
+    """The longest sequence a checkpoint's model was trained for (``max_position_embeddings``); None for a
+    preset's (its positions are not limited)."""
+    if self.checkpoint is None:
+      return None
+    try:
+      return hf_checkpoint.context_tokens(hf_checkpoint.read_config(self.checkpoint),
+                                          f"model.checkpoint {self.checkpoint}/{hf_checkpoint.CONFIG_FILE}")
+    except hf_checkpoint.CheckpointDirError as e:
+      raise RecipeError(str(e)) from None
+
   def tokenizer(self):
     """The live loop's tokenizer: the checkpoint's own, else the character tokenizer.
 
@@ -700,6 +711,11 @@ class Recipe:
                         f" range: it must be <= {1 << 28:,}")
     if self.rollouts.source == "synthetic" and tokens < 4:
       raise RecipeError(f"batch.tokens_per_row={tokens} is too short for synthetic rollouts: use >= 4")
+    context = self.model.context_tokens()
+    if self.rollouts.source != "sampler" and context is not None and tokens > context:
+      raise RecipeError(f"batch.tokens_per_row={tokens} is longer than the model's context of {context} tokens"
+                        f" (max_position_embeddings in model.checkpoint's {hf_checkpoint.CONFIG_FILE}), and one"
+                        f" trajectory may fill a row; lower batch.tokens_per_row to at most {context}")
     if self.rollouts.source == "sampler":
       self._validate_live(preset, rows, tokens)
     if self.engine.backend == "tunix_peft":
@@ -724,6 +740,12 @@ class Recipe:
     trajectories = r.groups_per_micro_batch * r.generations_per_group
     task = self.live_task()
     per_trajectory = task.max_prompt_tokens + max_generation_steps(task)
+    context = self.model.context_tokens()
+    if context is not None and per_trajectory > context:
+      raise RecipeError(f"task.max_prompt_tokens + task.max_completion_tokens = {task.max_prompt_tokens} +"
+                        f" {max_generation_steps(task)} = {per_trajectory} tokens is longer than the model's context"
+                        f" of {context} (max_position_embeddings in model.checkpoint's {hf_checkpoint.CONFIG_FILE});"
+                        " lower task.max_prompt_tokens or task.max_completion_tokens")
     if tokens < per_trajectory or trajectories > rows * (tokens // per_trajectory):
       raise RecipeError(
           f"rollouts.groups_per_micro_batch × generations_per_group = {trajectories} trajectories of up to"
