@@ -9,6 +9,7 @@ API: ``ValueError``).
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
 
@@ -65,6 +66,12 @@ def _parquet_dataset(tmp_path, rows):
 
   path = tmp_path / "prompts.parquet"
   pq.write_table(pa.Table.from_pylist(rows), path)
+  return ["task.name=dataset", f"task.path={path}"]
+
+
+def _fifo_dataset(tmp_path):
+  path = tmp_path / "prompts.jsonl"
+  os.mkfifo(path)  # reading it would block until a writer came: the run must not
   return ["task.name=dataset", f"task.path={path}"]
 
 
@@ -203,6 +210,15 @@ CASES = [
     ("dataset-line-not-json", lambda t, g: _dataset(t, GOOD_ROW + '{"prompt": "2+2="\n'), {},
      "prompts.jsonl line 2 is not JSON (Expecting ',' delimiter at column 18)"),
     ("dataset-jsonl-not-utf8", lambda t, g: _dataset(t, b"\xff\xfe{}\n"), {}, "prompts.jsonl is not UTF-8 text"),
+    ("dataset-a-fifo", lambda t, g: _fifo_dataset(t), {}, "prompts.jsonl is a FIFO (named pipe), which a run would"
+                                                             " block on"),
+    ("dataset-line-nested-too-deep", lambda t, g: _dataset(t, GOOD_ROW + "[" * 100_000 + "\n"), {},
+     "prompts.jsonl line 2 nests its brackets deeper than the reader's limit"),
+    ("dataset-answer-empty", lambda t, g: _dataset(t, _sums(20) + '{"prompt": "9+9=", "answer": " "}\n'), {},
+     "prompts.jsonl line 21: field 'answer' is ' ', so no completion can be scored against it"),
+    ("dataset-math-answer-no-number", lambda t, g: _dataset(t, _sums(20) + '{"prompt": "9+9=", "answer": "x"}\n',
+                                                            "task.reward=[math]"), {},
+     "prompts.jsonl line 21: field 'answer' is 'x', which holds no number, but task.reward lists math"),
     ("dataset-parquet-not-parquet", lambda t, g: _dataset(t, GOOD_ROW, name="prompts.parquet"), {},
      "prompts.parquet is not a Parquet file pyarrow can read"),
     ("dataset-row-lacks-field", lambda t, g: _dataset(t, GOOD_ROW + '{"prompt": "2+2=", "solution": "4"}\n'), {},

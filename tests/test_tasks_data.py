@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import re
 import sys
 import textwrap
 
@@ -26,8 +28,12 @@ from orchestrator.recipe.schema import TaskSection
 ROWS = [{"prompt": f"{a}+{b}=", "answer": str(a + b), "id": f"{a}{b}"} for a in range(7) for b in range(7)]
 
 
+def write_rows_text(rows):
+  return "".join(json.dumps(r) + "\n" for r in rows)
+
+
 def write_jsonl(path, rows):
-  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  path.write_text(write_rows_text(rows))
   return str(path)
 
 
@@ -109,6 +115,67 @@ def test_a_bad_row_is_named_with_its_line_and_fields(tmp_path):
   with pytest.raises(datasets.DatasetError, match=r"bad.jsonl line 3 has no field 'prompt' \(its fields: 'question',"
                                                   r" 'answer'\); name the field to read with task.prompt_field="):
     datasets.load_task(path=str(path))
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device"])
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+def test_a_file_that_would_block_or_never_end_is_refused_before_it_is_read(tmp_path, kind, suffix):
+  path = tmp_path / f"prompts{suffix}"
+  if kind == "fifo":
+    os.mkfifo(path)  # opened for reading, it would block until a writer came
+  else:
+    path.symlink_to("/dev/zero")  # read whole, it would fill memory
+  what = "a FIFO (named pipe)" if kind == "fifo" else "a character device"
+  with pytest.raises(datasets.DatasetError, match=f"task.path's file {re.escape(str(path))} is {re.escape(what)},"
+                                                  " which a run would block on or read without end"):
+    datasets.load_task(path=str(path))
+  path.unlink()  # the negative control: a regular file of that name is read
+  (write_jsonl if suffix == ".jsonl" else write_parquet)(path, ROWS)
+  assert datasets.load_task(path=str(path)).train_problems
+
+
+def test_a_file_over_the_bound_is_refused_naming_it(tmp_path, jsonl, monkeypatch):
+  size = os.path.getsize(jsonl)
+  monkeypatch.setattr(datasets, "MAX_DATASET_BYTES", size)
+  assert datasets.load_task(path=jsonl).train_problems  # at the bound: read
+  monkeypatch.setattr(datasets, "MAX_DATASET_BYTES", size - 1)
+  with pytest.raises(datasets.DatasetError, match=f"is {size:,} bytes, over the {size - 1:,} bytes read for it"):
+    datasets.load_task(path=jsonl)
+
+
+@pytest.mark.parametrize("line,message", [
+    ("[" * 100_000, "nests its brackets deeper than the reader's limit"),
+    ('{"prompt": "1+1=", "answer": "2", "score": NaN}', "holds the literal NaN, which JSON does not have"),
+    ('{"prompt": "1+1=", "answer": "2", "score": -Infinity}', "holds the literal -Infinity"),
+    ('{"prompt": "1+1=", "answer": "2", "score": 1e400}', "holds the number 1e400, too large for a float"),
+    ('{"prompt": "1+1=", "answer": "2", "id": ' + "7" * 5000 + "}", "holds a value that cannot be read"),
+])
+def test_every_way_a_line_fails_to_parse_is_one_line_naming_it(tmp_path, line, message):
+  path = tmp_path / "bad.jsonl"
+  path.write_text(write_rows_text(ROWS[:20]) + line + "\n")
+  with pytest.raises(datasets.DatasetError) as e:
+    datasets.load_task(path=str(path))
+  assert f"bad.jsonl line 21 {message}" in str(e.value) and "\n" not in str(e.value)
+  path.write_text(write_rows_text(ROWS[:20]) + '{"prompt": "1+1=", "answer": "2", "score": 1e300}\n')
+  assert datasets.load_task(path=str(path))  # the negative control: a large finite number is read
+
+
+@pytest.mark.parametrize("answer", ["", "  ", "\t\n"])
+def test_an_answer_that_cannot_score_is_refused_naming_its_row(tmp_path, answer):
+  rows = [*ROWS[:20], {"prompt": "9+9=", "answer": answer}]
+  with pytest.raises(datasets.DatasetError, match=f"empty.jsonl line 21: field 'answer' is {re.escape(repr(answer))},"
+                                                  " so no completion can be scored against it"):
+    datasets.load_task(path=write_jsonl(tmp_path / "empty.jsonl", rows))
+  rows[-1]["answer"] = "0"  # the negative control: a short answer scores
+  assert datasets.load_task(path=write_jsonl(tmp_path / "empty.jsonl", rows))
+
+
+def test_math_refuses_an_answer_without_a_number_naming_its_row(tmp_path):
+  path = write_jsonl(tmp_path / "words.jsonl", [*ROWS[:20], {"prompt": "9+9=", "answer": "eighteen"}])
+  assert datasets.load_task(path=path, reward=["exact"])  # exact compares the text: a word is an answer
+  with pytest.raises(datasets.DatasetError, match="words.jsonl line 21: field 'answer' is 'eighteen', which holds no"
+                                                  " number, but task.reward lists math"):
+    datasets.load_task(path=path, reward=["exact", "math"])
 
 
 # ---------------------------------------------------------------------------- the built-in rewards

@@ -324,7 +324,7 @@ class TaskSection:
                                     answer_field=self.answer_field, eval_fraction=self.eval_fraction,
                                     max_prompt_tokens=self.max_prompt_tokens,
                                     max_completion_tokens=self.max_completion_tokens,
-                                    tokenizer=tokenizer or CharTokenizer())
+                                    tokenizer=tokenizer or CharTokenizer(), reward=self.reward)
     except datasets_lib.DatasetError as e:
       raise RecipeError(str(e)) from None
 
