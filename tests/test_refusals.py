@@ -257,6 +257,11 @@ CASES = [
     ("reward-not-callable", ["task.reward=[math:pi]"], {}, "task.reward[0]='math:pi' is a float, not a function"),
     ("reward-wrong-signature", ["task.reward=[os.path:join]"], {},
      "task.reward[0]='os.path:join' cannot be called as fn(prompts=..., completions=..., answer=..., mode=...)"),
+    ("reward-timeout-zero", ["task.reward_timeout_s=0"], {}, "task.reward_timeout_s=0.0 is out of range: it must be"
+                                                             " a number of seconds in (0, 86,400]"),
+    ("reward-timeout-nan", ["task.reward_timeout_s=nan"], {}, "task.reward_timeout_s: expected a finite number"),
+    ("reward-math-on-words", ["task.name=reverse", "task.reward=[math]"], {},
+     "task.reward lists math, but task.name=reverse's answers hold no number"),
     ("reward-weights-length", ["task.reward=[exact]", "task.reward_weights=[1, 2]"], {},
      "task.reward_weights has 2 weights for 1 task.reward entries (exact)"),
     ("reward-weights-without-rewards", ["task.reward_weights=[2]"], {}, "but task.reward is not set"),

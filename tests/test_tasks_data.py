@@ -13,6 +13,7 @@ import os
 import re
 import sys
 import textwrap
+import threading
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -245,9 +246,9 @@ def test_a_function_of_one_s_own_gets_the_micro_batch_with_the_answers_as_keywor
     ("raise ValueError('no grader')", "task.reward entry '{name}:score' raised ValueError: no grader on the"
                                       " micro-batch of prompt indices 6..7; fix the function"),
     ("return [1.0]", "task.reward entry '{name}:score' returned 1 values for 4 completions on the micro-batch of"
-                     " prompt indices 6..7; return one float per completion"),
+                     " prompt indices 6..7; return a list, a tuple or a 1-D numpy array of numbers"),
     ("return [0.0, 0.0, float('nan'), 0.0]", "task.reward entry '{name}:score' returned nan for completion 2"
-                                             " (prompt index 7: '2+2='); a reward must be a finite number"),
+                                             " (prompt index 7: '2+2='); a reward must be a finite real number"),
     ("return [0.0, 'good', 0.0, 0.0]", "returned 'good' for completion 1 (prompt index 6: '1+1=')"),
     ("return None", "returned NoneType, not a list of floats"),
 ])
@@ -261,6 +262,141 @@ def test_a_failing_function_is_named_with_the_prompt_index(fresh_module, body, m
   with pytest.raises(RewardError) as e:
     reward(problems, ["2", "3", "4", "4"], indices=[6, 6, 7, 7])
   assert message.format(name=name) in str(e.value)
+
+
+PROBLEMS = [Problem("1+1=", "2")] * 2 + [Problem("2+2=", "4")] * 2
+
+
+def _own(body: str, fresh_module, timeout_s: float = rewards.DEFAULT_TIMEOUT_S):
+  """A reward of one entry, ``score``, whose body is ``body`` (its own module)."""
+  name = fresh_module(f"my_rewards_{abs(hash(body))}", f"""
+      import sys, time
+      import numpy as np
+
+      def score(prompts, completions, **kwargs):
+        {body}
+      """)
+  return make_reward(ModularAddition(), [f"{name}:score"], [], None, timeout_s=timeout_s), name
+
+
+@pytest.mark.parametrize("body,message", [
+    ("return {0.5: 'a', 10.0: 'b', 20.0: 'c', 31.5: 'd'}", "returned dict, not a list of floats,"),
+    ("return '1111'", "returned str, not a list of floats,"),
+    ("return (x for x in [1.0] * 4)", "returned generator, not a list of floats,"),
+    ("return {1.0, 2.0, 3.0, 4.0}", "returned set, not a list of floats,"),
+    ("return np.ones((4, 1))", "returned a numpy array of shape (4, 1)"),
+    ("return [1.0, 1j, 0.0, 0.0]", "returned 1j for completion 1"),
+    ("return [1.0, np.complex64(1), 0.0, 0.0]", "returned np.complex64("),
+    ("sys.exit(0)", "raised SystemExit: 0 on the micro-batch of prompt indices 6..7 of step 3"),
+])
+def test_a_reward_that_does_not_return_one_real_number_per_completion_stops_the_run(fresh_module, body, message):
+  reward, name = _own(body, fresh_module)
+  with pytest.raises(RewardError) as e:
+    reward(PROBLEMS, ["2", "3", "4", "4"], indices=[6, 6, 7, 7], step=3)
+  assert f"task.reward entry '{name}:score' {message}" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("body", ["return [1.0, 0, 0.5, 2]", "return (1.0, 0, 0.5, 2)",
+                                  "return np.array([1.0, 0, 0.5, 2], np.float32)",
+                                  "return [True, False, np.float64(0.5), np.int64(2)]"])
+def test_lists_tuples_1d_arrays_and_bools_are_rewards(fresh_module, body):
+  """The negative control of the refusals above: every accepted form gives the same rewards (a bool: 1 or 0)."""
+  reward, _ = _own(body, fresh_module)
+  assert reward(PROBLEMS, ["2", "3", "4", "4"], indices=[6, 6, 7, 7], step=3).tolist() == [1.0, 0.0, 0.5, 2.0]
+
+
+def test_a_reward_call_past_its_time_limit_stops_the_run_naming_it_and_the_step(fresh_module):
+  slow, name = _own("time.sleep(float(completions[0])); return [1.0] * len(completions)", fresh_module,
+                    timeout_s=0.2)
+  with pytest.raises(RewardError) as e:
+    slow(PROBLEMS, ["30", "3", "4", "4"], indices=[6, 6, 7, 7], step=3)  # sleeps 30 s, far past 0.2 s
+  assert str(e.value) == (f"task.reward entry '{name}:score' did not return within task.reward_timeout_s=0.2 s on"
+                          " the micro-batch of prompt indices 6..7 of step 3; make it faster, or raise"
+                          " task.reward_timeout_s")
+  patient = make_reward(ModularAddition(), [f"{name}:score"], [], None, timeout_s=60)
+  assert patient(PROBLEMS, ["0", "3", "4", "4"], indices=[6, 6, 7, 7]).tolist() == [1.0] * 4  # the control
+
+
+def test_a_reward_call_is_given_up_once_its_run_closes():
+  entered, release, closing = threading.Event(), threading.Event(), threading.Event()
+
+  def stuck(prompts, completions, **_):
+    entered.set()
+    release.wait(60)
+    return [1.0] * len(completions)
+
+  reward = rewards.Reward((rewards.Term("my_rewards:stuck", stuck),), timeout_s=3600)
+  caller = threading.Thread(target=lambda: outcome.append(_raised(reward, closing)), daemon=True)
+  outcome = []
+  try:
+    caller.start()
+    assert entered.wait(60)
+    caller.join(0.3)
+    assert caller.is_alive()  # the control: the call is still waited for while the run goes on
+    closing.set()
+    caller.join(60)
+    assert not caller.is_alive()
+    (error,) = outcome
+    assert isinstance(error, rewards.CallCancelled)
+    assert str(error).startswith("task.reward entry 'my_rewards:stuck' on the micro-batch of prompt indices 6..7 of"
+                                 " step 3, which had run ")
+  finally:
+    release.set()
+
+
+def _raised(reward, closing):
+  try:
+    reward(PROBLEMS, ["2", "3", "4", "4"], indices=[6, 6, 7, 7], step=3, cancelled=closing.is_set)
+  except BaseException as e:  # pylint: disable=broad-except  # what the caller saw is the test's subject
+    return e
+  return None
+
+
+@pytest.mark.parametrize("source,message", [
+    ("import sys\nsys.exit(0)\n", "module '{name}' cannot be imported (it called sys.exit(0))"),
+    ("raise SystemExit('no grader here')\n", "module '{name}' cannot be imported (it called sys.exit('no grader here'))"),
+    ("class Odd(BaseException): pass\nraise Odd('odd')\n", "module '{name}' cannot be imported (Odd: odd)"),
+    ("import time\ntime.sleep(30)\n", "importing module '{name}' did not return within task.reward_timeout_s=0.2 s"),
+])
+def test_a_module_whose_import_exits_or_hangs_is_refused(fresh_module, source, message):
+  name = fresh_module(f"my_rewards_import_{abs(hash(source))}", source + "def score(prompts, completions, **kw):\n"
+                                                                          "  return [0.0] * len(completions)\n")
+  with pytest.raises(rewards.RewardSpecError) as e:
+    make_reward(ModularAddition(), [f"{name}:score"], [], None, timeout_s=0.2)
+  assert f"task.reward[0]='{name}:score': " + message.format(name=name) in str(e.value)
+
+
+def test_run_rl_refuses_a_module_that_exits_at_import_before_writing_anything(tmp_path, fresh_module, capsys):
+  name = fresh_module("my_rewards_exit_at_import", "import sys\nsys.exit(0)\n")
+  out = tmp_path / "run"
+  assert cli.main(["task.reward=[exact, my_rewards_exit_at_import:score]", "--out", str(out),
+                   "run.reserve_host_core=false"]) == 2
+  err = capsys.readouterr().err.strip()
+  assert err == (f"run_rl: error: task.reward[1]='{name}:score': module '{name}' cannot be imported (it called"
+                 " sys.exit(0)); put it on PYTHONPATH, fix the name, or fix the module")
+  assert not out.exists()
+
+
+def test_a_module_that_imports_in_time_is_taken(fresh_module):
+  name = fresh_module("my_rewards_import_quick", "def score(prompts, completions, **kw):\n"
+                                                 "  return [0.5] * len(completions)\n")
+  reward = make_reward(ModularAddition(), [f"{name}:score"], [], None, timeout_s=60)
+  assert reward(PROBLEMS, ["2", "3", "4", "4"], indices=[6, 6, 7, 7]).tolist() == [0.5] * 4
+
+
+def test_math_on_a_built_in_task_without_numeric_answers_is_refused():
+  assert make_reward(ModularAddition(), ["math"], [], None)  # the control: its answers are numbers
+  with pytest.raises(rewards.RewardSpecError, match="task.reward lists math, but task.name=first_letter's answers"
+                                                    " hold no number"):
+    make_reward(FirstLetter(), ["math"], [], None)
+
+
+@pytest.mark.parametrize("value", [0.0, -1.0, float("nan"), float("inf"), 86_401.0])
+def test_the_reward_time_limit_is_a_positive_finite_number_of_seconds(value):
+  TaskSection(reward_timeout_s=0.5).validate()  # the control
+  with pytest.raises(recipe_lib.RecipeError, match=f"task.reward_timeout_s={value} is out of range: it must be a"
+                                                   r" number of seconds in \(0, 86,400\]"):
+    TaskSection(reward_timeout_s=value).validate()
 
 
 def test_the_recipe_checks_every_entry_before_anything_runs(jsonl):
