@@ -1,6 +1,6 @@
 """Prompt datasets (``task.name: dataset``) and the rewards a recipe chooses (``task.reward``).
 
-Most tests are pure Python on files written to tmp_path; the last two run
+Most tests are pure Python on files written to tmp_path; a few near the end run
 ``run_rl`` on the shipped example dataset for a couple of steps. The refusals
 run end to end in tests/test_refusals.py.
 """
@@ -433,26 +433,34 @@ def test_run_rl_trains_on_the_example_dataset_to_the_end(tmp_path, no_env_switch
   assert all(0.0 <= r["reward_mean"] <= 1.1 and math.isfinite(r["reward_mean"]) for r in records)
 
 
-def test_a_reward_that_raises_stops_the_run_naming_it_and_keeps_the_records_before(tmp_path, no_env_switches,
-                                                                                   fresh_module, capsys):
+@pytest.mark.parametrize("failure,message", [
+    ('raise RuntimeError("the grader is down")', "raised RuntimeError: the grader is down"),
+    ("time.sleep(120)", "did not return within task.reward_timeout_s=5 s"),  # 5 s: far above a quick call's time
+], ids=["raises", "times-out"])
+def test_a_reward_that_fails_stops_the_run_naming_it_and_keeps_the_records_before(tmp_path, no_env_switches,
+                                                                                  fresh_module, capsys, failure,
+                                                                                  message):
   """The example recipe has 2 micro-batches per step of 2 groups each, at staleness 1: the fifth call is step 2's
   first micro-batch (prompt indices 8 and 9), sampled while step 1 trains. The run stops at boundary 1, which
   waits for step 2's rollouts: step 1's update is applied and its record written before the run fails."""
-  name = fresh_module("my_rewards_step_two", """
+  name = fresh_module(f"my_rewards_step_two_{abs(hash(failure))}", f"""
+      import time
+
       calls = []
 
       def score(prompts, completions, **kwargs):
         calls.append(len(completions))
         if len(calls) > 4:
-          raise RuntimeError("the grader is down")
+          {failure}
         return [0.5] * len(completions)
       """)
   run = tmp_path / "run"
-  code = cli.main(LIVE + ["steps=3", f"task.reward=[{name}:score]", "task.reward_weights=[]", "--out", str(run)])
+  code = cli.main(LIVE + ["steps=3", f"task.reward=[{name}:score]", "task.reward_weights=[]",
+                          "task.reward_timeout_s=5", "--out", str(run)])
   err = capsys.readouterr().err
   assert code == 1, err
-  assert (f"the rollout thread failed while sampling step 2: RewardError: task.reward entry '{name}:score' raised"
-          " RuntimeError: the grader is down on the micro-batch of prompt indices 8..9" in err), err
+  assert (f"the rollout thread failed while sampling step 2: RewardError: task.reward entry '{name}:score' {message}"
+          " on the micro-batch of prompt indices 8..9 of step 2" in err), err
   assert "Traceback" not in err
   records = _records(run)
   assert [r["step"] for r in records] == [0, 1] and records[0]["reward_mean"] == 0.5  # the function's reward
