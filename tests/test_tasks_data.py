@@ -377,6 +377,13 @@ def test_run_rl_refuses_a_module_that_exits_at_import_before_writing_anything(tm
   assert not out.exists()
 
 
+def test_a_module_whose_attribute_lookup_raises_is_refused(fresh_module):
+  name = fresh_module("my_rewards_lazy", "def __getattr__(attribute):\n  raise RuntimeError('lazy ' + attribute)\n")
+  with pytest.raises(rewards.RewardSpecError, match=f"task.reward\\[0\\]='{name}:score': looking up 'score' in module"
+                                                    f" '{name}' raised RuntimeError: lazy score; fix the module"):
+    make_reward(ModularAddition(), [f"{name}:score"], [], None)
+
+
 def test_a_module_that_imports_in_time_is_taken(fresh_module):
   name = fresh_module("my_rewards_import_quick", "def score(prompts, completions, **kw):\n"
                                                  "  return [0.5] * len(completions)\n")

@@ -378,10 +378,14 @@ def import_function(i: int, name: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> 
     raise RewardSpecError(f"task.reward[{i}]={name!r}: module {module_name!r} cannot be imported ({failure}); put"
                           " it on PYTHONPATH, fix the name, or fix the module") from None
   for part in attribute.split("."):
-    if not hasattr(target, part):
+    try:
+      target = getattr(target, part)
+    except AttributeError:
       raise RewardSpecError(f"task.reward[{i}]={name!r}: module {module_name!r} has no {attribute!r}; fix the"
-                            " function's name")
-    target = getattr(target, part)
+                            " function's name") from None
+    except Exception as e:  # a module's __getattr__ runs its code
+      raise RewardSpecError(f"task.reward[{i}]={name!r}: looking up {attribute!r} in module {module_name!r} raised"
+                            f" {type(e).__name__}: {e}; fix the module") from None
   if not callable(target):
     raise RewardSpecError(f"task.reward[{i}]={name!r} is a {type(target).__name__}, not a function; name a function"
                           " fn(prompts, completions, **kwargs) that returns one float per completion")
