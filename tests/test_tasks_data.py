@@ -144,6 +144,21 @@ def test_a_file_over_the_bound_is_refused_naming_it(tmp_path, jsonl, monkeypatch
     datasets.load_task(path=jsonl)
 
 
+@pytest.mark.parametrize("dictionary,size", [(True, "more than 50,000"), (False, "[0-9,]+")])
+def test_a_parquet_file_that_unpacks_past_the_bound_is_refused(tmp_path, monkeypatch, dictionary, size):
+  """Compressed, the padding is small; as columns it is not (a dictionary holds it once, the rows repeat it)."""
+  path = tmp_path / "prompts.parquet"
+  pq.write_table(pa.Table.from_pylist([{**row, "pad": "x" * 2000} for row in ROWS]), path, compression="zstd",
+                 use_dictionary=dictionary)
+  monkeypatch.setattr(datasets, "MAX_DATASET_BYTES", 50_000)
+  assert path.stat().st_size < 50_000  # the file is within the bound; its columns are not
+  with pytest.raises(datasets.DatasetError, match=f"prompts.parquet unpacks to {size} bytes of columns, over"
+                                                  " the 50,000 bytes read for a prompt file"):
+    datasets.load_task(path=str(path))
+  write_parquet(path, ROWS)  # the negative control: the same rows unpadded are read
+  assert datasets.load_task(path=str(path)).train_problems
+
+
 @pytest.mark.parametrize("line,message", [
     ("[" * 100_000, "nests its brackets deeper than the reader's limit"),
     ('{"prompt": "1+1=", "answer": "2", "score": NaN}', "holds the literal NaN, which JSON does not have"),

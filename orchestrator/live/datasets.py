@@ -42,6 +42,8 @@ JSONL_SUFFIXES = (".jsonl",)
 PARQUET_SUFFIXES = (".parquet", ".pq")
 #: The largest prompt file (JSONL or Parquet) read: a bigger one is refused before a byte of it is read.
 MAX_DATASET_BYTES = 1 << 30
+#: Rows of a Parquet file read at a time, the columns' bytes counted after each batch.
+PARQUET_BATCH_ROWS = 1024
 
 
 class DatasetError(ValueError):
@@ -164,11 +166,32 @@ def _read_parquet(key: str, path: str, found: Path) -> list[tuple[str, Any]]:
   """Each row of the Parquet table as a mapping of its columns, with ``KEY=PATH row N`` (1-based)."""
   check_regular(found, what=f"{key}'s file", max_bytes=MAX_DATASET_BYTES)
   try:
-    table = pq.read_table(found)
+    rows = _parquet_rows(key, path, pq.ParquetFile(found))
   except (pa.ArrowException, OSError) as e:
     raise DatasetError(f"{key}={path} is not a Parquet file pyarrow can read ({e}); convert it, or name a JSONL"
                        " file .jsonl") from None
-  return [(f"{key}={path} row {number}", record) for number, record in enumerate(table.to_pylist(), start=1)]
+  return [(f"{key}={path} row {number}", record) for number, record in enumerate(rows, start=1)]
+
+
+def _parquet_rows(key: str, path: str, parquet: pq.ParquetFile) -> list[dict]:
+  """The rows, read a batch at a time while the columns read stay within ``MAX_DATASET_BYTES``: a small file can
+  unpack to far more (compression, and a dictionary that repeats one long value in every row)."""
+  metadata = parquet.metadata
+  unpacked_bytes = sum(metadata.row_group(g).total_byte_size for g in range(metadata.num_row_groups))
+  if unpacked_bytes > MAX_DATASET_BYTES:
+    raise _unpacks_too_large(key, path, f"{unpacked_bytes:,} bytes")
+  rows, read_bytes = [], 0
+  for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS):
+    read_bytes += batch.nbytes
+    if read_bytes > MAX_DATASET_BYTES:
+      raise _unpacks_too_large(key, path, f"more than {MAX_DATASET_BYTES:,} bytes")
+    rows.extend(batch.to_pylist())
+  return rows
+
+
+def _unpacks_too_large(key: str, path: str, size: str) -> DatasetError:
+  return DatasetError(f"{key}={path} unpacks to {size} of columns, over the {MAX_DATASET_BYTES:,} bytes read for a"
+                      " prompt file; give a smaller file")
 
 
 def text_field(where: str, record: dict, field: str, key: str) -> str:
