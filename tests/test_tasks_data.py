@@ -135,6 +135,15 @@ def test_a_file_that_would_block_or_never_end_is_refused_before_it_is_read(tmp_p
   assert datasets.load_task(path=str(path)).train_problems
 
 
+def test_an_eval_file_that_would_block_is_refused_too(tmp_path, jsonl):
+  evaluation = tmp_path / "eval.jsonl"
+  os.mkfifo(evaluation)
+  with pytest.raises(datasets.DatasetError, match="task.eval_path's file .*eval.jsonl is a FIFO"):
+    datasets.load_task(path=jsonl, eval_path=str(evaluation))
+  evaluation.unlink()  # the negative control: a regular file of that name is read
+  assert datasets.load_task(path=jsonl, eval_path=write_jsonl(evaluation, ROWS[:3])).eval_problems
+
+
 def test_a_file_over_the_bound_is_refused_naming_it(tmp_path, jsonl, monkeypatch):
   size = os.path.getsize(jsonl)
   monkeypatch.setattr(datasets, "MAX_DATASET_BYTES", size)
