@@ -260,6 +260,8 @@ CASES = [
     ("reward-timeout-zero", ["task.reward_timeout_s=0"], {}, "task.reward_timeout_s=0.0 is out of range: it must be"
                                                              " a number of seconds in (0, 86,400]"),
     ("reward-timeout-nan", ["task.reward_timeout_s=nan"], {}, "task.reward_timeout_s: expected a finite number"),
+    ("reward-timeout-not-live", ["rollouts.source=synthetic", "model=tiny", "task.reward_timeout_s=5"], {},
+     "task.reward_timeout_s=5.0 is read by the live loop only, but rollouts.source=synthetic"),
     ("reward-math-on-words", ["task.name=reverse", "task.reward=[math]"], {},
      "task.reward lists math, but task.name=reverse's answers hold no number"),
     ("reward-weights-length", ["task.reward=[exact]", "task.reward_weights=[1, 2]"], {},

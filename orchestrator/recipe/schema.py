@@ -742,6 +742,8 @@ class Recipe:
     """Keys only the live loop reads, set for a run that samples nothing: it would ignore them silently."""
     given = [(key, value) for key, value in (("task.name", self.task.name if self.task.name == DATASET else None),
                                              ("task.reward", self.task.reward or None),
+                                             ("task.reward_timeout_s", None if self.task.reward_timeout_s
+                                              == rewards_lib.DEFAULT_TIMEOUT_S else self.task.reward_timeout_s),
                                              ("model.chat_template", self.model.chat_template or None))
              if value is not None]
     if given:
