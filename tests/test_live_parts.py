@@ -4,6 +4,7 @@ loop's waits for rollouts (a stop ends them)."""
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 
 from orchestrator.distributed.agreement import SingleProcess
+from orchestrator.live.rewards import Reward, Term
 from orchestrator.live.tasks import (TASKS, ModularAddition, Problem, ReverseString, _held_out, group_advantages,
                                      make_task, split_sizes)
 from orchestrator.live.tokenizer import EOS, CharTokenizer
@@ -256,6 +258,54 @@ def test_a_stop_while_waiting_for_the_first_step_s_rollouts_names_what_is_left()
   assert not thread.is_alive()
   assert str(outcome["error"]) == ("stopped by SIGINT while waiting for step 0's rollouts, before this run trained a"
                                    " step; no checkpoint was written, so the run cannot be resumed: start it again with a new --out")
+
+
+class _TextSampler:
+  """A sampler whose completions are the answer's first character; what ``LiveRollouts`` asks of one."""
+
+  weights_version, placement = 0, None
+
+  def sample(self, prompts, *, seed, temperature=1.0):
+    from orchestrator.live.sampler import Samples  # import here: it loads JAX, which this file's other tests skip
+
+    ids = [np.array([1, 2], np.int32) for _ in prompts]
+    return Samples(list(prompts), ids, ids, [np.zeros(2, np.float32) for _ in prompts], ["a"] * len(prompts), 0)
+
+
+def test_a_stop_while_a_reward_call_is_stuck_ends_the_run_and_the_sampling_thread_with_a_line(caplog):
+  """Step 0's reward call never returns (its limit is an hour). The loop waits for step 0's rollouts until the
+  stop (the negative control: not before), ends naming what it waited for, and closing the source gives the
+  call up at once, saying so, rather than waiting the close's minute for the sampling thread."""
+  from orchestrator.live.rollouts import LiveRollouts, LiveShape  # import here: it loads JAX (the sampler's)
+
+  entered, release, stop = threading.Event(), threading.Event(), threading.Event()
+
+  def stuck(prompts, completions, **_):
+    entered.set()
+    release.wait(120)
+    return [0.0] * len(completions)
+
+  reward = Reward((Term("my_rewards:stuck", stuck),), timeout_s=3600)
+  source = LiveRollouts(_TextSampler(), ReverseString(), LiveShape(2, 1, 1, 2, 1), reward=reward)
+  program = RLProgram(TrainerWorker(RecordingEngine()), StepBoundaryPolicy(Mode.STAGE_BEFORE_UPDATE), source,
+                      ProgramConfig(steps=2, micro_batches_per_step=1, start_step=0, stop_grace_s=0.2),
+                      stop_requested=lambda: "SIGINT" if stop.is_set() else None)
+  thread, outcome = run_in_thread(program)
+  try:
+    assert entered.wait(60)
+    thread.join(timeout=0.5)
+    assert thread.is_alive() and not outcome, outcome  # no stop: still waiting for step 0's rollouts
+    stop.set()
+    thread.join(timeout=30)
+    assert not thread.is_alive(), "the loop did not end after the stop"
+    assert str(outcome["error"]).startswith("stopped by SIGINT while waiting for step 0's rollouts")
+    with caplog.at_level(logging.WARNING, logger="step_boundary.rollouts"):
+      source.close(timeout_s=30)
+      assert not source._thread.is_alive(), "closing did not give up the stuck reward call"
+  finally:
+    release.set()
+  assert ("the run ended while sampling waited for task.reward entry 'my_rewards:stuck' on the micro-batch of prompt"
+          " indices 0..0 of step 0, which had run" in caplog.text), caplog.text
 
 
 class _OneOfTwo(SingleProcess):

@@ -70,6 +70,12 @@ def _parquet_dataset(tmp_path, rows):
   return ["task.name=dataset", f"task.path={path}"]
 
 
+def _fifo_dataset(tmp_path):
+  path = tmp_path / "prompts.jsonl"
+  os.mkfifo(path)  # reading it would block until a writer came: the run must not
+  return ["task.name=dataset", f"task.path={path}"]
+
+
 def _sums(count: int) -> str:
   return "".join(f'{{"prompt": "{i}+1=", "answer": "{i + 1}"}}\n' for i in range(count))
 
@@ -232,6 +238,15 @@ CASES = [
     ("dataset-line-not-json", lambda t, g: _dataset(t, GOOD_ROW + '{"prompt": "2+2="\n'), {},
      "prompts.jsonl line 2 is not JSON (Expecting ',' delimiter at column 18)"),
     ("dataset-jsonl-not-utf8", lambda t, g: _dataset(t, b"\xff\xfe{}\n"), {}, "prompts.jsonl is not UTF-8 text"),
+    ("dataset-a-fifo", lambda t, g: _fifo_dataset(t), {}, "prompts.jsonl is a FIFO (named pipe), which a run would"
+                                                             " block on"),
+    ("dataset-line-nested-too-deep", lambda t, g: _dataset(t, GOOD_ROW + "[" * 100_000 + "\n"), {},
+     "prompts.jsonl line 2 nests its brackets deeper than the reader's limit"),
+    ("dataset-answer-empty", lambda t, g: _dataset(t, _sums(20) + '{"prompt": "9+9=", "answer": " "}\n'), {},
+     "prompts.jsonl line 21: field 'answer' is ' ', so no completion can be scored against it"),
+    ("dataset-math-answer-no-number", lambda t, g: _dataset(t, _sums(20) + '{"prompt": "9+9=", "answer": "x"}\n',
+                                                            "task.reward=[math]"), {},
+     "prompts.jsonl line 21: field 'answer' is 'x', which holds no number, but task.reward lists math"),
     ("dataset-parquet-not-parquet", lambda t, g: _dataset(t, GOOD_ROW, name="prompts.parquet"), {},
      "prompts.parquet is not a Parquet file pyarrow can read"),
     ("dataset-row-lacks-field", lambda t, g: _dataset(t, GOOD_ROW + '{"prompt": "2+2=", "solution": "4"}\n'), {},
@@ -270,6 +285,13 @@ CASES = [
     ("reward-not-callable", ["task.reward=[math:pi]"], {}, "task.reward[0]='math:pi' is a float, not a function"),
     ("reward-wrong-signature", ["task.reward=[os.path:join]"], {},
      "task.reward[0]='os.path:join' cannot be called as fn(prompts=..., completions=..., answer=..., mode=...)"),
+    ("reward-timeout-zero", ["task.reward_timeout_s=0"], {}, "task.reward_timeout_s=0.0 is out of range: it must be"
+                                                             " a number of seconds in (0, 86,400]"),
+    ("reward-timeout-nan", ["task.reward_timeout_s=nan"], {}, "task.reward_timeout_s: expected a finite number"),
+    ("reward-timeout-not-live", ["rollouts.source=synthetic", "model=tiny", "task.reward_timeout_s=5"], {},
+     "task.reward_timeout_s=5.0 is read by the live loop only, but rollouts.source=synthetic"),
+    ("reward-math-on-words", ["task.name=reverse", "task.reward=[math]"], {},
+     "task.reward lists math, but task.name=reverse's answers hold no number"),
     ("reward-weights-length", ["task.reward=[exact]", "task.reward_weights=[1, 2]"], {},
      "task.reward_weights has 2 weights for 1 task.reward entries (exact)"),
     ("reward-weights-without-rewards", ["task.reward_weights=[2]"], {}, "but task.reward is not set"),

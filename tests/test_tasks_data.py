@@ -1,6 +1,6 @@
 """Prompt datasets (``task.name: dataset``) and the rewards a recipe chooses (``task.reward``).
 
-Most tests are pure Python on files written to tmp_path; the last two run
+Most tests are pure Python on files written to tmp_path; a few near the end run
 ``run_rl`` on the shipped example dataset for a couple of steps. The refusals
 run end to end in tests/test_refusals.py.
 """
@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import re
 import sys
 import textwrap
+import threading
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -26,8 +29,12 @@ from orchestrator.recipe.schema import TaskSection
 ROWS = [{"prompt": f"{a}+{b}=", "answer": str(a + b), "id": f"{a}{b}"} for a in range(7) for b in range(7)]
 
 
+def write_rows_text(rows):
+  return "".join(json.dumps(r) + "\n" for r in rows)
+
+
 def write_jsonl(path, rows):
-  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  path.write_text(write_rows_text(rows))
   return str(path)
 
 
@@ -111,6 +118,91 @@ def test_a_bad_row_is_named_with_its_line_and_fields(tmp_path):
     datasets.load_task(path=str(path))
 
 
+@pytest.mark.parametrize("kind", ["fifo", "device"])
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+def test_a_file_that_would_block_or_never_end_is_refused_before_it_is_read(tmp_path, kind, suffix):
+  path = tmp_path / f"prompts{suffix}"
+  if kind == "fifo":
+    os.mkfifo(path)  # opened for reading, it would block until a writer came
+  else:
+    path.symlink_to("/dev/zero")  # read whole, it would fill memory
+  what = "a FIFO (named pipe)" if kind == "fifo" else "a character device"
+  with pytest.raises(datasets.DatasetError, match=f"task.path's file {re.escape(str(path))} is {re.escape(what)},"
+                                                  " which a run would block on or read without end"):
+    datasets.load_task(path=str(path))
+  path.unlink()  # the negative control: a regular file of that name is read
+  (write_jsonl if suffix == ".jsonl" else write_parquet)(path, ROWS)
+  assert datasets.load_task(path=str(path)).train_problems
+
+
+def test_an_eval_file_that_would_block_is_refused_too(tmp_path, jsonl):
+  evaluation = tmp_path / "eval.jsonl"
+  os.mkfifo(evaluation)
+  with pytest.raises(datasets.DatasetError, match="task.eval_path's file .*eval.jsonl is a FIFO"):
+    datasets.load_task(path=jsonl, eval_path=str(evaluation))
+  evaluation.unlink()  # the negative control: a regular file of that name is read
+  assert datasets.load_task(path=jsonl, eval_path=write_jsonl(evaluation, ROWS[:3])).eval_problems
+
+
+def test_a_file_over_the_bound_is_refused_naming_it(tmp_path, jsonl, monkeypatch):
+  size = os.path.getsize(jsonl)
+  monkeypatch.setattr(datasets, "MAX_DATASET_BYTES", size)
+  assert datasets.load_task(path=jsonl).train_problems  # at the bound: read
+  monkeypatch.setattr(datasets, "MAX_DATASET_BYTES", size - 1)
+  with pytest.raises(datasets.DatasetError, match=f"is {size:,} bytes, over the {size - 1:,} bytes read for it"):
+    datasets.load_task(path=jsonl)
+
+
+@pytest.mark.parametrize("dictionary,size", [(True, "more than 50,000"), (False, "[0-9,]+")])
+def test_a_parquet_file_that_unpacks_past_the_bound_is_refused(tmp_path, monkeypatch, dictionary, size):
+  """Compressed, the padding is small; as columns it is not (a dictionary holds it once, the rows repeat it)."""
+  path = tmp_path / "prompts.parquet"
+  pq.write_table(pa.Table.from_pylist([{**row, "pad": "x" * 2000} for row in ROWS]), path, compression="zstd",
+                 use_dictionary=dictionary)
+  monkeypatch.setattr(datasets, "MAX_DATASET_BYTES", 50_000)
+  assert path.stat().st_size < 50_000  # the file is within the bound; its columns are not
+  with pytest.raises(datasets.DatasetError, match=f"prompts.parquet unpacks to {size} bytes of columns, over"
+                                                  " the 50,000 bytes read for a prompt file"):
+    datasets.load_task(path=str(path))
+  write_parquet(path, ROWS)  # the negative control: the same rows unpadded are read
+  assert datasets.load_task(path=str(path)).train_problems
+
+
+@pytest.mark.parametrize("line,message", [
+    ("[" * 100_000, "nests its brackets deeper than the reader's limit"),
+    ('{"prompt": "1+1=", "answer": "2", "score": NaN}', "holds the literal NaN, which JSON does not have"),
+    ('{"prompt": "1+1=", "answer": "2", "score": -Infinity}', "holds the literal -Infinity"),
+    ('{"prompt": "1+1=", "answer": "2", "score": 1e400}', "holds the number 1e400, too large for a float"),
+    ('{"prompt": "1+1=", "answer": "2", "id": ' + "7" * 5000 + "}", "holds a value that cannot be read"),
+])
+def test_every_way_a_line_fails_to_parse_is_one_line_naming_it(tmp_path, line, message):
+  path = tmp_path / "bad.jsonl"
+  path.write_text(write_rows_text(ROWS[:20]) + line + "\n")
+  with pytest.raises(datasets.DatasetError) as e:
+    datasets.load_task(path=str(path))
+  assert f"bad.jsonl line 21 {message}" in str(e.value) and "\n" not in str(e.value)
+  path.write_text(write_rows_text(ROWS[:20]) + '{"prompt": "1+1=", "answer": "2", "score": 1e300}\n')
+  assert datasets.load_task(path=str(path))  # the negative control: a large finite number is read
+
+
+@pytest.mark.parametrize("answer", ["", "  ", "\t\n"])
+def test_an_answer_that_cannot_score_is_refused_naming_its_row(tmp_path, answer):
+  rows = [*ROWS[:20], {"prompt": "9+9=", "answer": answer}]
+  with pytest.raises(datasets.DatasetError, match=f"empty.jsonl line 21: field 'answer' is {re.escape(repr(answer))},"
+                                                  " so no completion can be scored against it"):
+    datasets.load_task(path=write_jsonl(tmp_path / "empty.jsonl", rows))
+  rows[-1]["answer"] = "0"  # the negative control: a short answer scores
+  assert datasets.load_task(path=write_jsonl(tmp_path / "empty.jsonl", rows))
+
+
+def test_math_refuses_an_answer_without_a_number_naming_its_row(tmp_path):
+  path = write_jsonl(tmp_path / "words.jsonl", [*ROWS[:20], {"prompt": "9+9=", "answer": "eighteen"}])
+  assert datasets.load_task(path=path, reward=["exact"])  # exact compares the text: a word is an answer
+  with pytest.raises(datasets.DatasetError, match="words.jsonl line 21: field 'answer' is 'eighteen', which holds no"
+                                                  " number, but task.reward lists math"):
+    datasets.load_task(path=path, reward=["exact", "math"])
+
+
 # ---------------------------------------------------------------------------- the built-in rewards
 
 
@@ -178,9 +270,9 @@ def test_a_function_of_one_s_own_gets_the_micro_batch_with_the_answers_as_keywor
     ("raise ValueError('no grader')", "task.reward entry '{name}:score' raised ValueError: no grader on the"
                                       " micro-batch of prompt indices 6..7; fix the function"),
     ("return [1.0]", "task.reward entry '{name}:score' returned 1 values for 4 completions on the micro-batch of"
-                     " prompt indices 6..7; return one float per completion"),
+                     " prompt indices 6..7; return a list, a tuple or a 1-D numpy array of numbers"),
     ("return [0.0, 0.0, float('nan'), 0.0]", "task.reward entry '{name}:score' returned nan for completion 2"
-                                             " (prompt index 7: '2+2='); a reward must be a finite number"),
+                                             " (prompt index 7: '2+2='); a reward must be a finite real number"),
     ("return [0.0, 'good', 0.0, 0.0]", "returned 'good' for completion 1 (prompt index 6: '1+1=')"),
     ("return None", "returned NoneType, not a list of floats"),
 ])
@@ -194,6 +286,148 @@ def test_a_failing_function_is_named_with_the_prompt_index(fresh_module, body, m
   with pytest.raises(RewardError) as e:
     reward(problems, ["2", "3", "4", "4"], indices=[6, 6, 7, 7])
   assert message.format(name=name) in str(e.value)
+
+
+PROBLEMS = [Problem("1+1=", "2")] * 2 + [Problem("2+2=", "4")] * 2
+
+
+def _own(body: str, fresh_module, timeout_s: float = rewards.DEFAULT_TIMEOUT_S):
+  """A reward of one entry, ``score``, whose body is ``body`` (its own module)."""
+  name = fresh_module(f"my_rewards_{abs(hash(body))}", f"""
+      import sys, time
+      import numpy as np
+
+      def score(prompts, completions, **kwargs):
+        {body}
+      """)
+  return make_reward(ModularAddition(), [f"{name}:score"], [], None, timeout_s=timeout_s), name
+
+
+@pytest.mark.parametrize("body,message", [
+    ("return {0.5: 'a', 10.0: 'b', 20.0: 'c', 31.5: 'd'}", "returned dict, not a list of floats,"),
+    ("return '1111'", "returned str, not a list of floats,"),
+    ("return (x for x in [1.0] * 4)", "returned generator, not a list of floats,"),
+    ("return {1.0, 2.0, 3.0, 4.0}", "returned set, not a list of floats,"),
+    ("return np.ones((4, 1))", "returned a numpy array of shape (4, 1)"),
+    ("return [1.0, 1j, 0.0, 0.0]", "returned 1j for completion 1"),
+    ("return [1.0, np.complex64(1), 0.0, 0.0]", "returned np.complex64("),
+    ("sys.exit(0)", "raised SystemExit: 0 on the micro-batch of prompt indices 6..7 of step 3"),
+])
+def test_a_reward_that_does_not_return_one_real_number_per_completion_stops_the_run(fresh_module, body, message):
+  reward, name = _own(body, fresh_module)
+  with pytest.raises(RewardError) as e:
+    reward(PROBLEMS, ["2", "3", "4", "4"], indices=[6, 6, 7, 7], step=3)
+  assert f"task.reward entry '{name}:score' {message}" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("body", ["return [1.0, 0, 0.5, 2]", "return (1.0, 0, 0.5, 2)",
+                                  "return np.array([1.0, 0, 0.5, 2], np.float32)",
+                                  "return [True, False, np.float64(0.5), np.int64(2)]"])
+def test_lists_tuples_1d_arrays_and_bools_are_rewards(fresh_module, body):
+  """The negative control of the refusals above: every accepted form gives the same rewards (a bool: 1 or 0)."""
+  reward, _ = _own(body, fresh_module)
+  assert reward(PROBLEMS, ["2", "3", "4", "4"], indices=[6, 6, 7, 7], step=3).tolist() == [1.0, 0.0, 0.5, 2.0]
+
+
+def test_a_reward_call_past_its_time_limit_stops_the_run_naming_it_and_the_step(fresh_module):
+  slow, name = _own("time.sleep(float(completions[0])); return [1.0] * len(completions)", fresh_module,
+                    timeout_s=0.2)
+  with pytest.raises(RewardError) as e:
+    slow(PROBLEMS, ["30", "3", "4", "4"], indices=[6, 6, 7, 7], step=3)  # sleeps 30 s, far past 0.2 s
+  assert str(e.value) == (f"task.reward entry '{name}:score' did not return within task.reward_timeout_s=0.2 s on"
+                          " the micro-batch of prompt indices 6..7 of step 3; make it faster, or raise"
+                          " task.reward_timeout_s")
+  patient = make_reward(ModularAddition(), [f"{name}:score"], [], None, timeout_s=60)
+  assert patient(PROBLEMS, ["0", "3", "4", "4"], indices=[6, 6, 7, 7]).tolist() == [1.0] * 4  # the control
+
+
+def test_a_reward_call_is_given_up_once_its_run_closes():
+  entered, release, closing = threading.Event(), threading.Event(), threading.Event()
+
+  def stuck(prompts, completions, **_):
+    entered.set()
+    release.wait(60)
+    return [1.0] * len(completions)
+
+  reward = rewards.Reward((rewards.Term("my_rewards:stuck", stuck),), timeout_s=3600)
+  caller = threading.Thread(target=lambda: outcome.append(_raised(reward, closing)), daemon=True)
+  outcome = []
+  try:
+    caller.start()
+    assert entered.wait(60)
+    caller.join(0.3)
+    assert caller.is_alive()  # the control: the call is still waited for while the run goes on
+    closing.set()
+    caller.join(60)
+    assert not caller.is_alive()
+    (error,) = outcome
+    assert isinstance(error, rewards.CallCancelled)
+    assert str(error).startswith("task.reward entry 'my_rewards:stuck' on the micro-batch of prompt indices 6..7 of"
+                                 " step 3, which had run ")
+  finally:
+    release.set()
+
+
+def _raised(reward, closing):
+  try:
+    reward(PROBLEMS, ["2", "3", "4", "4"], indices=[6, 6, 7, 7], step=3, cancelled=closing.is_set)
+  except BaseException as e:  # pylint: disable=broad-except  # what the caller saw is the test's subject
+    return e
+  return None
+
+
+@pytest.mark.parametrize("source,message", [
+    ("import sys\nsys.exit(0)\n", "module '{name}' cannot be imported (it called sys.exit(0))"),
+    ("raise SystemExit('no grader here')\n", "module '{name}' cannot be imported (it called sys.exit('no grader here'))"),
+    ("class Odd(BaseException): pass\nraise Odd('odd')\n", "module '{name}' cannot be imported (Odd: odd)"),
+    ("import time\ntime.sleep(30)\n", "importing module '{name}' did not return within task.reward_timeout_s=0.2 s"),
+])
+def test_a_module_whose_import_exits_or_hangs_is_refused(fresh_module, source, message):
+  name = fresh_module(f"my_rewards_import_{abs(hash(source))}", source + "def score(prompts, completions, **kw):\n"
+                                                                          "  return [0.0] * len(completions)\n")
+  with pytest.raises(rewards.RewardSpecError) as e:
+    make_reward(ModularAddition(), [f"{name}:score"], [], None, timeout_s=0.2)
+  assert f"task.reward[0]='{name}:score': " + message.format(name=name) in str(e.value)
+
+
+def test_run_rl_refuses_a_module_that_exits_at_import_before_writing_anything(tmp_path, fresh_module, capsys):
+  name = fresh_module("my_rewards_exit_at_import", "import sys\nsys.exit(0)\n")
+  out = tmp_path / "run"
+  assert cli.main(["task.reward=[exact, my_rewards_exit_at_import:score]", "--out", str(out),
+                   "run.reserve_host_core=false"]) == 2
+  err = capsys.readouterr().err.strip()
+  assert err == (f"run_rl: error: task.reward[1]='{name}:score': module '{name}' cannot be imported (it called"
+                 " sys.exit(0)); put it on PYTHONPATH, fix the name, or fix the module")
+  assert not out.exists()
+
+
+def test_a_module_whose_attribute_lookup_raises_is_refused(fresh_module):
+  name = fresh_module("my_rewards_lazy", "def __getattr__(attribute):\n  raise RuntimeError('lazy ' + attribute)\n")
+  with pytest.raises(rewards.RewardSpecError, match=f"task.reward\\[0\\]='{name}:score': looking up 'score' in module"
+                                                    f" '{name}' raised RuntimeError: lazy score; fix the module"):
+    make_reward(ModularAddition(), [f"{name}:score"], [], None)
+
+
+def test_a_module_that_imports_in_time_is_taken(fresh_module):
+  name = fresh_module("my_rewards_import_quick", "def score(prompts, completions, **kw):\n"
+                                                 "  return [0.5] * len(completions)\n")
+  reward = make_reward(ModularAddition(), [f"{name}:score"], [], None, timeout_s=60)
+  assert reward(PROBLEMS, ["2", "3", "4", "4"], indices=[6, 6, 7, 7]).tolist() == [0.5] * 4
+
+
+def test_math_on_a_built_in_task_without_numeric_answers_is_refused():
+  assert make_reward(ModularAddition(), ["math"], [], None)  # the control: its answers are numbers
+  with pytest.raises(rewards.RewardSpecError, match="task.reward lists math, but task.name=first_letter's answers"
+                                                    " hold no number"):
+    make_reward(FirstLetter(), ["math"], [], None)
+
+
+@pytest.mark.parametrize("value", [0.0, -1.0, float("nan"), float("inf"), 86_401.0])
+def test_the_reward_time_limit_is_a_positive_finite_number_of_seconds(value):
+  TaskSection(reward_timeout_s=0.5).validate()  # the control
+  with pytest.raises(recipe_lib.RecipeError, match=f"task.reward_timeout_s={value} is out of range: it must be a"
+                                                   r" number of seconds in \(0, 86,400\]"):
+    TaskSection(reward_timeout_s=value).validate()
 
 
 def test_the_recipe_checks_every_entry_before_anything_runs(jsonl):
@@ -230,26 +464,34 @@ def test_run_rl_trains_on_the_example_dataset_to_the_end(tmp_path, no_env_switch
   assert all(0.0 <= r["reward_mean"] <= 1.1 and math.isfinite(r["reward_mean"]) for r in records)
 
 
-def test_a_reward_that_raises_stops_the_run_naming_it_and_keeps_the_records_before(tmp_path, no_env_switches,
-                                                                                   fresh_module, capsys):
+@pytest.mark.parametrize("failure,message", [
+    ('raise RuntimeError("the grader is down")', "raised RuntimeError: the grader is down"),
+    ("time.sleep(120)", "did not return within task.reward_timeout_s=5 s"),  # 5 s: far above a quick call's time
+], ids=["raises", "times-out"])
+def test_a_reward_that_fails_stops_the_run_naming_it_and_keeps_the_records_before(tmp_path, no_env_switches,
+                                                                                  fresh_module, capsys, failure,
+                                                                                  message):
   """The example recipe has 2 micro-batches per step of 2 groups each, at staleness 1: the fifth call is step 2's
   first micro-batch (prompt indices 8 and 9), sampled while step 1 trains. The run stops at boundary 1, which
   waits for step 2's rollouts: step 1's update is applied and its record written before the run fails."""
-  name = fresh_module("my_rewards_step_two", """
+  name = fresh_module(f"my_rewards_step_two_{abs(hash(failure))}", f"""
+      import time
+
       calls = []
 
       def score(prompts, completions, **kwargs):
         calls.append(len(completions))
         if len(calls) > 4:
-          raise RuntimeError("the grader is down")
+          {failure}
         return [0.5] * len(completions)
       """)
   run = tmp_path / "run"
-  code = cli.main(LIVE + ["steps=3", f"task.reward=[{name}:score]", "task.reward_weights=[]", "--out", str(run)])
+  code = cli.main(LIVE + ["steps=3", f"task.reward=[{name}:score]", "task.reward_weights=[]",
+                          "task.reward_timeout_s=5", "--out", str(run)])
   err = capsys.readouterr().err
   assert code == 1, err
-  assert (f"the rollout thread failed while sampling step 2: RewardError: task.reward entry '{name}:score' raised"
-          " RuntimeError: the grader is down on the micro-batch of prompt indices 8..9" in err), err
+  assert (f"the rollout thread failed while sampling step 2: RewardError: task.reward entry '{name}:score' {message}"
+          " on the micro-batch of prompt indices 8..9 of step 2" in err), err
   assert "Traceback" not in err
   records = _records(run)
   assert [r["step"] for r in records] == [0, 1] and records[0]["reward_mean"] == 0.5  # the function's reward

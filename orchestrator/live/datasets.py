@@ -22,6 +22,8 @@ import dataclasses
 import functools
 import hashlib
 import json
+import math
+import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -29,14 +31,19 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from orchestrator.live.rewards import normalise
+from orchestrator.live.rewards import final_number, normalise
 from orchestrator.live.tasks import Problem, _held_out
 from orchestrator.live.tokenizer import CharTokenizer
+from orchestrator.user_files import UserFileError, check_regular, read_regular_bytes
 
 #: The repository root: a relative path that does not exist as given is read from there (as a recording's is).
 REPO_ROOT = Path(__file__).resolve().parents[2]
 JSONL_SUFFIXES = (".jsonl",)
 PARQUET_SUFFIXES = (".parquet", ".pq")
+#: The largest prompt file (JSONL or Parquet) read: a bigger one is refused before a byte of it is read.
+MAX_DATASET_BYTES = 1 << 30
+#: Rows of a Parquet file read at a time, the columns' bytes counted after each batch.
+PARQUET_BATCH_ROWS = 1024
 
 
 class DatasetError(ValueError):
@@ -66,10 +73,13 @@ def read_records(key: str, path: str) -> list[tuple[str, Any]]:
   """Every record of the file ``key`` (``task.path`` or ``task.eval_path``) names, each with where it is.
 
   Raises:
-    DatasetError: the file is missing, a directory, neither JSONL nor Parquet, unreadable as its kind, or empty.
+    DatasetError: the file is missing, a directory, not a regular file (a FIFO would block the read, a device
+      never end it), over ``MAX_DATASET_BYTES``, neither JSONL nor Parquet, unreadable as its kind, or empty.
   """
   try:
     return _read_records(key, path)
+  except UserFileError as e:  # a FIFO, a device, a socket, a file over MAX_DATASET_BYTES
+    raise DatasetError(str(e)) from None
   except OSError as e:  # unreadable: permissions, a broken disk, a name too long
     raise DatasetError(f"{key}={path} cannot be read ({e.strerror or e}); give a file you can read") from None
 
@@ -98,8 +108,9 @@ def _read_records(key: str, path: str) -> list[tuple[str, Any]]:
 
 def _read_jsonl(key: str, path: str, found: Path) -> list[tuple[str, Any]]:
   """The JSON object on each line that is not blank, with ``KEY=PATH line N`` (1-based)."""
+  data = read_regular_bytes(found, what=f"{key}'s file", max_bytes=MAX_DATASET_BYTES)
   try:
-    text = found.read_bytes().decode("utf-8-sig")  # a byte-order mark (some editors write one) is no text
+    text = data.decode("utf-8-sig")  # a byte-order mark (some editors write one) is no text
   except UnicodeDecodeError as e:
     raise DatasetError(f"{key}={path} is not UTF-8 text (byte {e.start}), so it is not JSONL; convert it to UTF-8"
                        " JSON lines, or name a Parquet file .parquet") from None
@@ -109,11 +120,7 @@ def _read_jsonl(key: str, path: str, found: Path) -> list[tuple[str, Any]]:
     if not line.strip():
       continue
     where = f"{key}={path} line {number}"
-    try:
-      record = json.loads(line)
-    except json.JSONDecodeError as e:
-      raise DatasetError(f"{where} is not JSON ({e.msg} at column {e.colno}); each line must be one JSON object"
-                         ' such as {"prompt": "2+3=", "answer": "5"}') from None
+    record = parse_line(where, line)
     if not isinstance(record, dict):
       raise DatasetError(f"{where} is a JSON {type(record).__name__}, not an object; each line must be one JSON"
                          ' object such as {"prompt": "2+3=", "answer": "5"}')
@@ -121,14 +128,70 @@ def _read_jsonl(key: str, path: str, found: Path) -> list[tuple[str, Any]]:
   return records
 
 
+class _NotJson(ValueError):
+  """A value Python's json reads but JSON has not (NaN, Infinity) or a float cannot hold (1e400)."""
+
+
+def _no_constant(literal: str):
+  raise _NotJson(f"the literal {literal}, which JSON does not have")
+
+
+def _finite_float(text: str) -> float:
+  value = float(text)
+  if not math.isfinite(value):
+    raise _NotJson(f"the number {text[:40]}, too large for a float")
+  return value
+
+
+def parse_line(where: str, line: str) -> Any:
+  """One JSONL line, every way it can fail refused in one line naming ``where`` (its file and line)."""
+  example = ' such as {"prompt": "2+3=", "answer": "5"}'
+  try:
+    return json.loads(line, parse_constant=_no_constant, parse_float=_finite_float)
+  except json.JSONDecodeError as e:
+    raise DatasetError(f"{where} is not JSON ({e.msg} at column {e.colno}); each line must be one JSON object"
+                       + example) from None
+  except _NotJson as e:
+    raise DatasetError(f"{where} holds {e}; write the value as a string, or leave it out") from None
+  except RecursionError:
+    raise DatasetError(f"{where} nests its brackets deeper than the reader's limit (about"
+                       f" {sys.getrecursionlimit()} levels); each line must be one flat JSON object"
+                       + example) from None
+  except ValueError as e:  # an integer of more digits than Python converts (sys.get_int_max_str_digits)
+    raise DatasetError(f"{where} holds a value that cannot be read ({str(e).split(';')[0]}); write it as a string,"
+                       " or leave it out") from None
+
+
 def _read_parquet(key: str, path: str, found: Path) -> list[tuple[str, Any]]:
   """Each row of the Parquet table as a mapping of its columns, with ``KEY=PATH row N`` (1-based)."""
+  check_regular(found, what=f"{key}'s file", max_bytes=MAX_DATASET_BYTES)
   try:
-    table = pq.read_table(found)
+    rows = _parquet_rows(key, path, pq.ParquetFile(found))
   except (pa.ArrowException, OSError) as e:
     raise DatasetError(f"{key}={path} is not a Parquet file pyarrow can read ({e}); convert it, or name a JSONL"
                        " file .jsonl") from None
-  return [(f"{key}={path} row {number}", record) for number, record in enumerate(table.to_pylist(), start=1)]
+  return [(f"{key}={path} row {number}", record) for number, record in enumerate(rows, start=1)]
+
+
+def _parquet_rows(key: str, path: str, parquet: pq.ParquetFile) -> list[dict]:
+  """The rows, read a batch at a time while the columns read stay within ``MAX_DATASET_BYTES``: a small file can
+  unpack to far more (compression, and a dictionary that repeats one long value in every row)."""
+  metadata = parquet.metadata
+  unpacked_bytes = sum(metadata.row_group(g).total_byte_size for g in range(metadata.num_row_groups))
+  if unpacked_bytes > MAX_DATASET_BYTES:
+    raise _unpacks_too_large(key, path, f"{unpacked_bytes:,} bytes")
+  rows, read_bytes = [], 0
+  for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS):
+    read_bytes += batch.nbytes
+    if read_bytes > MAX_DATASET_BYTES:
+      raise _unpacks_too_large(key, path, f"more than {MAX_DATASET_BYTES:,} bytes")
+    rows.extend(batch.to_pylist())
+  return rows
+
+
+def _unpacks_too_large(key: str, path: str, size: str) -> DatasetError:
+  return DatasetError(f"{key}={path} unpacks to {size} of columns, over the {MAX_DATASET_BYTES:,} bytes read for a"
+                      " prompt file; give a smaller file")
 
 
 def text_field(where: str, record: dict, field: str, key: str) -> str:
@@ -177,6 +240,22 @@ def check_characters(rows: Sequence[Row], tokenizer, prompt_field: str, answer_f
         raise DatasetError(f"{row.where}: field {field!r} has the character {bad!r}, which the character tokenizer"
                            f" cannot encode; write the prompts and answers in its characters only"
                            f" ({tokenizer.alphabet!r})")
+
+
+def check_answers(rows: Sequence[Row], answer_field: str, reward: Sequence[str]) -> None:
+  """Every answer can score: none is empty (the task's own check, accuracy's, would compare empty text with
+  empty text, and an empty completion would count as correct); with ``math`` among ``reward`` (``task.reward``)
+  every answer holds a number (else that term is 0.0 for every completion)."""
+  for row in rows:
+    answer = row.problem.answer
+    if not answer.strip():
+      raise DatasetError(f"{row.where}: field {answer_field!r} is {answer!r}, so no completion can be scored"
+                         " against it (accuracy would count an empty completion as correct); give every row an"
+                         " answer")
+    if "math" in reward and final_number(answer) is None:
+      raise DatasetError(f"{row.where}: field {answer_field!r} is {answer!r}, which holds no number, but"
+                         " task.reward lists math (the completion's final number against the answer's); give"
+                         " every row a numeric answer, or drop math from task.reward")
 
 
 def prompt_tokens(tokenizer, prompt: str) -> int:
@@ -314,8 +393,9 @@ def answer_alphabet(rows: Sequence[Row], tokenizer) -> str | None:
 
 def load_task(*, path: str, eval_path: str | None = None, prompt_field: str = "prompt", answer_field: str = "answer",
               eval_fraction: float = 0.1, max_prompt_tokens: int | None = None,
-              max_completion_tokens: int | None = None, tokenizer=None) -> DatasetTask:
-  """The dataset task the ``task.*`` keys describe, every row checked.
+              max_completion_tokens: int | None = None, tokenizer=None, reward: Sequence[str] = ()) -> DatasetTask:
+  """The dataset task the ``task.*`` keys describe, every row checked (its answers against ``reward``, the
+  ``task.reward`` entries).
 
   ``max_prompt_tokens`` None: the longest prompt's (bos included);
   ``max_completion_tokens`` None: the longest answer's.
@@ -335,6 +415,7 @@ def load_task(*, path: str, eval_path: str | None = None, prompt_field: str = "p
   else:
     train, held_out = split_by_hash(rows, eval_fraction)
   every = [*train, *held_out]
+  check_answers(every, answer_field, reward)
   check_characters(every, tokenizer, prompt_field, answer_field)
   check_no_pad_in_prompts(every, tokenizer)
   if max_prompt_tokens is not None:

@@ -8,10 +8,19 @@ Every reward has Tunix's reward-function signature (``tunix.rl.rl_learner``:
 It is called once per micro-batch over all its completions (a prompt repeats
 once per completion of its group, as Tunix repeats it), with the answers
 aligned to the completions and ``mode`` ``"train"``, and returns one finite
-float per completion. Several entries are a weighted sum. A function that
-raises, returns another count, or a value that is not a finite number stops the
-run at that step (``RewardError``), naming the entry and the prompt index (the
-``index`` the train split's problem was drawn with: ``Task.problem``).
+number per completion: a list, a tuple or a 1-D numpy array of ints or floats
+(a bool counts as 1.0 or 0.0, so ``[c == a for ...]`` works). Several entries
+are a weighted sum. A function that raises, returns anything else (a dict, a
+string, a generator, another count, a value that is not a finite number) or
+does not return within ``task.reward_timeout_s`` stops the run at that step
+(``RewardError``), naming the entry and the prompt index (the ``index`` the
+train split's problem was drawn with: ``Task.problem``).
+
+Each call runs on a daemon thread of its own (``run_limited``), which the
+caller waits for in slices, looking at the time limit and at whether the run
+is closing: a stuck function can neither hang the run nor hold its stop. A
+module of one's own is imported the same way when the recipe is validated, so
+an import that never returns, or one that calls ``sys.exit``, is a refusal.
 
 The built-ins (``BUILT_INS``): ``exact`` (the answer, after ``normalise``),
 ``math`` (the completion's final number equals the answer's) and ``format``
@@ -28,13 +37,21 @@ import importlib
 import inspect
 import math
 import re
+import threading
+import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
 from orchestrator.live.tasks import Problem
 
 RewardFn = Callable[..., Sequence[float]]
+
+#: ``task.reward_timeout_s``'s default: how long one call of a reward function, or the import of its module, may take.
+DEFAULT_TIMEOUT_S = 60.0
+#: How long the caller of a limited call waits before it looks at the time and at ``cancelled`` again.
+POLL_S = 0.05
 
 
 class RewardSpecError(ValueError):
@@ -43,6 +60,57 @@ class RewardSpecError(ValueError):
 
 class RewardError(RuntimeError):
   """A reward function failed at run time; the message names the entry and the prompt index."""
+
+
+class CallTimedOut(Exception):
+  """A limited call did not return within its time limit (``seconds``); it is left running on its thread."""
+
+  def __init__(self, seconds: float):
+    super().__init__(f"no return within {seconds:g} s")
+    self.seconds = seconds
+
+
+class CallCancelled(Exception):
+  """The caller gave up on a limited call because its run is closing; the message says what was waited for."""
+
+
+# ---------------------------------------------------------------------------- calls under a time limit
+
+
+def run_limited(call: Callable[[], Any], *, timeout_s: float, cancelled: Callable[[], bool] | None = None,
+                what: str = "a call") -> Any:
+  """``call()`` on a daemon thread of its own, waited for at most ``timeout_s``: its value, or what it raised
+  (``SystemExit`` too: a function's ``sys.exit`` must not end the run, let alone with code 0).
+
+  ``what`` names the call in ``CallCancelled``'s message. A call that does not return is left on its thread
+  (Python cannot stop a thread), which, being a daemon, does not hold the process's exit.
+
+  Raises:
+    CallTimedOut: ``timeout_s`` passed first.
+    CallCancelled: ``cancelled()`` became true first.
+  """
+  outcome: dict[str, Any] = {}
+  done = threading.Event()
+
+  def target():
+    try:
+      outcome["value"] = call()
+    except BaseException as e:  # pylint: disable=broad-except  # handed to the caller, which names it
+      outcome["error"] = e
+    finally:
+      done.set()
+
+  start = time.monotonic()
+  threading.Thread(target=target, name=f"limited: {what}", daemon=True).start()
+  while not done.wait(POLL_S):
+    waited_s = time.monotonic() - start
+    if cancelled is not None and cancelled():
+      raise CallCancelled(f"{what}, which had run {waited_s:.1f} s of its {timeout_s:g} s limit")
+    if waited_s >= timeout_s:
+      raise CallTimedOut(timeout_s)
+  if "error" in outcome:
+    raise outcome["error"]
+  return outcome["value"]
 
 
 # ---------------------------------------------------------------------------- the built-ins
@@ -140,58 +208,75 @@ class Term:
 
 @dataclasses.dataclass(frozen=True)
 class Reward:
-  """The weighted sum of a recipe's reward entries, called once per micro-batch."""
+  """The weighted sum of a recipe's reward entries, called once per micro-batch, each entry's call limited to
+  ``timeout_s`` (``task.reward_timeout_s``)."""
 
   terms: tuple[Term, ...]
+  timeout_s: float = DEFAULT_TIMEOUT_S
 
   def __call__(self, problems: Sequence[Problem], completions: Sequence[str], *, indices: Sequence[int],
-               mode: str = "train") -> np.ndarray:
+               mode: str = "train", step: int | None = None,
+               cancelled: Callable[[], bool] | None = None) -> np.ndarray:
     """One reward per completion (float32); ``problems[k]`` and ``indices[k]`` (its prompt index) are completion
-    ``k``'s.
+    ``k``'s, all of ``step`` (named in errors). ``cancelled``: whether the run is closing (``run_limited``).
 
     Raises:
-      RewardError: an entry raised, returned another count, or a value that is not a finite number.
+      RewardError: an entry raised, returned what is not one finite number per completion, or did not return
+        within ``timeout_s``.
+      CallCancelled: ``cancelled()`` became true while an entry ran.
     """
     prompts, answers = [p.prompt for p in problems], [p.answer for p in problems]
+    where = f"on the micro-batch of prompt indices {_span(indices)}" + (f" of step {step}" if step is not None else "")
     total = np.zeros(len(completions), np.float64)
     for term in self.terms:
-      total += term.weight * _checked(term, term_values(term, prompts, completions, answers, indices, mode), indices,
-                                      prompts)
+      arguments = dict(prompts=list(prompts), completions=list(completions), answer=list(answers), mode=mode)
+      values = term_values(term, arguments, where, timeout_s=self.timeout_s, cancelled=cancelled)
+      total += term.weight * _checked(term, values, where, indices, prompts)
     return total.astype(np.float32)
 
 
-def term_values(term: Term, prompts, completions, answers, indices, mode: str):
-  """What one entry returns for a micro-batch (called as Tunix calls a reward function)."""
+def term_values(term: Term, arguments: dict[str, Any], where: str, *, timeout_s: float,
+                cancelled: Callable[[], bool] | None = None):
+  """What one entry returns for a micro-batch (called as Tunix calls a reward function, with ``arguments``), under
+  the time limit; ``where`` (the micro-batch) ends the errors' first clause."""
   try:
-    return term.fn(prompts=list(prompts), completions=list(completions), answer=list(answers), mode=mode)
-  except Exception as e:  # a user's function may raise anything: the run stops with its name, not a traceback
-    raise RewardError(f"task.reward entry {term.name!r} raised {type(e).__name__}: {e} on the micro-batch of prompt"
-                      f" indices {_span(indices)}; fix the function or drop it from task.reward") from e
+    return run_limited(lambda: term.fn(**arguments), timeout_s=timeout_s, cancelled=cancelled,
+                       what=f"task.reward entry {term.name!r} {where}")
+  except CallCancelled:
+    raise
+  except CallTimedOut:
+    raise RewardError(f"task.reward entry {term.name!r} did not return within task.reward_timeout_s={timeout_s:g} s"
+                      f" {where}; make it faster, or raise task.reward_timeout_s") from None
+  except BaseException as e:  # a user's function may raise anything (sys.exit too): the run stops naming it
+    raise RewardError(f"task.reward entry {term.name!r} raised {type(e).__name__}: {e} {where}; fix the function or"
+                      " drop it from task.reward") from e
 
 
-def _checked(term: Term, values, indices: Sequence[int], prompts: Sequence[str]) -> np.ndarray:
+def _checked(term: Term, values, where: str, indices: Sequence[int], prompts: Sequence[str]) -> np.ndarray:
   """``values`` as one finite float per completion, or RewardError naming the entry and the prompt index."""
-  try:
-    count = len(values)
-  except TypeError:
-    raise RewardError(f"task.reward entry {term.name!r} returned {type(values).__name__}, not a list of floats, on the"
-                      f" micro-batch of prompt indices {_span(indices)}; return one float per completion") from None
-  if count != len(indices):
-    raise RewardError(f"task.reward entry {term.name!r} returned {count} values for {len(indices)} completions on the"
-                      f" micro-batch of prompt indices {_span(indices)}; return one float per completion")
-  out = np.empty(count, np.float64)
+  fix = "return a list, a tuple or a 1-D numpy array of numbers, one per completion"
+  if isinstance(values, np.ndarray) and values.ndim != 1:
+    raise RewardError(f"task.reward entry {term.name!r} returned a numpy array of shape {values.shape} {where}; {fix}")
+  if not isinstance(values, (list, tuple, np.ndarray)):  # a dict's len and iteration are its keys': not rewards
+    raise RewardError(f"task.reward entry {term.name!r} returned {type(values).__name__}, not a list of floats,"
+                      f" {where}; {fix}")
+  if len(values) != len(indices):
+    raise RewardError(f"task.reward entry {term.name!r} returned {len(values)} values for {len(indices)} completions"
+                      f" {where}; {fix}")
+  out = np.empty(len(values), np.float64)
   for k, value in enumerate(values):
     number = _as_number(value)
     if number is None or not math.isfinite(number):
       raise RewardError(f"task.reward entry {term.name!r} returned {value!r} for completion {k} (prompt index"
-                        f" {indices[k]}: {prompts[k]!r}); a reward must be a finite number")
+                        f" {indices[k]}: {prompts[k]!r}); a reward must be a finite real number")
     out[k] = number
   return out
 
 
 def _as_number(value) -> float | None:
-  """``value`` as a float, or None for what is not a number (a string is not, though float() would take it)."""
-  if isinstance(value, (str, bytes)):
+  """``value`` as a float (a bool as 1.0 or 0.0), or None for what is not a real number (a string is not, though
+  float() would take it; a complex is not, though numpy's float() would drop its imaginary part)."""
+  if isinstance(value, (str, bytes, complex, np.complexfloating)):
     return None
   try:
     return float(value)
@@ -203,35 +288,53 @@ def _span(indices: Sequence[int]) -> str:
   return f"{min(indices)}..{max(indices)}" if len(indices) else "(none)"
 
 
-def task_reward(task) -> Reward:
+def task_reward(task, timeout_s: float = DEFAULT_TIMEOUT_S) -> Reward:
   """The task's own reward (``task.reward(problem, completion)``, one completion at a time) as a ``Reward``."""
   def own(prompts, completions, *, answer, **_):
     return [task.reward(Problem(p, a), c) for p, a, c in zip(prompts, answer, completions)]
 
-  return Reward((Term(f"{task.name}'s own reward", own),))
+  return Reward((Term(f"{task.name}'s own reward", own),), timeout_s)
 
 
-def make_reward(task, names: Sequence[str], weights: Sequence[float], pattern: str | None) -> Reward:
+def make_reward(task, names: Sequence[str], weights: Sequence[float], pattern: str | None, *,
+                timeout_s: float = DEFAULT_TIMEOUT_S) -> Reward:
   """The ``Reward`` a recipe's ``task.reward`` (names; empty: the task's own), ``task.reward_weights`` (empty: all
-  1.0) and ``task.format_pattern`` describe.
+  1.0), ``task.format_pattern`` and ``task.reward_timeout_s`` (``timeout_s``: each call's limit, and each
+  module's import's) describe, for ``task`` (None: the entries alone are checked).
 
   Raises:
-    RewardSpecError: an unknown built-in, a function that cannot be imported, is not callable or cannot take
-      Tunix's reward arguments, weights of another length, or ``format`` without a valid pattern.
+    RewardSpecError: an unknown built-in, a module whose import fails, exits or does not return within
+      ``timeout_s``, a name that is not callable or cannot take Tunix's reward arguments, weights of another
+      length, ``format`` without a valid pattern, or ``math`` on a built-in task whose answers hold no number.
   """
   if not names:
     if weights:
       raise RewardSpecError(f"task.reward_weights={list(weights)} weighs task.reward entries, but task.reward is"
                             " not set; list the rewards in task.reward, or drop task.reward_weights")
-    return task_reward(task)
+    return task_reward(task, timeout_s)
   if weights and len(weights) != len(names):
     raise RewardSpecError(f"task.reward_weights has {len(weights)} weights for {len(names)} task.reward entries"
                           f" ({', '.join(names)}); give one weight per entry, or none (all 1.0)")
   compiled = compile_pattern(pattern) if "format" in names or pattern is not None else None
+  if "math" in names and task is not None:
+    check_numeric_answers(task)
   terms = []
   for i, name in enumerate(names):
-    terms.append(Term(name, resolve(i, name, compiled), float(weights[i]) if weights else 1.0))
-  return Reward(tuple(terms))
+    terms.append(Term(name, resolve(i, name, compiled, timeout_s), float(weights[i]) if weights else 1.0))
+  return Reward(tuple(terms), timeout_s)
+
+
+def check_numeric_answers(task, draws: int = 8) -> None:
+  """``math`` compares numbers: a built-in task whose answers hold none would score 0.0 for every completion. (A
+  dataset's rows are checked as they are read, each named: ``datasets.check_answers``.)"""
+  if hasattr(task, "train_problems"):
+    return
+  for index in range(draws):
+    problem = task.problem(0, "train", index)
+    if final_number(problem.answer) is None:
+      raise RewardSpecError(f"task.reward lists math, but task.name={task.name}'s answers hold no number (it answers"
+                            f" {problem.prompt!r} with {problem.answer!r}), so math would score 0.0 for every"
+                            " completion; use exact, or a task with numeric answers")
 
 
 def compile_pattern(pattern: str | None) -> re.Pattern:
@@ -245,31 +348,44 @@ def compile_pattern(pattern: str | None) -> re.Pattern:
     raise RewardSpecError(f"task.format_pattern={pattern!r} is not a regular expression ({e}); fix it") from None
 
 
-def resolve(i: int, name: str, pattern: re.Pattern | None) -> RewardFn:
+def resolve(i: int, name: str, pattern: re.Pattern | None, timeout_s: float = DEFAULT_TIMEOUT_S) -> RewardFn:
   """Entry ``i`` of ``task.reward``: a built-in by name, or a ``package.module:function``, checked callable."""
   if name in BUILT_INS:
     return BUILT_INS[name](pattern)
   if ":" not in name:
     raise RewardSpecError(f"task.reward[{i}]={name!r} is not a reward; use one of {', '.join(sorted(BUILT_INS))}, or"
                           " package.module:function for a function of your own")
-  fn = import_function(i, name)
+  fn = import_function(i, name, timeout_s)
   check_signature(i, name, fn)
   return fn
 
 
-def import_function(i: int, name: str) -> RewardFn:
-  """The function ``package.module:function`` names (a dotted attribute after the colon is followed)."""
+def import_function(i: int, name: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> RewardFn:
+  """The function ``package.module:function`` names (a dotted attribute after the colon is followed), its
+  module imported within ``timeout_s`` (on a thread of its own: ``run_limited``)."""
   module_name, _, attribute = name.partition(":")
   try:
-    target = importlib.import_module(module_name)
-  except Exception as e:  # an import runs the module's code: anything can fail there
-    raise RewardSpecError(f"task.reward[{i}]={name!r}: module {module_name!r} cannot be imported"
-                          f" ({type(e).__name__}: {e}); put it on PYTHONPATH or fix the name") from None
+    target = run_limited(lambda: importlib.import_module(module_name), timeout_s=timeout_s,
+                         what=f"the import of {module_name!r}")
+  except CallTimedOut:
+    raise RewardSpecError(f"task.reward[{i}]={name!r}: importing module {module_name!r} did not return within"
+                          f" task.reward_timeout_s={timeout_s:g} s; make its import finish (do slow work in the"
+                          " function), or raise task.reward_timeout_s") from None
+  except KeyboardInterrupt:  # Ctrl-C while the import runs: the user's, not the module's
+    raise
+  except BaseException as e:  # an import runs the module's code: anything can fail there, sys.exit too
+    failure = f"it called sys.exit({e.code!r})" if isinstance(e, SystemExit) else f"{type(e).__name__}: {e}"
+    raise RewardSpecError(f"task.reward[{i}]={name!r}: module {module_name!r} cannot be imported ({failure}); put"
+                          " it on PYTHONPATH, fix the name, or fix the module") from None
   for part in attribute.split("."):
-    if not hasattr(target, part):
+    try:
+      target = getattr(target, part)
+    except AttributeError:
       raise RewardSpecError(f"task.reward[{i}]={name!r}: module {module_name!r} has no {attribute!r}; fix the"
-                            " function's name")
-    target = getattr(target, part)
+                            " function's name") from None
+    except Exception as e:  # a module's __getattr__ runs its code
+      raise RewardSpecError(f"task.reward[{i}]={name!r}: looking up {attribute!r} in module {module_name!r} raised"
+                            f" {type(e).__name__}: {e}; fix the module") from None
   if not callable(target):
     raise RewardSpecError(f"task.reward[{i}]={name!r} is a {type(target).__name__}, not a function; name a function"
                           " fn(prompts, completions, **kwargs) that returns one float per completion")

@@ -35,6 +35,7 @@ the end is sampled for a run that writes no such checkpoint.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -45,13 +46,15 @@ import numpy as np
 from orchestrator.contract import RolloutStats, SourceStateError, WeightTransfer
 from orchestrator.data.trajectory import Trajectory, TrajectoryGroup
 from orchestrator.live.placement import gather_across_processes, keep
-from orchestrator.live.rewards import Reward, task_reward
+from orchestrator.live.rewards import CallCancelled, Reward, task_reward
 from orchestrator.live.sampler import LiveSampler
 from orchestrator.live.tasks import group_advantages
 
 
 #: How long one wait for the sampler lasts before the waiter looks at its stop flag again.
 WAIT_POLL_S = 0.1
+
+log = logging.getLogger("step_boundary.rollouts")
 
 
 class RolloutError(RuntimeError):
@@ -364,6 +367,8 @@ class LiveRollouts:
                                 taken=step < self._next, micro_batches=self.shape.micro_batches_per_step)
             self._cond.notify_all()
         step += 1
+    except CallCancelled as e:  # closed while a reward function ran: the run ends without waiting for it
+      log.warning("[rollouts] the run ended while sampling waited for %s; it was left running", e)
     except BaseException as e:  # pylint: disable=broad-except  # surfaced at the next boundary
       with self._cond:
         self._error = RuntimeError(f"the rollout thread failed while sampling step {step}: {type(e).__name__}: {e}")
@@ -373,7 +378,8 @@ class LiveRollouts:
     with self._sampler_lock:  # per micro-batch: an evaluation may take the sampler (and its weights) between
       if weights is not None and self._sampler.weights_version != version:
         self._sampler.sync(weights, version)
-      return sample_micro_batch(self._sampler, self._task, self._reward, self.shape, step, i)
+      return sample_micro_batch(self._sampler, self._task, self._reward, self.shape, step, i,
+                                cancelled=lambda: self._closed)
 
   # ---------------------------------------------------------------- evaluation
   def eval_prompt_count(self, asked: int) -> int:
@@ -479,16 +485,19 @@ class StreamedPayloads(Sequence):
     return self._source.micro_batch(self._step, index)
 
 
-def sample_micro_batch(sampler: LiveSampler, task, reward: Reward, shape: LiveShape, step: int, i: int):
+def sample_micro_batch(sampler: LiveSampler, task, reward: Reward, shape: LiveShape, step: int, i: int, *,
+                       cancelled: Callable[[], bool] | None = None):
   """Samples micro-batch ``i`` of ``step`` with the sampler's current weights: (payload, rewards, correct,
-  completion tokens). Its problems and seed are functions of (seed, step, i) alone."""
+  completion tokens). Its problems and seed are functions of (seed, step, i) alone. ``cancelled``: whether the
+  source is closing (a reward call still running is then given up: ``rewards.CallCancelled``)."""
   g = shape.generations_per_group
   first_group = (step * shape.micro_batches_per_step + i) * shape.groups_per_micro_batch
   problems = [task.problem(shape.seed, "train", first_group + j) for j in range(shape.groups_per_micro_batch)]
   prompts = [p.prompt for p in problems for _ in range(g)]
   seed = int(np.random.default_rng((shape.seed, step, i)).integers(2**31 - 1))
   samples = sampler.sample(prompts, seed=seed, temperature=shape.temperature)
-  rewards, correct = score_micro_batch(task, reward, problems, samples.texts, first_group, g)
+  rewards, correct = score_micro_batch(task, reward, problems, samples.texts, first_group, g, step=step,
+                                       cancelled=cancelled)
   advantages = group_advantages(rewards, g)
   if any(len(c) == 0 for c in samples.completion_ids):
     raise RuntimeError(f"the sampler returned an empty completion at step {step}, micro-batch {i}")
@@ -513,12 +522,15 @@ def acquire_unless(lock: threading.Lock, stop: Callable[[], Any] | None) -> bool
   return True
 
 
-def score_micro_batch(task, reward: Reward, problems, texts: list[str], first_index: int, generations: int):
-  """(training rewards, correct) of a micro-batch's completions, ``generations`` per problem, the first problem
-  drawn with index ``first_index``. The reward is one call over all of them, as Tunix calls reward functions (a
-  model-based one batches); correct is the task's own check, so accuracy means the same whatever the reward."""
+def score_micro_batch(task, reward: Reward, problems, texts: list[str], first_index: int, generations: int, *,
+                      step: int | None = None, cancelled: Callable[[], bool] | None = None):
+  """(training rewards, correct) of a micro-batch's completions of ``step``, ``generations`` per problem, the
+  first problem drawn with index ``first_index``. The reward is one call over all of them, as Tunix calls reward
+  functions (a model-based one batches), limited in time (``Reward.timeout_s``); correct is the task's own check,
+  so accuracy means the same whatever the reward."""
   each = [problems[k // generations] for k in range(len(texts))]
-  rewards = reward(each, texts, indices=[first_index + k // generations for k in range(len(texts))])
+  rewards = reward(each, texts, indices=[first_index + k // generations for k in range(len(texts))], step=step,
+                   cancelled=cancelled)
   return rewards, np.array([task.reward(p, text) == 1.0 for p, text in zip(each, texts)])
 
 

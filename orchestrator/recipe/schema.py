@@ -254,6 +254,8 @@ DATASET = "dataset"
 DATASET_ONLY_KEYS = ("path", "eval_path", "max_prompt_tokens", "max_completion_tokens")
 #: The range of ``task.max_prompt_tokens`` and ``task.max_completion_tokens`` (they size the sampler's cache).
 TOKEN_RANGES = {"max_prompt_tokens": (2, 4096), "max_completion_tokens": (1, 4096)}
+#: The longest ``task.reward_timeout_s`` (a day): a limit is a limit.
+MAX_REWARD_TIMEOUT_S = 86_400
 
 
 @dataclasses.dataclass
@@ -277,6 +279,8 @@ class TaskSection:
   # summed with reward_weights (default all 1.0). None listed: the task's own (a dataset's: exact).
   reward: list[str] = dataclasses.field(default_factory=list)
   reward_weights: list[float] = dataclasses.field(default_factory=list)
+  # Seconds one call of a reward function (and the import of its module) may take; longer ends the run (refuses).
+  reward_timeout_s: float = rewards_lib.DEFAULT_TIMEOUT_S
   format_pattern: str | None = None  # format: re.fullmatch against the completion, surrounding whitespace stripped
 
   def validate(self) -> None:
@@ -287,6 +291,9 @@ class TaskSection:
       value = getattr(self, key)
       if not low <= value <= high:
         raise RecipeError(f"task.{key}={value} is out of range: it must be in [{low}, {high}]")
+    if not (math.isfinite(self.reward_timeout_s) and 0 < self.reward_timeout_s <= MAX_REWARD_TIMEOUT_S):
+      raise RecipeError(f"task.reward_timeout_s={self.reward_timeout_s} is out of range: it must be a number of"
+                        f" seconds in (0, {MAX_REWARD_TIMEOUT_S:,}], how long one reward call may take")
     if self.name == DATASET:
       self._check_dataset_keys()
     else:
@@ -318,7 +325,8 @@ class TaskSection:
   def make_reward(self, task):
     """The training reward ``task.reward`` and ``task.reward_weights`` describe, for ``task`` (``make()``)."""
     try:
-      return rewards_lib.make_reward(task, self.reward, self.reward_weights, self.format_pattern)
+      return rewards_lib.make_reward(task, self.reward, self.reward_weights, self.format_pattern,
+                                     timeout_s=self.reward_timeout_s)
     except rewards_lib.RewardSpecError as e:
       raise RecipeError(str(e)) from None
 
@@ -335,7 +343,7 @@ class TaskSection:
                                     answer_field=self.answer_field, eval_fraction=self.eval_fraction,
                                     max_prompt_tokens=self.max_prompt_tokens,
                                     max_completion_tokens=self.max_completion_tokens,
-                                    tokenizer=tokenizer or CharTokenizer())
+                                    tokenizer=tokenizer or CharTokenizer(), reward=self.reward)
     except datasets_lib.DatasetError as e:
       raise RecipeError(str(e)) from None
 
@@ -756,6 +764,8 @@ class Recipe:
     """Keys only the live loop reads, set for a run that samples nothing: it would ignore them silently."""
     given = [(key, value) for key, value in (("task.name", self.task.name if self.task.name == DATASET else None),
                                              ("task.reward", self.task.reward or None),
+                                             ("task.reward_timeout_s", None if self.task.reward_timeout_s
+                                              == rewards_lib.DEFAULT_TIMEOUT_S else self.task.reward_timeout_s),
                                              ("model.chat_template", self.model.chat_template or None))
              if value is not None]
     if given:
