@@ -361,3 +361,122 @@ def test_rollouts_a_live_checkpoint_carries_are_checked_before_a_resume_trains_o
                                                         source=CarryingSource())
   assert "pending record of step 3 without" in checkpoint_check.problem(
       4, dict(metadata, pending_record={"step": 3}), run_id=metadata["run_id"], source=CarryingSource())
+
+
+# ---------------------------------------------------------------------------- what a resume reads, of its kind
+def _hand_made_run(path: Path, run_id: str = "r1") -> Path:
+  """A run directory as a run leaves it, by hand: its config, records, a segment, an empty checkpoints/."""
+  path.mkdir(parents=True)
+  (path / run_dir.CONFIG).write_text(json.dumps({"run_id": run_id, "config": {"steps": 4}}))
+  (path / run_dir.RECORDS).write_text("")
+  (path / run_dir.CHECKPOINTS).mkdir()
+  segment = path / run_dir.SEGMENTS / "1"
+  segment.mkdir(parents=True)
+  (segment / run_dir.SEGMENT).write_text(json.dumps({"first_step": 2, "steps": 6, "resumed_from": 2}))
+  return path
+
+
+@pytest.mark.parametrize("damage,named,kind", [
+    (lambda run: (run / "segments" / "2").write_text("x"), "segments/2", "a file, where a segment directory"),
+    (lambda run: (run / "records.jsonl").unlink() or (run / "records.jsonl").mkdir(), "records.jsonl",
+     "a directory, not the file a run writes there"),
+    (lambda run: shutil.rmtree(run / "segments" / "1") or (run / "segments" / "1").mkdir()
+     or (run / "segments" / "1" / "segment.json").mkdir(), "segments/1/segment.json", "a directory, not the file"),
+    (lambda run: os.mkfifo(run / "segments" / "1" / "records.jsonl"), "segments/1/records.jsonl", "a FIFO"),
+    (lambda run: (run / "checkpoints").rmdir() or (run / "checkpoints").write_text("x"), "checkpoints",
+     "a file, not the directory a run writes there"),
+    (lambda run: (run / "segments" / "1" / "trace.json").symlink_to(run / "nowhere"), "segments/1/trace.json",
+     "a link that leads nowhere"),
+], ids=["segment-a-file", "records-a-directory", "segment-json-a-directory", "records-a-fifo",
+        "checkpoints-a-file", "trace-a-dangling-link"])
+def test_a_path_a_resume_reads_that_is_not_of_its_kind_is_refused_naming_it(damage, named, kind, tmp_path):
+  run = _hand_made_run(tmp_path / "run")
+  run_dir.check_layout(run, flag="--resume")  # the negative control: the run as a run leaves it passes
+  damage(run)
+  with pytest.raises(run_dir.RunDirError) as excinfo:
+    run_dir.check_layout(run, flag="--resume")
+  message = str(excinfo.value)
+  assert f"{run / named} is {kind}" in message and "move it out of" in message, message
+
+
+def test_a_resume_of_a_run_with_a_segment_that_is_a_file_is_refused_and_changes_nothing(finished, tmp_path, capsys):
+  run = _copy(finished, tmp_path)
+  (run / run_dir.SEGMENTS).mkdir()
+  (run / run_dir.SEGMENTS / "1").write_text("not a segment")
+  before = _files(run)
+  err = _refused(["--resume", str(run), "--steps", "6"], capsys)
+  assert f"{run / 'segments' / '1'} is a file, where a segment directory (resume 1) belongs" in err, err
+  assert _files(run) == before
+
+
+def test_a_new_segment_is_numbered_past_any_entry_and_a_failed_mkdir_is_a_refusal(tmp_path):
+  run = _hand_made_run(tmp_path / "run")
+  (run / run_dir.SEGMENTS / "2").write_text("x")
+  assert run_dir.new_segment(run, first_step=2, steps=6, resumed_from=2).index == 3
+  (run / run_dir.SEGMENTS).chmod(0o500)
+  try:
+    if os.access(run / run_dir.SEGMENTS, os.W_OK):  # root writes anything: a file where the root is stands in
+      shutil.rmtree(run / run_dir.SEGMENTS)
+      (run / run_dir.SEGMENTS).write_text("x")
+    with pytest.raises(run_dir.RunDirError, match="cannot create the new segment"):
+      run_dir.new_segment(run, first_step=2, steps=8, resumed_from=2)
+  finally:
+    if (run / run_dir.SEGMENTS).is_dir():
+      (run / run_dir.SEGMENTS).chmod(0o700)
+
+
+# ---------------------------------------------------------------------------- no lock in what is not a run
+@pytest.mark.parametrize("make", [
+    lambda d: (d / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 8})),
+    lambda d: (d / "manifest.json").write_text("{}"),
+    lambda d: None,
+], ids=["a-model-checkpoint", "a-recording", "empty"])
+def test_a_directory_that_holds_no_run_gets_no_lock_file(make, tmp_path):
+  target = tmp_path / "not-a-run"
+  target.mkdir()
+  make(target)
+  before = sorted(p.name for p in target.iterdir())
+  with pytest.raises(run_dir.RunDirError, match=r"holds no run|is not a run config written by run_rl"):
+    run_dir.lock_run(target, flag="--resume")
+  assert sorted(p.name for p in target.iterdir()) == before
+  # The negative control: a run's directory that has lost its lock file gets one.
+  run = _hand_made_run(tmp_path / "run")
+  with run_dir.lock_run(run, flag="--resume"):
+    assert (run / run_dir.LOCK).is_file()
+
+
+def test_export_of_a_directory_that_holds_no_run_is_refused_with_nothing_written(tmp_path, capsys):
+  target = tmp_path / "recording"
+  target.mkdir()
+  (target / "manifest.json").write_text("{}")
+  code = cli.main(["export", str(target), "--out", str(tmp_path / "exported")])
+  err = capsys.readouterr().err.strip()
+  assert code == 2 and len(err.splitlines()) == 1 and "holds no run (config.json is missing)" in err, err
+  assert sorted(p.name for p in tmp_path.rglob("*")) == ["manifest.json", "recording"]
+
+
+# ---------------------------------------------------------------------------- what a new run writes into
+def test_a_directory_inside_out_the_run_cannot_write_is_refused_before_anything_is_written(tmp_path,
+                                                                                          monkeypatch):
+  out = tmp_path / "out"
+  (out / "tensorboard").mkdir(parents=True)
+  run_dir.check_new(out)  # the negative control: a writable tensorboard/ is the run's to write into
+  access = os.access
+  monkeypatch.setattr(run_dir.os, "access", lambda path, mode: Path(path).name != "tensorboard"
+                      and access(path, mode))  # root can write anything: pretend tensorboard/ is read-only
+  with pytest.raises(run_dir.RunDirError, match=r"tensorboard is not writable, and the run writes its tensorboard"):
+    run_dir.check_new(out)
+  monkeypatch.undo()
+  (out / "tensorboard").rmdir()
+  (out / "checkpoints").write_text("x")
+  with pytest.raises(run_dir.RunDirError, match=r"checkpoints is a file, where the run writes its checkpoints"):
+    run_dir.check_new(out)
+
+
+def test_a_tensorboard_path_that_is_a_file_refuses_the_run_before_its_directory_is_claimed(tmp_path, capsys):
+  out = tmp_path / "out"
+  out.mkdir()
+  (out / "tensorboard").write_text("someone's notes")
+  err = _refused(BASE + ["steps=2", "--out", str(out)], capsys)
+  assert f"{out / 'tensorboard'} is a file, where the run writes its tensorboard directory" in err, err
+  assert sorted(p.name for p in out.iterdir()) == ["tensorboard"]

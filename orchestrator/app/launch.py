@@ -163,6 +163,8 @@ def plan_resume(path: Path, steps: int | None, from_checkpoint: int | None = Non
     RunDirError / RecipeError: no run there, its config.json was edited or no longer makes a valid recipe.
   """
   config = run_dir.read_config(path)
+  run_dir.check_layout(path, flag="--resume")
+  run_dir.check_writable_dirs(path, flag="--resume", names=(run_dir.CHECKPOINTS,))  # the resume writes there
   edited = run_dir.edited_keys(config)
   if edited:
     raise RunDirError(
@@ -226,9 +228,7 @@ def resume(path: Path, steps: int | None, from_checkpoint: int | None = None) ->
   """Continues the run in ``path`` from its latest complete checkpoint (or ``from_checkpoint``); ``steps``
   may extend it. The run directory's lock is taken before anything there is read."""
   try:
-    if not (path / run_dir.CONFIG).is_file():
-      run_dir.read_config(path)  # refuses, naming what is missing: a directory with no run gets no lock file
-    held = _lock(path, flag="--resume")
+    held = run_dir.lock_run(path, flag="--resume") if _holds_the_lock() else contextlib.nullcontext()
   except REFUSALS as e:
     return _refuse(e)
   with held:
@@ -278,12 +278,9 @@ def _execute(plan: RunPlan, held: contextlib.ExitStack) -> int:
   if code is not None:
     return code
   host, point, source, devices = checked
-  if plan.resumes:
-    plan = _open_segment(plan, point, job)
-  else:
-    plan, refusal = _claim(plan, job, held)
-    if refusal is not None:
-      return _refuse(refusal, job=job)
+  plan, refusal = _open_segment(plan, point, job) if plan.resumes else _claim(plan, job, held)
+  if refusal is not None:
+    return _refuse(refusal, job=job)
   writes_to[0] = plan.write_dir
   if job.is_primary:
     print(_opening_line(plan, job, host=host, point=point, devices=devices), file=sys.stderr)
@@ -478,21 +475,27 @@ def resume_point(plan: RunPlan, source):
   return ResumePoint(step, metadata, records, restored_record=restored, superseded_checkpoints=superseded)
 
 
-def _open_segment(plan: RunPlan, point, job: job_lib.Job) -> RunPlan:
+def _open_segment(plan: RunPlan, point, job: job_lib.Job) -> tuple[RunPlan, str | None]:
   """Process 0 opens the resume's segment (``run_dir.new_segment``): its records begin with a restored one,
-  if any, and the checkpoints after the one resumed from move into it. Every process waits for that."""
-  write_dir = None
+  if any, and the checkpoints after the one resumed from move into it. Every process waits for that. Returns
+  the plan writing into the segment and why it could not be opened (None: opened)."""
+  opened = {"write_dir": None, "refusal": None}
   if job.is_primary:
-    first_step = point.steps_done - (1 if point.restored_record is not None else 0)
-    segment = run_dir.new_segment(plan.out, first_step=first_step, steps=plan.recipe.steps,
-                                  resumed_from=point.checkpoint_step)
-    if point.restored_record is not None:
-      (segment.path / run_dir.RECORDS).write_text(json.dumps(point.restored_record) + "\n", encoding="utf-8")
-    if point.superseded_checkpoints:
-      _move_aside(plan, point.superseded_checkpoints, segment.path / run_dir.SUPERSEDED_CHECKPOINTS)
-    write_dir = str(segment.path)
-  write_dir = job.agreement.broadcast("segment", write_dir)
-  return dataclasses.replace(plan, write_dir=Path(write_dir) if write_dir else None)
+    try:
+      first_step = point.steps_done - (1 if point.restored_record is not None else 0)
+      segment = run_dir.new_segment(plan.out, first_step=first_step, steps=plan.recipe.steps,
+                                    resumed_from=point.checkpoint_step)
+    except RunDirError as e:
+      opened["refusal"] = str(e)
+    else:
+      if point.restored_record is not None:
+        (segment.path / run_dir.RECORDS).write_text(json.dumps(point.restored_record) + "\n", encoding="utf-8")
+      if point.superseded_checkpoints:
+        _move_aside(plan, point.superseded_checkpoints, segment.path / run_dir.SUPERSEDED_CHECKPOINTS)
+      opened["write_dir"] = str(segment.path)
+  opened = job.agreement.broadcast("segment", opened)
+  write_dir = opened["write_dir"]
+  return dataclasses.replace(plan, write_dir=Path(write_dir) if write_dir else None), opened["refusal"]
 
 
 def _move_aside(plan: RunPlan, steps: list[int], into: Path) -> None:
