@@ -480,3 +480,29 @@ def test_a_tensorboard_path_that_is_a_file_refuses_the_run_before_its_directory_
   err = _refused(BASE + ["steps=2", "--out", str(out)], capsys)
   assert f"{out / 'tensorboard'} is a file, where the run writes its tensorboard directory" in err, err
   assert sorted(p.name for p in out.iterdir()) == ["tensorboard"]
+
+
+# ---------------------------------------------------------------------------- a claim a kill left behind
+def test_a_claim_a_killed_run_left_before_its_first_step_is_taken_over_and_anything_more_is_not(tmp_path, capsys):
+  out = tmp_path / "out"
+  out.mkdir()
+  (out / run_dir.LOCK).write_text("{}")  # killed between taking the lock and writing its claim
+  run_dir.check_new(out)
+  (out / run_dir.CONFIG).write_text(json.dumps({"run_id": "killed", "config": {}}))
+  (out / run_dir.CHECKPOINTS).mkdir()
+  (out / "tensorboard").mkdir()  # killed in bring-up, after the claim: no record, no checkpoint
+  run_dir.check_new(out)
+  with run_dir.lock(out, flag="--out"):
+    run_dir.claim_new(out, {"run_id": "new", "config": {}})
+  assert "held only the claim of run killed" in capsys.readouterr().err
+  assert run_dir.read_config(out)["run_id"] == "new"
+  # The negative controls: a run that left anything more than its claim stays its own.
+  for more in (lambda: (out / run_dir.RECORDS).write_text(""), lambda: (out / run_dir.CHECKPOINTS / "2").mkdir(),
+               lambda: (out / run_dir.ERROR_LOG).write_text("boom"), lambda: (out / "notes.txt").write_text("x")):
+    shutil.rmtree(out)
+    out.mkdir()
+    (out / run_dir.CONFIG).write_text(json.dumps({"run_id": "killed", "config": {}}))
+    (out / run_dir.CHECKPOINTS).mkdir()
+    more()
+    with pytest.raises(run_dir.RunDirError, match="already holds a run"):
+      run_dir.check_new(out)

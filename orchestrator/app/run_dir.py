@@ -96,7 +96,7 @@ def check_new(path: Path) -> None:
   """
   if path.exists() and not path.is_dir():
     raise RunDirError(f"--out {path} is a file, not a directory; choose a directory for the run's outputs")
-  if holds_a_run(path):
+  if holds_a_run(path) and abandoned_claim(path) is None:
     raise RunDirError(f"--out {path} already holds a run; continue it with `run_rl --resume {path}`"
                       " or choose a new --out")
   existing = _nearest_existing(path)
@@ -171,12 +171,47 @@ def default_out(name: str, root: Path = Path("runs")) -> Path:
   return path
 
 
+def abandoned_claim(path: Path) -> dict[str, Any] | None:
+  """The claim (``config.json``) of a run that ended before its first step, if that is all ``path`` holds.
+
+  Between its claim and its first record a run builds its engine (seconds to
+  minutes); a kill then leaves ``config.json`` (beside its lock, and the empty
+  or step-less ``checkpoints/`` and ``tensorboard/`` bring-up made) and nothing
+  else: no record, no summary, no error log, no checkpoint, no segment. Such a
+  directory holds no output of anyone's, so a new run may claim it again
+  (``claim_new``, under the lock: a run still bringing itself up holds it and
+  is refused by ``lock``). Returns the abandoned ``config.json`` (for the note
+  that says so), or None for anything else, which stays a run's.
+  """
+  if not path.is_dir() or not (path / CONFIG).is_file():
+    return None
+  leftovers = {p.name for p in path.iterdir()} - {CONFIG, LOCK}
+  if leftovers - {CHECKPOINTS, TENSORBOARD} or any(
+      (path / name).exists() and (not (path / name).is_dir() or any((path / name).iterdir()))
+      for name in leftovers - {TENSORBOARD}):
+    return None
+  if (path / TENSORBOARD).exists() and not (path / TENSORBOARD).is_dir():
+    return None
+  try:
+    config = json.loads(read_regular_text(path / CONFIG, what="the run's config", max_bytes=CONFIG_MAX_BYTES))
+  except (UserFileError, ValueError):
+    return None
+  return config if isinstance(config, dict) and isinstance(config.get("run_id"), str) else None
+
+
 def claim_new(path: Path, config: dict[str, Any]) -> None:
   """Writes a new run's ``config.json``, with the recipe's digest (fails if another run got there first).
 
-  The caller holds ``path``'s lock (``lock``), which created the directory.
+  The caller holds ``path``'s lock (``lock``), which created the directory. A
+  claim a killed run left with nothing after it (``abandoned_claim``) is taken
+  over, with a note naming the run that left it.
   """
   config = dict(config, digest=config_digest(config["config"]))
+  abandoned = abandoned_claim(path)
+  if abandoned is not None:
+    (path / CONFIG).unlink()
+    print(f"run_rl: note: --out {path} held only the claim of run {abandoned['run_id']}, which ended before its"
+          " first step (nothing else of it is there); this run takes the directory", file=sys.stderr)
   try:
     with (path / CONFIG).open("x") as f:
       json.dump(config, f, indent=2, default=str)
