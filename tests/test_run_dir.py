@@ -506,3 +506,67 @@ def test_a_claim_a_killed_run_left_before_its_first_step_is_taken_over_and_anyth
     more()
     with pytest.raises(run_dir.RunDirError, match="already holds a run"):
       run_dir.check_new(out)
+
+
+# ---------------------------------------------------------------------------- the files orbax reads
+def _copy_checkpoint(finished: Path, tmp_path: Path, step: int = 4) -> Path:
+  path = tmp_path / "checkpoint"
+  shutil.copytree(finished / "checkpoints" / str(step), path)
+  return path
+
+
+def _truncate(path: Path, size: int = 20) -> None:
+  path.write_bytes(path.read_bytes()[:size])
+
+
+@pytest.mark.parametrize("damage,problem", [
+    (lambda c: _truncate(c / "state" / "_METADATA"), "damaged state/_METADATA (not JSON"),
+    (lambda c: (c / "state" / "_METADATA").write_text('{"tree_metadata": {}}'), "lists no saved arrays"),
+    (lambda c: _truncate(c / "_CHECKPOINT_METADATA"), "damaged _CHECKPOINT_METADATA (not JSON"),
+    (lambda c: _truncate(c / "metadata" / "metadata"), "damaged metadata/metadata (not JSON"),
+    (lambda c: (c / "state" / "_sharding").write_text("[]"), "damaged state/_sharding (a JSON list"),
+    (lambda c: _truncate(c / "state" / "array_metadatas" / "process_0"), "damaged state/array_metadatas/process_0"),
+    (lambda c: shutil.rmtree(c / "state"), "has no state/ directory"),
+    (lambda c: (c / "state" / "manifest.ocdbt").unlink(), "lacks state/manifest.ocdbt"),
+    (lambda c: [_truncate(p, 0) for p in (c / "state" / "d").iterdir()], "(it is empty)"),
+    (lambda c: [shutil.rmtree(d) for d in c.glob("state/**/d")], "has no data files in state/"),
+], ids=["metadata-truncated", "metadata-no-arrays", "checkpoint-metadata", "run-metadata", "sharding", "arrays",
+        "no-state", "no-manifest", "empty-data", "no-data"])
+def test_a_damaged_file_orbax_reads_is_named(damage, problem, finished, tmp_path):
+  checkpoint = _copy_checkpoint(finished, tmp_path)
+  assert checkpoint_check.files_problem(checkpoint) is None  # the negative control: as the run wrote it
+  damage(checkpoint)
+  found = checkpoint_check.files_problem(checkpoint)
+  assert found is not None and problem in found, found
+
+
+def test_a_truncated_orbax_metadata_is_refused_naming_the_intact_checkpoint_and_nothing_changes(finished, tmp_path,
+                                                                                               capsys):
+  run = _copy(finished, tmp_path)
+  _truncate(run / "checkpoints" / "4" / "state" / "_METADATA")
+  before = _files(run)
+  err = _refused(["--resume", str(run), "--steps", "6"], capsys)
+  assert "checkpoint 4" in err and "damaged state/_METADATA" in err, err
+  assert f"`run_rl --resume {run} --from-checkpoint 2`" in err, err
+  assert _files(run) == before and not (run / run_dir.SEGMENTS).exists()
+
+
+@pytest.mark.parametrize("from_checkpoint", [None, 2], ids=["latest", "earlier"])
+def test_a_checkpoint_that_fails_to_restore_leaves_the_run_as_it_was(from_checkpoint, finished, tmp_path, capsys):
+  """Damage no check reads (the saved arrays' bytes) fails the restore: one line naming the checkpoint and the
+  one to try instead; the run's view and its checkpoints as they were (those moved aside moved back)."""
+  run = _copy(finished, tmp_path)
+  step = from_checkpoint or 4
+  for data in (run / "checkpoints" / str(step) / "state").glob("**/d/*"):
+    data.write_bytes(bytes(data.stat().st_size))
+  before = _files(run)
+  argv = ["--resume", str(run), "--steps", "6", *([f"--from-checkpoint={from_checkpoint}"] if from_checkpoint else [])]
+  assert cli.main(argv) == 1
+  lines = capsys.readouterr().err.strip().splitlines()
+  assert lines[-1].startswith(f"run_rl: error: the resume could not restore checkpoint {step}"), lines
+  assert "Traceback" not in "\n".join(lines) and "the run is as it was" in lines[-1]
+  assert (f"`run_rl --resume {run} --from-checkpoint 2`" in lines[-1]) == (step == 4)
+  after = _files(run)
+  assert {k: after[k] for k in before} == before  # checkpoint 4 moved back, every file as it was
+  assert run_dir.latest_segment(run) == run and not (run / "segments" / "1" / run_dir.SEGMENT).exists()
+  assert (run / "segments" / "1" / run_dir.ERROR_LOG).exists()

@@ -445,6 +445,8 @@ def resume_point(plan: RunPlan, source):
   problems = checkpoint_check.problems(
       checkpoints, run_id=plan.run_id, source=source, config_sha256=plan.config_sha256,
       payload_check=functools.partial(validate_payload, tokens_per_row=tokens_per_row, vocab_size=vocab_size))
+  problems = {step: checkpoint_check.files_problem(Path(ckpt_dir) / str(step)) or problem  # orbax's files first
+              for step, problem in problems.items()}
   valid = sorted(step for step, problem in problems.items() if problem is None)
   instead = (f"resume from checkpoint {valid[-1]}, the newest valid one, with `run_rl --resume {path}"
              f" --from-checkpoint {valid[-1]}` (the checkpoints after it are moved aside, not deleted)" if valid
@@ -472,7 +474,9 @@ def resume_point(plan: RunPlan, source):
     raise RunDirError(f"--resume {path}: the run's records end after step {len(records) - 1}, but checkpoint"
                       f" {step} covers steps 0 to {step - 1}; {fix}")
   superseded = sorted(s for s in checkpoints if s > step)
-  return ResumePoint(step, metadata, records, restored_record=restored, superseded_checkpoints=superseded)
+  earlier = [s for s in valid if s < step]
+  return ResumePoint(step, metadata, records, restored_record=restored, superseded_checkpoints=superseded,
+                     earlier_valid=earlier[-1] if earlier else None)
 
 
 def _open_segment(plan: RunPlan, point, job: job_lib.Job) -> tuple[RunPlan, str | None]:
@@ -629,7 +633,10 @@ def _run_program(plan: RunPlan, *, source, resume, job: job_lib.Job) -> int:
     except Exception as e:  # pylint: disable=broad-except
       if job.watchdog is not None:  # a collective failed because a peer died? Then the watchdog names it.
         job.watchdog.wait_for_loss()
-      code = _fail(write_dir, e, None if handle is None else handle.current_step, job)
+      if handle is None and resume is not None and job.is_primary and write_dir is not None:
+        code = _withdraw_segment(plan, resume, e)
+      else:
+        code = _fail(write_dir, e, None if handle is None else handle.current_step, job)
     finally:
       if handle is not None:
         handle.close()
@@ -761,6 +768,32 @@ def _stopped_non_finite(out: Path, write_dir: Path, error: NonFiniteStepError, j
         f" {error.grad_norm} (not finite); records so far are kept in {write_dir / run_dir.RECORDS}; {last};"
         f" lower engine.learning_rate (or set engine.skip_nonfinite_updates=true)"
         f" and start a new run{resume}", file=sys.stderr)
+  return 1
+
+
+def _withdraw_segment(plan: RunPlan, point, error: Exception) -> int:
+  """A resume that failed before its first step (its checkpoint could not be restored, or the run not built)
+  leaves the run as it was: the checkpoints it moved aside go back, and its segment loses its
+  ``segment.json``, so the run's view stays the segment before (``run_dir.segments`` skips it); the traceback
+  stays in the segment's ``error.log``. One line, exit 1, naming the checkpoint and the one to try instead."""
+  # import here: gRPC and the engines load after setup_host (a refusal loads neither)
+  from orchestrator.app.runner import checkpoint_dir_for
+
+  segment = plan.write_dir
+  log_path = segment / run_dir.ERROR_LOG
+  log_path.write_text("".join(traceback.format_exception(error)), encoding="utf-8")
+  aside = segment / run_dir.SUPERSEDED_CHECKPOINTS
+  for step in point.superseded_checkpoints:
+    shutil.move(str(aside / str(step)), str(Path(checkpoint_dir_for(plan.recipe, plan.out)) / str(step)))
+  (segment / run_dir.SEGMENT).unlink()
+  text = " ".join(str(error).split())
+  text = text if len(text) <= 300 else text[:300] + "..."
+  step = point.checkpoint_step
+  instead = (f"; if checkpoint {step} is damaged, resume from checkpoint {point.earlier_valid}, the newest intact"
+             f" one before it: `run_rl --resume {plan.out} --from-checkpoint {point.earlier_valid}`"
+             if point.earlier_valid is not None else "")
+  print(f"run_rl: error: the resume could not restore checkpoint {step} and build the run: {type(error).__name__}:"
+        f" {text}; the run is as it was (traceback in {log_path}){instead}", file=sys.stderr, flush=True)
   return 1
 
 
