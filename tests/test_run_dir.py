@@ -570,3 +570,25 @@ def test_a_checkpoint_that_fails_to_restore_leaves_the_run_as_it_was(from_checkp
   assert {k: after[k] for k in before} == before  # checkpoint 4 moved back, every file as it was
   assert run_dir.latest_segment(run) == run and not (run / "segments" / "1" / run_dir.SEGMENT).exists()
   assert (run / "segments" / "1" / run_dir.ERROR_LOG).exists()
+
+
+def test_a_trainer_without_the_checkpoint_is_named_in_one_line_and_the_run_is_as_it_was(finished, tmp_path, capsys,
+                                                                                       monkeypatch):
+  """As a remote trainer answers NOT_FOUND (the client raises ``NoCheckpointError``): the driver's one line
+  names it; nothing of the run changes."""
+  from orchestrator.contract import NoCheckpointError
+  from orchestrator.loop.trainer_worker import TrainerWorker
+
+  def not_there(self, step=None):
+    raise NoCheckpointError(f"the trainer at 127.0.0.1:1 has no such checkpoint (restore_checkpoint: NOT_FOUND):"
+                            f" no checkpoint of step {step} in /elsewhere (it holds none)")
+
+  run = _copy(finished, tmp_path)
+  before = _files(run)
+  monkeypatch.setattr(TrainerWorker, "restore_checkpoint", not_there)
+  assert cli.main(["--resume", str(run), "--steps", "6"]) == 1
+  err = capsys.readouterr().err.strip().splitlines()
+  assert "NoCheckpointError: the trainer at 127.0.0.1:1 has no such checkpoint (restore_checkpoint: NOT_FOUND)" in (
+      err[-1]) and "Traceback" not in "\n".join(err), err
+  after = _files(run)
+  assert {k: after[k] for k in before} == before and run_dir.latest_segment(run) == run

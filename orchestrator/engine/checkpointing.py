@@ -18,6 +18,8 @@ import jax
 import orbax.checkpoint as ocp
 from jax._src import distributed
 
+from orchestrator.contract import NoCheckpointError
+
 
 def flatten_state(tree: Any) -> dict[str, Any]:
   """Leaves of ``tree`` keyed by position and path (keys sort in leaf order)."""
@@ -94,16 +96,17 @@ class Checkpointer:
     Raises:
       ValueError: ``step`` is not a non-negative integer, or its checkpoint lies outside ``directory``
         (``step_path``); checked before anything is read.
-      RuntimeError: there is no checkpoint.
+      NoCheckpointError: there is no checkpoint (of ``step``).
     """
     ocp = self._ocp
     step = self.latest_step() if step is None else step
     if step is None:
-      raise RuntimeError(f"no checkpoint under {self.directory}")
+      raise NoCheckpointError(f"no checkpoint in {self.directory} (it holds none); a trainer restores only"
+                              " checkpoints it wrote there: start it with the checkpoint directory of the run")
     path = self.step_path(step)
     if not path.is_dir():
       held = sorted(self._manager.all_steps())
-      raise ValueError(f"no checkpoint of step {step} in {self.directory}"
+      raise NoCheckpointError(f"no checkpoint of step {step} in {self.directory}"
                        f" ({'it holds steps ' + ', '.join(map(str, held)) if held else 'it holds none'}); give one of"
                        " those, or leave the step out for the latest")
     target = {
