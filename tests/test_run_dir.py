@@ -592,3 +592,14 @@ def test_a_trainer_without_the_checkpoint_is_named_in_one_line_and_the_run_is_as
       err[-1]) and "Traceback" not in "\n".join(err), err
   after = _files(run)
   assert {k: after[k] for k in before} == before and run_dir.latest_segment(run) == run
+
+
+def test_a_fifo_for_a_checkpoints_metadata_is_refused_naming_it_and_never_read(finished, tmp_path, capsys):
+  run = _copy(finished, tmp_path)
+  checkpoint = run / "checkpoints" / "4"
+  assert checkpoint_check.files_problem(checkpoint) is None  # the negative control: as the run wrote it
+  (checkpoint / "metadata" / "metadata").unlink()
+  os.mkfifo(checkpoint / "metadata" / "metadata")  # a read of it would block until a writer came
+  err = _refused(["--resume", str(run), "--steps", "6"], capsys)
+  assert "checkpoint 4" in err and "damaged metadata/metadata (is a FIFO (named pipe)" in err, err
+  assert "--from-checkpoint 2" in err

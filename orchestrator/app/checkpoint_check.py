@@ -33,7 +33,7 @@ _REQUIRED = ("step", "run_id", "mode", "records_count", "source_state", "policy_
 # there. A checkpoint's metadata grows with the model's leaves, far below this bound.
 _JSON_REQUIRED = ("metadata/metadata", "state/_METADATA")
 _JSON_IF_PRESENT = ("_CHECKPOINT_METADATA", "state/_sharding")
-METADATA_MAX_BYTES = 256 * MIB
+METADATA_MAX_BYTES = 256 * MIB  # as engine.checkpointing's (not imported: it loads JAX, which a refusal never does)
 
 
 def files_problem(step_dir: Path) -> str | None:

@@ -19,6 +19,10 @@ import orbax.checkpoint as ocp
 from jax._src import distributed
 
 from orchestrator.contract import NoCheckpointError
+from orchestrator.user_files import MIB, check_regular
+
+# A checkpoint's JSON metadata grows with the model's leaves (orbax's) and the run's state (ours), far below this.
+METADATA_MAX_BYTES = 256 * MIB
 
 
 def flatten_state(tree: Any) -> dict[str, Any]:
@@ -137,7 +141,8 @@ def _distributed_started() -> bool:
 def read_checkpoints(directory: str | Path) -> dict[int, dict[str, Any]]:
   """Every complete checkpoint under ``directory`` and its metadata, read-only (nothing is created).
 
-  A checkpoint whose metadata cannot be read maps to an empty dict.
+  A checkpoint whose metadata cannot be read maps to an empty dict, as does one whose metadata files are not
+  regular files within ``METADATA_MAX_BYTES`` (a FIFO there would block the read).
   """
   path = Path(directory).absolute()
   if not path.is_dir():
@@ -154,6 +159,9 @@ def read_checkpoints(directory: str | Path) -> dict[int, dict[str, Any]]:
   out = {}
   for step in manager.all_steps():
     try:
+      for name in ("_CHECKPOINT_METADATA", "metadata/metadata"):  # what the read below opens
+        if (path / str(step) / name).exists():
+          check_regular(path / str(step) / name, what="checkpoint metadata", max_bytes=METADATA_MAX_BYTES)
       restored = manager.restore(step, args=ocp.args.Composite(metadata=ocp.args.JsonRestore()))
       out[int(step)] = dict(restored["metadata"])
     except Exception:  # pylint: disable=broad-except  # a foreign or damaged checkpoint still counts
