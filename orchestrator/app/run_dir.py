@@ -57,7 +57,7 @@ RUN_FILES = (CONFIG, RECORDS, SUMMARY, TRACE)
 # The files of a run directory (and of each segment) that a resume or an export reads, and the directories:
 # each must be of its kind where it exists (a FIFO would block the read, a directory would make it fail).
 FILES_READ = (CONFIG, RECORDS, SUMMARY, TRACE, SEGMENT)
-DIRS_READ = (CHECKPOINTS, SEGMENTS, TENSORBOARD)
+DIRS_READ = (CHECKPOINTS, SEGMENTS)
 # The directories a new run (or a segment) writes into beside its files: each must be one it can write.
 DIRS_WRITTEN = (CHECKPOINTS, TENSORBOARD, WANDB)
 # Bounds on what is read of a run's files: far above what a run writes (records: about 2 KB a step).
@@ -186,11 +186,9 @@ def abandoned_claim(path: Path) -> dict[str, Any] | None:
   if not path.is_dir() or not (path / CONFIG).is_file():
     return None
   leftovers = {p.name for p in path.iterdir()} - {CONFIG, LOCK}
-  if leftovers - {CHECKPOINTS, TENSORBOARD} or any(
-      (path / name).exists() and (not (path / name).is_dir() or any((path / name).iterdir()))
-      for name in leftovers - {TENSORBOARD}):
+  if not leftovers <= {CHECKPOINTS, TENSORBOARD} or not all((path / name).is_dir() for name in leftovers):
     return None
-  if (path / TENSORBOARD).exists() and not (path / TENSORBOARD).is_dir():
+  if CHECKPOINTS in leftovers and any((path / CHECKPOINTS).iterdir()):
     return None
   try:
     config = json.loads(read_regular_text(path / CONFIG, what="the run's config", max_bytes=CONFIG_MAX_BYTES))
