@@ -495,6 +495,7 @@ def test_a_claim_a_killed_run_left_before_its_first_step_is_taken_over_and_anyth
   with run_dir.lock(out, flag="--out"):
     run_dir.claim_new(out, {"run_id": "new", "config": {}})
   assert "held only the claim of run killed" in capsys.readouterr().err
+  assert run_dir.abandoned_claim(out) is not None  # the new claim too, until the run writes more
   assert run_dir.read_config(out)["run_id"] == "new"
   # The negative controls: a run that left anything more than its claim stays its own.
   for more in (lambda: (out / run_dir.RECORDS).write_text(""), lambda: (out / run_dir.CHECKPOINTS / "2").mkdir(),
@@ -603,3 +604,14 @@ def test_a_fifo_for_a_checkpoints_metadata_is_refused_naming_it_and_never_read(f
   err = _refused(["--resume", str(run), "--steps", "6"], capsys)
   assert "checkpoint 4" in err and "damaged metadata/metadata (is a FIFO (named pipe)" in err, err
   assert "--from-checkpoint 2" in err
+
+
+def test_a_resume_of_a_claim_a_kill_left_says_the_same_out_can_start_again(finished, tmp_path, capsys):
+  claim = tmp_path / "claim"
+  claim.mkdir()
+  shutil.copy(finished / run_dir.CONFIG, claim / run_dir.CONFIG)
+  err = _refused(["--resume", str(claim)], capsys)
+  assert f"start it again with the same --out {claim}" in err, err
+  (claim / run_dir.RECORDS).write_text("")  # the negative control: a run that recorded keeps its directory
+  err = _refused(["--resume", str(claim)], capsys)
+  assert "start it again with a new --out" in err, err

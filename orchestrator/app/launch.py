@@ -438,9 +438,11 @@ def resume_point(plan: RunPlan, source):
   ckpt_dir = checkpoint_dir_for(recipe, path)
   checkpoints = read_checkpoints(ckpt_dir) if ckpt_dir else {}
   if not checkpoints:
+    again = (f"start it again with the same --out {path} (it holds only the run's claim, which the new run takes"
+             " over)" if run_dir.abandoned_claim(path) is not None
+             else "start it again with a new --out (this directory keeps what it recorded)")
     raise RunDirError(f"--resume {path}: no complete checkpoint in {ckpt_dir}; the run ended before its first"
-                      " one, so there is nothing to resume from: start it again with a new --out (this directory"
-                      " keeps what it recorded)")
+                      f" one, so there is nothing to resume from: {again}")
   vocab_size, _, tokens_per_row = batch_shape(recipe)
   problems = checkpoint_check.problems(
       checkpoints, run_id=plan.run_id, source=source, config_sha256=plan.config_sha256,
