@@ -324,6 +324,22 @@ def test_a_checkpointer_with_no_checkpoint_says_so_and_restores_the_latest_once_
   assert checkpointer.restore(state)[1] == {"step": 2}
 
 
+def test_a_failed_restores_late_reads_are_not_reported_but_every_other_unraisable_error_is(monkeypatch):
+  import types
+
+  from orchestrator.engine import checkpointing
+
+  reported = []
+  monkeypatch.setattr(sys, "unraisablehook", reported.append)
+  checkpointing.quiet_abandoned_reads()
+  checkpointing.quiet_abandoned_reads()  # idempotent: one wrapper
+  late_read = types.SimpleNamespace(exc_value=RuntimeError("Event loop is closed"))
+  other = types.SimpleNamespace(exc_value=RuntimeError("something else"))
+  sys.unraisablehook(late_read)
+  sys.unraisablehook(other)  # the negative control: reported as before
+  assert reported == [other]
+
+
 def test_a_token_loses_its_trailing_newline_and_one_a_header_cannot_carry_is_refused(monkeypatch, tmp_path):
   monkeypatch.setenv(protocol.TOKEN_ENV, "s3cret\n")
   assert protocol.read_token() == "s3cret"

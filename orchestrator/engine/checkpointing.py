@@ -117,6 +117,7 @@ class Checkpointer:
         k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding)
         for k, v in flatten_state(template).items()
     }
+    quiet_abandoned_reads()
     restored = self._manager.restore(
         step,
         args=ocp.args.Composite(state=ocp.args.StandardRestore(target), metadata=ocp.args.JsonRestore()),
@@ -125,6 +126,29 @@ class Checkpointer:
     flat = restored["state"]
     state = jax.tree_util.tree_unflatten(treedef, [flat[k] for k in sorted(flat)])
     return state, dict(restored["metadata"])
+
+
+def quiet_abandoned_reads() -> None:
+  """Drops the unraisable ``RuntimeError: Event loop is closed`` reports of a restore that failed.
+
+  When a restore fails (a damaged array), the reads it started still complete,
+  each posting to orbax's event loop, closed by then; Python reports every post
+  as an unraisable error with its traceback — dozens, before and after the
+  restore's own error, which says all they could. Every other unraisable error
+  goes to the hook installed before. Idempotent.
+  """
+  previous = sys.unraisablehook
+  if getattr(previous, "drops_closed_loop_posts", False):
+    return
+
+  def hook(unraisable) -> None:
+    error = unraisable.exc_value
+    if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
+      return
+    previous(unraisable)
+
+  hook.drops_closed_loop_posts = True
+  sys.unraisablehook = hook
 
 
 def _this_process_only(ocp):
