@@ -26,7 +26,8 @@ class UserFileError(ValueError):
   """A named file that cannot be read as given (the text says which, why, and the fix)."""
 
 
-def _kind(mode: int) -> str:
+def kind_of(mode: int) -> str:
+  """What a file of ``mode`` (``st_mode``) is, in words: "a FIFO (named pipe)", "a directory", ..."""
   for test, name in ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
                      (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory")):
     if test(mode):
@@ -59,7 +60,7 @@ def open_regular(path: str | os.PathLike, *, what: str, max_bytes: int) -> Itera
   try:
     info = os.fstat(fd)
     if not stat.S_ISREG(info.st_mode):
-      raise UserFileError(f"{what} {path} is {_kind(info.st_mode)}, which a run would block on or read without"
+      raise UserFileError(f"{what} {path} is {kind_of(info.st_mode)}, which a run would block on or read without"
                           " end: give the path of a regular file")
     if info.st_size > max_bytes:
       raise UserFileError(f"{what} {path} is {info.st_size:,} bytes, over the {max_bytes:,} bytes read for it:"

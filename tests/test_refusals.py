@@ -114,6 +114,21 @@ def _existing_run(tmp_path):
   return ["--out", str(run)]
 
 
+def _not_a_run(tmp_path):
+  """A model checkpoint's directory: it has a config.json, but no run's."""
+  path = tmp_path / "model"
+  path.mkdir()
+  (path / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 8}))
+  return ["--resume", str(path)]
+
+
+def _tensorboard_a_file(tmp_path):
+  path = tmp_path / "new-run"
+  path.mkdir()
+  (path / "tensorboard").write_text("someone's notes")
+  return ["--out", str(path)]
+
+
 def _file_as_out(tmp_path):
   path = tmp_path / "a-file"
   path.write_text("not a directory")
@@ -393,7 +408,10 @@ CASES = [
     ("from-checkpoint-alone", ["--from-checkpoint", "2"], {}, "--from-checkpoint N goes with --resume DIR"),
     ("from-checkpoint-zero", ["--resume", "somewhere", "--from-checkpoint", "0"], {},
      "--from-checkpoint 0 is out of range"),
+    ("resume-another-tools-config", lambda t, g: _not_a_run(t), {}, "config.json is not a run config written by"),
     ("out-is-a-file", lambda t, g: _file_as_out(t), {}, "is a file, not a directory"),
+    ("out-tensorboard-a-file", lambda t, g: _tensorboard_a_file(t), {},
+     "tensorboard is a file, where the run writes its tensorboard directory"),
     ("out-holds-a-run", lambda t, g: _existing_run(t), {}, "already holds a run; continue it with `run_rl --resume"),
     ("recipe-missing", ["--recipe", "no/such/recipe.yaml"], {}, "recipe no/such/recipe.yaml does not exist"),
     ("recipe-directory", lambda t, g: ["--recipe", str(t)], {}, "is a directory; pass a recipe YAML file"),

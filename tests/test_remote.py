@@ -175,6 +175,25 @@ def test_an_oversized_message_is_refused_on_either_side(server):
     worker.close()
 
 
+def test_restoring_a_checkpoint_the_trainer_does_not_hold_is_not_found_in_one_line(server):
+  """NOT_FOUND, named by the driver as what it is, not INTERNAL; the negative control: a bad step is still
+  INVALID_ARGUMENT (a ValueError of its own), so the status tells the two apart."""
+  from orchestrator.contract import NoCheckpointError
+
+  worker = _connect(server)
+  try:
+    with pytest.raises(NoCheckpointError) as excinfo:
+      worker.restore_checkpoint(999_999)
+    message = _refusal(excinfo)
+    assert "has no such checkpoint (restore_checkpoint: NOT_FOUND)" in message, message
+    assert "no checkpoint of step 999999 in" in message, message
+    with pytest.raises(ValueError) as excinfo:
+      worker.restore_checkpoint(-1)
+    assert not isinstance(excinfo.value, NoCheckpointError) and "is not a checkpoint step" in str(excinfo.value)
+  finally:
+    worker.close()
+
+
 def test_a_stage_over_the_wire_says_what_its_input_holds_on_the_devices(server, monkeypatch):
   from orchestrator.app.runner import batch_shape
   from orchestrator.data.packing import pack_payload

@@ -25,6 +25,7 @@ import pytest
 
 from orchestrator import recipe as recipe_lib
 from orchestrator.app import cli, serve_trainer
+from orchestrator.contract import NoCheckpointError
 from orchestrator.engine.checkpointing import Checkpointer
 from orchestrator.remote import protocol, spawn, wire
 from orchestrator.remote.client import RemoteTrainerWorker, TrainerRefusedError
@@ -308,8 +309,35 @@ def test_a_callers_metadata_cannot_overwrite_the_checkpoints_step_and_an_absent_
   checkpointer.save(1, state, {"step": 999, "run_id": "r1"})
   restored, metadata = checkpointer.restore(state, 1)
   assert metadata == {"step": 1, "run_id": "r1"} and np.array_equal(restored["w"], state["w"])
-  with pytest.raises(ValueError, match=r"no checkpoint of step 5 in .* \(it holds steps 1\); give one of those"):
+  with pytest.raises(NoCheckpointError, match=r"no checkpoint of step 5 in .* \(it holds steps 1\); give one of"):
     checkpointer.restore(state, 5)
+
+
+def test_a_checkpointer_with_no_checkpoint_says_so_and_restores_the_latest_once_there_is_one(tmp_path):
+  import jax.numpy as jnp  # import here: JAX only for the arrays a checkpoint holds (the module needs none)
+
+  checkpointer = Checkpointer(tmp_path / "ckpt")
+  state = {"w": jnp.arange(3.0)}
+  with pytest.raises(NoCheckpointError, match=r"no checkpoint in .* \(it holds none\)"):
+    checkpointer.restore(state)
+  checkpointer.save(2, state, {})  # the negative control: with one there, the latest is restored
+  assert checkpointer.restore(state)[1] == {"step": 2}
+
+
+def test_a_failed_restores_late_reads_are_not_reported_but_every_other_unraisable_error_is(monkeypatch):
+  import types
+
+  from orchestrator.engine import checkpointing
+
+  reported = []
+  monkeypatch.setattr(sys, "unraisablehook", reported.append)
+  checkpointing.quiet_abandoned_reads()
+  checkpointing.quiet_abandoned_reads()  # idempotent: one wrapper
+  late_read = types.SimpleNamespace(exc_value=RuntimeError("Event loop is closed"))
+  other = types.SimpleNamespace(exc_value=RuntimeError("something else"))
+  sys.unraisablehook(late_read)
+  sys.unraisablehook(other)  # the negative control: reported as before
+  assert reported == [other]
 
 
 def test_a_token_loses_its_trailing_newline_and_one_a_header_cannot_carry_is_refused(monkeypatch, tmp_path):

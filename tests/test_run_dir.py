@@ -361,3 +361,257 @@ def test_rollouts_a_live_checkpoint_carries_are_checked_before_a_resume_trains_o
                                                         source=CarryingSource())
   assert "pending record of step 3 without" in checkpoint_check.problem(
       4, dict(metadata, pending_record={"step": 3}), run_id=metadata["run_id"], source=CarryingSource())
+
+
+# ---------------------------------------------------------------------------- what a resume reads, of its kind
+def _hand_made_run(path: Path, run_id: str = "r1") -> Path:
+  """A run directory as a run leaves it, by hand: its config, records, a segment, an empty checkpoints/."""
+  path.mkdir(parents=True)
+  (path / run_dir.CONFIG).write_text(json.dumps({"run_id": run_id, "config": {"steps": 4}}))
+  (path / run_dir.RECORDS).write_text("")
+  (path / run_dir.CHECKPOINTS).mkdir()
+  segment = path / run_dir.SEGMENTS / "1"
+  segment.mkdir(parents=True)
+  (segment / run_dir.SEGMENT).write_text(json.dumps({"first_step": 2, "steps": 6, "resumed_from": 2}))
+  return path
+
+
+@pytest.mark.parametrize("damage,named,kind", [
+    (lambda run: (run / "segments" / "2").write_text("x"), "segments/2", "a file, where a segment directory"),
+    (lambda run: (run / "records.jsonl").unlink() or (run / "records.jsonl").mkdir(), "records.jsonl",
+     "a directory, not the file a run writes there"),
+    (lambda run: shutil.rmtree(run / "segments" / "1") or (run / "segments" / "1").mkdir()
+     or (run / "segments" / "1" / "segment.json").mkdir(), "segments/1/segment.json", "a directory, not the file"),
+    (lambda run: os.mkfifo(run / "segments" / "1" / "records.jsonl"), "segments/1/records.jsonl", "a FIFO"),
+    (lambda run: (run / "checkpoints").rmdir() or (run / "checkpoints").write_text("x"), "checkpoints",
+     "a file, not the directory a run writes there"),
+    (lambda run: (run / "segments" / "1" / "trace.json").symlink_to(run / "nowhere"), "segments/1/trace.json",
+     "a link that leads nowhere"),
+], ids=["segment-a-file", "records-a-directory", "segment-json-a-directory", "records-a-fifo",
+        "checkpoints-a-file", "trace-a-dangling-link"])
+def test_a_path_a_resume_reads_that_is_not_of_its_kind_is_refused_naming_it(damage, named, kind, tmp_path):
+  run = _hand_made_run(tmp_path / "run")
+  run_dir.check_layout(run, flag="--resume")  # the negative control: the run as a run leaves it passes
+  damage(run)
+  with pytest.raises(run_dir.RunDirError) as excinfo:
+    run_dir.check_layout(run, flag="--resume")
+  message = str(excinfo.value)
+  assert f"{run / named} is {kind}" in message and "move it out of" in message, message
+
+
+def test_a_resume_of_a_run_with_a_segment_that_is_a_file_is_refused_and_changes_nothing(finished, tmp_path, capsys):
+  run = _copy(finished, tmp_path)
+  (run / run_dir.SEGMENTS).mkdir()
+  (run / run_dir.SEGMENTS / "1").write_text("not a segment")
+  before = _files(run)
+  err = _refused(["--resume", str(run), "--steps", "6"], capsys)
+  assert f"{run / 'segments' / '1'} is a file, where a segment directory (resume 1) belongs" in err, err
+  assert _files(run) == before
+
+
+def test_a_new_segment_is_numbered_past_any_entry_and_a_failed_mkdir_is_a_refusal(tmp_path):
+  run = _hand_made_run(tmp_path / "run")
+  (run / run_dir.SEGMENTS / "2").write_text("x")
+  assert run_dir.new_segment(run, first_step=2, steps=6, resumed_from=2).index == 3
+  (run / run_dir.SEGMENTS).chmod(0o500)
+  try:
+    if os.access(run / run_dir.SEGMENTS, os.W_OK):  # root writes anything: a file where the root is stands in
+      shutil.rmtree(run / run_dir.SEGMENTS)
+      (run / run_dir.SEGMENTS).write_text("x")
+    with pytest.raises(run_dir.RunDirError, match="cannot create the new segment"):
+      run_dir.new_segment(run, first_step=2, steps=8, resumed_from=2)
+  finally:
+    if (run / run_dir.SEGMENTS).is_dir():
+      (run / run_dir.SEGMENTS).chmod(0o700)
+
+
+# ---------------------------------------------------------------------------- no lock in what is not a run
+@pytest.mark.parametrize("make", [
+    lambda d: (d / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 8})),
+    lambda d: (d / "manifest.json").write_text("{}"),
+    lambda d: None,
+], ids=["a-model-checkpoint", "a-recording", "empty"])
+def test_a_directory_that_holds_no_run_gets_no_lock_file(make, tmp_path):
+  target = tmp_path / "not-a-run"
+  target.mkdir()
+  make(target)
+  before = sorted(p.name for p in target.iterdir())
+  with pytest.raises(run_dir.RunDirError, match=r"holds no run|is not a run config written by run_rl"):
+    run_dir.lock_run(target, flag="--resume")
+  assert sorted(p.name for p in target.iterdir()) == before
+  # The negative control: a run's directory that has lost its lock file gets one.
+  run = _hand_made_run(tmp_path / "run")
+  with run_dir.lock_run(run, flag="--resume"):
+    assert (run / run_dir.LOCK).is_file()
+
+
+def test_export_of_a_directory_that_holds_no_run_is_refused_with_nothing_written(tmp_path, capsys):
+  target = tmp_path / "recording"
+  target.mkdir()
+  (target / "manifest.json").write_text("{}")
+  code = cli.main(["export", str(target), "--out", str(tmp_path / "exported")])
+  err = capsys.readouterr().err.strip()
+  assert code == 2 and len(err.splitlines()) == 1 and "holds no run (config.json is missing)" in err, err
+  assert sorted(p.name for p in tmp_path.rglob("*")) == ["manifest.json", "recording"]
+
+
+# ---------------------------------------------------------------------------- what a new run writes into
+def test_a_directory_inside_out_the_run_cannot_write_is_refused_before_anything_is_written(tmp_path,
+                                                                                          monkeypatch):
+  out = tmp_path / "out"
+  (out / "tensorboard").mkdir(parents=True)
+  run_dir.check_new(out)  # the negative control: a writable tensorboard/ is the run's to write into
+  access = os.access
+  monkeypatch.setattr(run_dir.os, "access", lambda path, mode: Path(path).name != "tensorboard"
+                      and access(path, mode))  # root can write anything: pretend tensorboard/ is read-only
+  with pytest.raises(run_dir.RunDirError, match=r"tensorboard is not writable, and the run writes its tensorboard"):
+    run_dir.check_new(out)
+  monkeypatch.undo()
+  (out / "tensorboard").rmdir()
+  (out / "checkpoints").write_text("x")
+  with pytest.raises(run_dir.RunDirError, match=r"checkpoints is a file, where the run writes its checkpoints"):
+    run_dir.check_new(out)
+
+
+def test_a_tensorboard_path_that_is_a_file_refuses_the_run_before_its_directory_is_claimed(tmp_path, capsys):
+  out = tmp_path / "out"
+  out.mkdir()
+  (out / "tensorboard").write_text("someone's notes")
+  err = _refused(BASE + ["steps=2", "--out", str(out)], capsys)
+  assert f"{out / 'tensorboard'} is a file, where the run writes its tensorboard directory" in err, err
+  assert sorted(p.name for p in out.iterdir()) == ["tensorboard"]
+
+
+# ---------------------------------------------------------------------------- a claim a kill left behind
+def test_a_claim_a_killed_run_left_before_its_first_step_is_taken_over_and_anything_more_is_not(tmp_path, capsys):
+  out = tmp_path / "out"
+  out.mkdir()
+  (out / run_dir.LOCK).write_text("{}")  # killed between taking the lock and writing its claim
+  run_dir.check_new(out)
+  (out / run_dir.CONFIG).write_text(json.dumps({"run_id": "killed", "config": {}}))
+  (out / run_dir.CHECKPOINTS).mkdir()
+  (out / "tensorboard").mkdir()  # killed in bring-up, after the claim: no record, no checkpoint
+  run_dir.check_new(out)
+  with run_dir.lock(out, flag="--out"):
+    run_dir.claim_new(out, {"run_id": "new", "config": {}})
+  assert "held only the claim of run killed" in capsys.readouterr().err
+  assert run_dir.abandoned_claim(out) is not None  # the new claim too, until the run writes more
+  assert run_dir.read_config(out)["run_id"] == "new"
+  # The negative controls: a run that left anything more than its claim stays its own.
+  for more in (lambda: (out / run_dir.RECORDS).write_text(""), lambda: (out / run_dir.CHECKPOINTS / "2").mkdir(),
+               lambda: (out / run_dir.ERROR_LOG).write_text("boom"), lambda: (out / "notes.txt").write_text("x")):
+    shutil.rmtree(out)
+    out.mkdir()
+    (out / run_dir.CONFIG).write_text(json.dumps({"run_id": "killed", "config": {}}))
+    (out / run_dir.CHECKPOINTS).mkdir()
+    more()
+    with pytest.raises(run_dir.RunDirError, match="already holds a run"):
+      run_dir.check_new(out)
+
+
+# ---------------------------------------------------------------------------- the files orbax reads
+def _copy_checkpoint(finished: Path, tmp_path: Path, step: int = 4) -> Path:
+  path = tmp_path / "checkpoint"
+  shutil.copytree(finished / "checkpoints" / str(step), path)
+  return path
+
+
+def _truncate(path: Path, size: int = 20) -> None:
+  path.write_bytes(path.read_bytes()[:size])
+
+
+@pytest.mark.parametrize("damage,problem", [
+    (lambda c: _truncate(c / "state" / "_METADATA"), "damaged state/_METADATA (not JSON"),
+    (lambda c: (c / "state" / "_METADATA").write_text('{"tree_metadata": {}}'), "lists no saved arrays"),
+    (lambda c: _truncate(c / "_CHECKPOINT_METADATA"), "damaged _CHECKPOINT_METADATA (not JSON"),
+    (lambda c: _truncate(c / "metadata" / "metadata"), "damaged metadata/metadata (not JSON"),
+    (lambda c: (c / "state" / "_sharding").write_text("[]"), "damaged state/_sharding (a JSON list"),
+    (lambda c: _truncate(c / "state" / "array_metadatas" / "process_0"), "damaged state/array_metadatas/process_0"),
+    (lambda c: shutil.rmtree(c / "state"), "has no state/ directory"),
+    (lambda c: (c / "state" / "manifest.ocdbt").unlink(), "lacks state/manifest.ocdbt"),
+    (lambda c: [_truncate(p, 0) for p in (c / "state" / "d").iterdir()], "(it is empty)"),
+    (lambda c: [shutil.rmtree(d) for d in c.glob("state/**/d")], "has no data files in state/"),
+], ids=["metadata-truncated", "metadata-no-arrays", "checkpoint-metadata", "run-metadata", "sharding", "arrays",
+        "no-state", "no-manifest", "empty-data", "no-data"])
+def test_a_damaged_file_orbax_reads_is_named(damage, problem, finished, tmp_path):
+  checkpoint = _copy_checkpoint(finished, tmp_path)
+  assert checkpoint_check.files_problem(checkpoint) is None  # the negative control: as the run wrote it
+  damage(checkpoint)
+  found = checkpoint_check.files_problem(checkpoint)
+  assert found is not None and problem in found, found
+
+
+def test_a_truncated_orbax_metadata_is_refused_naming_the_intact_checkpoint_and_nothing_changes(finished, tmp_path,
+                                                                                               capsys):
+  run = _copy(finished, tmp_path)
+  _truncate(run / "checkpoints" / "4" / "state" / "_METADATA")
+  before = _files(run)
+  err = _refused(["--resume", str(run), "--steps", "6"], capsys)
+  assert "checkpoint 4" in err and "damaged state/_METADATA" in err, err
+  assert f"`run_rl --resume {run} --from-checkpoint 2`" in err, err
+  assert _files(run) == before and not (run / run_dir.SEGMENTS).exists()
+
+
+@pytest.mark.parametrize("from_checkpoint", [None, 2], ids=["latest", "earlier"])
+def test_a_checkpoint_that_fails_to_restore_leaves_the_run_as_it_was(from_checkpoint, finished, tmp_path, capsys):
+  """Damage no check reads (the saved arrays' bytes) fails the restore: one line naming the checkpoint and the
+  one to try instead; the run's view and its checkpoints as they were (those moved aside moved back)."""
+  run = _copy(finished, tmp_path)
+  step = from_checkpoint or 4
+  for data in (run / "checkpoints" / str(step) / "state").glob("**/d/*"):
+    data.write_bytes(bytes(data.stat().st_size))
+  before = _files(run)
+  argv = ["--resume", str(run), "--steps", "6", *([f"--from-checkpoint={from_checkpoint}"] if from_checkpoint else [])]
+  assert cli.main(argv) == 1
+  lines = capsys.readouterr().err.strip().splitlines()
+  assert lines[-1].startswith(f"run_rl: error: the resume could not restore checkpoint {step}"), lines
+  assert "Traceback" not in "\n".join(lines) and "the run is as it was" in lines[-1]
+  assert (f"`run_rl --resume {run} --from-checkpoint 2`" in lines[-1]) == (step == 4)
+  after = _files(run)
+  assert {k: after[k] for k in before} == before  # checkpoint 4 moved back, every file as it was
+  assert run_dir.latest_segment(run) == run and not (run / "segments" / "1" / run_dir.SEGMENT).exists()
+  assert (run / "segments" / "1" / run_dir.ERROR_LOG).exists()
+
+
+def test_a_trainer_without_the_checkpoint_is_named_in_one_line_and_the_run_is_as_it_was(finished, tmp_path, capsys,
+                                                                                       monkeypatch):
+  """As a remote trainer answers NOT_FOUND (the client raises ``NoCheckpointError``): the driver's one line
+  names it; nothing of the run changes."""
+  from orchestrator.contract import NoCheckpointError
+  from orchestrator.loop.trainer_worker import TrainerWorker
+
+  def not_there(self, step=None):
+    raise NoCheckpointError(f"the trainer at 127.0.0.1:1 has no such checkpoint (restore_checkpoint: NOT_FOUND):"
+                            f" no checkpoint of step {step} in /elsewhere (it holds none)")
+
+  run = _copy(finished, tmp_path)
+  before = _files(run)
+  monkeypatch.setattr(TrainerWorker, "restore_checkpoint", not_there)
+  assert cli.main(["--resume", str(run), "--steps", "6"]) == 1
+  err = capsys.readouterr().err.strip().splitlines()
+  assert "NoCheckpointError: the trainer at 127.0.0.1:1 has no such checkpoint (restore_checkpoint: NOT_FOUND)" in (
+      err[-1]) and "Traceback" not in "\n".join(err), err
+  after = _files(run)
+  assert {k: after[k] for k in before} == before and run_dir.latest_segment(run) == run
+
+
+def test_a_fifo_for_a_checkpoints_metadata_is_refused_naming_it_and_never_read(finished, tmp_path, capsys):
+  run = _copy(finished, tmp_path)
+  checkpoint = run / "checkpoints" / "4"
+  assert checkpoint_check.files_problem(checkpoint) is None  # the negative control: as the run wrote it
+  (checkpoint / "metadata" / "metadata").unlink()
+  os.mkfifo(checkpoint / "metadata" / "metadata")  # a read of it would block until a writer came
+  err = _refused(["--resume", str(run), "--steps", "6"], capsys)
+  assert "checkpoint 4" in err and "damaged metadata/metadata (is a FIFO (named pipe)" in err, err
+  assert "--from-checkpoint 2" in err
+
+
+def test_a_resume_of_a_claim_a_kill_left_says_the_same_out_can_start_again(finished, tmp_path, capsys):
+  claim = tmp_path / "claim"
+  claim.mkdir()
+  shutil.copy(finished / run_dir.CONFIG, claim / run_dir.CONFIG)
+  err = _refused(["--resume", str(claim)], capsys)
+  assert f"start it again with the same --out {claim}" in err, err
+  (claim / run_dir.RECORDS).write_text("")  # the negative control: a run that recorded keeps its directory
+  err = _refused(["--resume", str(claim)], capsys)
+  assert "start it again with a new --out" in err, err

@@ -15,17 +15,81 @@ checkpoint by name and names the newest valid one to resume from instead.
 from __future__ import annotations
 
 import json
+import stat
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from orchestrator.app.run_dir import RECORD_FIELDS
 from orchestrator.contract import SourceStateError
 from orchestrator.data.sources import ReplaySteps, SyntheticSteps
 from orchestrator.loop.program import plan_from_json
+from orchestrator.user_files import MIB, UserFileError, read_regular_text
 from policies import Mode, StepBoundaryPolicy
 
 # The keys every checkpoint of this version holds, and what each must be.
 _REQUIRED = ("step", "run_id", "mode", "records_count", "source_state", "policy_state")
+# The JSON files orbax reads to restore a checkpoint (relative to its step's directory): required, or read when
+# there. A checkpoint's metadata grows with the model's leaves, far below this bound.
+_JSON_REQUIRED = ("metadata/metadata", "state/_METADATA")
+_JSON_IF_PRESENT = ("_CHECKPOINT_METADATA", "state/_sharding")
+METADATA_MAX_BYTES = 256 * MIB  # as engine.checkpointing's (not imported: it loads JAX, which a refusal never does)
+
+
+def files_problem(step_dir: Path) -> str | None:
+  """What is missing or damaged among the files orbax reads to restore the checkpoint in ``step_dir``, or None.
+
+  Every JSON file it parses must parse to an object (``_CHECKPOINT_METADATA``,
+  the run's ``metadata/metadata``, ``state/_METADATA`` with its tree,
+  ``state/_sharding``, ``state/array_metadatas/*``); ``state/`` must hold its
+  OCDBT manifest, each process's manifest and data files, none of them empty.
+  Only the metadata is read: a data file is checked by its kind and size.
+  """
+  if not (step_dir / "state").is_dir():
+    return "has no state/ directory (the saved weights and optimizer state): it is incomplete or damaged"
+  arrays = step_dir / "state" / "array_metadatas"
+  listed = sorted(p.relative_to(step_dir).as_posix() for p in arrays.iterdir()) if arrays.is_dir() else []
+  tree = None
+  for name in (*_JSON_REQUIRED, *_JSON_IF_PRESENT, *listed):
+    if name in _JSON_IF_PRESENT and not (step_dir / name).exists():
+      continue
+    value, problem = _read_json(step_dir / name)
+    if problem is not None:
+      return f"has a damaged {name} ({problem})"
+    tree = value.get("tree_metadata") if name == "state/_METADATA" else tree
+  if not isinstance(tree, dict) or not tree:
+    return "has a damaged state/_METADATA (it lists no saved arrays)"
+  return _data_problem(step_dir / "state")
+
+
+def _read_json(path: Path) -> tuple[dict | None, str | None]:
+  """A JSON object file's content, or what is wrong with it."""
+  if not path.exists():
+    return None, "it is missing"
+  try:
+    value = json.loads(read_regular_text(path, what="the file", max_bytes=METADATA_MAX_BYTES))
+  except UserFileError as e:
+    return None, str(e).removeprefix(f"the file {path} ").split(":")[0]
+  except json.JSONDecodeError as e:
+    return None, f"not JSON: {e.msg} at line {e.lineno} column {e.colno}"
+  return (value, None) if isinstance(value, dict) else (None, f"a JSON {type(value).__name__}, not an object")
+
+
+def _data_problem(state: Path) -> str | None:
+  """The OCDBT database under ``state``: its manifests and data files, present and not empty."""
+  manifests = [state / "manifest.ocdbt", *sorted(state.glob("ocdbt.process_*/manifest.ocdbt"))]
+  data = [p for d in (state / "d", *sorted(state.glob("ocdbt.process_*/d"))) if d.is_dir() for p in d.iterdir()]
+  if not data:
+    return "has no data files in state/ (the saved arrays): it is incomplete or damaged"
+  for path in (*manifests, *sorted(data)):
+    try:
+      info = path.stat()
+    except OSError:
+      return f"lacks {path.relative_to(state.parent)} (the saved arrays need it): it is incomplete or damaged"
+    if not stat.S_ISREG(info.st_mode) or info.st_size == 0:
+      what = "is empty" if stat.S_ISREG(info.st_mode) else "is not a regular file"
+      return f"has a damaged {path.relative_to(state.parent)} (it {what}): the saved arrays cannot be read"
+  return None
 
 
 def problems(checkpoints: Mapping[int, Any], *, run_id: str, source, config_sha256: str | None = None,

@@ -54,7 +54,7 @@ def export_main(argv: list[str]) -> int:
   try:
     args = p.parse_intermixed_args(argv)
     path = Path(args.run_dir)
-    with run_dir.lock(path, flag="run_rl export") if path.is_dir() else contextlib.nullcontext():
+    with run_dir.lock_run(path, flag="run_rl export") if path.is_dir() else contextlib.nullcontext():
       source = _source(path, args.checkpoint)  # the run's lock: no resume or run writes checkpoints meanwhile
       out = _check_out(Path(args.out), path, Path(source["checkpoints"]))
       summary = export(source, out)
@@ -98,6 +98,7 @@ def _source(path: Path, step: int | None) -> dict[str, Any]:
   from orchestrator.engine.checkpointing import read_checkpoints
 
   config = run_dir.read_config(path, flag="run_rl export")
+  run_dir.check_layout(path, flag="run_rl export")
   edited = run_dir.edited_keys(config)
   if edited:
     raise ExportError(f"{path / run_dir.CONFIG} was edited after the run wrote it ({', '.join(edited)}); the"

@@ -163,6 +163,8 @@ def plan_resume(path: Path, steps: int | None, from_checkpoint: int | None = Non
     RunDirError / RecipeError: no run there, its config.json was edited or no longer makes a valid recipe.
   """
   config = run_dir.read_config(path)
+  run_dir.check_layout(path, flag="--resume")
+  run_dir.check_writable_dirs(path, flag="--resume", names=(run_dir.CHECKPOINTS,))  # the resume writes there
   edited = run_dir.edited_keys(config)
   if edited:
     raise RunDirError(
@@ -226,9 +228,7 @@ def resume(path: Path, steps: int | None, from_checkpoint: int | None = None) ->
   """Continues the run in ``path`` from its latest complete checkpoint (or ``from_checkpoint``); ``steps``
   may extend it. The run directory's lock is taken before anything there is read."""
   try:
-    if not (path / run_dir.CONFIG).is_file():
-      run_dir.read_config(path)  # refuses, naming what is missing: a directory with no run gets no lock file
-    held = _lock(path, flag="--resume")
+    held = run_dir.lock_run(path, flag="--resume") if _holds_the_lock() else contextlib.nullcontext()
   except REFUSALS as e:
     return _refuse(e)
   with held:
@@ -278,12 +278,9 @@ def _execute(plan: RunPlan, held: contextlib.ExitStack) -> int:
   if code is not None:
     return code
   host, point, source, devices = checked
-  if plan.resumes:
-    plan = _open_segment(plan, point, job)
-  else:
-    plan, refusal = _claim(plan, job, held)
-    if refusal is not None:
-      return _refuse(refusal, job=job)
+  plan, refusal = _open_segment(plan, point, job) if plan.resumes else _claim(plan, job, held)
+  if refusal is not None:
+    return _refuse(refusal, job=job)
   writes_to[0] = plan.write_dir
   if job.is_primary:
     print(_opening_line(plan, job, host=host, point=point, devices=devices), file=sys.stderr)
@@ -441,13 +438,17 @@ def resume_point(plan: RunPlan, source):
   ckpt_dir = checkpoint_dir_for(recipe, path)
   checkpoints = read_checkpoints(ckpt_dir) if ckpt_dir else {}
   if not checkpoints:
+    again = (f"start it again with the same --out {path} (it holds only the run's claim, which the new run takes"
+             " over)" if run_dir.abandoned_claim(path) is not None
+             else "start it again with a new --out (this directory keeps what it recorded)")
     raise RunDirError(f"--resume {path}: no complete checkpoint in {ckpt_dir}; the run ended before its first"
-                      " one, so there is nothing to resume from: start it again with a new --out (this directory"
-                      " keeps what it recorded)")
+                      f" one, so there is nothing to resume from: {again}")
   vocab_size, _, tokens_per_row = batch_shape(recipe)
   problems = checkpoint_check.problems(
       checkpoints, run_id=plan.run_id, source=source, config_sha256=plan.config_sha256,
       payload_check=functools.partial(validate_payload, tokens_per_row=tokens_per_row, vocab_size=vocab_size))
+  problems = {step: checkpoint_check.files_problem(Path(ckpt_dir) / str(step)) or problem  # orbax's files first
+              for step, problem in problems.items()}
   valid = sorted(step for step, problem in problems.items() if problem is None)
   instead = (f"resume from checkpoint {valid[-1]}, the newest valid one, with `run_rl --resume {path}"
              f" --from-checkpoint {valid[-1]}` (the checkpoints after it are moved aside, not deleted)" if valid
@@ -475,24 +476,32 @@ def resume_point(plan: RunPlan, source):
     raise RunDirError(f"--resume {path}: the run's records end after step {len(records) - 1}, but checkpoint"
                       f" {step} covers steps 0 to {step - 1}; {fix}")
   superseded = sorted(s for s in checkpoints if s > step)
-  return ResumePoint(step, metadata, records, restored_record=restored, superseded_checkpoints=superseded)
+  earlier = [s for s in valid if s < step]
+  return ResumePoint(step, metadata, records, restored_record=restored, superseded_checkpoints=superseded,
+                     earlier_valid=earlier[-1] if earlier else None)
 
 
-def _open_segment(plan: RunPlan, point, job: job_lib.Job) -> RunPlan:
+def _open_segment(plan: RunPlan, point, job: job_lib.Job) -> tuple[RunPlan, str | None]:
   """Process 0 opens the resume's segment (``run_dir.new_segment``): its records begin with a restored one,
-  if any, and the checkpoints after the one resumed from move into it. Every process waits for that."""
-  write_dir = None
+  if any, and the checkpoints after the one resumed from move into it. Every process waits for that. Returns
+  the plan writing into the segment and why it could not be opened (None: opened)."""
+  opened = {"write_dir": None, "refusal": None}
   if job.is_primary:
-    first_step = point.steps_done - (1 if point.restored_record is not None else 0)
-    segment = run_dir.new_segment(plan.out, first_step=first_step, steps=plan.recipe.steps,
-                                  resumed_from=point.checkpoint_step)
-    if point.restored_record is not None:
-      (segment.path / run_dir.RECORDS).write_text(json.dumps(point.restored_record) + "\n", encoding="utf-8")
-    if point.superseded_checkpoints:
-      _move_aside(plan, point.superseded_checkpoints, segment.path / run_dir.SUPERSEDED_CHECKPOINTS)
-    write_dir = str(segment.path)
-  write_dir = job.agreement.broadcast("segment", write_dir)
-  return dataclasses.replace(plan, write_dir=Path(write_dir) if write_dir else None)
+    try:
+      first_step = point.steps_done - (1 if point.restored_record is not None else 0)
+      segment = run_dir.new_segment(plan.out, first_step=first_step, steps=plan.recipe.steps,
+                                    resumed_from=point.checkpoint_step)
+    except RunDirError as e:
+      opened["refusal"] = str(e)
+    else:
+      if point.restored_record is not None:
+        (segment.path / run_dir.RECORDS).write_text(json.dumps(point.restored_record) + "\n", encoding="utf-8")
+      if point.superseded_checkpoints:
+        _move_aside(plan, point.superseded_checkpoints, segment.path / run_dir.SUPERSEDED_CHECKPOINTS)
+      opened["write_dir"] = str(segment.path)
+  opened = job.agreement.broadcast("segment", opened)
+  write_dir = opened["write_dir"]
+  return dataclasses.replace(plan, write_dir=Path(write_dir) if write_dir else None), opened["refusal"]
 
 
 def _move_aside(plan: RunPlan, steps: list[int], into: Path) -> None:
@@ -626,7 +635,10 @@ def _run_program(plan: RunPlan, *, source, resume, job: job_lib.Job) -> int:
     except Exception as e:  # pylint: disable=broad-except
       if job.watchdog is not None:  # a collective failed because a peer died? Then the watchdog names it.
         job.watchdog.wait_for_loss()
-      code = _fail(write_dir, e, None if handle is None else handle.current_step, job)
+      if handle is None and resume is not None and job.is_primary and write_dir is not None:
+        code = _withdraw_segment(plan, resume, e)
+      else:
+        code = _fail(write_dir, e, None if handle is None else handle.current_step, job)
     finally:
       if handle is not None:
         handle.close()
@@ -758,6 +770,32 @@ def _stopped_non_finite(out: Path, write_dir: Path, error: NonFiniteStepError, j
         f" {error.grad_norm} (not finite); records so far are kept in {write_dir / run_dir.RECORDS}; {last};"
         f" lower engine.learning_rate (or set engine.skip_nonfinite_updates=true)"
         f" and start a new run{resume}", file=sys.stderr)
+  return 1
+
+
+def _withdraw_segment(plan: RunPlan, point, error: Exception) -> int:
+  """A resume that failed before its first step (its checkpoint could not be restored, or the run not built)
+  leaves the run as it was: the checkpoints it moved aside go back, and its segment loses its
+  ``segment.json``, so the run's view stays the segment before (``run_dir.segments`` skips it); the traceback
+  stays in the segment's ``error.log``. One line, exit 1, naming the checkpoint and the one to try instead."""
+  # import here: gRPC and the engines load after setup_host (a refusal loads neither)
+  from orchestrator.app.runner import checkpoint_dir_for
+
+  segment = plan.write_dir
+  log_path = segment / run_dir.ERROR_LOG
+  log_path.write_text("".join(traceback.format_exception(error)), encoding="utf-8")
+  aside = segment / run_dir.SUPERSEDED_CHECKPOINTS
+  for step in point.superseded_checkpoints:
+    shutil.move(str(aside / str(step)), str(Path(checkpoint_dir_for(plan.recipe, plan.out)) / str(step)))
+  (segment / run_dir.SEGMENT).unlink()
+  text = " ".join(str(error).split())
+  text = text if len(text) <= 300 else text[:300] + "..."
+  step = point.checkpoint_step
+  instead = (f"; if checkpoint {step} is damaged, resume from checkpoint {point.earlier_valid}, the newest intact"
+             f" one before it: `run_rl --resume {plan.out} --from-checkpoint {point.earlier_valid}`"
+             if point.earlier_valid is not None else "")
+  print(f"run_rl: error: the resume could not restore checkpoint {step} and build the run: {type(error).__name__}:"
+        f" {text}; the run is as it was (traceback in {log_path}){instead}", file=sys.stderr, flush=True)
   return 1
 
 

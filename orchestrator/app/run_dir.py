@@ -32,11 +32,14 @@ import hashlib
 import json
 import os
 import socket
+import stat
 import sys
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from orchestrator.user_files import MIB, UserFileError, kind_of, read_regular_bytes, read_regular_text
 
 CONFIG = "config.json"
 RECORDS = "records.jsonl"
@@ -48,7 +51,20 @@ LOCK = "run.lock"
 SEGMENTS = "segments"
 SEGMENT = "segment.json"
 SUPERSEDED_CHECKPOINTS = "superseded_checkpoints"
+TENSORBOARD = "tensorboard"  # the metrics log's directory (``loop.metrics_log.TENSORBOARD_DIR``)
+WANDB = "wandb"
 RUN_FILES = (CONFIG, RECORDS, SUMMARY, TRACE)
+# The files of a run directory (and of each segment) that a resume or an export reads, and the directories:
+# each must be of its kind where it exists (a FIFO would block the read, a directory would make it fail).
+FILES_READ = (CONFIG, RECORDS, SUMMARY, TRACE, SEGMENT)
+DIRS_READ = (CHECKPOINTS, SEGMENTS)
+# The directories a new run (or a segment) writes into beside its files: each must be one it can write.
+DIRS_WRITTEN = (CHECKPOINTS, TENSORBOARD, WANDB)
+# Bounds on what is read of a run's files: far above what a run writes (records: about 2 KB a step).
+CONFIG_MAX_BYTES = 16 * MIB
+SEGMENT_MAX_BYTES = 1 * MIB
+RECORDS_MAX_BYTES = 1024 * MIB
+TRACE_MAX_BYTES = 1024 * MIB
 # Fields every record has (a line without them was not written by a run).
 RECORD_FIELDS = ("step", "mode", "staged", "reason", "actions", "update_s", "step_s", "micro_batch_s")
 
@@ -80,12 +96,68 @@ def check_new(path: Path) -> None:
   """
   if path.exists() and not path.is_dir():
     raise RunDirError(f"--out {path} is a file, not a directory; choose a directory for the run's outputs")
-  if holds_a_run(path):
+  if holds_a_run(path) and abandoned_claim(path) is None:
     raise RunDirError(f"--out {path} already holds a run; continue it with `run_rl --resume {path}`"
                       " or choose a new --out")
   existing = _nearest_existing(path)
   if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
     raise RunDirError(f"--out {path}: {existing} is not a writable directory; choose a --out you can write")
+  check_writable_dirs(path, flag="--out")
+
+
+def check_writable_dirs(path: Path, *, flag: str, names: tuple[str, ...] = DIRS_WRITTEN) -> None:
+  """The directories a run writes inside ``path`` (``names``: its checkpoints, TensorBoard and W&B logs) are,
+  where they exist already, directories it can write; checked before anything is written (else the run would
+  fail at bring-up, its directory claimed)."""
+  for name in names:
+    inside = path / name
+    if not inside.exists() and not inside.is_symlink():
+      continue
+    if not inside.is_dir():
+      raise RunDirError(f"{flag} {path}: {inside} is {_kind_at(inside)}, where the run writes its {name}"
+                        f" directory; move it out of {path}, or choose another {flag}")
+    if not os.access(inside, os.W_OK | os.X_OK):
+      raise RunDirError(f"{flag} {path}: {inside} is not writable, and the run writes its {name} there; make it"
+                        f" writable, or choose another {flag}")
+
+
+def _kind_at(path: Path) -> str:
+  """What ``path`` is, in words (a link that leads nowhere included)."""
+  try:
+    mode = path.stat().st_mode
+  except OSError:
+    return "a link that leads nowhere" if path.is_symlink() else "unreadable"
+  return "a file" if stat.S_ISREG(mode) else kind_of(mode)
+
+
+def check_layout(path: Path, *, flag: str) -> None:
+  """Every path a resume or an export reads in the run directory ``path`` is of its kind where it exists:
+  ``FILES_READ`` regular files, ``DIRS_READ`` directories, each numbered entry of ``segments/`` a segment
+  directory, and each segment's own files regular files. Reads no file's content.
+
+  Raises:
+    RunDirError: naming the path, what it is and the fix.
+  """
+  places = [path]
+  root = path / SEGMENTS
+  if root.is_dir():
+    for entry in sorted(root.iterdir()):
+      if entry.name.isdigit() and not entry.is_dir():
+        raise RunDirError(f"{flag} {path}: {entry} is {_kind_at(entry)}, where a segment directory (resume"
+                          f" {entry.name}) belongs; move it out of {root}")
+      if entry.name.isdigit():
+        places.append(entry)
+  for place in places:
+    for name in FILES_READ:
+      where = place / name
+      if (where.exists() or where.is_symlink()) and not where.is_file():
+        raise RunDirError(f"{flag} {path}: {where} is {_kind_at(where)}, not the file a run writes there; move it"
+                          " out of the run directory, or restore the run's file")
+  for name in DIRS_READ:
+    where = path / name
+    if (where.exists() or where.is_symlink()) and not where.is_dir():
+      raise RunDirError(f"{flag} {path}: {where} is {_kind_at(where)}, not the directory a run writes there; move"
+                        " it out of the run directory, or restore the run's directory")
 
 
 def default_out(name: str, root: Path = Path("runs")) -> Path:
@@ -99,12 +171,45 @@ def default_out(name: str, root: Path = Path("runs")) -> Path:
   return path
 
 
+def abandoned_claim(path: Path) -> dict[str, Any] | None:
+  """The claim (``config.json``) of a run that ended before its first step, if that is all ``path`` holds.
+
+  Between its claim and its first record a run builds its engine (seconds to
+  minutes); a kill then leaves ``config.json`` (beside its lock, and the empty
+  or step-less ``checkpoints/`` and ``tensorboard/`` bring-up made) and nothing
+  else: no record, no summary, no error log, no checkpoint, no segment. Such a
+  directory holds no output of anyone's, so a new run may claim it again
+  (``claim_new``, under the lock: a run still bringing itself up holds it and
+  is refused by ``lock``). Returns the abandoned ``config.json`` (for the note
+  that says so), or None for anything else, which stays a run's.
+  """
+  if not path.is_dir() or not (path / CONFIG).is_file():
+    return None
+  leftovers = {p.name for p in path.iterdir()} - {CONFIG, LOCK}
+  if not leftovers <= {CHECKPOINTS, TENSORBOARD} or not all((path / name).is_dir() for name in leftovers):
+    return None
+  if CHECKPOINTS in leftovers and any((path / CHECKPOINTS).iterdir()):
+    return None
+  try:
+    config = json.loads(read_regular_text(path / CONFIG, what="the run's config", max_bytes=CONFIG_MAX_BYTES))
+  except (UserFileError, ValueError):
+    return None
+  return config if isinstance(config, dict) and isinstance(config.get("run_id"), str) else None
+
+
 def claim_new(path: Path, config: dict[str, Any]) -> None:
   """Writes a new run's ``config.json``, with the recipe's digest (fails if another run got there first).
 
-  The caller holds ``path``'s lock (``lock``), which created the directory.
+  The caller holds ``path``'s lock (``lock``), which created the directory. A
+  claim a killed run left with nothing after it (``abandoned_claim``) is taken
+  over, with a note naming the run that left it.
   """
   config = dict(config, digest=config_digest(config["config"]))
+  abandoned = abandoned_claim(path)
+  if abandoned is not None:
+    (path / CONFIG).unlink()
+    print(f"run_rl: note: --out {path} held only the claim of run {abandoned['run_id']}, which ended before its"
+          " first step (nothing else of it is there); this run takes the directory", file=sys.stderr)
   try:
     with (path / CONFIG).open("x") as f:
       json.dump(config, f, indent=2, default=str)
@@ -190,6 +295,23 @@ def lock(path: Path, *, flag: str, create: bool = False) -> DirLock:
   return DirLock(path, fd, created=created)
 
 
+def lock_run(path: Path, *, flag: str) -> DirLock:
+  """The lock of the existing run in ``path`` (``lock``), for a resume or an export.
+
+  A directory that has no lock file was never locked by a run: it is checked to
+  hold a run (``read_config``) before a lock file is written into it, so that a
+  directory that is not a run (a recording, a model checkpoint) is refused with
+  nothing written. A run's directory keeps its lock file, so its lock is taken
+  before anything there is read.
+
+  Raises:
+    RunDirError: no run there, or ``lock``'s refusals.
+  """
+  if not (path / LOCK).exists() and not (path / LOCK).is_symlink():
+    read_config(path, flag=flag)
+  return lock(path, flag=flag)
+
+
 def holds_only_its_lock(path: Path) -> bool:
   """Whether ``path`` is a directory that holds nothing but a lock file (taken, nothing written yet)."""
   return path.is_dir() and [p.name for p in path.iterdir()] in ([], [LOCK])
@@ -254,14 +376,16 @@ def read_config(path: Path, flag: str = "--resume") -> dict[str, Any]:
   if not config_path.is_file():
     raise RunDirError(f"{flag} {path}: it holds no run ({CONFIG} is missing); start one with --out {path}")
   try:
-    config = json.loads(config_path.read_text(encoding="utf-8"))
-  except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    config = json.loads(read_regular_text(config_path, what="the run's config", max_bytes=CONFIG_MAX_BYTES))
+  except UserFileError as e:
+    raise RunDirError(f"{flag} {path}: {e}") from None
+  except json.JSONDecodeError as e:
     raise RunDirError(f"{flag} {path}: {config_path} cannot be read ({e})") from None
   if (not isinstance(config, dict) or not isinstance(config.get("config"), dict)
       or not isinstance(config.get("run_id"), str) or not config["run_id"]
       or not isinstance(config.get("sources", {}), dict)):
-    raise RunDirError(f"{flag} {path}: {config_path} is not a run config written by run_rl (damaged or edited);"
-                      " restore it")
+    raise RunDirError(f"{flag} {path}: {config_path} is not a run config written by run_rl (another tool's"
+                      " file, or a run's damaged or edited): give a directory run_rl --out made, or restore it")
   return config
 
 
@@ -303,10 +427,10 @@ def segments(path: Path, config: dict[str, Any]) -> list[Segment]:
     if not where.exists():
       continue
     try:
-      data = json.loads(where.read_text(encoding="utf-8"))
+      data = json.loads(read_regular_text(where, what="the segment's description", max_bytes=SEGMENT_MAX_BYTES))
       segment = Segment(index, where.parent, _count(data["first_step"]), _count(data["steps"]),
                         _count(data["resumed_from"]))
-    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError) as e:  # UserFileError is a ValueError
       raise RunDirError(f"--resume {path}: {where} is damaged ({type(e).__name__}: {e}); restore it, or copy the"
                         " run without that segment") from None
     out.append(segment)
@@ -327,10 +451,19 @@ def _segment_numbers(path: Path) -> list[int]:
 
 
 def new_segment(path: Path, *, first_step: int, steps: int, resumed_from: int) -> Segment:
-  """Creates the next segment's directory and its ``segment.json`` (after the resume was validated)."""
-  index = max(_segment_numbers(path), default=0) + 1
+  """Creates the next segment's directory and its ``segment.json`` (after the resume was validated).
+
+  Raises:
+    RunDirError: the directory cannot be made (``check_layout`` refused what it could foresee).
+  """
+  taken = [int(p.name) for p in (path / SEGMENTS).iterdir() if p.name.isdigit()] if (path / SEGMENTS).is_dir() else []
+  index = max(taken, default=0) + 1  # past any numbered entry, a directory or not: a segment is never shared
   where = path / SEGMENTS / str(index)
-  where.mkdir(parents=True)  # never exist_ok: a segment is never shared
+  try:
+    where.mkdir(parents=True)  # never exist_ok: a segment is never shared
+  except OSError as e:
+    raise RunDirError(f"--resume {path}: cannot create the new segment {where} ({e.strerror}); move what is"
+                      f" there out of {path / SEGMENTS}, or make it writable") from None
   segment = Segment(index, where, first_step, steps, resumed_from)
   tmp = where / (SEGMENT + ".tmp")
   tmp.write_text(json.dumps({"first_step": first_step, "steps": steps, "resumed_from": resumed_from,
@@ -389,12 +522,12 @@ def run_records(segs: list[Segment], needed: int) -> list[dict[str, Any]]:
 
 def _read_lines(records_path: Path) -> list[_Line]:
   """A records file's lines, each parsed or with its problem; a torn last line (no newline) is dropped."""
-  try:
-    data = records_path.read_bytes()
-  except FileNotFoundError:
+  if not records_path.exists() and not records_path.is_symlink():
     return []
-  except OSError as e:
-    raise RunDirError(f"{records_path} cannot be read ({e.strerror}); make it readable") from None
+  try:
+    data = read_regular_bytes(records_path, what="the run's records", max_bytes=RECORDS_MAX_BYTES)
+  except UserFileError as e:
+    raise RunDirError(str(e)) from None
   raw = data.split(b"\n")
   torn = raw.pop()  # after the last newline: empty, or a line cut short by a kill
   del torn
@@ -425,8 +558,9 @@ def read_trace_events(path: Path) -> list[dict[str, Any]]:
   """The events of a segment's trace (every earlier segment's too), or none if it was never written (a killed
   run)."""
   try:
-    return list(json.loads((path / TRACE).read_text(encoding="utf-8"))["traceEvents"])
-  except (OSError, ValueError, KeyError, TypeError):
+    return list(json.loads(read_regular_text(path / TRACE, what="the trace", max_bytes=TRACE_MAX_BYTES))[
+        "traceEvents"])
+  except (ValueError, KeyError, TypeError):  # UserFileError (missing, not a file, too large) is a ValueError
     return []
 
 

@@ -149,6 +149,8 @@ class ResumePoint:
     restored_record: the last of them when it came from the checkpoint (the run was killed before writing
       it), else None.
     superseded_checkpoints: later checkpoints (``--from-checkpoint``), moved aside when the resume starts.
+    earlier_valid: the newest valid checkpoint before this one (what to resume from if this one cannot be
+      restored), or None.
   """
 
   checkpoint_step: int
@@ -156,6 +158,7 @@ class ResumePoint:
   previous_records: list
   restored_record: dict | None = None
   superseded_checkpoints: list = dataclasses.field(default_factory=list)
+  earlier_valid: int | None = None
 
   @property
   def steps_done(self) -> int:

@@ -37,12 +37,12 @@ from orchestrator.contract.outputs import (
 )
 from orchestrator.contract.source import (LiveSource, RolloutStats, SourceStateError, StepSource, WeightTransfer,
                                          live_part)
-from orchestrator.contract.worker import (DeferredUpdate, StageReceipt, WeightsOverWire, Worker, WorkerCapabilities,
-                                         WorkerUsageError)
+from orchestrator.contract.worker import (DeferredUpdate, NoCheckpointError, StageReceipt, WeightsOverWire, Worker,
+                                         WorkerCapabilities, WorkerUsageError)
 
 __all__ = [
     "AgreementCost", "CheckpointingEngine", "DeferredUpdate", "DeviceMemory", "Evaluation", "LiveSource",
-    "MemoryReportingEngine", "PreparedInput",
+    "MemoryReportingEngine", "NoCheckpointError", "PreparedInput",
     "ProcessTimings", "Receipt", "RolloutStats", "RolloutSummary", "RunSummary", "STAGING_METHODS",
     "SnapshotEngine", "SourceStateError", "StageReceipt", "StagingEngine", "StepMetrics", "StepSource",
     "StepTimings", "TrainingEngine", "WeightSource", "WeightTransfer", "WeightsOverWire", "Worker",

@@ -21,6 +21,11 @@ class WorkerUsageError(RuntimeError):
   """The worker was driven out of order (the message says what and what to call instead)."""
 
 
+class NoCheckpointError(ValueError):
+  """A restore asked for a checkpoint the trainer does not hold (the message names its directory and what it
+  holds); a ``ValueError``, as a bad step is."""
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class WorkerCapabilities:
   """What the engine behind a worker can do, decided once when the worker is built.

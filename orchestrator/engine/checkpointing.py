@@ -18,6 +18,12 @@ import jax
 import orbax.checkpoint as ocp
 from jax._src import distributed
 
+from orchestrator.contract import NoCheckpointError
+from orchestrator.user_files import MIB, check_regular
+
+# A checkpoint's JSON metadata grows with the model's leaves (orbax's) and the run's state (ours), far below this.
+METADATA_MAX_BYTES = 256 * MIB
+
 
 def flatten_state(tree: Any) -> dict[str, Any]:
   """Leaves of ``tree`` keyed by position and path (keys sort in leaf order)."""
@@ -94,22 +100,24 @@ class Checkpointer:
     Raises:
       ValueError: ``step`` is not a non-negative integer, or its checkpoint lies outside ``directory``
         (``step_path``); checked before anything is read.
-      RuntimeError: there is no checkpoint.
+      NoCheckpointError: there is no checkpoint (of ``step``).
     """
     ocp = self._ocp
     step = self.latest_step() if step is None else step
     if step is None:
-      raise RuntimeError(f"no checkpoint under {self.directory}")
+      raise NoCheckpointError(f"no checkpoint in {self.directory} (it holds none); a trainer restores only"
+                              " checkpoints it wrote there: start it with the checkpoint directory of the run")
     path = self.step_path(step)
     if not path.is_dir():
       held = sorted(self._manager.all_steps())
-      raise ValueError(f"no checkpoint of step {step} in {self.directory}"
+      raise NoCheckpointError(f"no checkpoint of step {step} in {self.directory}"
                        f" ({'it holds steps ' + ', '.join(map(str, held)) if held else 'it holds none'}); give one of"
                        " those, or leave the step out for the latest")
     target = {
         k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding)
         for k, v in flatten_state(template).items()
     }
+    quiet_abandoned_reads()
     restored = self._manager.restore(
         step,
         args=ocp.args.Composite(state=ocp.args.StandardRestore(target), metadata=ocp.args.JsonRestore()),
@@ -118,6 +126,29 @@ class Checkpointer:
     flat = restored["state"]
     state = jax.tree_util.tree_unflatten(treedef, [flat[k] for k in sorted(flat)])
     return state, dict(restored["metadata"])
+
+
+def quiet_abandoned_reads() -> None:
+  """Drops the unraisable ``RuntimeError: Event loop is closed`` reports of a restore that failed.
+
+  When a restore fails (a damaged array), the reads it started still complete,
+  each posting to orbax's event loop, closed by then; Python reports every post
+  as an unraisable error with its traceback — dozens, before and after the
+  restore's own error, which says all they could. Every other unraisable error
+  goes to the hook installed before. Idempotent.
+  """
+  previous = sys.unraisablehook
+  if getattr(previous, "drops_closed_loop_posts", False):
+    return
+
+  def hook(unraisable) -> None:
+    error = unraisable.exc_value
+    if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
+      return
+    previous(unraisable)
+
+  hook.drops_closed_loop_posts = True
+  sys.unraisablehook = hook
 
 
 def _this_process_only(ocp):
@@ -134,7 +165,8 @@ def _distributed_started() -> bool:
 def read_checkpoints(directory: str | Path) -> dict[int, dict[str, Any]]:
   """Every complete checkpoint under ``directory`` and its metadata, read-only (nothing is created).
 
-  A checkpoint whose metadata cannot be read maps to an empty dict.
+  A checkpoint whose metadata cannot be read maps to an empty dict, as does one whose metadata files are not
+  regular files within ``METADATA_MAX_BYTES`` (a FIFO there would block the read).
   """
   path = Path(directory).absolute()
   if not path.is_dir():
@@ -151,6 +183,9 @@ def read_checkpoints(directory: str | Path) -> dict[int, dict[str, Any]]:
   out = {}
   for step in manager.all_steps():
     try:
+      for name in ("_CHECKPOINT_METADATA", "metadata/metadata"):  # what the read below opens
+        if (path / str(step) / name).exists():
+          check_regular(path / str(step) / name, what="checkpoint metadata", max_bytes=METADATA_MAX_BYTES)
       restored = manager.restore(step, args=ocp.args.Composite(metadata=ocp.args.JsonRestore()))
       out[int(step)] = dict(restored["metadata"])
     except Exception:  # pylint: disable=broad-except  # a foreign or damaged checkpoint still counts

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from orchestrator.contract import DeviceMemory, Receipt, StepMetrics
+from orchestrator.contract import DeviceMemory, NoCheckpointError, Receipt, StepMetrics
 from orchestrator.data import packing
 from orchestrator.data.trajectory import Trajectory
 from orchestrator.engine import mesh as mesh_lib
@@ -427,9 +427,16 @@ class JaxTrainingEngine:
     return self._require_checkpointer().save(self._step, state, dict(metadata or {}))
 
   def restore_checkpoint(self, step: int | None = None) -> dict[str, Any]:
-    """Loads the latest (or ``step``'s) checkpoint onto the current shardings; returns its metadata."""
+    """Loads the latest (or ``step``'s) checkpoint onto the current shardings; returns its metadata.
+
+    Raises:
+      NoCheckpointError: the engine keeps no checkpoints, or none of ``step``.
+    """
+    if self._checkpointer is None:
+      raise NoCheckpointError("this engine keeps no checkpoints (it was built without a checkpoint directory), so"
+                              " it has none to restore; build it with checkpoint_dir=PATH")
     template = {"params": self._params, "opt_state": self._opt_state}
-    state, metadata = self._require_checkpointer().restore(template, step)
+    state, metadata = self._checkpointer.restore(template, step)
     self._reset_to(state["params"], state["opt_state"], int(metadata["step"]))
     return metadata
 

@@ -43,6 +43,7 @@ import grpc
 from orchestrator.contract import (
     DeferredUpdate,
     DeviceMemory,
+    NoCheckpointError,
     Receipt,
     StageReceipt,
     StepMetrics,
@@ -152,6 +153,9 @@ class RemoteTrainerWorker:
     detail = error.details() if callable(getattr(error, "details", None)) else str(error)
     if code == grpc.StatusCode.FAILED_PRECONDITION and detail.startswith("WorkerUsageError: "):
       raise WorkerUsageError(detail.removeprefix("WorkerUsageError: ")) from None
+    if code == grpc.StatusCode.NOT_FOUND and detail.startswith("NoCheckpointError: "):
+      raise NoCheckpointError(f"the trainer at {self.address} has no such checkpoint ({call}: NOT_FOUND):"
+                              f" {detail.removeprefix('NoCheckpointError: ')}") from None
     if code == grpc.StatusCode.INVALID_ARGUMENT and detail.startswith("ValueError: "):
       raise ValueError(detail.removeprefix("ValueError: ")) from None
     if code == grpc.StatusCode.INTERNAL:  # the trainer answered, but failed on its side (its log has more)

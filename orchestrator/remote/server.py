@@ -59,7 +59,7 @@ import grpc
 import jax
 
 from orchestrator.remote import protocol, wire
-from orchestrator.contract import WorkerUsageError
+from orchestrator.contract import NoCheckpointError, WorkerUsageError
 from orchestrator.loop.trainer_worker import TrainerWorker
 from orchestrator.loop.watcher import CompletionWatcher
 
@@ -504,6 +504,8 @@ class TrainerService:
         reply = getattr(self, f"_do_{method}")(header, arrays)
       except WorkerUsageError as e:
         raise _Refused(grpc.StatusCode.FAILED_PRECONDITION, f"WorkerUsageError: {e}") from None
+      except NoCheckpointError as e:  # the trainer is fine; it lacks what was asked for
+        raise _Refused(grpc.StatusCode.NOT_FOUND, f"NoCheckpointError: {e}") from None
       except ValueError as e:
         raise _invalid(e) from None
       except Exception as e:  # logged under the worker method's name; the guard sends the line
