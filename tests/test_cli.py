@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from orchestrator.app import cli
+from orchestrator.app import cli, launch
 from orchestrator import recipe as recipe_lib
 from policies import Mode
 from tests.conftest import REPO
@@ -101,6 +101,93 @@ def test_env_switches_each_reach_their_key():
   for name, key in recipe_lib.ENV_SWITCHES.items():
     if name in env:
       assert r.sources[key] == f"env {name}"
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoint(tmp_path_factory):
+  """A Hugging Face checkpoint of the tiny_moe preset: its sizes disagree with the default recipe's tiny."""
+  # import here: writing a checkpoint builds a model (JAX); the rest of this module validates without it
+  from tests.test_hf_checkpoint import write_checkpoint
+
+  directory = tmp_path_factory.mktemp("hf") / "tiny_moe"
+  write_checkpoint(directory, "tiny_moe")
+  return str(directory)
+
+
+_IDENTITY = {"STEP_BOUNDARY_PROCESS_ID": "1", "STEP_BOUNDARY_COORDINATOR_ADDRESS": "127.0.0.1:1234"}
+
+
+def _layered(checkpoint):
+  """(recipe file's lines, command line, environment, the key that wins and its value, the keys dropped)."""
+  return [
+      ("model: tiny", [f"model.checkpoint={checkpoint}"], {}, ("model.checkpoint", checkpoint), ["model.preset"]),
+      (f"model:\n  checkpoint: {checkpoint}", ["model=tiny"], {}, ("model.preset", "tiny"), ["model.checkpoint"]),
+      ("simulate:\n  input_copy_s: 0.3", ["simulate.map_s=0.2"], {}, ("simulate.map_s", 0.2),
+       ["simulate.input_copy_s"]),
+      ("simulate:\n  update_overlap_share: 0.5", ["simulate.update_waits_for_last=true"], {},
+       ("simulate.update_waits_for_last", True), ["simulate.update_overlap_share"]),
+      ("distributed:\n  detect_cluster: true", ["distributed.num_processes=1"], {}, ("distributed.num_processes", 1),
+       ["distributed.detect_cluster"]),
+      ("distributed:\n  num_processes: 2", ["distributed.detect_cluster=true"], _IDENTITY,
+       ("distributed.detect_cluster", True),
+       ["distributed.num_processes", "distributed.process_id", "distributed.coordinator_address"]),
+  ]
+
+
+def test_a_key_of_a_higher_layer_drops_the_lower_layers_conflicting_key(tmp_path, moe_checkpoint):
+  """Every pair of EXCLUSIVE_KEYS, split over two layers: the higher one's key is used, the lower one's is
+  dropped and its source says so. Negative controls: both in one layer are still refused, naming both."""
+  cases = _layered(moe_checkpoint)
+  covered = {frozenset((wins, key)) for *_, (wins, _), dropped in cases for key in dropped}
+  assert {frozenset(pair) for pair in recipe_lib.loading.EXCLUSIVE_KEYS} <= covered  # a new pair needs a case
+  for text, argv, env, (wins, value), dropped in cases:
+    r = resolve(["--recipe", write(tmp_path, f"steps: 3\n{text}\n"), *argv], env=env)
+    assert recipe_lib.get(r.recipe, wins) == value, wins
+    for key in dropped:
+      assert recipe_lib.get(r.recipe, key) == recipe_lib.get(recipe_lib.Recipe(), key), key
+      assert r.sources[key].startswith(f"default (dropped: {wins}=") and f"replaces {key}=" in r.sources[key]
+    assert len(r.dropped) == len(dropped) and all(phrase.startswith(f"{wins}=") for phrase in r.dropped)
+  with pytest.raises(recipe_lib.RecipeError, match=r"model.preset=tiny and model.checkpoint=.*tiny_moe disagree"):
+    resolve(["--recipe", write(tmp_path, f"model:\n  preset: tiny\n  checkpoint: {moe_checkpoint}\n")])
+  with pytest.raises(recipe_lib.RecipeError, match="simulate.input_copy_s=0.3 and simulate.map_s=0.2 are both"):
+    resolve(["simulate.map_s=0.2", "simulate.input_copy_s=0.3"])
+  with pytest.raises(recipe_lib.RecipeError, match="distributed.num_processes=2 is set with distributed.detect"):
+    resolve(["--recipe", write(tmp_path, "distributed:\n  num_processes: 2\n  detect_cluster: true\n")])
+
+
+def test_the_default_recipe_runs_a_checkpoint_named_on_the_command_line(moe_checkpoint, capsys):
+  """``run_rl model.checkpoint=DIR`` over the default recipe (which names the tiny preset): the checkpoint's model
+  is the run's; --print-config says the recipe's preset was dropped for it."""
+  code, out, err = _main(["--print-config", f"model.checkpoint={moe_checkpoint}"], capsys)
+  assert code == 0, err
+  lines = {line.split()[0]: line for line in out.splitlines() if not line.startswith("#")}
+  assert lines["model.preset"].split()[1] == "null"
+  assert f"# default (dropped: model.checkpoint={moe_checkpoint} (override) replaces model.preset=tiny (recipe))" in (
+      lines["model.preset"])
+
+
+def test_the_first_line_names_what_the_command_line_changed_and_dropped(moe_checkpoint):
+  """Negative control: the recipe run as written adds nothing to the first line."""
+  assert launch._changed_phrase(resolve([])) == ""
+  phrase = launch._changed_phrase(resolve(["--steps", "3", f"model.checkpoint={moe_checkpoint}"]))
+  assert phrase == (f" with overrides: model.checkpoint={moe_checkpoint}, steps=3; model.checkpoint={moe_checkpoint}"
+                    " (override) replaces model.preset=tiny (recipe)")
+
+
+def test_a_description_changed_by_overrides_says_so():
+  """The recipe's description is kept, with what the command line and the environment changed; negative
+  controls: a run of the recipe as written keeps it as written, and so does one that changes only where it
+  writes (run.out) or that gives its own description."""
+  written = resolve([]).recipe.description
+  assert "with overrides" not in written and resolve([]).sources["description"] == "recipe"
+  r = resolve(["--steps", "3", "engine.seed=4"], env={"RAGGED_BUFFER_FACTOR": "2"})
+  assert r.recipe.description == (f"{written} (with overrides: steps=3, engine.seed=4,"
+                                  " engine.ragged_buffer_factor=2.0)")
+  assert r.sources["description"] == "recipe, with this run's overrides appended"
+  assert r.changes == ("steps=3", "engine.seed=4", "engine.ragged_buffer_factor=2.0")
+  assert resolve(["--out", "/tmp/elsewhere"]).recipe.description == written
+  own = resolve(["steps=3", "description=three steps"])
+  assert own.recipe.description == "three steps" and own.sources["description"] == "override"
 
 
 def _main(argv, capsys, env=None):

@@ -549,9 +549,16 @@ def _opening_line(plan: RunPlan, job: job_lib.Job, *, host: str, point, devices:
     return (f"run_rl: resuming {plan.out} ({recipe.name}, mode {recipe.mode.name}) after step {point.steps_done - 1}"
             f" from checkpoint {point.checkpoint_step}; {recipe.steps - point.steps_done} steps to go; {devices}")
   processes = f"; {job.identity.num_processes} processes" if job.distributed else ""
-  return (f"run_rl: recipe {plan.resolved.path} ({recipe.name}), mode {recipe.mode.name}, model {recipe.model.name},"
-          f" {recipe.steps} steps × {recipe.batch.micro_batches_per_step} micro-batches; out {plan.out};"
-          f" host core reserved: {host}{processes}; {devices}")
+  return (f"run_rl: recipe {plan.resolved.path} ({recipe.name}){_changed_phrase(plan.resolved)}, mode"
+          f" {recipe.mode.name}, model {recipe.model.name}, {recipe.steps} steps ×"
+          f" {recipe.batch.micro_batches_per_step} micro-batches; out {plan.out}; host core reserved:"
+          f" {host}{processes}; {devices}")
+
+
+def _changed_phrase(resolved: recipe_lib.ResolvedRecipe) -> str:
+  """What the environment and the command line changed of the recipe file, and what they dropped of it."""
+  phrase = f" with overrides: {', '.join(resolved.changes)}" if resolved.changes else ""
+  return phrase + "".join(f"; {dropped}" for dropped in resolved.dropped)
 
 
 def _launch_local(plan: RunPlan, held: contextlib.ExitStack) -> int:

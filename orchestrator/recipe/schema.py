@@ -471,8 +471,8 @@ class SimulateSection:
                                  "reference_devices", "reference_hosts"), 1)
     for new, old in (("map_s", "input_copy_s"), ("update_overlap_share", "update_waits_for_last")):
       if getattr(self, new) is not None and getattr(self, old) is not None:
-        raise RecipeError(f"simulate.{old} and simulate.{new} are both set; {old} is the earlier spelling of"
-                          f" {new}: keep only simulate.{new}")
+        raise RecipeError(f"simulate.{old}={getattr(self, old)} and simulate.{new}={getattr(self, new)} are both"
+                          f" set; {old} is the earlier spelling of {new}: keep only simulate.{new}")
 
   @property
   def resolved_map_s(self) -> float:
