@@ -174,6 +174,29 @@ def test_the_first_line_names_what_the_command_line_changed_and_dropped(moe_chec
                     " (override) replaces model.preset=tiny (recipe)")
 
 
+def _described_in_help(capsys) -> dict[str, str]:
+  """Each name ``run_rl --help`` lists on a line of its own, with the line's text."""
+  with pytest.raises(SystemExit) as e:
+    cli.main(["--help"])
+  assert e.value.code == 0
+  return {line.split()[0]: line.split(None, 1)[1] for line in capsys.readouterr().out.splitlines()
+          if line.startswith("  ") and not line.startswith("   ") and len(line.split()) > 1}
+
+
+def test_help_lists_every_subcommand_and_every_environment_variable_one_line_each(capsys, monkeypatch):
+  """The lists come from the code: SUBCOMMANDS, ENV_SWITCHES and every STEP_BOUNDARY_* name in orchestrator/, so a
+  new one without a line of help fails here. Negative control: a subcommand whose line is taken away is missed."""
+  read = set(re.findall(r"STEP_BOUNDARY_[A-Z_]*[A-Z]", "".join(
+      path.read_text() for path in (REPO / "orchestrator").rglob("*.py"))))
+  expected = {*cli.SUBCOMMANDS, *recipe_lib.ENV_SWITCHES, *read}
+  described = _described_in_help(capsys)
+  assert "STEP_BOUNDARY_TRAINER_TOKEN" in read and "serve-trainer" in expected
+  assert expected <= set(described), sorted(expected - set(described))
+  assert all(len(described[name].split()) >= 3 for name in expected)
+  monkeypatch.delitem(cli.SUBCOMMAND_HELP, "serve-trainer")
+  assert "serve-trainer" not in _described_in_help(capsys)
+
+
 def test_a_description_changed_by_overrides_says_so():
   """The recipe's description is kept, with what the command line and the environment changed; negative
   controls: a run of the recipe as written keeps it as written, and so does one that changes only where it
