@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
 import pytest
 
-from orchestrator.app import cli, launch
+from orchestrator.app import cli, launch, run_dir
 from orchestrator import recipe as recipe_lib
 from policies import Mode
 from tests.conftest import REPO
@@ -195,6 +196,83 @@ def test_help_lists_every_subcommand_and_every_environment_variable_one_line_eac
   assert all(len(described[name].split()) >= 3 for name in expected)
   monkeypatch.delitem(cli.SUBCOMMAND_HELP, "serve-trainer")
   assert "serve-trainer" not in _described_in_help(capsys)
+
+
+SUMS = "".join(f'{{"prompt": "{i}+1=", "answer": "{i + 1}"}}\n' for i in range(40))
+
+
+def test_config_json_holds_each_derived_size_with_its_source(tmp_path, monkeypatch):
+  """The sizes a run derives are saved as the values it runs with, marked derived; relative output directories
+  absolute. Negative controls: a size given keeps its value and source, and the recipe the run builds from
+  still leaves the derived ones unset (it derives them as it always did)."""
+  (tmp_path / "prompts.jsonl").write_text(SUMS)
+  monkeypatch.chdir(tmp_path)
+  resolved = resolve(["task.name=dataset", "task.path=prompts.jsonl", "checkpoint.directory=ckpts"])
+  config, sources = recipe_lib.saved_config(resolved)
+  assert (config["task"]["max_prompt_tokens"], sources["task.max_prompt_tokens"]) == (
+      6, "derived: the longest prompt (bos included)")  # "39+1=" and bos
+  assert (config["task"]["max_completion_tokens"], sources["task.max_completion_tokens"]) == (
+      2, "derived: the longest answer")
+  assert (config["batch"]["tokens_per_row"], sources["batch.tokens_per_row"]) == (
+      64, "derived: model.preset tiny's tokens_per_row")
+  assert (config["batch"]["rows"], sources["batch.rows"]) == (16, "recipe")
+  assert config["checkpoint"]["directory"] == str(tmp_path / "ckpts")
+  assert sources["checkpoint.directory"] == "override, ckpts made absolute"
+  assert resolved.recipe.task.max_prompt_tokens is None and resolved.recipe.batch.tokens_per_row is None
+  config, sources = recipe_lib.saved_config(resolve(["task.name=dataset", "task.path=prompts.jsonl",
+                                                     "task.max_prompt_tokens=9", "batch.tokens_per_row=32"]))
+  assert (config["task"]["max_prompt_tokens"], sources["task.max_prompt_tokens"]) == (9, "override")
+  assert (config["batch"]["tokens_per_row"], sources["batch.tokens_per_row"]) == (32, "override")
+
+
+def test_a_resume_refuses_a_size_that_derives_otherwise_now(tmp_path, monkeypatch):
+  """A size saved as derived must derive to the saved value again (else the resume would train another
+  shape); negative control: the value the run saved passes."""
+  (tmp_path / "prompts.jsonl").write_text(SUMS)
+  monkeypatch.chdir(tmp_path)
+  resolved = resolve(["task.name=dataset", "task.path=prompts.jsonl"])
+  config, sources = recipe_lib.saved_config(resolved)
+  saved = {"config": config, "sources": sources}
+  assert launch._derived_otherwise(saved, resolved.recipe) == []
+  config["task"]["max_prompt_tokens"] = 5
+  assert launch._derived_otherwise(saved, resolved.recipe) == [
+      "task.max_prompt_tokens was 5 at the run's start (derived: the longest prompt (bos included)), now 6"]
+
+
+def test_a_run_on_a_relative_dataset_with_derived_sizes_resumes_from_another_directory(tmp_path, monkeypatch,
+                                                                                         capsys):
+  """Started in directory a with task.path relative to it and its sizes derived, resumed from directory b: the
+  resume reads the file config.json recorded, derives the same sizes, and reaches the uninterrupted run's
+  digest. Negative control: the file changed since, the resume is refused in one line naming it, nothing
+  written."""
+  for name in recipe_lib.ENV_SWITCHES:
+    monkeypatch.delenv(name, raising=False)
+  a, b = tmp_path / "a", tmp_path / "b"
+  a.mkdir(), b.mkdir()
+  (a / "prompts.jsonl").write_text(SUMS)
+  monkeypatch.chdir(a)
+  argv = ["task.name=dataset", "task.path=prompts.jsonl", "steps=2", "rollouts.groups_per_micro_batch=2",
+          "batch.rows=4", "task.eval_prompts=4", "checkpoint.every=1", "run.reserve_host_core=false"]
+  assert cli.main([*argv, "--out", str(tmp_path / "whole")]) == 0
+  run = tmp_path / "cut"
+  assert cli.main([*argv, "--out", str(run)]) == 0
+  saved = json.loads((run / "config.json").read_text())
+  assert saved["config"]["task"]["path"] == "prompts.jsonl" and saved["config"]["task"]["max_prompt_tokens"] == 6
+  assert saved["sources"]["task.max_prompt_tokens"].startswith("derived:")
+  shutil.rmtree(run / "checkpoints" / "2")
+  monkeypatch.chdir(b)
+  capsys.readouterr()
+  assert cli.main(["--resume", str(run)]) == 0, capsys.readouterr().err
+  digest = json.loads((run_dir.latest_segment(run) / "summary.json").read_text())["final_state_digest"]
+  assert digest == json.loads((tmp_path / "whole" / "summary.json").read_text())["final_state_digest"]
+
+  (a / "prompts.jsonl").write_text(SUMS + '{"prompt": "99+1=", "answer": "100"}\n')
+  listing = sorted(p.relative_to(run) for p in run.rglob("*"))
+  capsys.readouterr()
+  assert cli.main(["--resume", str(run), "--steps", "3"]) == 2
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and f"task.path: {a / 'prompts.jsonl'} changed since the run started" in err
+  assert sorted(p.relative_to(run) for p in run.rglob("*")) == listing
 
 
 def test_a_description_changed_by_overrides_says_so():

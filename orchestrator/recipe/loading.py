@@ -263,6 +263,31 @@ def run_config_dict(recipe: Recipe) -> dict[str, Any]:
   return out
 
 
+#: How a size's source starts in config.json when the run derived its value (``Recipe.derived_sizes``).
+DERIVED = "derived:"
+
+
+#: Directories a run writes that a recipe may name relative to the working directory: config.json holds them
+#: absolute, so a resume from another directory writes where the run wrote.
+OUTPUT_PATH_KEYS = ("checkpoint.directory", "rollouts.record_to")
+
+
+def saved_config(resolved: ResolvedRecipe) -> tuple[dict[str, Any], dict[str, str]]:
+  """What config.json holds of a run: its recipe (``run_config_dict``) with the value of each size it derives
+  and its output directories absolute, and each key's source (a derived one's ``"derived: ..."``)."""
+  config, sources = run_config_dict(resolved.recipe), dict(resolved.sources)
+  for key, (value, source) in resolved.recipe.derived_sizes().items():
+    section, leaf = key.split(".")
+    config[section][leaf], sources[key] = value, source
+  for key in OUTPUT_PATH_KEYS:
+    section, leaf = key.split(".")
+    given = config[section][leaf]
+    if given is not None and not Path(given).expanduser().is_absolute():
+      config[section][leaf] = str(Path(given).expanduser().absolute())
+      sources[key] = f"{sources[key]}, {given} made absolute"
+  return config, sources
+
+
 def job_settings(recipe: Recipe) -> dict[str, Any]:
   """Every key of ``recipe`` that the processes of a job must agree on, in the schema's order, with its value
   (all but ``PER_PROCESS_KEYS``)."""

@@ -652,6 +652,23 @@ class Recipe:
     """The live loop's task, read (a dataset: every row checked) with the tokenizer the sampler uses."""
     return self.task.make(self.model.tokenizer())
 
+  def derived_sizes(self) -> dict[str, tuple[int, str]]:
+    """Each size key left unset whose value the run derives: the key → (the value it runs with, where that
+    comes from, as ``"derived: ..."``). config.json records these values as the run's."""
+    preset, derived = self.model_preset(), {}
+    origin = (f"model.preset {self.model.preset or DEFAULT_PRESET}" if self.model.preset or not self.model.checkpoint
+              else "a checkpoint's model (the default)")
+    for key in ("rows", "tokens_per_row"):
+      if getattr(self.batch, key) is None:
+        derived[f"batch.{key}"] = (getattr(preset, key), f"derived: {origin}'s {key}")
+    if self.rollouts.source == "sampler" and self.task.name == DATASET:
+      task = self.live_task()
+      if self.task.max_prompt_tokens is None:
+        derived["task.max_prompt_tokens"] = (task.max_prompt_tokens, "derived: the longest prompt (bos included)")
+      if self.task.max_completion_tokens is None:
+        derived["task.max_completion_tokens"] = (task.max_answer_length, "derived: the longest answer")
+    return derived
+
   @property
   def staging_requested(self) -> bool:
     return self.step_boundary.staging_requested
