@@ -251,7 +251,7 @@ def test_earlier_simulate_keys_still_load_and_a_doubly_spelled_one_is_refused():
   est, _ = estimate_from_recipe(old)
   assert est.components.map_s == 0.3 and est.components.update_overlap_share == 0.0
   assert est.sources["map_s"] == "override (as simulate.input_copy_s)"
-  with pytest.raises(recipe_lib.RecipeError, match="simulate.input_copy_s and simulate.map_s are both set"):
+  with pytest.raises(recipe_lib.RecipeError, match="simulate.input_copy_s=0.3 and simulate.map_s=0.2 are both set"):
     _resolve("recipes/default.yaml", "simulate.input_copy_s=0.3", "simulate.map_s=0.2")
   with pytest.raises(recipe_lib.RecipeError, match="update_overlap_share=1.5 is out of range"):
     _resolve("recipes/default.yaml", "simulate.update_overlap_share=1.5")

@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
 import pytest
 
-from orchestrator.app import cli
+from orchestrator.app import cli, launch, run_dir
 from orchestrator import recipe as recipe_lib
 from policies import Mode
 from tests.conftest import REPO
@@ -101,6 +102,193 @@ def test_env_switches_each_reach_their_key():
   for name, key in recipe_lib.ENV_SWITCHES.items():
     if name in env:
       assert r.sources[key] == f"env {name}"
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoint(tmp_path_factory):
+  """A Hugging Face checkpoint of the tiny_moe preset: its sizes disagree with the default recipe's tiny."""
+  # import here: writing a checkpoint builds a model (JAX); the rest of this module validates without it
+  from tests.test_hf_checkpoint import write_checkpoint
+
+  directory = tmp_path_factory.mktemp("hf") / "tiny_moe"
+  write_checkpoint(directory, "tiny_moe")
+  return str(directory)
+
+
+_IDENTITY = {"STEP_BOUNDARY_PROCESS_ID": "1", "STEP_BOUNDARY_COORDINATOR_ADDRESS": "127.0.0.1:1234"}
+
+
+def _layered(checkpoint):
+  """(recipe file's lines, command line, environment, the key that wins and its value, the keys dropped)."""
+  return [
+      ("model: tiny", [f"model.checkpoint={checkpoint}"], {}, ("model.checkpoint", checkpoint), ["model.preset"]),
+      (f"model:\n  checkpoint: {checkpoint}", ["model=tiny"], {}, ("model.preset", "tiny"), ["model.checkpoint"]),
+      ("simulate:\n  input_copy_s: 0.3", ["simulate.map_s=0.2"], {}, ("simulate.map_s", 0.2),
+       ["simulate.input_copy_s"]),
+      ("simulate:\n  update_overlap_share: 0.5", ["simulate.update_waits_for_last=true"], {},
+       ("simulate.update_waits_for_last", True), ["simulate.update_overlap_share"]),
+      ("distributed:\n  detect_cluster: true", ["distributed.num_processes=1"], {}, ("distributed.num_processes", 1),
+       ["distributed.detect_cluster"]),
+      ("distributed:\n  num_processes: 2", ["distributed.detect_cluster=true"], _IDENTITY,
+       ("distributed.detect_cluster", True),
+       ["distributed.num_processes", "distributed.process_id", "distributed.coordinator_address"]),
+  ]
+
+
+def test_a_key_of_a_higher_layer_drops_the_lower_layers_conflicting_key(tmp_path, moe_checkpoint):
+  """Every pair of EXCLUSIVE_KEYS, split over two layers: the higher one's key is used, the lower one's is
+  dropped and its source says so. Negative controls: both in one layer are still refused, naming both."""
+  cases = _layered(moe_checkpoint)
+  covered = {frozenset((wins, key)) for *_, (wins, _), dropped in cases for key in dropped}
+  assert {frozenset(pair) for pair in recipe_lib.loading.EXCLUSIVE_KEYS} <= covered  # a new pair needs a case
+  for text, argv, env, (wins, value), dropped in cases:
+    r = resolve(["--recipe", write(tmp_path, f"steps: 3\n{text}\n"), *argv], env=env)
+    assert recipe_lib.get(r.recipe, wins) == value, wins
+    for key in dropped:
+      assert recipe_lib.get(r.recipe, key) == recipe_lib.get(recipe_lib.Recipe(), key), key
+      assert r.sources[key].startswith(f"default (dropped: {wins}=") and f"replaces {key}=" in r.sources[key]
+    assert len(r.dropped) == len(dropped) and all(phrase.startswith(f"{wins}=") for phrase in r.dropped)
+  with pytest.raises(recipe_lib.RecipeError, match=r"model.preset=tiny and model.checkpoint=.*tiny_moe disagree"):
+    resolve(["--recipe", write(tmp_path, f"model:\n  preset: tiny\n  checkpoint: {moe_checkpoint}\n")])
+  with pytest.raises(recipe_lib.RecipeError, match="simulate.input_copy_s=0.3 and simulate.map_s=0.2 are both"):
+    resolve(["simulate.map_s=0.2", "simulate.input_copy_s=0.3"])
+  with pytest.raises(recipe_lib.RecipeError, match="distributed.num_processes=2 is set with distributed.detect"):
+    resolve(["--recipe", write(tmp_path, "distributed:\n  num_processes: 2\n  detect_cluster: true\n")])
+
+
+def test_the_default_recipe_runs_a_checkpoint_named_on_the_command_line(moe_checkpoint, capsys):
+  """``run_rl model.checkpoint=DIR`` over the default recipe (which names the tiny preset): the checkpoint's model
+  is the run's; --print-config says the recipe's preset was dropped for it."""
+  code, out, err = _main(["--print-config", f"model.checkpoint={moe_checkpoint}"], capsys)
+  assert code == 0, err
+  lines = {line.split()[0]: line for line in out.splitlines() if not line.startswith("#")}
+  assert lines["model.preset"].split()[1] == "null"
+  assert f"# default (dropped: model.checkpoint={moe_checkpoint} (override) replaces model.preset=tiny (recipe))" in (
+      lines["model.preset"])
+
+
+def test_the_first_line_names_what_the_command_line_changed_and_dropped(moe_checkpoint):
+  """Negative control: the recipe run as written adds nothing to the first line."""
+  assert launch._changed_phrase(resolve([])) == ""
+  phrase = launch._changed_phrase(resolve(["--steps", "3", f"model.checkpoint={moe_checkpoint}"]))
+  assert phrase == (f" with overrides: model.checkpoint={moe_checkpoint}, steps=3; model.checkpoint={moe_checkpoint}"
+                    " (override) replaces model.preset=tiny (recipe)")
+
+
+def _described_in_help(capsys) -> dict[str, str]:
+  """Each name ``run_rl --help`` lists on a line of its own, with the line's text."""
+  with pytest.raises(SystemExit) as e:
+    cli.main(["--help"])
+  assert e.value.code == 0
+  return {line.split()[0]: line.split(None, 1)[1] for line in capsys.readouterr().out.splitlines()
+          if line.startswith("  ") and not line.startswith("   ") and len(line.split()) > 1}
+
+
+def test_help_lists_every_subcommand_and_every_environment_variable_one_line_each(capsys, monkeypatch):
+  """The lists come from the code: SUBCOMMANDS, ENV_SWITCHES and every STEP_BOUNDARY_* name in orchestrator/, so a
+  new one without a line of help fails here. Negative control: a subcommand whose line is taken away is missed."""
+  read = set(re.findall(r"STEP_BOUNDARY_[A-Z_]*[A-Z]", "".join(
+      path.read_text() for path in (REPO / "orchestrator").rglob("*.py"))))
+  expected = {*cli.SUBCOMMANDS, *recipe_lib.ENV_SWITCHES, *read}
+  described = _described_in_help(capsys)
+  assert "STEP_BOUNDARY_TRAINER_TOKEN" in read and "serve-trainer" in expected
+  assert expected <= set(described), sorted(expected - set(described))
+  assert all(len(described[name].split()) >= 3 for name in expected)
+  monkeypatch.delitem(cli.SUBCOMMAND_HELP, "serve-trainer")
+  assert "serve-trainer" not in _described_in_help(capsys)
+
+
+SUMS = "".join(f'{{"prompt": "{i}+1=", "answer": "{i + 1}"}}\n' for i in range(40))
+
+
+def test_config_json_holds_each_derived_size_with_its_source(tmp_path, monkeypatch):
+  """The sizes a run derives are saved as the values it runs with, marked derived; relative output directories
+  absolute. Negative controls: a size given keeps its value and source, and the recipe the run builds from
+  still leaves the derived ones unset (it derives them as it always did)."""
+  (tmp_path / "prompts.jsonl").write_text(SUMS)
+  monkeypatch.chdir(tmp_path)
+  resolved = resolve(["task.name=dataset", "task.path=prompts.jsonl", "checkpoint.directory=ckpts"])
+  config, sources = recipe_lib.saved_config(resolved)
+  assert (config["task"]["max_prompt_tokens"], sources["task.max_prompt_tokens"]) == (
+      6, "derived: the longest prompt (bos included)")  # "39+1=" and bos
+  assert (config["task"]["max_completion_tokens"], sources["task.max_completion_tokens"]) == (
+      2, "derived: the longest answer")
+  assert (config["batch"]["tokens_per_row"], sources["batch.tokens_per_row"]) == (
+      64, "derived: model.preset tiny's tokens_per_row")
+  assert (config["batch"]["rows"], sources["batch.rows"]) == (16, "recipe")
+  assert config["checkpoint"]["directory"] == str(tmp_path / "ckpts")
+  assert sources["checkpoint.directory"] == "override, ckpts made absolute"
+  assert resolved.recipe.task.max_prompt_tokens is None and resolved.recipe.batch.tokens_per_row is None
+  config, sources = recipe_lib.saved_config(resolve(["task.name=dataset", "task.path=prompts.jsonl",
+                                                     "task.max_prompt_tokens=9", "batch.tokens_per_row=32"]))
+  assert (config["task"]["max_prompt_tokens"], sources["task.max_prompt_tokens"]) == (9, "override")
+  assert (config["batch"]["tokens_per_row"], sources["batch.tokens_per_row"]) == (32, "override")
+
+
+def test_a_resume_refuses_a_size_that_derives_otherwise_now(tmp_path, monkeypatch):
+  """A size saved as derived must derive to the saved value again (else the resume would train another
+  shape); negative control: the value the run saved passes."""
+  (tmp_path / "prompts.jsonl").write_text(SUMS)
+  monkeypatch.chdir(tmp_path)
+  resolved = resolve(["task.name=dataset", "task.path=prompts.jsonl"])
+  config, sources = recipe_lib.saved_config(resolved)
+  saved = {"config": config, "sources": sources}
+  assert launch._derived_otherwise(saved, resolved.recipe) == []
+  config["task"]["max_prompt_tokens"] = 5
+  assert launch._derived_otherwise(saved, resolved.recipe) == [
+      "task.max_prompt_tokens was 5 at the run's start (derived: the longest prompt (bos included)), now 6"]
+
+
+def test_a_run_on_a_relative_dataset_with_derived_sizes_resumes_from_another_directory(tmp_path, monkeypatch,
+                                                                                         capsys):
+  """Started in directory a with task.path relative to it and its sizes derived, resumed from directory b: the
+  resume reads the file config.json recorded, derives the same sizes, and reaches the uninterrupted run's
+  digest. Negative control: the file changed since, the resume is refused in one line naming it, nothing
+  written."""
+  for name in recipe_lib.ENV_SWITCHES:
+    monkeypatch.delenv(name, raising=False)
+  a, b = tmp_path / "a", tmp_path / "b"
+  a.mkdir(), b.mkdir()
+  (a / "prompts.jsonl").write_text(SUMS)
+  monkeypatch.chdir(a)
+  argv = ["task.name=dataset", "task.path=prompts.jsonl", "steps=2", "rollouts.groups_per_micro_batch=2",
+          "batch.rows=4", "task.eval_prompts=4", "checkpoint.every=1", "run.reserve_host_core=false"]
+  assert cli.main([*argv, "--out", str(tmp_path / "whole")]) == 0
+  run = tmp_path / "cut"
+  assert cli.main([*argv, "--out", str(run)]) == 0
+  saved = json.loads((run / "config.json").read_text())
+  assert saved["config"]["task"]["path"] == "prompts.jsonl" and saved["config"]["task"]["max_prompt_tokens"] == 6
+  assert saved["sources"]["task.max_prompt_tokens"].startswith("derived:")
+  shutil.rmtree(run / "checkpoints" / "2")
+  monkeypatch.chdir(b)
+  capsys.readouterr()
+  assert cli.main(["--resume", str(run)]) == 0, capsys.readouterr().err
+  digest = json.loads((run_dir.latest_segment(run) / "summary.json").read_text())["final_state_digest"]
+  assert digest == json.loads((tmp_path / "whole" / "summary.json").read_text())["final_state_digest"]
+
+  (a / "prompts.jsonl").write_text(SUMS + '{"prompt": "99+1=", "answer": "100"}\n')
+  listing = sorted(p.relative_to(run) for p in run.rglob("*"))
+  capsys.readouterr()
+  assert cli.main(["--resume", str(run), "--steps", "3"]) == 2
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and f"task.path: {a / 'prompts.jsonl'} changed since the run started" in err
+  assert sorted(p.relative_to(run) for p in run.rglob("*")) == listing
+
+
+def test_a_description_changed_by_overrides_says_so():
+  """The recipe's description is kept, with what the command line and the environment changed; negative
+  controls: a run of the recipe as written keeps it as written, and so does one that changes only where it
+  writes (run.out) or that gives its own description."""
+  written = resolve([]).recipe.description
+  assert "with overrides" not in written and resolve([]).sources["description"] == "recipe"
+  r = resolve(["--steps", "3", "engine.seed=4"], env={"RAGGED_BUFFER_FACTOR": "2"})
+  assert r.recipe.description == (f"{written} (with overrides: steps=3, engine.seed=4,"
+                                  " engine.ragged_buffer_factor=2.0)")
+  assert r.sources["description"] == "recipe, with this run's overrides appended"
+  assert r.changes == ("steps=3", "engine.seed=4", "engine.ragged_buffer_factor=2.0")
+  assert resolve(["--out", "/tmp/elsewhere"]).recipe.description == written
+  own = resolve(["steps=3", "description=three steps"])
+  assert own.recipe.description == "three steps" and own.sources["description"] == "override"
 
 
 def _main(argv, capsys, env=None):

@@ -29,12 +29,15 @@ from orchestrator.app import launch, run_dir
 from orchestrator.app import simulate as simulate_lib
 from orchestrator.app.arguments import UsageError, UsageErrorParser, parse_subcommand, subcommand_parser
 from orchestrator.app.export import export_main
-from orchestrator.app.host import use_compilation_cache
+from orchestrator.app.host import COMPILATION_CACHE_ENV, use_compilation_cache
 from orchestrator.app.run_dir import RunDirError, default_out
 from orchestrator.app.serve_trainer import serve_main
 from orchestrator.data.recording import RecordingError, write_recording
 from orchestrator.data.synthetic import RolloutShape, generate_groups
+from orchestrator.distributed.launcher import LAUNCHED_ENV
 from orchestrator.engine.host_threads import reserve_host_core
+from orchestrator.engine.presets import CONFIGS_ENV
+from orchestrator.remote import protocol
 
 FLAG_KEYS = {
     "pipeline_step_boundary": "step_boundary.pipeline_step_boundary",
@@ -46,14 +49,40 @@ FLAG_KEYS = {
 }
 
 
+#: One line per subcommand (``SUBCOMMANDS``) for ``run_rl --help``.
+SUBCOMMAND_HELP = {
+    "record": "write a recording in the recipe's shapes (or record what a live run trains on)",
+    "rig": "replay a recording through every arm (mode) and report checks and timings",
+    "simulate": "predict boundary idle and step time per mode, from the recipe or fitted from a run",
+    "serve-trainer": "host the recipe's trainer behind gRPC for a driver with trainer.location=remote",
+    "export": "write a run's trained weights as a Hugging Face checkpoint directory",
+}
+#: One line per environment variable run_rl reads besides the recipe switches (``ENV_SWITCHES``).
+ENVIRONMENT_HELP = {
+    COMPILATION_CACHE_ENV: "a directory for XLA's persistent compilation cache (compiled programs are reused)",
+    CONFIGS_ENV: "the folder holding the model presets, model/*.yaml (default: the repository's configs/)",
+    protocol.TOKEN_ENV: "the token a remote trainer and its driver share, unless trainer.token_file names one",
+    LAUNCHED_ENV: "set by run_rl in the local processes it starts for distributed.num_processes (not for users)",
+}
+
+
+def _epilog() -> str:
+  """The overrides, every subcommand and every environment variable, one line each."""
+  def table(lines: dict[str, str]) -> list[str]:
+    width = max(map(len, lines))
+    return [f"  {name:<{width}}  {line}" for name, line in lines.items()]
+
+  switches = {name: f"sets the recipe key {key}" for name, key in recipe_lib.ENV_SWITCHES.items()}
+  return "\n".join([
+      "key=value overrides any recipe key by dotted path, e.g. engine.learning_rate=3e-4.",
+      "Precedence: recipe < environment < flags < key=value.", "",
+      "commands (run_rl COMMAND --help for each):", *table(SUBCOMMAND_HELP), "",
+      "environment:", *table({**switches, **ENVIRONMENT_HELP})])
+
+
 def make_parser() -> argparse.ArgumentParser:
-  p = UsageErrorParser(
-      prog="run_rl",
-      description="Run RL training steps with the step-boundary scheduler.",
-      epilog="key=value overrides any recipe key by dotted path, e.g. engine.learning_rate=3e-4."
-      " Precedence: recipe < environment < flags < key=value. Other commands:"
-      " `run_rl record`, `run_rl rig`, `run_rl simulate`, `run_rl export` (each with --help).",
-  )
+  p = UsageErrorParser(prog="run_rl", description="Run RL training steps with the step-boundary scheduler.",
+                       epilog=_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--recipe", help=f"recipe YAML (default: {recipe_lib.DEFAULT_RECIPE})")
   b = argparse.BooleanOptionalAction
   p.add_argument("--pipeline_step_boundary", action=b, default=None,

@@ -39,7 +39,7 @@ def _files(recipe) -> dict[str, tuple[Path, list[Path]]]:
     files["model.checkpoint"] = (directory, [directory / name for name in (CONFIG_FILE, *TOKENIZER_FILES)
                                              if (directory / name).is_file()])
   if recipe.rollouts.source == "recording" and recipe.rollouts.recording:
-    manifest = resolve_path(recipe.rollouts.recording) / "manifest.json"
+    manifest = resolve_path(recipe.rollouts.recording) / FINGERPRINTED_INSIDE["rollouts.recording"]
     files["rollouts.recording"] = (manifest, [manifest])
   return files
 
@@ -58,6 +58,23 @@ def fingerprints(recipe) -> dict[str, dict[str, Any]]:
   """What ``config.json`` keeps of each input: where it was read and the sha256 of its files."""
   return {key: {"path": str(where.absolute()), "files": [p.name for p in paths], "sha256": _sha256(paths)}
           for key, (where, paths) in _files(recipe).items() if paths}
+
+
+#: Inputs fingerprinted by a file inside the directory the key names (the rest by the file or directory itself).
+FINGERPRINTED_INSIDE = {"rollouts.recording": "manifest.json"}
+
+
+def recorded_paths(saved: Any) -> dict[str, str]:
+  """Each input key's value as the run resolved it at its start, an absolute path (from its fingerprint): a
+  resume reads these, whatever its working directory. {} for a run that predates fingerprints."""
+  if not isinstance(saved, Mapping):
+    return {}
+  out = {}
+  for key, before in saved.items():
+    path = before.get("path") if isinstance(before, Mapping) else None
+    if isinstance(path, str) and Path(path).is_absolute():
+      out[key] = str(Path(path).parent) if key in FINGERPRINTED_INSIDE else path
+  return out
 
 
 def changed(saved: Any, recipe) -> list[str]:

@@ -129,6 +129,7 @@ class RunPlan:
       segment's directory for a resume (set once the resume is checked).
     config_sha256: the digest of the recipe as config.json holds it (as read now, for a resume); every
       checkpoint carries it.
+    saved: a new run's config.json recipe and sources (``recipe_lib.saved_config``: the derived sizes' values).
   """
 
   resolved: recipe_lib.ResolvedRecipe
@@ -140,6 +141,7 @@ class RunPlan:
   from_checkpoint: int | None = None
   write_dir: Path | None = None
   config_sha256: str | None = None
+  saved: tuple[dict[str, Any], dict[str, str]] | None = None
 
   @property
   def recipe(self) -> recipe_lib.Recipe:
@@ -151,8 +153,9 @@ def plan_new_run(resolved: recipe_lib.ResolvedRecipe, out: Path | None, argv: Se
   processes are started with ``argv``. Writes nothing."""
   recipe = resolved.recipe
   out = out or (Path(recipe.run.out) if recipe.run.out else run_dir.default_out(recipe.name))
+  saved = recipe_lib.saved_config(resolved)
   return RunPlan(resolved, out, run_id=run_dir.new_run_id(), resumes=False, launch_argv=(*argv, f"run.out={out}"),
-                 write_dir=out, config_sha256=run_dir.recipe_sha256(recipe_lib.run_config_dict(recipe)))
+                 write_dir=out, config_sha256=run_dir.recipe_sha256(saved[0]), saved=saved)
 
 
 def plan_resume(path: Path, steps: int | None, from_checkpoint: int | None = None) -> RunPlan:
@@ -177,7 +180,7 @@ def plan_resume(path: Path, steps: int | None, from_checkpoint: int | None = Non
         path / run_dir.CONFIG)
   segs = tuple(run_dir.segments(path, config))
   resolved = resolved_from_saved(config, steps, saved_steps=segs[-1].steps)
-  changed = inputs.changed(config.get("inputs"), resolved.recipe)
+  changed = inputs.changed(config.get("inputs"), resolved.recipe) or _derived_otherwise(config, resolved.recipe)
   if changed:
     raise RunDirError(f"--resume {path}: {changed[0]}; a resume reads what the run read (its prompts, tokenizer"
                       " and rollouts would differ): restore it, or start a new run")
@@ -187,11 +190,29 @@ def plan_resume(path: Path, steps: int | None, from_checkpoint: int | None = Non
                  from_checkpoint=from_checkpoint, config_sha256=run_dir.recipe_sha256(config["config"]))
 
 
+def _derived_otherwise(config: dict, recipe) -> list[str]:
+  """Each size the run derived at its start (config.json records the value) that derives otherwise now, in words."""
+  saved = recipe_lib.flatten(config["config"], where="config.json")
+  sources = config.get("sources") or {}
+  return [f"{key} was {saved.get(key)} at the run's start ({sources[key]}), now {value}"
+          for key, (value, _) in recipe.derived_sizes().items()
+          if str(sources.get(key, "")).startswith(recipe_lib.DERIVED) and saved.get(key) != value]
+
+
 def resolved_from_saved(config: dict, steps: int | None, *, saved_steps: int | None = None
                         ) -> recipe_lib.ResolvedRecipe:
   """The recipe a run directory's config.json describes, run to ``steps`` if given, else to ``saved_steps``
-  (the length the latest segment ran to)."""
+  (the length the latest segment ran to). A size the run derived (config.json records its value) is left
+  unset, to be derived as the run derived it; a file the run read is the one it read, by the absolute path
+  config.json records (a relative one named the working directory's)."""
   values = recipe_lib.flatten(config["config"], where="config.json")
+  sources = dict(config.get("sources") or {})
+  for key, source in sources.items():
+    if str(source).startswith(recipe_lib.DERIVED) and key in values:
+      values[key] = None
+  for key, path in inputs.recorded_paths(config.get("inputs")).items():
+    if key in values and values[key] != path:
+      values[key], sources[key] = path, f"{sources.get(key, 'recipe')}, as the run resolved it"
   steps_source = "flag --steps (resume)"
   if steps is None and saved_steps is not None and saved_steps != values.get("steps"):
     steps, steps_source = saved_steps, "flag --steps (an earlier resume)"
@@ -201,7 +222,6 @@ def resolved_from_saved(config: dict, steps: int | None, *, saved_steps: int | N
     if key in recipe_lib.PROCESS_IDENTITY_KEYS and os.environ.get(name):
       values[key] = os.environ[name]
   recipe = build_checked(values)
-  sources = dict(config.get("sources", {}))
   if steps is not None:
     sources["steps"] = steps_source
   return recipe_lib.ResolvedRecipe(recipe, sources, str(config.get("recipe")))
@@ -539,9 +559,9 @@ def _claim(plan: RunPlan, job: job_lib.Job, held: contextlib.ExitStack) -> tuple
       held.enter_context(_lock(plan.out, flag="--out", create=True))
       if plan.recipe.rollouts.record_to:  # the recording directory too, until the run has written it
         held.enter_context(_lock(Path(plan.recipe.rollouts.record_to), flag="rollouts.record_to", create=True))
-      run_dir.claim_new(plan.out, {"run_id": plan.run_id, "recipe": plan.resolved.path,
-                                   "config": recipe_lib.run_config_dict(plan.recipe), "sources": plan.resolved.sources,
-                                   "inputs": inputs.fingerprints(plan.recipe)})
+      config, sources = plan.saved
+      run_dir.claim_new(plan.out, {"run_id": plan.run_id, "recipe": plan.resolved.path, "config": config,
+                                   "sources": sources, "inputs": inputs.fingerprints(plan.recipe)})
     except RunDirError as e:  # another run claimed or holds the directory since the check
       claimed["refusal"] = str(e)
   claimed = job.agreement.broadcast("claim", claimed)
@@ -558,9 +578,16 @@ def _opening_line(plan: RunPlan, job: job_lib.Job, *, host: str, point, devices:
     return (f"run_rl: resuming {plan.out} ({recipe.name}, mode {recipe.mode.name}) after step {point.steps_done - 1}"
             f" from checkpoint {point.checkpoint_step}; {recipe.steps - point.steps_done} steps to go; {devices}")
   processes = f"; {job.identity.num_processes} processes" if job.distributed else ""
-  return (f"run_rl: recipe {plan.resolved.path} ({recipe.name}), mode {recipe.mode.name}, model {recipe.model.name},"
-          f" {recipe.steps} steps × {recipe.batch.micro_batches_per_step} micro-batches; out {plan.out};"
-          f" host core reserved: {host}{processes}; {devices}")
+  return (f"run_rl: recipe {plan.resolved.path} ({recipe.name}){_changed_phrase(plan.resolved)}, mode"
+          f" {recipe.mode.name}, model {recipe.model.name}, {recipe.steps} steps ×"
+          f" {recipe.batch.micro_batches_per_step} micro-batches; out {plan.out}; host core reserved:"
+          f" {host}{processes}; {devices}")
+
+
+def _changed_phrase(resolved: recipe_lib.ResolvedRecipe) -> str:
+  """What the environment and the command line changed of the recipe file, and what they dropped of it."""
+  phrase = f" with overrides: {', '.join(resolved.changes)}" if resolved.changes else ""
+  return phrase + "".join(f"; {dropped}" for dropped in resolved.dropped)
 
 
 def _launch_local(plan: RunPlan, held: contextlib.ExitStack) -> int:

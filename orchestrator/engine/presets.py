@@ -11,11 +11,13 @@ import yaml
 
 #: Where presets are looked up unless ``STEP_BOUNDARY_CONFIGS`` names another folder.
 DEFAULT_CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
+#: The environment variable that names another folder of presets.
+CONFIGS_ENV = "STEP_BOUNDARY_CONFIGS"
 
 
 def configs_dir() -> Path:
   """The folder holding ``model/*.yaml``: ``$STEP_BOUNDARY_CONFIGS`` or the repository's ``configs/``."""
-  override = os.environ.get("STEP_BOUNDARY_CONFIGS")
+  override = os.environ.get(CONFIGS_ENV)
   return Path(override) if override else DEFAULT_CONFIGS_DIR
 
 

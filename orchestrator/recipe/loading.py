@@ -91,11 +91,40 @@ PROCESS_IDENTITY_KEYS = ("distributed.process_id", "distributed.coordinator_addr
 PER_PROCESS_KEYS = (*PROCESS_IDENTITY_KEYS, "run.out", "rollouts.record_to")
 
 
+#: Pairs of keys a recipe sets at most one of: the same thing named two ways (a model by its preset or its
+#: checkpoint, an earlier spelling and its successor), or a key the other reads from elsewhere (a cluster that
+#: is detected names the job's size and each process itself). A key counts as set when it differs from its
+#: default. Given in different layers (the recipe file, the environment, a flag, a ``key=value``), the higher
+#: layer's key wins and the lower one's is dropped; given in one layer, the recipe's checks decide (a preset
+#: beside a checkpoint must agree with it; the others are refused, naming both).
+EXCLUSIVE_KEYS = (
+    ("model.preset", "model.checkpoint"),
+    ("simulate.map_s", "simulate.input_copy_s"),
+    ("simulate.update_overlap_share", "simulate.update_waits_for_last"),
+    ("distributed.detect_cluster", "distributed.num_processes"),
+    ("distributed.detect_cluster", "distributed.process_id"),
+    ("distributed.detect_cluster", "distributed.coordinator_address"),
+)
+#: Each layer's rank by the first word of its keys' source, lowest first.
+LAYER_RANKS = {"recipe": 0, "env": 1, "flag": 2, "override": 3}
+
+
 @dataclasses.dataclass
 class ResolvedRecipe:
+  """A recipe with each key's source; what the command line changed of the file, and what it dropped of it.
+
+  Attributes:
+    sources: dotted key -> "default" | "recipe" | "env NAME" | "flag --x" | "override", or for a key dropped
+      for a higher layer's, "default (dropped ...)"; a size derived at the run's start, "derived: ...".
+    changes: ``key=value`` for each key the environment or the command line set (not one process's keys).
+    dropped: one phrase per key dropped for another key of a higher layer (``EXCLUSIVE_KEYS``).
+  """
+
   recipe: Recipe
-  sources: dict[str, str]  # dotted key -> "default" | "recipe" | "env NAME" | "flag --x" | "override"
+  sources: dict[str, str]
   path: str
+  changes: tuple[str, ...] = ()
+  dropped: tuple[str, ...] = ()
 
 
 def _override_value(key: str, raw: str) -> Any:
@@ -155,12 +184,58 @@ def resolve(
       raise RecipeError(f"override {item!r}: unknown key {key!r}{suggest(key)}")
     values[key] = coerce(key, _override_value(key, raw))
     sources[key] = "override"
+  dropped = _drop_outranked(values, sources)
+  changes = _changes(values, sources)
+  _mark_description(values, sources, changes)
   recipe = build(values)
   for key in all_keys():
     sources.setdefault(key, "default")
   validate(recipe)
   _refuse_ignored_switches(recipe, sources)
-  return ResolvedRecipe(recipe, sources, str(path))
+  return ResolvedRecipe(recipe, sources, str(path), changes=changes, dropped=dropped)
+
+
+def _shown(value: Any) -> str:
+  """A value as one short line of YAML (as ``--print-config`` shows it)."""
+  return yaml.safe_dump(value, default_flow_style=True, width=float("inf")).strip().removesuffix("...").strip()
+
+
+def _is_set(key: str, value: Any) -> bool:
+  return value != get(Recipe(), key)
+
+
+def _drop_outranked(values: dict[str, Any], sources: dict[str, str]) -> tuple[str, ...]:
+  """For each pair of ``EXCLUSIVE_KEYS`` both set, in different layers: the lower layer's key is dropped (back
+  to its default, its source saying why). Returns what was dropped, one phrase each."""
+  dropped = []
+  for pair in EXCLUSIVE_KEYS:
+    if not all(key in values and _is_set(key, values[key]) for key in pair):
+      continue
+    lower, higher = sorted(pair, key=lambda key: LAYER_RANKS[sources[key].split()[0]])
+    if LAYER_RANKS[sources[lower].split()[0]] == LAYER_RANKS[sources[higher].split()[0]]:
+      continue  # one layer names both: the recipe's checks refuse it (or check that they agree)
+    phrase = (f"{higher}={_shown(values[higher])} ({sources[higher]}) replaces {lower}={_shown(values[lower])}"
+              f" ({sources[lower]})")
+    del values[lower]
+    sources[lower] = f"default (dropped: {phrase})"
+    dropped.append(phrase)
+  return tuple(dropped)
+
+
+def _changes(values: Mapping[str, Any], sources: Mapping[str, str]) -> tuple[str, ...]:
+  """``key=value`` for each key the environment, a flag or an override set, in the schema's order; not the keys
+  that name one process or its outputs (``PER_PROCESS_KEYS``: they change where a run writes, not what it is)."""
+  return tuple(f"{key}={_shown(values[key])}" for key in all_keys()
+               if key in values and sources[key] != "recipe" and key not in (*PER_PROCESS_KEYS, "description"))
+
+
+def _mark_description(values: dict[str, Any], sources: dict[str, str], changes: tuple[str, ...]) -> None:
+  """The recipe file's description, with what the environment or the command line changed appended: as
+  written it describes the recipe, which this run is not (a description given on the command line is kept)."""
+  if sources.get("description") != "recipe" or not values["description"] or not changes:
+    return
+  values["description"] = f"{values['description']} (with overrides: {', '.join(changes)})"
+  sources["description"] = "recipe, with this run's overrides appended"
 
 
 def _refuse_ignored_switches(recipe: Recipe, sources: Mapping[str, str]) -> None:
@@ -188,6 +263,31 @@ def run_config_dict(recipe: Recipe) -> dict[str, Any]:
   return out
 
 
+#: How a size's source starts in config.json when the run derived its value (``Recipe.derived_sizes``).
+DERIVED = "derived:"
+
+
+#: Directories a run writes that a recipe may name relative to the working directory: config.json holds them
+#: absolute, so a resume from another directory writes where the run wrote.
+OUTPUT_PATH_KEYS = ("checkpoint.directory", "rollouts.record_to")
+
+
+def saved_config(resolved: ResolvedRecipe) -> tuple[dict[str, Any], dict[str, str]]:
+  """What config.json holds of a run: its recipe (``run_config_dict``) with the value of each size it derives
+  and its output directories absolute, and each key's source (a derived one's ``"derived: ..."``)."""
+  config, sources = run_config_dict(resolved.recipe), dict(resolved.sources)
+  for key, (value, source) in resolved.recipe.derived_sizes().items():
+    section, leaf = key.split(".")
+    config[section][leaf], sources[key] = value, source
+  for key in OUTPUT_PATH_KEYS:
+    section, leaf = key.split(".")
+    given = config[section][leaf]
+    if given is not None and not Path(given).expanduser().is_absolute():
+      config[section][leaf] = str(Path(given).expanduser().absolute())
+      sources[key] = f"{sources[key]}, {given} made absolute"
+  return config, sources
+
+
 def job_settings(recipe: Recipe) -> dict[str, Any]:
   """Every key of ``recipe`` that the processes of a job must agree on, in the schema's order, with its value
   (all but ``PER_PROCESS_KEYS``)."""
@@ -199,7 +299,6 @@ def format_config(resolved: ResolvedRecipe) -> str:
   lines = [f"# recipe: {resolved.path}", f"# mode: {resolved.recipe.mode.name}"]
   width = max(len(k) for k in all_keys())
   for key in all_keys():
-    value = get(resolved.recipe, key)
-    shown = yaml.safe_dump(value, default_flow_style=True, width=float("inf")).strip().removesuffix("...").strip()
+    shown = _shown(get(resolved.recipe, key))
     lines.append(f"{key:<{width}}  {shown:<24}  # {resolved.sources[key]}")
   return "\n".join(lines)

@@ -490,8 +490,8 @@ class SimulateSection:
                                  "reference_devices", "reference_hosts"), 1)
     for new, old in (("map_s", "input_copy_s"), ("update_overlap_share", "update_waits_for_last")):
       if getattr(self, new) is not None and getattr(self, old) is not None:
-        raise RecipeError(f"simulate.{old} and simulate.{new} are both set; {old} is the earlier spelling of"
-                          f" {new}: keep only simulate.{new}")
+        raise RecipeError(f"simulate.{old}={getattr(self, old)} and simulate.{new}={getattr(self, new)} are both"
+                          f" set; {old} is the earlier spelling of {new}: keep only simulate.{new}")
 
   @property
   def resolved_map_s(self) -> float:
@@ -670,6 +670,23 @@ class Recipe:
   def live_task(self):
     """The live loop's task, read (a dataset: every row checked) with the tokenizer the sampler uses."""
     return self.task.make(self.model.tokenizer())
+
+  def derived_sizes(self) -> dict[str, tuple[int, str]]:
+    """Each size key left unset whose value the run derives: the key → (the value it runs with, where that
+    comes from, as ``"derived: ..."``). config.json records these values as the run's."""
+    preset, derived = self.model_preset(), {}
+    origin = (f"model.preset {self.model.preset or DEFAULT_PRESET}" if self.model.preset or not self.model.checkpoint
+              else "a checkpoint's model (the default)")
+    for key in ("rows", "tokens_per_row"):
+      if getattr(self.batch, key) is None:
+        derived[f"batch.{key}"] = (getattr(preset, key), f"derived: {origin}'s {key}")
+    if self.rollouts.source == "sampler" and self.task.name == DATASET:
+      task = self.live_task()
+      if self.task.max_prompt_tokens is None:
+        derived["task.max_prompt_tokens"] = (task.max_prompt_tokens, "derived: the longest prompt (bos included)")
+      if self.task.max_completion_tokens is None:
+        derived["task.max_completion_tokens"] = (task.max_answer_length, "derived: the longest answer")
+    return derived
 
   @property
   def staging_requested(self) -> bool:
