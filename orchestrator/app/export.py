@@ -8,14 +8,14 @@ tokenizer the run sampled with: the source checkpoint's files, or the
 character tokenizer of a preset's live run. Nothing is written into an existing
 directory: ``DIR`` is created (exclusively) and a failed export removes it
 again; ``export.json``, written last, marks a finished one. The run's lock is
-held meanwhile, so no resume writes checkpoints under the export.
+held meanwhile (taken once ``RUN_DIR`` is known to hold a run), so no resume
+writes checkpoints under the export.
 ``export.json`` names the run, the checkpoint and the weights' digest, which a
 run loading ``DIR`` (``model.checkpoint: DIR``) reproduces.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
@@ -54,8 +54,9 @@ def export_main(argv: list[str]) -> int:
   try:
     args = p.parse_intermixed_args(argv)
     path = Path(args.run_dir)
-    with run_dir.lock(path, flag="run_rl export") if path.is_dir() else contextlib.nullcontext():
-      source = _source(path, args.checkpoint)  # the run's lock: no resume or run writes checkpoints meanwhile
+    run_dir.read_config(path, flag="run_rl export")  # refuses a directory that holds no run before its lock
+    with run_dir.lock(path, flag="run_rl export"):  # no resume or run writes checkpoints meanwhile
+      source = _source(path, args.checkpoint)
       out = _check_out(Path(args.out), path, Path(source["checkpoints"]))
       summary = export(source, out)
   except (UsageError, ExportError, RunDirError, RecipeError, OSError) as e:

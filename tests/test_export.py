@@ -1,0 +1,77 @@
+"""``run_rl export``: which checkpoint it reads, what it refuses, and that ``--out`` never holds half an export.
+
+One short real run per module (checkpoints after steps 2 and 3: the cadence's,
+then the completed run's last) is shared by the tests that only read it; a test
+that damages it copies it first.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from orchestrator import recipe as recipe_lib
+from orchestrator.app import cli
+
+RUN = ["model=tiny", "rollouts.source=synthetic", "batch.micro_batches_per_step=1", "batch.rows=4",
+       "run.reserve_host_core=false"]
+
+
+@pytest.fixture(autouse=True)
+def _no_switches(monkeypatch):
+  for name in recipe_lib.ENV_SWITCHES:
+    monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+  """A completed 3-step run with checkpoint.every=2: checkpoints 2 (the cadence's) and 3 (its last step's)."""
+  run = tmp_path_factory.mktemp("finished") / "run"
+  with pytest.MonkeyPatch.context() as env:  # module scope: the autouse fixture does not cover it
+    for name in recipe_lib.ENV_SWITCHES:
+      env.delenv(name, raising=False)
+    assert cli.main(RUN + ["steps=3", "checkpoint.every=2", "--out", str(run)]) == 0
+  return run
+
+
+def _copy(run: Path, tmp_path: Path) -> Path:
+  copy = tmp_path / "run"
+  shutil.copytree(run, copy)
+  return copy
+
+
+def _export(capsys, *argv) -> tuple[int, str]:
+  capsys.readouterr()
+  code = cli.main(["export", *map(str, argv)])
+  return code, capsys.readouterr().err
+
+
+def _one_line_refusal(code: int, err: str) -> str:
+  assert code == 2 and "Traceback" not in err
+  lines = err.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith("run_rl export: error: "), err
+  return lines[0]
+
+
+def _nothing_at(out: Path) -> bool:
+  """``out`` does not exist, nor any partial sibling of it."""
+  return not out.exists() and not list(out.parent.glob(f".{out.name}.*"))
+
+
+def test_a_completed_run_exports_its_last_step_and_leaves_no_partial_directory(finished, tmp_path, capsys):
+  code, err = _export(capsys, finished, "--out", tmp_path / "out")
+  assert code == 0, err
+  written = json.loads((tmp_path / "out" / "export.json").read_text())
+  assert written["step"] == 3 and written["checkpoint"].endswith("checkpoints/3")
+  assert [p.name for p in tmp_path.iterdir()] == ["out"]  # renamed into place: no hidden sibling left
+
+
+# ------------------------------------------------------------------ not a run
+def test_a_directory_that_holds_no_run_is_refused_and_left_as_it_was(tmp_path, capsys):
+  (tmp_path / "notes.txt").write_text("mine")
+  line = _one_line_refusal(*_export(capsys, tmp_path, "--out", tmp_path.parent / f"{tmp_path.name}-out"))
+  assert "holds no run (config.json is missing)" in line
+  assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]  # no run.lock left in it
