@@ -7,14 +7,16 @@ that damages it copies it first.
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import shutil
 from pathlib import Path
 
 import pytest
 
 from orchestrator import recipe as recipe_lib
-from orchestrator.app import cli
+from orchestrator.app import cli, export as export_lib
 
 RUN = ["model=tiny", "rollouts.source=synthetic", "batch.micro_batches_per_step=1", "batch.rows=4",
        "run.reserve_host_core=false"]
@@ -67,6 +69,37 @@ def test_a_completed_run_exports_its_last_step_and_leaves_no_partial_directory(f
   written = json.loads((tmp_path / "out" / "export.json").read_text())
   assert written["step"] == 3 and written["checkpoint"].endswith("checkpoints/3")
   assert [p.name for p in tmp_path.iterdir()] == ["out"]  # renamed into place: no hidden sibling left
+
+
+# ------------------------------------------------------------------ a failed write
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (a device whose writes fail ENOSPC)")
+def test_a_full_disk_is_one_line_and_leaves_nothing_at_out(finished, tmp_path, capsys, monkeypatch):
+  """The weights are written while ``out`` does not exist yet (into a hidden sibling), so a write that fails
+  as a full disk does (safetensors' own error, not an OSError) leaves nothing there."""
+  import safetensors.numpy  # import here: the module export writes with, pointed at a full device
+
+  out, real = tmp_path / "out", safetensors.numpy.save_file
+  seen = []
+
+  def full(tensors, filename, metadata=None):
+    seen.append((Path(filename).parent.name, out.exists()))
+    real(tensors, "/dev/full", metadata)
+
+  monkeypatch.setattr(safetensors.numpy, "save_file", full)
+  line = _one_line_refusal(*_export(capsys, finished, "--out", out))
+  assert f"writing {out / 'model.safetensors'} failed" in line and "No space left on device" in line
+  assert len(seen) == 1 and seen[0][0].startswith(".out.") and seen[0][1] is False
+  assert _nothing_at(out) and list(tmp_path.iterdir()) == []
+
+
+def test_a_failed_rename_into_place_removes_the_partial_export(finished, tmp_path, capsys, monkeypatch):
+  def read_only(src, dst):
+    raise OSError(errno.EROFS, os.strerror(errno.EROFS), src, None, dst)
+
+  monkeypatch.setattr(export_lib.os, "rename", read_only)
+  out = tmp_path / "out"
+  line = _one_line_refusal(*_export(capsys, finished, "--out", out))
+  assert "Read-only file system" in line and _nothing_at(out)
 
 
 # ------------------------------------------------------------------ not a run

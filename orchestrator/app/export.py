@@ -6,8 +6,9 @@ said so) or the one ``--checkpoint N`` names. ``DIR`` gets ``model.safetensors``
 and ``config.json`` (the source checkpoint's, with the sizes set) and the
 tokenizer the run sampled with: the source checkpoint's files, or the
 character tokenizer of a preset's live run. Nothing is written into an existing
-directory: ``DIR`` is created (exclusively) and a failed export removes it
-again; ``export.json``, written last, marks a finished one. The run's lock is
+directory: the export is written into a hidden sibling of ``DIR`` and renamed
+to ``DIR`` once complete; a failed write removes it and names the path and the
+error; ``export.json``, written last, marks a finished one. The run's lock is
 held meanwhile (taken once ``RUN_DIR`` is known to hold a run), so no resume
 writes checkpoints under the export.
 ``export.json`` names the run, the checkpoint and the weights' digest, which a
@@ -20,8 +21,10 @@ import dataclasses
 import json
 import os
 import re
+import secrets
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -163,28 +166,55 @@ def _check_out(out: Path, run: Path, checkpoints: Path) -> Path:
 
 def export(source: dict[str, Any], out: Path) -> dict[str, Any]:
   """Writes the checkpoint's weights, config and tokenizer into the new directory ``out``; returns
-  ``export.json``'s content, written last (a directory without it is not a finished export)."""
+  ``export.json``'s content, written last. Everything is written into a hidden sibling of ``out`` first and
+  renamed into place once complete, so ``out`` never holds a partial export; a failed write removes it."""
   # import here: orbax and the digest's JAX load only for an export that passed its checks
-  from safetensors.numpy import save_file
-
   from orchestrator.engine.diagnostics import tree_digest
 
-  preset = source["preset"]
   params = _restore_params(source["checkpoint_path"])
-  out.mkdir()  # exclusive: a directory that appeared at --out since the check is refused, never written into
+  partial = out.absolute().parent / f".{out.name}.{secrets.token_hex(4)}.partial"
+  _write(out, partial.mkdir)  # exclusive, with the user's umask (as DIR gets it)
   try:
-    save_file(hf_checkpoint.export_tensors(params, preset), str(out / WEIGHTS_FILE), metadata={"format": "pt"})
-    base = hf_checkpoint.read_config(source["model_dir"]) if source["model_dir"] else None
-    tokenizer, special_ids = _write_tokenizer(source["recipe"], source["model_dir"], out)
-    config = dict(hf_checkpoint.export_config(preset, base), **special_ids)
-    (out / hf_checkpoint.CONFIG_FILE).write_text(json.dumps(config, indent=1))
     summary = {"run_dir": source["run_dir"], "run_id": source["run_id"], "checkpoint": source["checkpoint_path"],
-               "step": source["step"], "weights_digest": tree_digest(params), "tokenizer": tokenizer}
-    (out / EXPORT_FILE).write_text(json.dumps(summary, indent=1))
+               "step": source["step"], "weights_digest": tree_digest(params)}
+    summary["tokenizer"] = _write_files(source, params, partial, out)
+    _write(out / EXPORT_FILE, lambda: (partial / EXPORT_FILE).write_text(json.dumps(summary, indent=1)))
+    if out.exists() or out.is_symlink():  # appeared since the check: never replaced, never written into
+      raise ExportError(f"--out {out} appeared while the export was written; choose a new --out")
+    _write(out, lambda: os.rename(partial, out))
   except BaseException:
-    shutil.rmtree(out, ignore_errors=True)  # made here just now: nothing of anyone else's is in it
+    shutil.rmtree(partial, ignore_errors=True)  # made here just now: nothing of anyone else's is in it
     raise
   return summary
+
+
+def _write_files(source: dict[str, Any], params: dict[str, Any], into: Path, out: Path) -> str | None:
+  """The weights, config.json and the tokenizer, into ``into`` (renamed to ``out`` once complete); returns
+  what the tokenizer was."""
+  from safetensors.numpy import save_file  # import here: only an export that passed its checks writes one
+
+  preset = source["preset"]
+  tensors = hf_checkpoint.export_tensors(params, preset)
+  _write(out / WEIGHTS_FILE, lambda: save_file(tensors, str(into / WEIGHTS_FILE), metadata={"format": "pt"}))
+  base = hf_checkpoint.read_config(source["model_dir"]) if source["model_dir"] else None
+  tokenizer, special_ids = _write(out, lambda: _write_tokenizer(source["recipe"], source["model_dir"], into))
+  config = dict(hf_checkpoint.export_config(preset, base), **special_ids)
+  _write(out / hf_checkpoint.CONFIG_FILE,
+         lambda: (into / hf_checkpoint.CONFIG_FILE).write_text(json.dumps(config, indent=1)))
+  return tokenizer
+
+
+def _write(shown: Path, write: Callable[[], Any]) -> Any:
+  """``write()``; a failed write (a full disk, a read-only directory) is an ``ExportError`` naming ``shown``,
+  the path as the finished export would hold it."""
+  try:
+    return write()
+  except Exception as e:  # pylint: disable=broad-except  # safetensors reports a failed write as its own error
+    if not isinstance(e, OSError) and type(e).__name__ != "SafetensorError":
+      raise
+    why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+    raise ExportError(f"writing {shown} failed ({why}); the partial export was removed, nothing is at --out:"
+                      " free space or choose a --out you can write, then export again") from None
 
 
 def _write_tokenizer(recipe, model_dir: str | None, into: Path) -> tuple[str | None, dict[str, int]]:
