@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator import recipe as recipe_lib
-from orchestrator.app import cli, export as export_lib
+from orchestrator.app import checkpoint_state, cli, export as export_lib
 
 RUN = ["model=tiny", "rollouts.source=synthetic", "batch.micro_batches_per_step=1", "batch.rows=4",
        "run.reserve_host_core=false"]
@@ -69,6 +69,51 @@ def test_a_completed_run_exports_its_last_step_and_leaves_no_partial_directory(f
   written = json.loads((tmp_path / "out" / "export.json").read_text())
   assert written["step"] == 3 and written["checkpoint"].endswith("checkpoints/3")
   assert [p.name for p in tmp_path.iterdir()] == ["out"]  # renamed into place: no hidden sibling left
+
+
+# ------------------------------------------------------------------ a damaged checkpoint
+def _data_files(checkpoint: Path) -> list[Path]:
+  return [p for p in (checkpoint / "state").glob("ocdbt.process_*/d/*") if p.is_file()]
+
+
+def _truncate(path: Path, size: int) -> None:
+  with path.open("r+b") as f:
+    f.truncate(size)
+
+
+DAMAGE = {
+    "metadata_truncated": (lambda c: _truncate(c / "state" / "_METADATA", 100), "_METADATA is not the array list"),
+    "state_removed": (lambda c: shutil.rmtree(c / "state"), "has no state/ directory"),
+    "data_files_missing": (lambda c: [p.unlink() for p in _data_files(c)], "is missing"),
+    "data_files_cut_short": (lambda c: [_truncate(p, 10) for p in _data_files(c)], "cut short of the"),
+    "data_file_a_fifo": (lambda c: [(p.unlink(), os.mkfifo(p)) for p in _data_files(c)], "is a FIFO"),
+}
+
+
+@pytest.mark.parametrize("kind", DAMAGE)
+def test_each_kind_of_damage_to_a_checkpoint_s_state_is_named(kind, finished, tmp_path):
+  run = _copy(finished, tmp_path)
+  assert checkpoint_state.params_problem(run / "checkpoints" / "3") is None  # negative control: intact
+  damage, said = DAMAGE[kind]
+  damage(run / "checkpoints" / "3")
+  problem = checkpoint_state.params_problem(run / "checkpoints" / "3")
+  assert problem is not None and said in problem and "\n" not in problem
+  assert checkpoint_state.params_problem(run / "checkpoints" / "2") is None
+
+
+def test_a_damaged_newest_checkpoint_is_passed_over_by_name_or_refused_when_named(finished, tmp_path, capsys):
+  run = _copy(finished, tmp_path)
+  DAMAGE["data_files_missing"][0](run / "checkpoints" / "3")
+
+  code, err = _export(capsys, run, "--checkpoint", 3, "--out", tmp_path / "named")
+  line = _one_line_refusal(code, err)
+  assert f"checkpoint {run.absolute() / 'checkpoints' / '3'} has a damaged state" in line and "is missing" in line
+  assert f"`run_rl export {run} --checkpoint 2 --out {tmp_path / 'named'}`" in line
+  assert _nothing_at(tmp_path / "named")
+
+  code, err = _export(capsys, run, "--out", tmp_path / "newest")
+  assert code == 0 and "passing over damaged checkpoint(s)" in err and "3 has a damaged state" in err
+  assert json.loads((tmp_path / "newest" / "export.json").read_text())["step"] == 2
 
 
 # ------------------------------------------------------------------ a failed write
