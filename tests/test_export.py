@@ -13,6 +13,7 @@ import os
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from orchestrator import recipe as recipe_lib
@@ -145,6 +146,48 @@ def test_a_failed_rename_into_place_removes_the_partial_export(finished, tmp_pat
   out = tmp_path / "out"
   line = _one_line_refusal(*_export(capsys, finished, "--out", out))
   assert "Read-only file system" in line and _nothing_at(out)
+
+
+# ------------------------------------------------------------------ a run that ended on a non-finite step
+def test_a_diverged_run_is_refused_naming_the_step_and_the_checkpoint_before_it(finished, tmp_path, capsys):
+  run = _copy(finished, tmp_path)
+  summary = json.loads((run / "summary.json").read_text())
+  (run / "summary.json").write_text(json.dumps(dict(summary, ended="error", last_step=3, non_finite_step=3)))
+
+  line = _one_line_refusal(*_export(capsys, run, "--out", tmp_path / "out"))
+  assert "the run ended at step 3, whose loss or gradient norm was not finite" in line
+  assert f"`run_rl export {run} --checkpoint 2 --out {tmp_path / 'out'}`" in line
+  line = _one_line_refusal(*_export(capsys, run, "--checkpoint", 3, "--out", tmp_path / "out"))
+  assert line.startswith("run_rl export: error: --checkpoint 3: the run ended at step 3")
+  assert _nothing_at(tmp_path / "out")
+
+  code, err = _export(capsys, run, "--checkpoint", 2, "--out", tmp_path / "out")
+  assert code == 0 and "warning: the run ended at step 3, whose loss" in err
+  assert f"({run / 'summary.json'} says so); checkpoint 2 was written before it" in err
+  assert json.loads((tmp_path / "out" / "export.json").read_text())["step"] == 2
+
+
+def test_a_run_that_diverged_at_its_second_step_has_no_weights_to_export(tmp_path, capsys):
+  """Its one checkpoint (after step 0) holds the weights step 1 diverged from."""
+  run = tmp_path / "run"
+  assert cli.main(RUN + ["steps=3", "checkpoint.every=1", "engine.learning_rate=1e30", "--out", str(run)]) == 1
+  assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["1"]
+  line = _one_line_refusal(*_export(capsys, run, "--out", tmp_path / "out"))
+  assert "the run ended at step 1" in line and "holds no intact checkpoint before it" in line
+  assert _nothing_at(tmp_path / "out")
+
+
+def test_weights_that_are_not_finite_are_refused():
+  class Candidates:
+    def earlier(self, step):
+      return f"export checkpoint {step - 1}"
+
+  source = {"step": 3, "checkpoint_path": "ckpt/3", "candidates": Candidates()}
+  params = {"layers": {"w": np.ones((2, 2), np.float32)}}
+  export_lib._check_finite(params, source)  # negative control: finite weights pass
+  params["layers"]["w"][0, 1] = np.inf
+  with pytest.raises(export_lib.ExportError, match=r"layers\.w: 1 of 4 values are NaN or infinite.*checkpoint 2"):
+    export_lib._check_finite(params, source)
 
 
 # ------------------------------------------------------------------ not a run

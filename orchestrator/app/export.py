@@ -5,7 +5,9 @@ step and recipe digest checked; a foreign one is passed over and said so) and
 whose params can be read (the files orbax reads for them checked first,
 ``checkpoint_state``; a damaged one is passed over and named), or from the one
 ``--checkpoint N`` names (refused if damaged, naming the command that exports
-the newest intact one). ``DIR`` gets ``model.safetensors`` and
+the newest intact one). A run that ended on a non-finite loss is refused
+unless ``--checkpoint`` names one written before that step, and weights that
+are not finite are never written. ``DIR`` gets ``model.safetensors`` and
 ``config.json`` (the source checkpoint's, with the sizes set) and the
 tokenizer the run sampled with: the source checkpoint's files, or the
 character tokenizer of a preset's live run. Nothing is written into an existing
@@ -41,10 +43,11 @@ from orchestrator.engine import hf_checkpoint
 from orchestrator.engine.presets import ModelPreset, load_preset
 from orchestrator.recipe import RecipeError
 from orchestrator.recipe.schema import DEFAULT_PRESET
-from orchestrator.user_files import UserFileError
+from orchestrator.user_files import MIB, UserFileError, read_regular_text
 
 WEIGHTS_FILE = "model.safetensors"
 EXPORT_FILE = "export.json"
+MAX_SUMMARY_BYTES = 64 * MIB
 
 
 class ExportError(ValueError):
@@ -120,7 +123,8 @@ def _source(path: Path, step: int | None, out: str) -> dict[str, Any]:
   found = read_checkpoints(directory)
   digest = run_dir.recipe_sha256(config["config"])
   why = {n: _not_this_runs(n, md, config["run_id"], digest) for n, md in found.items()}
-  candidates = _Candidates(path, Path(directory), sorted(n for n, problem in why.items() if problem is None), out)
+  candidates = _Candidates(path, Path(directory), sorted(n for n, problem in why.items() if problem is None), out,
+                           diverged=_non_finite_step(path))
   if step is not None:
     if step not in found:
       held = ", ".join(map(str, sorted(found))) or "none"
@@ -150,12 +154,16 @@ class _Candidates:
   Attributes:
     run: the run directory. directory: its checkpoint directory. own: the run's own checkpoints, in order.
     out: the --out a refusal's command names.
+    diverged: the step whose loss or gradient norm was not finite, where the run ended, and the summary that
+      says so (None: it did not end so). A checkpoint after that many steps holds the weights that step
+      trained on.
   """
 
   run: Path
   directory: Path
   own: list[int]
   out: str
+  diverged: tuple[int, Path] | None = None
 
   def problem(self, step: int) -> str | None:
     """What keeps checkpoint ``step``'s params from being read (``checkpoint_state``), or None."""
@@ -169,16 +177,29 @@ class _Candidates:
                 f" `run_rl export {self.run} --checkpoint {step} --out {self.out}`")
     return f"the run holds no intact checkpoint before it in {self.directory}"
 
+  def _diverged_line(self) -> str:
+    step, summary = self.diverged
+    return f"the run ended at step {step}, whose loss or gradient norm was not finite ({summary} says so)"
+
   def named(self, step: int) -> int:
-    """``--checkpoint step``, refused when it is damaged."""
+    """``--checkpoint step``, refused when it is damaged or not before the divergence (a warning if before)."""
+    if self.diverged is not None and step >= self.diverged[0]:
+      raise ExportError(f"--checkpoint {step}: {self._diverged_line()}; checkpoint {step} holds the weights that"
+                        f" step trained on; {self.earlier(self.diverged[0])}")
     problem = self.problem(step)
     if problem is not None:
       raise ExportError(f"--checkpoint {step}: checkpoint {self.directory}/{step} {problem}; {self.earlier(step)}")
+    if self.diverged is not None:
+      print(f"run_rl export: warning: {self._diverged_line()}; checkpoint {step} was written before it",
+            file=sys.stderr)
     return step
 
   def newest(self) -> int:
     """The newest of the run's checkpoints whose params can be read; a damaged newer one is named and passed
-    over."""
+    over. A run that ended on a non-finite step is refused, naming the checkpoint from before it."""
+    if self.diverged is not None:
+      raise ExportError(f"{self._diverged_line()}: its weights are not exported unasked;"
+                        f" {self.earlier(self.diverged[0])}")
     damaged = []
     for step in reversed(self.own):
       problem = self.problem(step)
@@ -190,6 +211,21 @@ class _Candidates:
       damaged.append((step, problem))
     raise ExportError(f"{self.run}: every checkpoint of this run in {self.directory} is damaged: "
                       + "; ".join(f"{n} {why}" for n, why in damaged))
+
+
+def _non_finite_step(path: Path) -> tuple[int, Path] | None:
+  """The step a run ended on with a non-finite loss or gradient norm and the summary saying so; else None."""
+  try:
+    where = run_dir.latest_segment(path) / run_dir.SUMMARY
+    summary = json.loads(read_regular_text(where, what="the run's summary", max_bytes=MAX_SUMMARY_BYTES))
+  except (RunDirError, UserFileError, ValueError):
+    return None  # no summary (a killed run) says nothing of how it ended
+  if not isinstance(summary, dict):
+    return None
+  step = summary.get("non_finite_step")
+  if step is None and str(summary.get("error", "")).startswith("NonFiniteStepError"):  # an older run's summary
+    step = summary.get("last_step")
+  return (step, where) if isinstance(step, int) and not isinstance(step, bool) else None
 
 
 def _not_this_runs(step: int, metadata: Any, run_id: str, digest: str) -> str | None:
@@ -228,6 +264,7 @@ def export(source: dict[str, Any], out: Path) -> dict[str, Any]:
   from orchestrator.engine.diagnostics import tree_digest
 
   params = _restore_params(source)
+  _check_finite(params, source)
   partial = out.absolute().parent / f".{out.name}.{secrets.token_hex(4)}.partial"
   _write(out, partial.mkdir)  # exclusive, with the user's umask (as DIR gets it)
   try:
@@ -271,6 +308,24 @@ def _write(shown: Path, write: Callable[[], Any]) -> Any:
     why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
     raise ExportError(f"writing {shown} failed ({why}); the partial export was removed, nothing is at --out:"
                       " free space or choose a --out you can write, then export again") from None
+
+
+def _check_finite(params: dict[str, Any], source: dict[str, Any]) -> None:
+  """Refuses weights that are not all finite, naming the first such array and the checkpoint from before."""
+  for name, value in _leaves(params):
+    bad = int(np.size(value) - np.count_nonzero(np.isfinite(value)))
+    if bad:
+      step = source["step"]
+      raise ExportError(f"checkpoint {source['checkpoint_path']} holds weights that are not finite ({name}: {bad:,}"
+                        f" of {np.size(value):,} values are NaN or infinite); {source['candidates'].earlier(step)}")
+
+
+def _leaves(tree: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+  out = []
+  for key, value in tree.items():
+    name = f"{prefix}.{key}" if prefix else str(key)
+    out.extend(_leaves(value, name) if isinstance(value, dict) else [(name, value)])
+  return out
 
 
 def _write_tokenizer(recipe, model_dir: str | None, into: Path) -> tuple[str | None, dict[str, int]]:
