@@ -435,7 +435,8 @@ def test_a_learning_rate_that_diverges_stops_the_run_at_that_step_in_one_line(tm
   assert "the last checkpoint is after 1 steps" in line and "none of step 1 or later" in line
   assert "lower engine.learning_rate" in line and f"run_rl --resume {out}" in line
   summary = json.loads((out / "summary.json").read_text())
-  assert summary["ended"] == "error" and summary["last_step"] == 1 and "NonFiniteStepError" in summary["error"]
+  assert summary["ended"] == "error" and summary["last_step"] == summary["non_finite_step"] == 1
+  assert "NonFiniteStepError" in summary["error"]
   records = [json.loads(r) for r in (out / "records.jsonl").read_text().splitlines()]
   assert [r["step"] for r in records] == [0, 1]
   assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.isdigit()) == ["1"]

@@ -229,9 +229,10 @@ def test_a_live_job_gathers_each_update_records_and_checkpoints_once(live_jobs):
   manifest = json.loads((two.parent / "recording" / "manifest.json").read_text())
   assert manifest["num_groups"] == 3 * 2 * 2 and summary["recording"]["groups"] == 12
   # The checkpoint after 2 steps (process 0 writes its metadata) carries step 2's rollouts, sampled with version
-  # 1 (staleness 1), so the job resumes as a run of one process does.
+  # 1 (staleness 1), so the job resumes as a run of one process does; the completed job's last step is
+  # checkpointed too, once by the job.
   checkpoints = read_checkpoints(two / "checkpoints")
-  assert sorted(checkpoints) == [2]
+  assert sorted(checkpoints) == [2, 3] and summary["checkpoint_path"].endswith("checkpoints/3")
   state = checkpoints[2]["source_state"]
   assert state["kind"] == "live" and state["next_step"] == 2
   assert [(r["step"], r["weights_version"]) for r in state["sampled"]] == [(2, 1)]

@@ -11,6 +11,7 @@ import pytest
 
 from orchestrator.app import cli, run_dir
 from orchestrator import recipe as recipe_lib
+from orchestrator.engine.checkpointing import Checkpointer
 from orchestrator.live.rollouts import LiveRollouts, LiveShape, RolloutError
 from orchestrator.live.tasks import FirstLetter
 from orchestrator.loop.program import ProgramConfig, RLProgram, StoppedWithoutCheckpointError
@@ -267,6 +268,8 @@ def test_a_new_live_run_samples_while_its_trainer_is_built_and_evaluates_its_sta
 
   def make_worker(recipe, out, closers, write_dir=None):
     assert source._thread is not None and source._thread.is_alive()  # sampling already
+    # A run checkpoints its last step: the shared engine was built without the directory run_rl gives one.
+    monkeypatch.setattr(engine, "_checkpointer", Checkpointer(out / "checkpoints"))
     return TrainerWorker(engine), None
 
   source.evaluate = noted

@@ -265,7 +265,10 @@ def test_remote_and_local_trainers_reach_the_same_digest_in_every_mode(server, t
     remote[mode] = summary["final_state_digest"]
     assert summary["trainer"]["location"] == "remote"
     assert abs(summary["trainer"]["clock_offset_s"]) < 1.0  # one host: the clocks agree to within a round trip
+    # A trainer served to every driver keeps one checkpoint directory: a run writes only those it asks for.
+    assert summary["checkpoint_path"] is None
   assert set(remote.values()) == {local["final_state_digest"]}
+  assert local["checkpoint_path"].endswith("local/checkpoints/3")  # negative control: a local run keeps its last
 
 
 def test_a_remote_run_without_the_token_is_refused_before_it_starts(server, tmp_path, capsys):
@@ -290,6 +293,7 @@ def test_serve_trainer_refuses_a_non_loopback_bind_without_a_token(tmp_path):
 def test_spawned_trainer_runs_and_stops_with_the_run(tmp_path, capsys):
   summary = _run(tmp_path, "spawned", capsys, "trainer.location=remote", "trainer.spawn=true")
   assert summary["trainer"]["spawned"] is True
+  assert summary["checkpoint_path"].endswith("spawned/checkpoints/3")  # the run's own directory: its last step's
   local = _run(tmp_path, "local", capsys)
   assert summary["final_state_digest"] == local["final_state_digest"]
   leftover = subprocess.run(["pgrep", "-f", str(tmp_path / "spawned" / "trainer_recipe.json")],

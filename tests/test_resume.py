@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -87,9 +88,14 @@ def test_a_resumed_run_trains_like_an_uninterrupted_one(model, mode, reference_d
   assert len({e["pid"] for e in trace}) == 4  # device and host, for each of the two segments
 
 
-def test_resume_without_a_checkpoint_is_refused(tmp_path, capsys):
+def test_a_completed_run_keeps_its_final_weights_and_without_a_checkpoint_it_cannot_resume(tmp_path, capsys):
+  """A run without checkpoint.every still checkpoints its last step (summary.json names it); with that
+  checkpoint gone there is nothing to resume from."""
   run = tmp_path / "run"
   assert cli.main(DENSE + ["steps=2", "--out", str(run)]) == 0
+  assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["2"]
+  assert _summary(run)["checkpoint_path"] == str(run.absolute() / "checkpoints" / "2")
+  shutil.rmtree(run / "checkpoints")
   capsys.readouterr()
   assert cli.main(["--resume", str(run), "--steps", "4"]) == 2
   assert "no complete checkpoint" in capsys.readouterr().err

@@ -157,6 +157,32 @@ def test_sync_before_next_step_reads_the_metrics_before_a_checkpoint():
   ]
 
 
+@pytest.mark.parametrize("every, expected", [(0, [4]), (3, [3, 4]), (2, [2, 4])],
+                         ids=["no_cadence", "cadence_misses_the_end", "cadence_ends_on_it"])
+def test_a_completed_run_checkpoints_its_last_step_once(every, expected):
+  calls, result, _ = _run(RecordingEngine(), Mode.STAGE_BEFORE_UPDATE, steps=4, checkpoint_every=every,
+                          checkpoint_last_step=True)
+  assert [c for c in calls if c.startswith("checkpoint")] == [f"checkpoint:{n}" for n in expected]
+  assert calls[-3:] == ["metrics:4", "checkpoint:4", "sync:4"]  # after the last update, before its sync
+  assert result.checkpoint_path == result.summary.checkpoint_path == "ckpt/4"
+
+
+def test_without_checkpoint_last_step_a_run_keeps_only_its_cadence():
+  """Negative control: the last step's checkpoint is the switch's, not the cadence's."""
+  calls, result, _ = _run(RecordingEngine(), Mode.STAGE_BEFORE_UPDATE, steps=4, checkpoint_every=3)
+  assert [c for c in calls if c.startswith("checkpoint")] == ["checkpoint:3"]
+  assert result.summary.checkpoint_path == "ckpt/3"
+
+
+class _NoCheckpointEngine(RecordingEngine):
+  save_checkpoint = restore_checkpoint = None
+
+
+def test_an_engine_that_cannot_checkpoint_completes_without_one():
+  calls, result, _ = _run(_NoCheckpointEngine(), Mode.OFF, steps=2, checkpoint_last_step=True)
+  assert not [c for c in calls if c.startswith("checkpoint")] and result.checkpoint_path is None
+
+
 # ----------------------------------------------------------------- misuse
 
 

@@ -754,6 +754,9 @@ def _report(plan: RunPlan, result, stop: StopSignals) -> int:
   print()
   print(format_summary(summary))
   if not stopped:
+    if result.checkpoint_path:
+      print(f"final weights: checkpoint {result.checkpoint_path} (`run_rl export {out} --out DIR` writes them as a"
+            " Hugging Face checkpoint)")
     return 0
   where = (f"checkpoint {result.checkpoint_path}; continue with `run_rl --resume {out}`"
            if result.checkpoint_path else "no checkpoint (this engine cannot write one); it cannot be resumed")
@@ -791,7 +794,7 @@ def _stopped_non_finite(out: Path, write_dir: Path, error: NonFiniteStepError, j
     resume = f", or `run_rl --resume {out}` from that checkpoint if the cause was transient"
   if job.is_primary:
     (write_dir / run_dir.ERROR_LOG).write_text("".join(traceback.format_exception(error)), encoding="utf-8")
-    run_dir.write_summary(write_dir, {"ended": "error", "last_step": error.step,
+    run_dir.write_summary(write_dir, {"ended": "error", "last_step": error.step, "non_finite_step": error.step,
                                       "error": f"NonFiniteStepError: {error}", "checkpoint_path": error.checkpoint_path})
   print(f"run_rl: {job.label}the run stopped at step {error.step}: loss {error.loss}, gradient norm"
         f" {error.grad_norm} (not finite); records so far are kept in {write_dir / run_dir.RECORDS}; {last};"

@@ -138,6 +138,14 @@ def checkpoint_dir_for(recipe: Recipe, out: Path) -> str | None:
   return str(Path(recipe.checkpoint.directory or out / CHECKPOINTS).absolute())
 
 
+def keeps_final_weights(recipe: Recipe) -> bool:
+  """Whether a completed run checkpoints its last step (what `run_rl export` and an extending resume start
+  from): always, but with a trainer served elsewhere (``trainer.address``, not spawned), whose
+  ``--checkpoint-dir`` every driver it serves shares: there a run writes only the checkpoints it asks for
+  (``checkpoint.every`` / ``scored_steps``), so the next run's final checkpoint cannot collide with this one's."""
+  return recipe.trainer.location == "local" or recipe.trainer.spawn
+
+
 @dataclasses.dataclass
 class ResumePoint:
   """Where a stopped run continues: a checked checkpoint and the records it covers.
@@ -334,8 +342,9 @@ def _build_program(recipe: Recipe, out: Path, worker, *, source, run_id: str, co
     for see in steps_done:
       see(record)
 
-  config = program_config(recipe, out if primary else None, start_step=start_step, run_id=run_id,
-                          config_sha256=config_sha256)
+  config = dataclasses.replace(program_config(recipe, out if primary else None, start_step=start_step,
+                                              run_id=run_id, config_sha256=config_sha256),
+                               checkpoint_last_step=keeps_final_weights(recipe))
   live = recipe.rollouts.source == "sampler"
   program = RLProgram(worker, policy, source, config, on_step=on_step, stop_requested=stop_requested,
                       previous_records=previous, first_plan=first_plan, agreement=job.agreement if job else None)

@@ -107,6 +107,8 @@ class ProgramConfig:
       an edited config.json even where its own digest was removed.
     stop_grace_s: once a stop is asked for, how long a checkpoint may still wait for the rollouts it
       must carry (a live source at staleness >= 1) before the run ends without it.
+    checkpoint_last_step: a run that completes writes a checkpoint after its last step (when the engine can),
+      whatever the cadence, so its final weights are kept; once, where the cadence wrote it already.
   """
 
   steps: int
@@ -120,6 +122,7 @@ class ProgramConfig:
   run_id: str | None = None
   config_sha256: str | None = None
   stop_grace_s: float = 5.0
+  checkpoint_last_step: bool = False
 
   def __post_init__(self):
     if self.steps < 1:
@@ -134,6 +137,12 @@ class ProgramConfig:
   def checkpoint_due(self, steps_done: int) -> bool:
     every = self.checkpoint_every
     return bool(every and steps_done % every == 0) or steps_done in self.scored_checkpoint_steps
+
+  def checkpoint_wanted(self, steps_done: int, stop: bool, can_checkpoint: bool) -> bool:
+    """Whether the boundary after ``steps_done`` steps writes a checkpoint: the cadence's or a scored step's, a
+    stop's, or a completed run's last (the last two only where the engine can write one)."""
+    last = self.checkpoint_last_step and steps_done == self.steps
+    return self.checkpoint_due(steps_done) or ((stop or last) and can_checkpoint)
 
 
 def plan_to_json(plan: BoundaryPlan) -> dict[str, Any]:
@@ -601,7 +610,7 @@ class RLProgram:
 
   def _checkpoint_and_sync(self, boundary: _Boundary) -> None:
     done = boundary.step + 1
-    if self.config.checkpoint_due(done) or (boundary.stop and self.worker.capabilities.can_checkpoint):
+    if self.config.checkpoint_wanted(done, boundary.stop, self.worker.capabilities.can_checkpoint):
       if boundary.metrics is None:  # sync_before_next_step: read them first (the save waits for the update too)
         self._read_metrics(boundary)
         if boundary.non_finite:  # never saved
