@@ -237,6 +237,32 @@ def test_a_live_job_gathers_each_update_records_and_checkpoints_once(live_jobs):
   assert [(r["step"], r["weights_version"]) for r in state["sampled"]] == [(2, 1)]
 
 
+@pytest.fixture(scope="module")
+def checkpoint_job(tmp_path_factory):
+  """The live job of two processes on ``model.checkpoint``: a tiny checkpoint of the tiny preset's initial
+  weights, which the engine loads sharded over the job's mesh and each sampler whole on its own device."""
+  from tests.test_hf_checkpoint import write_checkpoint
+
+  tmp = tmp_path_factory.mktemp("checkpoint_job")
+  write_checkpoint(tmp / "tiny", "tiny")
+  env = {k: v for k, v in os.environ.items() if k not in recipe_lib.ENV_SWITCHES}
+  args = LIVE + ["distributed.num_processes=2", f"model.checkpoint={tmp / 'tiny'}", "--out", str(tmp / "run")]
+  return tmp / "run", _run_rl(args, env=env)
+
+
+@pytest.mark.slow
+def test_a_live_job_on_a_checkpoint_trains_to_the_one_process_digest(checkpoint_job, live_jobs):
+  """The checkpoint holds the preset's initial weights, so the job on it reaches the one-process job's digest
+  on the preset (a run on a checkpoint is the preset's run bit for bit: tests/test_hf_checkpoint.py)."""
+  (out, ran), (one, ran_one) = checkpoint_job, live_jobs[1]
+  assert ran.returncode == 0 and ran_one.returncode == 0, (ran.stderr[-3000:], ran_one.stderr[-3000:])
+  (summary, records), (reference, reference_records) = _summary_and_records(out), _summary_and_records(one)
+  assert summary["final_state_digest"] == reference["final_state_digest"]
+  assert [r["reward_mean"] for r in records] == [r["reward_mean"] for r in reference_records]
+  assert summary["eval_accuracy_end"] == reference["eval_accuracy_end"]
+  assert len(summary["processes"]) == 2 and "Traceback" not in ran.stderr
+
+
 # ---------------------------------------------------------------- a process that fails
 def _run_failing(tmp: Path, failing: int, phase: str) -> list[tuple[int, str]]:
   """A job of two processes started by hand (``tests.distributed_driver --fail``) in which process ``failing``
