@@ -7,6 +7,12 @@ the real ``RLProgram`` in each of the four modes from the same start with the
 job's agreement, and writes what the tests compare to ``OUT_PREFIX.<process>.json``:
 the final digest per mode, the path every boundary took, and whether the
 input this process staged holds exactly its rows of the micro-batch.
+
+``python -m tests.distributed_driver --fail PROCESS PHASE RUN_RL_ARGS...`` runs
+``run_rl RUN_RL_ARGS`` as this process of a job, in which process ``PROCESS``
+fails with ``INJECTED`` in ``PHASE``: ``preflight`` (before the run directory
+is claimed) or ``step`` (at the end of step 1, while the others go on to the
+next step's collectives).
 """
 
 from __future__ import annotations
@@ -61,6 +67,36 @@ def run_config(job, recipe_path: str, overrides: list[str]) -> dict:
   return out
 
 
+#: The error a process made to fail raises.
+INJECTED = "injected failure for the test"
+
+
+def run_failing(failing: int, phase: str, argv: list[str]) -> int:
+  """``run_rl argv`` in this process, failing as ``failing``'s ``phase`` says if this is that process."""
+  import os
+
+  from orchestrator.app import cli, launch
+  from orchestrator.loop.trainer_worker import TrainerWorker
+
+  if int(os.environ["STEP_BOUNDARY_PROCESS_ID"]) == failing:
+    if phase == "preflight":
+      def preflight(*args, **kwargs):
+        raise RuntimeError(INJECTED)
+
+      launch.preflight = preflight
+    else:
+      metrics, calls = TrainerWorker.get_metrics, []
+
+      def get_metrics(self):
+        calls.append(1)
+        if len(calls) == 2:  # step 1's
+          raise RuntimeError(INJECTED)
+        return metrics(self)
+
+      TrainerWorker.get_metrics = get_metrics
+  return cli.main(argv)
+
+
 def main(prefix: str, configs_json: str) -> None:
   from orchestrator import recipe as recipe_lib
   from orchestrator.distributed.job import join_job
@@ -78,4 +114,6 @@ def main(prefix: str, configs_json: str) -> None:
 
 
 if __name__ == "__main__":
+  if sys.argv[1] == "--fail":
+    sys.exit(run_failing(int(sys.argv[2]), sys.argv[3], sys.argv[4:]))
   main(sys.argv[1], sys.argv[2])

@@ -114,7 +114,7 @@ class FakeKeyValueClient:
       del self.store[k]
 
   def key_value_dir_get(self, prefix):
-    return [(k, v) for k, v in self.store.items() if k.startswith(prefix)]
+    return [(k, v) for k, v in list(self.store.items()) if k.startswith(prefix)]  # a copy: watchdogs' threads
 
 
 class StuckLiveSource:

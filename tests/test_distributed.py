@@ -238,6 +238,77 @@ def test_a_live_job_gathers_each_update_records_and_checkpoints_once(live_jobs):
   assert [(r["step"], r["weights_version"]) for r in state["sampled"]] == [(2, 1)]
 
 
+@pytest.fixture(scope="module")
+def checkpoint_job(tmp_path_factory):
+  """The live job of two processes on ``model.checkpoint``: a tiny checkpoint of the tiny preset's initial
+  weights, which the engine loads sharded over the job's mesh and each sampler whole on its own device."""
+  from tests.test_hf_checkpoint import write_checkpoint
+
+  tmp = tmp_path_factory.mktemp("checkpoint_job")
+  write_checkpoint(tmp / "tiny", "tiny")
+  env = {k: v for k, v in os.environ.items() if k not in recipe_lib.ENV_SWITCHES}
+  args = LIVE + ["distributed.num_processes=2", f"model.checkpoint={tmp / 'tiny'}", "--out", str(tmp / "run")]
+  return tmp / "run", _run_rl(args, env=env)
+
+
+@pytest.mark.slow
+def test_a_live_job_on_a_checkpoint_trains_to_the_one_process_digest(checkpoint_job, live_jobs):
+  """The checkpoint holds the preset's initial weights, so the job on it reaches the one-process job's digest
+  on the preset (a run on a checkpoint is the preset's run bit for bit: tests/test_hf_checkpoint.py)."""
+  (out, ran), (one, ran_one) = checkpoint_job, live_jobs[1]
+  assert ran.returncode == 0 and ran_one.returncode == 0, (ran.stderr[-3000:], ran_one.stderr[-3000:])
+  (summary, records), (reference, reference_records) = _summary_and_records(out), _summary_and_records(one)
+  assert summary["final_state_digest"] == reference["final_state_digest"]
+  assert [r["reward_mean"] for r in records] == [r["reward_mean"] for r in reference_records]
+  assert summary["eval_accuracy_end"] == reference["eval_accuracy_end"]
+  assert len(summary["processes"]) == 2 and "Traceback" not in ran.stderr
+
+
+# ---------------------------------------------------------------- a process that fails
+def _run_failing(tmp: Path, failing: int, phase: str) -> list[tuple[int, str]]:
+  """A job of two processes started by hand (``tests.distributed_driver --fail``) in which process ``failing``
+  fails in ``phase``: each process's (exit code, stderr)."""
+  coordinator = f"127.0.0.1:{free_loopback_port()}"
+  # A long timeout: a process that waited for it (rather than being told) would fail the test's own wait.
+  args = RUN + ["steps=4", "distributed.num_processes=2", "distributed.timeout_s=900", "--out", str(tmp / "run")]
+  procs = []
+  for i in range(2):
+    env = launcher.child_env(dict(os.environ), process_id=i, coordinator=coordinator, devices_per_process=2)
+    del env[launcher.LAUNCHED_ENV]  # as started by hand: each process prints its own line
+    procs.append(subprocess.Popen([sys.executable, "-m", "tests.distributed_driver", "--fail", str(failing), phase,
+                                   *args], cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                  text=True))
+  try:
+    return [(p.returncode, err) for p, (_, err) in ((p, p.communicate(timeout=600)) for p in procs)]
+  finally:  # a process still waiting (the test failed) is not left behind
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("failing, phase", [(1, "preflight"), (0, "step")])
+def test_a_process_that_fails_ends_the_job_at_once_and_every_process_names_it(tmp_path, failing, phase):
+  """Negative control: whichever process is made to fail (1 before the run, 0 at a step), that one is named,
+  by itself and by the other, which ends without waiting out distributed.timeout_s."""
+  from tests.distributed_driver import INJECTED
+
+  ended = _run_failing(tmp_path, failing, phase)
+  other = 1 - failing
+  (code, err), (other_code, other_err) = ended[failing], ended[other]
+  where = "during bring-up" if phase == "preflight" else "at step 1"
+  assert code == 1 and f"run_rl: process {failing} of 2: the run failed {where}: RuntimeError: {INJECTED}" in err
+  other_lines = [l for l in other_err.splitlines() if l.startswith("run_rl")]
+  assert other_code == launcher.ENDED_BY_PEER_EXIT and len(other_lines) == 1, other_err[-3000:]
+  assert f"process {other} of 2: process {failing} of 2 failed: RuntimeError: {INJECTED}" in other_lines[0]
+  assert "Traceback" not in other_err
+  if phase == "preflight":
+    assert not (tmp_path / "run").exists()
+  else:
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["ended"] == "error" and INJECTED in summary["error"]
+
+
 # ---------------------------------------------------------------- unit tests (one process)
 def test_combine_max_takes_the_slowest_process_and_any_stop():
   values = [{"wait": 0.001, "stop": False, "delay": None, "floor": [1.0, 5.0]},
@@ -291,6 +362,60 @@ def test_the_watchdog_names_a_silent_peer_after_the_timeout_and_not_before():
   now[0] += 1.5
   store["step_boundary/alive/1"] = "9"
   assert dog.check(9) == "process 2 of 3 sent no heartbeat for 5.5 s (distributed.timeout_s=5)"
+
+
+def _watchdog(store, process_id, lines):
+  dog = Watchdog(FakeKeyValueClient(store), process_id, 2, timeout_s=60, on_lost=lines.append)
+  dog.interval_s = 0.01  # many beats within the timeout: no peer ever counts as silent here
+  return dog.start()
+
+
+def test_a_failed_process_names_a_peer_that_failed_first_and_else_tells_the_peers_its_own_failure():
+  store, lost = {}, []
+  first, second = _watchdog(store, 0, lost), _watchdog(store, 1, lost)
+  first.wait_for_peers()  # process 1 beats and posted nothing: the failure is process 0's own
+  assert lost == []
+  first.post_failure("RuntimeError: boom\n  the rest of the message")
+  second.wait_for_peers()  # its watchdog reads the failure and reports it (and would end the process)
+  assert lost == ["process 0 of 2 failed: RuntimeError: boom"]
+  second.post_ending()  # what the process does next (Job.end_for_peer), and what process 0 waits for
+  first.wait_until_peers_end()
+  # Negative control: the same two, the other way round.
+  store, lost = {}, []
+  first, second = _watchdog(store, 0, lost), _watchdog(store, 1, lost)
+  second.post_failure("ValueError: bad")
+  first.wait_for_peers()
+  assert lost == ["process 1 of 2 failed: ValueError: bad"]
+
+
+class _Exits:
+  """A local process that exits with ``code`` at its ``at``-th poll."""
+
+  def __init__(self, code: int, at: int):
+    self.code, self.at, self.polls, self.pid = code, at, 0, 1000 + at
+
+  def poll(self):
+    self.polls += 1
+    return self.code if self.polls >= self.at else None
+
+
+@pytest.mark.parametrize("exits, blamed", [([(launcher.ENDED_BY_PEER_EXIT, 1), (1, 4)], 1),
+                                           ([(1, 4), (launcher.ENDED_BY_PEER_EXIT, 1)], 0)],
+                         ids=["ended-by-peer-first", "negative-control"])
+def test_the_launcher_names_the_process_that_failed_not_one_its_failure_ended_first(tmp_path, capsys, exits,
+                                                                                     blamed):
+  import shutil
+
+  job = launcher.LocalJob([], num_processes=2, devices_per_process=1, out=tmp_path / "run", timeout_s=60)
+  shutil.rmtree(job._log_dir)
+  job.processes = [_Exits(code, at) for code, at in exits]
+  codes, first = job._wait()
+  assert first == blamed and codes[blamed] == 1
+  log = tmp_path / "process.log"
+  log.write_text(f"Traceback\nrun_rl: process {blamed} of 2: the run failed at step 3: RuntimeError: boom\n")
+  assert job._report(codes, first, {blamed: log}) == 1
+  line = capsys.readouterr().err.strip()
+  assert line.startswith(f"run_rl: process {blamed} of 2 (pid ") and "exit 1): the run failed at step 3" in line
 
 
 def test_a_process_packs_exactly_its_rows_of_the_whole_micro_batch():

@@ -291,6 +291,17 @@ def _execute(plan: RunPlan, held: contextlib.ExitStack) -> int:
     job = _join(plan.recipe, writes_to)
   except DistributedError as e:
     return _refuse(e, code=1)
+  try:
+    return _in_job(plan, job, held, writes_to)
+  except (ProcessLostError, AgreementError) as e:  # an exchange before the run: a process is not there, or elsewhere
+    return job.leave_failed(_refuse(f"{job.label}{e}", code=1))
+  except Exception as e:  # pylint: disable=broad-except  # not a refusal: the other processes are told first
+    job.report_failure(e)
+    return job.leave_failed(_fail(None, e, None, job))
+
+
+def _in_job(plan: RunPlan, job: job_lib.Job, held: contextlib.ExitStack, writes_to: list) -> int:
+  """``_execute``'s steps once this process is in its job (alone or one of several)."""
   code = _admit(job, plan.recipe)
   if code is not None:
     return code
@@ -316,8 +327,7 @@ def _admit(job: job_lib.Job, recipe) -> int | None:
   except JobMismatchError as e:
     return _refuse(e, job=job)
   except (ProcessLostError, AgreementError) as e:  # that process is not at admission: leave without it
-    job.finish(succeeded=False)
-    return _refuse(f"{job.label}{e}", code=1)
+    return job.leave_failed(_refuse(f"{job.label}{e}", code=1))
   return None
 
 
@@ -608,7 +618,7 @@ def _launch_local(plan: RunPlan, held: contextlib.ExitStack) -> int:
 
 def _end_run_on_lost_peer(writes_to: list, job: job_lib.Job, line: str) -> None:
   """What a process of a run does when the watchdog reports a lost peer: one line, the summary (process 0, in
-  this segment's directory once it has one: never an earlier segment's), exit 1."""
+  this segment's directory once it has one: never an earlier segment's), exit 3 (``Job.end_for_peer``)."""
   step = job.current_step()
   where = "during bring-up" if step is None else f"at step {step}"
   kept, out = "", writes_to[0]
@@ -616,8 +626,8 @@ def _end_run_on_lost_peer(writes_to: list, job: job_lib.Job, line: str) -> None:
     run_dir.write_summary(out, {"ended": "error", "last_step": step, "error": line})
     kept = f"; records so far are kept in {out / run_dir.RECORDS}"
   if os.environ.get(LAUNCHED_ENV) != "1":  # else the launcher says it, once, with how the process ended
-    print(f"run_rl: {job.label}{line} {where}; ending this process{kept}", file=sys.stderr, flush=True)
-  os._exit(1)
+    print(f"run_rl: {job.label}{line}; ending this process {where}{kept}", file=sys.stderr, flush=True)
+  job.end_for_peer()
 
 
 def _join(recipe, writes_to: list) -> job_lib.Job:
@@ -660,8 +670,7 @@ def _run_program(plan: RunPlan, *, source, resume, job: job_lib.Job) -> int:
         handle.close()
       code = _stopped_without_checkpoint(write_dir, e, stop, job)
     except Exception as e:  # pylint: disable=broad-except
-      if job.watchdog is not None:  # a collective failed because a peer died? Then the watchdog names it.
-        job.watchdog.wait_for_loss()
+      job.report_failure(e)  # where a peer failed or died first, this process ends here, naming it
       if handle is None and resume is not None and job.is_primary and write_dir is not None:
         code = _withdraw_segment(plan, resume, e)
       else:
@@ -670,8 +679,7 @@ def _run_program(plan: RunPlan, *, source, resume, job: job_lib.Job) -> int:
       if handle is not None:
         handle.close()
     if code is not None:
-      job.finish(succeeded=False)
-      return code
+      return job.leave_failed(code)
     if not job.is_primary:
       job.finish(succeeded=True)
       return EXIT_CODES[stop.received or _signal_named(result.stop_reason)] if result.ended == "stopped" else 0
@@ -830,7 +838,8 @@ def _withdraw_segment(plan: RunPlan, point, error: Exception) -> int:
 
 
 def _fail(out: Path | None, error: Exception, step: int | None, job) -> int:
-  """An unexpected failure: exit 1, one line, the traceback in error.log (process 0), the records kept."""
+  """An unexpected failure: exit 1, one line, the traceback in error.log (process 0), the records kept. In a job
+  the other processes were told first (``Job.report_failure``)."""
   where = "during bring-up" if step is None else f"at step {step}"
   if not job.is_primary:  # its log is the launcher's (or the host's) to keep
     traceback.print_exception(error)

@@ -6,8 +6,8 @@
   path at each boundary (the policy's inputs combined, a stop agreed, a
   refusal shared), through the coordinator's key-value store — never through
   the devices, so no exchange waits behind queued compute.
-* ``watchdog``: a heartbeat per process; one that goes silent ends the others
-  with one line naming it.
+* ``watchdog``: a heartbeat per process; one that fails or goes silent ends
+  the others with one line naming it.
 * ``launcher``: ``distributed.num_processes=N`` on one host starts N local
   processes and reports how they ended.
 

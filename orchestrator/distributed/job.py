@@ -6,9 +6,10 @@ bring-up exchange through, and the watchdog. ``single()`` is the job of a run
 of one process without a distributed runtime.
 
 The job owns what happens when its watchdog reports a lost peer
-(``on_lost_peer``, told the run's step in flight through ``current_step``),
-and admits its processes (``admit``: the same settings and version in every
-one) before any device work.
+(``on_lost_peer``, told the run's step in flight through ``current_step``) and
+when this process fails (``report_failure``: the peers are told, so they end
+at once naming this process), and admits its processes (``admit``: the same
+settings and version in every one) before any device work.
 """
 
 from __future__ import annotations
@@ -22,16 +23,24 @@ from typing import Any
 from orchestrator.distributed import admission
 from orchestrator.distributed.agreement import KeyValueAgreement, SingleProcess
 from orchestrator.distributed.bringup import ProcessIdentity, join, key_value_client
+from orchestrator.distributed.launcher import ENDED_BY_PEER_EXIT
 from orchestrator.distributed.watchdog import Watchdog
 
 _END_BARRIER = "step_boundary/end"
 
 
 def end_on_lost_peer(job: Job, line: str) -> None:
-  """The default answer to a lost peer: one line naming it, then exit 1 (a peer inside a collective with a
-  dead process would otherwise wait forever)."""
+  """The default answer to a lost peer: one line naming it, then ``job.end_for_peer()`` (a peer inside a
+  collective with a dead process would otherwise wait forever)."""
   print(f"run_rl: {job.label}{line}; ending this process", file=sys.stderr, flush=True)
-  os._exit(1)
+  job.end_for_peer()
+
+
+def _exit_now(code: int) -> None:
+  """Ends this process with ``code`` once its lines are out, skipping JAX's teardown (see ``Job.leave_failed``)."""
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(code)
 
 
 def no_step_yet() -> int | None:
@@ -67,6 +76,38 @@ class Job:
   def report_lost_peer(self, line: str) -> None:
     """What the watchdog calls with its one line about a lost peer: hands it to ``on_lost_peer``."""
     self.on_lost_peer(self, line)
+
+  def report_failure(self, error: BaseException) -> None:
+    """This process failed with ``error``. If a peer failed or died first (a collective with it failed here
+    too), the watchdog ends this process naming that peer, and this never returns; else the peers are told
+    the error's first line, and each one's watchdog ends it naming this process. A run of one process has
+    nobody to tell."""
+    if self.watchdog is None:
+      return
+    self.watchdog.wait_for_peers()
+    try:
+      self.watchdog.post_failure(f"{type(error).__name__}: {error}")
+      if self.is_primary:  # it serves the coordinator: it stays until the peers have read the line
+        self.watchdog.wait_until_peers_end()
+    except Exception:  # pylint: disable=broad-except  # the coordinator is gone: the peers end by JAX's heartbeat
+      return
+
+  def end_for_peer(self) -> None:
+    """Ends this process, exit ``ENDED_BY_PEER_EXIT``, after a peer failed or went silent (the caller said which,
+    in one line): tells a process 0 that failed, and waits for its peers to end, that this one is ending."""
+    if self.watchdog is not None:
+      self.watchdog.post_ending()
+    _exit_now(ENDED_BY_PEER_EXIT)
+
+  def leave_failed(self, code: int) -> int:
+    """Leaves the job after this process failed (or stopped apart from the others): returns ``code`` in a run of
+    one process; in a job of several it ends this process at once with ``code``, since JAX's teardown would
+    wait at the job's shutdown barrier for processes that are ending too, or abort this one (another exit code,
+    JAX's lines) where process 0, the coordinator, is gone first."""
+    self.finish(succeeded=False)
+    if self.watchdog is None:
+      return code
+    _exit_now(code)
 
   def admit(self, settings: Mapping[str, Any]) -> None:
     """Compares ``settings`` (what must agree: the recipe less this process's identity and output paths) and

@@ -10,9 +10,11 @@ connection notices); the others write to ``OUT/processes/process_<i>.log``.
 The launcher imports no JAX and holds no device. It stays in the terminal's
 process group with its children, so a Ctrl-C reaches every process and they
 agree to stop at the same boundary; it ignores that first signal itself. When
-a process dies, the others end by themselves (their watchdog, or JAX's) within
+a process fails, it tells the others, which end at once; when one dies, the
+others end by themselves (their watchdog, or JAX's) within
 ``distributed.timeout_s``; any still running after that are killed, and one
-line names the process that died first.
+line names the process that failed or died first (not one that another's
+failure ended: ``ENDED_BY_PEER_EXIT``).
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ from orchestrator.addresses import free_loopback_port
 
 #: Exit codes every process reports alike (a refusal, a stop): the launcher passes them on.
 _SHARED_ENDINGS = (2, 130, 143)
+#: The exit code of a process that another process's failure or silence ended: the launcher names the other one.
+ENDED_BY_PEER_EXIT = 3
 LOGS_DIR = "processes"
 #: Set to "1" in each process this launcher starts: the launcher, not the process, reports how it ended.
 LAUNCHED_ENV = "STEP_BOUNDARY_LAUNCHED"
@@ -150,14 +154,19 @@ class LocalJob:
     # SIGINT from a terminal reaches every process of the group already: nothing to do here.
 
   def _wait(self) -> tuple[list[int | None], int | None]:
-    """Waits for every process; after the first failure, at most ``timeout_s`` (+5 s) for the rest."""
+    """Waits for every process; after the first failure, at most ``timeout_s`` (+5 s) for the rest. Returns
+    the exit codes and the process that failed first: one that ended for a reason of its own, before one that
+    ended because another failed or went silent (``ENDED_BY_PEER_EXIT``: it may exit before the process it
+    names has finished exiting)."""
     first, deadline = None, None
     while True:
       codes = [p.poll() for p in self.processes]
-      if first is None:
+      if first is None or codes[first] == ENDED_BY_PEER_EXIT:
         failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
-        if failed:
-          first, deadline = failed[0], time.monotonic() + self.timeout_s + 5
+        own = [i for i in failed if codes[i] != ENDED_BY_PEER_EXIT]
+        first = (own or failed or [None])[0]
+        if first is not None and deadline is None:
+          deadline = time.monotonic() + self.timeout_s + 5
       if all(c is not None for c in codes):
         return codes, first
       if deadline is not None and time.monotonic() > deadline:
@@ -198,7 +207,7 @@ class LocalJob:
       if first in logs and logs[first].exists():
         lines = [l for l in logs[first].read_text(errors="replace").splitlines() if l.startswith("run_rl")]
         if lines:
-          how += f": {lines[-1]}"
+          how += ": " + lines[-1].removeprefix("run_rl: ").removeprefix(f"process {first} of {self.n}: ")
     where = resume_hint(self.out)
     step = _last_step(self.out)
     if step is not None:

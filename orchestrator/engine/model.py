@@ -47,8 +47,8 @@ def build_model(preset: ModelPreset, seed: int, capacity_factor: float | None = 
                 dtype: str = "float32"):
   """Returns ``(graphdefs, params, partition_specs)`` for a Qwen3: randomly initialised with ``seed``, or,
   when ``preset.checkpoint`` names a Hugging Face checkpoint, with its weights (``load_hf_checkpoint``: onto
-  ``mesh``'s shardings when a mesh is given, else onto the default device; upcast to float32, the weights'
-  dtype here). ``dtype`` is the compute dtype.
+  ``mesh``'s shardings when a mesh is given, else onto this process's first device, where random weights
+  start; upcast to float32, the weights' dtype here). ``dtype`` is the compute dtype.
 
   ``graphdefs`` has two entries over the same params: ``"capacity"`` routes MoE
   tokens with ``capacity_factor`` (None: dropless) and ``"dropless"`` never
@@ -98,15 +98,16 @@ def load_hf_checkpoint(directory: str, config: qwen3_model.ModelConfig, mesh=Non
   mixing dtypes would load reinterpreted bytes; here each tensor is read as
   its header says (``hf_checkpoint.tensor_arrays``), mapped to Tunix's names
   by Tunix's own key mapping, experts stacked, upcast to float32 and placed on
-  its sharding (``mesh``'s, else the default device) one at a time.
+  its sharding (``mesh``'s, else this process's first local device: a sampler's in a job of several
+  processes, which must be able to read every weight) one at a time.
   """
   with compat.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
     abstract = nnx.eval_shape(lambda: qwen3_model.Qwen3(config, rngs=nnx.Rngs(params=0)))
   graphdef, abstract_state = nnx.split(abstract)
   if mesh is not None:
     placements = nnx.get_named_sharding(abstract_state, mesh).to_pure_dict()
-  else:
-    placements = jax.tree.map(lambda _: jax.devices()[0], abstract_state.to_pure_dict())
+  else:  # this process's own first device: jax.devices()[0] is process 0's in a job of several processes
+    placements = jax.tree.map(lambda _: jax.local_devices()[0], abstract_state.to_pure_dict())
   # Tunix's own name mapping (private, but the one its loader uses), so the names cannot drift from its model.
   key_map = qwen3_params._get_key_and_transform_mapping(config)  # pylint: disable=protected-access
   values, experts = {}, {}
