@@ -290,8 +290,9 @@ def saved_config(resolved: ResolvedRecipe) -> tuple[dict[str, Any], dict[str, st
 
 def job_settings(recipe: Recipe) -> dict[str, Any]:
   """Every key of ``recipe`` that the processes of a job must agree on, in the schema's order, with its value
-  (all but ``PER_PROCESS_KEYS``)."""
-  return {key: get(recipe, key) for key in all_keys() if key not in PER_PROCESS_KEYS}
+  (all but ``PER_PROCESS_KEYS``, and the description: prose that carries the overrides, so two processes whose
+  keys differ are named by the key itself, not by their descriptions)."""
+  return {key: get(recipe, key) for key in all_keys() if key not in (*PER_PROCESS_KEYS, "description")}
 
 
 def format_config(resolved: ResolvedRecipe) -> str:
