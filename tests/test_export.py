@@ -138,6 +138,23 @@ def test_a_full_disk_is_one_line_and_leaves_nothing_at_out(finished, tmp_path, c
   assert _nothing_at(out) and list(tmp_path.iterdir()) == []
 
 
+def test_missing_parents_of_out_are_made_and_removed_again_when_the_write_fails(finished, tmp_path, capsys,
+                                                                               monkeypatch):
+  """``--out exported/my-model`` (the README's) works where ``exported/`` does not exist yet; a failed write
+  removes the parents it made along with the partial export (the negative control of the first half)."""
+  out = tmp_path / "exported" / "my-model"
+  code, _ = _export(capsys, finished, "--out", out)
+  assert code == 0 and (out / "export.json").is_file()
+
+  def read_only(src, dst):
+    raise OSError(errno.EROFS, os.strerror(errno.EROFS), src, None, dst)
+
+  monkeypatch.setattr(export_lib.os, "rename", read_only)
+  failed = tmp_path / "elsewhere" / "deeper" / "my-model"
+  _one_line_refusal(*_export(capsys, finished, "--out", failed))
+  assert not (tmp_path / "elsewhere").exists()
+
+
 def test_a_failed_rename_into_place_removes_the_partial_export(finished, tmp_path, capsys, monkeypatch):
   def read_only(src, dst):
     raise OSError(errno.EROFS, os.strerror(errno.EROFS), src, None, dst)

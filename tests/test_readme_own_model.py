@@ -60,6 +60,7 @@ def test_the_readme_own_model_commands_as_written_end_with_an_exported_model(tmp
   prompts.parent.mkdir()
   prompts.write_text("".join(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n"
                              for a in range(8) for b in range(8)))
+  (tmp_path / "recipes").symlink_to(README.parent / "recipes")  # the commands run from a checkout's root
   monkeypatch.chdir(tmp_path)
 
   train, _, export = own_model_commands()
