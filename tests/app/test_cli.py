@@ -108,7 +108,7 @@ def test_env_switches_each_reach_their_key():
 def moe_checkpoint(tmp_path_factory):
   """A Hugging Face checkpoint of the tiny_moe preset: its sizes disagree with the default recipe's tiny."""
   # import here: writing a checkpoint builds a model (JAX); the rest of this module validates without it
-  from tests.test_hf_checkpoint import write_checkpoint
+  from tests.engine.test_hf_checkpoint import write_checkpoint
 
   directory = tmp_path_factory.mktemp("hf") / "tiny_moe"
   write_checkpoint(directory, "tiny_moe")

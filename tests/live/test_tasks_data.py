@@ -2,7 +2,7 @@
 
 Most tests are pure Python on files written to tmp_path; a few near the end run
 ``run_rl`` on the shipped example dataset for a couple of steps. The refusals
-run end to end in tests/test_refusals.py.
+run end to end in tests/app/test_refusals.py.
 """
 
 from __future__ import annotations

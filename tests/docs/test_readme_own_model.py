@@ -21,9 +21,9 @@ from orchestrator import recipe as recipe_lib
 from orchestrator.app import cli
 from orchestrator.engine import hf_checkpoint, model as model_lib
 from orchestrator.engine.diagnostics import tree_digest
-from tests.test_hf_checkpoint import write_checkpoint
+from tests.engine.test_hf_checkpoint import write_checkpoint
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 CHECKPOINT_PLACEHOLDER = "/models/Qwen3-0.6B"
 PROMPTS_PLACEHOLDER = "data/train.jsonl"
 

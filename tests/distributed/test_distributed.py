@@ -242,7 +242,7 @@ def test_a_live_job_gathers_each_update_records_and_checkpoints_once(live_jobs):
 def checkpoint_job(tmp_path_factory):
   """The live job of two processes on ``model.checkpoint``: a tiny checkpoint of the tiny preset's initial
   weights, which the engine loads sharded over the job's mesh and each sampler whole on its own device."""
-  from tests.test_hf_checkpoint import write_checkpoint
+  from tests.engine.test_hf_checkpoint import write_checkpoint
 
   tmp = tmp_path_factory.mktemp("checkpoint_job")
   write_checkpoint(tmp / "tiny", "tiny")
@@ -254,7 +254,7 @@ def checkpoint_job(tmp_path_factory):
 @pytest.mark.slow
 def test_a_live_job_on_a_checkpoint_trains_to_the_one_process_digest(checkpoint_job, live_jobs):
   """The checkpoint holds the preset's initial weights, so the job on it reaches the one-process job's digest
-  on the preset (a run on a checkpoint is the preset's run bit for bit: tests/test_hf_checkpoint.py)."""
+  on the preset (a run on a checkpoint is the preset's run bit for bit: tests/engine/test_hf_checkpoint.py)."""
   (out, ran), (one, ran_one) = checkpoint_job, live_jobs[1]
   assert ran.returncode == 0 and ran_one.returncode == 0, (ran.stderr[-3000:], ran_one.stderr[-3000:])
   (summary, records), (reference, reference_records) = _summary_and_records(out), _summary_and_records(one)

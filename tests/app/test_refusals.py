@@ -218,13 +218,13 @@ CASES = [
      "step_boundary.min_free_device_bytes: expected 'auto' or a whole number of bytes"),
     ("min-free-absurd", ["step_boundary.min_free_device_bytes=1e18"], {},
      "step_boundary.min_free_device_bytes=1000000000000000000 is out of range"),
-    # Two keys that name one thing, given in one layer (across layers the higher one's wins: tests/test_cli.py).
+    # Two keys that name one thing, given in one layer (across layers the higher one's wins: tests/app/test_cli.py).
     ("earlier-spelling-beside-its-successor", ["simulate.map_s=0.2", "simulate.input_copy_s=0.3"], {},
      "simulate.input_copy_s=0.3 and simulate.map_s=0.2 are both set; input_copy_s is the earlier spelling of"
      " map_s: keep only simulate.map_s"),
     ("checkpoint-every-negative", ["checkpoint.every=-1"], {}, "checkpoint.every=-1 is out of range"),
     # Sizes inside their ranges whose few prompts all land on one side of the held-out split: a draw from the
-    # other side would spin forever (every such size in range: tests/test_live_parts.py).
+    # other side would spin forever (every such size in range: tests/live/test_live_parts.py).
     ("task-modulus-no-eval-prompt", ["task.name=modular_addition", "task.modulus=2"], {},
      "task.name=modular_addition task.modulus=2 leaves the evaluation split empty: its 4 prompts split 4 for"
      " training and 0 for evaluation"),
