@@ -1,5 +1,9 @@
-"""Shared fixtures: one compiled ``tiny`` engine per test session, restored to its start per test; one
-persistent XLA compilation cache per test session, shared with every child process it starts."""
+"""Shared fixtures and the suite's tiers: one compiled ``tiny`` engine per test session, restored to its start
+per test; one persistent XLA compilation cache per test session, shared with every child process it starts.
+
+Every test carries exactly one tier marker (``docs/testing.md``): ``spec`` runs without JAX, ``engine`` on the
+shared tiny engine or JAX in this process, ``e2e`` through the app or a child process. A run of ``-m spec``
+collects only the files that hold spec tests and fails if anything imported JAX."""
 
 from __future__ import annotations
 
@@ -24,7 +28,43 @@ if COMPILATION_CACHE_ENV not in os.environ:  # =off runs the suite without one
   _cache = tempfile.mkdtemp(prefix="step-boundary-test-xla-cache-")
   atexit.register(shutil.rmtree, _cache, ignore_errors=True)
   os.environ[COMPILATION_CACHE_ENV] = _cache
-use_compilation_cache()
+
+TIERS = ("spec", "engine", "e2e")
+#: What a spec test must run without: imported in this process, any of them fails a ``-m spec`` run.
+JAX_MODULES = ("jax", "jaxlib", "flax", "tunix", "optax", "orbax")
+
+
+def _spec_only(config) -> bool:
+  return config.getoption("markexpr", "").strip() == "spec"
+
+
+def pytest_ignore_collect(collection_path, config):
+  """Under ``-m spec``, a test file that holds no spec test is not imported (most import JAX)."""
+  if _spec_only(config) and collection_path.suffix == ".py" and collection_path.name.startswith("test_"):
+    return "pytest.mark.spec" not in collection_path.read_text()
+  return None
+
+
+@pytest.hookimpl(trylast=True)  # after -m has deselected: the items are the ones that run
+def pytest_collection_modifyitems(config, items):
+  """Refuses a test without exactly one tier marker; turns the compilation cache on unless only spec tests
+  run (its setting imports JAX, which must happen before the first compile, and no test compiles yet)."""
+  untiered = [f"{item.nodeid} ({', '.join(m) or 'none'})" for item in items
+              for m in [[t for t in TIERS if item.get_closest_marker(t)]] if len(m) != 1]
+  if untiered:
+    raise pytest.UsageError("each test needs exactly one of @pytest.mark.spec / engine / e2e (docs/testing.md): "
+                            + "; ".join(untiered))
+  if not all(item.get_closest_marker("spec") for item in items):
+    use_compilation_cache()
+
+
+def pytest_sessionfinish(session, exitstatus):
+  if _spec_only(session.config):
+    imported = sorted(name for name in JAX_MODULES if name in sys.modules)
+    if imported:
+      session.config.pluginmanager.get_plugin("terminalreporter").write_line(
+          f"the spec tier imported {', '.join(imported)}: a test marked spec needs JAX; mark it engine or e2e")
+      session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(scope="session")

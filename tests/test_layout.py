@@ -44,10 +44,12 @@ def _too_long(path: Path, root: Path = REPO) -> list[str]:
   return out
 
 
+@pytest.mark.spec
 def test_no_function_or_class_is_too_long():
   assert [msg for path in _sources() for msg in _too_long(path)] == []
 
 
+@pytest.mark.spec
 def test_the_size_check_catches_a_long_function(tmp_path):
   """Negative control: the checker itself flags an 81-line function."""
   body = "\n".join(f"  x{i} = {i}" for i in range(80))
@@ -56,12 +58,14 @@ def test_the_size_check_catches_a_long_function(tmp_path):
   assert len(_too_long(path, root=tmp_path)) == 1
 
 
+@pytest.mark.spec
 @pytest.mark.parametrize("path", sorted((REPO / "orchestrator" / "data").rglob("*.py")),
                          ids=lambda p: p.name)
 def test_data_imports_nothing_from_the_engine(path):
   assert not [n for n in _imports(path) if n.startswith("orchestrator.engine")]
 
 
+@pytest.mark.spec
 @pytest.mark.parametrize("path", sorted([*(REPO / "orchestrator" / "loop").rglob("*.py"),
                                          *(REPO / "orchestrator" / "contract").rglob("*.py")]),
                          ids=lambda p: f"{p.parent.name}/{p.name}")
@@ -69,12 +73,14 @@ def test_the_loop_and_the_contract_import_nothing_from_the_engine(path):
   assert not [n for n in _imports(path) if n.startswith("orchestrator.engine")]
 
 
+@pytest.mark.spec
 def test_policies_import_neither_jax_nor_the_orchestrator():
   for path in sorted((REPO / "policies").rglob("*.py")):
     bad = [n for n in _imports(path) if n.split(".")[0] in ("jax", "orchestrator", "numpy")]
     assert not bad, f"{path.name} imports {bad}"
 
 
+@pytest.mark.spec
 def test_code_cites_the_design_in_the_repository():
   assert (REPO / "docs" / "design.md").is_file()
   for path in _sources():
@@ -183,11 +189,13 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
   return out
 
 
+@pytest.mark.spec
 def test_no_import_circle_among_the_projects_modules():
   """No circle, counting imports inside functions too: a deferred import that closes one is still one."""
   assert _cycles(_graph(module_level_only=False)) == []
 
 
+@pytest.mark.spec
 def test_the_circle_check_finds_a_circle():
   """Negative control."""
   assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
@@ -214,10 +222,12 @@ def _layer(module: str) -> int | None:
   return None
 
 
+@pytest.mark.spec
 def test_every_module_has_a_layer():
   assert [m for m in MODULES if m not in ("orchestrator",) and _layer(m) is None] == []
 
 
+@pytest.mark.spec
 def test_imports_run_down_the_layers():
   """Counting imports inside functions too."""
   up = {(m, t) for m, targets in _graph(module_level_only=False).items() for t in targets
@@ -225,6 +235,7 @@ def test_imports_run_down_the_layers():
   assert up == UPWARD_IMPORTS and len(UPWARD_IMPORTS) <= 1
 
 
+@pytest.mark.spec
 @pytest.mark.parametrize("package", ["loop", "engine", "data", "live", "remote", "distributed", "contract",
                                      "recipe"])
 def test_the_library_never_imports_the_application(package):
@@ -234,29 +245,34 @@ def test_the_library_never_imports_the_application(package):
   assert bad == []
 
 
+@pytest.mark.spec
 def test_nothing_in_remote_imports_the_rig_or_the_application():
   bad = [(name, i.target) for name, path in MODULES.items() if name.startswith("orchestrator.remote")
          for i in _project_imports(path) if i.target and i.target.startswith(("orchestrator.rig", "orchestrator.app"))]
   assert bad == []
 
 
+@pytest.mark.spec
 def test_the_remote_client_takes_its_types_from_the_contract_not_the_local_worker():
   targets = {i.target for i in _project_imports(MODULES["orchestrator.remote.client"])}
   assert not [t for t in targets if t and t.startswith("orchestrator.loop")]
 
 
+@pytest.mark.spec
 @pytest.mark.parametrize("name", ["orchestrator.loop.program", "orchestrator.loop.recorder"])
 def test_the_program_and_the_recorder_probe_nothing_by_name(name):
   """They reach the source through StepSource / LiveSource and the worker through Worker, never getattr."""
   assert "getattr(" not in MODULES[name].read_text()
 
 
+@pytest.mark.spec
 def test_imports_sit_at_the_top_unless_a_comment_says_why():
   unmarked = [f"{_module_name(path)}:{i.line}" for path in _sources() for i in _project_imports(path)
               if i.in_function and not i.marked]
   assert unmarked == []
 
 
+@pytest.mark.spec
 def test_the_import_check_catches_an_unexplained_function_level_import(tmp_path, monkeypatch):
   """Negative control: one unmarked, one marked, one in the marked one's run."""
   path = tmp_path / "orchestrator" / "probe.py"
@@ -268,6 +284,7 @@ def test_the_import_check_catches_an_unexplained_function_level_import(tmp_path,
   assert found == [(2, False), (6, True), (7, True)]
 
 
+@pytest.mark.e2e
 def test_the_loop_the_contract_the_recipe_and_the_remote_client_import_no_jax():
   """A run is validated, and a remote trainer's driver runs, without JAX; the function-level imports above
   exist for this."""

@@ -9,6 +9,8 @@ import pytest
 
 from orchestrator.user_files import UserFileError, check_regular, read_regular_bytes, read_regular_text
 
+pytestmark = pytest.mark.spec
+
 
 def test_a_regular_file_is_read_whole(tmp_path):
   path = tmp_path / "a.txt"

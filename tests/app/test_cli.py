@@ -30,12 +30,14 @@ def write(tmp_path, text, name="r.yaml"):
   return str(path)
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
 def test_every_shipped_recipe_validates(recipe):
   resolved = resolve(["--recipe", str(recipe)])
   assert resolved.recipe.name == recipe.stem
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize(
     "pipeline,staging,before,mode",
     [
@@ -54,6 +56,7 @@ def test_switches_map_to_policy_modes(pipeline, staging, before, mode):
   assert resolve(argv).recipe.mode is mode
 
 
+@pytest.mark.engine
 def test_a_stage_asked_for_while_pipelining_is_off_is_refused_not_ignored():
   with pytest.raises(recipe_lib.RecipeError, match="has no effect with step_boundary.pipeline_step_boundary=false"):
     resolve(["--no-pipeline_step_boundary", "--stage_before_update"])
@@ -62,6 +65,7 @@ def test_a_stage_asked_for_while_pipelining_is_off_is_refused_not_ignored():
   assert resolve(["--no-pipeline_step_boundary"]).recipe.mode is Mode.OFF  # the recipe's own value is fine
 
 
+@pytest.mark.engine
 def test_precedence_recipe_then_env_then_flags_then_overrides(tmp_path):
   path = write(tmp_path, "model: tiny\nsteps: 3\nstep_boundary:\n  stage_before_update: true\n")
   key = "step_boundary.stage_before_update"
@@ -76,6 +80,7 @@ def test_precedence_recipe_then_env_then_flags_then_overrides(tmp_path):
   assert r.sources["steps"] == "recipe" and r.sources["engine.seed"] == "default"
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("spelling,value", [
     ("true", True), ("TRUE", True), ("1", True), ("yes", True), ("Yes", True),
     ("false", False), ("False", False), ("0", False), ("no", False), ("NO", False),
@@ -87,6 +92,7 @@ def test_boolean_spellings_in_env_and_overrides(spelling, value):
   assert r.recipe.step_boundary.require_staging is value
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("env_value", ["-1", "-1.0", " -1 "])
 def test_ragged_buffer_factor_minus_one_spellings_are_the_same(env_value):
   r = resolve([], env={"RAGGED_BUFFER_FACTOR": env_value})
@@ -94,6 +100,7 @@ def test_ragged_buffer_factor_minus_one_spellings_are_the_same(env_value):
   assert resolve([f"engine.ragged_buffer_factor={env_value.strip()}"]).recipe.engine.ragged_buffer_factor == -1.0
 
 
+@pytest.mark.engine
 def test_env_switches_each_reach_their_key():
   env = {"PIPELINE_STEP_BOUNDARY": "1", "STAGE_NEXT_MICROBATCH": "0", "STAGE_BEFORE_UPDATE": "0",
          "RAGGED_BUFFER_FACTOR": "1.5"}
@@ -135,6 +142,7 @@ def _layered(checkpoint):
   ]
 
 
+@pytest.mark.engine
 def test_a_key_of_a_higher_layer_drops_the_lower_layers_conflicting_key(tmp_path, moe_checkpoint):
   """Every pair of EXCLUSIVE_KEYS, split over two layers: the higher one's key is used, the lower one's is
   dropped and its source says so. Negative controls: both in one layer are still refused, naming both."""
@@ -156,6 +164,7 @@ def test_a_key_of_a_higher_layer_drops_the_lower_layers_conflicting_key(tmp_path
     resolve(["--recipe", write(tmp_path, "distributed:\n  num_processes: 2\n  detect_cluster: true\n")])
 
 
+@pytest.mark.e2e
 def test_the_default_recipe_runs_a_checkpoint_named_on_the_command_line(moe_checkpoint, capsys):
   """``run_rl model.checkpoint=DIR`` over the default recipe (which names the tiny preset): the checkpoint's model
   is the run's; --print-config says the recipe's preset was dropped for it."""
@@ -167,6 +176,7 @@ def test_the_default_recipe_runs_a_checkpoint_named_on_the_command_line(moe_chec
       lines["model.preset"])
 
 
+@pytest.mark.e2e
 def test_the_first_line_names_what_the_command_line_changed_and_dropped(moe_checkpoint):
   """Negative control: the recipe run as written adds nothing to the first line."""
   assert launch._changed_phrase(resolve([])) == ""
@@ -184,6 +194,7 @@ def _described_in_help(capsys) -> dict[str, str]:
           if line.startswith("  ") and not line.startswith("   ") and len(line.split()) > 1}
 
 
+@pytest.mark.e2e
 def test_help_lists_every_subcommand_and_every_environment_variable_one_line_each(capsys, monkeypatch):
   """The lists come from the code: SUBCOMMANDS, ENV_SWITCHES and every STEP_BOUNDARY_* name in orchestrator/, so a
   new one without a line of help fails here. Negative control: a subcommand whose line is taken away is missed."""
@@ -201,6 +212,7 @@ def test_help_lists_every_subcommand_and_every_environment_variable_one_line_eac
 SUMS = "".join(f'{{"prompt": "{i}+1=", "answer": "{i + 1}"}}\n' for i in range(40))
 
 
+@pytest.mark.engine
 def test_config_json_holds_each_derived_size_with_its_source(tmp_path, monkeypatch):
   """The sizes a run derives are saved as the values it runs with, marked derived; relative output directories
   absolute. Negative controls: a size given keeps its value and source, and the recipe the run builds from
@@ -225,6 +237,7 @@ def test_config_json_holds_each_derived_size_with_its_source(tmp_path, monkeypat
   assert (config["batch"]["tokens_per_row"], sources["batch.tokens_per_row"]) == (32, "override")
 
 
+@pytest.mark.e2e
 def test_a_resume_refuses_a_size_that_derives_otherwise_now(tmp_path, monkeypatch):
   """A size saved as derived must derive to the saved value again (else the resume would train another
   shape); negative control: the value the run saved passes."""
@@ -239,6 +252,7 @@ def test_a_resume_refuses_a_size_that_derives_otherwise_now(tmp_path, monkeypatc
       "task.max_prompt_tokens was 5 at the run's start (derived: the longest prompt (bos included)), now 6"]
 
 
+@pytest.mark.e2e
 def test_a_run_on_a_relative_dataset_with_derived_sizes_resumes_from_another_directory(tmp_path, monkeypatch,
                                                                                          capsys):
   """Started in directory a with task.path relative to it and its sizes derived, resumed from directory b: the
@@ -275,6 +289,7 @@ def test_a_run_on_a_relative_dataset_with_derived_sizes_resumes_from_another_dir
   assert sorted(p.relative_to(run) for p in run.rglob("*")) == listing
 
 
+@pytest.mark.engine
 def test_a_description_changed_by_overrides_says_so():
   """The recipe's description is kept, with what the command line and the environment changed; negative
   controls: a run of the recipe as written keeps it as written, and so does one that changes only where it
@@ -305,6 +320,7 @@ def _main(argv, capsys, env=None):
   return code, out.out, out.err
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     "argv,env,message",
     [
@@ -344,18 +360,21 @@ def test_refusals_exit_2_with_one_clear_message(argv, env, message, capsys):
   assert "Traceback" not in err and err.count("run_rl: error:") == 1
 
 
+@pytest.mark.e2e
 def test_unknown_recipe_key_is_refused_with_a_suggestion(tmp_path, capsys):
   path = write(tmp_path, "step_boundary:\n  stage_befor_update: true\n")
   code, _, err = _main(["--recipe", path], capsys)
   assert code == 2 and "unknown key 'step_boundary.stage_befor_update'; did you mean 'step_boundary.stage_before_update'?" in err
 
 
+@pytest.mark.e2e
 def test_invalid_yaml_names_line_and_column(tmp_path, capsys):
   path = write(tmp_path, "model: tiny\nsteps: [1, 2\nname: x\n")
   code, _, err = _main(["--recipe", path], capsys)
   assert code == 2 and "is not valid YAML at line 3, column" in err
 
 
+@pytest.mark.e2e
 def test_duplicate_recipe_keys_are_refused(tmp_path, capsys):
   path = write(tmp_path, "model: tiny\nsteps: 2\nsteps: 3\n")
   code, _, err = _main(["--recipe", path], capsys)
@@ -363,17 +382,20 @@ def test_duplicate_recipe_keys_are_refused(tmp_path, capsys):
   assert "Traceback" not in err
 
 
+@pytest.mark.e2e
 def test_recipe_path_that_is_a_directory_is_named_as_such(tmp_path, capsys):
   code, _, err = _main(["--recipe", str(tmp_path)], capsys)
   assert code == 2 and "is a directory; pass a recipe YAML file" in err
 
 
+@pytest.mark.e2e
 def test_wrong_type_in_recipe_is_refused(tmp_path, capsys):
   path = write(tmp_path, "step_boundary:\n  disable_after: often\n")
   code, _, err = _main(["--recipe", path], capsys)
   assert code == 2 and "step_boundary.disable_after: expected int, got 'often'" in err
 
 
+@pytest.mark.e2e
 def test_print_config_shows_every_key_and_its_source(capsys):
   code, out, _ = _main(["--print-config", "--steps", "4", "engine.seed=3"], capsys,
                        env={"STAGE_BEFORE_UPDATE": "no"})
@@ -387,6 +409,7 @@ def test_print_config_shows_every_key_and_its_source(capsys):
   assert "# mode: STAGE_AFTER_UPDATE" in out
 
 
+@pytest.mark.e2e
 def test_failure_during_the_run_exits_1_naming_the_step(tmp_path, capsys, monkeypatch):
   from orchestrator.app import runner
 
@@ -412,6 +435,7 @@ def test_failure_during_the_run_exits_1_naming_the_step(tmp_path, capsys, monkey
   assert (tmp_path / "out" / "records.jsonl").read_text() == '{"step": 0}\n'
 
 
+@pytest.mark.e2e
 def test_a_learning_rate_that_diverges_stops_the_run_at_that_step_in_one_line(tmp_path):
   """1e30 (a float32 still, unlike 1e300, which the recipe refuses) overflows the first update's weights, so
   step 1's loss is NaN (two steps are the fewest that reach it): exit 1, one line, the checkpoint after step 0
@@ -442,6 +466,7 @@ def test_a_learning_rate_that_diverges_stops_the_run_at_that_step_in_one_line(tm
   assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.isdigit()) == ["1"]
 
 
+@pytest.mark.e2e
 def test_run_rl_end_to_end_on_the_tiny_preset(tmp_path):
   out = tmp_path / "run"
   env = dict(os.environ, PYTHONPATH=str(REPO))
@@ -471,6 +496,7 @@ def test_run_rl_end_to_end_on_the_tiny_preset(tmp_path):
   assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name.isdigit()) == ["2", "4"]
 
 
+@pytest.mark.e2e
 def test_record_writes_a_recording_and_refuses_to_overwrite_one(tmp_path, capsys):
   out = tmp_path / "rec"
   code, stdout, _ = _main(["record", "model=tiny", "rollouts.source=synthetic", "rollouts.groups=8", "--out", str(out)],
@@ -482,18 +508,21 @@ def test_record_writes_a_recording_and_refuses_to_overwrite_one(tmp_path, capsys
   assert code == 2 and "already holds a recording; recordings are read-only" in err
 
 
+@pytest.mark.e2e
 def test_run_with_a_bad_recording_exits_2_naming_it(tmp_path, capsys):
   code, _, err = _main(["model=tiny", "rollouts.source=recording", f"rollouts.recording={tmp_path}",
                         "run.reserve_host_core=false", "--out", str(tmp_path / "out")], capsys)
   assert code == 2 and "no manifest" in err and str(tmp_path) in err
 
 
+@pytest.mark.e2e
 def test_rig_with_a_bad_recording_exits_2(tmp_path, capsys):
   code, _, err = _main(["rig", "model=tiny", "run.reserve_host_core=false", "--recording", str(tmp_path),
                         "--out", str(tmp_path / "out")], capsys)
   assert code == 2 and "run_rl rig: error:" in err and "no manifest" in err
 
 
+@pytest.mark.e2e
 def test_rig_command_runs_and_prints_the_verdict(tmp_path, capsys):
   code, out, _ = _main(["rig", "model=tiny", "batch.rows=16", "steps=2", "batch.micro_batches_per_step=2",
                         "run.reserve_host_core=false", "--recording", "recordings/rig_small",
@@ -508,6 +537,7 @@ def test_rig_command_runs_and_prints_the_verdict(tmp_path, capsys):
   assert (tmp_path / "rig" / "report.json").read_bytes() == report
 
 
+@pytest.mark.e2e
 def test_recipe_validation_does_not_import_jax():
   """run_rl validates (and reserves the host core) before JAX is imported."""
   code = ("import sys; from orchestrator.app import cli; "
@@ -517,12 +547,14 @@ def test_recipe_validation_does_not_import_jax():
   assert proc.returncode == 0, proc.stderr[-2000:]
 
 
+@pytest.mark.e2e
 def test_rig_takes_the_recording_from_the_recipe_or_refuses_without_one(tmp_path, capsys):
   code, _, err = _main(["rig", "model=tiny", "rollouts.source=synthetic", "rollouts.recording=null",
                         "--out", str(tmp_path)], capsys)
   assert code == 2 and "no recording: pass --recording DIR or set rollouts.recording" in err
 
 
+@pytest.mark.e2e
 def test_engine_backend_tunix_peft_runs_through_run_rl_and_stages(tmp_path, capsys):
   """The registry's second backend, picked by a recipe key: a stock Tunix PeftTrainer, staging."""
   # The pinned zero threshold keeps staging on however loaded the machine is (the test reads every boundary).

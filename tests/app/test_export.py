@@ -64,6 +64,7 @@ def _nothing_at(out: Path) -> bool:
   return not out.exists() and not list(out.parent.glob(f".{out.name}.*"))
 
 
+@pytest.mark.e2e
 def test_a_completed_run_exports_its_last_step_and_leaves_no_partial_directory(finished, tmp_path, capsys):
   code, err = _export(capsys, finished, "--out", tmp_path / "out")
   assert code == 0, err
@@ -91,6 +92,7 @@ DAMAGE = {
 }
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("kind", DAMAGE)
 def test_each_kind_of_damage_to_a_checkpoint_s_state_is_named(kind, finished, tmp_path):
   run = _copy(finished, tmp_path)
@@ -102,6 +104,7 @@ def test_each_kind_of_damage_to_a_checkpoint_s_state_is_named(kind, finished, tm
   assert checkpoint_state.params_problem(run / "checkpoints" / "2") is None
 
 
+@pytest.mark.e2e
 def test_a_damaged_newest_checkpoint_is_passed_over_by_name_or_refused_when_named(finished, tmp_path, capsys):
   run = _copy(finished, tmp_path)
   DAMAGE["data_files_missing"][0](run / "checkpoints" / "3")
@@ -118,6 +121,7 @@ def test_a_damaged_newest_checkpoint_is_passed_over_by_name_or_refused_when_name
 
 
 # ------------------------------------------------------------------ a failed write
+@pytest.mark.e2e
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (a device whose writes fail ENOSPC)")
 def test_a_full_disk_is_one_line_and_leaves_nothing_at_out(finished, tmp_path, capsys, monkeypatch):
   """The weights are written while ``out`` does not exist yet (into a hidden sibling), so a write that fails
@@ -138,6 +142,7 @@ def test_a_full_disk_is_one_line_and_leaves_nothing_at_out(finished, tmp_path, c
   assert _nothing_at(out) and list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.e2e
 def test_missing_parents_of_out_are_made_and_removed_again_when_the_write_fails(finished, tmp_path, capsys,
                                                                                monkeypatch):
   """``--out exported/my-model`` (the README's) works where ``exported/`` does not exist yet; a failed write
@@ -155,6 +160,7 @@ def test_missing_parents_of_out_are_made_and_removed_again_when_the_write_fails(
   assert not (tmp_path / "elsewhere").exists()
 
 
+@pytest.mark.e2e
 def test_a_failed_rename_into_place_removes_the_partial_export(finished, tmp_path, capsys, monkeypatch):
   def read_only(src, dst):
     raise OSError(errno.EROFS, os.strerror(errno.EROFS), src, None, dst)
@@ -166,6 +172,7 @@ def test_a_failed_rename_into_place_removes_the_partial_export(finished, tmp_pat
 
 
 # ------------------------------------------------------------------ a run that ended on a non-finite step
+@pytest.mark.e2e
 def test_a_diverged_run_is_refused_naming_the_step_and_the_checkpoint_before_it(finished, tmp_path, capsys):
   run = _copy(finished, tmp_path)
   summary = json.loads((run / "summary.json").read_text())
@@ -184,6 +191,7 @@ def test_a_diverged_run_is_refused_naming_the_step_and_the_checkpoint_before_it(
   assert json.loads((tmp_path / "out" / "export.json").read_text())["step"] == 2
 
 
+@pytest.mark.e2e
 def test_a_run_that_diverged_at_its_second_step_has_no_weights_to_export(tmp_path, capsys):
   """Its one checkpoint (after step 0) holds the weights step 1 diverged from."""
   run = tmp_path / "run"
@@ -194,6 +202,7 @@ def test_a_run_that_diverged_at_its_second_step_has_no_weights_to_export(tmp_pat
   assert _nothing_at(tmp_path / "out")
 
 
+@pytest.mark.spec
 def test_weights_that_are_not_finite_are_refused():
   class Candidates:
     def earlier(self, step):
@@ -208,6 +217,7 @@ def test_weights_that_are_not_finite_are_refused():
 
 
 # ------------------------------------------------------------------ not a run
+@pytest.mark.spec
 def test_a_directory_that_holds_no_run_is_refused_and_left_as_it_was(tmp_path, capsys):
   (tmp_path / "notes.txt").write_text("mine")
   line = _one_line_refusal(*_export(capsys, tmp_path, "--out", tmp_path.parent / f"{tmp_path.name}-out"))

@@ -457,6 +457,7 @@ CASES = [
 ]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_bad_input_exits_2_with_one_line_and_writes_nothing(case, tmp_path, good_recording, capsys, monkeypatch):
   _, argv, env, message = case
@@ -483,6 +484,7 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(case, tmp_path, good
   assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before  # nothing written
 
 
+@pytest.mark.spec
 def test_the_table_covers_at_least_forty_inputs():
   assert len(CASES) + len(PAYLOADS) >= 40
 
@@ -506,6 +508,7 @@ PAYLOADS = [
 ]
 
 
+@pytest.mark.spec
 @pytest.mark.parametrize("case", PAYLOADS, ids=[c[0] for c in PAYLOADS])
 def test_bad_payloads_raise_value_error_naming_the_problem(case):
   _, payload, message = case

@@ -70,6 +70,7 @@ def reference_digests(tmp_path_factory):
   return out
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("model", ["dense", "moe"])
 @pytest.mark.parametrize("mode", list(Mode), ids=lambda m: m.name)
 def test_a_resumed_run_trains_like_an_uninterrupted_one(model, mode, reference_digests, tmp_path):
@@ -88,6 +89,7 @@ def test_a_resumed_run_trains_like_an_uninterrupted_one(model, mode, reference_d
   assert len({e["pid"] for e in trace}) == 4  # device and host, for each of the two segments
 
 
+@pytest.mark.e2e
 def test_a_completed_run_keeps_its_final_weights_and_without_a_checkpoint_it_cannot_resume(tmp_path, capsys):
   """A run without checkpoint.every still checkpoints its last step (summary.json names it); with that
   checkpoint gone there is nothing to resume from."""
@@ -101,6 +103,7 @@ def test_a_completed_run_keeps_its_final_weights_and_without_a_checkpoint_it_can
   assert "no complete checkpoint" in capsys.readouterr().err
 
 
+@pytest.mark.e2e
 def test_resuming_a_finished_run_needs_more_steps(tmp_path, capsys):
   run = tmp_path / "run"
   assert cli.main(DENSE + ["steps=2", "checkpoint.every=1", "--out", str(run)]) == 0
@@ -109,6 +112,7 @@ def test_resuming_a_finished_run_needs_more_steps(tmp_path, capsys):
   assert "already did 2 of 2 steps; pass --steps N with N > 2" in capsys.readouterr().err
 
 
+@pytest.mark.e2e
 def test_out_over_a_run_is_refused_and_nothing_in_it_changes(tmp_path, capsys):
   run = tmp_path / "run"
   assert cli.main(DENSE + ["steps=2", "checkpoint.every=1", "--out", str(run)]) == 0
@@ -119,6 +123,7 @@ def test_out_over_a_run_is_refused_and_nothing_in_it_changes(tmp_path, capsys):
   assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in run.rglob("*") if p.is_file()} == before
 
 
+@pytest.mark.e2e
 def test_a_checkpoint_directory_of_another_run_is_refused(tmp_path, capsys):
   shared = tmp_path / "ckpt"
   assert cli.main(DENSE + ["steps=2", "checkpoint.every=1", f"checkpoint.directory={shared}",
@@ -131,6 +136,7 @@ def test_a_checkpoint_directory_of_another_run_is_refused(tmp_path, capsys):
   assert not (tmp_path / "b").exists()
 
 
+@pytest.mark.engine
 def test_a_save_the_checkpoint_library_skips_is_an_error(tmp_path):
   from orchestrator.engine import build_engine
 
@@ -168,6 +174,7 @@ def _reference(tmp_path: Path, steps: int) -> str:
   return _summary(run)["final_state_digest"]
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_stops_at_the_next_boundary_with_a_checkpoint_and_resumes(sig, code, tmp_path):
@@ -188,6 +195,7 @@ def test_a_signal_stops_at_the_next_boundary_with_a_checkpoint_and_resumes(sig, 
   assert _summary(run)["final_state_digest"] == _reference(tmp_path, last + 4)
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_two_sigints_at_once_are_one_stop_with_a_checkpoint(tmp_path):
   """A wrapper that forwards the terminal's Ctrl-C delivers it twice within microseconds: one clean stop,
@@ -205,6 +213,7 @@ def test_two_sigints_at_once_are_one_stop_with_a_checkpoint(tmp_path):
   assert summary["ended"] == "signal" and summary["checkpoint_path"].endswith(f"checkpoints/{summary['last_step'] + 1}")
 
 
+@pytest.mark.e2e
 def test_signals_within_the_window_are_one_stop_and_a_later_one_stops_at_once(tmp_path, monkeypatch, capsys):
   """The handler itself, on a clock the test sets: a repeat within SIGNAL_WINDOW_S is the same stop; one after
   it ends the process at once (os._exit with the signal's code), in one line."""
@@ -229,6 +238,7 @@ def test_signals_within_the_window_are_one_stop_and_a_later_one_stops_at_once(tm
   assert capsys.readouterr().err.count("second SIGINT: stopped at once") == 1
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_a_killed_run_resumes_from_its_last_complete_checkpoint(tmp_path):
   """SIGKILL at several points (early, mid, around checkpoints): every resume trains like no kill."""
@@ -253,6 +263,7 @@ def test_a_killed_run_resumes_from_its_last_complete_checkpoint(tmp_path):
 RECORDING = ["rollouts.source=recording", "rollouts.recording=recordings/rig_small", "batch.rows=32"]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("micro,source", [(1, "synthetic"), (2, "synthetic"), (2, "recording")])
 def test_resuming_from_a_mid_run_checkpoint_repeats_the_run_exactly(micro, source, tmp_path):
   """Drop the last checkpoint of a finished run and resume from the one before: the steps after it

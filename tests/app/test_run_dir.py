@@ -90,6 +90,7 @@ def _held_by_another_process(path: Path):
     child.wait(timeout=60)
 
 
+@pytest.mark.e2e
 def test_a_held_run_directory_is_refused_naming_the_holder_before_anything_is_read(finished, tmp_path, capsys):
   run = _copy(finished, tmp_path)
   (run / run_dir.CONFIG).write_text("not json")  # a resume that read it would refuse it for that instead
@@ -100,6 +101,7 @@ def test_a_held_run_directory_is_refused_naming_the_holder_before_anything_is_re
   assert _files(run) == before
 
 
+@pytest.mark.e2e
 def test_a_new_run_into_a_held_directory_is_refused(tmp_path, capsys):
   out = tmp_path / "new"
   with _held_by_another_process(out):
@@ -107,6 +109,7 @@ def test_a_new_run_into_a_held_directory_is_refused(tmp_path, capsys):
   assert "in use by pid" in err and not (out / run_dir.CONFIG).exists()
 
 
+@pytest.mark.e2e
 def test_the_lock_is_released_when_its_holder_ends_and_this_process_may_take_its_own_again(tmp_path):
   """The OS drops the lock of a process that dies (even by SIGKILL): the next one takes it. A process that
   holds a lock takes it again as a no-op (a live ``record`` holds its directory, then its run takes it)."""
@@ -122,6 +125,7 @@ def test_the_lock_is_released_when_its_holder_ends_and_this_process_may_take_its
   assert run_dir._key(out) not in run_dir._HELD
 
 
+@pytest.mark.e2e
 def test_two_checkout_copies_sharing_a_checkpoint_directory_cannot_run_at_once(finished, tmp_path, capsys):
   shared = tmp_path / "shared-ckpt"
   with _held_by_another_process(shared):
@@ -129,6 +133,7 @@ def test_two_checkout_copies_sharing_a_checkpoint_directory_cannot_run_at_once(f
   assert "checkpoint.directory" in err and "in use by pid" in err
 
 
+@pytest.mark.e2e
 def test_the_rig_refuses_a_run_directory(finished, tmp_path, capsys):
   run = _copy(finished, tmp_path)
   before = _files(run)
@@ -137,6 +142,7 @@ def test_the_rig_refuses_a_run_directory(finished, tmp_path, capsys):
   assert _files(run) == before
 
 
+@pytest.mark.e2e
 def test_a_directory_the_lock_created_is_removed_after_a_refusal(tmp_path, capsys):
   out = tmp_path / "rig-out"
   code = cli.main(["rig", "--out", str(out), "--recording", str(tmp_path / "no-such-recording")])
@@ -144,6 +150,7 @@ def test_a_directory_the_lock_created_is_removed_after_a_refusal(tmp_path, capsy
   assert code == 2 and not out.exists()
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_two_resumes_at_once_run_one_and_refuse_the_other(finished, tmp_path):
   run = _copy(finished, tmp_path)
@@ -162,6 +169,7 @@ def test_two_resumes_at_once_run_one_and_refuse_the_other(finished, tmp_path):
 
 
 # ---------------------------------------------------------------------------- segments
+@pytest.mark.e2e
 def test_extending_a_finished_run_writes_a_segment_and_leaves_the_run_as_it_was(finished, six_step_digest,
                                                                               tmp_path):
   run = _copy(finished, tmp_path)
@@ -181,6 +189,7 @@ def test_extending_a_finished_run_writes_a_segment_and_leaves_the_run_as_it_was(
   assert run_dir.segments(run, run_dir.read_config(run))[-1].steps == 6
 
 
+@pytest.mark.e2e
 def test_a_failed_resume_leaves_every_file_of_the_finished_run_byte_identical(finished, tmp_path, monkeypatch,
                                                                              capsys):
   run = _copy(finished, tmp_path)
@@ -202,6 +211,7 @@ def test_a_failed_resume_leaves_every_file_of_the_finished_run_byte_identical(fi
   assert (segment / "error.log").exists()
 
 
+@pytest.mark.e2e
 def test_a_kill_between_a_checkpoint_and_its_record_loses_no_record(finished, tmp_path):
   """As a run killed right after checkpoint 2 leaves it: record 1 not yet written, no checkpoint 4, no summary.
   The resume restores record 1 from the checkpoint and trains to the digest of the run never killed."""
@@ -227,6 +237,7 @@ def _change_line(run: Path, number: int, change) -> None:
   path.write_bytes(b"\n".join(lines))
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("change,problem", [
     (lambda line: line.replace(b'"step": 1', b'"step": 1,', 1), "not JSON"),
     (lambda line: b"{}", "no step"),
@@ -252,6 +263,7 @@ def _edit_metadata(run: Path, step: int, edit) -> None:
   path.write_text(json.dumps(metadata))
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("edit,problem", [
     (lambda m: m.update(step="four"), "says it is after step 'four'"),
     (lambda m: m.pop("records_count"), "lacks records_count"),
@@ -272,6 +284,7 @@ def test_damaged_metadata_on_the_latest_checkpoint_is_refused_naming_the_valid_o
   assert _files(run) == before
 
 
+@pytest.mark.e2e
 def test_a_checkpoint_of_another_run_is_refused(finished, tmp_path, capsys):
   run = _copy(finished, tmp_path)
   _edit_metadata(run, 4, lambda m: m.update(run_id="someone-else"))
@@ -279,6 +292,7 @@ def test_a_checkpoint_of_another_run_is_refused(finished, tmp_path, capsys):
   assert "holds checkpoints of another run (steps [4], run someone-else)" in err
 
 
+@pytest.mark.e2e
 def test_a_junk_checkpoint_is_refused_and_from_checkpoint_moves_it_aside(finished, six_step_digest, tmp_path,
                                                                         capsys):
   run = _copy(finished, tmp_path)
@@ -293,6 +307,7 @@ def test_a_junk_checkpoint_is_refused_and_from_checkpoint_moves_it_aside(finishe
   assert _summary(run)["final_state_digest"] == six_step_digest
 
 
+@pytest.mark.e2e
 def test_from_checkpoint_refuses_a_checkpoint_that_is_not_there(finished, tmp_path, capsys):
   run = _copy(finished, tmp_path)
   err = _refused(["--resume", str(run), "--steps", "6", "--from-checkpoint", "3"], capsys)
@@ -301,6 +316,7 @@ def test_from_checkpoint_refuses_a_checkpoint_that_is_not_there(finished, tmp_pa
 
 
 # ---------------------------------------------------------------------------- the saved recipe
+@pytest.mark.e2e
 def test_an_edited_config_is_refused_naming_the_changed_keys(finished, tmp_path, capsys):
   run = _copy(finished, tmp_path)
   config = json.loads((run / run_dir.CONFIG).read_text())
@@ -313,6 +329,7 @@ def test_an_edited_config_is_refused_naming_the_changed_keys(finished, tmp_path,
   assert _files(run) == before
 
 
+@pytest.mark.engine
 def test_a_config_digest_names_the_keys_that_changed():
   config = {"config": {"steps": 4, "engine": {"learning_rate": 0.1, "seed": 0}}}
   config["digest"] = run_dir.config_digest(config["config"])
@@ -324,6 +341,7 @@ def test_a_config_digest_names_the_keys_that_changed():
   assert run_dir.edited_keys({"config": {}}) is None  # an older run's config: no digest to check
 
 
+@pytest.mark.e2e
 def test_a_directory_that_cannot_be_written_is_refused_in_one_line(finished, tmp_path, capsys, monkeypatch):
   run = _copy(finished, tmp_path)
   before = _files(run)
@@ -333,6 +351,7 @@ def test_a_directory_that_cannot_be_written_is_refused_in_one_line(finished, tmp
   assert _files(run) == before
 
 
+@pytest.mark.e2e
 def test_rollouts_a_live_checkpoint_carries_are_checked_before_a_resume_trains_on_them(finished):
   """A live checkpoint carries sampled steps; one the engine could not train on is refused by name (a
   negative control: the same metadata passes with payloads that check)."""
@@ -377,6 +396,7 @@ def _hand_made_run(path: Path, run_id: str = "r1") -> Path:
   return path
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("damage,named,kind", [
     (lambda run: (run / "segments" / "2").write_text("x"), "segments/2", "a file, where a segment directory"),
     (lambda run: (run / "records.jsonl").unlink() or (run / "records.jsonl").mkdir(), "records.jsonl",
@@ -400,6 +420,7 @@ def test_a_path_a_resume_reads_that_is_not_of_its_kind_is_refused_naming_it(dama
   assert f"{run / named} is {kind}" in message and "move it out of" in message, message
 
 
+@pytest.mark.e2e
 def test_a_resume_of_a_run_with_a_segment_that_is_a_file_is_refused_and_changes_nothing(finished, tmp_path, capsys):
   run = _copy(finished, tmp_path)
   (run / run_dir.SEGMENTS).mkdir()
@@ -410,6 +431,7 @@ def test_a_resume_of_a_run_with_a_segment_that_is_a_file_is_refused_and_changes_
   assert _files(run) == before
 
 
+@pytest.mark.engine
 def test_a_new_segment_is_numbered_past_any_entry_and_a_failed_mkdir_is_a_refusal(tmp_path):
   run = _hand_made_run(tmp_path / "run")
   (run / run_dir.SEGMENTS / "2").write_text("x")
@@ -427,6 +449,7 @@ def test_a_new_segment_is_numbered_past_any_entry_and_a_failed_mkdir_is_a_refusa
 
 
 # ---------------------------------------------------------------------------- no lock in what is not a run
+@pytest.mark.e2e
 @pytest.mark.parametrize("make", [
     lambda d: (d / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 8})),
     lambda d: (d / "manifest.json").write_text("{}"),
@@ -446,6 +469,7 @@ def test_a_directory_that_holds_no_run_gets_no_lock_file(make, tmp_path):
     assert (run / run_dir.LOCK).is_file()
 
 
+@pytest.mark.e2e
 def test_export_of_a_directory_that_holds_no_run_is_refused_with_nothing_written(tmp_path, capsys):
   target = tmp_path / "recording"
   target.mkdir()
@@ -457,6 +481,7 @@ def test_export_of_a_directory_that_holds_no_run_is_refused_with_nothing_written
 
 
 # ---------------------------------------------------------------------------- what a new run writes into
+@pytest.mark.engine
 def test_a_directory_inside_out_the_run_cannot_write_is_refused_before_anything_is_written(tmp_path,
                                                                                           monkeypatch):
   out = tmp_path / "out"
@@ -474,6 +499,7 @@ def test_a_directory_inside_out_the_run_cannot_write_is_refused_before_anything_
     run_dir.check_new(out)
 
 
+@pytest.mark.e2e
 def test_a_tensorboard_path_that_is_a_file_refuses_the_run_before_its_directory_is_claimed(tmp_path, capsys):
   out = tmp_path / "out"
   out.mkdir()
@@ -484,6 +510,7 @@ def test_a_tensorboard_path_that_is_a_file_refuses_the_run_before_its_directory_
 
 
 # ---------------------------------------------------------------------------- a claim a kill left behind
+@pytest.mark.engine
 def test_a_claim_a_killed_run_left_before_its_first_step_is_taken_over_and_anything_more_is_not(tmp_path, capsys):
   out = tmp_path / "out"
   out.mkdir()
@@ -521,6 +548,7 @@ def _truncate(path: Path, size: int = 20) -> None:
   path.write_bytes(path.read_bytes()[:size])
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("damage,problem", [
     (lambda c: _truncate(c / "state" / "_METADATA"), "damaged state/_METADATA (not JSON"),
     (lambda c: (c / "state" / "_METADATA").write_text('{"tree_metadata": {}}'), "lists no saved arrays"),
@@ -542,6 +570,7 @@ def test_a_damaged_file_orbax_reads_is_named(damage, problem, finished, tmp_path
   assert found is not None and problem in found, found
 
 
+@pytest.mark.e2e
 def test_a_truncated_orbax_metadata_is_refused_naming_the_intact_checkpoint_and_nothing_changes(finished, tmp_path,
                                                                                                capsys):
   run = _copy(finished, tmp_path)
@@ -561,6 +590,7 @@ def _discard_late_output_of_earlier_tests(capsys) -> None:
   capsys.readouterr()
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("from_checkpoint", [None, 2], ids=["latest", "earlier"])
 def test_a_checkpoint_that_fails_to_restore_leaves_the_run_as_it_was(from_checkpoint, finished, tmp_path, capsys):
   """Damage no check reads (the saved arrays' bytes) fails the restore: one line naming the checkpoint and the
@@ -583,6 +613,7 @@ def test_a_checkpoint_that_fails_to_restore_leaves_the_run_as_it_was(from_checkp
   assert (run / "segments" / "1" / run_dir.ERROR_LOG).exists()
 
 
+@pytest.mark.e2e
 def test_a_trainer_without_the_checkpoint_is_named_in_one_line_and_the_run_is_as_it_was(finished, tmp_path, capsys,
                                                                                        monkeypatch):
   """As a remote trainer answers NOT_FOUND (the client raises ``NoCheckpointError``): the driver's one line
@@ -606,6 +637,7 @@ def test_a_trainer_without_the_checkpoint_is_named_in_one_line_and_the_run_is_as
   assert {k: after[k] for k in before} == before and run_dir.latest_segment(run) == run
 
 
+@pytest.mark.e2e
 def test_a_fifo_for_a_checkpoints_metadata_is_refused_naming_it_and_never_read(finished, tmp_path, capsys):
   run = _copy(finished, tmp_path)
   checkpoint = run / "checkpoints" / "4"
@@ -617,6 +649,7 @@ def test_a_fifo_for_a_checkpoints_metadata_is_refused_naming_it_and_never_read(f
   assert "--from-checkpoint 2" in err
 
 
+@pytest.mark.e2e
 def test_a_resume_of_a_claim_a_kill_left_says_the_same_out_can_start_again(finished, tmp_path, capsys):
   claim = tmp_path / "claim"
   claim.mkdir()

@@ -25,6 +25,7 @@ from tests.conftest import REPO
 MODES = ["off", "pipelined", "stage_after_update", "stage_before_update"]
 
 
+@pytest.mark.e2e
 def test_a_tiny_run_on_cpu_prints_the_table_writes_the_json_and_trains_every_mode_alike(tmp_path):
   out = tmp_path / "bench.json"
   env = dict(os.environ, PYTHONPATH=str(REPO), PJRT_NPROC="1", XLA_FLAGS="--xla_force_host_platform_device_count=1")
@@ -59,25 +60,30 @@ def test_a_tiny_run_on_cpu_prints_the_table_writes_the_json_and_trains_every_mod
 TINY = Size("tiny", num_layers=2, rows=4, tokens_per_row=64)
 
 
+@pytest.mark.engine
 def test_a_micro_batch_in_the_window_keeps_its_size():
   assert next_size(TINY, 0.5, 0.5, devices=1, max_tokens_per_device=1 << 17) is None
   assert next_size(TINY, 0.31, 0.5, devices=1, max_tokens_per_device=1 << 17) is None
   assert next_size(TINY, 0.99, 0.5, devices=1, max_tokens_per_device=1 << 17) is None
 
 
+@pytest.mark.engine
 def test_a_fast_micro_batch_grows_the_rows_first():
   assert next_size(TINY, 0.0625, 0.5, devices=1, max_tokens_per_device=1 << 17) == Size("tiny", 2, 32, 64)
 
 
+@pytest.mark.engine
 def test_past_the_token_cap_the_layers_grow_by_the_rest():
   # 8x is wanted; rows may only double (512 tokens per device), so the layers take the other 4x.
   assert next_size(TINY, 0.0625, 0.5, devices=1, max_tokens_per_device=512) == Size("tiny", 8, 8, 64)
 
 
+@pytest.mark.engine
 def test_one_try_grows_by_at_most_64x():
   assert next_size(TINY, 1e-6, 0.5, devices=1, max_tokens_per_device=1 << 30) == Size("tiny", 2, 256, 64)
 
 
+@pytest.mark.engine
 def test_device_memory_bounds_the_growth():
   # 8x wanted, but the peak already holds a tenth of the limit: at most 0.6 / 0.1 = 6x.
   grown = next_size(TINY, 0.0625, 0.5, devices=1, max_tokens_per_device=1 << 17, memory=(100, 1000))
@@ -85,11 +91,13 @@ def test_device_memory_bounds_the_growth():
   assert next_size(TINY, 0.0625, 0.5, devices=1, max_tokens_per_device=1 << 17, memory=(700, 1000)) is None
 
 
+@pytest.mark.engine
 def test_rows_stay_a_multiple_of_the_devices():
   size = Size("small", 4, rows=8, tokens_per_row=256)
   assert next_size(size, 0.1, 0.5, devices=8, max_tokens_per_device=1 << 17) == Size("small", 4, 40, 256)
 
 
+@pytest.mark.engine
 def test_a_slow_micro_batch_shrinks_the_rows_then_the_layers():
   assert next_size(Size("small", 4, 8, 256), 2.0, 0.5, devices=1, max_tokens_per_device=1 << 17) == \
       Size("small", 4, 2, 256)
@@ -97,6 +105,7 @@ def test_a_slow_micro_batch_shrinks_the_rows_then_the_layers():
       Size("small", 1, 1, 256)
 
 
+@pytest.mark.engine
 def test_steps_per_arm_fit_the_time_left_within_bounds():
   fit = steps_per_arm(100.0, step_s=1.0, arm_overhead_s=1.0, generate_step_s=0.1, arms=4, max_steps=200)
   assert fit == int((100 - 4) / (0.1 + 4 * 1.1))
@@ -104,6 +113,7 @@ def test_steps_per_arm_fit_the_time_left_within_bounds():
   assert steps_per_arm(1e6, step_s=1.0, arm_overhead_s=0.0, generate_step_s=0.0, arms=4, max_steps=30) == 30
 
 
+@pytest.mark.engine
 def test_an_arm_past_its_time_stops_but_not_before_its_first_boundary():
   now = [10.0]
   stop = StopAfter(5.0, lambda: now[0])
@@ -138,6 +148,7 @@ INPUTS = {"mapping_s": [0.001, 0.003, 0.002], "placement_s": [0.0005, 0.0005, 0.
 COPY = {"bytes": 4000, "bytes_per_device": 1000}
 
 
+@pytest.mark.engine
 def test_a_row_reads_staged_bytes_and_memory_from_records_that_carry_them():
   records, report = _records(Mode.STAGE_BEFORE_UPDATE, 4, staged_bytes_per_device=2048,
                              device_bytes_in_use=5_000_000_000, device_bytes_limit=80_000_000_000)
@@ -157,6 +168,7 @@ def test_a_row_reads_staged_bytes_and_memory_from_records_that_carry_them():
   assert row["median_mapping_s"] == 0.002 and row["median_placement_s"] == 0.0005
 
 
+@pytest.mark.engine
 def test_without_those_fields_a_row_takes_the_input_shape_and_the_device_or_says_nothing():
   records, report = _records(Mode.STAGE_AFTER_UPDATE, 3)
   row = mode_row(Mode.STAGE_AFTER_UPDATE, records, report, "d", INPUTS,
@@ -175,6 +187,7 @@ def _row(mode: str, digest: str, steps: int = 5, asked: int = 5) -> dict:
           "cut_short": steps < asked}
 
 
+@pytest.mark.engine
 def test_identical_digests_exit_0_and_a_differing_one_is_named_with_exit_1():
   line, status = digest_verdict([_row(m, "abc") for m in MODES])
   assert (line, status) == ("digests: identical (abc)", 0)
@@ -182,6 +195,7 @@ def test_identical_digests_exit_0_and_a_differing_one_is_named_with_exit_1():
   assert status == 1 and "stage_after_update" in line and "pipelined" not in line
 
 
+@pytest.mark.engine
 def test_an_arm_cut_short_makes_the_digests_not_comparable():
   rows = [_row(m, "abc") for m in MODES[:3]] + [_row("stage_before_update", "zzz", steps=3)]
   line, status = digest_verdict(rows)
@@ -189,6 +203,7 @@ def test_an_arm_cut_short_makes_the_digests_not_comparable():
 
 
 # ---------------------------------------------------------------- refusals, before anything starts
+@pytest.mark.e2e
 def test_bad_usage_is_refused_in_one_line_before_anything_runs(tmp_path, capsys):
   assert main(["--preset", "nope", "--out", str(tmp_path / "x.json")]) == 2
   assert "model.preset='nope' is not a preset" in capsys.readouterr().err

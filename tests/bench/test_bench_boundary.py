@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
+
 from orchestrator.bench.boundary import mode_row
 from orchestrator.loop.recorder import BoundaryRecord
 from policies import Mode, StepBoundaryPolicy
+
+pytestmark = pytest.mark.spec
 
 LOW_WAIT_S = 1e-5  # below the pinned threshold: the stage outlasted the compute
 HIGH_WAIT_S = 0.5

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 from orchestrator.bench.startup import figures, first_reaching
+
+pytestmark = pytest.mark.spec
 
 TIMES = [10.0 + i for i in range(12)]
 

@@ -19,6 +19,8 @@ from orchestrator.loop.trainer_worker import TrainerWorker
 from policies import Mode, StepBoundaryPolicy
 from tests.fakes import NoStagingEngine, RecordingEngine, payload_steps
 
+pytestmark = pytest.mark.engine
+
 
 class MinimalEngine:
   """Only the three required methods, returning no receipts (a plain trainer)."""

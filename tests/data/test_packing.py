@@ -13,6 +13,7 @@ def _traj(prompt, completion, adv=1.0, old=None, group=0):
   return Trajectory(np.array(prompt, np.int32), np.array(completion, np.int32), adv, old, group)
 
 
+@pytest.mark.spec
 def test_packing_lays_out_segments_targets_and_masks():
   old = np.array([-0.5, -1.5], np.float32)
   payload = [_traj([5, 6, 7], [8, 9], adv=2.0, old=old), _traj([1], [2, 3], adv=-1.0)]
@@ -31,6 +32,7 @@ def test_packing_lays_out_segments_targets_and_masks():
   np.testing.assert_array_equal(row["old_logprobs_mask"], [0, 0, 1, 1, 0, 0, 0, 0])
 
 
+@pytest.mark.spec
 def test_packing_is_first_fit_in_payload_order():
   payload = [_traj([1] * 3, [2] * 3), _traj([1] * 4, [2] * 3), _traj([1], [2])]
   out = pack_payload(payload, rows=2, tokens_per_row=8, vocab_size=4)
@@ -39,6 +41,7 @@ def test_packing_is_first_fit_in_payload_order():
   np.testing.assert_array_equal(out["segment_ids"][1], [1] * 7 + [0])
 
 
+@pytest.mark.engine
 def test_packing_is_deterministic_and_returns_fresh_buffers(tiny_source):
   payload = tiny_source.micro_batch(0, 0)
   a = pack_payload(payload, rows=4, tokens_per_row=64, vocab_size=512)
@@ -48,6 +51,7 @@ def test_packing_is_deterministic_and_returns_fresh_buffers(tiny_source):
     assert not np.shares_memory(a[name], b[name])
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize(
     "payload,message",
     [

@@ -29,6 +29,7 @@ def recording_dir(tmp_path):
   return tmp_path / "rec"
 
 
+@pytest.mark.engine
 def test_group_encoding_round_trips():
   group = next(generate_groups(SHAPE))
   back = decode_group(encode_group(group))
@@ -42,6 +43,7 @@ def test_group_encoding_round_trips():
   np.testing.assert_array_equal(back.rewards, group.rewards)
 
 
+@pytest.mark.engine
 def test_recording_round_trip_and_manifest(recording_dir):
   manifest = json.loads((recording_dir / MANIFEST).read_text())
   assert manifest["schema_version"] == 1 and manifest["num_groups"] == 24
@@ -73,6 +75,7 @@ print("CHILD-OK")
 """
 
 
+@pytest.mark.e2e
 def test_replay_is_byte_for_byte_deterministic_across_processes(recording_dir):
   rec = open_recording(recording_dir, vocab_size=512)
   here = [[content_digest(pack_payload(p, rows=4, tokens_per_row=64, vocab_size=512)) for p in s]
@@ -88,6 +91,7 @@ def _digests(step):
   return [content_digest(pack_payload(p, rows=4, tokens_per_row=64, vocab_size=512)) for p in step]
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("taken", [0, 1, 3])
 def test_replay_iterator_state_saves_and_restores(recording_dir, taken):
   """A restored iterator yields exactly the steps the original would have yielded next,
@@ -109,6 +113,7 @@ def test_replay_iterator_state_saves_and_restores(recording_dir, taken):
     assert _digests(next(fresh)) != expected[0]
 
 
+@pytest.mark.engine
 def test_replay_never_writes_to_the_recording(recording_dir):
   before = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in recording_dir.iterdir()}
   replay_steps(open_recording(recording_dir, vocab_size=512), steps=3, **BATCH)
@@ -116,12 +121,14 @@ def test_replay_never_writes_to_the_recording(recording_dir):
   assert after == before
 
 
+@pytest.mark.e2e
 def test_missing_manifest(recording_dir):
   (recording_dir / MANIFEST).unlink()
   with pytest.raises(RecordingError, match=r"manifest.json: no manifest; record one with `run_rl record"):
     open_recording(recording_dir)
 
 
+@pytest.mark.engine
 def test_unknown_schema_version(recording_dir):
   manifest = json.loads((recording_dir / MANIFEST).read_text())
   manifest["schema_version"] = 99
@@ -130,6 +137,7 @@ def test_unknown_schema_version(recording_dir):
     open_recording(recording_dir)
 
 
+@pytest.mark.engine
 def test_digest_mismatch_names_the_record(recording_dir):
   manifest = json.loads((recording_dir / MANIFEST).read_text())
   manifest["record_digests"][5] = "0" * 64
@@ -138,6 +146,7 @@ def test_digest_mismatch_names_the_record(recording_dir):
     open_recording(recording_dir)
 
 
+@pytest.mark.engine
 def test_truncated_file(recording_dir):
   data = recording_dir / DATA_FILE
   data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
@@ -145,23 +154,27 @@ def test_truncated_file(recording_dir):
     open_recording(recording_dir)
 
 
+@pytest.mark.engine
 def test_token_ids_outside_the_vocabulary(recording_dir):
   with pytest.raises(RecordingError, match=r"record 0 \(group 0\) .*token id \d+ is outside the model's vocabulary \[0, 100\)"):
     open_recording(recording_dir, vocab_size=100)
 
 
+@pytest.mark.engine
 def test_too_few_trajectories_for_the_steps(recording_dir):
   rec = open_recording(recording_dir, vocab_size=512)
   with pytest.raises(RecordingError, match=r"make only \d+ steps of 2 micro-batches of 4 rows x 64 tokens; 50 were asked for"):
     replay_steps(rec, steps=50, **BATCH)
 
 
+@pytest.mark.engine
 def test_group_larger_than_a_micro_batch(recording_dir):
   rec = open_recording(recording_dir, vocab_size=512)
   with pytest.raises(RecordingError, match=r"group 0: its 4 trajectories do not fit one micro-batch of 1 rows x 64"):
     replay_steps(rec, rows=1, tokens_per_row=64, micro_batches_per_step=1, steps=1)
 
 
+@pytest.mark.engine
 def test_shipped_recording_is_valid_and_small():
   path = REPO / "recordings" / "rig_small"
   rec = open_recording(path, vocab_size=512)

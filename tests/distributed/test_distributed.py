@@ -66,6 +66,7 @@ def jobs(tmp_path_factory):
   return {n: _launch_driver(tmp, n, [DENSE, MOE]) for n in (1, 2)}
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.parametrize("config", CONFIGS)
 def test_two_processes_reach_the_one_process_digest_in_every_mode(jobs, config):
@@ -77,6 +78,7 @@ def test_two_processes_reach_the_one_process_digest_in_every_mode(jobs, config):
     assert jobs[1][0][key]["modes"][mode.value]["digest"] == reference, (config, mode)
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.parametrize("config", CONFIGS)
 def test_every_process_takes_the_same_path_at_every_boundary(jobs, config):
@@ -93,6 +95,7 @@ def test_every_process_takes_the_same_path_at_every_boundary(jobs, config):
     assert sum(step[4] or 0 for step in first[Mode.OFF.value]["path"]) > 0
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.parametrize("config", CONFIGS)
 def test_a_staged_input_holds_exactly_the_rows_each_process_was_given(jobs, config):
@@ -130,6 +133,7 @@ def _process_pids(launcher_pid: int) -> dict[int, int]:
   return out
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_a_killed_process_ends_the_run_in_one_line_and_resume_reaches_the_uninterrupted_digest(tmp_path):
   out = tmp_path / "run"
@@ -163,6 +167,7 @@ def test_a_killed_process_ends_the_run_in_one_line_and_resume_reaches_the_uninte
   assert digest == json.loads((tmp_path / "one" / "summary.json").read_text())["final_state_digest"]
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_input_refused_in_every_process_is_one_line_and_nothing_is_written(tmp_path):
   out = tmp_path / "run"
@@ -198,6 +203,7 @@ def _summary_and_records(out: Path):
   return json.loads((out / "summary.json").read_text()), records
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_the_live_loop_in_a_job_of_two_trains_to_the_one_process_digest(live_jobs):
   (two, ran_two), (one, ran_one) = live_jobs[2], live_jobs[1]
@@ -214,6 +220,7 @@ def test_the_live_loop_in_a_job_of_two_trains_to_the_one_process_digest(live_job
   assert len(summary["processes"]) == 2 and "Traceback" not in ran_two.stderr
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_a_live_job_gathers_each_update_records_and_checkpoints_once(live_jobs):
   from orchestrator.engine.checkpointing import read_checkpoints
@@ -251,6 +258,7 @@ def checkpoint_job(tmp_path_factory):
   return tmp / "run", _run_rl(args, env=env)
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_a_live_job_on_a_checkpoint_trains_to_the_one_process_digest(checkpoint_job, live_jobs):
   """The checkpoint holds the preset's initial weights, so the job on it reaches the one-process job's digest
@@ -286,6 +294,7 @@ def _run_failing(tmp: Path, failing: int, phase: str) -> list[tuple[int, str]]:
         p.kill()
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.parametrize("failing, phase", [(1, "preflight"), (0, "step")])
 def test_a_process_that_fails_ends_the_job_at_once_and_every_process_names_it(tmp_path, failing, phase):
@@ -310,6 +319,7 @@ def test_a_process_that_fails_ends_the_job_at_once_and_every_process_names_it(tm
 
 
 # ---------------------------------------------------------------- unit tests (one process)
+@pytest.mark.engine
 def test_combine_max_takes_the_slowest_process_and_any_stop():
   values = [{"wait": 0.001, "stop": False, "delay": None, "floor": [1.0, 5.0]},
             {"wait": 0.004, "stop": True, "delay": None, "floor": [3.0, 2.0]}]
@@ -321,6 +331,7 @@ def _post(store, round_index, process_id, tag, value):
   store[f"step_boundary/round/{round_index}/{process_id}"] = json.dumps({"tag": tag, "value": value})
 
 
+@pytest.mark.engine
 def test_an_exchange_returns_every_processs_value_and_cleans_up_after_itself():
   store = {}
   agreement = KeyValueAgreement(FakeKeyValueClient(store), 0, 2, timeout_s=1)
@@ -332,6 +343,7 @@ def test_an_exchange_returns_every_processs_value_and_cleans_up_after_itself():
   assert "step_boundary/round/1/0" in store
 
 
+@pytest.mark.engine
 def test_a_job_of_one_process_agrees_without_a_round_trip():
   client = FakeKeyValueClient()
   client.key_value_set = client.blocking_key_value_get = None  # any call would fail
@@ -339,6 +351,7 @@ def test_a_job_of_one_process_agrees_without_a_round_trip():
   assert agreement.exchange("observe step 0", {"wait": 1.0}) == [{"wait": 1.0}] and agreement.exchanges == 1
 
 
+@pytest.mark.engine
 def test_a_process_that_never_arrives_is_named_and_a_diverged_one_is_refused():
   store = {}
   agreement = KeyValueAgreement(FakeKeyValueClient(store), 0, 3, timeout_s=0.5)
@@ -350,6 +363,7 @@ def test_a_process_that_never_arrives_is_named_and_a_diverged_one_is_refused():
     agreement.exchange("observe step 5", 0.0)
 
 
+@pytest.mark.engine
 def test_the_watchdog_names_a_silent_peer_after_the_timeout_and_not_before():
   now = [0.0]
   store = {}
@@ -370,6 +384,7 @@ def _watchdog(store, process_id, lines):
   return dog.start()
 
 
+@pytest.mark.engine
 def test_a_failed_process_names_a_peer_that_failed_first_and_else_tells_the_peers_its_own_failure():
   store, lost = {}, []
   first, second = _watchdog(store, 0, lost), _watchdog(store, 1, lost)
@@ -399,6 +414,7 @@ class _Exits:
     return self.code if self.polls >= self.at else None
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("exits, blamed", [([(launcher.ENDED_BY_PEER_EXIT, 1), (1, 4)], 1),
                                            ([(1, 4), (launcher.ENDED_BY_PEER_EXIT, 1)], 0)],
                          ids=["ended-by-peer-first", "negative-control"])
@@ -418,6 +434,7 @@ def test_the_launcher_names_the_process_that_failed_not_one_its_failure_ended_fi
   assert line.startswith(f"run_rl: process {blamed} of 2 (pid ") and "exit 1): the run failed at step 3" in line
 
 
+@pytest.mark.engine
 def test_a_process_packs_exactly_its_rows_of_the_whole_micro_batch():
   source = SyntheticRollouts(512, 8, 64, generations_per_group=4, fill=0.85, seed=3)
   payload = source.micro_batch(0, 0)
@@ -431,6 +448,7 @@ def test_a_process_packs_exactly_its_rows_of_the_whole_micro_batch():
     packing.pack_payload(payload, rows=8, tokens_per_row=64, vocab_size=512, row_range=(4, 12))
 
 
+@pytest.mark.engine
 def test_a_local_process_gets_its_identity_and_its_share_of_cpu_devices():
   env = launcher.child_env({"XLA_FLAGS": "--xla_force_host_platform_device_count=8 --foo", "PJRT_NPROC": "1"},
                            process_id=1, coordinator="127.0.0.1:1234", devices_per_process=2)
@@ -439,6 +457,7 @@ def test_a_local_process_gets_its_identity_and_its_share_of_cpu_devices():
   assert env["JAX_PLATFORMS"] == "cpu" and "PJRT_NPROC" not in env
 
 
+@pytest.mark.engine
 def test_a_run_never_saves_one_processs_identity():
   recipe = recipe_lib.resolve(overrides=["distributed.num_processes=2", "distributed.process_id=1",
                                          "distributed.coordinator_address=10.0.0.1:1234",
@@ -447,6 +466,7 @@ def test_a_run_never_saves_one_processs_identity():
   assert saved["num_processes"] == 2 and saved["process_id"] is None and saved["coordinator_address"] is None
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("command", [["rig", "--recording", "recordings/rig_small"],
                                      ["serve-trainer", "--listen", "127.0.0.1:0"]])
 def test_commands_of_one_process_refuse_a_distributed_recipe(command, capsys):
@@ -469,6 +489,7 @@ class _TwoProcesses(SingleProcess):
     return [value, self.peer]
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("agreed", [True, False], ids=["agreed", "negative-control-local-only"])
 def test_processes_that_measured_different_waits_still_take_the_same_path(agreed):
   from orchestrator.loop.program import agree_on_measurements
@@ -490,6 +511,7 @@ def test_processes_that_measured_different_waits_still_take_the_same_path(agreed
   assert (paths[0] == paths[1]) is agreed
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_a_signal_to_one_process_stops_every_process_after_the_same_step_with_a_checkpoint(tmp_path):
   out = tmp_path / "run"

@@ -49,6 +49,7 @@ def _ended(proc: subprocess.Popen, limit_s: float) -> tuple[int, list[str], str]
 
 
 # ---------------------------------------------------------------- a job admits only its own
+@pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.parametrize("key, first, second, shown", [
     ("engine.learning_rate", ["engine.learning_rate=0.001"], ["engine.learning_rate=0.01"], "0.001 (process 0) vs"
@@ -78,6 +79,7 @@ def _recipe(*overrides: str):
                             env={}).recipe
 
 
+@pytest.mark.engine
 def test_the_first_differing_key_is_named_in_the_recipes_order_and_identity_and_outputs_are_ignored():
   mine = job_settings(_recipe("distributed.process_id=0", "distributed.coordinator_address=10.0.0.1:1234",
                               "run.out=/tmp/a", "rollouts.record_to=/tmp/ra"))
@@ -95,6 +97,7 @@ def test_the_first_differing_key_is_named_in_the_recipes_order_and_identity_and_
   assert admission.first_difference({"a": 1}, {"a": 1, "z": 3})[0] == "z"
 
 
+@pytest.mark.engine
 def test_the_mismatch_line_names_the_key_both_values_and_the_fix():
   line = admission.mismatch_line(1, {"steps": 4, "engine.learning_rate": 0.001},
                                  {"steps": 4, "engine.learning_rate": 0.01})
@@ -113,6 +116,7 @@ def _posted_by(store, process_id, settings, version="0.1.0"):
   store[f"step_boundary/round/0/{process_id}"] = json.dumps({"tag": admission.TAG, "value": value})
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("me", [0, 1])
 def test_every_process_of_a_job_raises_the_same_line_for_the_same_difference(me):
   zero, one = {"steps": 4, "engine.learning_rate": 0.001}, {"steps": 4, "engine.learning_rate": 0.01}
@@ -124,6 +128,7 @@ def test_every_process_of_a_job_raises_the_same_line_for_the_same_difference(me)
   assert str(raised.value) == admission.mismatch_line(1, zero, one)
 
 
+@pytest.mark.engine
 def test_a_job_of_alike_processes_is_admitted_and_another_version_is_refused():
   settings = {"steps": 4, "batch.rows": [16, 8]}
   store = {}
@@ -139,6 +144,7 @@ def test_a_job_of_alike_processes_is_admitted_and_another_version_is_refused():
 
 
 # ---------------------------------------------------------------- a process that cannot join
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_a_process_that_cannot_join_ends_in_one_line_and_exit_1_without_an_abort(tmp_path):
   timeout = ["distributed.timeout_s=3"]
@@ -173,6 +179,7 @@ print("SIGTERM was ignored", flush=True)
 """
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_a_joined_process_still_ends_on_the_first_sigterm():
   """JAX's preemption notifier takes SIGTERM over when the job is joined; until the run's own handler is set,
@@ -188,6 +195,7 @@ def _section(process_id: int, address: str, timeout_s: float = 1):
                                process_id=process_id, timeout_s=timeout_s)
 
 
+@pytest.mark.engine
 def test_a_busy_coordinator_port_and_an_unreachable_coordinator_are_one_line_before_jax_is_called():
   with socket.socket() as taken:
     taken.bind(("127.0.0.1", 0))
@@ -215,6 +223,7 @@ def _run_dir(tmp_path: Path, checkpoint_directory: str | None = None) -> Path:
   return out
 
 
+@pytest.mark.e2e
 def test_the_line_after_a_death_offers_resume_only_where_a_complete_checkpoint_exists(tmp_path):
   assert launcher.resume_hint(tmp_path / "never-claimed") == "nothing was written"
   out = _run_dir(tmp_path)
@@ -227,6 +236,7 @@ def test_the_line_after_a_death_offers_resume_only_where_a_complete_checkpoint_e
                                        " continues from the last complete checkpoint")
 
 
+@pytest.mark.engine
 def test_the_resume_hint_looks_in_the_runs_own_checkpoint_directory(tmp_path):
   elsewhere = tmp_path / "ckpts"
   out = _run_dir(tmp_path, str(elsewhere))

@@ -23,6 +23,8 @@ from orchestrator.engine import hf_checkpoint, model as model_lib
 from orchestrator.engine.diagnostics import tree_digest
 from tests.engine.test_hf_checkpoint import write_checkpoint
 
+pytestmark = pytest.mark.e2e
+
 README = Path(__file__).resolve().parents[2] / "README.md"
 CHECKPOINT_PLACEHOLDER = "/models/Qwen3-0.6B"
 PROMPTS_PLACEHOLDER = "data/train.jsonl"

@@ -12,6 +12,8 @@ from orchestrator.engine import mesh as mesh_lib
 from orchestrator.engine.placement import PINNED_HOST, bytes_per_device, place_tree, staging_memory_kind
 from orchestrator.engine.throttler import InflightThrottler
 
+pytestmark = pytest.mark.engine
+
 
 def test_place_tree_handles_scalars_zero_width_non_arrays_and_placed_leaves():
   mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig())

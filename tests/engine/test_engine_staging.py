@@ -29,6 +29,7 @@ def unstaged_reference(tiny_engine, tiny_source):
   return _losses(metrics), tiny_engine.state_digest()
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("before_update", [True, False], ids=["before_update", "after_update"])
 def test_prepared_inputs_train_bit_identically_to_payloads(
     tiny_engine_and_start, tiny_source, unstaged_reference, before_update
@@ -39,6 +40,7 @@ def test_prepared_inputs_train_bit_identically_to_payloads(
   assert (_losses(metrics), engine.state_digest()) == unstaged_reference
 
 
+@pytest.mark.engine
 def test_inputs_placed_through_pinned_host_memory_train_bit_identically(
     tiny_engine_and_start, tiny_source, unstaged_reference, monkeypatch
 ):
@@ -52,6 +54,7 @@ def test_inputs_placed_through_pinned_host_memory_train_bit_identically(
   assert (_losses(metrics), engine.state_digest()) == unstaged_reference
 
 
+@pytest.mark.engine
 def test_staging_wrong_micro_batch_changes_training(tiny_engine_and_start, tiny_source, unstaged_reference):
   engine, start = tiny_engine_and_start
   engine.restore(start)
@@ -59,6 +62,7 @@ def test_staging_wrong_micro_batch_changes_training(tiny_engine_and_start, tiny_
   assert engine.state_digest() != unstaged_reference[1]
 
 
+@pytest.mark.engine
 def test_one_token_change_in_prepared_payload_changes_training(
     tiny_engine_and_start, tiny_source, unstaged_reference
 ):
@@ -77,6 +81,7 @@ def test_one_token_change_in_prepared_payload_changes_training(
   assert engine.state_digest() != unstaged_reference[1]
 
 
+@pytest.mark.engine
 def test_prepared_input_digest_is_content_addressed(tiny_engine, tiny_source):
   p = tiny_source.micro_batch(0, 0)
   a, b = tiny_engine.prepare_fwd_bwd_input(p), tiny_engine.prepare_fwd_bwd_input(list(p))
@@ -85,6 +90,7 @@ def test_prepared_input_digest_is_content_addressed(tiny_engine, tiny_source):
   assert a.loss_tokens == sum(len(t.completion_ids) for t in p)
 
 
+@pytest.mark.engine
 def test_prepare_changes_no_step_state(tiny_engine, tiny_source):
   e = tiny_engine
   e.fwd_bwd(tiny_source.micro_batch(0, 0))
@@ -123,12 +129,14 @@ def _prepare_returns_while_in_flight(engine, prepare, payload, long_computation)
     engine._throttler._queue.clear()
 
 
+@pytest.mark.engine
 def test_prepare_does_not_wait_for_queued_computations(tiny_engine, tiny_source, long_computation):
   payload = tiny_source.micro_batch(0, 0)
   prepare = tiny_engine.prepare_fwd_bwd_input
   assert _prepare_returns_while_in_flight(tiny_engine, prepare, payload, long_computation)
 
 
+@pytest.mark.engine
 def test_blocking_prepare_is_caught(tiny_engine, tiny_source, long_computation):
   """Negative control: a prepare that waits on the queue fails the readiness check above."""
   payload = tiny_source.micro_batch(0, 0)
@@ -136,6 +144,7 @@ def test_blocking_prepare_is_caught(tiny_engine, tiny_source, long_computation):
   assert not _prepare_returns_while_in_flight(tiny_engine, wrong, payload, long_computation)
 
 
+@pytest.mark.engine
 def test_wait_for_device_returns_seconds_blocked_and_dequeues_nothing(tiny_engine, long_computation):
   e = tiny_engine
   e._throttler.add(long_computation.dispatch())
@@ -151,6 +160,7 @@ def test_wait_for_device_returns_seconds_blocked_and_dequeues_nothing(tiny_engin
   assert idle_wait < 0.1 * waited  # the floor is tiny next to a real wait
 
 
+@pytest.mark.engine
 def test_wait_for_device_raises_a_failed_computations_error(tiny_engine):
   tiny_engine._throttler.add(FailedComputation())
   with pytest.raises(Exception, match="injected device failure"):
@@ -158,6 +168,7 @@ def test_wait_for_device_raises_a_failed_computations_error(tiny_engine):
   tiny_engine._throttler._queue.clear()
 
 
+@pytest.mark.engine
 def test_prepared_inputs_cause_no_new_trace_or_compile(tiny_engine, tiny_source):
   e = tiny_engine
   e.fwd_bwd(tiny_source.micro_batch(0, 0))
@@ -171,6 +182,7 @@ def test_prepared_inputs_cause_no_new_trace_or_compile(tiny_engine, tiny_source)
   assert backend_compile_count() == compiles
 
 
+@pytest.mark.engine
 def test_lazy_jit_path_traces_once_for_payloads_and_prepared_inputs(tiny_source):
   from orchestrator.engine import build_engine
 
@@ -186,6 +198,7 @@ def test_lazy_jit_path_traces_once_for_payloads_and_prepared_inputs(tiny_source)
   assert (dict(e.trace_counts), backend_compile_count()) == after_first
 
 
+@pytest.mark.engine
 def test_input_prepared_by_another_engine_is_refused(tiny_engine, tiny_source):
   from dataclasses import replace
 
@@ -227,6 +240,7 @@ print("CHILD-OK")
 """
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     "mesh,devices",
     [({"fsdp": 2, "expert": 2}, 4), ({"fsdp": 2, "context": 2, "expert": 2}, 8)],

@@ -11,6 +11,7 @@ from orchestrator.engine.mesh import MeshConfig, describe_devices, device_summar
 from tests.engine_helpers import run_unstaged
 
 
+@pytest.mark.engine
 def test_micro_batches_and_one_update_equal_one_big_batch(tiny_source):
   """M micro-batches + update == the same rows as one micro-batch, up to float reassociation."""
   small = build_engine("tiny", rows=4)
@@ -34,11 +35,13 @@ def _leaves(tree):
   return [np.asarray(x) for x in jax.tree.leaves(jax.device_get(tree))]
 
 
+@pytest.mark.engine
 def test_update_without_micro_batch_is_refused(tiny_engine):
   with pytest.raises(RuntimeError, match="no micro-batch accumulated"):
     tiny_engine.update()
 
 
+@pytest.mark.engine
 def test_skipped_update_changes_training(tiny_engine_and_start, tiny_source):
   """Negative control for the bit-identity checks: dropping one update shows in the digest."""
   engine, start = tiny_engine_and_start
@@ -55,6 +58,7 @@ def test_skipped_update_changes_training(tiny_engine_and_start, tiny_source):
   assert engine.state_digest() != reference
 
 
+@pytest.mark.engine
 def test_checkpoint_save_restore_continue_equals_uninterrupted(tmp_path, tiny_source):
   steps = [tiny_source.step(s, 2) for s in range(4)]
   straight = build_engine("tiny", checkpoint_dir=str(tmp_path / "a"))
@@ -75,6 +79,7 @@ def test_checkpoint_save_restore_continue_equals_uninterrupted(tmp_path, tiny_so
   assert resumed.state_digest() == straight.state_digest()
 
 
+@pytest.mark.engine
 def test_checkpoint_mid_step_saves_the_state_of_the_last_update(tmp_path, tiny_source):
   e = build_engine("tiny", checkpoint_dir=str(tmp_path))
   run_unstaged(e, [tiny_source.step(0, 2)])
@@ -86,11 +91,13 @@ def test_checkpoint_mid_step_saves_the_state_of_the_last_update(tmp_path, tiny_s
   assert e.state_digest() == after_update and e.micro_step_count == 0
 
 
+@pytest.mark.engine
 def test_checkpoint_needs_a_directory(tiny_engine):
   with pytest.raises(RuntimeError, match="checkpoint_dir"):
     tiny_engine.save_checkpoint()
 
 
+@pytest.mark.engine
 def test_build_engine_refuses_unknown_options_and_presets():
   with pytest.raises(ValueError, match="unknown options \\['rowz'\\]"):
     build_engine("tiny", rowz=4)
@@ -102,6 +109,7 @@ def test_build_engine_refuses_unknown_options_and_presets():
     build_engine("tiny", mesh={"tp": 2})
 
 
+@pytest.mark.engine
 def test_the_device_hint_names_the_devices_each_process_needs():
   """XLA forces devices per process: two processes on one CPU host need 2 each for a 4-device mesh, not 4."""
   mesh = MeshConfig(fsdp=2, expert=2)
@@ -115,6 +123,7 @@ def test_the_device_hint_names_the_devices_each_process_needs():
   assert "cannot split 4 devices evenly" in uneven and flag not in uneven
 
 
+@pytest.mark.e2e
 def test_the_device_report_names_platform_kind_count_and_jax():
   """What run_rl's opening line says about the devices: per kind, the platform where the kind does not say it."""
   found = f"devices: {len(jax.devices())} × cpu, the mesh uses 1; JAX {jax.__version__}"

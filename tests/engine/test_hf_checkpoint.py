@@ -63,6 +63,7 @@ def _summary(run):
   return json.loads((run / "summary.json").read_text())
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("preset_name", ["tiny", "tiny_moe"])
 def test_a_checkpoint_loads_to_the_weights_it_was_written_from(tmp_path, preset_name):
   params = write_checkpoint(tmp_path, preset_name, seed=3, tokenizer=False)
@@ -72,6 +73,7 @@ def test_a_checkpoint_loads_to_the_weights_it_was_written_from(tmp_path, preset_
   assert tree_digest(again) == tree_digest(params)
 
 
+@pytest.mark.engine
 def test_a_transposed_tensor_is_caught_by_its_shape_and_a_swapped_one_by_the_weights(tmp_path):
   """Negative controls: the mapping is checked, not assumed."""
   write_checkpoint(tmp_path, "tiny", tokenizer=False)
@@ -87,6 +89,7 @@ def test_a_transposed_tensor_is_caught_by_its_shape_and_a_swapped_one_by_the_wei
   assert tree_digest(params) != tree_digest(original)
 
 
+@pytest.mark.engine
 def test_the_character_tokenizer_as_tokenizer_json_encodes_and_stops_alike(tiny_checkpoint):
   ours, theirs = CharTokenizer(), HFTokenizer(tiny_checkpoint)
   text = "1st:abcd> 3+4%7="
@@ -96,6 +99,7 @@ def test_the_character_tokenizer_as_tokenizer_json_encodes_and_stops_alike(tiny_
   assert theirs.decode(ids) == ours.decode(ids) == "abc"
 
 
+@pytest.mark.engine
 def test_a_chat_template_formats_the_prompt(tmp_path):
   char_tokenizer_json(tmp_path)
   settings = json.loads((tmp_path / "tokenizer_config.json").read_text())
@@ -118,6 +122,7 @@ def trained(tiny_checkpoint, tmp_path_factory):
   return root
 
 
+@pytest.mark.e2e
 def test_a_live_run_on_the_checkpoint_is_the_preset_s_run_and_exports_back(trained, tiny_checkpoint, tmp_path,
                                                                           capsys):
   """Loading the preset's weights from a checkpoint trains bit for bit like the preset; the trained weights
@@ -143,6 +148,7 @@ def test_a_live_run_on_the_checkpoint_is_the_preset_s_run_and_exports_back(train
   assert "already exists" in capsys.readouterr().err
 
 
+@pytest.mark.e2e
 def test_export_passes_over_a_checkpoint_of_another_run(trained, tmp_path, capsys):
   run = tmp_path / "run"
   shutil.copytree(trained / "run", run)
@@ -162,6 +168,7 @@ def test_export_passes_over_a_checkpoint_of_another_run(trained, tmp_path, capsy
   assert "is inside the run directory" in capsys.readouterr().err and not (run / "exported").exists()
 
 
+@pytest.mark.engine
 def test_refusals_of_checkpoint_directories(tiny_checkpoint, tmp_path):
   """Each bad directory is refused by validation, before anything is built, in one line naming the fix."""
   def refused(**changes):
@@ -197,6 +204,7 @@ def test_refusals_of_checkpoint_directories(tiny_checkpoint, tmp_path):
   assert "needs model.checkpoint" in refused(**{"model.checkpoint": None, "model.chat_template": True})
 
 
+@pytest.mark.e2e
 def test_a_dataset_on_the_checkpoint_samples_free_text_that_ends_at_its_eos_in_bfloat16(tiny_checkpoint, tmp_path):
   """With a checkpoint's tokenizer a dataset's completions are free text: any id the tokenizer has, up to
   task.max_completion_tokens, ending at the eos; bfloat16 compute trains (finite losses)."""
@@ -208,6 +216,7 @@ def test_a_dataset_on_the_checkpoint_samples_free_text_that_ends_at_its_eos_in_b
   assert len(records) == 2 and all(r["reward_mean"] is not None and np.isfinite(r["loss"]) for r in records)
 
 
+@pytest.mark.e2e
 def test_a_resume_refuses_a_prompt_file_or_tokenizer_that_changed(tiny_checkpoint, tmp_path, capsys):
   """config.json fingerprints the files a run reads; a resume that would read others is refused, and the
   restored file resumes."""
@@ -240,6 +249,7 @@ def _weights_digest(directory) -> str:
   return tree_digest(params)
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("first", [np.float16, np.float32])
 def test_every_tensor_is_read_as_its_own_header_s_dtype(tmp_path, first):
   """A file whose first tensor is F16 or F32 and the rest BF16 loads each tensor's own values: the weights of
@@ -274,6 +284,7 @@ def _sharded(directory, index_edit=None):
   (directory / hf_checkpoint.INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
 
 
+@pytest.mark.engine
 def test_a_sharded_checkpoint_with_its_index_loads_the_same_weights(tmp_path):
   """The control for the refusals below: shards and an index that agree load like one file."""
   _sharded(tmp_path / "sharded")
@@ -354,6 +365,7 @@ CHECKPOINT_REFUSALS = [
 ]
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("case", CHECKPOINT_REFUSALS, ids=[c[0] for c in CHECKPOINT_REFUSALS])
 def test_a_checkpoint_that_would_load_other_weights_is_refused_naming_what(case, tmp_path):
   """Each directory is one edit of one that loads (the control: ``write_directory`` alone, checked here
@@ -367,6 +379,7 @@ def test_a_checkpoint_that_would_load_other_weights_is_refused_naming_what(case,
   assert words in str(e.value) and "\n" not in str(e.value)
 
 
+@pytest.mark.engine
 def test_fifo_and_nan_refusals_name_the_file_and_the_dtype(tmp_path):
   """Words the table's fragments leave out: the FIFO's role, an FP8 tensor's dtype, a NaN's count."""
   _fifo(tmp_path / "fifo", "config.json")
@@ -407,6 +420,7 @@ TEMPLATE_REFUSALS = [
 ]
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("case", TEMPLATE_REFUSALS, ids=[c[0] for c in TEMPLATE_REFUSALS])
 def test_a_chat_template_that_fails_is_refused_when_the_tokenizer_is_made(case, tmp_path):
   """One probe prompt is rendered and its template text encoded up front. Control: the same directory
@@ -421,6 +435,7 @@ def test_a_chat_template_that_fails_is_refused_when_the_tokenizer_is_made(case, 
   assert str(directory / (file or "tokenizer_config.json")) in message
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json", "generation_config.json",
                                   "chat_template.jinja"])
 def test_a_tokenizer_file_that_is_a_fifo_is_refused_not_waited_on(tmp_path, name):
@@ -438,6 +453,7 @@ def _validate(checkpoint, *overrides: str) -> None:
   recipe_lib.build({k: recipe_lib.coerce(k, v) for k, v in values.items()}).validate()
 
 
+@pytest.mark.engine
 def test_a_trajectory_longer_than_the_model_s_context_is_refused(tmp_path):
   """The live loop's prompt + completion, or another source's row, against config.json's
   max_position_embeddings. Controls: a context that holds them validates."""
@@ -453,6 +469,7 @@ def test_a_trajectory_longer_than_the_model_s_context_is_refused(tmp_path):
     _validate(tmp_path / "short", "batch.tokens_per_row=64")
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("file, content, words", [
     ("generation_config.json", {"eos_token_id": "2"}, "generation_config.json's eos_token_id '2' is not one of"),
     ("config.json", {"eos_token_id": [2, 9999]}, "config.json's eos_token_id 9999 is not one of the tokenizer's"),

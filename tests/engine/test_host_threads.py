@@ -8,6 +8,8 @@ import pytest
 
 from tests.conftest import run_child
 
+pytestmark = pytest.mark.e2e
+
 CHILD = """
 import os
 from orchestrator.engine.host_threads import reserve_host_core

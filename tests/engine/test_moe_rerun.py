@@ -64,6 +64,7 @@ def _summary(metrics):
   return [(m.loss, m.grad_norm, m.tokens) for m in metrics]
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("aot", [True, False], ids=["compiled", "lazy-jit"])
 def test_rerun_equals_dropless_from_the_start_bit_for_bit(rerun_engine, aot):
   if aot:
@@ -83,6 +84,7 @@ def test_rerun_equals_dropless_from_the_start_bit_for_bit(rerun_engine, aot):
   assert [m.reruns for m in reference] == [0, 0, 0]
 
 
+@pytest.mark.engine
 def test_metrics_report_dropped_tokens_per_micro_batch(rerun_engine):
   engine, start = rerun_engine
   engine.restore(start)
@@ -93,6 +95,7 @@ def test_metrics_report_dropped_tokens_per_micro_batch(rerun_engine):
     assert [d > 0 for d in dropped] == [n == BIG for n in sizes]
 
 
+@pytest.mark.engine
 def test_discarded_first_run_is_not_counted_twice(rerun_engine):
   """Negative control: without re-runs the overflowed gradients differ from dropless ones."""
   engine, start = rerun_engine
@@ -104,6 +107,7 @@ def test_discarded_first_run_is_not_counted_twice(rerun_engine):
   assert _summary(plain_metrics) != _summary(reference)
 
 
+@pytest.mark.engine
 def test_staged_order_matches_unstaged_with_reruns(rerun_engine):
   engine, start = rerun_engine
   engine.restore(start)
@@ -119,6 +123,7 @@ def test_staged_order_matches_unstaged_with_reruns(rerun_engine):
   assert backend_compile_count() == compiles and engine.trace_counts == traces
 
 
+@pytest.mark.engine
 def test_prepare_and_wait_leave_the_pending_overflow_check_alone(rerun_engine):
   engine, start = rerun_engine
   engine.restore(start)
@@ -134,6 +139,7 @@ def test_prepare_and_wait_leave_the_pending_overflow_check_alone(rerun_engine):
   assert engine.get_metrics().rerun_micro_batches == [2]
 
 
+@pytest.mark.engine
 def test_rerunning_the_prepared_input_instead_of_the_last_is_caught(rerun_engine):
   """Negative control: a re-run of the staged input trains differently."""
   engine, start = rerun_engine
@@ -157,6 +163,7 @@ def test_rerunning_the_prepared_input_instead_of_the_last_is_caught(rerun_engine
   assert engine.state_digest() != reference
 
 
+@pytest.mark.engine
 def test_staging_the_next_steps_second_micro_batch_is_caught(rerun_engine):
   engine, start = rerun_engine
   engine.restore(start)
@@ -177,6 +184,7 @@ def long_micro_batch_engines():
   return rerun, dropless, payload
 
 
+@pytest.mark.engine
 def test_update_waits_for_the_last_micro_batch_under_reruns(long_micro_batch_engines):
   rerun, _, payload = long_micro_batch_engines
   last = rerun.fwd_bwd(payload)
@@ -185,6 +193,7 @@ def test_update_waits_for_the_last_micro_batch_under_reruns(long_micro_batch_eng
   rerun.wait_for_device()
 
 
+@pytest.mark.engine
 def test_update_does_not_wait_when_fully_dropless(long_micro_batch_engines):
   _, dropless, payload = long_micro_batch_engines
   last = dropless.fwd_bwd(payload)
@@ -193,6 +202,7 @@ def test_update_does_not_wait_when_fully_dropless(long_micro_batch_engines):
   dropless.wait_for_device()
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize(
     "preset,options,message",
     [
@@ -210,6 +220,7 @@ def test_bad_config_combinations_fail_at_construction(preset, options, message):
     build_engine(preset, **options)
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("factor", [-1, -1.0])
 def test_minus_one_and_minus_one_point_zero_are_the_same_dropless_layout(factor):
   from orchestrator.engine.engine import EngineOptions
@@ -217,6 +228,7 @@ def test_minus_one_and_minus_one_point_zero_are_the_same_dropless_layout(factor)
   assert EngineOptions(ragged_buffer_factor=factor).capacity_factor is None
 
 
+@pytest.mark.engine
 def test_skip_nonfinite_updates_skips_and_counts(tiny_source):
   poison = [Trajectory(np.array([1, 2], np.int32), np.array([3, 4], np.int32), -1.0,
                        np.array([-1e30, -1e30], np.float32), 0)]
@@ -230,6 +242,7 @@ def test_skip_nonfinite_updates_skips_and_counts(tiny_source):
   assert np.isfinite(guarded.get_metrics().loss) and guarded.state_digest() != before
 
 
+@pytest.mark.engine
 def test_without_the_guard_a_nonfinite_update_poisons_the_weights():
   """Negative control for the test above."""
   poison = [Trajectory(np.array([1, 2], np.int32), np.array([3, 4], np.int32), -1.0,
@@ -261,6 +274,7 @@ print("CHILD-OK")
 """
 
 
+@pytest.mark.e2e
 def test_reruns_and_staging_on_an_fsdp_by_expert_mesh():
   """Expert weights sharded over `expert`, rows over fsdp x expert: staged == unstaged, with re-runss."""
   from tests.conftest import run_child

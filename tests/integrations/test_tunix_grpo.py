@@ -10,6 +10,8 @@ from integrations.tunix_grpo import AddonUsageError, compat, install
 from integrations.tunix_grpo.compat import UnsupportedTunixError
 from integrations.tunix_grpo.throttle import CountingThrottler
 
+pytestmark = pytest.mark.engine
+
 
 # ---------------------------------------------------------------- refusals (no model needed)
 def _fake_learner(**overrides):

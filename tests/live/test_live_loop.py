@@ -57,6 +57,7 @@ def runs(rig):
   return {(mode, s): _run(rig, mode, s) for s in (0, 1) for mode in Mode}
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("staleness", [0, 1])
 def test_every_mode_trains_to_the_same_digest(runs, staleness):
   digests = {mode: runs[(mode, staleness)][0].summary.final_state_digest for mode in Mode}
@@ -65,12 +66,14 @@ def test_every_mode_trains_to_the_same_digest(runs, staleness):
   assert len({tuple(v) for v in rewards.values()}) == 1
 
 
+@pytest.mark.engine
 def test_staleness_changes_what_trains(runs):
   """Negative control: the weights version is part of what a step trains on."""
   assert (runs[(Mode.OFF, 0)][0].summary.final_state_digest
           != runs[(Mode.OFF, 1)][0].summary.final_state_digest)
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("mode", [Mode.STAGE_BEFORE_UPDATE, Mode.STAGE_AFTER_UPDATE], ids=lambda m: m.name)
 def test_on_policy_boundaries_cannot_stage_and_the_records_say_why(runs, mode):
   result, policy = runs[(mode, 0)]
@@ -81,6 +84,7 @@ def test_on_policy_boundaries_cannot_stage_and_the_records_say_why(runs, mode):
   assert [r.weights_version for r in result.records] == [0, 1, 2, 3]  # version = step at staleness 0
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("mode", [Mode.STAGE_BEFORE_UPDATE, Mode.STAGE_AFTER_UPDATE], ids=lambda m: m.name)
 def test_with_one_step_of_staleness_every_boundary_stages(runs, mode):
   result, policy = runs[(mode, 1)]
@@ -100,11 +104,13 @@ class _FailingTask(FirstLetter):
     return super().problem(seed, split, index)
 
 
+@pytest.mark.engine
 def test_a_failing_rollout_thread_surfaces_at_the_next_boundary_with_records_kept(rig):
   with pytest.raises(RolloutError, match="failed while sampling step 2: ValueError: the task's prompt file is gone"):
     _run(rig, Mode.STAGE_BEFORE_UPDATE, 1, task=_FailingTask(length=4, letters=8))
 
 
+@pytest.mark.engine
 def test_a_stop_ends_the_wait_for_a_stuck_sampler(rig):
   """The sampling thread hangs inside step 2 (holding the sampler). The loop, waiting for step 2's rollouts
   at boundary 1, keeps waiting until stop_requested turns true, then ends within a bounded time; step 2's
@@ -146,6 +152,7 @@ def test_a_stop_ends_the_wait_for_a_stuck_sampler(rig):
   assert not source._thread.is_alive()
 
 
+@pytest.mark.engine
 def test_the_wait_for_a_step_s_rollouts_is_its_rollout_wait_and_is_not_judged(rig):
   """The loop polls ready() before it takes a step; the time it waited there is the boundary's rollout wait, so
   the policy does not judge that boundary's stage (a short device wait after waiting for sampling says nothing
@@ -191,6 +198,7 @@ def _run_holding(rig, group: int, watched: type, release: threading.Event, wait_
   return result, policy, held == [True]
 
 
+@pytest.mark.engine
 def test_a_step_is_taken_and_staged_once_its_first_micro_batch_is_sampled(rig, runs):
   """Sampling of step 1's second micro-batch is held until the loop waits for it, inside step 1: so the
   boundary before staged step 1's first micro-batch while its second was not sampled yet. The seconds the
@@ -213,6 +221,7 @@ def test_a_step_is_taken_and_staged_once_its_first_micro_batch_is_sampled(rig, r
   assert result.summary.final_state_digest == runs[(Mode.STAGE_BEFORE_UPDATE, 1)][0].summary.final_state_digest
 
 
+@pytest.mark.engine
 def test_a_boundary_whose_next_micro_batch_is_not_sampled_stages_it_after_the_update(rig, runs):
   """STAGE_BEFORE_UPDATE, with step 1's sampling held until the loop waits to take it: boundary 0 is planned
   while step 1's first micro-batch is not sampled, so it stages after the update (the update is not held back
@@ -248,6 +257,7 @@ def _new_run(tmp_path, monkeypatch, make_worker, source):
   return runner.build_run(recipe, tmp_path / "run", source=source, run_id="bring-up", progress=False)
 
 
+@pytest.mark.e2e
 def test_a_new_live_run_samples_while_its_trainer_is_built_and_evaluates_its_start_after_the_last_step(
     rig, tmp_path, monkeypatch):
   """build_run starts sampling before it asks for the trainer, and the run trains to the digest of one whose
@@ -283,6 +293,7 @@ def test_a_new_live_run_samples_while_its_trainer_is_built_and_evaluates_its_sta
   assert result.summary.evaluation.eval_accuracy_start == expected
 
 
+@pytest.mark.engine
 def test_a_new_live_run_whose_trainer_cannot_be_built_stops_its_sampling(rig, tmp_path, monkeypatch):
   engine, start, initial, sampler = rig
   sampler.sync(initial, 0)
@@ -302,6 +313,7 @@ def _digest(stdout: str) -> str:
   return re.search(r"^final state digest: (\w+)$", stdout, re.M).group(1)
 
 
+@pytest.mark.e2e
 def test_a_finished_live_run_extended_by_resume_trains_like_a_longer_run(tmp_path, monkeypatch, capsys):
   """A live run of 4 steps with checkpoints, resumed with --steps 8, reaches the digest of 8 steps run at once.
   Step 4 trains on rollouts of weights version 3 (staleness 1), which no checkpoint after 4 steps holds: the
@@ -319,6 +331,7 @@ def test_a_finished_live_run_extended_by_resume_trains_like_a_longer_run(tmp_pat
   assert _digest(capsys.readouterr().out) == eight != four
 
 
+@pytest.mark.e2e
 def test_run_rl_runs_the_live_loop_and_resumes_it_exactly(tmp_path, monkeypatch):
   """Through run_rl: reward and accuracy are recorded, the plot is drawn, and a resume from a mid-run
   checkpoint (whose next step was sampled with older weights) repeats the run bit for bit."""
@@ -341,6 +354,7 @@ def test_run_rl_runs_the_live_loop_and_resumes_it_exactly(tmp_path, monkeypatch)
   assert [r["reward_mean"] for r in again_records] == [r["reward_mean"] for r in records]
 
 
+@pytest.mark.e2e
 def test_a_live_run_records_the_rollouts_it_trained_on_and_they_replay(tmp_path, monkeypatch):
   for name in recipe_lib.ENV_SWITCHES:
     monkeypatch.delenv(name, raising=False)

@@ -24,6 +24,7 @@ from policies import Mode, StepBoundaryPolicy
 from tests.fakes import RecordingEngine, StuckLiveSource, run_in_thread
 
 
+@pytest.mark.spec
 def test_tokenizer_round_trips_and_stops_at_eos():
   tok = CharTokenizer()
   ids = tok.encode("3+4%7=")
@@ -34,6 +35,7 @@ def test_tokenizer_round_trips_and_stops_at_eos():
     tok.encode("aQ")
 
 
+@pytest.mark.spec
 @pytest.mark.parametrize("task", [ModularAddition(), ReverseString()], ids=lambda t: t.name)
 def test_problems_are_deterministic_and_held_out_problems_never_train(task):
   train = {task.problem(0, "train", i).prompt for i in range(300)}
@@ -44,6 +46,7 @@ def test_problems_are_deterministic_and_held_out_problems_never_train(task):
   assert train and held_out and not train & held_out
 
 
+@pytest.mark.spec
 @pytest.mark.parametrize(
     "problem,completion,reward",
     [
@@ -64,6 +67,7 @@ def test_rewards_on_hand_made_completions(problem, completion, reward):
   assert task.reward(problem, completion) == reward
 
 
+@pytest.mark.spec
 def test_answers_are_right():
   p = ModularAddition(modulus=7).problem(3, "train", 0)
   a, rest = p.prompt.split("+")
@@ -73,6 +77,7 @@ def test_answers_are_right():
   assert r.answer == r.prompt[len("rev:"):-1][::-1]
 
 
+@pytest.mark.spec
 def test_make_task_refuses_unknown_names_and_settings():
   assert make_task("reverse", length=2).length == 2
   with pytest.raises(ValueError, match="task.name='sort' is not a task"):
@@ -81,6 +86,7 @@ def test_make_task_refuses_unknown_names_and_settings():
     make_task("modular_addition", width=3)
 
 
+@pytest.mark.spec
 def test_a_task_s_prompts_are_the_ones_it_draws():
   for task in (ModularAddition(modulus=3), ReverseString(length=2, letters=3)):
     space = set(task.prompts())
@@ -95,6 +101,7 @@ def _all_sizes(name):
     yield dict(zip(keys, values))
 
 
+@pytest.mark.spec
 @pytest.mark.parametrize("name", sorted(TASKS))
 def test_every_size_in_range_draws_from_both_splits_or_is_refused(name):
   """The whole class, not the examples: a task whose few prompts all fall on one side of the held-out split
@@ -118,6 +125,7 @@ def test_every_size_in_range_draws_from_both_splits_or_is_refused(name):
   assert refused == expected[name]
 
 
+@pytest.mark.spec
 def test_split_sizes_count_a_small_space_exactly_and_stop_early_on_a_large_one():
   assert split_sizes(ModularAddition(modulus=2)) == split_sizes(ModularAddition(modulus=2), enough=10)
   small = split_sizes(ModularAddition(modulus=2))
@@ -126,6 +134,7 @@ def test_split_sizes_count_a_small_space_exactly_and_stop_early_on_a_large_one()
   assert not large.exact and large.train >= 64 and large.eval == 64 and large.empty is None
 
 
+@pytest.mark.engine
 def test_group_advantages_center_each_group():
   adv = group_advantages(np.array([1, 0, 0, 0, 1, 1, 1, 1], np.float32), 4)
   assert adv[:4].sum() == pytest.approx(0, abs=1e-5) and adv[0] > 0 > adv[1]
@@ -142,6 +151,7 @@ def sampler():
   return LiveSampler(load_preset("tiny"), CharTokenizer(), seed=0, max_prompt_length=16, max_generation_steps=4)
 
 
+@pytest.mark.engine
 def test_sampling_is_a_function_of_the_seed_and_stays_in_the_alphabet(sampler):
   tok = sampler.tokenizer
   a = sampler.sample(["3+4%7="] * 4, seed=11)
@@ -154,6 +164,7 @@ def test_sampling_is_a_function_of_the_seed_and_stays_in_the_alphabet(sampler):
   assert a.weights_version == 0
 
 
+@pytest.mark.engine
 def test_synced_weights_change_what_is_sampled(sampler):
   import jax
 
@@ -184,6 +195,7 @@ CASES = [(mode, staleness, 2) for mode in Mode for staleness in (0, 1)]
 CASES += [(Mode.STAGE_BEFORE_UPDATE, staleness, 1) for staleness in (0, 1)]
 
 
+@pytest.mark.spec
 @pytest.mark.parametrize("mode,staleness,micro", CASES, ids=lambda c: getattr(c, "name", str(c)))
 def test_a_stop_ends_the_wait_for_rollouts_that_never_come(mode, staleness, micro):
   """Step 3's rollouts never arrive. Without a stop the loop keeps waiting (the negative control); once
@@ -221,6 +233,7 @@ def test_a_stop_ends_the_wait_for_rollouts_that_never_come(mode, staleness, micr
     assert "checkpoint:3" not in engine.calls
 
 
+@pytest.mark.spec
 def test_a_stop_while_a_taken_step_waits_for_a_later_micro_batch_ends_the_run_after_the_grace():
   """Step 3 streams in: its first micro-batch is taken and dispatched, its second never comes. The loop keeps
   waiting until a stop, then at most stop_grace_s more, and ends naming the latest checkpoint; step 3 is not
@@ -245,6 +258,7 @@ def test_a_stop_while_a_taken_step_waits_for_a_later_micro_batch_ends_the_run_af
   assert "checkpoint:4" not in engine.calls
 
 
+@pytest.mark.spec
 def test_a_stop_while_waiting_for_the_first_step_s_rollouts_names_what_is_left():
   source = StuckLiveSource(4, 2, stuck_at=0)
   stop = threading.Event()
@@ -272,6 +286,7 @@ class _TextSampler:
     return Samples(list(prompts), ids, ids, [np.zeros(2, np.float32) for _ in prompts], ["a"] * len(prompts), 0)
 
 
+@pytest.mark.engine
 def test_a_stop_while_a_reward_call_is_stuck_ends_the_run_and_the_sampling_thread_with_a_line(caplog):
   """Step 0's reward call never returns (its limit is an hour). The loop waits for step 0's rollouts until the
   stop (the negative control: not before), ends naming what it waited for, and closing the source gives the
@@ -317,6 +332,7 @@ class _OneOfTwo(SingleProcess):
     return [value, None if tag.startswith("stop") else value]
 
 
+@pytest.mark.spec
 def test_in_a_job_a_stop_seen_while_waiting_for_rollouts_is_agreed_at_the_next_boundary():
   """One process of a job sees a stop while it waits for step 3's rollouts. Ending its run there would leave the
   other process dispatching step 3 alone, so the wait goes on; once the rollouts come, the stop goes through the

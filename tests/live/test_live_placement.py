@@ -14,6 +14,8 @@ import pytest
 
 from tests.conftest import run_child
 
+pytestmark = pytest.mark.e2e
+
 _PRELUDE = '''
 import json
 import jax

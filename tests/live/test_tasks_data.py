@@ -67,6 +67,7 @@ def fresh_module(tmp_path, monkeypatch):
 # ---------------------------------------------------------------------------- reading and drawing
 
 
+@pytest.mark.spec
 def test_jsonl_and_parquet_give_the_same_task(tmp_path, jsonl):
   parquet = write_parquet(tmp_path / "prompts.parquet", ROWS)
   a, b = datasets.load_task(path=jsonl), datasets.load_task(path=parquet)
@@ -77,6 +78,7 @@ def test_jsonl_and_parquet_give_the_same_task(tmp_path, jsonl):
   assert split_sizes(a).empty is None
 
 
+@pytest.mark.spec
 def test_other_fields_and_given_sizes_are_used(tmp_path):
   rows = [{"question": f"{a}*{b}?", "solution": str(a * b)} for a in range(5) for b in range(5)]
   task = datasets.load_task(path=write_jsonl(tmp_path / "q.jsonl", rows), prompt_field="question",
@@ -85,6 +87,7 @@ def test_other_fields_and_given_sizes_are_used(tmp_path):
   assert {p.prompt for p in task.train_problems} <= {r["question"] for r in rows}
 
 
+@pytest.mark.engine
 def test_draws_are_a_pure_function_of_seed_split_and_index(jsonl):
   task, again = datasets.load_task(path=jsonl), datasets.load_task(path=jsonl)  # a resumed run: a new process
   n = len(task.train_problems)
@@ -101,6 +104,7 @@ def test_draws_are_a_pure_function_of_seed_split_and_index(jsonl):
   assert all(task.held_out(p) for p in held_out) and not any(task.held_out(p.prompt) for p in draws)
 
 
+@pytest.mark.spec
 def test_an_eval_file_holds_out_its_prompts_and_nothing_of_the_training_file(tmp_path, jsonl):
   evaluation = write_jsonl(tmp_path / "eval.jsonl", [{"prompt": "1+2=", "answer": "3"}, {"prompt": "9+9=",
                                                                                          "answer": "18"}])
@@ -110,6 +114,7 @@ def test_an_eval_file_holds_out_its_prompts_and_nothing_of_the_training_file(tmp
   assert sorted(p.prompt for p in task.train_problems) == sorted(r["prompt"] for r in ROWS if r["prompt"] != "1+2=")
 
 
+@pytest.mark.spec
 def test_a_bad_row_is_named_with_its_line_and_fields(tmp_path):
   path = tmp_path / "bad.jsonl"
   path.write_text('{"prompt": "1+1=", "answer": "2"}\n\n{"question": "2+2=", "answer": "4"}\n')
@@ -118,6 +123,7 @@ def test_a_bad_row_is_named_with_its_line_and_fields(tmp_path):
     datasets.load_task(path=str(path))
 
 
+@pytest.mark.spec
 @pytest.mark.parametrize("kind", ["fifo", "device"])
 @pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
 def test_a_file_that_would_block_or_never_end_is_refused_before_it_is_read(tmp_path, kind, suffix):
@@ -135,6 +141,7 @@ def test_a_file_that_would_block_or_never_end_is_refused_before_it_is_read(tmp_p
   assert datasets.load_task(path=str(path)).train_problems
 
 
+@pytest.mark.spec
 def test_an_eval_file_that_would_block_is_refused_too(tmp_path, jsonl):
   evaluation = tmp_path / "eval.jsonl"
   os.mkfifo(evaluation)
@@ -144,6 +151,7 @@ def test_an_eval_file_that_would_block_is_refused_too(tmp_path, jsonl):
   assert datasets.load_task(path=jsonl, eval_path=write_jsonl(evaluation, ROWS[:3])).eval_problems
 
 
+@pytest.mark.spec
 def test_a_file_over_the_bound_is_refused_naming_it(tmp_path, jsonl, monkeypatch):
   size = os.path.getsize(jsonl)
   monkeypatch.setattr(datasets, "MAX_DATASET_BYTES", size)
@@ -153,6 +161,7 @@ def test_a_file_over_the_bound_is_refused_naming_it(tmp_path, jsonl, monkeypatch
     datasets.load_task(path=jsonl)
 
 
+@pytest.mark.spec
 @pytest.mark.parametrize("dictionary,size", [(True, "more than 50,000"), (False, "[0-9,]+")])
 def test_a_parquet_file_that_unpacks_past_the_bound_is_refused(tmp_path, monkeypatch, dictionary, size):
   """Compressed, the padding is small; as columns it is not (a dictionary holds it once, the rows repeat it)."""
@@ -168,6 +177,7 @@ def test_a_parquet_file_that_unpacks_past_the_bound_is_refused(tmp_path, monkeyp
   assert datasets.load_task(path=str(path)).train_problems
 
 
+@pytest.mark.spec
 @pytest.mark.parametrize("line,message", [
     ("[" * 100_000, "nests its brackets deeper than the reader's limit"),
     ('{"prompt": "1+1=", "answer": "2", "score": NaN}', "holds the literal NaN, which JSON does not have"),
@@ -185,6 +195,7 @@ def test_every_way_a_line_fails_to_parse_is_one_line_naming_it(tmp_path, line, m
   assert datasets.load_task(path=str(path))  # the negative control: a large finite number is read
 
 
+@pytest.mark.spec
 @pytest.mark.parametrize("answer", ["", "  ", "\t\n"])
 def test_an_answer_that_cannot_score_is_refused_naming_its_row(tmp_path, answer):
   rows = [*ROWS[:20], {"prompt": "9+9=", "answer": answer}]
@@ -195,6 +206,7 @@ def test_an_answer_that_cannot_score_is_refused_naming_its_row(tmp_path, answer)
   assert datasets.load_task(path=write_jsonl(tmp_path / "empty.jsonl", rows))
 
 
+@pytest.mark.spec
 def test_math_refuses_an_answer_without_a_number_naming_its_row(tmp_path):
   path = write_jsonl(tmp_path / "words.jsonl", [*ROWS[:20], {"prompt": "9+9=", "answer": "eighteen"}])
   assert datasets.load_task(path=path, reward=["exact"])  # exact compares the text: a word is an answer
@@ -206,6 +218,7 @@ def test_math_refuses_an_answer_without_a_number_naming_its_row(tmp_path):
 # ---------------------------------------------------------------------------- the built-in rewards
 
 
+@pytest.mark.spec
 @pytest.mark.parametrize("completion,answer,expected", [
     ("7", "7", 1.0), ("  Seven  Days ", "seven days", 1.0), ("ab", "AB", 1.0),
     ("8", "7", 0.0), ("77", "7", 0.0), ("", "7", 0.0), ("seven  day", "seven days", 0.0), (None, "7", 0.0),
@@ -214,6 +227,7 @@ def test_exact(completion, answer, expected):
   assert rewards.exact(["p"], [completion], answer=[answer]) == [expected]
 
 
+@pytest.mark.spec
 @pytest.mark.parametrize("completion,answer,expected", [
     ("7", "7", 1.0), ("the sum is 1,000", "1000", 1.0), ("1000.0", "1000", 1.0), ("0.75", "3/4", 1.0),
     ("6/8", "0.75", 1.0), (r"so \boxed{42}, not 41", "42", 1.0), ("first 3 then\n#### 12", "12", 1.0),
@@ -225,18 +239,21 @@ def test_math(completion, answer, expected):
   assert rewards.math_answer(["p"], [completion], answer=[answer]) == [expected]
 
 
+@pytest.mark.spec
 def test_format_matches_the_whole_stripped_completion():
   reward = make_reward(FirstLetter(), ["format"], [], r"[0-9]+")
   got = reward([Problem("p", "1")] * 5, ["12", " 12 ", "12a", "a12", ""], indices=[0] * 5)
   assert got.tolist() == [1.0, 1.0, 0.0, 0.0, 0.0]  # re.fullmatch: a search would take "12a" and "a12"
 
 
+@pytest.mark.spec
 def test_entries_are_a_weighted_sum():
   reward = make_reward(ModularAddition(), ["exact", "math", "format"], [1.0, 0.5, 0.25], r"\d+")
   got = reward([Problem("3+4%7=", "0")] * 3, ["0", "0.0", "x"], indices=[0, 0, 1])
   assert got.tolist() == [1.75, 0.5, 0.0]  # "0.0": the right number, but not digits only
 
 
+@pytest.mark.spec
 def test_a_built_in_task_keeps_its_own_reward_by_default():
   task = ModularAddition()
   problems = [task.problem(0, "train", i) for i in range(20)]
@@ -249,6 +266,7 @@ def test_a_built_in_task_keeps_its_own_reward_by_default():
 # ---------------------------------------------------------------------------- a function of one's own
 
 
+@pytest.mark.spec
 def test_a_function_of_one_s_own_gets_the_micro_batch_with_the_answers_as_keywords(fresh_module):
   name = fresh_module("my_rewards_keywords", """
       calls = []
@@ -266,6 +284,7 @@ def test_a_function_of_one_s_own_gets_the_micro_batch_with_the_answers_as_keywor
                   "answer": ["2", "2", "4", "4"], "mode": "train"}
 
 
+@pytest.mark.spec
 @pytest.mark.parametrize("body,message", [
     ("raise ValueError('no grader')", "task.reward entry '{name}:score' raised ValueError: no grader on the"
                                       " micro-batch of prompt indices 6..7; fix the function"),
@@ -303,6 +322,7 @@ def _own(body: str, fresh_module, timeout_s: float = rewards.DEFAULT_TIMEOUT_S):
   return make_reward(ModularAddition(), [f"{name}:score"], [], None, timeout_s=timeout_s), name
 
 
+@pytest.mark.spec
 @pytest.mark.parametrize("body,message", [
     ("return {0.5: 'a', 10.0: 'b', 20.0: 'c', 31.5: 'd'}", "returned dict, not a list of floats,"),
     ("return '1111'", "returned str, not a list of floats,"),
@@ -320,6 +340,7 @@ def test_a_reward_that_does_not_return_one_real_number_per_completion_stops_the_
   assert f"task.reward entry '{name}:score' {message}" in str(e.value) and "\n" not in str(e.value)
 
 
+@pytest.mark.spec
 @pytest.mark.parametrize("body", ["return [1.0, 0, 0.5, 2]", "return (1.0, 0, 0.5, 2)",
                                   "return np.array([1.0, 0, 0.5, 2], np.float32)",
                                   "return [True, False, np.float64(0.5), np.int64(2)]"])
@@ -329,6 +350,7 @@ def test_lists_tuples_1d_arrays_and_bools_are_rewards(fresh_module, body):
   assert reward(PROBLEMS, ["2", "3", "4", "4"], indices=[6, 6, 7, 7], step=3).tolist() == [1.0, 0.0, 0.5, 2.0]
 
 
+@pytest.mark.spec
 def test_a_reward_call_past_its_time_limit_stops_the_run_naming_it_and_the_step(fresh_module):
   slow, name = _own("time.sleep(float(completions[0])); return [1.0] * len(completions)", fresh_module,
                     timeout_s=0.2)
@@ -341,6 +363,7 @@ def test_a_reward_call_past_its_time_limit_stops_the_run_naming_it_and_the_step(
   assert patient(PROBLEMS, ["0", "3", "4", "4"], indices=[6, 6, 7, 7]).tolist() == [1.0] * 4  # the control
 
 
+@pytest.mark.spec
 def test_a_reward_call_is_given_up_once_its_run_closes():
   entered, release, closing = threading.Event(), threading.Event(), threading.Event()
 
@@ -376,6 +399,7 @@ def _raised(reward, closing):
   return None
 
 
+@pytest.mark.spec
 @pytest.mark.parametrize("source,message", [
     ("import sys\nsys.exit(0)\n", "module '{name}' cannot be imported (it called sys.exit(0))"),
     ("raise SystemExit('no grader here')\n", "module '{name}' cannot be imported (it called sys.exit('no grader here'))"),
@@ -390,6 +414,7 @@ def test_a_module_whose_import_exits_or_hangs_is_refused(fresh_module, source, m
   assert f"task.reward[0]='{name}:score': " + message.format(name=name) in str(e.value)
 
 
+@pytest.mark.spec
 def test_run_rl_refuses_a_module_that_exits_at_import_before_writing_anything(tmp_path, fresh_module, capsys):
   name = fresh_module("my_rewards_exit_at_import", "import sys\nsys.exit(0)\n")
   out = tmp_path / "run"
@@ -401,6 +426,7 @@ def test_run_rl_refuses_a_module_that_exits_at_import_before_writing_anything(tm
   assert not out.exists()
 
 
+@pytest.mark.spec
 def test_a_module_whose_attribute_lookup_raises_is_refused(fresh_module):
   name = fresh_module("my_rewards_lazy", "def __getattr__(attribute):\n  raise RuntimeError('lazy ' + attribute)\n")
   with pytest.raises(rewards.RewardSpecError, match=f"task.reward\\[0\\]='{name}:score': looking up 'score' in module"
@@ -408,6 +434,7 @@ def test_a_module_whose_attribute_lookup_raises_is_refused(fresh_module):
     make_reward(ModularAddition(), [f"{name}:score"], [], None)
 
 
+@pytest.mark.spec
 def test_a_module_that_imports_in_time_is_taken(fresh_module):
   name = fresh_module("my_rewards_import_quick", "def score(prompts, completions, **kw):\n"
                                                  "  return [0.5] * len(completions)\n")
@@ -415,6 +442,7 @@ def test_a_module_that_imports_in_time_is_taken(fresh_module):
   assert reward(PROBLEMS, ["2", "3", "4", "4"], indices=[6, 6, 7, 7]).tolist() == [0.5] * 4
 
 
+@pytest.mark.spec
 def test_math_on_a_built_in_task_without_numeric_answers_is_refused():
   assert make_reward(ModularAddition(), ["math"], [], None)  # the control: its answers are numbers
   with pytest.raises(rewards.RewardSpecError, match="task.reward lists math, but task.name=first_letter's answers"
@@ -422,6 +450,7 @@ def test_math_on_a_built_in_task_without_numeric_answers_is_refused():
     make_reward(FirstLetter(), ["math"], [], None)
 
 
+@pytest.mark.spec
 @pytest.mark.parametrize("value", [0.0, -1.0, float("nan"), float("inf"), 86_401.0])
 def test_the_reward_time_limit_is_a_positive_finite_number_of_seconds(value):
   TaskSection(reward_timeout_s=0.5).validate()  # the control
@@ -430,6 +459,7 @@ def test_the_reward_time_limit_is_a_positive_finite_number_of_seconds(value):
     TaskSection(reward_timeout_s=value).validate()
 
 
+@pytest.mark.spec
 def test_the_recipe_checks_every_entry_before_anything_runs(jsonl):
   section = TaskSection(name="dataset", path=jsonl, reward=["exact", "math"], reward_weights=[1.0, 2.0])
   section.validate()
@@ -454,6 +484,7 @@ def _records(run):
   return [json.loads(line) for line in (run / "records.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.e2e
 def test_run_rl_trains_on_the_example_dataset_to_the_end(tmp_path, no_env_switches):
   run = tmp_path / "run"
   assert cli.main(LIVE + ["--out", str(run)]) == 0
@@ -464,6 +495,7 @@ def test_run_rl_trains_on_the_example_dataset_to_the_end(tmp_path, no_env_switch
   assert all(0.0 <= r["reward_mean"] <= 1.1 and math.isfinite(r["reward_mean"]) for r in records)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("failure,message", [
     ('raise RuntimeError("the grader is down")', "raised RuntimeError: the grader is down"),
     ("time.sleep(120)", "did not return within task.reward_timeout_s=5 s"),  # 5 s: far above a quick call's time
@@ -498,6 +530,7 @@ def test_a_reward_that_fails_stops_the_run_naming_it_and_keeps_the_records_befor
   assert records[1]["loss"] is not None and records[1]["checkpoint_path"] is None  # trained, not checkpointed
 
 
+@pytest.mark.spec
 @pytest.mark.parametrize("completion, answer, score", [
     (r"so \boxed{\frac{1}{4}}", r"\frac{3}{4}", 0.0),  # the same denominator is not the same number
     (r"so \boxed{\frac{3}{4}}", "3/4", 1.0),

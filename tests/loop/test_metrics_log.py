@@ -76,6 +76,7 @@ def _assert_events_match_records(directory: Path, records: list[BoundaryRecord])
   return logged
 
 
+@pytest.mark.e2e
 def test_a_run_writes_every_steps_scalars_to_tensorboard_in_its_directory(tmp_path):
   run = tmp_path / "run"
   assert cli.main(SYNTHETIC + ["steps=3", "--out", str(run)]) == 0
@@ -91,6 +92,7 @@ def test_a_run_writes_every_steps_scalars_to_tensorboard_in_its_directory(tmp_pa
   assert events.stat().st_size > 0
 
 
+@pytest.mark.e2e
 def test_a_live_run_logs_its_rewards(tmp_path):
   """The default recipe (the live loop), cut to three steps."""
   run = tmp_path / "run"
@@ -105,6 +107,7 @@ def test_a_live_run_logs_its_rewards(tmp_path):
   assert rewards == [r.reward_mean for r in _records(run)]
 
 
+@pytest.mark.e2e
 def test_no_backends_writes_no_event_file(tmp_path):
   """The negative control: the same run with metrics.backends=[] writes no tensorboard directory."""
   run = tmp_path / "run"
@@ -113,6 +116,7 @@ def test_no_backends_writes_no_event_file(tmp_path):
   assert not (run / TENSORBOARD_DIR).exists() and not list(run.rglob("events.out.tfevents.*"))
 
 
+@pytest.mark.e2e
 def test_a_resumed_segment_logs_in_its_own_directory_and_leaves_the_earlier_events_alone(tmp_path):
   run = tmp_path / "run"
   assert cli.main(SYNTHETIC + ["steps=2", "checkpoint.every=2", "--out", str(run)]) == 0
@@ -137,6 +141,7 @@ REFUSALS = [
 ]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("case", REFUSALS, ids=[c[0] for c in REFUSALS])
 def test_bad_backends_are_refused_in_one_line_writing_nothing(case, tmp_path, capsys, monkeypatch):
   _, override, message = case
@@ -165,6 +170,7 @@ def _record(**changed) -> BoundaryRecord:
   return BoundaryRecord(**fields)
 
 
+@pytest.mark.engine
 def test_the_scalar_table_computes_each_name_from_the_record():
   assert metrics_log.scalars(_record()) == {
       "boundary/idle_s": 0.0001, "boundary/idle_strict_s": 0.002, "boundary/stage_s": 0.003,
@@ -182,6 +188,7 @@ def test_the_scalar_table_computes_each_name_from_the_record():
   assert set(metrics_log.scalars(_record())) == set(SCALARS)
 
 
+@pytest.mark.engine
 def test_closing_the_log_twice_writes_the_events_once(tmp_path):
   log = metrics_log.open_metrics_log(["tensorboard"], tmp_path, run_name="r")
   log(_record(step=0))
@@ -193,6 +200,7 @@ def test_closing_the_log_twice_writes_the_events_once(tmp_path):
   assert not (tmp_path / "none").exists()
 
 
+@pytest.mark.engine
 def test_the_trace_names_device_slices_by_kind_and_draws_counters():
   watched = [SimpleNamespace(kind="fwd_bwd", step=4, micro_step=i, dispatched_at=1.0 + i, ready_at=1.5 + i)
              for i in range(2)] + [SimpleNamespace(kind="update", step=4, micro_step=-1, dispatched_at=2.5,
@@ -207,6 +215,7 @@ def test_the_trace_names_device_slices_by_kind_and_draws_counters():
                       ("rollout wait (s)", 2e6, {"rollout wait (s)": 0.058}), ("loss", 2e6, {"loss": 0.47})]
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("elapsed", [21.0, 3725.0])
 def test_a_live_bars_step_time_reward_and_accuracy_fit_in_80_columns(elapsed):
   line = tqdm.format_meter(150, 300, elapsed, ncols=80, prefix="default", unit="step", bar_format=console.BAR_FORMAT,
@@ -214,6 +223,7 @@ def test_a_live_bars_step_time_reward_and_accuracy_fit_in_80_columns(elapsed):
   assert len(line) <= 80 and "step=0.250s reward=0.172 acc=0.12" in line, line
 
 
+@pytest.mark.engine
 def test_off_a_terminal_progress_is_a_plain_line_every_twentieth_of_the_run():
   assert [console.plain_every(n) for n in (1, 20, 21, 300, 1000)] == [1, 1, 2, 15, 50]
   stream = io.StringIO()
@@ -233,6 +243,7 @@ def test_off_a_terminal_progress_is_a_plain_line_every_twentieth_of_the_run():
       "[progress] default: step 4/5", "[progress] default: step 5/5"]
 
 
+@pytest.mark.e2e
 def test_the_metrics_log_loads_no_jax():
   """A remote trainer's driver runs without JAX, and logs its metrics all the same."""
   code = ("import sys\nimport orchestrator.loop.metrics_log\n"

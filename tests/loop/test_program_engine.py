@@ -15,6 +15,8 @@ from orchestrator.loop.program import ProgramConfig, RLProgram
 from orchestrator.loop.trainer_worker import TrainerWorker
 from policies import BoundaryPlan, Mode, StepBoundaryPolicy, boundary_actions
 
+pytestmark = pytest.mark.engine
+
 STEPS, MICRO = 4, 2
 
 

@@ -59,6 +59,7 @@ def _expected(mode, steps, checkpoint_every=0):
   return calls + [f"sync:{steps}"]
 
 
+@pytest.mark.spec
 @pytest.mark.parametrize("mode", list(Mode), ids=lambda m: m.name)
 def test_call_sequence_per_mode_matches_the_design_table(mode):
   calls, result, _ = _run(RecordingEngine(), mode)
@@ -66,11 +67,13 @@ def test_call_sequence_per_mode_matches_the_design_table(mode):
   assert [r.staged for r in result.records] == [mode.staged] * 3 + [False]
 
 
+@pytest.mark.spec
 def test_checkpoints_follow_the_cadence_inside_the_boundary_work():
   calls, _, _ = _run(RecordingEngine(), Mode.STAGE_BEFORE_UPDATE, steps=4, checkpoint_every=2)
   assert calls == _expected(Mode.STAGE_BEFORE_UPDATE, 4, checkpoint_every=2)
 
 
+@pytest.mark.spec
 def test_sync_before_next_step_moves_checkpoint_and_sync_before_the_dispatch():
   calls, _, _ = _run(RecordingEngine(), Mode.STAGE_BEFORE_UPDATE, steps=2, sync_before_next_step=True)
   assert calls == [
@@ -79,6 +82,7 @@ def test_sync_before_next_step_moves_checkpoint_and_sync_before_the_dispatch():
   ]
 
 
+@pytest.mark.spec
 def test_single_micro_batch_steps_stage_every_first_micro_batch():
   """With M = 1 the first micro-batch is the last: the previous step's metrics are read
   before this step's update, and the final step's update follows that read."""
@@ -90,6 +94,7 @@ def test_single_micro_batch_steps_stage_every_first_micro_batch():
   ]
 
 
+@pytest.mark.spec
 def test_single_micro_batch_pipelined_reads_each_steps_own_metrics():
   calls, _, _ = _run(RecordingEngine(), Mode.PIPELINED, steps=3, micro=1)
   assert calls == [
@@ -98,6 +103,7 @@ def test_single_micro_batch_pipelined_reads_each_steps_own_metrics():
   ]
 
 
+@pytest.mark.spec
 @pytest.mark.parametrize("mode", [Mode.STAGE_AFTER_UPDATE, Mode.STAGE_BEFORE_UPDATE], ids=lambda m: m.name)
 def test_engine_without_staging_falls_back_to_pipelined_order(mode, caplog):
   with caplog.at_level(logging.WARNING):
@@ -109,6 +115,7 @@ def test_engine_without_staging_falls_back_to_pipelined_order(mode, caplog):
   assert len(warnings) == 1 and "lacks prepare_fwd_bwd_input, wait_for_device" in warnings[0].getMessage()
 
 
+@pytest.mark.spec
 def test_auto_disable_switches_the_call_order_mid_run():
   engine = RecordingEngine(wait_s=0.0)  # every wait at the floor: the stage outlasted compute
   calls, result, policy = _run(engine, Mode.STAGE_BEFORE_UPDATE, steps=5, threshold_s=0.1)
@@ -119,6 +126,7 @@ def test_auto_disable_switches_the_call_order_mid_run():
 
 
 # ----------------------------------------------------------------- a non-finite step
+@pytest.mark.spec
 @pytest.mark.parametrize("sync_first", [False, True], ids=["sync_after", "sync_before_next_step"])
 @pytest.mark.parametrize("micro", [1, 2])
 @pytest.mark.parametrize("mode", list(Mode), ids=lambda m: m.name)
@@ -140,6 +148,7 @@ def test_a_non_finite_step_ends_the_run_after_its_record_and_is_never_checkpoint
   assert "metrics:3" in engine.calls and "sync:3" not in engine.calls
 
 
+@pytest.mark.spec
 def test_updates_the_engine_skipped_are_not_a_non_finite_state_and_the_run_goes_on():
   """Negative control: under skip_nonfinite_updates the weights stayed finite, so every checkpoint is written."""
   engine = DivergingEngine(from_step=2, skipped=True)
@@ -148,6 +157,7 @@ def test_updates_the_engine_skipped_are_not_a_non_finite_state_and_the_run_goes_
   assert [r.step for r in result.records] == [0, 1, 2, 3, 4] and math.isnan(result.records[4].loss)
 
 
+@pytest.mark.spec
 def test_sync_before_next_step_reads_the_metrics_before_a_checkpoint():
   calls, _, _ = _run(RecordingEngine(), Mode.STAGE_BEFORE_UPDATE, steps=2, sync_before_next_step=True,
                      checkpoint_every=1)
@@ -157,6 +167,7 @@ def test_sync_before_next_step_reads_the_metrics_before_a_checkpoint():
   ]
 
 
+@pytest.mark.spec
 @pytest.mark.parametrize("every, expected", [(0, [4]), (3, [3, 4]), (2, [2, 4])],
                          ids=["no_cadence", "cadence_misses_the_end", "cadence_ends_on_it"])
 def test_a_completed_run_checkpoints_its_last_step_once(every, expected):
@@ -167,6 +178,7 @@ def test_a_completed_run_checkpoints_its_last_step_once(every, expected):
   assert result.checkpoint_path == result.summary.checkpoint_path == "ckpt/4"
 
 
+@pytest.mark.spec
 def test_without_checkpoint_last_step_a_run_keeps_only_its_cadence():
   """Negative control: the last step's checkpoint is the switch's, not the cadence's."""
   calls, result, _ = _run(RecordingEngine(), Mode.STAGE_BEFORE_UPDATE, steps=4, checkpoint_every=3)
@@ -178,6 +190,7 @@ class _NoCheckpointEngine(RecordingEngine):
   save_checkpoint = restore_checkpoint = None
 
 
+@pytest.mark.spec
 def test_an_engine_that_cannot_checkpoint_completes_without_one():
   calls, result, _ = _run(_NoCheckpointEngine(), Mode.OFF, steps=2, checkpoint_last_step=True)
   assert not [c for c in calls if c.startswith("checkpoint")] and result.checkpoint_path is None
@@ -186,6 +199,7 @@ def test_an_engine_that_cannot_checkpoint_completes_without_one():
 # ----------------------------------------------------------------- misuse
 
 
+@pytest.mark.spec
 def test_second_stage_with_one_pending_is_refused():
   w = TrainerWorker(RecordingEngine())
   w.stage_fwd_bwd("a")
@@ -193,16 +207,19 @@ def test_second_stage_with_one_pending_is_refused():
     w.stage_fwd_bwd("b")
 
 
+@pytest.mark.spec
 def test_staged_dispatch_with_nothing_staged_is_refused():
   with pytest.raises(WorkerUsageError, match="nothing is staged"):
     TrainerWorker(RecordingEngine()).fwd_bwd_staged()
 
 
+@pytest.mark.spec
 def test_deferred_update_with_none_owed_is_refused():
   with pytest.raises(WorkerUsageError, match="no update is owed"):
     TrainerWorker(RecordingEngine()).apply_deferred_update()
 
 
+@pytest.mark.spec
 def test_new_step_while_an_update_is_owed_is_refused():
   w = TrainerWorker(RecordingEngine())
   w.fwd_bwd("a", defer_update=True)
@@ -215,6 +232,7 @@ def test_new_step_while_an_update_is_owed_is_refused():
   w.fwd_bwd_staged()
 
 
+@pytest.mark.spec
 def test_staging_on_an_engine_without_staging_is_refused():
   w = TrainerWorker(NoStagingEngine())
   assert not w.capabilities.can_stage
@@ -223,11 +241,13 @@ def test_staging_on_an_engine_without_staging_is_refused():
     w.stage_fwd_bwd("a")
 
 
+@pytest.mark.spec
 def test_worker_refuses_an_engine_without_required_methods():
   with pytest.raises(TypeError, match="lacks fwd_bwd, update, get_metrics"):
     TrainerWorker(object())
 
 
+@pytest.mark.spec
 def test_program_refuses_a_source_with_the_wrong_micro_batch_count():
   w = TrainerWorker(RecordingEngine())
   p = RLProgram(w, StepBoundaryPolicy(Mode.PIPELINED), [["a"]] * 3, ProgramConfig(steps=3, micro_batches_per_step=2))
@@ -235,6 +255,7 @@ def test_program_refuses_a_source_with_the_wrong_micro_batch_count():
     p.run()
 
 
+@pytest.mark.engine
 def test_program_refuses_a_source_that_runs_out():
   w = TrainerWorker(RecordingEngine())
   p = RLProgram(w, StepBoundaryPolicy(Mode.PIPELINED), payload_steps(2, 1), ProgramConfig(steps=3, micro_batches_per_step=1))
@@ -261,6 +282,7 @@ def _four_steps_with_one_pipelined(engine, policy, pipelined_at: int):
   return result
 
 
+@pytest.mark.spec
 def test_excluded_boundary_runs_pipelined_and_the_rest_stay_staged():
   policy = StepBoundaryPolicy(Mode.STAGE_BEFORE_UPDATE, wait_threshold_s=0.0, excluded_steps=[1])
   result = _four_steps_with_one_pipelined(RecordingEngine(), policy, pipelined_at=1)
@@ -269,6 +291,7 @@ def test_excluded_boundary_runs_pipelined_and_the_rest_stay_staged():
   assert policy.mode is Mode.STAGE_BEFORE_UPDATE
 
 
+@pytest.mark.spec
 def test_checkpoint_of_step_k_while_step_k_plus_1_defers_its_update():
   """M = 1 under STAGE_BEFORE_UPDATE: step k's boundary work (and checkpoint) runs right
   after step k+1's only micro-batch was dispatched with its update deferred."""
@@ -294,6 +317,7 @@ class _MemoryEngine(RecordingEngine):
     return DeviceMemory(bytes_in_use=(used // 2, used), bytes_limit=(1000, 1000), input_bytes=(10, 10))
 
 
+@pytest.mark.spec
 def test_the_memory_gate_pipelines_the_boundary_the_devices_are_too_full_for():
   engine = _MemoryEngine({2: 995})
   assert TrainerWorker(engine).capabilities.can_report_memory
@@ -308,6 +332,7 @@ def test_the_memory_gate_pipelines_the_boundary_the_devices_are_too_full_for():
   assert policy.counters["no_memory_headroom"] == 1 and policy.mode is Mode.STAGE_BEFORE_UPDATE
 
 
+@pytest.mark.spec
 def test_engines_that_cannot_tell_record_no_device_memory():
   _, result, _ = _run(RecordingEngine(), Mode.STAGE_BEFORE_UPDATE)
   assert not TrainerWorker(RecordingEngine()).capabilities.can_report_memory
@@ -327,6 +352,7 @@ class _TwoProcesses:
     return [value, self.other]
 
 
+@pytest.mark.spec
 def test_every_process_plans_with_the_least_free_memory_of_the_job():
   mine = DeviceMemory(bytes_in_use=(100, 300), bytes_limit=(1000, 1000), input_bytes=(8, 8))
   agreement = _TwoProcesses({"free_bytes": 500, "input_bytes": 16})

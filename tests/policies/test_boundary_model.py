@@ -21,12 +21,14 @@ C = Components(micro_batch_s=1.0, map_s=0.1, update_s=0.05, metrics_s=0.2, dispa
                micro_batches_per_step=3)
 
 
+@pytest.mark.engine
 def test_off_idles_for_boundary_work_and_preparation():
   p = predict(C, Mode.OFF)
   assert p.boundary_idle_s == pytest.approx(0.2 + 0.1 + 0.001)
   assert p.step_s == pytest.approx(C.compute_bound_s + p.boundary_idle_s + p.update_delay_s)
 
 
+@pytest.mark.engine
 def test_pipelined_maps_the_next_input_while_the_last_micro_batch_runs():
   # update() returns at once, so the next input is mapped (0.1 s) long before the
   # last micro-batch (1 s) and the update finish: no idle.
@@ -34,12 +36,14 @@ def test_pipelined_maps_the_next_input_while_the_last_micro_batch_runs():
   assert predict(C, Mode.STAGE_AFTER_UPDATE).boundary_idle_s == 0.0
 
 
+@pytest.mark.engine
 def test_stage_before_update_hides_preparation_behind_the_last_micro_batch():
   p = predict(C, Mode.STAGE_BEFORE_UPDATE)
   assert p.boundary_idle_s == 0.0
   assert p.step_s == pytest.approx(C.compute_bound_s + p.update_delay_s)
 
 
+@pytest.mark.engine
 def test_when_update_waits_for_the_last_micro_batch_only_staging_before_hides_the_copy():
   c = Components(micro_batch_s=1.0, map_s=0.5, update_s=0.05, metrics_s=0.2, dispatch_s=0.0,
                  micro_batches_per_step=3, update_overlap_share=0.0)
@@ -49,6 +53,7 @@ def test_when_update_waits_for_the_last_micro_batch_only_staging_before_hides_th
   assert after == pytest.approx(0.5 - 0.05) and pipelined == pytest.approx(0.5 - 0.05)
 
 
+@pytest.mark.engine
 def test_a_stage_that_outlasts_the_micro_batch_delays_the_update():
   c = Components(micro_batch_s=0.1, map_s=0.3, update_s=0.05, metrics_s=0.0, dispatch_s=0.0,
                  micro_batches_per_step=2)
@@ -57,6 +62,7 @@ def test_a_stage_that_outlasts_the_micro_batch_delays_the_update():
   assert p.step_s == pytest.approx(c.compute_bound_s + 0.2)
 
 
+@pytest.mark.engine
 def test_a_wait_floor_overlaps_the_remaining_compute():
   """The wait costs max(remaining compute, floor), not their sum: 0.1 s stage + 2.8 s floor vs 1 s compute."""
   c = Components(micro_batch_s=1.0, map_s=0.1, update_s=0.05, metrics_s=0.0, dispatch_s=0.0,
@@ -67,6 +73,7 @@ def test_a_wait_floor_overlaps_the_remaining_compute():
   assert predict(short, Mode.STAGE_BEFORE_UPDATE).update_delay_s == 0.0  # hidden by the compute
 
 
+@pytest.mark.engine
 def test_waiting_for_rollouts_delays_whichever_dispatch_or_stage_needs_them():
   c = Components(micro_batch_s=1.0, map_s=0.1, update_s=0.05, metrics_s=0.0, dispatch_s=0.0,
                  micro_batches_per_step=2, rollout_wait_s=1.5)
@@ -78,6 +85,7 @@ def test_waiting_for_rollouts_delays_whichever_dispatch_or_stage_needs_them():
   assert predict(Components(**{**c.__dict__, "rollout_wait_s": 0.0}), Mode.PIPELINED).boundary_idle_s == 0.0
 
 
+@pytest.mark.engine
 def test_a_synchronous_copy_makes_staging_after_the_update_hide_more_than_pipelining():
   c = Components(micro_batch_s=1.0, map_s=0.05, update_s=0.3, metrics_s=0.0, dispatch_s=0.0,
                  copy_s=0.5, sync_copy=True, micro_batches_per_step=2)
@@ -89,11 +97,13 @@ def test_a_synchronous_copy_makes_staging_after_the_update_hide_more_than_pipeli
   assert predict(asynchronous, Mode.PIPELINED).boundary_idle_s == 0.0  # an async copy hides the same way
 
 
+@pytest.mark.engine
 def test_band_is_symmetric_with_a_floor():
   assert band(1.0, rel=0.1, abs_s=0.05) == pytest.approx((0.9, 1.1))
   assert band(0.0, rel=0.5, abs_s=0.002) == (0.0, 0.002)
 
 
+@pytest.mark.e2e
 def test_simulate_prints_every_mode_for_a_production_template(capsys):
   assert cli.main(["simulate", "--recipe", "recipes/prod_moe_128dev.yaml"]) == 0
   out = capsys.readouterr().out
@@ -102,11 +112,13 @@ def test_simulate_prints_every_mode_for_a_production_template(capsys):
   assert "tokens/s/device" in out and "compute-only bound per step" in out
 
 
+@pytest.mark.e2e
 def test_simulate_refuses_a_bad_override(capsys):
   assert cli.main(["simulate", "simulate.micro_batch_s=fast"]) == 2
   assert "simulate.micro_batch_s: expected float" in capsys.readouterr().err
 
 
+@pytest.mark.e2e
 def test_simulate_from_a_directory_without_a_run_is_refused(tmp_path, capsys):
   assert cli.main(["simulate", "--from", str(tmp_path)]) == 2
   assert "simulate --from" in capsys.readouterr().err
@@ -114,6 +126,7 @@ def test_simulate_from_a_directory_without_a_run_is_refused(tmp_path, capsys):
 
 # ------------------------------------------------------------------------ the components that separate modes
 
+@pytest.mark.engine
 @pytest.mark.parametrize("copy_s,sync_copy,differ", [(0.0, False, False), (0.0, True, False), (0.4, False, False),
                                                       (0.4, True, True)])
 def test_stage_after_update_and_pipelined_differ_exactly_when_a_copy_queues_behind_the_update(copy_s, sync_copy,
@@ -129,6 +142,7 @@ def test_stage_after_update_and_pipelined_differ_exactly_when_a_copy_queues_behi
     assert after.boundary_idle_s == 0.0
 
 
+@pytest.mark.engine
 def test_when_update_waits_for_the_last_micro_batch_a_staged_copy_still_hides_behind_the_update():
   c = Components(micro_batch_s=1.0, update_s=0.3, map_s=0.05, copy_s=0.4, sync_copy=True, dispatch_s=0.0,
                  micro_batches_per_step=2, update_overlap_share=0.0)
@@ -138,6 +152,7 @@ def test_when_update_waits_for_the_last_micro_batch_a_staged_copy_still_hides_be
   assert pipelined.boundary_idle_s == pytest.approx(0.4)
 
 
+@pytest.mark.engine
 def test_the_update_overlap_share_is_continuous():
   """Staging after update() hides behind what is left of the last micro-batch and the update."""
   idles = []
@@ -148,6 +163,7 @@ def test_the_update_overlap_share_is_continuous():
   assert idles == pytest.approx([0.25, 0.15, 0.05, 0.0])
 
 
+@pytest.mark.engine
 def test_gaps_per_dispatch_lengthen_every_mode_by_one_per_micro_batch_after_the_first():
   c = Components(micro_batch_s=1.0, update_s=0.05, map_s=0.1, metrics_s=0.2, dispatch_s=0.0, micro_batches_per_step=4)
   gapped = dataclasses.replace(c, gap_per_dispatch_s=0.01)
@@ -155,6 +171,7 @@ def test_gaps_per_dispatch_lengthen_every_mode_by_one_per_micro_batch_after_the_
     assert predict(gapped, mode).step_s - predict(c, mode).step_s == pytest.approx(3 * 0.01)
 
 
+@pytest.mark.engine
 def test_each_boundary_work_term_counts_where_its_action_falls():
   c = Components(micro_batch_s=1.0, update_s=0.05, metrics_s=0.01, logging_s=0.02, checkpoint_s=0.04,
                  weight_sync_s=0.08, dispatch_s=0.0, micro_batches_per_step=2)
@@ -170,6 +187,7 @@ def test_each_boundary_work_term_counts_where_its_action_falls():
 SHAPE = JobShape(rows=32, tokens_per_row=64, micro_batches_per_step=3, devices=1, hosts=1, model="tiny")
 
 
+@pytest.mark.engine
 def test_scaling_rules_follow_rows_devices_hosts_and_micro_batches():
   c = Components(micro_batch_s=0.06, update_s=0.004, map_s=0.003, copy_s=0.001, metrics_s=0.001,
                  weight_sync_s=0.002, reruns_per_step=1.5, micro_batches_per_step=3)
@@ -187,6 +205,7 @@ def test_scaling_rules_follow_rows_devices_hosts_and_micro_batches():
   assert any(ch.component == "micro_batch_s" and ch.rule.startswith("not scaled") for ch in changes)
 
 
+@pytest.mark.engine
 def test_an_unknown_spans_the_predictions_it_allows():
   c = Components(micro_batch_s=1.0, update_s=0.3, map_s=0.05, dispatch_s=0.0, micro_batches_per_step=2)
   est = Estimate(c, {}, (Unknown("copy", "not measured", ({"copy_s": 0.4, "sync_copy": True},)),))
@@ -209,6 +228,7 @@ def _record(mode, *, idle, strict=None, stage_s=None, micro=(0.1, 0.1), update_s
           "rollout_wait_s": wait}
 
 
+@pytest.mark.engine
 def test_an_off_only_fit_keeps_the_serial_cost_and_reports_its_split_unidentified():
   off = [_record("off", idle=0.025) for _ in range(4)]
   est = fit({"off": off}, update_reads_last_flag=False, wait_floor_s=0.0, dispatch_s=0.0).estimate
@@ -221,6 +241,7 @@ def test_an_off_only_fit_keeps_the_serial_cost_and_reports_its_split_unidentifie
   assert predict_bounded(est, Mode.OFF).point.boundary_idle_s == pytest.approx(0.025)
 
 
+@pytest.mark.engine
 def test_a_staged_arm_identifies_the_mapping_and_a_step_residual_the_gap_per_dispatch():
   off = [_record("off", idle=0.025, step_s=0.235 + 0.004) for _ in range(4)]
   staged = [_record("stage_before_update", idle=0.0, stage_s=0.02, step_s=0.21 + 0.004) for _ in range(4)]
@@ -233,6 +254,7 @@ def test_a_staged_arm_identifies_the_mapping_and_a_step_residual_the_gap_per_dis
   assert result.estimate.unknowns == ()
 
 
+@pytest.mark.engine
 def test_one_micro_batch_per_step_leaves_the_gap_unidentified_and_a_flag_read_shows_in_offs_delay():
   off = [_record("off", idle=0.01, strict=0.012, micro=(0.1,)) for _ in range(3)]
   est = fit({"off": off}, update_reads_last_flag=True, wait_floor_s=0.001, dispatch_s=0.0).estimate
@@ -246,6 +268,7 @@ def _resolve(path, *overrides):
   return recipe_lib.resolve(REPO / path, overrides=list(overrides), env={})
 
 
+@pytest.mark.engine
 def test_earlier_simulate_keys_still_load_and_a_doubly_spelled_one_is_refused():
   old = _resolve("recipes/default.yaml", "simulate.input_copy_s=0.3", "simulate.update_waits_for_last=true")
   est, _ = estimate_from_recipe(old)
@@ -257,6 +280,7 @@ def test_earlier_simulate_keys_still_load_and_a_doubly_spelled_one_is_refused():
     _resolve("recipes/default.yaml", "simulate.update_overlap_share=1.5")
 
 
+@pytest.mark.engine
 def test_the_production_templates_scale_with_rows_and_micro_batches():
   def saving(path, *overrides):
     est, changes = estimate_from_recipe(_resolve(path, *overrides))
@@ -275,6 +299,7 @@ def test_the_production_templates_scale_with_rows_and_micro_batches():
   assert p[Mode.PIPELINED].boundary_idle_s > p[Mode.STAGE_AFTER_UPDATE].boundary_idle_s  # a synchronous copy
 
 
+@pytest.mark.e2e
 def test_simulate_json_names_every_component_and_its_source(capsys):
   assert cli.main(["simulate", "--recipe", "recipes/prod_moe_256dev.yaml", "--json"]) == 0
   out = json.loads(capsys.readouterr().out)
@@ -295,6 +320,7 @@ def tiny_run(tmp_path_factory):
   return run
 
 
+@pytest.mark.e2e
 def test_simulate_from_a_run_fits_its_components_and_shows_what_it_measured(tiny_run, capsys):
   capsys.readouterr()
   assert cli.main(["simulate", "--from", str(tiny_run), "--json"]) == 0
@@ -311,6 +337,7 @@ def test_simulate_from_a_run_fits_its_components_and_shows_what_it_measured(tiny
   assert "within (step 5%" in capsys.readouterr().out
 
 
+@pytest.mark.e2e
 def test_simulate_from_a_run_predicts_twice_the_rows_by_the_scaling_rules(tiny_run, capsys, tmp_path):
   """Structure only (speed is never asserted): the prediction at 2R rows is the fit's components scaled by the rules."""
   capsys.readouterr()
@@ -346,6 +373,7 @@ def _live_fit(arms):
   return fit(arms, update_reads_last_flag=False, wait_floor_s=0.0, dispatch_s=0.0).estimate
 
 
+@pytest.mark.engine
 def test_each_fitted_mode_waits_its_own_arms_rollout_wait():
   est = _live_fit(_live_arms())
   c = est.components
@@ -363,6 +391,7 @@ def test_each_fitted_mode_waits_its_own_arms_rollout_wait():
   assert off.idle_range_s == pytest.approx((off.point.boundary_idle_s,) * 2)  # no unknown moves a fitted mode's wait
 
 
+@pytest.mark.engine
 def test_a_pooled_rollout_wait_mispredicts_both_fitted_modes():
   """Negative control: the same records with one wait for every mode (their median) fail the checks above."""
   arms = _live_arms()
@@ -374,6 +403,7 @@ def test_a_pooled_rollout_wait_mispredicts_both_fitted_modes():
       STAGED_WAIT + 0.02 - 0.1 - c.update_s, abs=0.01)
 
 
+@pytest.mark.engine
 def test_a_mode_without_an_arm_waits_an_unknown_between_the_fitted_modes():
   est = _live_fit(_live_arms())
   (wait,) = [u for u in est.unknowns if u.name == "rollout_wait_s"]
@@ -388,6 +418,7 @@ def test_a_mode_without_an_arm_waits_an_unknown_between_the_fitted_modes():
   assert p.step_range_s[0] < p.step_range_s[1]
 
 
+@pytest.mark.engine
 def test_one_fitted_mode_leaves_the_others_wait_between_nothing_and_a_step():
   est = _live_fit({"off": _live_arms()["off"]})
   (wait,) = [u for u in est.unknowns if u.name == "rollout_wait_s"]
@@ -397,6 +428,7 @@ def test_one_fitted_mode_leaves_the_others_wait_between_nothing_and_a_step():
   assert lo < hi and hi > est.components.compute_bound_s + step - 0.1
 
 
+@pytest.mark.engine
 def test_records_without_a_live_source_wait_for_no_rollouts():
   est = _live_fit({"off": [_record("off", idle=0.025) for _ in range(3)]})
   assert est.components.rollout_wait_s == 0.0 and est.components.rollout_wait_by_mode == ()
@@ -404,6 +436,7 @@ def test_records_without_a_live_source_wait_for_no_rollouts():
   assert not [u for u in est.unknowns if u.name == "rollout_wait_s"]
 
 
+@pytest.mark.engine
 def test_a_slower_first_micro_batch_is_fitted_apart_and_counted_once_per_step():
   off = [_record("off", idle=0.01, micro=(0.15, 0.1, 0.1)) for _ in range(4)]
   c = fit({"off": off}, update_reads_last_flag=False, wait_floor_s=0.0, dispatch_s=0.0).estimate.components
@@ -413,6 +446,7 @@ def test_a_slower_first_micro_batch_is_fitted_apart_and_counted_once_per_step():
     assert predict(c, mode).step_s - predict(plain, mode).step_s == pytest.approx(0.05)
 
 
+@pytest.mark.engine
 def test_a_faster_first_micro_batch_shortens_the_step_instead_of_counting_as_nothing():
   off = [_record("off", idle=0.01, micro=(0.08, 0.1, 0.1)) for _ in range(4)]
   est = fit({"off": off}, update_reads_last_flag=False, wait_floor_s=0.0, dispatch_s=0.0).estimate
@@ -420,6 +454,7 @@ def test_a_faster_first_micro_batch_shortens_the_step_instead_of_counting_as_not
   assert predict(est.components, Mode.OFF).step_s == pytest.approx(off[0]["step_s"])  # as the arm measured
 
 
+@pytest.mark.engine
 def test_an_arm_predicted_at_its_own_compute_keeps_the_fits_boundary_and_drops_the_machines_drift():
   """A PIPELINED arm whose micro-batches ran 20 % slower (another job on the machine) than the fitted arms'."""
   off = [_record("off", idle=0.025) for _ in range(4)]
@@ -439,6 +474,7 @@ def test_an_arm_predicted_at_its_own_compute_keeps_the_fits_boundary_and_drops_t
 
 # ------------------------------------------------------------------------ the compute probe
 
+@pytest.mark.engine
 def test_the_probe_scales_the_fitted_compute_by_its_measured_ratio_not_the_rule():
   fitted = Components(micro_batch_s=0.02, update_s=0.002, rerun_s=0.02, map_s=0.003)
   small = JobShape(rows=16, tokens_per_row=64, micro_batches_per_step=3, devices=1, hosts=1, model="tiny")
@@ -457,6 +493,7 @@ def test_the_probe_scales_the_fitted_compute_by_its_measured_ratio_not_the_rule(
   assert "probed" not in rules["map_s"] and probed.sources["micro_batch_s"] == "fitted, scaled by the probe"
 
 
+@pytest.mark.engine
 def test_the_probe_times_each_jobs_per_device_share_and_refuses_a_batch_the_mesh_does_not_divide():
   shape = JobShape(rows=8, tokens_per_row=256, micro_batches_per_step=2, devices=8, hosts=1, model="tiny",
                    context=4)  # 2 devices split the rows, 4 the tokens
@@ -465,6 +502,7 @@ def test_the_probe_times_each_jobs_per_device_share_and_refuses_a_batch_the_mesh
     compute_probe.per_device_shape(dataclasses.replace(shape, rows=6, context=2), "the other job")
 
 
+@pytest.mark.engine
 def test_the_probe_takes_the_update_to_each_devices_shard_of_the_weights():
   fitted = Components(micro_batch_s=0.02, update_s=0.004)
   one = JobShape(rows=8, tokens_per_row=64, micro_batches_per_step=2, devices=1, hosts=1, model="tiny")
@@ -475,6 +513,7 @@ def test_the_probe_takes_the_update_to_each_devices_shard_of_the_weights():
   assert probed.components.update_s == pytest.approx(0.004 / 8) and probed.components.micro_batch_s == 0.02
 
 
+@pytest.mark.engine
 def test_a_faster_first_micro_batch_scaled_to_a_shorter_one_never_makes_the_step_shorter_than_its_compute():
   c = Components(micro_batch_s=0.02, first_micro_batch_extra_s=-0.01, update_s=0.001, micro_batches_per_step=2)
   small = JobShape(rows=32, tokens_per_row=64, micro_batches_per_step=2, devices=1, hosts=1, model="tiny")
@@ -484,6 +523,7 @@ def test_a_faster_first_micro_batch_scaled_to_a_shorter_one_never_makes_the_step
   assert one.first_micro_batch_extra_s == 0.0  # inside micro_batch_s at one micro-batch per step
 
 
+@pytest.mark.e2e
 def test_simulate_probe_times_both_shapes_and_cites_them(tiny_run, capsys, tmp_path):
   """Structure only (speed is never asserted): the fitted compute times the probe's ratio, both shapes named."""
   capsys.readouterr()
@@ -499,12 +539,14 @@ def test_simulate_probe_times_both_shapes_and_cites_them(tiny_run, capsys, tmp_p
   assert "probed on one device" in {ch["component"]: ch["rule"] for ch in out["scaled"]}["micro_batch_s"]
 
 
+@pytest.mark.e2e
 def test_simulate_probe_without_a_run_and_another_job_is_refused(capsys):
   assert cli.main(["simulate", "--probe"]) == 2
   err = capsys.readouterr().err.strip()
   assert err.count("\n") == 0 and "--from RUN_DIR and --recipe" in err
 
 
+@pytest.mark.engine
 def test_a_staged_arm_that_idled_after_staging_behind_the_update_fits_the_hosts_dispatch_seconds():
   """A live arm: the rollouts kept each stage waiting 150 ms, staged after the update; three 2 ms dispatch calls."""
   d, wait, stage = 0.002, 0.150, 0.02
@@ -535,6 +577,7 @@ def test_a_staged_arm_that_idled_after_staging_behind_the_update_fits_the_hosts_
   assert est.components.dispatch_s == 0.0004
 
 
+@pytest.mark.engine
 def test_a_stage_slower_than_offs_whole_serial_cost_leaves_off_predicted_as_it_measured():
   """A remote stage waits on the trainer's compute: 30 ms beside it, while OFF's mapping took 20 ms on an idle host."""
   off = [_record("off", idle=0.025) for _ in range(4)]
@@ -552,6 +595,7 @@ def test_a_stage_slower_than_offs_whole_serial_cost_leaves_off_predicted_as_it_m
   assert predict(est.components, Mode.STAGE_BEFORE_UPDATE).boundary_idle_s == 0.0
 
 
+@pytest.mark.engine
 def test_the_probe_counts_the_weights_the_engine_holds():
   import jax  # import here: the rest of this file runs without JAX
 
@@ -561,6 +605,7 @@ def test_the_probe_counts_the_weights_the_engine_holds():
     assert compute_probe.parameter_count(engine.preset) == sum(x.size for x in jax.tree.leaves(engine._params))
 
 
+@pytest.mark.e2e
 def test_the_probe_refuses_a_model_this_machine_cannot_train_before_building_it(tiny_run, capsys, monkeypatch):
   monkeypatch.setattr(compute_probe, "_memory_here_bytes", lambda: (24 * 2**30, "this machine's available memory"))
   monkeypatch.setattr(compute_probe, "_ShapeUnderTest", lambda *a, **k: pytest.fail("built before refusing"))
@@ -571,6 +616,7 @@ def test_the_probe_refuses_a_model_this_machine_cannot_train_before_building_it(
   assert err.count("\n") == 0 and "qwen3_30b_a3b at 8 x" in err and "GiB to train" in err
 
 
+@pytest.mark.engine
 def test_each_fitted_mode_keeps_its_own_gap_per_dispatch_and_a_mode_without_an_arm_spans_them():
   """A live run: OFF's second micro-batch waited 20 ms for its sampling, STAGE_BEFORE_UPDATE's 5 ms."""
   off = [_record("off", idle=0.025, step_s=0.235 + 0.020) for _ in range(4)]
@@ -591,6 +637,7 @@ def test_each_fitted_mode_keeps_its_own_gap_per_dispatch_and_a_mode_without_an_a
   assert predict(pooled, Mode.STAGE_BEFORE_UPDATE).step_s != pytest.approx(0.215, abs=0.002)
 
 
+@pytest.mark.e2e
 def test_a_runtime_failure_while_probing_is_one_line(tiny_run, capsys, monkeypatch):
   def out_of_memory(*args, **kwargs):
     raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 123 bytes.\nmore detail")

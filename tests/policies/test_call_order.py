@@ -7,6 +7,8 @@ import pytest
 from policies import Action, BoundaryPlan, Mode
 from policies.call_order import boundary_actions, engine_calls_between
 
+pytestmark = pytest.mark.spec
+
 A = Action
 
 

@@ -20,12 +20,14 @@ def _policy(mode=Mode.STAGE_BEFORE_UPDATE, **kw):
   return StepBoundaryPolicy(mode, **kw)
 
 
+@pytest.mark.e2e
 def test_policy_package_does_not_import_jax():
   code = "import sys, policies; assert 'jax' not in sys.modules, 'policies imported jax'; print('ok')"
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
   assert out.returncode == 0 and "ok" in out.stdout, out.stderr
 
 
+@pytest.mark.spec
 @pytest.mark.parametrize(
     "mode,stage,before,await_metrics",
     [
@@ -41,6 +43,7 @@ def test_plan_per_mode(mode, stage, before, await_metrics):
       3, mode, stage, before, await_metrics)
 
 
+@pytest.mark.spec
 @pytest.mark.parametrize("mode", STAGED)
 def test_unsupported_engine_falls_back_to_pipelined_with_one_warning(mode, caplog):
   with caplog.at_level(logging.WARNING, "step_boundary.policy"):
@@ -54,12 +57,14 @@ def test_unsupported_engine_falls_back_to_pipelined_with_one_warning(mode, caplo
   assert len(warnings) == 1 and "lacks prepare_fwd_bwd_input, wait_for_device" in warnings[0].getMessage()
 
 
+@pytest.mark.spec
 @pytest.mark.parametrize("mode", [Mode.OFF, Mode.PIPELINED])
 def test_unstaged_modes_ignore_engine_capabilities(mode):
   p = StepBoundaryPolicy(mode, engine_can_stage=False, require_staging=True)
   assert p.mode is mode and p.history == []
 
 
+@pytest.mark.spec
 def test_require_staging_fails_bring_up_with_a_clear_error():
   with pytest.raises(StagingUnsupportedError) as err:
     StepBoundaryPolicy(Mode.STAGE_BEFORE_UPDATE, engine_can_stage=False, require_staging=True)
@@ -69,6 +74,7 @@ def test_require_staging_fails_bring_up_with_a_clear_error():
   assert "drop require_staging to fall back to PIPELINED" in text
 
 
+@pytest.mark.spec
 def test_calibration_with_a_microsecond_floor():
   p = StepBoundaryPolicy(Mode.STAGE_BEFORE_UPDATE)
   assert p.threshold_s is None
@@ -77,6 +83,7 @@ def test_calibration_with_a_microsecond_floor():
   assert p.threshold_s == threshold
 
 
+@pytest.mark.spec
 def test_calibration_with_a_remote_runtime_floor_of_seconds():
   p = StepBoundaryPolicy(Mode.STAGE_BEFORE_UPDATE, disable_after=1)
   threshold = p.calibrate([2.7, 2.85, 2.8])
@@ -86,6 +93,7 @@ def test_calibration_with_a_remote_runtime_floor_of_seconds():
   assert p.mode is Mode.PIPELINED
 
 
+@pytest.mark.spec
 def test_calibration_at_remote_floor_keeps_real_waits():
   p = StepBoundaryPolicy(Mode.STAGE_BEFORE_UPDATE, disable_after=1)
   p.calibrate([2.7, 2.85, 2.8])
@@ -93,29 +101,34 @@ def test_calibration_at_remote_floor_keeps_real_waits():
   assert p.mode is Mode.STAGE_BEFORE_UPDATE
 
 
+@pytest.mark.spec
 def test_pinned_threshold_survives_calibration():
   p = StepBoundaryPolicy(Mode.STAGE_BEFORE_UPDATE, wait_threshold_s=0.5)
   assert p.calibrate([1e-6]) == 0.5
   assert p.floor_samples == (1e-6,)
 
 
+@pytest.mark.spec
 @pytest.mark.parametrize("samples", [[], [-1.0], [float("nan")], [float("inf")]])
 def test_calibration_rejects_bad_samples(samples):
   with pytest.raises(ValueError, match="sample"):
     StepBoundaryPolicy(Mode.STAGE_BEFORE_UPDATE).calibrate(samples)
 
 
+@pytest.mark.spec
 def test_calibration_rule_is_configurable():
   rule = CalibrationRule(rel_margin=1.0, abs_margin_s=0.0)
   assert StepBoundaryPolicy(Mode.STAGE_AFTER_UPDATE, calibration=rule).calibrate([0.2]) == 0.4
 
 
+@pytest.mark.spec
 def test_without_threshold_waits_are_recorded_not_judged():
   p = StepBoundaryPolicy(Mode.STAGE_BEFORE_UPDATE, disable_after=1)
   obs = p.observe(0, stage_s=0.1, device_wait_s=0.0)
   assert obs.low is None and p.mode is Mode.STAGE_BEFORE_UPDATE
 
 
+@pytest.mark.spec
 @pytest.mark.parametrize("mode", STAGED)
 def test_auto_disable_after_n_low_waits_in_a_row(mode, caplog):
   p = _policy(mode, disable_after=3)
@@ -131,6 +144,7 @@ def test_auto_disable_after_n_low_waits_in_a_row(mode, caplog):
   assert any("[0.001000, 0.002000, 0.003000]" in m and "0.010000" in m for m in disable)
 
 
+@pytest.mark.spec
 def test_hysteresis_n_minus_one_low_waits_then_a_high_one_resets_the_count():
   p = _policy(disable_after=3)
   waits = [0.001, 0.001, 0.5, 0.001, 0.001, 0.5, 0.001]
@@ -142,6 +156,7 @@ def test_hysteresis_n_minus_one_low_waits_then_a_high_one_resets_the_count():
   assert p.mode is Mode.PIPELINED
 
 
+@pytest.mark.spec
 def test_a_single_low_wait_is_reported_without_disabling(caplog):
   p = _policy(disable_after=2)
   with caplog.at_level(logging.INFO, "step_boundary.policy"):
@@ -157,12 +172,14 @@ def test_a_single_low_wait_is_reported_without_disabling(caplog):
   assert [r.levelno for r in reports] == [logging.WARNING, logging.INFO]
 
 
+@pytest.mark.spec
 def test_wait_exactly_at_threshold_is_not_low():
   p = _policy(disable_after=1)
   p.observe(0, stage_s=0.1, device_wait_s=0.01)
   assert p.mode is Mode.STAGE_BEFORE_UPDATE
 
 
+@pytest.mark.spec
 def test_excluded_boundary_does_not_stage_and_keeps_the_mode():
   p = _policy(excluded_steps=[2, 5])
   plans = [p.plan(s) for s in range(6)]
@@ -171,12 +188,14 @@ def test_excluded_boundary_does_not_stage_and_keeps_the_mode():
   assert p.mode is Mode.STAGE_BEFORE_UPDATE and p.counters["excluded_boundaries"] == 2
 
 
+@pytest.mark.spec
 def test_observations_in_unstaged_modes_change_nothing():
   p = _policy(Mode.PIPELINED, disable_after=1)
   p.observe(0, stage_s=0.0, device_wait_s=0.0)
   assert p.mode is Mode.PIPELINED and p.history == []
 
 
+@pytest.mark.spec
 def test_reprobe_after_auto_disable_reenables_when_the_wait_is_high():
   p = _policy(disable_after=1, reprobe_every=3)
   p.observe(0, stage_s=0.3, device_wait_s=0.0)
@@ -190,6 +209,7 @@ def test_reprobe_after_auto_disable_reenables_when_the_wait_is_high():
   assert p.plan(4).stage and not p.plan(4).probe
 
 
+@pytest.mark.spec
 def test_reprobe_with_a_low_wait_stays_off_for_the_run():
   p = _policy(Mode.STAGE_AFTER_UPDATE, disable_after=1, reprobe_every=2)
   p.observe(0, stage_s=0.3, device_wait_s=0.0)
@@ -202,17 +222,20 @@ def test_reprobe_with_a_low_wait_stays_off_for_the_run():
   assert p.counters["probes"] == 1
 
 
+@pytest.mark.spec
 def test_no_reprobe_without_reprobe_every():
   p = _policy(disable_after=1)
   p.observe(0, stage_s=0.3, device_wait_s=0.0)
   assert not any(p.plan(s).stage for s in range(1, 50))
 
 
+@pytest.mark.spec
 def test_no_reprobe_after_unsupported_engine_fallback():
   p = StepBoundaryPolicy(Mode.STAGE_BEFORE_UPDATE, engine_can_stage=False, reprobe_every=1)
   assert not any(p.plan(s).stage for s in range(10))
 
 
+@pytest.mark.spec
 @pytest.mark.parametrize(
     "kwargs,message",
     [
@@ -229,6 +252,7 @@ def test_bad_arguments_are_refused(kwargs, message):
     StepBoundaryPolicy(Mode.STAGE_BEFORE_UPDATE, **kwargs)
 
 
+@pytest.mark.spec
 def test_mode_parse_accepts_names_and_values_and_names_the_choices():
   assert Mode.parse("stage_before_update") is Mode.STAGE_BEFORE_UPDATE
   assert Mode.parse("PIPELINED") is Mode.PIPELINED
@@ -236,6 +260,7 @@ def test_mode_parse_accepts_names_and_values_and_names_the_choices():
     Mode.parse("sideways")
 
 
+@pytest.mark.spec
 @pytest.mark.parametrize("mode", list(Mode), ids=lambda m: m.name)
 def test_the_policy_plans_each_mode_by_the_one_mode_table(mode):
   """The policy's staged-as-requested plan is the table's row; so is the boundary model's (BoundaryPlan.for_mode)."""
@@ -247,6 +272,7 @@ def test_the_policy_plans_each_mode_by_the_one_mode_table(mode):
   assert mode.staged is flags.stage
 
 
+@pytest.mark.spec
 def test_a_probe_is_pipelined_but_stages_as_the_requested_mode_says():
   plan = BoundaryPlan.for_mode(5, Mode.PIPELINED, staged_as=Mode.STAGE_BEFORE_UPDATE, probe=True, reason="probe")
   assert plan.mode is Mode.PIPELINED and plan.stage and plan.stage_before_update and not plan.await_metrics
@@ -255,6 +281,7 @@ def test_a_probe_is_pipelined_but_stages_as_the_requested_mode_says():
   assert BoundaryPlan.unstaged(5, Mode.OFF, reason="off").await_metrics
 
 
+@pytest.mark.spec
 def test_the_policy_reports_without_exposing_its_internals():
   policy = StepBoundaryPolicy(Mode.STAGE_AFTER_UPDATE, disable_after=1)
   policy.calibrate([0.0001, 0.0002])
@@ -272,6 +299,7 @@ ROOMY, SHORT = DeviceHeadroom(free_bytes=1 << 40, input_bytes=100 * MiB), Device
                                                                                          input_bytes=100 * MiB)
 
 
+@pytest.mark.spec
 def test_the_auto_headroom_is_the_input_plus_ten_percent_at_least_64_mib():
   rule = HeadroomRule()
   assert rule.required_bytes(100 * MiB) == 164 * MiB  # the 64 MiB floor
@@ -279,6 +307,7 @@ def test_the_auto_headroom_is_the_input_plus_ten_percent_at_least_64_mib():
   assert rule.required_bytes(5, 12345) == 12345  # a number given is the requirement itself
 
 
+@pytest.mark.spec
 @pytest.mark.parametrize("mode", STAGED)
 def test_a_boundary_short_of_device_memory_is_pipelined_counted_and_not_judged(mode, caplog):
   p = _policy(mode, disable_after=2)
@@ -297,6 +326,7 @@ def test_a_boundary_short_of_device_memory_is_pipelined_counted_and_not_judged(m
   assert [t.kind for t in p.history] == ["auto_disable"]
 
 
+@pytest.mark.spec
 def test_the_memory_gate_takes_a_number_and_turns_off_at_zero():
   fixed = _policy(min_free_device_bytes=200 * MiB)
   assert not fixed.plan(0, headroom=SHORT).stage
@@ -306,6 +336,7 @@ def test_the_memory_gate_takes_a_number_and_turns_off_at_zero():
   assert off.counters["no_memory_headroom"] == 0
 
 
+@pytest.mark.spec
 def test_a_probe_short_of_memory_waits_for_a_boundary_with_room():
   p = _policy(disable_after=1, reprobe_every=1)
   p.observe(0, stage_s=0.3, device_wait_s=0.0)
@@ -314,12 +345,14 @@ def test_a_probe_short_of_memory_waits_for_a_boundary_with_room():
   assert probe.stage and probe.probe
 
 
+@pytest.mark.spec
 @pytest.mark.parametrize("mode", [Mode.OFF, Mode.PIPELINED])
 def test_unstaged_modes_ignore_the_memory_gate(mode):
   p = _policy(mode)
   assert p.plan(0, headroom=SHORT) == p.plan(0) and p.counters["no_memory_headroom"] == 0
 
 
+@pytest.mark.spec
 def test_a_policy_state_saved_before_the_memory_gate_still_counts_refusals():
   p = _policy()
   state = p.state_dict()
@@ -328,6 +361,7 @@ def test_a_policy_state_saved_before_the_memory_gate_still_counts_refusals():
   assert not p.plan(0, headroom=SHORT).stage and p.counters["no_memory_headroom"] == 1
 
 
+@pytest.mark.spec
 @pytest.mark.parametrize("next_sampled", [False, True, None])
 def test_a_stage_before_the_update_waits_for_no_rollouts_it_goes_after_the_update_instead(next_sampled):
   """The next step's first micro-batch not sampled yet: staging it before the update would hold the update

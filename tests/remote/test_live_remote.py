@@ -56,6 +56,7 @@ class _Clock:
   __call__ = tick
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("wired", [True, False], ids=["remote", "local"])
 def test_the_weight_sync_records_a_remote_export_as_its_wire_part(wired):
   """A worker whose export crosses a wire (``WeightsOverWire``) gets its bytes, seconds and a span inside the
@@ -115,6 +116,7 @@ def weights_message_bytes(tiny_engine_and_start):
   return wire.message_size(wire.encode_tree(weights)), sum(leaf.nbytes for leaf in jax.tree.leaves(weights))
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_a_spawned_trainer_on_an_fsdp_mesh_trains_the_local_run_and_records_the_wire(fsdp_runs,
                                                                                      weights_message_bytes):

@@ -28,6 +28,7 @@ def _payload():
           Trajectory(np.arange(2, dtype=np.int64), np.arange(4, dtype=np.int32), -1e-300, None, 1)]
 
 
+@pytest.mark.spec
 def test_a_payload_round_trips_bit_for_bit_through_chunks():
   parts = wire.encode_payload("fwd_bwd", _payload(), defer_update=True)
   header, arrays = wire.decode(wire.join(wire.chunks(parts, 7), 1 << 20))
@@ -40,6 +41,7 @@ def test_a_payload_round_trips_bit_for_bit_through_chunks():
       assert (a is None and b is None) or (a.dtype == b.dtype and np.array_equal(a, b))
 
 
+@pytest.mark.spec
 def test_a_weight_tree_keeps_its_integer_keys_and_dtypes():
   import ml_dtypes
 
@@ -50,6 +52,7 @@ def test_a_weight_tree_keeps_its_integer_keys_and_dtypes():
   assert np.array_equal(got["emb"], tree["emb"])
 
 
+@pytest.mark.spec
 @pytest.mark.parametrize("mutate, named", [
     (lambda m: b"XXXX" + m[4:], "not a trainer message"),
     (lambda m: m + b"\0", "bytes follow the last array"),
@@ -63,6 +66,7 @@ def test_a_malformed_message_is_refused_by_name(mutate, named):
     wire.decode(mutate(message))
 
 
+@pytest.mark.spec
 def test_a_stream_past_the_limit_is_refused_before_it_is_all_read():
   read = []
 
@@ -76,6 +80,7 @@ def test_a_stream_past_the_limit_is_refused_before_it_is_all_read():
   assert len(read) == 3
 
 
+@pytest.mark.spec
 def test_addresses_and_tokens():
   assert protocol.split_address("[::1]:50051") == ("::1", 50051)
   assert protocol.is_loopback("127.0.0.5") and protocol.is_loopback("localhost") and protocol.is_loopback("::1")
@@ -120,6 +125,7 @@ def _refusal(excinfo) -> str:
   return message
 
 
+@pytest.mark.engine
 def test_a_wrong_or_missing_token_is_refused(server):
   from orchestrator.remote.client import TrainerRefusedError
 
@@ -129,6 +135,7 @@ def test_a_wrong_or_missing_token_is_refused(server):
     assert "wrong or missing trainer token" in _refusal(excinfo)
 
 
+@pytest.mark.engine
 def test_another_protocol_version_is_refused(server):
   channel = grpc.insecure_channel(server)
   hello = channel.unary_unary(f"/{protocol.SERVICE}/Hello")
@@ -140,6 +147,7 @@ def test_another_protocol_version_is_refused(server):
   channel.close()
 
 
+@pytest.mark.engine
 def test_another_recipe_and_a_second_driver_are_refused(server):
   from orchestrator.remote.client import TrainerRefusedError
 
@@ -156,6 +164,7 @@ def test_another_recipe_and_a_second_driver_are_refused(server):
   _connect(server).close()  # free again
 
 
+@pytest.mark.engine
 def test_an_oversized_message_is_refused_on_either_side(server):
   from orchestrator.remote.client import TrainerRefusedError
 
@@ -175,6 +184,7 @@ def test_an_oversized_message_is_refused_on_either_side(server):
     worker.close()
 
 
+@pytest.mark.engine
 def test_restoring_a_checkpoint_the_trainer_does_not_hold_is_not_found_in_one_line(server):
   """NOT_FOUND, named by the driver as what it is, not INTERNAL; the negative control: a bad step is still
   INVALID_ARGUMENT (a ValueError of its own), so the status tells the two apart."""
@@ -194,6 +204,7 @@ def test_restoring_a_checkpoint_the_trainer_does_not_hold_is_not_found_in_one_li
     worker.close()
 
 
+@pytest.mark.engine
 def test_a_stage_over_the_wire_says_what_its_input_holds_on_the_devices(server, monkeypatch):
   from orchestrator.app.runner import batch_shape
   from orchestrator.data.packing import pack_payload
@@ -216,6 +227,7 @@ def test_a_stage_over_the_wire_says_what_its_input_holds_on_the_devices(server, 
     worker.close()
 
 
+@pytest.mark.engine
 def test_an_export_says_what_crossed_the_wire(server):
   """``last_export`` is the reply as received: the weights' bytes and the header listing them, and the call's
   seconds (the weight sync records them)."""
@@ -256,6 +268,7 @@ MODES = {"stage_before_update": [], "stage_after_update": ["--no-stage_before_up
          "pipelined": ["--no-stage_next_microbatch"], "off": ["--no-pipeline_step_boundary"]}
 
 
+@pytest.mark.e2e
 def test_remote_and_local_trainers_reach_the_same_digest_in_every_mode(server, tmp_path, capsys):
   local = _run(tmp_path, "local", capsys)
   remote = {}
@@ -271,6 +284,7 @@ def test_remote_and_local_trainers_reach_the_same_digest_in_every_mode(server, t
   assert local["checkpoint_path"].endswith("local/checkpoints/3")  # negative control: a local run keeps its last
 
 
+@pytest.mark.e2e
 def test_a_remote_run_without_the_token_is_refused_before_it_starts(server, tmp_path, capsys):
   code = cli.main([*BASE, "trainer.location=remote", "trainer.address=10.9.9.9:50051", "--out",
                    str(tmp_path / "x")])
@@ -279,6 +293,7 @@ def test_a_remote_run_without_the_token_is_refused_before_it_starts(server, tmp_
   assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.e2e
 def test_serve_trainer_refuses_a_non_loopback_bind_without_a_token(tmp_path):
   env = {k: v for k, v in os.environ.items() if k != protocol.TOKEN_ENV}
   proc = subprocess.run([sys.executable, "-m", "orchestrator.app.cli", "serve-trainer", "model=tiny",
@@ -290,6 +305,7 @@ def test_serve_trainer_refuses_a_non_loopback_bind_without_a_token(tmp_path):
       " token; drop --insecure-no-token (a token is then generated) or listen on 127.0.0.1"]
 
 
+@pytest.mark.e2e
 def test_spawned_trainer_runs_and_stops_with_the_run(tmp_path, capsys):
   summary = _run(tmp_path, "spawned", capsys, "trainer.location=remote", "trainer.spawn=true")
   assert summary["trainer"]["spawned"] is True
@@ -318,6 +334,7 @@ def _child_env():
   return dict(env, **{protocol.TOKEN_ENV: TOKEN})
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_a_trainer_killed_mid_run_ends_the_driver_within_its_timeout(tmp_path):
   import time
@@ -340,6 +357,7 @@ def test_a_trainer_killed_mid_run_ends_the_driver_within_its_timeout(tmp_path):
   assert json.loads((out / "summary.json").read_text())["ended"] == "error"
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_a_driver_killed_mid_run_leaves_the_trainer_ready_to_resume(tmp_path, capsys):
   ckpt = tmp_path / "ckpt"
@@ -373,6 +391,7 @@ def test_a_driver_killed_mid_run_leaves_the_trainer_ready_to_resume(tmp_path, ca
   assert resumed == reference["final_state_digest"]
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_ctrl_c_on_a_spawned_trainer_run_stops_cleanly_and_leaves_no_trainer(tmp_path):
   """SIGINT to the whole process group, as a terminal sends it: the driver checkpoints through its trainer."""
@@ -394,6 +413,7 @@ def test_ctrl_c_on_a_spawned_trainer_run_stops_cleanly_and_leaves_no_trainer(tmp
                                    check=False).returncode == 1, 30, "the spawned trainer to exit")
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_a_spawned_trainer_exits_when_its_driver_is_killed(tmp_path):
   out = tmp_path / "run"

@@ -91,6 +91,7 @@ def served(tmp_path_factory):
 
 
 # ---------------------------------------------------------------- a token by default
+@pytest.mark.e2e
 def test_serve_trainer_without_a_token_writes_one_only_its_owner_can_read(served):
   assert f"token in {served.token_file} (mode 0600)" in served.ready_line
   assert "; devices: " in served.ready_line and " × cpu, the mesh uses 1; JAX " in served.ready_line
@@ -99,12 +100,14 @@ def test_serve_trainer_without_a_token_writes_one_only_its_owner_can_read(served
   assert len(served.token_file.read_text().strip()) >= 43  # secrets.token_urlsafe(32)
 
 
+@pytest.mark.e2e
 def test_a_driver_without_the_servers_token_is_refused(served):
   for token in (None, "not-the-token"):
     with pytest.raises(TrainerRefusedError, match="wrong or missing trainer token"):
       _connect(served.address, token)
 
 
+@pytest.mark.e2e
 def test_a_driver_with_the_token_file_runs(served, tmp_path, capsys):
   code = cli.main([*BASE, "trainer.location=remote", f"trainer.address={served.address}",
                    f"trainer.token_file={served.token_file}", "--out", str(tmp_path / "run")])
@@ -131,6 +134,7 @@ def _serve_without_serving(monkeypatch, argv, env=None) -> dict:
   return handed
 
 
+@pytest.mark.e2e
 def test_insecure_no_token_serves_without_a_token_on_loopback_and_writes_no_file(monkeypatch, tmp_path):
   handed = _serve_without_serving(monkeypatch, ["--insecure-no-token", "--checkpoint-dir", str(tmp_path / "c")])
   assert handed["code"] == 0 and handed["token"] is None
@@ -138,6 +142,7 @@ def test_insecure_no_token_serves_without_a_token_on_loopback_and_writes_no_file
   assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.e2e
 def test_insecure_no_token_is_refused_off_loopback(monkeypatch, capsys):
   handed = _serve_without_serving(monkeypatch, ["--insecure-no-token", "--listen", "0.0.0.0:0"])
   assert handed == {"code": 2}
@@ -146,6 +151,7 @@ def test_insecure_no_token_is_refused_off_loopback(monkeypatch, capsys):
       " --insecure-no-token (a token is then generated) or listen on 127.0.0.1")
 
 
+@pytest.mark.e2e
 def test_a_token_in_the_environment_is_used_and_no_file_is_written(monkeypatch, tmp_path):
   """What ``trainer.spawn`` relies on: its child gets the token in its environment, not a second file."""
   handed = _serve_without_serving(monkeypatch, ["--checkpoint-dir", str(tmp_path / "c")],
@@ -155,6 +161,7 @@ def test_a_token_in_the_environment_is_used_and_no_file_is_written(monkeypatch, 
   assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.e2e
 def test_a_spawned_trainers_recipe_drops_the_drivers_token_file():
   """A file would win over the token the driver hands its child (and connects with)."""
   driver = recipe_lib.to_dict(recipe_lib.resolve(None, overrides=[*BASE, "trainer.token_file=/some/token"]).recipe)
@@ -162,6 +169,7 @@ def test_a_spawned_trainers_recipe_drops_the_drivers_token_file():
   assert driver["trainer"]["token_file"] == "/some/token"
 
 
+@pytest.mark.e2e
 def test_a_generated_token_never_replaces_a_file(monkeypatch, tmp_path, capsys):
   existing = tmp_path / "trainer.token"
   existing.write_text("someone else's")
@@ -174,6 +182,7 @@ def test_a_generated_token_never_replaces_a_file(monkeypatch, tmp_path, capsys):
     protocol.write_new_token(existing)
 
 
+@pytest.mark.e2e
 def test_a_generated_token_file_is_created_private_and_removed_at_the_end(monkeypatch, tmp_path):
   path = tmp_path / "deep" / "t.token"
   seen = {}
@@ -197,6 +206,7 @@ def _token_file(tmp_path, mode: int, name: str = "token") -> Path:
   return path
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("mode", [0o644, 0o640, 0o604])
 def test_a_token_file_others_can_read_is_refused_by_serve_trainer_and_the_driver(mode, tmp_path, capsys, monkeypatch):
   monkeypatch.delenv(protocol.TOKEN_ENV, raising=False)
@@ -212,6 +222,7 @@ def test_a_token_file_others_can_read_is_refused_by_serve_trainer_and_the_driver
   assert not out.exists()
 
 
+@pytest.mark.engine
 def test_a_private_token_file_is_read_through_a_link_and_judged_by_the_file_it_names(tmp_path):
   private, loose = _token_file(tmp_path, 0o600, "private"), _token_file(tmp_path, 0o644, "loose")
   (tmp_path / "to-private").symlink_to(private)
@@ -222,6 +233,7 @@ def test_a_private_token_file_is_read_through_a_link_and_judged_by_the_file_it_n
 
 
 # ---------------------------------------------------------------- an exclusive port
+@pytest.mark.e2e
 def test_a_second_serve_trainer_on_a_taken_port_is_refused(served, capsys, monkeypatch):
   monkeypatch.delenv(protocol.TOKEN_ENV, raising=False)
   assert cli.main(["serve-trainer", *BASE, "--listen", served.address, "--insecure-no-token"]) == 2
@@ -235,6 +247,7 @@ class _NoCalls:
     return grpc.method_handlers_generic_handler(protocol.SERVICE, {})
 
 
+@pytest.mark.e2e
 def test_no_server_can_share_the_trainers_port(served):
   """gRPC shares ports by default (SO_REUSEPORT): a squatter would take some of the drivers' connections."""
   squatter = grpc.server(futures.ThreadPoolExecutor(max_workers=1))  # gRPC's defaults: port sharing on
@@ -246,6 +259,7 @@ def test_no_server_can_share_the_trainers_port(served):
 
 
 # ---------------------------------------------------------------- paths the driver cannot steer
+@pytest.mark.e2e
 def test_a_step_that_is_no_number_and_metadata_that_is_no_object_are_refused_as_invalid(served):
   """Refused before the trainer reads or writes anything: its state is as it was."""
   worker = _connect(served.address, served.token_file.read_text().strip())
@@ -266,6 +280,7 @@ def test_a_step_that_is_no_number_and_metadata_that_is_no_object_are_refused_as_
     worker.close()
 
 
+@pytest.mark.e2e
 def test_a_checkpoint_that_leads_outside_the_directory_is_refused(served, tmp_path):
   """Another run's checkpoint, linked in as step 7: refused; the trainer's own checkpoint still restores."""
   worker = _connect(served.address, served.token_file.read_text().strip())
@@ -283,6 +298,7 @@ def test_a_checkpoint_that_leads_outside_the_directory_is_refused(served, tmp_pa
     (served.checkpoints / "7").unlink(missing_ok=True)
 
 
+@pytest.mark.engine
 def test_the_checkpointer_reads_nothing_for_a_step_it_refuses(tmp_path, monkeypatch):
   outside = tmp_path / "other"
   outside.mkdir()
@@ -300,6 +316,7 @@ def test_the_checkpointer_reads_nothing_for_a_step_it_refuses(tmp_path, monkeypa
   assert checkpointer.step_path(np.int64(5)) == checkpointer.directory.resolve() / "5"
 
 
+@pytest.mark.engine
 def test_a_callers_metadata_cannot_overwrite_the_checkpoints_step_and_an_absent_step_is_named(tmp_path):
   """What restore trusts (the step) is the checkpoint's own; a step with no checkpoint is refused by name."""
   import jax.numpy as jnp  # import here: JAX only for the arrays a checkpoint holds (the module needs none)
@@ -313,6 +330,7 @@ def test_a_callers_metadata_cannot_overwrite_the_checkpoints_step_and_an_absent_
     checkpointer.restore(state, 5)
 
 
+@pytest.mark.engine
 def test_a_checkpointer_with_no_checkpoint_says_so_and_restores_the_latest_once_there_is_one(tmp_path):
   import jax.numpy as jnp  # import here: JAX only for the arrays a checkpoint holds (the module needs none)
 
@@ -324,6 +342,7 @@ def test_a_checkpointer_with_no_checkpoint_says_so_and_restores_the_latest_once_
   assert checkpointer.restore(state)[1] == {"step": 2}
 
 
+@pytest.mark.engine
 def test_a_failed_restores_late_reads_are_not_reported_but_every_other_unraisable_error_is(monkeypatch):
   import types
 
@@ -340,6 +359,7 @@ def test_a_failed_restores_late_reads_are_not_reported_but_every_other_unraisabl
   assert reported == [other]
 
 
+@pytest.mark.engine
 def test_a_token_loses_its_trailing_newline_and_one_a_header_cannot_carry_is_refused(monkeypatch, tmp_path):
   monkeypatch.setenv(protocol.TOKEN_ENV, "s3cret\n")
   assert protocol.read_token() == "s3cret"
@@ -354,6 +374,7 @@ def test_a_token_loses_its_trailing_newline_and_one_a_header_cannot_carry_is_ref
 
 
 # ---------------------------------------------------------------- the end
+@pytest.mark.e2e
 def test_the_token_file_goes_when_the_server_stops(served):
   """Last in the module: it stops the module's server (a stop request is a normal end: exit 0)."""
   served.process.terminate()

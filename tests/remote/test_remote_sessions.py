@@ -24,6 +24,8 @@ from orchestrator.remote.client import RemoteTrainerWorker, TrainerLostError, Tr
 from orchestrator.remote.server import _REQUEST_CHECKS, TrainerService, start_server
 from tests.fakes import RecordingEngine
 
+pytestmark = pytest.mark.engine
+
 TOKEN = "sessions-token-0123456789"
 BASE = ["model=tiny", "rollouts.source=synthetic", "steps=3", "batch.micro_batches_per_step=2",
         "run.reserve_host_core=false"]

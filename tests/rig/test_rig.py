@@ -45,6 +45,7 @@ def clean_rig(rig_inputs):
   return run_rig(recipe, rec, ["off", "stage_before_update"], root / "clean")
 
 
+@pytest.mark.engine
 def test_rig_end_to_end_two_arms(clean_rig):
   report, out = clean_rig.report, clean_rig.out_dir
   for name in ("report.md", "report.json", "trace.json", "timeline.png", "predictions.json"):
@@ -82,6 +83,7 @@ def test_rig_end_to_end_two_arms(clean_rig):
   assert "at own compute: step" in md
 
 
+@pytest.mark.engine
 def test_predictions_file_was_written_before_the_scored_arms(clean_rig):
   predictions = json.loads((clean_rig.out_dir / "predictions.json").read_text())
   assert [p["name"] for p in predictions["arms"]] == ["off", "stage_before_update"]
@@ -90,12 +92,14 @@ def test_predictions_file_was_written_before_the_scored_arms(clean_rig):
   assert set(records) == {"off", "stage_before_update"}
 
 
+@pytest.mark.engine
 def test_too_few_boundaries_make_predictions_unscorable_not_failed(clean_rig):
   # 4 steps give 3 boundaries: scorable. The step band needs 3 steps: scorable too.
   statuses = _status(clean_rig.report, "prediction_boundary_idle")
   assert set(statuses) <= {"pass", "fail"}
 
 
+@pytest.mark.engine
 def test_unscorable_with_too_few_boundaries(rig_inputs):
   recipe, rec, root = rig_inputs
   result = run_rig(recipe, rec, ["stage_before_update"], root / "short", steps=2)
@@ -103,6 +107,7 @@ def test_unscorable_with_too_few_boundaries(rig_inputs):
   assert result.report["predictions_score"]["unscorable"] >= 1
 
 
+@pytest.mark.engine
 def test_a_different_micro_batch_order_is_reported_as_failed(rig_inputs):
   recipe, rec, root = rig_inputs
   result = run_rig(recipe, rec, ["off", "pipelined"], root / "reorder",
@@ -114,6 +119,7 @@ def test_a_different_micro_batch_order_is_reported_as_failed(rig_inputs):
   assert report["verdict"]["fail"] >= 2 and result.exit_code == 1
 
 
+@pytest.mark.engine
 def test_a_skipped_update_is_reported_as_failed(rig_inputs):
   recipe, rec, root = rig_inputs
   result = run_rig(recipe, rec, ["off", "stage_before_update"], root / "skip",
@@ -123,6 +129,7 @@ def test_a_skipped_update_is_reported_as_failed(rig_inputs):
   assert _status(report, "final_state_identical", "stage_before_update") == ["fail"]
 
 
+@pytest.mark.engine
 def test_arm_names_and_faults_are_checked():
   assert [a.name for a in parse_arms(["off", "stage_before_update", "off"])] == [
       "off", "stage_before_update", "off#2"]
@@ -143,6 +150,7 @@ def _exit_by_name(checks) -> int:
   return 1 if failed else 0
 
 
+@pytest.mark.e2e
 def test_a_missed_prediction_is_reported_while_a_failed_correctness_check_fails_the_run(tmp_path):
   bands = {"boundary_idle_band_s": (0.0, 0.001), "step_band_s": (0.1, 0.2)}
   reference = _arm_report("off", idle_s=0.0005, step_s=0.15)
@@ -185,6 +193,7 @@ class _StagingEngine(_TrainingOnlyEngine):
     return 0.0
 
 
+@pytest.mark.engine
 def test_the_recording_proxy_can_stage_exactly_when_its_engine_can():
   staging = CallRecordingEngine(_StagingEngine(), {})
   plain = CallRecordingEngine(_TrainingOnlyEngine(), {})
@@ -202,11 +211,13 @@ def test_the_recording_proxy_can_stage_exactly_when_its_engine_can():
     assert contract.missing_methods(CallRecordingEngine, protocol) == (), protocol
 
 
+@pytest.mark.engine
 def test_the_rig_refuses_an_engine_without_snapshots_naming_what_it_lacks():
   with pytest.raises(RigError, match="lacks snapshot, restore"):
     require_snapshots(_StagingEngine())
 
 
+@pytest.mark.e2e
 def test_the_rig_runs_over_a_remote_trainer_with_the_same_verdicts(rig_inputs, clean_rig, capsys):
   """The arms drive a spawned serve-trainer; its host records the calls. A skipped update there still fails."""
   recipe, rec, root = rig_inputs
@@ -233,6 +244,7 @@ def test_the_rig_runs_over_a_remote_trainer_with_the_same_verdicts(rig_inputs, c
   assert json.loads(capsys.readouterr().out)["fitted_on"] == ["off", "stage_before_update"]
 
 
+@pytest.mark.e2e
 def test_the_remote_package_imports_nothing_from_the_rig():
   """The server is handed the rig's host (``run_rl serve-trainer`` passes ``RigHost``); it never imports the rig."""
   for path in sorted((REPO / "orchestrator" / "remote").rglob("*.py")):
@@ -255,6 +267,7 @@ class _MidStepEngine:
     return 0.0
 
 
+@pytest.mark.engine
 def test_the_trainer_side_rig_host_reports_misuse_as_misuse():
   """A driver's out-of-order rig calls are WorkerUsageError (FAILED_PRECONDITION), an unknown fault is refused."""
   host = RigHost(_MidStepEngine())
