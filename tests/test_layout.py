@@ -14,6 +14,9 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("orchestrator", "policies", "integrations")
 MAX_FUNCTION_LINES = 80
 MAX_CLASS_LINES = 300
+#: A class keeps this far below its limit: the limit is a smell detector, and a class that grows towards it is
+#: split by concern, not trimmed to fit (docs/design.md §3).
+CLASS_MARGIN_LINES = 10
 
 
 def _sources():
@@ -36,7 +39,7 @@ def _too_long(path: Path, root: Path = REPO) -> list[str]:
   out = []
   for node in ast.walk(ast.parse(path.read_text())):
     limit = {ast.FunctionDef: MAX_FUNCTION_LINES, ast.AsyncFunctionDef: MAX_FUNCTION_LINES,
-             ast.ClassDef: MAX_CLASS_LINES}.get(type(node))
+             ast.ClassDef: MAX_CLASS_LINES - CLASS_MARGIN_LINES}.get(type(node))
     if limit is not None:
       lines = node.end_lineno - node.lineno + 1
       if lines > limit:
@@ -45,17 +48,57 @@ def _too_long(path: Path, root: Path = REPO) -> list[str]:
 
 
 @pytest.mark.spec
-def test_no_function_or_class_is_too_long():
+def test_no_function_is_too_long_and_no_class_near_its_limit():
   assert [msg for path in _sources() for msg in _too_long(path)] == []
 
 
 @pytest.mark.spec
-def test_the_size_check_catches_a_long_function(tmp_path):
-  """Negative control: the checker itself flags an 81-line function."""
+def test_the_size_check_catches_a_long_function_and_a_class_near_its_limit(tmp_path):
+  """Negative control: an 81-line function, and a class 5 lines under the class limit."""
   body = "\n".join(f"  x{i} = {i}" for i in range(80))
   path = tmp_path / "long.py"
   path.write_text(f"def f():\n{body}\n")
   assert len(_too_long(path, root=tmp_path)) == 1
+  methods = "\n".join(f"  def m{i}(self):\n    return {i}\n" for i in range((MAX_CLASS_LINES - 5) // 3))
+  path.write_text(f"class C:\n{methods}")
+  assert len(_too_long(path, root=tmp_path)) == 1
+
+
+def _private_classes_taken(path: Path, root: Path = REPO) -> list[str]:
+  """Module-level functions with a parameter annotated by a private class imported from another module: the
+  mark of a method hoisted out of its class with the class's state passed back in."""
+  tree = ast.parse(path.read_text())
+  imported = {alias.asname or alias.name for node in tree.body if isinstance(node, ast.ImportFrom)
+              for alias in node.names if (alias.asname or alias.name).startswith("_")}
+  out = []
+  for node in tree.body:
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+      args = [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs]
+      for arg in args:
+        nodes = list(ast.walk(arg.annotation)) if arg.annotation else []
+        by_name = {n.id for n in nodes if isinstance(n, ast.Name)} & imported  # from m import _State
+        by_module = {n.attr for n in nodes if isinstance(n, ast.Attribute)}  # m._State
+        taken = sorted(n for n in by_name | by_module if n.startswith("_") and n[1:2].isupper())
+        if taken:
+          out.append(f"{path.relative_to(root)}:{node.lineno} {node.name}({arg.arg}: {taken[0]})")
+  return out
+
+
+@pytest.mark.spec
+def test_no_module_function_takes_another_modules_private_class():
+  assert [msg for path in _sources() for msg in _private_classes_taken(path)] == []
+
+
+@pytest.mark.spec
+def test_the_private_class_check_catches_a_hoisted_method(tmp_path):
+  """Negative control: imported by name and reached through its module, each is caught; a public class and a
+  module's own private class are not."""
+  path = tmp_path / "hoisted.py"
+  path.write_text("from elsewhere import _State, State\nimport elsewhere\n\n\nclass _Own:\n  pass\n\n\n"
+                  "def a(state: _State): ...\n"
+                  "def c(state: elsewhere._State): ...\ndef d(state: State, own: _Own): ...\n")
+  assert [m.split(" ", 1)[1] for m in _private_classes_taken(path, root=tmp_path)] == [
+      "a(state: _State)", "c(state: _State)"]
 
 
 @pytest.mark.spec
