@@ -71,7 +71,7 @@ def _metadata(session: str | None, token: str | None = TOKEN) -> list[tuple[str,
 
 
 def _session_of(worker: RemoteTrainerWorker) -> str:
-  return dict(worker._metadata())[protocol.SESSION_HEADER]
+  return dict(worker._connection.metadata())[protocol.SESSION_HEADER]
 
 
 def _raw_invoke(address: str, message, *, session: str | None, token: str | None = TOKEN):
