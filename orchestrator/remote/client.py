@@ -1,13 +1,16 @@
 """``RemoteTrainerWorker``: the ``TrainerWorker`` surface over gRPC, for a trainer in another process or host.
 
 It is one more implementation of the worker the program drives (the same
-methods, the same typed results), so the program, the recorder, the policy
-and the rig run unchanged. It calls through a
+methods, the same typed results, the same call-order table), so the program,
+the recorder, the policy and the rig run unchanged. It calls through a
 ``connection.TrainerConnection``, which holds the session, moves the server's
 times onto the driver's clock and turns the wire's failures into
 ``TrainerLostError``, ``TrainerRefusedError``, ``WorkerUsageError`` or
 ``ValueError``. What differs from a local worker is made explicit:
 
+* **Call order.** A call out of order is refused here, before a round trip,
+  by the contract's ``ALLOWED_TRANSITIONS`` (the server holds the same table,
+  for any other client).
 * **The wait floor.** ``wait_for_device`` is a round trip: ``sample_wait_floor``
   times it from here, so the policy's threshold comes from the wire's floor.
   A deferred update's device wait is what the driver saw: the call's time less
@@ -35,6 +38,7 @@ from orchestrator.contract import (
     WorkerCapabilities,
     WorkerUsageError,
 )
+from orchestrator.contract.worker import Call, CallState, next_call_state
 from orchestrator.remote import protocol, wire
 from orchestrator.remote.connection import TrainerConnection, TrainerLostError, TrainerRefusedError
 
@@ -69,10 +73,9 @@ class RemoteTrainerWorker:
     self.address = address
     self.limits = limits
     self._early_dispatch = micro_batches_per_step > 1
-    self._early: Receipt | None = None
+    self._early: Receipt | None = None  # the staged input's receipt while STAGED_DISPATCHED
     self._step, self._micro = 0, 0
-    self._update_owed = False
-    self._staged: _Staged | None = None
+    self._call_state = CallState.READY
     self.last_export: WeightTransfer | None = None  # the contract's WeightsOverWire: the sync records it
     self._connection = TrainerConnection(address, recipe_digest=recipe_digest, token=token, limits=limits,
                                          position=lambda: (self._step, self._micro))
@@ -96,69 +99,76 @@ class RemoteTrainerWorker:
   def _call(self, header: dict, parts: list | None = None) -> tuple[dict, dict]:
     return self._connection.call(header, parts)
 
-  def _after_dispatch(self, receipt: Receipt, defer_update: bool) -> Receipt:
-    self._micro += 1
-    if defer_update:
-      self._update_owed = True
-    if receipt.update is not None:
-      self._step, self._micro = self._step + 1, 0
-    return receipt
+  @property
+  def call_state(self) -> CallState:
+    """Where the worker stands in the contract's ``ALLOWED_TRANSITIONS``."""
+    return self._call_state
 
   @property
   def update_owed(self) -> bool:
-    return self._update_owed
+    return self._call_state.update_owed
 
   @property
   def has_staged(self) -> bool:
-    return self._staged is not None
+    return self._call_state.has_staged
 
   def fwd_bwd(self, payload: Any, apply_optimizer: bool = False, defer_update: bool = False) -> Receipt:
-    if self._early is not None:
-      raise WorkerUsageError("fwd_bwd: the staged input was already dispatched with the deferred update;"
-                             " take it with fwd_bwd_staged() first")
+    after = next_call_state(self._call_state, Call.dispatch(staged=False, apply_optimizer=apply_optimizer,
+                                                           defer_update=defer_update))
     message = wire.encode_payload("fwd_bwd", list(payload), apply_optimizer=apply_optimizer,
                                   defer_update=defer_update)
     header, _ = self._call({"method": "fwd_bwd"}, message)
-    return self._after_dispatch(self._connection.receipt(header["receipt"]), defer_update)
+    return self._dispatched(self._connection.receipt(header["receipt"]), after)
 
   def stage_fwd_bwd(self, payload: Any) -> StageReceipt:
+    after = next_call_state(self._call_state, Call.STAGE)
     start = time.perf_counter()
     header, _ = self._call({"method": "stage"}, wire.encode_payload("stage", list(payload)))
     end = time.perf_counter()
     held = header.get("staged_bytes_per_device")  # absent from a trainer of a version before memory reports
-    self._staged = _Staged(header["input_digest"], None if held is None else tuple(held))
-    return StageReceipt(stage_s=end - start, started_at=start, ended_at=end, prepared=self._staged,
-                        staged_bytes_per_device=self._staged.bytes_per_device,
+    staged = _Staged(header["input_digest"], None if held is None else tuple(held))
+    self._call_state = after
+    return StageReceipt(stage_s=end - start, started_at=start, ended_at=end, prepared=staged,
+                        staged_bytes_per_device=staged.bytes_per_device,
                         memory=DeviceMemory.from_json(header.get("memory")))
 
   def fwd_bwd_staged(self, apply_optimizer: bool = False, defer_update: bool = False) -> Receipt:
-    if self._early is not None:
-      if apply_optimizer or defer_update:
-        raise WorkerUsageError("fwd_bwd_staged: the staged input went out with the deferred update as a step's"
-                               " first micro-batch; it cannot also apply or defer an update")
-      receipt, self._early, self._staged = self._early, None, None
-      return self._after_dispatch(receipt, False)
+    after = next_call_state(self._call_state, Call.dispatch(staged=True, apply_optimizer=apply_optimizer,
+                                                           defer_update=defer_update))
+    if self._call_state is CallState.STAGED_DISPATCHED:  # it went out with the deferred update
+      receipt, self._early = self._early, None
+      return self._dispatched(receipt, after)
     header, _ = self._call({"method": "fwd_bwd_staged", "apply_optimizer": apply_optimizer,
                             "defer_update": defer_update})
-    self._staged = None
-    return self._after_dispatch(self._connection.receipt(header["receipt"]), defer_update)
+    return self._dispatched(self._connection.receipt(header["receipt"]), after)
+
+  def _dispatched(self, receipt: Receipt, after: CallState) -> Receipt:
+    self._micro += 1
+    if receipt.update is not None:
+      self._step, self._micro = self._step + 1, 0
+    self._call_state = after
+    return receipt
 
   def apply_deferred_update(self) -> DeferredUpdate:
+    then_staged = self._early_dispatch and self._call_state.has_staged
+    after = next_call_state(self._call_state, Call.APPLY_DEFERRED_UPDATE_THEN_STAGED if then_staged
+                            else Call.APPLY_DEFERRED_UPDATE)
     started = time.perf_counter()
-    early = self._early_dispatch and self._staged is not None
-    header, _ = self._call({"method": "apply_deferred_update", "then_dispatch_staged": early})
+    header, _ = self._call({"method": "apply_deferred_update", "then_dispatch_staged": then_staged})
     elapsed = time.perf_counter() - started
     update = self._connection.receipt(header["receipt"])
-    self._update_owed = False
     self._step, self._micro = self._step + 1, 0
     self._early = self._connection.receipt(header["staged_receipt"])
+    self._call_state = after
     # What the driver waited: the call less the update's own time on the server.
     return DeferredUpdate(device_wait_s=max(0.0, elapsed - (header["call_s"] - header["device_wait_s"])),
                           wait_started_at=started, update=update)
 
   def update(self) -> Receipt:
+    after = next_call_state(self._call_state, Call.UPDATE)
     header, _ = self._call({"method": "update"})
     self._step, self._micro = self._step + 1, 0
+    self._call_state = after
     return self._connection.receipt(header["receipt"])
 
   def sample_wait_floor(self, samples: int) -> list[float]:
@@ -204,8 +214,9 @@ class RemoteTrainerWorker:
     return self._call({"method": "save_checkpoint", "metadata": dict(metadata or {})})[0]["path"]
 
   def restore_checkpoint(self, step: int | None = None) -> Mapping[str, Any]:
+    after = next_call_state(self._call_state, Call.RESTORE_CHECKPOINT)
     metadata = self._call({"method": "restore_checkpoint", "step": step})[0]["metadata"]
-    self._staged, self._update_owed = None, False
+    self._call_state, self._early = after, None
     self._step, self._micro = int(metadata.get("step", self._step)), 0
     return metadata
 
@@ -213,7 +224,7 @@ class RemoteTrainerWorker:
     """The rig's hook (``orchestrator.rig``): the trainer returns to the rig's starting state and records its
     engine calls; returns its batch shape."""
     header, _ = self._call({"method": "rig_begin_arm", "fault": fault})
-    self._step, self._micro, self._staged, self._update_owed = 0, 0, None, False
+    self._step, self._micro, self._call_state, self._early = 0, 0, CallState.READY, None
     return header
 
   def rig_end_arm(self) -> tuple[list, int]:

@@ -20,6 +20,7 @@ import grpc
 import jax
 
 from orchestrator.contract import NoCheckpointError, WorkerCapabilities, WorkerUsageError
+from orchestrator.contract.worker import Call, next_call_state
 from orchestrator.loop.trainer_worker import TrainerWorker
 from orchestrator.loop.watcher import CompletionWatcher
 from orchestrator.remote import wire
@@ -174,9 +175,8 @@ class ServedWorker:
     Both halves are checked before the update runs: a request whose second half would be refused changes nothing.
     """
     then_dispatch_staged = wire.read_flag(header, "then_dispatch_staged")
-    if then_dispatch_staged and not self._worker.has_staged:
-      raise WorkerUsageError("apply_deferred_update(then_dispatch_staged=True): nothing is staged, so the update"
-                             " was not applied either; stage an input first, or send then_dispatch_staged=false")
+    if then_dispatch_staged:
+      next_call_state(self._worker.call_state, Call.APPLY_DEFERRED_UPDATE_THEN_STAGED)
     start = time.perf_counter()
     applied = self._worker.apply_deferred_update()
     call_s = time.perf_counter() - start

@@ -15,8 +15,9 @@ one's state (weights, digest, metrics, checkpoints) is served to anyone.
 
 **Validate, then act.** Every request is checked whole before it changes
 anything (``wire.decode`` and the per-method checks in
-``requests.REQUEST_CHECKS``, then the worker's own preconditions); a refused
-one leaves the state as it was. The status says which kind of refusal it was: a malformed request
+``requests.REQUEST_CHECKS``, then the worker's own preconditions, the
+contract's ``ALLOWED_TRANSITIONS`` among them); a refused one leaves the state
+as it was. The status says which kind of refusal it was: a malformed request
 is ``INVALID_ARGUMENT`` ("ValueError: ...", raised as ``ValueError`` by the
 client), misuse of the worker is ``FAILED_PRECONDITION`` ("WorkerUsageError:
 ...", raised as ``WorkerUsageError``), and anything else that fails on the
