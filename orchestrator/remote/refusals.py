@@ -45,11 +45,8 @@ def guarded(call: str, body: Callable[[Any, Any], bytes]) -> Callable[[Any, Any]
   def handle(request, context):
     try:
       return body(request, context)
-    except Refused as refusal:
-      context.abort(refusal.code, refusal.message)
-    except Exception as error:  # the last resort: logged, then one line
-      refusal = failure(call, error)
-      context.abort(refusal.code, refusal.message)
+    except Exception as error:
+      _abort(call, error, context)
   return handle
 
 
@@ -58,10 +55,12 @@ def guarded_stream(call: str, body: Callable[[Any, Any], Iterator[bytes]]) -> Ca
   def handle(request, context):
     try:
       yield from body(request, context)
-    except Refused as refusal:
-      context.abort(refusal.code, refusal.message)
-    except Exception as error:  # the last resort: logged, then one line
-      refusal = failure(call, error)
-      context.abort(refusal.code, refusal.message)
+    except Exception as error:
+      _abort(call, error, context)
   return handle
 
+
+def _abort(call: str, error: Exception, context) -> None:
+  """Ends the call: a refusal with its status, anything else as the last resort (logged, then one line)."""
+  refusal = error if isinstance(error, Refused) else failure(call, error)
+  context.abort(refusal.code, refusal.message)
