@@ -3,13 +3,16 @@
 A worker owns one engine privately and offers the program exactly what it
 needs. ``orchestrator.loop.trainer_worker.TrainerWorker`` is the worker in this
 process; ``orchestrator.remote.client.RemoteTrainerWorker`` is the same surface
-over an RPC. Both return the types below, and both raise ``WorkerUsageError``
-for calls out of order, so the program cannot tell them apart.
+over an RPC. Both return the types below, and both hold the one table of which
+call may follow which (``ALLOWED_TRANSITIONS``, applied by ``next_call_state``),
+raising ``WorkerUsageError`` for calls out of order in the same words, so the
+program cannot tell them apart.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
@@ -24,6 +27,128 @@ class WorkerUsageError(RuntimeError):
 class NoCheckpointError(ValueError):
   """A restore asked for a checkpoint the trainer does not hold (the message names its directory and what it
   holds); a ``ValueError``, as a bad step is."""
+
+
+class CallState(enum.Enum):
+  """Where a worker stands between two calls, as far as their order is concerned.
+
+  ``update_owed`` and ``has_staged`` are the two facts the ``Worker`` reports;
+  ``STAGED_DISPATCHED`` is the remote worker's alone: the round trip of a deferred update also dispatched the
+  staged input (``apply_deferred_update``'s ``then_dispatch_staged``), whose receipt waits for the
+  ``fwd_bwd_staged`` that takes it.
+  """
+
+  READY = "ready"
+  STAGED = "staged"
+  UPDATE_OWED = "update owed"
+  UPDATE_OWED_STAGED = "update owed, input staged"
+  STAGED_DISPATCHED = "staged input dispatched with the update"
+
+  @property
+  def update_owed(self) -> bool:
+    return self in (CallState.UPDATE_OWED, CallState.UPDATE_OWED_STAGED)
+
+  @property
+  def has_staged(self) -> bool:
+    return self in (CallState.STAGED, CallState.UPDATE_OWED_STAGED, CallState.STAGED_DISPATCHED)
+
+
+class Call(enum.Enum):
+  """A worker call whose order the contract rules, one member per way it can change the ``CallState``.
+
+  The value is the call as its refusals name it (``method``).
+  """
+
+  FWD_BWD = "fwd_bwd"
+  FWD_BWD_DEFERRING = "fwd_bwd(defer_update=True)"
+  STAGE = "stage_fwd_bwd"
+  FWD_BWD_STAGED = "fwd_bwd_staged"
+  FWD_BWD_STAGED_DEFERRING = "fwd_bwd_staged(defer_update=True)"
+  FWD_BWD_STAGED_UPDATING = "fwd_bwd_staged(apply_optimizer=True)"
+  APPLY_DEFERRED_UPDATE = "apply_deferred_update"
+  APPLY_DEFERRED_UPDATE_THEN_STAGED = "apply_deferred_update(then_dispatch_staged=True)"
+  UPDATE = "update"
+  RESTORE_CHECKPOINT = "restore_checkpoint"
+
+  @property
+  def method(self) -> str:
+    """The worker method this call is."""
+    return self.value.partition("(")[0]
+
+  @staticmethod
+  def dispatch(*, staged: bool, apply_optimizer: bool, defer_update: bool) -> Call:
+    """The micro-batch dispatch with these options (``defer_update`` wins over ``apply_optimizer``, as it does
+    in the worker)."""
+    if not staged:
+      return Call.FWD_BWD_DEFERRING if defer_update else Call.FWD_BWD
+    if defer_update:
+      return Call.FWD_BWD_STAGED_DEFERRING
+    return Call.FWD_BWD_STAGED_UPDATING if apply_optimizer else Call.FWD_BWD_STAGED
+
+
+# Why a call is refused, in the words both workers have always used ({method}: the call's method).
+_OWED = "{method}: the previous step's update is still owed; call apply_deferred_update() first"
+_ALREADY_STAGED = "{method}: an input is already staged; dispatch it with fwd_bwd_staged() first"
+_NOTHING_STAGED = "{method}: nothing is staged; call stage_fwd_bwd(payload) first"
+_NOT_OWED = "{method}: no update is owed; defer one with fwd_bwd(..., defer_update=True)"
+_NOTHING_STAGED_TO_FOLLOW = ("{call}: nothing is staged, so the update was not applied either; stage an input first,"
+                             " or send then_dispatch_staged=false")
+_TAKE_THE_DISPATCHED = ("{method}: the staged input was already dispatched with the deferred update; take it with"
+                        " fwd_bwd_staged() first")
+_DISPATCHED_AS_IT_IS = ("{method}: the staged input went out with the deferred update as a step's first micro-batch;"
+                        " it cannot also apply or defer an update")
+
+_S = CallState
+#: Which call may follow which: per state, every ruled call leads to the next state or is refused with its
+#: reason. Calls not in ``Call`` (the reads, ``save_checkpoint``, the waits) are allowed in every state.
+ALLOWED_TRANSITIONS: Mapping[CallState, Mapping[Call, CallState | str]] = {
+    _S.READY: {
+        Call.FWD_BWD: _S.READY, Call.FWD_BWD_DEFERRING: _S.UPDATE_OWED, Call.STAGE: _S.STAGED,
+        Call.FWD_BWD_STAGED: _NOTHING_STAGED, Call.FWD_BWD_STAGED_DEFERRING: _NOTHING_STAGED,
+        Call.FWD_BWD_STAGED_UPDATING: _NOTHING_STAGED, Call.APPLY_DEFERRED_UPDATE: _NOT_OWED,
+        Call.APPLY_DEFERRED_UPDATE_THEN_STAGED: _NOTHING_STAGED_TO_FOLLOW, Call.UPDATE: _S.READY,
+        Call.RESTORE_CHECKPOINT: _S.READY,
+    },
+    _S.STAGED: {
+        Call.FWD_BWD: _S.STAGED, Call.FWD_BWD_DEFERRING: _S.UPDATE_OWED_STAGED, Call.STAGE: _ALREADY_STAGED,
+        Call.FWD_BWD_STAGED: _S.READY, Call.FWD_BWD_STAGED_DEFERRING: _S.UPDATE_OWED,
+        Call.FWD_BWD_STAGED_UPDATING: _S.READY, Call.APPLY_DEFERRED_UPDATE: _NOT_OWED,
+        Call.APPLY_DEFERRED_UPDATE_THEN_STAGED: _NOT_OWED, Call.UPDATE: _S.STAGED,
+        Call.RESTORE_CHECKPOINT: _S.READY,
+    },
+    _S.UPDATE_OWED: {
+        Call.FWD_BWD: _OWED, Call.FWD_BWD_DEFERRING: _OWED, Call.STAGE: _S.UPDATE_OWED_STAGED,
+        Call.FWD_BWD_STAGED: _NOTHING_STAGED, Call.FWD_BWD_STAGED_DEFERRING: _NOTHING_STAGED,
+        Call.FWD_BWD_STAGED_UPDATING: _NOTHING_STAGED, Call.APPLY_DEFERRED_UPDATE: _S.READY,
+        Call.APPLY_DEFERRED_UPDATE_THEN_STAGED: _NOTHING_STAGED_TO_FOLLOW, Call.UPDATE: _OWED,
+        Call.RESTORE_CHECKPOINT: _OWED,
+    },
+    _S.UPDATE_OWED_STAGED: {
+        Call.FWD_BWD: _OWED, Call.FWD_BWD_DEFERRING: _OWED, Call.STAGE: _ALREADY_STAGED,
+        Call.FWD_BWD_STAGED: _OWED, Call.FWD_BWD_STAGED_DEFERRING: _OWED, Call.FWD_BWD_STAGED_UPDATING: _OWED,
+        Call.APPLY_DEFERRED_UPDATE: _S.STAGED, Call.APPLY_DEFERRED_UPDATE_THEN_STAGED: _S.STAGED_DISPATCHED,
+        Call.UPDATE: _OWED, Call.RESTORE_CHECKPOINT: _OWED,
+    },
+    _S.STAGED_DISPATCHED: {
+        Call.FWD_BWD: _TAKE_THE_DISPATCHED, Call.FWD_BWD_DEFERRING: _TAKE_THE_DISPATCHED,
+        Call.STAGE: _ALREADY_STAGED, Call.FWD_BWD_STAGED: _S.READY,
+        Call.FWD_BWD_STAGED_DEFERRING: _DISPATCHED_AS_IT_IS, Call.FWD_BWD_STAGED_UPDATING: _DISPATCHED_AS_IT_IS,
+        Call.APPLY_DEFERRED_UPDATE: _NOT_OWED, Call.APPLY_DEFERRED_UPDATE_THEN_STAGED: _NOT_OWED,
+        Call.UPDATE: _TAKE_THE_DISPATCHED, Call.RESTORE_CHECKPOINT: _S.READY,
+    },
+}
+
+
+def next_call_state(state: CallState, call: Call) -> CallState:
+  """The state ``call`` leads to from ``state`` (``ALLOWED_TRANSITIONS``); it changes nothing itself.
+
+  Raises:
+    WorkerUsageError: ``call`` may not follow ``state``; the message says why and what to call instead.
+  """
+  outcome = ALLOWED_TRANSITIONS[state][call]
+  if isinstance(outcome, CallState):
+    return outcome
+  raise WorkerUsageError(outcome.format(method=call.method, call=call.value))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -92,10 +217,11 @@ class Worker(Protocol):
   """What the step loop drives: micro-batches, staged inputs, deferred updates and the boundary's reads.
 
   One caller drives a worker. Every call out of order raises
-  ``WorkerUsageError`` and changes nothing: a second ``stage_fwd_bwd`` with one
-  pending, ``fwd_bwd_staged`` with none, ``apply_deferred_update`` with no
-  update owed, a micro-batch of a new step while an update is still owed,
-  staging on an engine that cannot.
+  ``WorkerUsageError`` and changes nothing: which call may follow which is
+  ``ALLOWED_TRANSITIONS`` (a second ``stage_fwd_bwd`` with one pending,
+  ``fwd_bwd_staged`` with none, ``apply_deferred_update`` with no update owed,
+  a micro-batch of a new step while an update is still owed); staging on an
+  engine that cannot is refused too.
   """
 
   capabilities: WorkerCapabilities

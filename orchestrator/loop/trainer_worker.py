@@ -11,10 +11,11 @@ result types. The engine is checked against ``orchestrator.contract`` once, at c
 ``WeightSource`` and ``MemoryReportingEngine`` are optional and recorded in
 ``capabilities``.
 
-Misuse is an error, never silently absorbed (``WorkerUsageError``): a second
+Misuse is an error, never silently absorbed (``WorkerUsageError``): a call out
+of the order the contract's ``ALLOWED_TRANSITIONS`` allows (a second
 ``stage_fwd_bwd`` with one pending, ``fwd_bwd_staged`` with none,
 ``apply_deferred_update`` with no update owed, a micro-batch of a new step
-while an update is still owed, staging on an engine that cannot.
+while an update is still owed), staging on an engine that cannot.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from orchestrator.contract import (
     WorkerCapabilities,
     WorkerUsageError,
 )
+from orchestrator.contract.worker import Call, CallState, next_call_state
 
 __all__ = ["TrainerWorker", "WorkerUsageError", "WorkerCapabilities", "StageReceipt", "DeferredUpdate"]
 
@@ -61,22 +63,25 @@ class TrainerWorker:
         can_report_memory=(not contract.missing_methods(engine, contract.MemoryReportingEngine)
                            and engine.device_memory() is not None),
     )
-    self._staged: Any = None
-    self._update_owed = False
+    self._call_state = CallState.READY
+    self._staged: Any = None  # the prepared input while the call state has one staged
     self._step = 0
     self._micro = 0
 
-  # ---------------------------------------------------------------- state
+  @property
+  def call_state(self) -> CallState:
+    """Where the worker stands in the contract's ``ALLOWED_TRANSITIONS``."""
+    return self._call_state
+
   @property
   def update_owed(self) -> bool:
     """True between ``fwd_bwd(..., defer_update=True)`` and ``apply_deferred_update()``."""
-    return self._update_owed
+    return self._call_state.update_owed
 
   @property
   def has_staged(self) -> bool:
-    return self._staged is not None
+    return self._call_state.has_staged
 
-  # ---------------------------------------------------------------- micro-batches
   def fwd_bwd(self, payload: Any, apply_optimizer: bool = False, defer_update: bool = False) -> Receipt:
     """Runs one micro-batch from its payload; returns its receipt.
 
@@ -88,8 +93,11 @@ class TrainerWorker:
     Raises:
       WorkerUsageError: an update is still owed.
     """
-    self._check_no_update_owed("fwd_bwd")
-    return self._dispatch(payload, apply_optimizer, defer_update)
+    after = next_call_state(self._call_state, Call.dispatch(staged=False, apply_optimizer=apply_optimizer,
+                                                           defer_update=defer_update))
+    receipt = self._dispatch(payload, apply_optimizer, defer_update)
+    self._call_state = after
+    return receipt
 
   def stage_fwd_bwd(self, payload: Any) -> StageReceipt:
     """Prepares ``payload`` ahead (``prepare_fwd_bwd_input``) and keeps it; dispatches nothing.
@@ -105,11 +113,11 @@ class TrainerWorker:
       raise WorkerUsageError(
           f"stage_fwd_bwd: the engine lacks {', '.join(self.capabilities.missing_staging_methods)};"
           " check worker.capabilities.can_stage before staging")
-    if self._staged is not None:
-      raise WorkerUsageError("stage_fwd_bwd: an input is already staged; dispatch it with fwd_bwd_staged() first")
+    after = next_call_state(self._call_state, Call.STAGE)
     start = time.perf_counter()
     self._staged = self._engine.prepare_fwd_bwd_input(payload)
     end = time.perf_counter()
+    self._call_state = after
     held = getattr(self._staged, "bytes_per_device", None)
     return StageReceipt(stage_s=end - start, started_at=start, ended_at=end, prepared=self._staged,
                         staged_bytes_per_device=None if held is None else tuple(int(n) for n in held),
@@ -121,11 +129,13 @@ class TrainerWorker:
     Raises:
       WorkerUsageError: nothing is staged, or an update is still owed.
     """
-    if self._staged is None:
-      raise WorkerUsageError("fwd_bwd_staged: nothing is staged; call stage_fwd_bwd(payload) first")
-    self._check_no_update_owed("fwd_bwd_staged")
+    after = next_call_state(self._call_state, Call.dispatch(staged=True, apply_optimizer=apply_optimizer,
+                                                           defer_update=defer_update))
     staged, self._staged = self._staged, None
-    return self._dispatch(staged, apply_optimizer, defer_update)
+    self._call_state = next_call_state(self._call_state, Call.FWD_BWD_STAGED)  # spent even if the dispatch fails
+    receipt = self._dispatch(staged, apply_optimizer, defer_update)
+    self._call_state = after
+    return receipt
 
   def apply_deferred_update(self) -> DeferredUpdate:
     """Waits for the device (``wait_for_device``), then runs the owed ``update()``.
@@ -133,12 +143,10 @@ class TrainerWorker:
     Raises:
       WorkerUsageError: no update is owed.
     """
-    if not self._update_owed:
-      raise WorkerUsageError(
-          "apply_deferred_update: no update is owed; defer one with fwd_bwd(..., defer_update=True)")
+    after = next_call_state(self._call_state, Call.APPLY_DEFERRED_UPDATE)
     started = time.perf_counter()
     waited = self._engine.wait_for_device() if self.capabilities.can_stage else 0.0
-    self._update_owed = False
+    self._call_state = after
     return DeferredUpdate(device_wait_s=waited, wait_started_at=started, update=self._update())
 
   def update(self) -> Receipt:
@@ -147,8 +155,10 @@ class TrainerWorker:
     Raises:
       WorkerUsageError: an update is owed (use ``apply_deferred_update``).
     """
-    self._check_no_update_owed("update")
-    return self._update()
+    after = next_call_state(self._call_state, Call.UPDATE)
+    receipt = self._update()
+    self._call_state = after
+    return receipt
 
   def _update(self) -> Receipt:
     receipt = Receipt.coerce(self._engine.update(), kind="update", step=self._step, micro_step=-1)
@@ -159,17 +169,10 @@ class TrainerWorker:
     result = self._engine.fwd_bwd(x)
     receipt = Receipt.coerce(result, kind="fwd_bwd", step=self._step, micro_step=self._micro)
     self._micro += 1
-    if defer_update:
-      self._update_owed = True
-    elif apply_optimizer:
+    if apply_optimizer and not defer_update:
       receipt = dataclasses.replace(receipt, update=self._update())
     return receipt
 
-  def _check_no_update_owed(self, call: str) -> None:
-    if self._update_owed:
-      raise WorkerUsageError(f"{call}: the previous step's update is still owed; call apply_deferred_update() first")
-
-  # ---------------------------------------------------------------- what the program reads
   def sample_wait_floor(self, samples: int) -> list[float]:
     """``samples`` waits with nothing in flight (after one unscored call that may pay one-off costs).
 
@@ -223,10 +226,10 @@ class TrainerWorker:
 
   def restore_checkpoint(self, step: int | None = None) -> Mapping[str, Any]:
     """Restores the latest (or ``step``'s) checkpoint; drops a staged input; returns its metadata."""
-    self._check_no_update_owed("restore_checkpoint")
+    after = next_call_state(self._call_state, Call.RESTORE_CHECKPOINT)
     if not self.capabilities.can_checkpoint:
       raise WorkerUsageError("restore_checkpoint: the engine has no restore_checkpoint")
     metadata = self._engine.restore_checkpoint(step)
-    self._staged = None
+    self._staged, self._call_state = None, after
     self._step, self._micro = int(metadata.get("step", self._step)), 0
     return metadata

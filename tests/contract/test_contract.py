@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import numpy as np
@@ -10,12 +11,17 @@ import pytest
 from orchestrator.contract import (
     CheckpointingEngine, DeviceMemory, LiveSource, Receipt, RunSummary, SourceStateError, StagingEngine, StepMetrics,
     StepSource, StepTimings, TrainingEngine, WeightSource, Worker, live_part, missing_methods)
+from orchestrator.contract.worker import ALLOWED_TRANSITIONS, Call, CallState, WorkerUsageError, next_call_state
 from orchestrator.data.sources import IterableSteps, ReplaySteps, SyntheticSteps, as_step_source
 from orchestrator.data.synthetic import SyntheticRollouts
+from orchestrator.data.trajectory import Trajectory
 from orchestrator.live.rollouts import LiveRollouts
 from orchestrator.loop.program import ProgramConfig, RLProgram
 from orchestrator.loop.recorder import Lane
 from orchestrator.loop.trainer_worker import TrainerWorker
+from orchestrator.remote import client, wire
+from orchestrator.remote.refusals import Refused
+from orchestrator.remote.served_worker import ServedWorker
 from policies import Mode, StepBoundaryPolicy
 from tests.fakes import NoStagingEngine, RecordingEngine, payload_steps
 
@@ -171,6 +177,143 @@ def test_the_local_and_the_remote_worker_both_satisfy_the_worker_protocol():
   assert missing_methods(RemoteTrainerWorker, Worker) == ()
   assert isinstance(TrainerWorker(RecordingEngine()), Worker)
   assert not isinstance(RecordingEngine(), Worker)  # an engine is not a worker: no stage_fwd_bwd, no capabilities
+
+
+# One table of which call may follow which, held by the local worker, the remote one and its server.
+_INTO = {  # the calls that bring a worker into each state (a micro-batch first, so the server has one to update)
+    CallState.READY: (Call.FWD_BWD,),
+    CallState.STAGED: (Call.FWD_BWD, Call.STAGE),
+    CallState.UPDATE_OWED: (Call.FWD_BWD_DEFERRING,),
+    CallState.UPDATE_OWED_STAGED: (Call.FWD_BWD_DEFERRING, Call.STAGE),
+    CallState.STAGED_DISPATCHED: (Call.FWD_BWD_DEFERRING, Call.STAGE, Call.APPLY_DEFERRED_UPDATE_THEN_STAGED),
+}
+_TRAJECTORIES = [Trajectory(np.arange(3, dtype=np.int32), np.arange(2, dtype=np.int32), 0.5)]
+
+
+def _make(worker, call: Call) -> None:
+  """Makes ``call`` on ``worker`` (a remote worker of several micro-batches makes either apply_deferred_update as
+  the one its state calls for)."""
+  payload = _TRAJECTORIES
+  {Call.FWD_BWD: lambda: worker.fwd_bwd(payload),
+   Call.FWD_BWD_DEFERRING: lambda: worker.fwd_bwd(payload, defer_update=True),
+   Call.STAGE: lambda: worker.stage_fwd_bwd(payload),
+   Call.FWD_BWD_STAGED: worker.fwd_bwd_staged,
+   Call.FWD_BWD_STAGED_DEFERRING: lambda: worker.fwd_bwd_staged(defer_update=True),
+   Call.FWD_BWD_STAGED_UPDATING: lambda: worker.fwd_bwd_staged(apply_optimizer=True),
+   Call.APPLY_DEFERRED_UPDATE: worker.apply_deferred_update,
+   Call.APPLY_DEFERRED_UPDATE_THEN_STAGED: worker.apply_deferred_update,
+   Call.UPDATE: worker.update,
+   Call.RESTORE_CHECKPOINT: worker.restore_checkpoint}[call]()
+
+
+def _assert_the_worker_follows_the_table(make_worker, states, calls_in) -> None:
+  """From each state, each call: refused with the table's words and nothing changed, or led where it says."""
+  for state in states:
+    for call in calls_in(state):
+      worker = make_worker()
+      for into in _INTO[state]:
+        _make(worker, into)
+      assert worker.call_state is state
+      outcome = ALLOWED_TRANSITIONS[state][call]
+      if isinstance(outcome, CallState):
+        _make(worker, call)
+        assert worker.call_state is outcome, (state, call)
+      else:
+        with pytest.raises(WorkerUsageError) as excinfo:
+          _make(worker, call)
+        assert str(excinfo.value) == outcome.format(method=call.method, call=call.value), (state, call)
+        assert worker.call_state is state
+      assert (worker.update_owed, worker.has_staged) == (worker.call_state.update_owed, worker.call_state.has_staged)
+
+
+class _ServedInProcess:
+  """A remote worker's connection without the wire: every call is served by a ``ServedWorker`` over a recording
+  engine in this process, whose refusals come back as the connection turns them."""
+
+  def __init__(self, address, *, recipe_digest, token, limits, position):
+    self.served = ServedWorker(RecordingEngine)
+    self.hello = {"capabilities": dataclasses.asdict(self.served.capabilities)}
+    self.offset_s = self.offset_error_s = 0.0
+    self.methods: list[str] = []
+
+  def call(self, header, parts=None):
+    header, arrays = wire.decode(b"".join(parts if parts is not None else wire.encode_parts(header)))
+    self.methods.append(header["method"])
+    try:
+      return wire.decode(self.served.call(header["method"], header, arrays))
+    except Refused as refusal:
+      raise WorkerUsageError(refusal.message.removeprefix("WorkerUsageError: ")) from None
+
+  def receipt(self, data):
+    return None if data is None else Receipt(
+        kind=data["kind"], step=data["step"], micro_step=data["micro_step"], ready=None, dispatched_at=0.0,
+        update=self.receipt(data["update"]))
+
+
+@pytest.fixture
+def remote_worker(monkeypatch):
+  """Builds remote workers whose trainer is served in this process."""
+  monkeypatch.setattr(client, "TrainerConnection", _ServedInProcess)
+  return lambda micro_batches_per_step=1: client.RemoteTrainerWorker(
+      "in-process:0", recipe_digest="fake", micro_batches_per_step=micro_batches_per_step)
+
+
+def test_the_call_table_rules_every_call_in_every_state():
+  assert set(ALLOWED_TRANSITIONS) == set(CallState)
+  assert all(set(calls) == set(Call) for calls in ALLOWED_TRANSITIONS.values())
+  with pytest.raises(WorkerUsageError, match="^fwd_bwd: the previous step's update is still owed; call apply_def"):
+    next_call_state(CallState.UPDATE_OWED, Call.FWD_BWD_DEFERRING)
+  assert next_call_state(CallState.UPDATE_OWED, Call.STAGE) is CallState.UPDATE_OWED_STAGED
+
+
+_LOCAL_STATES = [s for s in CallState if s is not CallState.STAGED_DISPATCHED]
+
+
+def _one_update_call(state: CallState) -> list[Call]:
+  return [c for c in Call if c is not Call.APPLY_DEFERRED_UPDATE_THEN_STAGED]
+
+
+def test_the_local_worker_follows_the_call_table():
+  _assert_the_worker_follows_the_table(lambda: TrainerWorker(RecordingEngine()), _LOCAL_STATES, _one_update_call)
+
+
+def test_the_remote_worker_follows_the_call_table_and_refuses_before_a_round_trip(remote_worker):
+  _assert_the_worker_follows_the_table(remote_worker, _LOCAL_STATES, _one_update_call)
+
+  def with_the_update_its_state_calls_for(state):  # several micro-batches: a staged input goes with the update
+    skip = Call.APPLY_DEFERRED_UPDATE if state.has_staged else Call.APPLY_DEFERRED_UPDATE_THEN_STAGED
+    return [c for c in Call if c is not skip]
+
+  _assert_the_worker_follows_the_table(lambda: remote_worker(2), list(CallState), with_the_update_its_state_calls_for)
+  worker = remote_worker()
+  worker.fwd_bwd(_TRAJECTORIES, defer_update=True)
+  sent = list(worker._connection.methods)
+  with pytest.raises(WorkerUsageError, match="still owed"):
+    worker.fwd_bwd(_TRAJECTORIES)
+  assert worker._connection.methods == sent  # refused here: nothing went to the trainer
+
+
+def test_the_server_refuses_a_call_out_of_order_by_the_same_table(remote_worker):
+  """A client that skips the table (any gRPC caller) meets it on the server, in the same words."""
+  served = remote_worker()._connection.served
+  for header, outcome in (({"method": "fwd_bwd_staged"}, ALLOWED_TRANSITIONS[CallState.READY][Call.FWD_BWD_STAGED]),
+                          ({"method": "apply_deferred_update", "then_dispatch_staged": True},
+                           ALLOWED_TRANSITIONS[CallState.READY][Call.APPLY_DEFERRED_UPDATE_THEN_STAGED])):
+    with pytest.raises(Refused) as excinfo:
+      served.call(header["method"], header, {})
+    call = Call.APPLY_DEFERRED_UPDATE_THEN_STAGED if "then_dispatch_staged" in header else Call.FWD_BWD_STAGED
+    assert excinfo.value.message == "WorkerUsageError: " + outcome.format(method=call.method, call=call.value)
+  assert wire.decode(served.call("state_digest", {}, {}))[0]["digest"] == "state-0"  # nothing changed
+
+
+def test_a_call_the_table_allows_is_taken_by_every_worker(monkeypatch, remote_worker):
+  """Negative control: allow a micro-batch while an update is owed, and the local worker, the remote one and its
+  server all take it, so none of them keeps a rule of its own."""
+  monkeypatch.setitem(ALLOWED_TRANSITIONS[CallState.UPDATE_OWED], Call.FWD_BWD, CallState.UPDATE_OWED)
+  for worker in (TrainerWorker(RecordingEngine()), remote_worker()):
+    worker.fwd_bwd(_TRAJECTORIES, defer_update=True)
+    worker.fwd_bwd(_TRAJECTORIES)
+    assert worker.call_state is CallState.UPDATE_OWED
 
 
 @pytest.mark.parametrize("source_class", [SyntheticSteps, ReplaySteps, IterableSteps, LiveRollouts],

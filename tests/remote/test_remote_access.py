@@ -271,10 +271,10 @@ def test_a_step_that_is_no_number_and_metadata_that_is_no_object_are_refused_as_
     with pytest.raises(ValueError, match="save_checkpoint: metadata must be a JSON object, not list"):
       worker._call({"method": "save_checkpoint", "metadata": [1, 2]})  # pylint: disable=protected-access
     assert worker.state_digest() == before and sorted(served.checkpoints.iterdir()) == checkpoints
-    call = worker._channel.stream_stream(f"/{protocol.SERVICE}/Invoke")  # pylint: disable=protected-access
+    call = worker._connection.channel.stream_stream(f"/{protocol.SERVICE}/Invoke")  # pylint: disable=protected-access
     with pytest.raises(grpc.RpcError) as excinfo:
       list(call(wire.chunks(wire.encode({"method": "restore_checkpoint", "step": "../x/4"})), timeout=60,
-                metadata=worker._metadata()))  # pylint: disable=protected-access
+                metadata=worker._connection.metadata()))  # pylint: disable=protected-access
     assert excinfo.value.code() == grpc.StatusCode.INVALID_ARGUMENT
   finally:
     worker.close()

@@ -21,7 +21,8 @@ from orchestrator.contract import WorkerUsageError
 from orchestrator.data.synthetic import SyntheticRollouts
 from orchestrator.remote import protocol, wire
 from orchestrator.remote.client import RemoteTrainerWorker, TrainerLostError, TrainerRefusedError
-from orchestrator.remote.server import _REQUEST_CHECKS, TrainerService, start_server
+from orchestrator.remote.requests import REQUEST_CHECKS
+from orchestrator.remote.server import TrainerService, start_server
 from tests.fakes import RecordingEngine
 
 pytestmark = pytest.mark.engine
@@ -72,7 +73,7 @@ def _metadata(session: str | None, token: str | None = TOKEN) -> list[tuple[str,
 
 
 def _session_of(worker: RemoteTrainerWorker) -> str:
-  return dict(worker._metadata())[protocol.SESSION_HEADER]
+  return dict(worker._connection.metadata())[protocol.SESSION_HEADER]
 
 
 def _raw_invoke(address: str, message, *, session: str | None, token: str | None = TOKEN):
@@ -136,9 +137,9 @@ def _every_request(rollouts) -> dict[str, list]:
       "rig_begin_arm": wire.encode_parts({"method": "rig_begin_arm", "fault": None}),
       "wait_ready": wire.encode_parts({"method": "wait_ready", "id": 1, "timeout_s": 1}),
   }
-  for method in _REQUEST_CHECKS:
+  for method in REQUEST_CHECKS:
     requests.setdefault(method, wire.encode_parts({"method": method}))
-  assert set(requests) == set(_REQUEST_CHECKS)  # every method the server knows is tried
+  assert set(requests) == set(REQUEST_CHECKS)  # every method the server knows is tried
   return requests
 
 
