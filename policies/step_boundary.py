@@ -87,7 +87,7 @@ from collections.abc import Iterable, Sequence
 from policies.calibration import CalibrationRule, WaitThreshold
 from policies.headroom import DeviceHeadroom, HeadroomRule, MemoryGate
 from policies.low_waits import LowWaitStreak
-from policies.units import format_bytes, format_seconds  # noqa: F401  (callers import them from here too)
+from policies.units import format_seconds  # noqa: F401  (callers import it from here too)
 
 log = logging.getLogger("step_boundary.policy")
 
