@@ -154,16 +154,16 @@ class JaxTrainingEngine:
     else:
       prepared = self._inputs.prepare(payload_or_prepared, self.engine_id)
       mapping_s, placement_s = prepared.mapping_s, prepared.placement_s
-    waited_before, step = self._host_wait_s, self._in_progress
+    waited_before, current = self._host_wait_s, self._in_progress
     self._resolve_overflow_check()
     name = "accumulate_dropless" if dropless else "accumulate"
-    total, overflow = self._dispatch_accumulate(name, prepared.arrays, step.micro)
+    total, overflow = self._dispatch_accumulate(name, prepared.arrays, current.micro)
     if self.rerun_dropped and not dropless:
-      step.pending_check = PendingOverflowCheck(step.micro, overflow, prepared.arrays)
-    receipt = Receipt(kind=name.replace("accumulate", "fwd_bwd"), step=self._step, micro_step=step.micro,
+      current.pending_check = PendingOverflowCheck(current.micro, overflow, prepared.arrays)
+    receipt = Receipt(kind=name.replace("accumulate", "fwd_bwd"), step=self._step, micro_step=current.micro,
                       ready=total, dispatched_at=time.perf_counter(), mapping_s=mapping_s, placement_s=placement_s,
                       host_wait_s=self._host_wait_s - waited_before)
-    step.micro += 1
+    current.micro += 1
     self._total_micro += 1
     if apply_optimizer:
       self.update()
