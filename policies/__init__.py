@@ -1,11 +1,11 @@
 """Step-boundary policies: a pure state machine fed with measurements (no JAX)."""
 
+from policies.calibration import CalibrationRule, WaitThreshold
 from policies.call_order import Action, boundary_actions
+from policies.headroom import DeviceHeadroom, HeadroomRule, MemoryGate
+from policies.low_waits import LowWaitStreak
 from policies.step_boundary import (
     BoundaryPlan,
-    CalibrationRule,
-    DeviceHeadroom,
-    HeadroomRule,
     Mode,
     ModeFlags,
     MODE_TABLE,
@@ -23,6 +23,8 @@ __all__ = [
     "CalibrationRule",
     "DeviceHeadroom",
     "HeadroomRule",
+    "LowWaitStreak",
+    "MemoryGate",
     "Mode",
     "ModeFlags",
     "MODE_TABLE",
@@ -31,4 +33,5 @@ __all__ = [
     "StagingUnsupportedError",
     "StepBoundaryPolicy",
     "Transition",
+    "WaitThreshold",
 ]

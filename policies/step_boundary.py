@@ -82,31 +82,14 @@ from __future__ import annotations
 import dataclasses
 import enum
 import logging
-import math
 from collections.abc import Iterable, Sequence
 
+from policies.calibration import CalibrationRule, WaitThreshold
+from policies.headroom import DeviceHeadroom, HeadroomRule, MemoryGate
+from policies.low_waits import LowWaitStreak
+from policies.units import format_seconds  # noqa: F401  (callers import it from here too)
+
 log = logging.getLogger("step_boundary.policy")
-
-
-def format_seconds(x: float | None) -> str:
-  """Seconds in the unit that keeps them readable (µs, ms or s)."""
-  if x is None:
-    return "-"
-  if abs(x) < 1e-3:
-    return f"{x * 1e6:.1f} µs"
-  if abs(x) < 1:
-    return f"{x * 1e3:.2f} ms"
-  return f"{x:.3f} s"
-
-
-def format_bytes(n: int | None) -> str:
-  """Bytes in the binary unit that keeps them readable (B, KiB, MiB, GiB)."""
-  if n is None:
-    return "-"
-  for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-    if abs(n) >= size:
-      return f"{n / size:.2f} {unit}"
-  return f"{n} B"
 
 
 class Mode(enum.Enum):
@@ -254,60 +237,6 @@ class PolicyReport:
 
 
 @dataclasses.dataclass(frozen=True)
-class CalibrationRule:
-  rel_margin: float = 0.1
-  abs_margin_s: float = 0.002
-
-  def threshold(self, floor_max_s: float) -> float:
-    return max(floor_max_s * (1 + self.rel_margin), floor_max_s + self.abs_margin_s)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class DeviceHeadroom:
-  """What a stage would have room for, as the devices report it when a boundary is planned.
-
-  Attributes:
-    free_bytes: the least free memory of any device (its limit less what is in use; over every
-      process of a job).
-    input_bytes: what one staged micro-batch's input holds on one device (the most on any device).
-  """
-
-  free_bytes: int
-  input_bytes: int
-
-
-@dataclasses.dataclass(frozen=True)
-class HeadroomRule:
-  """The free device memory a stage needs under ``min_free_device_bytes="auto"``: the staged input's own
-  bytes and a margin of ``rel_margin`` of them, at least ``abs_margin_bytes`` (allocator rounding and
-  fragmentation, and the small buffers the next dispatch allocates)."""
-
-  rel_margin: float = 0.1
-  abs_margin_bytes: int = 64 << 20
-
-  def required_bytes(self, input_bytes: int, setting: int | str = "auto") -> int:
-    """The free bytes a stage of ``input_bytes`` per device needs under ``setting`` (a number is itself)."""
-    if setting != "auto":
-      return int(setting)
-    return input_bytes + max(math.ceil(input_bytes * self.rel_margin), self.abs_margin_bytes)
-
-
-def checked_min_free(value: int | str) -> int | str:
-  """``min_free_device_bytes`` as given, once it is ``"auto"`` or a whole number of bytes >= 0."""
-  if value != "auto" and not (type(value) is int and value >= 0):
-    raise ValueError(f"min_free_device_bytes must be 'auto' or a whole number of bytes >= 0 (0: no memory gate),"
-                     f" got {value!r}")
-  return value
-
-
-def no_headroom_reason(headroom: DeviceHeadroom, required_bytes: int, setting: int | str) -> str:
-  """The plan reason of a stage refused for memory, with its numbers."""
-  return (f"no_memory_headroom: {format_bytes(headroom.free_bytes)} free on the fullest device, below the"
-          f" {format_bytes(required_bytes)} a stage needs (min_free_device_bytes={setting}; the staged input"
-          f" holds {format_bytes(headroom.input_bytes)} per device)")
-
-
-@dataclasses.dataclass(frozen=True)
 class Observation:
   """What the policy made of one staged boundary's measurements."""
 
@@ -319,8 +248,19 @@ class Observation:
   transition: Transition | None
 
 
+#: Every event the policy counts, by name (the transition table at the top says when each happens); a resumed
+#: run's counters are the saved ones.
+COUNTED_EVENTS = ("unsupported_engine", "auto_disable", "reprobe_enabled", "reprobe_failed", "stage_outlasted_compute",
+                  "excluded_boundaries", "staged_boundaries", "probes", "next_not_ready", "rollout_waits",
+                  "no_memory_headroom")
+
+
 class StepBoundaryPolicy:
   """Plans each step boundary and turns staging off when it stops paying.
+
+  It holds the mode and applies the transition table at the top (``_apply``); what it judges by is held by
+  one part each: the low-wait threshold (``WaitThreshold``: calibration), the low-wait streak and re-probe
+  schedule (``LowWaitStreak``: measurements) and the memory gate (``MemoryGate``: headroom).
 
   Args:
     mode: the requested mode (``Mode`` or its name).
@@ -349,40 +289,14 @@ class StepBoundaryPolicy:
                engine_missing: Sequence[str] = ("prepare_fwd_bwd_input", "wait_for_device"),
                min_free_device_bytes: int | str = "auto", headroom_rule: HeadroomRule = HeadroomRule()):
     self.requested_mode = Mode.parse(mode)
-    if disable_after < 1:
-      raise ValueError(f"disable_after must be >= 1, got {disable_after}")
-    if reprobe_every is not None and reprobe_every < 1:
-      raise ValueError(f"reprobe_every must be >= 1 or None, got {reprobe_every}")
-    if wait_threshold_s is not None and not (wait_threshold_s >= 0 and math.isfinite(wait_threshold_s)):
-      raise ValueError(f"wait_threshold_s must be a finite number >= 0, got {wait_threshold_s}")
-    self.min_free_device_bytes, self.headroom_rule = checked_min_free(min_free_device_bytes), headroom_rule
-    self.disable_after = disable_after
-    self.reprobe_every = reprobe_every
+    self._streak = LowWaitStreak(disable_after=disable_after, reprobe_every=reprobe_every)
+    self._wait_threshold = WaitThreshold(wait_threshold_s, calibration)
+    self._memory_gate = MemoryGate(min_free_device_bytes, headroom_rule)
     self.excluded_steps = frozenset(int(s) for s in excluded_steps)
-    self.calibration = calibration
-    self.pinned_threshold = wait_threshold_s is not None
-    self._threshold_s = wait_threshold_s
-    self.floor_samples: tuple[float, ...] = ()
     self.mode = self.requested_mode
     self.reason = "requested"
     self.history: list[Transition] = []
-    self.counters: dict[str, int] = {
-        "unsupported_engine": 0,
-        "auto_disable": 0,
-        "reprobe_enabled": 0,
-        "reprobe_failed": 0,
-        "stage_outlasted_compute": 0,
-        "excluded_boundaries": 0,
-        "staged_boundaries": 0,
-        "probes": 0,
-        "next_not_ready": 0,
-        "rollout_waits": 0,
-        "no_memory_headroom": 0,
-    }
-    self._low_waits: list[float] = []
-    self._disabled_at: int | None = None
-    self._probe_used = False
-    self._reported_low = False
+    self.counters: dict[str, int] = dict.fromkeys(COUNTED_EVENTS, 0)
     if self.requested_mode.staged and not engine_can_stage:
       missing = ", ".join(engine_missing)
       if require_staging:
@@ -399,19 +313,24 @@ class StepBoundaryPolicy:
           " falling back to PIPELINED (the boundary is still pipelined, nothing is staged)",
       )
 
-  # ------------------------------------------------------------------ state
   @property
   def threshold_s(self) -> float | None:
-    return self._threshold_s
+    """The low-wait threshold (None: not calibrated yet, waits not judged)."""
+    return self._wait_threshold.threshold_s
+
+  @property
+  def floor_samples(self) -> tuple[float, ...]:
+    """The wait-floor samples of the last ``calibrate`` (() before one)."""
+    return self._wait_threshold.floor_samples
 
   @property
   def auto_disabled(self) -> bool:
-    return self._disabled_at is not None
+    return self._streak.disabled_at is not None
 
   @property
   def gates_on_memory(self) -> bool:
     """Whether a ``DeviceHeadroom`` given to ``plan`` can refuse a stage (``min_free_device_bytes`` is not 0)."""
-    return self.min_free_device_bytes != 0
+    return self._memory_gate.gates
 
   def _apply(self, step: int | None, to_mode: Mode, kind: str, reason: str) -> Transition:
     """The one place the mode changes: records, counts and logs the transition."""
@@ -428,20 +347,20 @@ class StepBoundaryPolicy:
     return PolicyReport(requested_mode=self.requested_mode, final_mode=self.mode,
                         auto_disables=self.counters.get("auto_disable", 0), transitions=tuple(self.history),
                         counters=dict(self.counters), threshold_s=self.threshold_s,
-                        wait_floor_max_s=max(self.floor_samples) if self.floor_samples else None)
+                        wait_floor_max_s=self._wait_threshold.floor_max_s)
 
-  # ------------------------------------------------------------------ saving and restoring
   def state_dict(self) -> dict:
     """Everything the policy learned during a run, JSON-able (saved with each checkpoint).
 
     The settings (requested mode, thresholds given, ``disable_after``, ...)
     come from the recipe and are not part of it.
     """
+    streak = self._streak
     return {
-        "mode": self.mode.value, "reason": self.reason, "threshold_s": self._threshold_s,
-        "floor_samples": list(self.floor_samples), "low_waits": list(self._low_waits),
-        "counters": dict(self.counters), "disabled_at": self._disabled_at, "probe_used": self._probe_used,
-        "reported_low": self._reported_low,
+        "mode": self.mode.value, "reason": self.reason, "threshold_s": self.threshold_s,
+        "floor_samples": list(self.floor_samples), "low_waits": list(streak.waits_s),
+        "counters": dict(self.counters), "disabled_at": streak.disabled_at, "probe_used": streak.probe_used,
+        "reported_low": streak.reported,
         "history": [{"step": t.step, "from_mode": t.from_mode.value, "to_mode": t.to_mode.value,
                      "kind": t.kind, "reason": t.reason} for t in self.history],
     }
@@ -452,45 +371,27 @@ class StepBoundaryPolicy:
     Raises:
       ValueError: the state is not one this policy wrote (names the key).
     """
+    streak = self._streak
     try:
       self.mode, self.reason = Mode.parse(state["mode"]), str(state["reason"])
-      self._threshold_s = None if state["threshold_s"] is None else float(state["threshold_s"])
-      self.floor_samples = tuple(float(x) for x in state["floor_samples"])
-      self._low_waits = [float(x) for x in state["low_waits"]]
+      self._wait_threshold.restore(state["threshold_s"], state["floor_samples"])
+      streak.waits_s = [float(x) for x in state["low_waits"]]
       self.counters = {str(k): int(v) for k, v in state["counters"].items()}
-      self._disabled_at = None if state["disabled_at"] is None else int(state["disabled_at"])
-      self._probe_used, self._reported_low = bool(state["probe_used"]), bool(state["reported_low"])
+      streak.disabled_at = None if state["disabled_at"] is None else int(state["disabled_at"])
+      streak.probe_used, streak.reported = bool(state["probe_used"]), bool(state["reported_low"])
       self.history = [Transition(h["step"], Mode.parse(h["from_mode"]), Mode.parse(h["to_mode"]), h["kind"],
                                  h["reason"]) for h in state["history"]]
     except (KeyError, TypeError, ValueError, AttributeError) as e:
       raise ValueError(f"policy state cannot be restored: {type(e).__name__}: {e}") from None
 
-  # ------------------------------------------------------------------ calibration
   def calibrate(self, floor_samples: Sequence[float]) -> float | None:
-    """Sets the low-wait threshold from wait-floor samples; returns it.
-
-    A pinned threshold is kept (the samples are still stored for reports).
+    """Sets the low-wait threshold from wait-floor samples (a pinned one is kept); returns it.
 
     Raises:
       ValueError: no samples, or a negative or non-finite one.
     """
-    samples = tuple(float(s) for s in floor_samples)
-    if not samples:
-      raise ValueError("calibrate needs at least one wait-floor sample")
-    bad = [s for s in samples if not (s >= 0 and math.isfinite(s))]
-    if bad:
-      raise ValueError(f"wait-floor samples must be finite and >= 0, got {bad[:3]}")
-    self.floor_samples = samples
-    if not self.pinned_threshold:
-      self._threshold_s = self.calibration.threshold(max(samples))
-    log.info(
-        "[policy] wait floor max %s over %d samples; low-wait threshold %s (%s)",
-        format_seconds(max(samples)), len(samples), format_seconds(self._threshold_s),
-        "pinned" if self.pinned_threshold else "calibrated",
-    )
-    return self._threshold_s
+    return self._wait_threshold.calibrate(floor_samples)
 
-  # ------------------------------------------------------------------ plans
   def plan(self, step: int, *, next_ready: bool = True, next_sampled: bool | None = None,
            headroom: DeviceHeadroom | None = None) -> BoundaryPlan:
     """What to do at the boundary after ``step``.
@@ -507,7 +408,7 @@ class StepBoundaryPolicy:
     mode = self.mode
     if mode is Mode.OFF:
       return BoundaryPlan.for_mode(step, mode, reason="pipelining off")
-    probe = mode is Mode.PIPELINED and self._probe_due(step)
+    probe = mode is Mode.PIPELINED and self._streak.probe_due(step)
     if not next_ready and (mode.staged or probe):
       self.counters["next_not_ready"] += 1
       return BoundaryPlan.unstaged(step, mode,
@@ -517,40 +418,25 @@ class StepBoundaryPolicy:
     if mode.staged and step in self.excluded_steps:
       self.counters["excluded_boundaries"] += 1
       return BoundaryPlan.unstaged(step, mode, reason="boundary excluded by the recipe")
-    if headroom is not None and self.gates_on_memory:
-      required = self.headroom_rule.required_bytes(headroom.input_bytes, self.min_free_device_bytes)
-      if headroom.free_bytes < required:  # counted, logged (a warning the first time), pipelined; the mode stays
-        self.counters["no_memory_headroom"] = self.counters.get("no_memory_headroom", 0) + 1
-        reason = no_headroom_reason(headroom, required, self.min_free_device_bytes)
-        log.log(logging.WARNING if self.counters["no_memory_headroom"] == 1 else logging.INFO,
-                "[policy] step %d: %s; pipelined instead", step, reason)
-        return BoundaryPlan.unstaged(step, mode, reason=reason)
+    refusal = self._memory_gate.refusal(headroom)
+    if refusal is not None:  # counted, logged (a warning the first time), pipelined; the mode stays
+      self.counters["no_memory_headroom"] = self.counters.get("no_memory_headroom", 0) + 1
+      log.log(logging.WARNING if self.counters["no_memory_headroom"] == 1 else logging.INFO,
+              "[policy] step %d: %s; pipelined instead", step, refusal)
+      return BoundaryPlan.unstaged(step, mode, reason=refusal)
     if probe:
-      self._probe_used = True
+      self._streak.probe_used = True
       self.counters["probes"] += 1
       return BoundaryPlan.for_mode(step, mode, staged_as=self.requested_mode, probe=True,
-                                   reason=f"re-probe {self.reprobe_every} boundaries after auto-disable")
+                                   reason=f"re-probe {self._streak.reprobe_every} boundaries after auto-disable")
     self.counters["staged_boundaries"] += 1
     if stage_order(mode, next_sampled) is not mode:
       self.counters["staged_after_update_for_rollouts"] = self.counters.get("staged_after_update_for_rollouts", 0) + 1
       return BoundaryPlan.for_mode(step, mode, staged_as=stage_order(mode, next_sampled), reason=UPDATE_FIRST_REASON)
     return BoundaryPlan.for_mode(step, mode, reason=self.reason)
 
-  def _probe_due(self, step: int) -> bool:
-    return (self._disabled_at is not None and self.reprobe_every is not None and not self._probe_used
-            and step - self._disabled_at >= self.reprobe_every)
-
-  # ------------------------------------------------------------------ measurements
-  def observe(
-      self,
-      step: int,
-      *,
-      stage_s: float,
-      device_wait_s: float,
-      probe: bool = False,
-      update_delay_s: float | None = None,
-      rollout_wait_s: float = 0.0,
-  ) -> Observation:
+  def observe(self, step: int, *, stage_s: float, device_wait_s: float, probe: bool = False,
+              update_delay_s: float | None = None, rollout_wait_s: float = 0.0) -> Observation:
     """Feeds one staged boundary's stage seconds and device wait; may change the mode.
 
     ``update_delay_s``, when the caller knows it (from completion times), is how
@@ -559,56 +445,47 @@ class StepBoundaryPolicy:
     says the stage first waited for the next step's rollouts: a low device wait
     then says nothing about staging, and the boundary is not judged.
     """
-    threshold = self._threshold_s
+    streak, threshold = self._streak, self.threshold_s
     if rollout_wait_s > 0 and not probe:
       self.counters["rollout_waits"] += 1
-      return Observation(step, stage_s, device_wait_s, None, len(self._low_waits), None)
-    low = None if threshold is None else device_wait_s < threshold
-    transition = None
+      return Observation(step, stage_s, device_wait_s, None, len(streak.waits_s), None)
+    low = self._wait_threshold.is_low(device_wait_s)
     if probe:
-      if low:
-        transition = self._apply(
-            step, Mode.PIPELINED, "reprobe_failed",
-            f"re-probe wait {device_wait_s:.6f} s still below {threshold:.6f} s; staging stays off",
-        )
-      else:
-        self._disabled_at = None
-        self._low_waits = []
-        transition = self._apply(
-            step, self.requested_mode, "reprobe_enabled",
-            f"re-probe wait {device_wait_s:.6f} s is above {threshold:.6f} s; staging back on",
-        )
-      return Observation(step, stage_s, device_wait_s, low, len(self._low_waits), transition)
+      transition = self._observe_probe(step, device_wait_s, low)
+      return Observation(step, stage_s, device_wait_s, low, len(streak.waits_s), transition)
     if not self.mode.staged or low is None:
-      return Observation(step, stage_s, device_wait_s, low, len(self._low_waits), None)
+      return Observation(step, stage_s, device_wait_s, low, len(streak.waits_s), None)
     if not low:
-      self._low_waits = []
+      streak.end()
       return Observation(step, stage_s, device_wait_s, False, 0, None)
-    self._low_waits.append(device_wait_s)
-    if len(self._low_waits) >= self.disable_after:
-      waits = ", ".join(f"{w:.6f}" for w in self._low_waits)
-      self._disabled_at = step
-      self._probe_used = False
+    if streak.extend(device_wait_s):
+      waits = streak.disable(step)
       transition = self._apply(
           step, Mode.PIPELINED, "auto_disable",
-          f"{len(self._low_waits)} staged boundaries in a row had device waits [{waits}] s"
+          f"{len(waits)} staged boundaries in a row had device waits [{', '.join(f'{w:.6f}' for w in waits)}] s"
           f" below the threshold {threshold:.6f} s: the stage ({stage_s:.6f} s last time)"
           " outlasted the last micro-batch, so staging is off for the run",
       )
-      count = len(self._low_waits)
-      self._low_waits = []
-      return Observation(step, stage_s, device_wait_s, True, count, transition)
+      return Observation(step, stage_s, device_wait_s, True, len(waits), transition)
     self.counters["stage_outlasted_compute"] += 1
-    level = logging.INFO if self._reported_low else logging.WARNING
-    self._reported_low = True
-    delay = (
-        f"about {update_delay_s:.6f} s" if update_delay_s is not None else f"at most {stage_s:.6f} s"
-    )
+    level = logging.INFO if streak.reported else logging.WARNING
+    streak.reported = True
+    delay = f"about {update_delay_s:.6f} s" if update_delay_s is not None else f"at most {stage_s:.6f} s"
     log.log(
         level,
         "[policy] step %d: the stage (%.6f s) outlasted the last micro-batch and delayed"
         " the update by %s (device wait %.6f s < threshold %.6f s; %d of %d low waits"
         " before staging turns off)",
-        step, stage_s, delay, device_wait_s, threshold, len(self._low_waits), self.disable_after,
+        step, stage_s, delay, device_wait_s, threshold, len(streak.waits_s), streak.disable_after,
     )
-    return Observation(step, stage_s, device_wait_s, True, len(self._low_waits), None)
+    return Observation(step, stage_s, device_wait_s, True, len(streak.waits_s), None)
+
+  def _observe_probe(self, step: int, device_wait_s: float, low: bool | None) -> Transition:
+    """A re-probe's verdict: staging back on unless its wait was low too."""
+    threshold = self.threshold_s
+    if low:
+      return self._apply(step, Mode.PIPELINED, "reprobe_failed",
+                         f"re-probe wait {device_wait_s:.6f} s still below {threshold:.6f} s; staging stays off")
+    self._streak.enable()
+    return self._apply(step, self.requested_mode, "reprobe_enabled",
+                       f"re-probe wait {device_wait_s:.6f} s is above {threshold:.6f} s; staging back on")

@@ -3,10 +3,13 @@
 It implements ``orchestrator.contract.StagingEngine``, ``CheckpointingEngine``,
 ``WeightSource`` and ``MemoryReportingEngine``; the contract's docstrings are
 its specification. Sibling
-modules hold the rest: the input path (``inputs``, with each process's block
-of a micro-batch in a job of several), the step math (``step_math``), checkpoints
-(``checkpointing``), digests and compile counting (``diagnostics``), the
-in-flight bound (``throttler``), packing (``orchestrator.data.packing``).
+modules hold the rest: the device state and what each program replaces
+(``training_state``), the step in progress and its metrics (``step_record``),
+the input path (``inputs``, with each process's block of a micro-batch in a job
+of several), the programs (``programs``) and their math (``step_math``),
+checkpoints (``checkpointing``), digests and compile counting
+(``diagnostics``), the in-flight bound (``throttler``), packing
+(``orchestrator.data.packing``).
 
 How the hot path stays asynchronous: every input — a payload or a prepared
 input — reaches the compiled step the same way (``prepare_fwd_bwd_input``:
@@ -34,26 +37,24 @@ import numpy as np
 import optax
 
 from orchestrator.contract import DeviceMemory, NoCheckpointError, Receipt, StepMetrics
-from orchestrator.data import packing
 from orchestrator.data.trajectory import Trajectory
 from orchestrator.engine import mesh as mesh_lib
-from orchestrator.engine import model as model_lib
 from orchestrator.engine.inputs import MicroBatchInputs, PreparedFwdBwdInput
 from orchestrator.engine.placement import allocator_stats
 from orchestrator.engine.programs import StepPrograms
 from orchestrator.engine.checkpointing import Checkpointer
-from orchestrator.engine.diagnostics import backend_compile_count, tree_digest
+from orchestrator.engine.diagnostics import backend_compile_count
 from orchestrator.engine.loss import LossConfig
 from orchestrator.engine.options import EngineOptions
 from orchestrator.engine.presets import ModelPreset, load_preset
+from orchestrator.engine.step_record import FinishedStep, PendingOverflowCheck, StepInProgress
 from orchestrator.engine.throttler import InflightThrottler
+from orchestrator.engine.training_state import TrainingState, device_copy
 
 __all__ = ["JaxTrainingEngine", "PreparedFwdBwdInput", "EngineSnapshot", "build_engine",
            "backend_compile_count"]
 
 _engine_ids = itertools.count(1)
-# On-device copies (snapshots): one jitted function, so repeated snapshots do not recompile.
-_copy_tree = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))
 log = logging.getLogger("step_boundary.engine")
 
 
@@ -67,82 +68,12 @@ class EngineSnapshot:
   engine_id: int
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class _PendingOverflowCheck:
-  """The last micro-batch whose overflow flag the host has not read yet, with its own inputs."""
-
-  micro_step: int
-  overflow: jax.Array
-  batch: Mapping[str, jax.Array]
-
-
-@dataclasses.dataclass(frozen=True)
-class _InitialState:
-  """Weights and optimizer state placed on the mesh, with the shardings the programs take."""
-
-  graphdefs: dict[str, Any]
-  param_shardings: Any
-  opt_shardings: Any
-  scalar_sharding: Any
-  batch_shardings: dict[str, Any]
-  params: Any
-  opt_state: Any
-
-
-def _initial_state(preset: ModelPreset, options: EngineOptions, mesh, optimizer) -> _InitialState:
-  graphdefs, host_params, specs = model_lib.build_model(preset, options.seed, options.capacity_factor, mesh=mesh,
-                                                        dtype=options.dtype)
-  param_shardings = model_lib.param_shardings(mesh, specs)
-  scalar_sharding = mesh_lib.replicated(mesh)
-  params = jax.device_put(host_params, param_shardings)
-  opt_state = jax.jit(optimizer.init)(params)
-  # Moments follow their param's sharding; step counters come back on one
-  # device and are replicated over the mesh instead.
-  opt_shardings = jax.tree.map(
-      lambda x: x.sharding
-      if isinstance(x.sharding, jax.sharding.NamedSharding) and x.sharding.mesh == mesh
-      else scalar_sharding,
-      opt_state,
-  )
-  return _InitialState(
-      graphdefs, param_shardings, opt_shardings, scalar_sharding,
-      {name: mesh_lib.batch_sharding(mesh, 2) for name in packing.FIELDS},
-      params, jax.device_put(opt_state, opt_shardings))
-
-
-def _host_metrics(m: dict[str, Any], skipped_updates_total: int) -> StepMetrics:
-  """One update's metrics read to the host (blocks on that update)."""
-  device, micro, dropped = jax.device_get((m["device"], m["micro_losses"], m["micro_dropped"]))
-  return StepMetrics(
-      step=m["step"], loss=float(device["loss"]), grad_norm=float(device["grad_norm"]),
-      tokens=int(device["tokens"]), micro_batches=m["micro_batches"],
-      micro_batch_loss_sums=[float(t) for t, _ in micro],
-      micro_batch_tokens=[int(c) for _, c in micro],
-      dropped_tokens=[int(d) for d in dropped],
-      reruns=len(m["reruns"]), rerun_micro_batches=list(m["reruns"]),
-      skipped_update=m["skipped"], skipped_updates_total=skipped_updates_total,
-  )
-
-
-@dataclasses.dataclass
-class _StepState:
-  """What belongs to the step in progress; ``reset()`` starts the next one."""
-
-  micro: int = 0
-  micro_losses: list = dataclasses.field(default_factory=list)  # (loss sum, tokens) per micro-batch
-  micro_dropped: list = dataclasses.field(default_factory=list)
-  reruns: list = dataclasses.field(default_factory=list)  # micro-batch indices re-run dropless
-  pending_check: _PendingOverflowCheck | None = None
-
-  def reset(self) -> None:
-    for field in dataclasses.fields(self):
-      setattr(self, field.name, field.default_factory() if callable(field.default_factory) else field.default)
-
-
 class JaxTrainingEngine:
   """Trains a Tunix Qwen3 with a GRPO-style loss, one optimizer step per M micro-batches.
 
-  Build it with ``build_engine``. Not thread-safe: one caller drives it.
+  Build it with ``build_engine``. Not thread-safe: one caller drives it. It holds the device state
+  (``TrainingState``: what each program reads and replaces), the step in progress (``StepInProgress``: what
+  its metrics are read from), the input path (``MicroBatchInputs``) and the compiled programs (``StepPrograms``).
   """
 
   def __init__(self, preset: ModelPreset, mesh_config: mesh_lib.MeshConfig | None = None,
@@ -158,37 +89,24 @@ class JaxTrainingEngine:
     self.rerun_dropped = bool(self.options.retry_when_tokens_dropped)
     self.mesh, self.engine_id, self.aot = mesh_lib.make_mesh(self.mesh_config), next(_engine_ids), aot
     self._checkpointer = Checkpointer(checkpoint_dir) if checkpoint_dir else None
-    self._optimizer = optax.chain(
+    optimizer = optax.chain(
         optax.clip_by_global_norm(self.options.max_grad_norm),
         optax.adamw(self.options.learning_rate, weight_decay=self.options.weight_decay),
     )
     self._throttler = InflightThrottler(self.options.max_inflight)
     self._host_wait_s = 0.0
-    self._state = _StepState()
+    self._in_progress = StepInProgress()
     self._step = self._total_micro = self._skipped_updates = 0
-    self._last_step_metrics: dict[str, Any] | None = None
-    self._init_weights()
-    self._inputs = MicroBatchInputs(self.rows, self.tokens_per_row, self.preset.vocab_size, self._batch_shardings)
+    self._finished: FinishedStep | None = None
+    self._training = state = TrainingState(self.preset, self.options, self.mesh, optimizer)
+    self._inputs = MicroBatchInputs(self.rows, self.tokens_per_row, self.preset.vocab_size, state.batch_shardings)
     self._programs = StepPrograms(
-        self._graphdefs, LossConfig(self.options.clip_eps_low, self.options.clip_eps_high),
-        self._optimizer, rerun_dropped=self.rerun_dropped, param_shardings=self._param_shardings,
-        opt_shardings=self._opt_shardings, scalar_sharding=self._scalar_sharding,
-        batch_shardings=self._batch_shardings, aot=aot)
+        state.graphdefs, LossConfig(self.options.clip_eps_low, self.options.clip_eps_high),
+        optimizer, rerun_dropped=self.rerun_dropped, param_shardings=state.param_shardings,
+        opt_shardings=state.opt_shardings, scalar_sharding=state.scalar_sharding,
+        batch_shardings=state.batch_shardings, aot=aot)
     self.trace_counts = self._programs.trace_counts  # traces per program (a retrace shows up here)
     self.compile_s = self._programs.compile_s
-
-  def _init_weights(self) -> None:
-    placed = _initial_state(self.preset, self.options, self.mesh, self._optimizer)
-    self._graphdefs, self._params, self._opt_state = placed.graphdefs, placed.params, placed.opt_state
-    self._param_shardings, self._opt_shardings = placed.param_shardings, placed.opt_shardings
-    self._scalar_sharding, self._batch_shardings = placed.scalar_sharding, placed.batch_shardings
-    self._zeros_jit = jax.jit(lambda p: jax.tree.map(jnp.zeros_like, p), out_shardings=self._param_shardings)
-    self._zero_accumulators()
-
-  def _zero_accumulators(self) -> None:
-    self._grad_acc = self._zeros_jit(self._params)
-    self._loss_acc = jax.device_put(np.float32(0), self._scalar_sharding)
-    self._denom_acc = jax.device_put(np.float32(0), self._scalar_sharding)
 
   def compile(self, dummy_payload: Sequence[Trajectory] | None = None) -> dict[str, float]:
     """Compiles the micro-batch and update programs ahead of time; returns seconds per program.
@@ -197,24 +115,21 @@ class JaxTrainingEngine:
     nothing runs and no state changes. Calling it again is a no-op.
     """
     dummy_payload = dummy_payload or [Trajectory(np.array([1], np.int32), np.array([2], np.int32), 0.0)]
-    host = self._inputs.pack(dummy_payload)
-    batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=self._batch_shardings[k])
+    host, state = self._inputs.pack(dummy_payload), self._training
+    batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=state.batch_shardings[k])
              for k, v in host.items()}
-    return self._programs.compile(self._params, self._opt_state,
-                                  (self._grad_acc, self._loss_acc, self._denom_acc), batch)
+    return self._programs.compile(state.params, state.opt_state, state.accumulators, batch)
 
   def _program(self, name: str):
     if self.aot and not self._programs.compiled:  # built without build_engine: compile on first use
       self.compile()
     return self._programs.get(name)
 
-  # ---------------------------------------------------------------- inputs
   def prepare_fwd_bwd_input(self, payload: Sequence[Trajectory]) -> PreparedFwdBwdInput:
     """Packs ``payload`` and starts its copy onto the step's shardings (see ``StagingEngine``);
     a payload that cannot be packed raises ValueError naming the trajectory and the limit."""
     return self._inputs.prepare(payload, self.engine_id)
 
-  # ---------------------------------------------------------------- step
   def fwd_bwd(self, payload_or_prepared: Sequence[Trajectory] | PreparedFwdBwdInput,
               apply_optimizer: bool = False, *, dropless: bool = False) -> Receipt:
     """Forward and backward on one micro-batch, gradients added to the step (see ``TrainingEngine``).
@@ -239,16 +154,16 @@ class JaxTrainingEngine:
     else:
       prepared = self._inputs.prepare(payload_or_prepared, self.engine_id)
       mapping_s, placement_s = prepared.mapping_s, prepared.placement_s
-    waited_before = self._host_wait_s
+    waited_before, current = self._host_wait_s, self._in_progress
     self._resolve_overflow_check()
     name = "accumulate_dropless" if dropless else "accumulate"
-    total, overflow = self._dispatch_accumulate(name, prepared.arrays, self._state.micro)
+    total, overflow = self._dispatch_accumulate(name, prepared.arrays, current.micro)
     if self.rerun_dropped and not dropless:
-      self._state.pending_check = _PendingOverflowCheck(self._state.micro, overflow, prepared.arrays)
-    receipt = Receipt(kind=name.replace("accumulate", "fwd_bwd"), step=self._step, micro_step=self._state.micro,
+      current.pending_check = PendingOverflowCheck(current.micro, overflow, prepared.arrays)
+    receipt = Receipt(kind=name.replace("accumulate", "fwd_bwd"), step=self._step, micro_step=current.micro,
                       ready=total, dispatched_at=time.perf_counter(), mapping_s=mapping_s, placement_s=placement_s,
                       host_wait_s=self._host_wait_s - waited_before)
-    self._state.micro += 1
+    current.micro += 1
     self._total_micro += 1
     if apply_optimizer:
       self.update()
@@ -257,15 +172,8 @@ class JaxTrainingEngine:
   def _dispatch_accumulate(self, name: str, batch, micro_step: int):
     program = self._program(name)
     self._host_wait(self._throttler.wait_for_next)
-    grad_acc, loss_acc, denom_acc, total, count, dropped, overflow = program(
-        self._params, self._grad_acc, self._loss_acc, self._denom_acc, batch)
-    self._grad_acc, self._loss_acc, self._denom_acc = grad_acc, loss_acc, denom_acc
-    state = self._state
-    if micro_step == len(state.micro_losses):
-      state.micro_losses.append((total, count))
-      state.micro_dropped.append(dropped)
-    else:  # a re-run: its loss replaces the discarded run's (which was masked to 0)
-      state.micro_losses[micro_step] = (total, count)
+    total, count, dropped, overflow = self._training.accumulate(program, batch)
+    self._in_progress.record(micro_step, total, count, dropped)
     self._throttler.add(total)
     return total, overflow
 
@@ -278,22 +186,22 @@ class JaxTrainingEngine:
 
   def _resolve_overflow_check(self) -> None:
     """Reads the pending overflow flag on the host (blocking on its micro-batch); re-runs it if set."""
-    check, self._state.pending_check = self._state.pending_check, None
+    check = self._in_progress.take_pending_check()
     if check is not None and bool(self._host_wait(jax.device_get, check.overflow)):
-      self._state.reruns.append(check.micro_step)
+      self._in_progress.reruns.append(check.micro_step)
       self._dispatch_accumulate("accumulate_dropless", check.batch, check.micro_step)
 
   def resolve_pending_overflow(self) -> bool:
     """Does now what the next call would do first (read the flag, re-run if set); returns whether
     it re-ran. For callers that time micro-batches and re-runs apart (calibration, the bench)."""
-    reruns = len(self._state.reruns)
+    reruns = len(self._in_progress.reruns)
     self._resolve_overflow_check()
-    return len(self._state.reruns) > reruns
+    return len(self._in_progress.reruns) > reruns
 
   @property
   def overflow_check_pending(self) -> bool:
     """True while a micro-batch's overflow flag waits to be read (dropless re-runs)."""
-    return self._state.pending_check is not None
+    return self._in_progress.pending_check is not None
 
   def update(self) -> Receipt:
     """Applies the mean accumulated gradient and starts a new step (see ``TrainingEngine``).
@@ -304,36 +212,25 @@ class JaxTrainingEngine:
     Raises:
       RuntimeError: no micro-batch was accumulated since the last update.
     """
-    if self._state.micro == 0:
+    if self._in_progress.micro == 0:
       raise RuntimeError(f"update() at step {self._step} with no micro-batch accumulated; call"
                          " fwd_bwd at least once per step")
-    waited_before = self._host_wait_s
+    waited_before, state = self._host_wait_s, self._training
     self._resolve_overflow_check()
     norm = None
     if self.options.skip_nonfinite_updates:
-      norm = float(self._host_wait(jax.device_get, self._programs.grad_norm(self._grad_acc, self._denom_acc)))
+      norm = float(self._host_wait(jax.device_get, self._programs.grad_norm(state.grad_acc, state.denom_acc)))
     program = self._program("apply")
     self._host_wait(self._throttler.wait_for_next)
     skipped = norm is not None and not np.isfinite(norm)
-    if skipped:
-      metrics = self._skip_update(norm)
-    else:
-      params, opt_state, grad_acc, loss_acc, denom_acc, metrics = program(
-          self._params, self._opt_state, self._grad_acc, self._loss_acc, self._denom_acc)
-      self._params, self._opt_state = params, opt_state
-      self._grad_acc, self._loss_acc, self._denom_acc = grad_acc, loss_acc, denom_acc
+    metrics = self._skip_update(norm) if skipped else state.apply(program)
     ready = metrics["grad_norm"]  # never an accumulator: the next micro-batch donates those
-    state = self._state
-    self._last_step_metrics = {
-        "step": self._step + 1, "device": metrics, "micro_batches": state.micro,
-        "micro_losses": state.micro_losses, "micro_dropped": state.micro_dropped,
-        "reruns": state.reruns, "skipped": skipped,
-    }
+    self._finished = self._in_progress.finish(self._step + 1, metrics, skipped=skipped)
     receipt = Receipt(kind="update", step=self._step, micro_step=-1, ready=ready, dispatched_at=time.perf_counter(),
                       mapping_s=0.0, placement_s=0.0, host_wait_s=self._host_wait_s - waited_before)
     self._throttler.add(ready)
     self._step += 1
-    self._state.reset()
+    self._in_progress.reset()
     return receipt
 
   def _skip_update(self, norm: float) -> dict[str, jax.Array]:
@@ -341,7 +238,7 @@ class JaxTrainingEngine:
     log.warning("update at step %d skipped: gradient norm is %s (skip_nonfinite_updates); weights and"
                 " optimizer state unchanged, the step count advances (%d skipped so far)",
                 self._step, norm, self._skipped_updates)
-    self._zero_accumulators()
+    self._training.zero_accumulators()
     return {"loss": jnp.float32(np.nan), "grad_norm": jnp.float32(norm), "tokens": jnp.float32(0)}
 
   def wait_for_device(self) -> float:
@@ -355,7 +252,6 @@ class JaxTrainingEngine:
     return None if stats is None else DeviceMemory(bytes_in_use=stats[0], bytes_limit=stats[1],
                                                    input_bytes=self._inputs.input_bytes)
 
-  # ---------------------------------------------------------------- state
   @property
   def train_step(self) -> int:
     """Optimizer updates applied so far."""
@@ -364,7 +260,7 @@ class JaxTrainingEngine:
   @property
   def micro_step_count(self) -> int:
     """Micro-batches accumulated into the current (not yet updated) step."""
-    return self._state.micro
+    return self._in_progress.micro
 
   @property
   def total_micro_steps(self) -> int:
@@ -378,53 +274,48 @@ class JaxTrainingEngine:
 
   def export_weights(self):
     """The current weights (a nested dict of jax.Array); the engine never donates them."""
-    return self._params
+    return self._training.params
 
   def get_metrics(self) -> StepMetrics:
     """Metrics of the last applied update, read to the host (blocks on that update); all None before one."""
-    if self._last_step_metrics is None:
+    if self._finished is None:
       return StepMetrics()
-    return _host_metrics(self._last_step_metrics, self._skipped_updates)
+    return self._finished.host_metrics(self._skipped_updates)
 
   def state_digest(self) -> str:
     """A sha256 of params and optimizer state: equal digests mean bit-identical training state."""
-    return tree_digest({"params": self._params, "opt_state": self._opt_state})
+    return self._training.digest()
 
   def snapshot(self) -> EngineSnapshot:
     """An on-device copy of the training state at a step boundary, for ``restore``.
 
     Lets one compiled engine run several arms from the same start without recompiling.
     """
-    if self._state.micro:
-      raise RuntimeError(f"snapshot with {self._state.micro} micro-batch(es) accumulated; take it"
+    if self._in_progress.micro:
+      raise RuntimeError(f"snapshot with {self._in_progress.micro} micro-batch(es) accumulated; take it"
                          " at a step boundary")
     self._throttler.wait_for_all()
-    return EngineSnapshot(_copy_tree(self._params), _copy_tree(self._opt_state), self._step, self.engine_id)
+    return EngineSnapshot(*self._training.copies(), self._step, self.engine_id)
 
   def restore(self, snapshot: EngineSnapshot) -> None:
     """Returns the engine to ``snapshot``'s state (the snapshot stays usable)."""
     if snapshot.engine_id != self.engine_id:
       raise ValueError(f"snapshot of engine {snapshot.engine_id} cannot restore engine {self.engine_id}")
-    self._reset_to(_copy_tree(snapshot.params), _copy_tree(snapshot.opt_state), snapshot.step)
-    self._last_step_metrics = None
+    self._reset_to(device_copy(snapshot.params), device_copy(snapshot.opt_state), snapshot.step)
+    self._finished = None
 
   def _reset_to(self, params: Any, opt_state: Any, step: int) -> None:
     """The one reset: new training state, a fresh step, empty accumulators."""
     self._throttler.wait_for_all()
-    self._params, self._opt_state, self._step = params, opt_state, step
-    self._zero_accumulators()
-    self._state.reset()
-
-  # ---------------------------------------------------------------- checkpoints
-  def _require_checkpointer(self) -> Checkpointer:
-    if self._checkpointer is None:
-      raise RuntimeError("checkpointing needs a directory: build the engine with checkpoint_dir=PATH")
-    return self._checkpointer
+    self._training.reset_to(params, opt_state)
+    self._step = step
+    self._in_progress.reset()
 
   def save_checkpoint(self, metadata: Mapping[str, Any] | None = None) -> str:
     """Writes params, optimizer state, step and ``metadata`` (see ``CheckpointingEngine``)."""
-    state = {"params": self._params, "opt_state": self._opt_state}
-    return self._require_checkpointer().save(self._step, state, dict(metadata or {}))
+    if self._checkpointer is None:
+      raise RuntimeError("checkpointing needs a directory: build the engine with checkpoint_dir=PATH")
+    return self._checkpointer.save(self._step, self._training.checkpointed(), dict(metadata or {}))
 
   def restore_checkpoint(self, step: int | None = None) -> dict[str, Any]:
     """Loads the latest (or ``step``'s) checkpoint onto the current shardings; returns its metadata.
@@ -435,8 +326,7 @@ class JaxTrainingEngine:
     if self._checkpointer is None:
       raise NoCheckpointError("this engine keeps no checkpoints (it was built without a checkpoint directory), so"
                               " it has none to restore; build it with checkpoint_dir=PATH")
-    template = {"params": self._params, "opt_state": self._opt_state}
-    state, metadata = self._checkpointer.restore(template, step)
+    state, metadata = self._checkpointer.restore(self._training.checkpointed(), step)
     self._reset_to(state["params"], state["opt_state"], int(metadata["step"]))
     return metadata
 

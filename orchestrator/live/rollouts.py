@@ -45,14 +45,11 @@ import numpy as np
 
 from orchestrator.contract import RolloutStats, SourceStateError, WeightTransfer
 from orchestrator.data.trajectory import Trajectory, TrajectoryGroup
-from orchestrator.live.placement import gather_across_processes, keep
+from orchestrator.live.placement import keep
 from orchestrator.live.rewards import CallCancelled, Reward, task_reward
 from orchestrator.live.sampler import LiveSampler
-from orchestrator.live.tasks import group_advantages
-
-
-#: How long one wait for the sampler lasts before the waiter looks at its stop flag again.
-WAIT_POLL_S = 0.1
+from orchestrator.live.shared_sampler import WAIT_POLL_S, SharedSampler
+from orchestrator.live.weight_versions import WeightVersions
 
 log = logging.getLogger("step_boundary.rollouts")
 
@@ -111,26 +108,24 @@ class LiveShape:
 class LiveRollouts:
   """Samples steps on a background thread, each from its fixed weights version; a ``StepSource`` and a
   ``LiveSource`` (``orchestrator.contract``) on a ``tasks.Task``, trained on ``reward`` (default: the task's own;
-  ``score_micro_batch``). With ``record``, every step taken is kept for ``recorded_steps``."""
+  ``shared_sampler.score_micro_batch``). With ``record``, every step taken is kept for ``recorded_steps``.
+
+  It holds the steps sampled and taken (``SampledSteps``), the staleness schedule and the weights kept for it
+  (``WeightVersions``) and the sampler, which evaluation takes in turns with the sampling thread
+  (``SharedSampler``); one condition guards the first two."""
 
   kind = "live"
 
   def __init__(self, sampler: LiveSampler, task, shape: LiveShape, *, record: bool = False,
                reward: Reward | None = None):
-    self._sampler = sampler
-    self._task = task
-    self._reward = reward if reward is not None else task_reward(task)
+    self._shared = SharedSampler(sampler, task, reward if reward is not None else task_reward(task), shape)
     self.shape = shape
     self._cond = threading.Condition()
-    self._sampler_lock = threading.Lock()
-    # version -> weights (host, or on a split sampler's devices); None: the sampler's own (version 0)
-    self._weights: dict[int, Any] = {0: None}
-    self._synced = 0
+    self._versions = WeightVersions(steps=shape.steps, max_staleness=shape.max_staleness)  # guarded by _cond
     self._steps = SampledSteps(record)  # guarded by _cond
     self._next = 0
     self._produce_from = 0
     self._produce_until = shape.steps  # raised by a checkpoint that carries steps past the end
-    self._first_version = 0  # the oldest weights this source can still sample with (a resumed run: its checkpoint's)
     self._error: BaseException | None = None
     self._closed = False
     self._thread: threading.Thread | None = None
@@ -140,21 +135,16 @@ class LiveRollouts:
   @property
   def sampler(self) -> LiveSampler:
     """The sampler this source draws from (a benchmark reuses one compiled sampler across arms)."""
-    return self._sampler
+    return self._shared.sampler
 
-  # ---------------------------------------------------------------- the schedule
   def version_for(self, step: int) -> int:
-    return max(0, step - self.shape.max_staleness)
-
-  def _carried(self, first: int) -> list[int]:
-    """The steps a position before ``first`` must carry: those sampled with weights older than ``first``'s,
-    which a run resumed there cannot sample again (past this source's last step too: an extended run's)."""
-    return [s for s in range(first, first + self.shape.max_staleness) if self.version_for(s) < first]
+    """The weights version ``step`` samples with."""
+    return self._versions.version_for(step)
 
   def blocked_on_sync(self, step: int) -> bool:
     """True when ``step``'s rollouts need weights that have not been synced yet."""
     with self._cond:
-      return step < self.shape.steps and self.version_for(step) > self._synced
+      return self._versions.blocked_on_sync(step)
 
   def sync(self, version: int, weights: Any) -> WeightTransfer | None:
     """Keeps the weights of ``version`` for the steps that need them (``placement.keep``: on host, or on a split
@@ -162,14 +152,12 @@ class LiveRollouts:
     for the update that produced the weights, and the condition's lock is never held while sampling."""
     if weights is None:
       return None
-    kept, moved = keep(self._sampler.placement, weights)
+    kept, moved = keep(self._shared.sampler.placement, weights)
     with self._cond:
-      self._weights[int(version)] = kept
-      self._synced = max(self._synced, int(version))
+      self._versions.keep(int(version), kept)
       self._cond.notify_all()
     return moved
 
-  # ---------------------------------------------------------------- the iterator
   def __iter__(self) -> "LiveRollouts":
     return self
 
@@ -240,7 +228,6 @@ class LiveRollouts:
     if self._error is not None:
       raise RolloutError(str(self._error)) from self._error
 
-  # ---------------------------------------------------------------- position
   def get_state(self) -> dict[str, Any]:
     """The position before the next step. Called before every step is taken, so it waits for nothing:
     ``state_json`` adds the sampled steps the position carries when a checkpoint needs it."""
@@ -256,19 +243,10 @@ class LiveRollouts:
     Raises:
       RuntimeError: a step the position must carry is not sampled yet (``ready_to_checkpoint`` comes first).
     """
-    sampled = []
     with self._cond:
-      for s in self._carried(state["next_step"]):
-        rollouts = self._steps.complete(s)
-        if rollouts is None and s < self.shape.steps:
-          raise RuntimeError(f"the position before step {state['next_step']} must carry step {s}, which is not"
-                             " sampled yet; wait for ready_to_checkpoint first")
-        if rollouts is None:
-          break
-        sampled.append(rollouts)
+      sampled = self._steps.carried(state["next_step"], self._versions.carried(state["next_step"]), self.shape.steps)
     return {"kind": self.kind, "next_step": state["next_step"], "sampled": [r.to_json() for r in sampled]}
 
-  # ---------------------------------------------------------------- waiting with a timeout
   def ready(self, step: int, timeout_s: float) -> bool:
     """Waits at most ``timeout_s`` until taking ``step`` (``get_state``, then ``next``) would not wait for
     sampling, i.e. its first micro-batch is sampled; True then, False on the timeout. Raises the sampling
@@ -287,10 +265,10 @@ class LiveRollouts:
     they cannot be sampled any more (weights older than this source's: its checkpoint lacked them)."""
     self._start()
     with self._cond:
-      carried = self._carried(position)
+      carried = self._versions.carried(position)
       needed = [s for s in carried if s < self.shape.steps]  # a taken one too: it may still be streaming
       past_end = [s for s in carried if s >= self.shape.steps]
-      if extendable and all(self._steps.complete(s) or self.version_for(s) >= self._first_version for s in past_end):
+      if extendable and all(self._steps.complete(s) or self._versions.can_sample(s) for s in past_end):
         needed += past_end
         if past_end and past_end[-1] >= self._produce_until:
           self._produce_until = past_end[-1] + 1
@@ -313,25 +291,21 @@ class LiveRollouts:
     if self._thread is not None:
       raise RuntimeError("set_state must come before the first step is taken")
     self._next = int(state["next_step"])
-    ready = self._steps.ready = {r["step"]: StepRollouts.from_json(r) for r in state["sampled"]}
+    carried = self._steps.restore(state["sampled"])
     # Steps that need weights older than the checkpoint's cannot be sampled again: the state must carry them.
     # It may carry more (steps past the end of the run that wrote it, which this run may never reach).
-    owed = [s for s in self._carried(self._next) if s < self.shape.steps]
-    carried = sorted(ready)
+    owed = [s for s in self._versions.carried(self._next) if s < self.shape.steps]
     if carried != list(range(self._next, self._next + len(carried))) or not set(owed) <= set(carried):
       raise SourceStateError(f"the saved rollout position before step {self._next} carries steps {carried},"
                              f" but max_staleness {self.shape.max_staleness} needs {owed}; the run cannot be resumed"
                              " from this checkpoint")
     self._produce_from = self._next + len(carried)
-    self._synced = self._next  # the checkpoint's weights; sync() delivers them
-    self._first_version = self._next
-    self._weights = {}
+    self._versions.restart_at(self._next)  # the checkpoint's weights; sync() delivers them
 
   def carried_payloads(self) -> list[tuple[int, int, list[Trajectory]]]:
     """(step, micro-batch, payload) of each step a restored position carries (checked before a resume)."""
-    return [(step, i, p) for step, r in sorted(self._steps.ready.items()) for i, p in enumerate(r.payloads)]
+    return self._steps.ready_payloads()
 
-  # ---------------------------------------------------------------- the thread
   def _start(self) -> None:
     if self._thread is None:
       self._thread = threading.Thread(target=self._produce, name="rollouts", daemon=True)
@@ -349,19 +323,17 @@ class LiveRollouts:
     step = self._produce_from
     try:
       while True:
-        version = self.version_for(step)
+        version = self._versions.version_for(step)
         with self._cond:
           # Past the run's last step only when a checkpoint asks (``_produce_until``); close() ends the wait.
-          self._cond.wait_for(lambda: self._closed or (step < self._produce_until and version <= self._synced
-                                                       and version in self._weights))
+          self._cond.wait_for(lambda: self._closed or (step < self._produce_until
+                                                       and self._versions.available(version)))
           if self._closed:
             return
-          weights = self._weights[version]
-          for old in [v for v in self._weights if v < version]:
-            del self._weights[old]
+          weights = self._versions.take(version)
         start, parts = time.perf_counter(), []
         for i in range(self.shape.micro_batches_per_step):  # in training order, each published when done
-          parts.append(self._sample_micro_batch(step, i, version, weights))
+          parts.append(self._shared.sample_micro_batch(step, i, version, weights, cancelled=lambda: self._closed))
           with self._cond:
             self._steps.publish(step, parts, lambda: assemble_step(step, version, parts, time.perf_counter() - start),
                                 taken=step < self._next, micro_batches=self.shape.micro_batches_per_step)
@@ -374,37 +346,15 @@ class LiveRollouts:
         self._error = RuntimeError(f"the rollout thread failed while sampling step {step}: {type(e).__name__}: {e}")
         self._cond.notify_all()
 
-  def _sample_micro_batch(self, step: int, i: int, version: int, weights: Any):
-    with self._sampler_lock:  # per micro-batch: an evaluation may take the sampler (and its weights) between
-      if weights is not None and self._sampler.weights_version != version:
-        self._sampler.sync(weights, version)
-      return sample_micro_batch(self._sampler, self._task, self._reward, self.shape, step, i,
-                                cancelled=lambda: self._closed)
-
-  # ---------------------------------------------------------------- evaluation
   def eval_prompt_count(self, asked: int) -> int:
     """``asked``, or what a finite evaluation split holds (a dataset's) if fewer: no prompt counts twice."""
-    return min(asked, len(getattr(self._task, "eval_problems", None) or range(asked)))
+    return self._shared.eval_prompt_count(asked)
 
   def evaluate(self, weights: Any, version: int, prompts: int, *,
                stop: Callable[[], Any] | None = None) -> float | None:
-    """Greedy accuracy on ``prompts`` held-out problems with the given weights.
-
-    It needs the sampler, which the sampling thread may hold: with ``stop`` the wait for it looks at
-    ``stop()`` every ``WAIT_POLL_S`` and gives up (None) once it is true. In a job of several processes the
-    weights are gathered before it (a collective every process issues, whatever the wait ends in).
-    """
-    weights = gather_across_processes(weights)[0]
-    problems = [self._task.problem(self.shape.seed, "eval", j) for j in range(prompts)]
-    if not acquire_unless(self._sampler_lock, stop):
-      return None
-    try:
-      if weights is not None:
-        self._sampler.sync(weights, version)
-      answers = self._sampler.greedy([p.prompt for p in problems])
-    finally:
-      self._sampler_lock.release()
-    return float(np.mean([self._task.reward(p, a) for p, a in zip(problems, answers)]))
+    """Greedy accuracy on ``prompts`` held-out problems with the given weights, in the sampler's turn between
+    two micro-batches (``SharedSampler.evaluate``: None when ``stop()`` came first)."""
+    return self._shared.evaluate(weights, version, prompts, stop=stop)
 
 
 class SampledSteps:
@@ -435,6 +385,33 @@ class SampledSteps:
 
   def first_sampled(self, step: int) -> bool:
     return bool(self.micro_batches_of(step))
+
+  def carried(self, position: int, steps: list[int], run_steps: int) -> list[StepRollouts]:
+    """The complete ``steps`` a position before ``position`` carries; past the run's ``run_steps`` as far as
+    they are sampled.
+
+    Raises:
+      RuntimeError: one before the end is not sampled yet.
+    """
+    sampled = []
+    for s in steps:
+      rollouts = self.complete(s)
+      if rollouts is None and s < run_steps:
+        raise RuntimeError(f"the position before step {position} must carry step {s}, which is not"
+                           " sampled yet; wait for ready_to_checkpoint first")
+      if rollouts is None:
+        break
+      sampled.append(rollouts)
+    return sampled
+
+  def restore(self, sampled: list[dict[str, Any]]) -> list[int]:
+    """The steps a restored position carries (``StepRollouts.to_json``'s), ready to be taken; their numbers."""
+    self.ready = {r["step"]: StepRollouts.from_json(r) for r in sampled}
+    return sorted(self.ready)
+
+  def ready_payloads(self) -> list[tuple[int, int, list[Trajectory]]]:
+    """(step, micro-batch, payload) of each step ready to be taken, in order."""
+    return [(step, i, p) for step, r in sorted(self.ready.items()) for i, p in enumerate(r.payloads)]
 
   def take(self, step: int) -> list[list[Trajectory]] | None:
     """Marks ``step`` taken; its payloads when it is complete, None while it still streams."""
@@ -485,53 +462,12 @@ class StreamedPayloads(Sequence):
     return self._source.micro_batch(self._step, index)
 
 
-def sample_micro_batch(sampler: LiveSampler, task, reward: Reward, shape: LiveShape, step: int, i: int, *,
-                       cancelled: Callable[[], bool] | None = None):
-  """Samples micro-batch ``i`` of ``step`` with the sampler's current weights: (payload, rewards, correct,
-  completion tokens). Its problems and seed are functions of (seed, step, i) alone. ``cancelled``: whether the
-  source is closing (a reward call still running is then given up: ``rewards.CallCancelled``)."""
-  g = shape.generations_per_group
-  first_group = (step * shape.micro_batches_per_step + i) * shape.groups_per_micro_batch
-  problems = [task.problem(shape.seed, "train", first_group + j) for j in range(shape.groups_per_micro_batch)]
-  prompts = [p.prompt for p in problems for _ in range(g)]
-  seed = int(np.random.default_rng((shape.seed, step, i)).integers(2**31 - 1))
-  samples = sampler.sample(prompts, seed=seed, temperature=shape.temperature)
-  rewards, correct = score_micro_batch(task, reward, problems, samples.texts, first_group, g, step=step,
-                                       cancelled=cancelled)
-  advantages = group_advantages(rewards, g)
-  if any(len(c) == 0 for c in samples.completion_ids):
-    raise RuntimeError(f"the sampler returned an empty completion at step {step}, micro-batch {i}")
-  payload = [Trajectory(samples.prompt_ids[k], samples.completion_ids[k], float(advantages[k]), samples.logprobs[k],
-                        first_group + k // g) for k in range(len(prompts))]
-  return payload, rewards, correct, int(sum(len(c) for c in samples.completion_ids))
-
-
 def assemble_step(step: int, version: int, parts: list, sampling_s: float) -> StepRollouts:
   """A step from its micro-batches' ``sample_micro_batch`` results, in training order."""
   payloads, rewards, correct, tokens = (list(part) for part in zip(*parts))
   flat = np.concatenate(rewards)
   return StepRollouts(step, payloads, [r.tolist() for r in rewards], version, float(flat.mean()), float(flat.std()),
                       float(np.mean(np.concatenate(correct))), sum(tokens), sampling_s)
-
-
-def acquire_unless(lock: threading.Lock, stop: Callable[[], Any] | None) -> bool:
-  """Takes ``lock``, looking at ``stop()`` every ``WAIT_POLL_S`` while it waits; False (not taken) once it is true."""
-  while not lock.acquire(timeout=WAIT_POLL_S):
-    if stop is not None and stop():
-      return False
-  return True
-
-
-def score_micro_batch(task, reward: Reward, problems, texts: list[str], first_index: int, generations: int, *,
-                      step: int | None = None, cancelled: Callable[[], bool] | None = None):
-  """(training rewards, correct) of a micro-batch's completions of ``step``, ``generations`` per problem, the
-  first problem drawn with index ``first_index``. The reward is one call over all of them, as Tunix calls reward
-  functions (a model-based one batches), limited in time (``Reward.timeout_s``); correct is the task's own check,
-  so accuracy means the same whatever the reward."""
-  each = [problems[k // generations] for k in range(len(texts))]
-  rewards = reward(each, texts, indices=[first_index + k // generations for k in range(len(texts))], step=step,
-                   cancelled=cancelled)
-  return rewards, np.array([task.reward(p, text) == 1.0 for p, text in zip(each, texts)])
 
 
 def recorded_groups(steps: list[StepRollouts], generations: int):

@@ -8,6 +8,7 @@ import pytest
 
 from orchestrator.engine import build_engine
 from orchestrator.engine.mesh import MeshConfig, describe_devices, device_summary, missing_devices
+from orchestrator.engine.step_record import StepInProgress
 from tests.engine_helpers import run_unstaged
 
 
@@ -132,3 +133,22 @@ def test_the_device_report_names_platform_kind_count_and_jax():
   assert gpus == "devices: 8 × NVIDIA H100 80GB HBM3 (gpu), the mesh uses 4; JAX 0.12.0"
   tpus = device_summary([("tpu", "TPU v5 lite")] * 4 + [("cpu", "cpu")], 4, "0.10.2")
   assert tpus == "devices: 4 × TPU v5 lite, 1 × cpu, the mesh uses 4; JAX 0.10.2"
+
+
+def test_the_step_in_progress_records_each_micro_batch_once_and_a_finished_step_keeps_its_own():
+  """A dropless re-run replaces its micro-batch's loss, not its dropped tokens; a finished step is not changed by
+  the next one."""
+  step = StepInProgress()
+  step.record(0, np.float32(1.0), np.int32(4), np.int32(2))
+  step.record(1, np.float32(3.0), np.int32(4), np.int32(0))
+  step.record(0, np.float32(5.0), np.int32(4), np.int32(0))  # micro-batch 0 re-run dropless
+  step.micro, step.reruns = 2, [0]
+  finished = step.finish(7, {"loss": np.float32(2.0), "grad_norm": np.float32(0.5), "tokens": np.float32(8)},
+                         skipped=False)
+  step.reset()
+  step.record(0, np.float32(9.0), np.int32(1), np.int32(1))
+  metrics = finished.host_metrics(skipped_updates_total=1)
+  assert metrics.step == 7 and metrics.micro_batches == 2 and metrics.micro_batch_loss_sums == [5.0, 3.0]
+  assert metrics.dropped_tokens == [2, 0] and metrics.rerun_micro_batches == [0] and metrics.reruns == 1
+  assert metrics.loss == 2.0 and not metrics.skipped_update and metrics.skipped_updates_total == 1
+  assert step.micro == 0 and step.micro_losses == [(9.0, 1)] and step.take_pending_check() is None

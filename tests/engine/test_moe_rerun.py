@@ -151,8 +151,8 @@ def test_rerunning_the_prepared_input_instead_of_the_last_is_caught(rerun_engine
 
   def buggy_prepare(payload):
     prepared = honest_prepare(payload)
-    if engine._state.pending_check is not None:
-      engine._state.pending_check = dataclasses.replace(engine._state.pending_check, batch=prepared.arrays)
+    if engine._in_progress.pending_check is not None:
+      engine._in_progress.pending_check = dataclasses.replace(engine._in_progress.pending_check, batch=prepared.arrays)
     return prepared
 
   engine.prepare_fwd_bwd_input = buggy_prepare

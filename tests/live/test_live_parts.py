@@ -16,6 +16,7 @@ from orchestrator.live.rewards import Reward, Term
 from orchestrator.live.tasks import (TASKS, ModularAddition, Problem, ReverseString, _held_out, group_advantages,
                                      make_task, split_sizes)
 from orchestrator.live.tokenizer import EOS, CharTokenizer
+from orchestrator.live.weight_versions import WeightVersions
 from orchestrator.loop.program import ProgramConfig, RLProgram, StoppedWithoutCheckpointError
 from orchestrator.loop.trainer_worker import TrainerWorker
 from orchestrator.recipe import RecipeError
@@ -353,3 +354,61 @@ def test_in_a_job_a_stop_seen_while_waiting_for_rollouts_is_agreed_at_the_next_b
   result = outcome["result"]
   assert result.ended == "stopped" and result.stop_reason == "SIGTERM" and result.last_step == 3
   assert result.checkpoint_path == "ckpt/4" and engine.calls.count("update") == 4
+
+
+def test_the_staleness_schedule_waits_for_each_step_s_version_and_keeps_only_what_is_still_needed():
+  versions = WeightVersions(steps=6, max_staleness=2)
+  assert [versions.version_for(s) for s in range(6)] == [0, 0, 0, 1, 2, 3]
+  assert versions.available(0) and not versions.blocked_on_sync(2) and versions.blocked_on_sync(3)
+  assert not versions.blocked_on_sync(9)  # past the run's last step nothing waits for a sync
+  versions.keep(1, "w1")
+  versions.keep(2, "w2")
+  assert not versions.blocked_on_sync(4) and versions.synced == 2
+  assert versions.take(1) == "w1" and not versions.available(0)  # older versions dropped once a newer is taken
+  assert versions.available(2) and not versions.available(3)
+  assert versions.carried(4) == [4, 5]  # sampled with versions 2 and 3, older than step 4's position
+  versions.restart_at(4)  # a run resumed before step 4: its checkpoint's weights arrive by sync
+  assert not versions.available(4) and versions.first == 4 and not versions.can_sample(5)
+  assert versions.can_sample(6)
+  versions.keep(4, "w4")
+  assert versions.available(4) and versions.take(4) == "w4"
+
+
+class _BlockingSampler:
+  """A sampler whose sampling waits for ``release``; greedy answers every prompt with "4"."""
+
+  weights_version = 0
+
+  def __init__(self):
+    self.sampling, self.release, self.synced = threading.Event(), threading.Event(), []
+
+  def sample(self, prompts, seed, temperature):
+    self.sampling.set()
+    self.release.wait(30)
+    raise RuntimeError("not needed by the test")
+
+  def sync(self, weights, version):
+    self.synced.append(version)
+
+  def greedy(self, prompts):
+    return ["4"] * len(prompts)
+
+
+def test_an_evaluation_takes_the_sampler_in_its_turn_and_a_stop_ends_its_wait():
+  # import here: it loads JAX (the weights are gathered across processes)
+  from orchestrator.live.rollouts import LiveShape
+  from orchestrator.live.shared_sampler import SharedSampler
+
+  task, sampler = ModularAddition(), _BlockingSampler()
+  shared = SharedSampler(sampler, task, lambda *a, **k: None, LiveShape(1, 1, 1, 1, 0))
+  thread = threading.Thread(target=lambda: pytest.raises(RuntimeError, shared.sample_micro_batch, 0, 0, 0, None),
+                            daemon=True)
+  thread.start()
+  assert sampler.sampling.wait(30)  # the sampling thread holds the sampler
+  stopped = threading.Event()
+  threading.Timer(0.3, stopped.set).start()
+  assert shared.evaluate(None, 1, 3, stop=stopped.is_set) is None and sampler.synced == []
+  sampler.release.set()
+  thread.join(30)
+  expected = np.mean([task.reward(task.problem(0, "eval", j), "4") for j in range(3)])
+  assert shared.evaluate("w", 1, 3, stop=stopped.is_set) == expected and sampler.synced == [1]

@@ -602,7 +602,7 @@ def test_the_probe_counts_the_weights_the_engine_holds():
   from orchestrator.engine import build_engine
   for preset in ("tiny", "tiny_moe"):
     engine = build_engine(preset, aot=False)
-    assert compute_probe.parameter_count(engine.preset) == sum(x.size for x in jax.tree.leaves(engine._params))
+    assert compute_probe.parameter_count(engine.preset) == sum(x.size for x in jax.tree.leaves(engine.export_weights()))
 
 
 @pytest.mark.e2e

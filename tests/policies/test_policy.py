@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from policies import (MODE_TABLE, BoundaryPlan, DeviceHeadroom, HeadroomRule, Mode, StagingUnsupportedError,
-                      StepBoundaryPolicy)
-from policies.step_boundary import CalibrationRule
+from policies import (MODE_TABLE, BoundaryPlan, DeviceHeadroom, HeadroomRule, LowWaitStreak, MemoryGate, Mode,
+                      StagingUnsupportedError, StepBoundaryPolicy, WaitThreshold)
+from policies.calibration import CalibrationRule
 
 STAGED = [Mode.STAGE_AFTER_UPDATE, Mode.STAGE_BEFORE_UPDATE]
 
@@ -376,3 +376,57 @@ def test_a_stage_before_the_update_waits_for_no_rollouts_it_goes_after_the_updat
   assert policy.counters.get("staged_after_update_for_rollouts", 0) == (next_sampled is False)
   after = StepBoundaryPolicy(Mode.STAGE_AFTER_UPDATE, wait_threshold_s=0.0).plan(3, next_sampled=next_sampled)
   assert after.stage and not after.stage_before_update and after.reason != UPDATE_FIRST_REASON
+
+
+def test_the_wait_threshold_judges_nothing_until_calibrated_and_keeps_a_pinned_one():
+  calibrated, pinned = WaitThreshold(), WaitThreshold(0.5, CalibrationRule(rel_margin=1.0, abs_margin_s=0.0))
+  assert calibrated.is_low(0.0) is None and calibrated.floor_max_s is None
+  assert calibrated.calibrate([0.001, 0.003]) == pytest.approx(0.005) and calibrated.floor_max_s == 0.003
+  assert calibrated.is_low(0.004) and not calibrated.is_low(0.005)  # at the threshold is not low
+  assert pinned.calibrate([0.001]) == 0.5 and pinned.floor_samples == (0.001,) and pinned.is_low(0.4)
+  with pytest.raises(ValueError, match="wait_threshold_s must be a finite number >= 0"):
+    WaitThreshold(float("inf"))
+
+
+def test_the_low_wait_streak_turns_off_after_n_in_a_row_and_schedules_one_probe():
+  streak = LowWaitStreak(disable_after=2, reprobe_every=3)
+  assert not streak.extend(0.1) and streak.waits_s == [0.1]
+  streak.end()  # a wait that is not low: the streak starts again
+  assert not streak.extend(0.2) and streak.extend(0.3)
+  assert streak.disable(5) == [0.2, 0.3] and streak.waits_s == [] and streak.disabled_at == 5
+  assert [streak.probe_due(step) for step in (6, 7, 8, 9)] == [False, False, True, True]
+  streak.probe_used = True
+  assert not streak.probe_due(9)  # one probe per auto-disable
+  streak.enable()
+  assert streak.disabled_at is None and not streak.probe_due(100)
+  assert not LowWaitStreak(disable_after=1).probe_due(100)  # never disabled: no probe
+  with pytest.raises(ValueError, match="disable_after must be >= 1"):
+    LowWaitStreak(disable_after=0)
+  with pytest.raises(ValueError, match="reprobe_every must be >= 1 or None"):
+    LowWaitStreak(reprobe_every=0)
+
+
+def test_the_memory_gate_refuses_only_a_stage_short_of_room():
+  gate = MemoryGate()
+  assert gate.refusal(ROOMY) is None and gate.refusal(None) is None
+  assert gate.refusal(SHORT).startswith("no_memory_headroom: 150.00 MiB free on the fullest device")
+  off = MemoryGate(0)
+  assert not off.gates and off.refusal(SHORT) is None
+  assert MemoryGate(150 * MiB).refusal(SHORT) is None and MemoryGate(150 * MiB + 1).refusal(SHORT) is not None
+  with pytest.raises(ValueError, match="min_free_device_bytes must be 'auto' or a whole number"):
+    MemoryGate(-1)
+
+
+def test_a_restored_policy_continues_where_the_saved_one_stopped():
+  """Every part's state travels: the threshold and its floor, the streak, the probe schedule, the counters."""
+  kw = dict(disable_after=2, reprobe_every=2)
+  saved = StepBoundaryPolicy(Mode.STAGE_AFTER_UPDATE, **kw)
+  saved.calibrate([0.001])
+  for step in (0, 1):
+    saved.plan(step)
+    saved.observe(step, stage_s=0.01, device_wait_s=0.0)
+  restored, fresh = StepBoundaryPolicy(Mode.STAGE_AFTER_UPDATE, **kw), StepBoundaryPolicy(Mode.STAGE_AFTER_UPDATE, **kw)
+  restored.load_state_dict(saved.state_dict())
+  assert restored.state_dict() == saved.state_dict() and restored.report() == saved.report()
+  assert restored.plan(3).probe and saved.plan(3).probe
+  assert not fresh.plan(3).probe and fresh.threshold_s is None  # negative control: nothing restored

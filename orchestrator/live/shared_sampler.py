@@ -1,0 +1,114 @@
+"""One sampler for a live run's two users: the sampling thread and evaluation, each in its turn.
+
+The sampling thread samples each step's micro-batches with that step's weights
+version; an evaluation needs the sampler too, with its own weights. They take
+it in turns, one micro-batch or one evaluation at a time, and whoever takes it
+syncs the weights it needs first.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from orchestrator.data.trajectory import Trajectory
+from orchestrator.live.placement import gather_across_processes
+from orchestrator.live.rewards import Reward
+from orchestrator.live.sampler import LiveSampler
+from orchestrator.live.tasks import group_advantages
+
+#: How long one wait for the sampler lasts before the waiter looks at its stop flag again.
+WAIT_POLL_S = 0.1
+
+
+class SharedSampler:
+  """A ``LiveSampler`` on a ``tasks.Task``, taken in turns by the sampling thread (``sample_micro_batch``) and
+  evaluation (``evaluate``); trained on ``reward``, judged by the task's own check.
+
+  Args:
+    sampler: the sampler (its weights are whoever's took it last).
+    task: the task the prompts come from (training and held-out problems).
+    reward: the training reward of a micro-batch's completions (``score_micro_batch``).
+    shape: the steps' ``rollouts.LiveShape`` (its seed: the problems' and the sampling seeds').
+  """
+
+  def __init__(self, sampler: LiveSampler, task, reward: Reward, shape):
+    self.sampler, self._task, self._reward, self._shape = sampler, task, reward, shape
+    self._turn = threading.Lock()
+
+  def sample_micro_batch(self, step: int, i: int, version: int, weights: Any, *,
+                         cancelled: Callable[[], bool] | None = None):
+    """Micro-batch ``i`` of ``step`` sampled with weights ``version`` (``weights``; None: the sampler's own),
+    in this caller's turn: ``sample_micro_batch``'s result."""
+    with self._turn:  # per micro-batch: an evaluation may take the sampler (and its weights) between
+      if weights is not None and self.sampler.weights_version != version:
+        self.sampler.sync(weights, version)
+      return sample_micro_batch(self.sampler, self._task, self._reward, self._shape, step, i, cancelled=cancelled)
+
+  def eval_prompt_count(self, asked: int) -> int:
+    """``asked``, or what a finite evaluation split holds (a dataset's) if fewer: no prompt counts twice."""
+    return min(asked, len(getattr(self._task, "eval_problems", None) or range(asked)))
+
+  def evaluate(self, weights: Any, version: int, prompts: int, *,
+               stop: Callable[[], Any] | None = None) -> float | None:
+    """Greedy accuracy on ``prompts`` held-out problems with the given weights.
+
+    The sampling thread may hold the sampler: with ``stop`` the wait for it looks at ``stop()`` every
+    ``WAIT_POLL_S`` and gives up (None) once it is true. In a job of several processes the weights are
+    gathered before it (a collective every process issues, whatever the wait ends in).
+    """
+    weights = gather_across_processes(weights)[0]
+    problems = [self._task.problem(self._shape.seed, "eval", j) for j in range(prompts)]
+    if not acquire_unless(self._turn, stop):
+      return None
+    try:
+      if weights is not None:
+        self.sampler.sync(weights, version)
+      answers = self.sampler.greedy([p.prompt for p in problems])
+    finally:
+      self._turn.release()
+    return float(np.mean([self._task.reward(p, a) for p, a in zip(problems, answers)]))
+
+
+def acquire_unless(lock: threading.Lock, stop: Callable[[], Any] | None) -> bool:
+  """Takes ``lock``, looking at ``stop()`` every ``WAIT_POLL_S`` while it waits; False (not taken) once it is true."""
+  while not lock.acquire(timeout=WAIT_POLL_S):
+    if stop is not None and stop():
+      return False
+  return True
+
+
+def sample_micro_batch(sampler: LiveSampler, task, reward: Reward, shape, step: int, i: int, *,
+                       cancelled: Callable[[], bool] | None = None):
+  """Samples micro-batch ``i`` of ``step`` with the sampler's current weights: (payload, rewards, correct,
+  completion tokens). Its problems and seed are functions of (seed, step, i) alone. ``cancelled``: whether the
+  source is closing (a reward call still running is then given up: ``rewards.CallCancelled``)."""
+  g = shape.generations_per_group
+  first_group = (step * shape.micro_batches_per_step + i) * shape.groups_per_micro_batch
+  problems = [task.problem(shape.seed, "train", first_group + j) for j in range(shape.groups_per_micro_batch)]
+  prompts = [p.prompt for p in problems for _ in range(g)]
+  seed = int(np.random.default_rng((shape.seed, step, i)).integers(2**31 - 1))
+  samples = sampler.sample(prompts, seed=seed, temperature=shape.temperature)
+  rewards, correct = score_micro_batch(task, reward, problems, samples.texts, first_group, g, step=step,
+                                       cancelled=cancelled)
+  advantages = group_advantages(rewards, g)
+  if any(len(c) == 0 for c in samples.completion_ids):
+    raise RuntimeError(f"the sampler returned an empty completion at step {step}, micro-batch {i}")
+  payload = [Trajectory(samples.prompt_ids[k], samples.completion_ids[k], float(advantages[k]), samples.logprobs[k],
+                        first_group + k // g) for k in range(len(prompts))]
+  return payload, rewards, correct, int(sum(len(c) for c in samples.completion_ids))
+
+
+def score_micro_batch(task, reward: Reward, problems, texts: list[str], first_index: int, generations: int, *,
+                      step: int | None = None, cancelled: Callable[[], bool] | None = None):
+  """(training rewards, correct) of a micro-batch's completions of ``step``, ``generations`` per problem, the
+  first problem drawn with index ``first_index``. The reward is one call over all of them, as Tunix calls reward
+  functions (a model-based one batches), limited in time (``Reward.timeout_s``); correct is the task's own check,
+  so accuracy means the same whatever the reward."""
+  each = [problems[k // generations] for k in range(len(texts))]
+  rewards = reward(each, texts, indices=[first_index + k // generations for k in range(len(texts))], step=step,
+                   cancelled=cancelled)
+  return rewards, np.array([task.reward(p, text) == 1.0 for p, text in zip(each, texts)])
