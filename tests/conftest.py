@@ -58,13 +58,20 @@ def pytest_collection_modifyitems(config, items):
     use_compilation_cache()
 
 
-def pytest_sessionfinish(session, exitstatus):
-  if _spec_only(session.config):
+_jax_reported = False
+
+
+@pytest.fixture(autouse=True)
+def _spec_tests_run_without_jax(request):
+  """Under ``-m spec``, fails the first test after which JAX is imported (in whichever worker runs it)."""
+  yield
+  global _jax_reported
+  if _spec_only(request.config) and not _jax_reported:
     imported = sorted(name for name in JAX_MODULES if name in sys.modules)
     if imported:
-      session.config.pluginmanager.get_plugin("terminalreporter").write_line(
-          f"the spec tier imported {', '.join(imported)}: a test marked spec needs JAX; mark it engine or e2e")
-      session.exitstatus = pytest.ExitCode.TESTS_FAILED
+      _jax_reported = True
+      pytest.fail(f"the spec tier imported {', '.join(imported)} (this test, or a module collected with it): "
+                  "a test marked spec needs JAX; mark it engine or e2e", pytrace=False)
 
 
 @pytest.fixture(scope="session")
