@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import subprocess
 import sys
@@ -342,3 +343,19 @@ def test_a_stage_before_the_update_waits_for_no_rollouts_it_goes_after_the_updat
   assert policy.counters.get("staged_after_update_for_rollouts", 0) == (next_sampled is False)
   after = StepBoundaryPolicy(Mode.STAGE_AFTER_UPDATE, wait_threshold_s=0.0).plan(3, next_sampled=next_sampled)
   assert after.stage and not after.stage_before_update and after.reason != UPDATE_FIRST_REASON
+
+
+@pytest.mark.parametrize("mode", list(Mode))
+def test_a_plan_round_trips_through_its_json_form(mode):
+  """What a checkpoint keeps of a boundary planned before it reads back as the same plan, through JSON text."""
+  plan = BoundaryPlan.for_mode(7, mode, reason="why", probe=mode.staged)
+  data = json.loads(json.dumps(plan.to_json()))
+  assert data["mode"] == mode.value
+  assert BoundaryPlan.from_json(data) == plan
+
+
+def test_a_plan_of_an_unknown_mode_is_refused():
+  """Negative control: a mode no row of the table names does not read back."""
+  data = dict(BoundaryPlan.unstaged(2, Mode.PIPELINED, reason="r").to_json(), mode="sideways")
+  with pytest.raises(ValueError):
+    BoundaryPlan.from_json(data)

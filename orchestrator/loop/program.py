@@ -41,7 +41,7 @@ from orchestrator.loop.live_waits import (LiveWaits, SourceFailed, StoppedWithou
 from orchestrator.loop.recorder import BoundaryRecord, Lane, Recorder, Span, fwd_bwd_key, update_key
 from orchestrator.loop.watcher import Watched
 from orchestrator.loop.weight_sync import HostWeightStore, timed_sync
-from policies import BoundaryPlan, DeviceHeadroom, Mode, StepBoundaryPolicy
+from policies import BoundaryPlan, DeviceHeadroom, StepBoundaryPolicy
 from policies.call_order import Action, boundary_actions
 from policies.step_boundary import format_seconds
 
@@ -143,14 +143,6 @@ class ProgramConfig:
     stop's, or a completed run's last (the last two only where the engine can write one)."""
     last = self.checkpoint_last_step and steps_done == self.steps
     return self.checkpoint_due(steps_done) or ((stop or last) and can_checkpoint)
-
-
-def plan_to_json(plan: BoundaryPlan) -> dict[str, Any]:
-  return dict(dataclasses.asdict(plan), mode=plan.mode.value)
-
-
-def plan_from_json(data: dict[str, Any]) -> BoundaryPlan:
-  return BoundaryPlan(**dict(data, mode=Mode(data["mode"])))
 
 
 @dataclasses.dataclass
@@ -322,7 +314,7 @@ def run_state(done: int, config: "ProgramConfig", policy: StepBoundaryPolicy, so
   return {"step": done, "run_id": config.run_id, "config_sha256": config.config_sha256, "mode": policy.mode.value,
           "scored": done in config.scored_checkpoint_steps, "records_count": done,
           "source_state": source_state, "policy_state": policy.state_dict(),
-          "next_plan": plan_to_json(next_plan) if next_plan else None, "pending_record": pending_record}
+          "next_plan": next_plan.to_json() if next_plan else None, "pending_record": pending_record}
 
 
 class RLProgram:
