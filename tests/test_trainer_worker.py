@@ -9,7 +9,8 @@ import math
 import pytest
 
 from orchestrator.contract import DeviceMemory
-from orchestrator.loop.program import NonFiniteStepError, ProgramConfig, RLProgram, agree_on_headroom
+from orchestrator.distributed.agreement import agree_on_headroom
+from orchestrator.loop.program import NonFiniteStepError, ProgramConfig, RLProgram
 from orchestrator.loop.trainer_worker import TrainerWorker, WorkerUsageError
 from policies import DeviceHeadroom, Mode, StepBoundaryPolicy
 from tests.fakes import DivergingEngine, NoStagingEngine, RecordingEngine, payload_steps

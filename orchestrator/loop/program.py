@@ -31,10 +31,11 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from orchestrator.contract import (DeviceMemory, RunSummary, StageReceipt, StepMetrics, StepSource, Worker,
+from orchestrator.contract import (RunSummary, StageReceipt, StepMetrics, StepSource, Worker,
                                    RolloutStats, live_part)
 from orchestrator.data.sources import as_step_source
-from orchestrator.distributed.agreement import KeyValueAgreement, SingleProcess, combine_max
+from orchestrator.distributed.agreement import (KeyValueAgreement, SingleProcess, agree_on_headroom,
+                                                agree_on_measurements, agree_on_stop)
 from orchestrator.loop.job_timings import merge_process_timings
 from orchestrator.loop.live_waits import (LiveWaits, SourceFailed, StoppedWithoutCheckpointError, StopWhileWaiting,
                                           latest_checkpoint)
@@ -186,35 +187,6 @@ class ProgramResult:
   stop_reason: str | None = None  # what asked for the stop (a signal's name), in whichever process it came
   last_step: int | None = None
   checkpoint_path: str | None = None  # the last checkpoint written
-
-
-def agree_on_stop(agreement: SingleProcess, k: int, asked: Any) -> str | None:
-  """What asked for a stop after step k in any process (a signal's name, or "stop"), or None."""
-  local = (asked if isinstance(asked, str) else "stop") if asked else None
-  reasons = [r for r in agreement.exchange(f"stop after step {k}", local) if r]
-  return reasons[0] if reasons else None
-
-
-def agree_on_measurements(agreement: SingleProcess, step: int, measured: dict, threshold: float | None):
-  """Every process's measurements of one boundary, combined as the policy sees them (the max: the slowest
-  process decides, and every process decides the same); also each process's, in order (None alone)."""
-  per_process = agreement.exchange(f"observe step {step}", measured)
-  seen = combine_max(per_process)
-  if threshold is not None and seen["device_wait_s"] >= threshold:
-    seen["update_delay_s"] = None  # the slowest process did not wait below the threshold
-  keys = ("stage_s", "device_wait_s")
-  return seen, ({key: [m[key] for m in per_process] for key in keys} if len(per_process) > 1 else None)
-
-
-def agree_on_headroom(agreement: SingleProcess, step: int, memory: DeviceMemory | None) -> DeviceHeadroom | None:
-  """The headroom every process plans boundary ``step`` with: the least free memory of any device of any
-  process and the most a staged input holds on one device; None where no process reports its memory."""
-  local = None if memory is None else {"free_bytes": memory.free_bytes, "input_bytes": max(memory.input_bytes)}
-  reports = [r for r in agreement.exchange(f"headroom step {step}", local) if r is not None]
-  if not reports:
-    return None
-  return DeviceHeadroom(free_bytes=min(r["free_bytes"] for r in reports),
-                        input_bytes=max(r["input_bytes"] for r in reports))
 
 
 def next_sampled(live: Any, agreement: SingleProcess, step: int, next_ready: bool) -> bool | None:
