@@ -335,3 +335,100 @@ def test_every_process_plans_with_the_least_free_memory_of_the_job():
   assert agree_on_headroom(_TwoProcesses(None), 3, mine) == DeviceHeadroom(free_bytes=700, input_bytes=8)
   assert agree_on_headroom(_TwoProcesses(None), 3, None) is None
   assert agreement.tags == ["headroom step 3"]
+
+
+class _CountingLiveSource:
+  """A live source whose every micro-batch is sampled, counting each wait for a micro-batch (an ask with a
+  timeout: ``ready`` for a step's first, ``micro_batch_ready`` for a later one) and each fetch of one from a
+  taken step. A fetch before its wait is refused, as the real source's access would block without the stop
+  in view."""
+
+  kind = "counting-live"
+  last_wait_s = 0.0
+
+  def __init__(self, steps: int, micro: int):
+    self._steps, self.next_step = payload_steps(steps, micro), 0
+    self.waits: dict[tuple[int, int], int] = {}
+    self.fetches: dict[tuple[int, int], int] = {}
+
+  def _count(self, counts, step, index):
+    counts[(step, index)] = counts.get((step, index), 0) + 1
+
+  def __iter__(self):
+    return self
+
+  def __next__(self):
+    step, self.next_step = self.next_step, self.next_step + 1
+    source = self
+
+    class Streamed(list):
+      def __getitem__(self, index):
+        assert (step, index) in source.waits, f"step {step}'s micro-batch {index} was fetched before its wait"
+        source._count(source.fetches, step, index)
+        return super().__getitem__(index)
+
+    return Streamed(self._steps[step])
+
+  def get_state(self):
+    return {"kind": self.kind, "next_step": self.next_step}
+
+  def state_json(self, state):
+    return dict(state)
+
+  def set_state(self, state):
+    self.next_step = state["next_step"]
+
+  def count_steps(self, limit):
+    return min(limit, len(self._steps))
+
+  def close(self):
+    pass
+
+  def blocked_on_sync(self, step):
+    return False
+
+  def sync(self, version, weights):
+    pass
+
+  def step_stats(self, step):
+    return None
+
+  def check(self):
+    pass
+
+  def evaluate(self, weights, version, prompts, *, stop=None):
+    return 0.0
+
+  def recorded_steps(self):
+    return None
+
+  def ready(self, step, timeout_s):
+    if timeout_s > 0:  # a zero timeout only looks (the plan asks whether the step is sampled): no wait
+      self._count(self.waits, step, 0)
+    return True
+
+  def micro_batch_ready(self, step, index, timeout_s):
+    self._count(self.waits, step, index)
+    return True
+
+  def ready_to_checkpoint(self, position, timeout_s, *, extendable=True):
+    return True
+
+
+@pytest.mark.parametrize("micro", [1, 2, 3])
+@pytest.mark.parametrize("mode", list(Mode), ids=lambda m: m.name)
+def test_each_micro_batch_is_waited_for_once_and_fetched_once(mode, micro):
+  """The feed waits for each micro-batch once, with the stop in view, and fetches it once; a staged dispatch
+  sends what the stage prepared and fetches nothing (it would drop it). Negative control: a loop that fetched
+  the staged payload again for its dispatch counts two fetches of every staged step's first micro-batch."""
+  source, steps = _CountingLiveSource(4, micro), 4
+  engine = RecordingEngine()
+  worker = TrainerWorker(engine)
+  policy = StepBoundaryPolicy(mode, engine_can_stage=worker.capabilities.can_stage, wait_threshold_s=0.0)
+  RLProgram(worker, policy, source, ProgramConfig(steps=steps, micro_batches_per_step=micro, calibration_samples=2)
+            ).run()
+  every = {(k, i): 1 for k in range(steps) for i in range(micro)}
+  assert source.waits == every
+  assert source.fetches == every
+  staged = [c for c in engine.calls if c.startswith("fwd_bwd:prepared:")]
+  assert len(staged) == (steps - 1 if mode.staged else 0)  # the staged dispatches ran, with no fetch of their own

@@ -3,7 +3,8 @@
 The program asks the feed for micro-batch i of step k; the feed takes step k from the source when it is first
 needed (noting the source's position before it, which a checkpoint keeps) and, for a live source, waits for
 what is not sampled yet with the stop flag in view (``LiveWaits``): the step's first micro-batch before it is
-taken, each later one before it is handed out.
+taken, each later one before it is handed out. Each micro-batch is waited for once and fetched from the step
+once: a staged dispatch sends what the stage prepared and asks the feed for nothing.
 """
 
 from __future__ import annotations

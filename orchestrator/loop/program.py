@@ -324,7 +324,8 @@ class RLProgram:
     return reason is not None
 
   def _dispatch_micro(self, k: int, i: int, payload: Any, *, staged: bool = False) -> float:
-    """Dispatches micro-batch i of step k (the step's last defers its update where the plan says)."""
+    """Dispatches micro-batch i of step k (the step's last defers its update where the plan says); a staged
+    dispatch sends the staged input and takes no ``payload``."""
     defer = False
     if i == self.config.micro_batches_per_step - 1:
       boundary = self._boundaries.get(k) or self._open_boundary(k)
@@ -340,7 +341,7 @@ class RLProgram:
     return receipt.dispatched_at
 
   def _next_step_first(self, boundary: BoundaryState) -> Any:
-    """Step k+1's first micro-batch, for the stage or the dispatch."""
+    """Step k+1's first micro-batch, for the stage or the dispatch (whichever takes it: one fetch)."""
     payload = self.feed.micro_batch(boundary.step + 1, 0)
     boundary.rollout_wait_s = self.feed.rollout_wait_s(boundary.step + 1)
     return payload
@@ -372,8 +373,9 @@ class RLProgram:
       self.recorder.span("update dispatch", start, self.clock())
     elif action.dispatches_first:
       self.current_step = k + 1
+      staged = action is Action.DISPATCH_FIRST_STAGED  # its input is the stage's: no payload to fetch
       boundary.first_dispatch = self._dispatch_micro(
-          k + 1, 0, self._next_step_first(boundary), staged=action is Action.DISPATCH_FIRST_STAGED)
+          k + 1, 0, None if staged else self._next_step_first(boundary), staged=staged)
       self.current_step = k
       if boundary.observe_after_dispatch:
         self.policy_inputs.observe(boundary)
