@@ -345,6 +345,7 @@ def test_a_stage_before_the_update_waits_for_no_rollouts_it_goes_after_the_updat
   assert after.stage and not after.stage_before_update and after.reason != UPDATE_FIRST_REASON
 
 
+@pytest.mark.spec
 @pytest.mark.parametrize("mode", list(Mode))
 def test_a_plan_round_trips_through_its_json_form(mode):
   """What a checkpoint keeps of a boundary planned before it reads back as the same plan, through JSON text."""
@@ -354,6 +355,7 @@ def test_a_plan_round_trips_through_its_json_form(mode):
   assert BoundaryPlan.from_json(data) == plan
 
 
+@pytest.mark.spec
 def test_a_plan_of_an_unknown_mode_is_refused():
   """Negative control: a mode no row of the table names does not read back."""
   data = dict(BoundaryPlan.unstaged(2, Mode.PIPELINED, reason="r").to_json(), mode="sideways")

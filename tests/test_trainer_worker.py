@@ -13,7 +13,7 @@ from orchestrator.distributed.agreement import agree_on_headroom
 from orchestrator.loop.program import NonFiniteStepError, ProgramConfig, RLProgram
 from orchestrator.loop.trainer_worker import TrainerWorker, WorkerUsageError
 from policies import DeviceHeadroom, Mode, StepBoundaryPolicy
-from tests.fakes import DivergingEngine, NoStagingEngine, RecordingEngine, payload_steps
+from tests.fakes import DivergingEngine, NoStagingEngine, RecordingEngine, StuckLiveSource, payload_steps
 
 # docs/design.md §5's table, boundary by boundary, for the boundary after step k (M = 2).
 EXPECTED_BOUNDARY = {
@@ -337,29 +337,24 @@ def test_every_process_plans_with_the_least_free_memory_of_the_job():
   assert agreement.tags == ["headroom step 3"]
 
 
-class _CountingLiveSource:
+class _CountingLiveSource(StuckLiveSource):
   """A live source whose every micro-batch is sampled, counting each wait for a micro-batch (an ask with a
   timeout: ``ready`` for a step's first, ``micro_batch_ready`` for a later one) and each fetch of one from a
   taken step. A fetch before its wait is refused, as the real source's access would block without the stop
   in view."""
 
   kind = "counting-live"
-  last_wait_s = 0.0
 
   def __init__(self, steps: int, micro: int):
-    self._steps, self.next_step = payload_steps(steps, micro), 0
+    super().__init__(steps, micro, stuck_at=steps)
     self.waits: dict[tuple[int, int], int] = {}
     self.fetches: dict[tuple[int, int], int] = {}
 
   def _count(self, counts, step, index):
     counts[(step, index)] = counts.get((step, index), 0) + 1
 
-  def __iter__(self):
-    return self
-
   def __next__(self):
-    step, self.next_step = self.next_step, self.next_step + 1
-    source = self
+    step, source = self.next_step, self
 
     class Streamed(list):
       def __getitem__(self, index):
@@ -367,54 +362,19 @@ class _CountingLiveSource:
         source._count(source.fetches, step, index)
         return super().__getitem__(index)
 
-    return Streamed(self._steps[step])
-
-  def get_state(self):
-    return {"kind": self.kind, "next_step": self.next_step}
-
-  def state_json(self, state):
-    return dict(state)
-
-  def set_state(self, state):
-    self.next_step = state["next_step"]
-
-  def count_steps(self, limit):
-    return min(limit, len(self._steps))
-
-  def close(self):
-    pass
-
-  def blocked_on_sync(self, step):
-    return False
-
-  def sync(self, version, weights):
-    pass
-
-  def step_stats(self, step):
-    return None
-
-  def check(self):
-    pass
-
-  def evaluate(self, weights, version, prompts, *, stop=None):
-    return 0.0
-
-  def recorded_steps(self):
-    return None
+    return Streamed(super().__next__())
 
   def ready(self, step, timeout_s):
     if timeout_s > 0:  # a zero timeout only looks (the plan asks whether the step is sampled): no wait
       self._count(self.waits, step, 0)
-    return True
+    return super().ready(step, timeout_s)
 
   def micro_batch_ready(self, step, index, timeout_s):
     self._count(self.waits, step, index)
-    return True
-
-  def ready_to_checkpoint(self, position, timeout_s, *, extendable=True):
-    return True
+    return super().micro_batch_ready(step, index, timeout_s)
 
 
+@pytest.mark.spec
 @pytest.mark.parametrize("micro", [1, 2, 3])
 @pytest.mark.parametrize("mode", list(Mode), ids=lambda m: m.name)
 def test_each_micro_batch_is_waited_for_once_and_fetched_once(mode, micro):
