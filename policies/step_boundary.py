@@ -195,6 +195,15 @@ class BoundaryPlan:
     """A boundary in ``mode`` that stages nothing (pipelined unless the mode is OFF)."""
     return cls.for_mode(step, mode, reason=reason, staged_as=Mode.OFF if mode is Mode.OFF else Mode.PIPELINED)
 
+  def to_json(self) -> dict:
+    """The plan as JSON (the mode by its value): what a checkpoint keeps of a boundary planned before it."""
+    return dict(dataclasses.asdict(self), mode=self.mode.value)
+
+  @classmethod
+  def from_json(cls, data: dict) -> "BoundaryPlan":
+    """The plan ``to_json`` wrote."""
+    return cls(**dict(data, mode=Mode(data["mode"])))
+
 
 @dataclasses.dataclass(frozen=True)
 class Transition:

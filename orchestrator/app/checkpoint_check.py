@@ -23,9 +23,8 @@ from typing import Any
 from orchestrator.app.run_dir import RECORD_FIELDS
 from orchestrator.contract import SourceStateError
 from orchestrator.data.sources import ReplaySteps, SyntheticSteps
-from orchestrator.loop.program import plan_from_json
 from orchestrator.user_files import MIB, UserFileError, read_regular_text
-from policies import Mode, StepBoundaryPolicy
+from policies import BoundaryPlan, Mode, StepBoundaryPolicy
 
 # The keys every checkpoint of this version holds, and what each must be.
 _REQUIRED = ("step", "run_id", "mode", "records_count", "source_state", "policy_state")
@@ -131,7 +130,7 @@ def problem(step: int, metadata: Any, *, run_id: str, source, expected_position:
     return f"holds a policy state that cannot be restored ({e})"
   if metadata.get("next_plan") is not None:
     try:
-      plan_from_json(metadata["next_plan"])
+      BoundaryPlan.from_json(metadata["next_plan"])
     except (TypeError, ValueError, KeyError) as e:
       return f"holds a next-boundary plan that cannot be read ({type(e).__name__}: {e})"
   pending = metadata.get("pending_record")

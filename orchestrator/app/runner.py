@@ -22,14 +22,14 @@ from orchestrator.engine import build_backend
 from orchestrator.engine.options import CHECKPOINTING_BACKENDS
 from orchestrator.live.tasks import max_generation_steps
 from orchestrator.loop.metrics_log import MetricsLog, open_metrics_log
-from orchestrator.loop.program import ProgramConfig, RLProgram, plan_from_json
+from orchestrator.loop.program import ProgramConfig, RLProgram
 from orchestrator.loop.recorder import BoundaryRecord
 from orchestrator.loop.trainer_worker import TrainerWorker, WorkerCapabilities
 from orchestrator.recipe import RECIPES_DIR, Recipe, RecipeError
 from orchestrator.remote import protocol
 from orchestrator.remote.client import RemoteTrainerWorker
 from orchestrator.remote.spawn import SpawnedTrainer
-from policies import Mode, StagingUnsupportedError, StepBoundaryPolicy
+from policies import BoundaryPlan, Mode, StagingUnsupportedError, StepBoundaryPolicy
 
 
 def policy_from_recipe(recipe: Recipe, capabilities: WorkerCapabilities, *, mode: Mode | None = None,
@@ -331,7 +331,7 @@ def _build_program(recipe: Recipe, out: Path, worker, *, source, run_id: str, co
     policy.load_state_dict(resume.metadata["policy_state"])
     start_step, previous = resume.steps_done, [BoundaryRecord.from_json(r) for r in resume.previous_records]
     if resume.metadata.get("next_plan"):
-      first_plan = plan_from_json(resume.metadata["next_plan"])
+      first_plan = BoundaryPlan.from_json(resume.metadata["next_plan"])
   primary = job is None or job.is_primary
   steps_done: list = []  # what sees each finished record: the progress, the metrics log (opened below)
   progress = Progress(recipe.name, total=recipe.steps, initial=start_step) if progress else None

@@ -10,6 +10,11 @@ wrong things.
 
 ``SingleProcess`` is the same interface for a run of one process: each
 exchange returns this process's value alone.
+
+What the step loop's processes agree on at a boundary — a stop, the
+measurements the policy judges, the memory headroom it plans with — is
+written here once (``agree_on_stop``, ``agree_on_measurements``,
+``agree_on_headroom``), so every process combines the same way.
 """
 
 from __future__ import annotations
@@ -19,6 +24,9 @@ import json
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+from orchestrator.contract import DeviceMemory
+from policies import DeviceHeadroom
 
 _NAMESPACE = "step_boundary"
 
@@ -122,3 +130,32 @@ class KeyValueAgreement(SingleProcess):
     self.exchanges += 1
     self.exchange_s.append(time.perf_counter() - start)
     return out
+
+
+def agree_on_stop(agreement: SingleProcess, k: int, asked: Any) -> str | None:
+  """What asked for a stop after step k in any process (a signal's name, or "stop"), or None."""
+  local = (asked if isinstance(asked, str) else "stop") if asked else None
+  reasons = [r for r in agreement.exchange(f"stop after step {k}", local) if r]
+  return reasons[0] if reasons else None
+
+
+def agree_on_measurements(agreement: SingleProcess, step: int, measured: dict, threshold: float | None):
+  """Every process's measurements of one boundary, combined as the policy sees them (the max: the slowest
+  process decides, and every process decides the same); also each process's, in order (None alone)."""
+  per_process = agreement.exchange(f"observe step {step}", measured)
+  seen = combine_max(per_process)
+  if threshold is not None and seen["device_wait_s"] >= threshold:
+    seen["update_delay_s"] = None  # the slowest process did not wait below the threshold
+  keys = ("stage_s", "device_wait_s")
+  return seen, ({key: [m[key] for m in per_process] for key in keys} if len(per_process) > 1 else None)
+
+
+def agree_on_headroom(agreement: SingleProcess, step: int, memory: DeviceMemory | None) -> DeviceHeadroom | None:
+  """The headroom every process plans boundary ``step`` with: the least free memory of any device of any
+  process and the most a staged input holds on one device; None where no process reports its memory."""
+  local = None if memory is None else {"free_bytes": memory.free_bytes, "input_bytes": max(memory.input_bytes)}
+  reports = [r for r in agreement.exchange(f"headroom step {step}", local) if r is not None]
+  if not reports:
+    return None
+  return DeviceHeadroom(free_bytes=min(r["free_bytes"] for r in reports),
+                        input_bytes=max(r["input_bytes"] for r in reports))

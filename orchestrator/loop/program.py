@@ -17,7 +17,11 @@ checkpoint of it or of any later step is written, so the checkpoints on disk
 are all from steps whose metrics were finite (docs/design.md §8).
 
 The ``Recorder`` owns the measurements: completion stamps, host spans, records,
-trace and summary. The program reaches its trainer only through
+trace and summary. The ``StepFeed`` (``loop/feed.py``) owns the source side:
+taking steps, their positions, and a live source's stop-aware waits, each
+micro-batch waited for and fetched once. A ``BoundaryState``
+(``loop/boundary.py``) holds what is known of one boundary as its actions run.
+The program reaches its trainer only through
 ``orchestrator.contract.Worker`` and its steps only through ``StepSource`` (and,
 for a live source, ``LiveSource``); it imports nothing from ``orchestrator.engine``.
 """
@@ -25,27 +29,24 @@ for a live source, ``LiveSource``); it imports nothing from ``orchestrator.engin
 from __future__ import annotations
 
 import dataclasses
-import logging
-import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from orchestrator.contract import (DeviceMemory, RunSummary, StageReceipt, StepMetrics, StepSource, Worker,
-                                   RolloutStats, live_part)
+from orchestrator.contract import RunSummary, StepMetrics, StepSource, Worker
 from orchestrator.data.sources import as_step_source
-from orchestrator.distributed.agreement import KeyValueAgreement, SingleProcess, combine_max
+from orchestrator.distributed.agreement import KeyValueAgreement, SingleProcess, agree_on_stop
+from orchestrator.loop.boundary import BoundaryState
+from orchestrator.loop.feed import StepFeed
 from orchestrator.loop.job_timings import merge_process_timings
-from orchestrator.loop.live_waits import (LiveWaits, SourceFailed, StoppedWithoutCheckpointError, StopWhileWaiting,
+from orchestrator.loop.live_waits import (SourceFailed, StoppedWithoutCheckpointError, StopWhileWaiting,
                                           latest_checkpoint)
+from orchestrator.loop.policy_inputs import PolicyInputs
 from orchestrator.loop.recorder import BoundaryRecord, Lane, Recorder, Span, fwd_bwd_key, update_key
 from orchestrator.loop.watcher import Watched
 from orchestrator.loop.weight_sync import HostWeightStore, timed_sync
-from policies import BoundaryPlan, DeviceHeadroom, Mode, StepBoundaryPolicy
+from policies import BoundaryPlan, StepBoundaryPolicy
 from policies.call_order import Action, boundary_actions
-from policies.step_boundary import format_seconds
-
-log = logging.getLogger("step_boundary.program")
 
 __all__ = ["ProgramConfig", "ProgramResult", "RLProgram", "HostWeightStore", "NonFiniteStepError",
            "StoppedWithoutCheckpointError"]
@@ -73,17 +74,6 @@ class NonFiniteStepError(RuntimeError):
                                                                           else "")
     super().__init__(f"step {step}'s loss is {loss} and its gradient norm {grad_norm}: not finite, so the run"
                      f" stopped there and wrote no checkpoint of it or later; {last}")
-
-
-def non_finite(metrics: StepMetrics | None) -> bool:
-  """Whether the step's loss or gradient norm is a number that is not finite.
-
-  An update the engine skipped (``skip_nonfinite_updates``) is not: it left weights and optimizer state as
-  they were, finite, and the run goes on.
-  """
-  if metrics is None or metrics.skipped_update:
-    return False
-  return any(x is not None and not math.isfinite(x) for x in (metrics.loss, metrics.grad_norm))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,42 +135,6 @@ class ProgramConfig:
     return self.checkpoint_due(steps_done) or ((stop or last) and can_checkpoint)
 
 
-def plan_to_json(plan: BoundaryPlan) -> dict[str, Any]:
-  return dict(dataclasses.asdict(plan), mode=plan.mode.value)
-
-
-def plan_from_json(data: dict[str, Any]) -> BoundaryPlan:
-  return BoundaryPlan(**dict(data, mode=Mode(data["mode"])))
-
-
-@dataclasses.dataclass
-class _Boundary:
-  """What the loop knows about the boundary after one step, filled in as its actions run."""
-
-  step: int
-  plan: BoundaryPlan | None
-  mode: str
-  actions: tuple[Action, ...]
-  stop: bool = False  # a stop was asked for: this is the run's last step, checkpointed
-  failed: Any = None  # a SourceFailed for step k+1's rollouts: step k is recorded, then the run fails
-  last_dispatched: bool = False
-  stage: StageReceipt | None = None
-  device_wait_s: float | None = None
-  low_wait: bool | None = None
-  transition: str | None = None
-  metrics: StepMetrics | None = None
-  checkpoint_path: str | None = None
-  non_finite: bool = False  # step k's loss or gradient norm is not finite: the run ends after its record
-  first_dispatch: float | None = None
-  next_ready: bool | None = None  # None: the run's last step
-  rollout_wait_s: float | None = None  # how long the next step's rollouts kept this boundary waiting
-  rollout: RolloutStats | None = None  # what sampling this step's rollouts measured (a live source)
-  per_process: dict | None = None  # several processes: each one's stage and device wait, in process order
-  headroom: DeviceHeadroom | None = None  # the devices' memory the plan was given (None: not gated)
-  observe_after_dispatch: bool = False
-  spans: dict = dataclasses.field(default_factory=dict)
-
-
 @dataclasses.dataclass
 class ProgramResult:
   records: list[BoundaryRecord]
@@ -194,135 +148,6 @@ class ProgramResult:
   stop_reason: str | None = None  # what asked for the stop (a signal's name), in whichever process it came
   last_step: int | None = None
   checkpoint_path: str | None = None  # the last checkpoint written
-
-
-def agree_on_stop(agreement: SingleProcess, k: int, asked: Any) -> str | None:
-  """What asked for a stop after step k in any process (a signal's name, or "stop"), or None."""
-  local = (asked if isinstance(asked, str) else "stop") if asked else None
-  reasons = [r for r in agreement.exchange(f"stop after step {k}", local) if r]
-  return reasons[0] if reasons else None
-
-
-def agree_on_measurements(agreement: SingleProcess, step: int, measured: dict, threshold: float | None):
-  """Every process's measurements of one boundary, combined as the policy sees them (the max: the slowest
-  process decides, and every process decides the same); also each process's, in order (None alone)."""
-  per_process = agreement.exchange(f"observe step {step}", measured)
-  seen = combine_max(per_process)
-  if threshold is not None and seen["device_wait_s"] >= threshold:
-    seen["update_delay_s"] = None  # the slowest process did not wait below the threshold
-  keys = ("stage_s", "device_wait_s")
-  return seen, ({key: [m[key] for m in per_process] for key in keys} if len(per_process) > 1 else None)
-
-
-def agree_on_headroom(agreement: SingleProcess, step: int, memory: DeviceMemory | None) -> DeviceHeadroom | None:
-  """The headroom every process plans boundary ``step`` with: the least free memory of any device of any
-  process and the most a staged input holds on one device; None where no process reports its memory."""
-  local = None if memory is None else {"free_bytes": memory.free_bytes, "input_bytes": max(memory.input_bytes)}
-  reports = [r for r in agreement.exchange(f"headroom step {step}", local) if r is not None]
-  if not reports:
-    return None
-  return DeviceHeadroom(free_bytes=min(r["free_bytes"] for r in reports),
-                        input_bytes=max(r["input_bytes"] for r in reports))
-
-
-def next_sampled(live: Any, agreement: SingleProcess, step: int, next_ready: bool) -> bool | None:
-  """Whether ``step``'s first micro-batch is sampled now, for the plan (``StepBoundaryPolicy.plan``): a live
-  source in one process; None elsewhere — a recorded source has every step, and in a job of several processes
-  each process's sampler is at its own point, while a plan must be the same in every process."""
-  if live is None or not next_ready or isinstance(agreement, KeyValueAgreement):
-    return None
-  return live.ready(step, 0.0)
-
-
-def boundary_headroom(worker: Worker, policy: StepBoundaryPolicy, agreement: SingleProcess,
-                      step: int) -> DeviceHeadroom | None:
-  """What the memory gate plans boundary ``step`` with (read when the boundary is planned, just before the
-  step's last micro-batch is dispatched); None, with no exchange, where the gate cannot apply: it is off, the
-  run never stages, or the worker does not report memory — each the same in every process of a job."""
-  if not (policy.gates_on_memory and policy.requested_mode.staged and worker.capabilities.can_report_memory):
-    return None
-  return agree_on_headroom(agreement, step, worker.device_memory())
-
-
-def read_metrics(worker: Worker, recorder: Recorder, clock: Callable[[], float], boundary: "_Boundary",
-                 observe_stage: Callable[["_Boundary"], None]) -> None:
-  """Reads step k's metrics (blocks until update k is done); a stage after the update is judged here."""
-  start = clock()
-  boundary.metrics = worker.get_metrics()
-  end = clock()
-  key = update_key(boundary.step)
-  recorder.observe_ready(key, end)
-  update_ready = recorder.ready_at(key)
-  # The read's own cost, not the wait for the update in front of it.
-  boundary.spans["metrics_s"] = end - max(start, update_ready)
-  boundary.spans["metrics_wait_s"] = max(0.0, update_ready - start)
-  recorder.span(f"metrics {boundary.step}", start, end, Lane.BOUNDARY_WORK)
-  if boundary.stage is not None and boundary.device_wait_s is None:
-    # Staged after the update: the device wait is how long the update still ran after the stage.
-    boundary.device_wait_s = max(0.0, update_ready - boundary.stage.ended_at)
-    observe_stage(boundary)
-  boundary.non_finite = non_finite(boundary.metrics)  # the loop ends the run with it (NonFiniteStepError)
-
-
-def update_delay(recorder: Recorder, boundary: "_Boundary", m: int, threshold: float | None) -> float | None:
-  """How long a low-wait stage held the update back (stage end − last micro-batch ready); None otherwise."""
-  if threshold is None or boundary.device_wait_s >= threshold:
-    return None
-  try:
-    return max(0.0, boundary.stage.ended_at - recorder.ready_at(fwd_bwd_key(boundary.step, m - 1), timeout_s=5.0))
-  except (KeyError, TimeoutError):
-    return None
-
-
-def log_staged(boundary: "_Boundary", *, low: bool) -> None:
-  """The ``[boundary]`` line of a staged boundary, once its device wait is known."""
-  plan = boundary.plan
-  where = "before" if plan.stage_before_update else "after"
-  note = " — below the threshold: the stage outlasted the compute" if low else ""
-  log.info("[boundary] step %d STAGED%s %s update in %s; the device still computed %s after it%s",
-           boundary.step, " (re-probe)" if plan.probe else "", where, format_seconds(boundary.stage.stage_s),
-           format_seconds(boundary.device_wait_s), note)
-
-
-def observe(policy: StepBoundaryPolicy, recorder: Recorder, agreement: SingleProcess, boundary: "_Boundary",
-            m: int) -> None:
-  """Feeds a staged boundary's measurements (every process's, combined) to the policy; notes what it judged."""
-  plan, threshold = boundary.plan, policy.threshold_s
-  delay = update_delay(recorder, boundary, m, threshold)
-  measured = {"stage_s": boundary.stage.stage_s, "device_wait_s": boundary.device_wait_s, "update_delay_s": delay,
-              "rollout_wait_s": boundary.rollout_wait_s or 0.0}
-  seen, boundary.per_process = agree_on_measurements(agreement, boundary.step, measured, threshold)
-  obs = policy.observe(boundary.step, stage_s=seen["stage_s"], device_wait_s=seen["device_wait_s"],
-                       probe=plan.probe, update_delay_s=seen["update_delay_s"], rollout_wait_s=seen["rollout_wait_s"])
-  boundary.low_wait = obs.low
-  boundary.transition = obs.transition.kind if obs.transition else None
-  log_staged(boundary, low=obs.low)
-
-
-def calibrate_policy(policy: StepBoundaryPolicy, worker: Worker, agreement: SingleProcess,
-                     samples_wanted: int) -> float | None:
-  """Samples the wait floor (nothing in flight) and calibrates the policy; returns the threshold.
-
-  A resumed policy keeps the floor it measured before (its threshold stays the run's); a policy that will
-  never stage needs none.
-  """
-  if not worker.capabilities.can_stage or not policy.requested_mode.staged or policy.floor_samples:
-    return policy.threshold_s
-  samples = worker.sample_wait_floor(samples_wanted)
-  # Every process calibrates on the slowest floor, so each reaches the same threshold.
-  return policy.calibrate(agreement.combine("wait floor", {"samples": list(samples)})["samples"])
-
-
-def run_state(done: int, config: "ProgramConfig", policy: StepBoundaryPolicy, source_state: Any,
-              next_plan: BoundaryPlan | None, pending_record: dict[str, Any] | None) -> dict[str, Any]:
-  """What a checkpoint after ``done`` steps holds beside the engine state: the whole run's state (the step,
-  the run's id, the policy's state, the source's position before step ``done``, the next boundary's plan
-  when it was made before the checkpoint) and ``pending_record``: step ``done - 1``'s record as known at the
-  save (a resume restores it if a kill came between the checkpoint and that record's line)."""
-  return {"step": done, "run_id": config.run_id, "config_sha256": config.config_sha256, "mode": policy.mode.value,
-          "scored": done in config.scored_checkpoint_steps, "records_count": done,
-          "source_state": source_state, "policy_state": policy.state_dict(),
-          "next_plan": plan_to_json(next_plan) if next_plan else None, "pending_record": pending_record}
 
 
 class RLProgram:
@@ -363,27 +188,27 @@ class RLProgram:
     self.worker = worker
     self.agreement = agreement or SingleProcess()
     self.policy = policy
-    self.source = as_step_source(source)
-    self.live = live_part(self.source)
     self.config = config
+    self.stop_requested = stop_requested or (lambda: False)
+    self.feed = StepFeed(as_step_source(source), micro_batches_per_step=config.micro_batches_per_step,
+                         start_step=config.start_step, steps=config.steps, stop_requested=self.stop_requested,
+                         grace_s=config.stop_grace_s, latest=lambda: latest_checkpoint(self.records),
+                         local_stops=self.agreement.num_processes == 1)
+    self.source, self.live = self.feed.source, self.feed.live
     if weight_sync is None:
       weight_sync = self.live.sync if self.live is not None else HostWeightStore()
     self.weight_sync = weight_sync
     self.clock = clock
     self.recorder = Recorder(clock, config.micro_batches_per_step, config.out_dir, on_step,
                              previous_records=previous_records)
+    self.policy_inputs = PolicyInputs(policy, worker, self.recorder, self.agreement,
+                                      micro_batches_per_step=config.micro_batches_per_step)
     self.current_step: int | None = None  # the step being run (for error messages)
-    self.stop_requested = stop_requested or (lambda: False)
     self._first_plan = first_plan
-    self._boundaries: dict[int, _Boundary] = {}
-    self._payloads: dict[int, Sequence[Any]] = {}
-    self._source_states: dict[int, Any] = {}  # the source's position before each step was pulled
+    self._boundaries: dict[int, BoundaryState] = {}
     self._result = ProgramResult([], None, None, None)
     # The steps the last checkpoint covers: a resumed run starts from one after start_step steps.
     self._last_checkpoint_steps: int | None = config.start_step or None
-    self._waits = None if self.live is None else LiveWaits(
-        self.live, self.stop_requested, grace_s=config.stop_grace_s, latest=lambda: latest_checkpoint(self.records),
-        local_stops=self.agreement.num_processes == 1)
     if (config.checkpoint_every or config.scored_checkpoint_steps) and not worker.capabilities.can_checkpoint:
       raise ValueError("checkpoints are asked for (checkpoint_every / scored_checkpoint_steps) but the engine"
                        " has no save_checkpoint / restore_checkpoint; turn checkpoints off or use an engine"
@@ -393,12 +218,10 @@ class RLProgram:
   def records(self) -> list[BoundaryRecord]:
     return self.recorder.records
 
-  # ------------------------------------------------------------------ bring-up
   def calibrate(self) -> float | None:
     """Samples the wait floor (nothing in flight) and calibrates the policy; returns the threshold."""
-    return calibrate_policy(self.policy, self.worker, self.agreement, self.config.calibration_samples)
+    return self.policy_inputs.calibrate(self.config.calibration_samples)
 
-  # ------------------------------------------------------------------ loop
   def run(self) -> ProgramResult:
     """Runs every step; returns records and summary. On an error, what was recorded is kept."""
     self.recorder.start()
@@ -420,52 +243,14 @@ class RLProgram:
     result.run_start = self.recorder.run_start
     return result
 
-  def _payload(self, k: int, i: int) -> Any:
-    """Micro-batch i of step k, taking step k from the source when it is first needed."""
-    if k not in self._payloads:
-      self._pull(k)
-      if k - 1 in self._boundaries and self.live is not None:  # a sampling source says how long it blocked
-        self._boundaries[k - 1].rollout_wait_s = self.live.last_wait_s
-    if self._waits is not None and i > 0:  # a step streams in: its later micro-batches may still be sampled
-      self._waits.micro_batch(k, i)
-    return self._payloads[k][i]
-
-  def _next_ready(self, k: int) -> bool:
-    """Whether step k's first micro-batch can exist before this boundary's weight sync (a live source says)."""
-    return self.live is None or not self.live.blocked_on_sync(k)
-
-  def _pull(self, k: int) -> None:
-    """Takes step k's payloads from the source, noting the source's position before it."""
-    try:
-      if self._waits is not None:  # a stuck or slow sampler must not hold a stop
-        self._waits.take(k, first_of_run=k == self.config.start_step)
-      self._source_states[k] = self.source.get_state()
-      payloads = next(self.source)
-    except (RuntimeError, ValueError) as error:  # a rollout thread's or a recording's failure, for the loop
-      raise SourceFailed(k, error) from error
-    except StopIteration:
-      pulled = k - self.config.start_step
-      raise ValueError("the source yielded no steps" if pulled == 0 else
-                       f"the source ran out after {pulled} steps; {self.config.steps - self.config.start_step}"
-                       " were asked for") from None
-    m = self.config.micro_batches_per_step
-    if len(payloads) != m:
-      raise ValueError(f"step {k} has {len(payloads)} micro-batch payloads; micro_batches_per_step is {m}")
-    self._payloads[k] = payloads
-
-  def _source_state_before(self, k: int) -> Any:
-    """The source's position before step k (after the last step pulled, when k was never pulled), as JSON."""
-    state = self._source_states[k] if k in self._source_states else self.source.get_state()
-    return self.source.state_json(state) if state is not None else None
-
   def _loop(self) -> None:
     m, first = self.config.micro_batches_per_step, self.config.start_step
     self.current_step = first
-    self._dispatch_micro(first, 0, self._payload(first, 0))
+    self._dispatch_micro(first, 0, self.feed.micro_batch(first, 0))
     for k in range(first, self.config.steps):
       self.current_step = k
       for i in range(1, m - 1):
-        self._dispatch_micro(k, i, self._payload(k, i))
+        self._dispatch_micro(k, i, self.feed.micro_batch(k, i))
       boundary = self._boundaries.get(k) or self._open_boundary(k)
       for done, action in enumerate(boundary.actions):
         try:
@@ -477,8 +262,8 @@ class RLProgram:
           break
       boundary.rollout = self.live.step_stats(k) if self.live is not None else None
       self.recorder.finish_record(boundary, boundary.first_dispatch)
-      del self._boundaries[k], self._payloads[k]
-      self._source_states.pop(k, None)  # only the position before step k+1 can still be checkpointed
+      del self._boundaries[k]
+      self.feed.forget(k)
       self._result.last_step = k
       if boundary.failed is not None:  # step k's record is written; the failure names the step it sampled
         raise boundary.failed.error
@@ -488,8 +273,8 @@ class RLProgram:
         self._result.ended = "stopped"
         return
 
-  def _end_after(self, boundary: _Boundary, why: StopWhileWaiting | SourceFailed, executed: tuple[Action, ...]
-                 ) -> None:
+  def _end_after(self, boundary: BoundaryState, why: StopWhileWaiting | SourceFailed,
+                 executed: tuple[Action, ...]) -> None:
     """Ends the run after step k as a stop at its planning would: update applied, metrics read, checkpointed;
     after a failed source (step k+1's rollouts), not checkpointed (nothing can sync to it) but recorded."""
     failed = isinstance(why, SourceFailed)
@@ -506,29 +291,30 @@ class RLProgram:
       if done is None:
         self._execute(action, boundary)
         ran.append(action)
-    boundary.actions = (*executed, *ran)  # the record says what ran, and why it stopped there
-    boundary.plan = boundary.plan and dataclasses.replace(
-        boundary.plan, reason=f"stopped by {reason} while waiting for step {boundary.step + 1}'s rollouts")
+    boundary.ended_waiting(reason, (*executed, *ran))
 
-  def _open_boundary(self, k: int) -> _Boundary:
+  def _open_boundary(self, k: int) -> BoundaryState:
     """Plans the boundary after step k (just before its last micro-batch is dispatched)."""
     if self.live is not None:
       self.live.check()  # a failed rollout thread surfaces here, at the boundary
     stop = k + 1 < self.config.steps and self._agreed_stop(k)
     has_next = k + 1 < self.config.steps and not stop
-    next_ready = self._next_ready(k + 1) if has_next else None
+    next_ready = self.feed.next_ready(k + 1) if has_next else None
     plan = headroom = None
     if k == self.config.start_step and self._first_plan is not None and not stop:
       plan = self._first_plan
     elif has_next:
-      headroom = boundary_headroom(self.worker, self.policy, self.agreement, k)
+      headroom = self.policy_inputs.headroom(k)
+      one_process = not isinstance(self.agreement, KeyValueAgreement)
       plan = self.policy.plan(k, next_ready=next_ready, headroom=headroom,
-                              next_sampled=next_sampled(self.live, self.agreement, k + 1, next_ready))
+                              next_sampled=self.feed.sampled_now(k + 1, next_ready=next_ready,
+                                                                 one_process=one_process))
     mode = (plan.mode if plan else self.policy.mode).value
     # Rollouts that need this boundary's weights can only be sampled after its sync.
     sync_first = self.config.sync_before_next_step or next_ready is False
     actions = boundary_actions(plan, sync_before_next_step=sync_first)
-    self._boundaries[k] = _Boundary(k, plan, mode, actions, stop=stop, next_ready=next_ready, headroom=headroom)
+    self._boundaries[k] = BoundaryState(step=k, plan=plan, mode=mode, actions=actions, stop=stop,
+                                        next_ready=next_ready, headroom=headroom)
     return self._boundaries[k]
 
   def _agreed_stop(self, k: int) -> bool:
@@ -538,7 +324,8 @@ class RLProgram:
     return reason is not None
 
   def _dispatch_micro(self, k: int, i: int, payload: Any, *, staged: bool = False) -> float:
-    """Dispatches micro-batch i of step k (the step's last defers its update where the plan says)."""
+    """Dispatches micro-batch i of step k (the step's last defers its update where the plan says); a staged
+    dispatch sends the staged input and takes no ``payload``."""
     defer = False
     if i == self.config.micro_batches_per_step - 1:
       boundary = self._boundaries.get(k) or self._open_boundary(k)
@@ -553,14 +340,20 @@ class RLProgram:
     self.recorder.dispatch_spans(start, self.clock(), receipt)
     return receipt.dispatched_at
 
-  def _execute(self, action: Action, boundary: _Boundary) -> None:
+  def _next_step_first(self, boundary: BoundaryState) -> Any:
+    """Step k+1's first micro-batch, for the stage or the dispatch (whichever takes it: one fetch)."""
+    payload = self.feed.micro_batch(boundary.step + 1, 0)
+    boundary.rollout_wait_s = self.feed.rollout_wait_s(boundary.step + 1)
+    return payload
+
+  def _execute(self, action: Action, boundary: BoundaryState) -> None:
     """Runs one action of ``boundary``'s list (see ``policies.call_order``)."""
     k, m = boundary.step, self.config.micro_batches_per_step
     if action in (Action.DISPATCH_LAST, Action.DISPATCH_LAST_DEFERRED):
       if not boundary.last_dispatched:  # with M = 1 the boundary before dispatched it as a first
-        self._dispatch_micro(k, m - 1, self._payload(k, m - 1))
+        self._dispatch_micro(k, m - 1, self.feed.micro_batch(k, m - 1))
     elif action is Action.STAGE_FIRST:
-      boundary.stage = self.worker.stage_fwd_bwd(self._payload(k + 1, 0))
+      boundary.stage = self.worker.stage_fwd_bwd(self._next_step_first(boundary))
       self.recorder.span("stage", boundary.stage.started_at, boundary.stage.ended_at)
     elif action is Action.WAIT_AND_UPDATE:
       applied = self.worker.apply_deferred_update()
@@ -573,18 +366,19 @@ class RLProgram:
       # dispatch plans the next boundary, which needs the observation.
       boundary.observe_after_dispatch = m > 1 and any(a.dispatches_first for a in boundary.actions)
       if not boundary.observe_after_dispatch:
-        self._observe(boundary)
+        self.policy_inputs.observe(boundary)
     elif action is Action.UPDATE:
       start = self.clock()
       self._watch_update(k, self.worker.update())
       self.recorder.span("update dispatch", start, self.clock())
     elif action.dispatches_first:
       self.current_step = k + 1
+      staged = action is Action.DISPATCH_FIRST_STAGED  # its input is the stage's: no payload to fetch
       boundary.first_dispatch = self._dispatch_micro(
-          k + 1, 0, self._payload(k + 1, 0), staged=action is Action.DISPATCH_FIRST_STAGED)
+          k + 1, 0, None if staged else self._next_step_first(boundary), staged=staged)
       self.current_step = k
       if boundary.observe_after_dispatch:
-        self._observe(boundary)
+        self.policy_inputs.observe(boundary)
     elif action is Action.METRICS:
       if boundary.metrics is None:  # read already where a checkpoint came first (sync_before_next_step)
         self._read_metrics(boundary)
@@ -594,29 +388,40 @@ class RLProgram:
   def _watch_update(self, k: int, receipt) -> None:
     self.recorder.watch(update_key(k), receipt, kind="update", step=k, micro_step=-1)
 
-  # ------------------------------------------------------------------ the policy's measurements
-  def _observe(self, boundary: _Boundary) -> None:
-    observe(self.policy, self.recorder, self.agreement, boundary, self.config.micro_batches_per_step)
-
-  # ------------------------------------------------------------------ boundary work
-  def _read_metrics(self, boundary: _Boundary) -> None:
-    read_metrics(self.worker, self.recorder, self.clock, boundary, self._observe)
+  def _read_metrics(self, boundary: BoundaryState) -> None:
+    """Reads step k's metrics (blocks until update k is done); a stage after the update is judged here."""
+    start = self.clock()
+    metrics = self.worker.get_metrics()
+    end = self.clock()
+    key = update_key(boundary.step)
+    self.recorder.observe_ready(key, end)
+    update_ready = self.recorder.ready_at(key)
+    self.recorder.span(f"metrics {boundary.step}", start, end, Lane.BOUNDARY_WORK)
+    if boundary.metrics_read(metrics, started_at=start, ended_at=end, update_ready_at=update_ready):
+      self.policy_inputs.observe(boundary)
 
   def checkpoint_metadata(self, done: int, pending_record: dict[str, Any] | None = None) -> dict[str, Any]:
-    """What a checkpoint after ``done`` steps holds beside the engine state (``run_state``)."""
+    """What a checkpoint after ``done`` steps holds beside the engine state: the whole run's state (the step,
+    the run's id, the policy's state, the source's position before step ``done``, the next boundary's plan
+    when it was made before the checkpoint) and ``pending_record``: step ``done - 1``'s record as known at the
+    save (a resume restores it if a kill came between the checkpoint and that record's line)."""
+    config, policy = self.config, self.policy
     planned = self._boundaries.get(done)  # one micro-batch per step: planned before this checkpoint
-    return run_state(done, self.config, self.policy, self._source_state_before(done),
-                     planned.plan if planned else None, pending_record)
+    next_plan = planned.plan if planned else None
+    return {"step": done, "run_id": config.run_id, "config_sha256": config.config_sha256, "mode": policy.mode.value,
+            "scored": done in config.scored_checkpoint_steps, "records_count": done,
+            "source_state": self.feed.position_before(done), "policy_state": policy.state_dict(),
+            "next_plan": next_plan.to_json() if next_plan else None, "pending_record": pending_record}
 
-  def _checkpoint_and_sync(self, boundary: _Boundary) -> None:
+  def _checkpoint_and_sync(self, boundary: BoundaryState) -> None:
     done = boundary.step + 1
     if self.config.checkpoint_wanted(done, boundary.stop, self.worker.capabilities.can_checkpoint):
       if boundary.metrics is None:  # sync_before_next_step: read them first (the save waits for the update too)
         self._read_metrics(boundary)
         if boundary.non_finite:  # never saved
           return
-      if self._waits is not None:  # the rollouts it carries (docs/design.md §8)
-        self._waits.checkpoint(boundary.step, self._result.stop_reason if boundary.stop else None)
+      if self.feed.waits is not None:  # the rollouts it carries (docs/design.md §8)
+        self.feed.waits.checkpoint(boundary.step, self._result.stop_reason if boundary.stop else None)
       start = self.clock()
       self.recorder.sync_records()  # every record before this step is on disk before the checkpoint is
       metadata = self.checkpoint_metadata(done, self.recorder.provisional_record(boundary))

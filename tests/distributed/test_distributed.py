@@ -27,7 +27,7 @@ from orchestrator.data import packing
 from orchestrator.data.synthetic import SyntheticRollouts
 from orchestrator.distributed import launcher
 from orchestrator.distributed.agreement import (AgreementError, KeyValueAgreement, ProcessLostError, SingleProcess,
-                                                combine_max)
+                                                agree_on_measurements, combine_max)
 from orchestrator.distributed.watchdog import Watchdog
 from policies import Mode
 from tests.conftest import REPO
@@ -492,7 +492,6 @@ class _TwoProcesses(SingleProcess):
 @pytest.mark.engine
 @pytest.mark.parametrize("agreed", [True, False], ids=["agreed", "negative-control-local-only"])
 def test_processes_that_measured_different_waits_still_take_the_same_path(agreed):
-  from orchestrator.loop.program import agree_on_measurements
   from policies import StepBoundaryPolicy
 
   low = {"stage_s": 0.004, "device_wait_s": 0.0001, "update_delay_s": 0.003, "rollout_wait_s": 0.0}

@@ -9,10 +9,11 @@ import math
 import pytest
 
 from orchestrator.contract import DeviceMemory
-from orchestrator.loop.program import NonFiniteStepError, ProgramConfig, RLProgram, agree_on_headroom
+from orchestrator.distributed.agreement import agree_on_headroom
+from orchestrator.loop.program import NonFiniteStepError, ProgramConfig, RLProgram
 from orchestrator.loop.trainer_worker import TrainerWorker, WorkerUsageError
 from policies import DeviceHeadroom, Mode, StepBoundaryPolicy
-from tests.fakes import DivergingEngine, NoStagingEngine, RecordingEngine, payload_steps
+from tests.fakes import DivergingEngine, NoStagingEngine, RecordingEngine, StuckLiveSource, payload_steps
 
 # docs/design.md §5's table, boundary by boundary, for the boundary after step k (M = 2).
 EXPECTED_BOUNDARY = {
@@ -360,3 +361,60 @@ def test_every_process_plans_with_the_least_free_memory_of_the_job():
   assert agree_on_headroom(_TwoProcesses(None), 3, mine) == DeviceHeadroom(free_bytes=700, input_bytes=8)
   assert agree_on_headroom(_TwoProcesses(None), 3, None) is None
   assert agreement.tags == ["headroom step 3"]
+
+
+class _CountingLiveSource(StuckLiveSource):
+  """A live source whose every micro-batch is sampled, counting each wait for a micro-batch (an ask with a
+  timeout: ``ready`` for a step's first, ``micro_batch_ready`` for a later one) and each fetch of one from a
+  taken step. A fetch before its wait is refused, as the real source's access would block without the stop
+  in view."""
+
+  kind = "counting-live"
+
+  def __init__(self, steps: int, micro: int):
+    super().__init__(steps, micro, stuck_at=steps)
+    self.waits: dict[tuple[int, int], int] = {}
+    self.fetches: dict[tuple[int, int], int] = {}
+
+  def _count(self, counts, step, index):
+    counts[(step, index)] = counts.get((step, index), 0) + 1
+
+  def __next__(self):
+    step, source = self.next_step, self
+
+    class Streamed(list):
+      def __getitem__(self, index):
+        assert (step, index) in source.waits, f"step {step}'s micro-batch {index} was fetched before its wait"
+        source._count(source.fetches, step, index)
+        return super().__getitem__(index)
+
+    return Streamed(super().__next__())
+
+  def ready(self, step, timeout_s):
+    if timeout_s > 0:  # a zero timeout only looks (the plan asks whether the step is sampled): no wait
+      self._count(self.waits, step, 0)
+    return super().ready(step, timeout_s)
+
+  def micro_batch_ready(self, step, index, timeout_s):
+    self._count(self.waits, step, index)
+    return super().micro_batch_ready(step, index, timeout_s)
+
+
+@pytest.mark.spec
+@pytest.mark.parametrize("micro", [1, 2, 3])
+@pytest.mark.parametrize("mode", list(Mode), ids=lambda m: m.name)
+def test_each_micro_batch_is_waited_for_once_and_fetched_once(mode, micro):
+  """The feed waits for each micro-batch once, with the stop in view, and fetches it once; a staged dispatch
+  sends what the stage prepared and fetches nothing (it would drop it). Negative control: a loop that fetched
+  the staged payload again for its dispatch counts two fetches of every staged step's first micro-batch."""
+  source, steps = _CountingLiveSource(4, micro), 4
+  engine = RecordingEngine()
+  worker = TrainerWorker(engine)
+  policy = StepBoundaryPolicy(mode, engine_can_stage=worker.capabilities.can_stage, wait_threshold_s=0.0)
+  RLProgram(worker, policy, source, ProgramConfig(steps=steps, micro_batches_per_step=micro, calibration_samples=2)
+            ).run()
+  every = {(k, i): 1 for k in range(steps) for i in range(micro)}
+  assert source.waits == every
+  assert source.fetches == every
+  staged = [c for c in engine.calls if c.startswith("fwd_bwd:prepared:")]
+  assert len(staged) == (steps - 1 if mode.staged else 0)  # the staged dispatches ran, with no fetch of their own

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import subprocess
 import sys
@@ -430,3 +431,21 @@ def test_a_restored_policy_continues_where_the_saved_one_stopped():
   assert restored.state_dict() == saved.state_dict() and restored.report() == saved.report()
   assert restored.plan(3).probe and saved.plan(3).probe
   assert not fresh.plan(3).probe and fresh.threshold_s is None  # negative control: nothing restored
+
+
+@pytest.mark.spec
+@pytest.mark.parametrize("mode", list(Mode))
+def test_a_plan_round_trips_through_its_json_form(mode):
+  """What a checkpoint keeps of a boundary planned before it reads back as the same plan, through JSON text."""
+  plan = BoundaryPlan.for_mode(7, mode, reason="why", probe=mode.staged)
+  data = json.loads(json.dumps(plan.to_json()))
+  assert data["mode"] == mode.value
+  assert BoundaryPlan.from_json(data) == plan
+
+
+@pytest.mark.spec
+def test_a_plan_of_an_unknown_mode_is_refused():
+  """Negative control: a mode no row of the table names does not read back."""
+  data = dict(BoundaryPlan.unstaged(2, Mode.PIPELINED, reason="r").to_json(), mode="sideways")
+  with pytest.raises(ValueError):
+    BoundaryPlan.from_json(data)
