@@ -135,6 +135,7 @@ def test_the_device_report_names_platform_kind_count_and_jax():
   assert tpus == "devices: 4 × TPU v5 lite, 1 × cpu, the mesh uses 4; JAX 0.10.2"
 
 
+@pytest.mark.engine
 def test_the_step_in_progress_records_each_micro_batch_once_and_a_finished_step_keeps_its_own():
   """A dropless re-run replaces its micro-batch's loss, not its dropped tokens; a finished step is not changed by
   the next one."""

@@ -356,6 +356,7 @@ def test_in_a_job_a_stop_seen_while_waiting_for_rollouts_is_agreed_at_the_next_b
   assert result.checkpoint_path == "ckpt/4" and engine.calls.count("update") == 4
 
 
+@pytest.mark.spec
 def test_the_staleness_schedule_waits_for_each_step_s_version_and_keeps_only_what_is_still_needed():
   versions = WeightVersions(steps=6, max_staleness=2)
   assert [versions.version_for(s) for s in range(6)] == [0, 0, 0, 1, 2, 3]
@@ -394,6 +395,7 @@ class _BlockingSampler:
     return ["4"] * len(prompts)
 
 
+@pytest.mark.engine
 def test_an_evaluation_takes_the_sampler_in_its_turn_and_a_stop_ends_its_wait():
   # import here: it loads JAX (the weights are gathered across processes)
   from orchestrator.live.rollouts import LiveShape

@@ -379,6 +379,7 @@ def test_a_stage_before_the_update_waits_for_no_rollouts_it_goes_after_the_updat
   assert after.stage and not after.stage_before_update and after.reason != UPDATE_FIRST_REASON
 
 
+@pytest.mark.spec
 def test_the_wait_threshold_judges_nothing_until_calibrated_and_keeps_a_pinned_one():
   calibrated, pinned = WaitThreshold(), WaitThreshold(0.5, CalibrationRule(rel_margin=1.0, abs_margin_s=0.0))
   assert calibrated.is_low(0.0) is None and calibrated.floor_max_s is None
@@ -389,6 +390,7 @@ def test_the_wait_threshold_judges_nothing_until_calibrated_and_keeps_a_pinned_o
     WaitThreshold(float("inf"))
 
 
+@pytest.mark.spec
 def test_the_low_wait_streak_turns_off_after_n_in_a_row_and_schedules_one_probe():
   streak = LowWaitStreak(disable_after=2, reprobe_every=3)
   assert not streak.extend(0.1) and streak.waits_s == [0.1]
@@ -407,6 +409,7 @@ def test_the_low_wait_streak_turns_off_after_n_in_a_row_and_schedules_one_probe(
     LowWaitStreak(reprobe_every=0)
 
 
+@pytest.mark.spec
 def test_the_memory_gate_refuses_only_a_stage_short_of_room():
   gate = MemoryGate()
   assert gate.refusal(ROOMY) is None and gate.refusal(None) is None
@@ -418,6 +421,7 @@ def test_the_memory_gate_refuses_only_a_stage_short_of_room():
     MemoryGate(-1)
 
 
+@pytest.mark.spec
 def test_a_restored_policy_continues_where_the_saved_one_stopped():
   """Every part's state travels: the threshold and its floor, the streak, the probe schedule, the counters."""
   kw = dict(disable_after=2, reprobe_every=2)
