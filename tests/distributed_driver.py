@@ -44,7 +44,7 @@ def _staged_rows(engine, source) -> dict:
 def run_config(job, recipe_path: str, overrides: list[str]) -> dict:
   from orchestrator import recipe as recipe_lib
   from orchestrator.loop.program import RLProgram
-  from orchestrator.app.runner import build_engine_from_recipe, policy_from_recipe, program_config, rollout_source
+  from orchestrator.assembly import build_engine_from_recipe, policy_from_recipe, program_config, rollout_source
   from orchestrator.loop.trainer_worker import TrainerWorker
   from policies import Mode
 

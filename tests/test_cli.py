@@ -388,7 +388,7 @@ def test_print_config_shows_every_key_and_its_source(capsys):
 
 
 def test_failure_during_the_run_exits_1_naming_the_step(tmp_path, capsys, monkeypatch):
-  from orchestrator.app import runner
+  from orchestrator import assembly
 
   class Boom:
     current_step = 2
@@ -400,7 +400,7 @@ def test_failure_during_the_run_exits_1_naming_the_step(tmp_path, capsys, monkey
     def close(self):
       pass
 
-  monkeypatch.setattr(runner, "build_run", lambda recipe, out, **kw: Boom())
+  monkeypatch.setattr(assembly, "build_run", lambda recipe, out, **kw: Boom())
   code, _, err = _main(["model=tiny", "rollouts.source=synthetic", "run.reserve_host_core=false", "--out",
                         str(tmp_path / "out")], capsys)
   assert code == 1

@@ -233,6 +233,29 @@ def test_off_a_terminal_progress_is_a_plain_line_every_twentieth_of_the_run():
       "[progress] default: step 4/5", "[progress] default: step 5/5"]
 
 
+def test_the_progress_is_the_step_progress_build_run_takes_and_moves_logging_above_its_bar_only():
+  """``console.Progress`` fills ``assembly.StepProgress``; while the program runs, log lines go through tqdm where
+  there is a bar, and where they went where there is none. Negative control: an object without
+  ``logging_redirected`` is no ``StepProgress``."""
+  import logging
+
+  from orchestrator.assembly import StepProgress
+  from tqdm.contrib.logging import _TqdmLoggingHandler
+
+  plain = console.Progress("default", total=3, stream=io.StringIO())
+  bar = console.Progress("default", total=3, stream=io.StringIO(), terminal=True)
+  assert isinstance(plain, StepProgress) and isinstance(bar, StepProgress)
+  assert not isinstance(SimpleNamespace(close=lambda: None), StepProgress)
+  root = logging.getLogger()
+  before = list(root.handlers)
+  with plain.logging_redirected():
+    assert root.handlers == before
+  with bar.logging_redirected():
+    assert any(isinstance(h, _TqdmLoggingHandler) for h in root.handlers)
+  assert root.handlers == before
+  bar.close()
+
+
 def test_the_metrics_log_loads_no_jax():
   """A remote trainer's driver runs without JAX, and logs its metrics all the same."""
   code = ("import sys\nimport orchestrator.loop.metrics_log\n"

@@ -1,8 +1,8 @@
 """Starting, stopping and resuming a run: the part of ``run_rl`` that owns a run directory.
 
 A new run and a resumed one are each first a ``RunPlan`` (``plan_new_run``,
-``plan_resume``: the recipe, the run directory, the run's id, whether it
-resumes), and ``execute`` runs either. Order of a run, so that bad input is
+``plan_resume``: the recipe, the run directory, its checkpoint directory, the
+run's id, whether it resumes), and ``execute`` runs either. Order of a run, so that bad input is
 refused before anything is built or written:
 
 1. the recipe is resolved and validated (``orchestrator.recipe``; a resumed
@@ -48,7 +48,7 @@ from typing import Any
 
 from orchestrator import recipe as recipe_lib
 from orchestrator.app import checkpoint_check, inputs, run_dir
-from orchestrator.app.console import format_summary, format_table
+from orchestrator.app.console import Progress, format_summary, format_table
 from orchestrator.app.host import setup_host
 from orchestrator.app.run_dir import RunDirError
 from orchestrator.data.packing import validate_payload
@@ -59,6 +59,7 @@ from orchestrator.distributed.admission import JobMismatchError
 from orchestrator.distributed.agreement import AgreementError, ProcessLostError
 from orchestrator.distributed.bringup import DistributedError
 from orchestrator.distributed.launcher import LAUNCHED_ENV, LocalJob, resume_hint
+from orchestrator.engine.options import CHECKPOINTING_BACKENDS
 from orchestrator.live.plot import plot_rewards
 from orchestrator.loop.program import NonFiniteStepError, StoppedWithoutCheckpointError
 from orchestrator.recipe.loading import PROCESS_ID_ENV, job_settings
@@ -112,6 +113,14 @@ class StopSignals:
     return self.received.name if self.received is not None else None
 
 
+def checkpoint_dir_for(recipe: recipe_lib.Recipe, out: Path) -> str | None:
+  """Where the run in ``out`` keeps its checkpoints: the recipe's directory, else ``OUT/checkpoints``; None for
+  a backend that cannot checkpoint."""
+  if recipe.engine.backend not in CHECKPOINTING_BACKENDS:
+    return None
+  return str(Path(recipe.checkpoint.directory or out / run_dir.CHECKPOINTS).absolute())
+
+
 @dataclasses.dataclass(frozen=True)
 class RunPlan:
   """One run as decided before anything starts: what it trains, where, and whether it continues a run.
@@ -123,6 +132,7 @@ class RunPlan:
     resumes: continue the run in ``out`` from a checkpoint instead of starting one.
     launch_argv: the ``run_rl`` arguments of each local process when the recipe asks for
       ``distributed.num_processes`` processes on this host (the run's directory pinned).
+    checkpoint_dir: where the run's checkpoints are (``checkpoint_dir_for``; None: its engine writes none).
     segments: a resumed run's segments so far (``run_dir.segments``).
     from_checkpoint: the checkpoint to resume from (None: the latest).
     write_dir: where this segment writes its records, summary and trace: ``out`` for a new run, the new
@@ -137,6 +147,7 @@ class RunPlan:
   run_id: str
   resumes: bool
   launch_argv: tuple[str, ...]
+  checkpoint_dir: str | None
   segments: tuple[run_dir.Segment, ...] = ()
   from_checkpoint: int | None = None
   write_dir: Path | None = None
@@ -147,6 +158,13 @@ class RunPlan:
   def recipe(self) -> recipe_lib.Recipe:
     return self.resolved.recipe
 
+  def claimed(self, *, run_id: str, out: Path, config_sha256: str | None) -> RunPlan:
+    """This new run as process 0 claimed it: its id and directory (the same here, unless another process of the
+    job chose another directory), where this run then writes."""
+    checkpoint_dir = self.checkpoint_dir if out == self.out else checkpoint_dir_for(self.recipe, out)
+    return dataclasses.replace(self, run_id=run_id, out=out, write_dir=out, config_sha256=config_sha256,
+                               checkpoint_dir=checkpoint_dir)
+
 
 def plan_new_run(resolved: recipe_lib.ResolvedRecipe, out: Path | None, argv: Sequence[str] = ()) -> RunPlan:
   """A new run of ``resolved`` in ``out`` (default ``run.out``, else ``runs/<name>-<time>``) with a new id; local
@@ -155,7 +173,8 @@ def plan_new_run(resolved: recipe_lib.ResolvedRecipe, out: Path | None, argv: Se
   out = out or (Path(recipe.run.out) if recipe.run.out else run_dir.default_out(recipe.name))
   saved = recipe_lib.saved_config(resolved)
   return RunPlan(resolved, out, run_id=run_dir.new_run_id(), resumes=False, launch_argv=(*argv, f"run.out={out}"),
-                 write_dir=out, config_sha256=run_dir.recipe_sha256(saved[0]), saved=saved)
+                 checkpoint_dir=checkpoint_dir_for(recipe, out), write_dir=out,
+                 config_sha256=run_dir.recipe_sha256(saved[0]), saved=saved)
 
 
 def plan_resume(path: Path, steps: int | None, from_checkpoint: int | None = None) -> RunPlan:
@@ -186,7 +205,8 @@ def plan_resume(path: Path, steps: int | None, from_checkpoint: int | None = Non
                       " and rollouts would differ): restore it, or start a new run")
   argv = ("--resume", str(path), *([f"--steps={steps}"] if steps else []),
           *([f"--from-checkpoint={from_checkpoint}"] if from_checkpoint is not None else []))
-  return RunPlan(resolved, path, run_id=config["run_id"], resumes=True, launch_argv=argv, segments=segs,
+  return RunPlan(resolved, path, run_id=config["run_id"], resumes=True, launch_argv=argv,
+                 checkpoint_dir=checkpoint_dir_for(resolved.recipe, path), segments=segs,
                  from_checkpoint=from_checkpoint, config_sha256=run_dir.recipe_sha256(config["config"]))
 
 
@@ -341,8 +361,7 @@ def _checks(plan: RunPlan, job: job_lib.Job, held: contextlib.ExitStack):
   host = setup_host(recipe, distributed=job.distributed)
   if job.is_primary:
     _lock_checkpoint_directory(plan, held)
-  source = preflight(recipe, plan.out, run_id=plan.run_id, steps=recipe.steps if plan.resumes else None,
-                     distributed=job.distributed, primary=job.is_primary)
+  source = preflight(plan, distributed=job.distributed, primary=job.is_primary)
   point = resume_point(plan, source) if plan.resumes else None
   return host, point, source, _devices_found(recipe)
 
@@ -359,11 +378,9 @@ def _devices_found(recipe) -> str:
 def _lock_checkpoint_directory(plan: RunPlan, held: contextlib.ExitStack) -> None:
   """A checkpoint directory outside the run directory (``checkpoint.directory``) is locked as well: two runs
   (or two copies of one run directory) must never write the same checkpoints."""
-  from orchestrator.app.runner import checkpoint_dir_for  # import here: gRPC and the engines load after setup_host
-
   if plan.recipe.trainer.location == "remote" and not plan.recipe.trainer.spawn:
     return  # a remote trainer's own checkpoints: its server holds them
-  ckpt_dir = checkpoint_dir_for(plan.recipe, plan.out)
+  ckpt_dir = plan.checkpoint_dir
   if ckpt_dir is None or Path(ckpt_dir).resolve().is_relative_to(plan.out.resolve()):
     return
   held.enter_context(_lock(Path(ckpt_dir), flag="checkpoint.directory", create=True))
@@ -378,8 +395,7 @@ def _check_new_out(plan: RunPlan) -> None:
                       " directory")
 
 
-def preflight(recipe, out: Path, *, run_id: str | None, steps: int | None = None, distributed: bool = False,
-              primary: bool = True):
+def preflight(plan: RunPlan, *, distributed: bool = False, primary: bool = True):
   """Everything that can refuse the run before it writes: the source, the devices, the checkpoints.
 
   In a job of several processes every process opens its source and counts the
@@ -387,9 +403,11 @@ def preflight(recipe, out: Path, *, run_id: str | None, steps: int | None = None
   Returns the rollout source. Raises RecipeError / RecordingError / RunDirError (exit 2).
   """
   # import here: gRPC and the engines load after setup_host (a refusal loads neither)
-  from orchestrator.app.runner import checkpoint_dir_for, rollout_source
+  from orchestrator.assembly import rollout_source
   from orchestrator.engine.checkpointing import read_checkpoints  # import here: JAX-side (after setup_host)
 
+  recipe, run_id = plan.recipe, plan.run_id
+  steps = recipe.steps if plan.resumes else None
   source = rollout_source(recipe, steps=steps)
   remote = recipe.trainer.location == "remote"
   if not remote or (recipe.trainer.spawn and recipe.rollouts.source == "sampler"):
@@ -399,7 +417,7 @@ def preflight(recipe, out: Path, *, run_id: str | None, steps: int | None = None
     _check_devices(recipe, distributed)
   if remote:
     _check_trainer_token(recipe)
-  ckpt_dir = checkpoint_dir_for(recipe, out) if not remote or recipe.trainer.spawn else None
+  ckpt_dir = plan.checkpoint_dir if not remote or recipe.trainer.spawn else None
   if ckpt_dir and primary:
     checkpoints = read_checkpoints(ckpt_dir)
     foreign = {step: meta["run_id"] for step, meta in checkpoints.items()
@@ -461,11 +479,10 @@ def resume_point(plan: RunPlan, source):
       records that do not cover it, or nothing left to run.
   """
   # import here: gRPC and the engines load after setup_host (a refusal loads neither)
-  from orchestrator.app.runner import ResumePoint, batch_shape, checkpoint_dir_for
+  from orchestrator.assembly import ResumePoint, batch_shape
   from orchestrator.engine.checkpointing import read_checkpoints  # import here: JAX-side (after setup_host)
 
-  recipe, path = plan.recipe, plan.out
-  ckpt_dir = checkpoint_dir_for(recipe, path)
+  recipe, path, ckpt_dir = plan.recipe, plan.out, plan.checkpoint_dir
   checkpoints = read_checkpoints(ckpt_dir) if ckpt_dir else {}
   if not checkpoints:
     again = (f"start it again with the same --out {path} (it holds only the run's claim, which the new run takes"
@@ -507,8 +524,8 @@ def resume_point(plan: RunPlan, source):
                       f" {step} covers steps 0 to {step - 1}; {fix}")
   superseded = sorted(s for s in checkpoints if s > step)
   earlier = [s for s in valid if s < step]
-  return ResumePoint(step, metadata, records, restored_record=restored, superseded_checkpoints=superseded,
-                     earlier_valid=earlier[-1] if earlier else None)
+  return ResumePoint(checkpoint_step=step, metadata=metadata, previous_records=records, restored_record=restored,
+                     superseded_checkpoints=superseded, earlier_valid=earlier[-1] if earlier else None)
 
 
 def _open_segment(plan: RunPlan, point, job: job_lib.Job) -> tuple[RunPlan, str | None]:
@@ -537,10 +554,7 @@ def _open_segment(plan: RunPlan, point, job: job_lib.Job) -> tuple[RunPlan, str 
 def _move_aside(plan: RunPlan, steps: list[int], into: Path) -> None:
   """Moves the checkpoints after the one a resume continues from into ``into`` (kept, not deleted): the
   resumed run writes its own checkpoints of those steps."""
-  # import here: gRPC and the engines load after setup_host (a refusal loads neither)
-  from orchestrator.app.runner import checkpoint_dir_for
-
-  ckpt_dir = Path(checkpoint_dir_for(plan.recipe, plan.out))
+  ckpt_dir = Path(plan.checkpoint_dir)
   into.mkdir(parents=True)
   for step in steps:
     shutil.move(str(ckpt_dir / str(step)), str(into / str(step)))
@@ -575,9 +589,8 @@ def _claim(plan: RunPlan, job: job_lib.Job, held: contextlib.ExitStack) -> tuple
     except RunDirError as e:  # another run claimed or holds the directory since the check
       claimed["refusal"] = str(e)
   claimed = job.agreement.broadcast("claim", claimed)
-  out = Path(claimed["out"])
-  return (dataclasses.replace(plan, run_id=claimed["run_id"], out=out, write_dir=out,
-                              config_sha256=claimed["config_sha256"]), claimed["refusal"])
+  return (plan.claimed(run_id=claimed["run_id"], out=Path(claimed["out"]), config_sha256=claimed["config_sha256"]),
+          claimed["refusal"])
 
 
 def _opening_line(plan: RunPlan, job: job_lib.Job, *, host: str, point, devices: str) -> str:
@@ -653,11 +666,13 @@ def _run_program(plan: RunPlan, *, source, resume, job: job_lib.Job) -> int:
     handle, code = None, None
     try:
       # import here: gRPC and the engines load after setup_host (a refusal loads neither)
-      from orchestrator.app.runner import build_run
+      from orchestrator.assembly import build_run
 
       previous_trace = _previous_trace(plan) if resume and job.is_primary else []
-      handle = build_run(recipe, out, source=source, run_id=run_id, resume=resume, stop_requested=stop.requested,
-                         job=job, write_dir=write_dir, config_sha256=plan.config_sha256)
+      handle = build_run(recipe, out, source=source, run_id=run_id, checkpoint_dir=plan.checkpoint_dir,
+                         resume=resume, stop_requested=stop.requested,
+                         progress=functools.partial(Progress, recipe.name, total=recipe.steps), job=job,
+                         write_dir=write_dir, config_sha256=plan.config_sha256)
       job.current_step = lambda: handle.current_step  # the step a lost peer's line names
       result = handle.run()
     except recipe_lib.RecipeError as e:
@@ -816,15 +831,12 @@ def _withdraw_segment(plan: RunPlan, point, error: Exception) -> int:
   leaves the run as it was: the checkpoints it moved aside go back, and its segment loses its
   ``segment.json``, so the run's view stays the segment before (``run_dir.segments`` skips it); the traceback
   stays in the segment's ``error.log``. One line, exit 1, naming the checkpoint and the one to try instead."""
-  # import here: gRPC and the engines load after setup_host (a refusal loads neither)
-  from orchestrator.app.runner import checkpoint_dir_for
-
   segment = plan.write_dir
   log_path = segment / run_dir.ERROR_LOG
   log_path.write_text("".join(traceback.format_exception(error)), encoding="utf-8")
   aside = segment / run_dir.SUPERSEDED_CHECKPOINTS
   for step in point.superseded_checkpoints:
-    shutil.move(str(aside / str(step)), str(Path(checkpoint_dir_for(plan.recipe, plan.out)) / str(step)))
+    shutil.move(str(aside / str(step)), str(Path(plan.checkpoint_dir) / str(step)))
   (segment / run_dir.SEGMENT).unlink()
   text = " ".join(str(error).split())
   text = text if len(text) <= 300 else text[:300] + "..."
