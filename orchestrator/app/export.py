@@ -38,7 +38,7 @@ import numpy as np
 
 from orchestrator import recipe as recipe_lib
 from orchestrator.app import checkpoint_state, inputs, run_dir
-from orchestrator.app.launch import checkpoint_dir_for
+from orchestrator.app.plan import checkpoint_dir_for
 from orchestrator.app.arguments import UsageError, UsageErrorParser
 from orchestrator.app.run_dir import RunDirError
 from orchestrator.engine import hf_checkpoint
