@@ -240,27 +240,6 @@ def test_a_resume_refuses_a_size_that_derives_otherwise_now(tmp_path, monkeypatc
       "task.max_prompt_tokens was 5 at the run's start (derived: the longest prompt (bos included)), now 6"]
 
 
-def test_a_run_plan_carries_its_checkpoint_directory_from_the_start(tmp_path, monkeypatch):
-  """Computed once, when the run is planned: ``OUT/checkpoints``, or the recipe's ``checkpoint.directory``; a
-  claim that keeps the directory keeps it, one that moves the run (process 0's directory) moves it. Negative
-  control: an engine that writes no checkpoints has none."""
-  monkeypatch.chdir(tmp_path)
-  planned = plan.plan_new_run(resolve(["model=tiny"]), Path("run"))
-  assert planned.checkpoint_dir == str(tmp_path / "run" / "checkpoints")
-  computed = []
-  monkeypatch.setattr(plan, "checkpoint_dir_for", lambda *args: computed.append(args))
-  assert planned.claimed(run_id="r", out=Path("run"), config_sha256=None).checkpoint_dir == planned.checkpoint_dir
-  assert computed == []
-  planned.claimed(run_id="r", out=Path("elsewhere"), config_sha256=None)
-  assert [out for _, out in computed] == [Path("elsewhere")]
-  monkeypatch.undo()
-  monkeypatch.chdir(tmp_path)
-  assert plan.plan_new_run(resolve(["model=tiny", "checkpoint.directory=ckpts"]), Path("run")).checkpoint_dir == str(
-      tmp_path / "ckpts")
-  no_checkpoints = resolve(["model=tiny", "engine.backend=tunix_peft", "rollouts.source=synthetic"])
-  assert plan.plan_new_run(no_checkpoints, Path("run")).checkpoint_dir is None
-
-
 def test_a_run_on_a_relative_dataset_with_derived_sizes_resumes_from_another_directory(tmp_path, monkeypatch,
                                                                                          capsys):
   """Started in directory a with task.path relative to it and its sizes derived, resumed from directory b: the
@@ -556,3 +535,25 @@ def test_engine_backend_tunix_peft_runs_through_run_rl_and_stages(tmp_path, caps
   assert "falling back" not in err
   records = [json.loads(line) for line in (tmp_path / "out" / "records.jsonl").read_text().splitlines()]
   assert [r["staged"] for r in records] == [True, True, False] and all(r["loss"] is not None for r in records)
+
+
+@pytest.mark.spec
+def test_a_run_plan_carries_its_checkpoint_directory_from_the_start(tmp_path, monkeypatch):
+  """Computed once, when the run is planned: ``OUT/checkpoints``, or the recipe's ``checkpoint.directory``; a
+  claim that keeps the directory keeps it, one that moves the run (process 0's directory) moves it. Negative
+  control: an engine that writes no checkpoints has none."""
+  monkeypatch.chdir(tmp_path)
+  planned = plan.plan_new_run(resolve(["model=tiny"]), Path("run"))
+  assert planned.checkpoint_dir == str(tmp_path / "run" / "checkpoints")
+  computed = []
+  monkeypatch.setattr(plan, "checkpoint_dir_for", lambda *args: computed.append(args))
+  assert planned.claimed(run_id="r", out=Path("run"), config_sha256=None).checkpoint_dir == planned.checkpoint_dir
+  assert computed == []
+  planned.claimed(run_id="r", out=Path("elsewhere"), config_sha256=None)
+  assert [out for _, out in computed] == [Path("elsewhere")]
+  monkeypatch.undo()
+  monkeypatch.chdir(tmp_path)
+  assert plan.plan_new_run(resolve(["model=tiny", "checkpoint.directory=ckpts"]), Path("run")).checkpoint_dir == str(
+      tmp_path / "ckpts")
+  no_checkpoints = resolve(["model=tiny", "engine.backend=tunix_peft", "rollouts.source=synthetic"])
+  assert plan.plan_new_run(no_checkpoints, Path("run")).checkpoint_dir is None

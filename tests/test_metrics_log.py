@@ -233,6 +233,15 @@ def test_off_a_terminal_progress_is_a_plain_line_every_twentieth_of_the_run():
       "[progress] default: step 4/5", "[progress] default: step 5/5"]
 
 
+def test_the_metrics_log_loads_no_jax():
+  """A remote trainer's driver runs without JAX, and logs its metrics all the same."""
+  code = ("import sys\nimport orchestrator.loop.metrics_log\n"
+          "assert 'jax' not in sys.modules, sorted(m for m in sys.modules if m.startswith('jax'))\n")
+  proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+@pytest.mark.spec
 def test_the_progress_is_the_step_progress_build_run_takes_and_moves_logging_above_its_bar_only():
   """``console.Progress`` fills ``assembly.StepProgress``; while the program runs, log lines go through tqdm where
   there is a bar, and where they went where there is none. Negative control: an object without
@@ -254,11 +263,3 @@ def test_the_progress_is_the_step_progress_build_run_takes_and_moves_logging_abo
     assert any(isinstance(h, _TqdmLoggingHandler) for h in root.handlers)
   assert root.handlers == before
   bar.close()
-
-
-def test_the_metrics_log_loads_no_jax():
-  """A remote trainer's driver runs without JAX, and logs its metrics all the same."""
-  code = ("import sys\nimport orchestrator.loop.metrics_log\n"
-          "assert 'jax' not in sys.modules, sorted(m for m in sys.modules if m.startswith('jax'))\n")
-  proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
-  assert proc.returncode == 0, proc.stderr[-2000:]
