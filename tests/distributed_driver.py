@@ -44,7 +44,7 @@ def _staged_rows(engine, source) -> dict:
 def run_config(job, recipe_path: str, overrides: list[str]) -> dict:
   from orchestrator import recipe as recipe_lib
   from orchestrator.loop.program import RLProgram
-  from orchestrator.app.runner import build_engine_from_recipe, policy_from_recipe, program_config, rollout_source
+  from orchestrator.assembly import build_engine_from_recipe, policy_from_recipe, program_config, rollout_source
   from orchestrator.loop.trainer_worker import TrainerWorker
   from policies import Mode
 
@@ -75,7 +75,7 @@ def run_failing(failing: int, phase: str, argv: list[str]) -> int:
   """``run_rl argv`` in this process, failing as ``failing``'s ``phase`` says if this is that process."""
   import os
 
-  from orchestrator.app import cli, launch
+  from orchestrator.app import cli, preflight as preflight_lib
   from orchestrator.loop.trainer_worker import TrainerWorker
 
   if int(os.environ["STEP_BOUNDARY_PROCESS_ID"]) == failing:
@@ -83,7 +83,7 @@ def run_failing(failing: int, phase: str, argv: list[str]) -> int:
       def preflight(*args, **kwargs):
         raise RuntimeError(INJECTED)
 
-      launch.preflight = preflight
+      preflight_lib.preflight = preflight
     else:
       metrics, calls = TrainerWorker.get_metrics, []
 

@@ -221,7 +221,7 @@ def _run_rig(recipe, recording: str, args, out: str) -> int:
   use_compilation_cache()
   logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr, force=True)
   # import here: gRPC and the engines load after the host core is reserved
-  from orchestrator.app.runner import resolve_path
+  from orchestrator.assembly import resolve_path
   from orchestrator.rig import RigError, run_rig  # import here: JAX-side (after the host core is reserved)
 
   try:

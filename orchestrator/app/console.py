@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, TextIO
 
 from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from policies.step_boundary import format_seconds
 
@@ -137,6 +139,11 @@ class Progress:
     if (done - self.initial) % self.every == 0 or done == self.total:
       print(f"[progress] {self.desc}: step {done}/{self.total} {progress_fields(record)}", file=self.stream,
             flush=True)
+
+  def logging_redirected(self) -> contextlib.AbstractContextManager:
+    """Log lines written while this is held go above the bar (tqdm's), not through it; without a bar they go
+    where they went."""
+    return logging_redirect_tqdm() if self.bar is not None else contextlib.nullcontext()
 
   def close(self) -> None:
     if self.bar is not None:

@@ -38,6 +38,7 @@ import numpy as np
 
 from orchestrator import recipe as recipe_lib
 from orchestrator.app import checkpoint_state, inputs, run_dir
+from orchestrator.app.plan import checkpoint_dir_for
 from orchestrator.app.arguments import UsageError, UsageErrorParser
 from orchestrator.app.run_dir import RunDirError
 from orchestrator.engine import hf_checkpoint
@@ -105,8 +106,7 @@ def _model(path: Path, config: dict[str, Any], recipe) -> tuple[ModelPreset, str
 def _source(path: Path, step: int | None, out: str) -> dict[str, Any]:
   """The run's recipe, model and the checkpoint to export, checked: its metadata, and the files a read of its
   params touches (``checkpoint_state``); nothing else is read. ``out``: the --out a refusal's command names."""
-  # import here: the runner pulls in the program (JAX); the CLI's other commands start without it
-  from orchestrator.app.runner import checkpoint_dir_for
+  # import here: the checkpoints' reader pulls in orbax (JAX); the CLI's other commands start without it
   from orchestrator.engine.checkpointing import read_checkpoints
 
   config = run_dir.read_config(path, flag="run_rl export")

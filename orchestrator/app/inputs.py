@@ -24,8 +24,8 @@ CHUNK_BYTES = 1 << 20
 
 def _files(recipe) -> dict[str, tuple[Path, list[Path]]]:
   """Each input key the recipe uses → where it is and the files that make it up, as they resolve now."""
-  # import here: the runner imports the program; this module is read before a run is planned
-  from orchestrator.app.runner import resolve_path
+  # import here: the assembly imports the program and gRPC; this module is read before a run is planned
+  from orchestrator.assembly import resolve_path
 
   files: dict[str, tuple[Path, list[Path]]] = {}
   task = recipe.task

@@ -183,7 +183,7 @@ def _remove_if_unchanged(path: Path, written: os.stat_result) -> None:
 def _serve(recipe, listen: str, checkpoint_dir: str, token: str | None, token_described: str, *,
            exit_with_driver: bool) -> int:
   # import here: gRPC and the engines load after setup_host (a refusal loads neither)
-  from orchestrator.app.runner import build_engine_from_recipe
+  from orchestrator.assembly import build_engine_from_recipe
   from orchestrator.engine.mesh import check_devices, describe_devices  # import here: JAX-side (after setup_host)
   from orchestrator.remote.server import TrainerService, start_server  # import here: JAX-side (after setup_host)
   from orchestrator.rig.remote_host import RigHost  # import here: JAX-side (after setup_host)

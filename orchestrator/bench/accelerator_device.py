@@ -17,7 +17,7 @@ import time
 
 import jax
 
-from orchestrator.app.runner import policy_from_recipe, program_config
+from orchestrator.assembly import policy_from_recipe, program_config
 from orchestrator.bench.accelerator_plan import (MODES, SIZING_SHARE, WARMUP_STEPS, Size, StopAfter, format_table,
                                                  in_window, mode_row, next_size, steps_per_arm)
 from orchestrator.data.synthetic import SyntheticRollouts

@@ -81,7 +81,7 @@ def main(argv=None) -> int:
   reservation = reserve_host_core()
   logging.basicConfig(level=logging.WARNING, format="%(message)s")
   # import here: numpy's and JAX's threads start after reserve_host_core pins this process
-  from orchestrator.app.runner import policy_from_recipe
+  from orchestrator.assembly import policy_from_recipe
   from orchestrator.data.synthetic import SyntheticRollouts
   from orchestrator.engine import build_engine
   from orchestrator.loop.program import ProgramConfig, RLProgram

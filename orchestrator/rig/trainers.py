@@ -14,8 +14,9 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from orchestrator.app.runner import make_worker, policy_from_recipe, program_config
+from orchestrator.assembly import make_worker, policy_from_recipe, program_config
 from orchestrator.engine import backend_compile_count, build_engine
+from orchestrator.engine.options import CHECKPOINTING_BACKENDS
 from orchestrator.loop.program import RLProgram
 from orchestrator.loop.trainer_worker import TrainerWorker
 from orchestrator.rig.calibration import calibrate, calibrate_worker
@@ -73,7 +74,8 @@ class RemoteRigTrainer:
     self.recipe = recipe
     self._closers: list = []
     out.mkdir(parents=True, exist_ok=True)
-    self.worker, self.trainer_info = make_worker(recipe, out, self._closers)
+    self.worker, self.trainer_info = make_worker(recipe, self._closers, checkpoint_dir=_checkpoint_dir(recipe, out),
+                                                 write_dir=out)
     info = self.worker.rig_begin_arm(None)  # the state every arm starts from is this one
     self.worker.rig_end_arm()
     self.shape = BatchShape(info["rows"], info["tokens_per_row"], info["vocab_size"], info["rerun_dropped"])
@@ -96,3 +98,11 @@ class RemoteRigTrainer:
   def close(self) -> None:
     while self._closers:
       self._closers.pop()()
+
+
+def _checkpoint_dir(recipe, out: Path) -> str | None:
+  """Where a trainer the rig spawns would keep checkpoints (its arms ask for none): the recipe's directory, else
+  ``out/checkpoints``, as a run's; None for an engine that writes none."""
+  if recipe.engine.backend not in CHECKPOINTING_BACKENDS:
+    return None
+  return str(Path(recipe.checkpoint.directory or out / "checkpoints").absolute())

@@ -8,10 +8,11 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from orchestrator.app import cli, launch, run_dir
+from orchestrator.app import cli, launch, plan, run_dir
 from orchestrator import recipe as recipe_lib
 from policies import Mode
 from tests.conftest import REPO
@@ -246,9 +247,9 @@ def test_a_resume_refuses_a_size_that_derives_otherwise_now(tmp_path, monkeypatc
   resolved = resolve(["task.name=dataset", "task.path=prompts.jsonl"])
   config, sources = recipe_lib.saved_config(resolved)
   saved = {"config": config, "sources": sources}
-  assert launch._derived_otherwise(saved, resolved.recipe) == []
+  assert plan._derived_otherwise(saved, resolved.recipe) == []
   config["task"]["max_prompt_tokens"] = 5
-  assert launch._derived_otherwise(saved, resolved.recipe) == [
+  assert plan._derived_otherwise(saved, resolved.recipe) == [
       "task.max_prompt_tokens was 5 at the run's start (derived: the longest prompt (bos included)), now 6"]
 
 
@@ -411,7 +412,7 @@ def test_print_config_shows_every_key_and_its_source(capsys):
 
 @pytest.mark.e2e
 def test_failure_during_the_run_exits_1_naming_the_step(tmp_path, capsys, monkeypatch):
-  from orchestrator.app import runner
+  from orchestrator import assembly
 
   class Boom:
     current_step = 2
@@ -423,7 +424,7 @@ def test_failure_during_the_run_exits_1_naming_the_step(tmp_path, capsys, monkey
     def close(self):
       pass
 
-  monkeypatch.setattr(runner, "build_run", lambda recipe, out, **kw: Boom())
+  monkeypatch.setattr(assembly, "build_run", lambda recipe, out, **kw: Boom())
   code, _, err = _main(["model=tiny", "rollouts.source=synthetic", "run.reserve_host_core=false", "--out",
                         str(tmp_path / "out")], capsys)
   assert code == 1
@@ -566,3 +567,25 @@ def test_engine_backend_tunix_peft_runs_through_run_rl_and_stages(tmp_path, caps
   assert "falling back" not in err
   records = [json.loads(line) for line in (tmp_path / "out" / "records.jsonl").read_text().splitlines()]
   assert [r["staged"] for r in records] == [True, True, False] and all(r["loss"] is not None for r in records)
+
+
+@pytest.mark.spec
+def test_a_run_plan_carries_its_checkpoint_directory_from_the_start(tmp_path, monkeypatch):
+  """Computed once, when the run is planned: ``OUT/checkpoints``, or the recipe's ``checkpoint.directory``; a
+  claim that keeps the directory keeps it, one that moves the run (process 0's directory) moves it. Negative
+  control: an engine that writes no checkpoints has none."""
+  monkeypatch.chdir(tmp_path)
+  planned = plan.plan_new_run(resolve(["model=tiny"]), Path("run"))
+  assert planned.checkpoint_dir == str(tmp_path / "run" / "checkpoints")
+  computed = []
+  monkeypatch.setattr(plan, "checkpoint_dir_for", lambda *args: computed.append(args))
+  assert planned.claimed(run_id="r", out=Path("run"), config_sha256=None).checkpoint_dir == planned.checkpoint_dir
+  assert computed == []
+  planned.claimed(run_id="r", out=Path("elsewhere"), config_sha256=None)
+  assert [out for _, out in computed] == [Path("elsewhere")]
+  monkeypatch.undo()
+  monkeypatch.chdir(tmp_path)
+  assert plan.plan_new_run(resolve(["model=tiny", "checkpoint.directory=ckpts"]), Path("run")).checkpoint_dir == str(
+      tmp_path / "ckpts")
+  no_checkpoints = resolve(["model=tiny", "engine.backend=tunix_peft", "rollouts.source=synthetic"])
+  assert plan.plan_new_run(no_checkpoints, Path("run")).checkpoint_dir is None

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.app import cli, launch, run_dir
+from orchestrator.app import cli, run_dir, signals
 from orchestrator import recipe as recipe_lib
 from policies import Mode
 from tests.conftest import REPO
@@ -218,20 +218,20 @@ def test_signals_within_the_window_are_one_stop_and_a_later_one_stops_at_once(tm
   """The handler itself, on a clock the test sets: a repeat within SIGNAL_WINDOW_S is the same stop; one after
   it ends the process at once (os._exit with the signal's code), in one line."""
   now = [100.0]
-  monkeypatch.setattr(launch.time, "monotonic", lambda: now[0])
+  monkeypatch.setattr(signals.time, "monotonic", lambda: now[0])
 
   def exit_now(code):
     raise SystemExit(code)
 
-  monkeypatch.setattr(launch.os, "_exit", exit_now)
-  stop = launch.StopSignals(tmp_path)
+  monkeypatch.setattr(signals.os, "_exit", exit_now)
+  stop = signals.StopSignals(tmp_path)
   stop._handle(signal.SIGINT, None)
   assert stop.requested() == "SIGINT"
-  now[0] += launch.SIGNAL_WINDOW_S / 2
+  now[0] += signals.SIGNAL_WINDOW_S / 2
   stop._handle(signal.SIGINT, None)  # the same Ctrl-C, forwarded again: nothing more happens
   stop._handle(signal.SIGTERM, None)
   assert "second" not in capsys.readouterr().err
-  now[0] += launch.SIGNAL_WINDOW_S
+  now[0] += signals.SIGNAL_WINDOW_S
   with pytest.raises(SystemExit) as stopped:
     stop._handle(signal.SIGINT, None)
   assert stopped.value.code == 130

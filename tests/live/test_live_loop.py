@@ -247,14 +247,15 @@ def test_a_boundary_whose_next_micro_batch_is_not_sampled_stages_it_after_the_up
 
 
 def _new_run(tmp_path, monkeypatch, make_worker, source):
-  """``runner.build_run`` of a 4-step default-recipe run on ``source``, its trainer from ``make_worker``."""
-  from orchestrator.app import runner
+  """``assembly.build_run`` of a 4-step default-recipe run on ``source``, its trainer from ``make_worker``."""
+  from orchestrator import assembly
 
   for name in recipe_lib.ENV_SWITCHES:
     monkeypatch.delenv(name, raising=False)
-  monkeypatch.setattr(runner, "make_worker", make_worker)
+  monkeypatch.setattr(assembly, "make_worker", make_worker)
   recipe = recipe_lib.resolve(None, overrides=[f"steps={STEPS}", "task.eval_prompts=16"]).recipe
-  return runner.build_run(recipe, tmp_path / "run", source=source, run_id="bring-up", progress=False)
+  return assembly.build_run(recipe, tmp_path / "run", source=source, run_id="bring-up",
+                            checkpoint_dir=str(tmp_path / "run" / "checkpoints"))
 
 
 @pytest.mark.e2e
@@ -276,10 +277,10 @@ def test_a_new_live_run_samples_while_its_trainer_is_built_and_evaluates_its_sta
     evaluated.append((version, tree_digest(weights), len(handle.program.records)))
     return evaluate(weights, version, prompts, stop=stop)
 
-  def make_worker(recipe, out, closers, write_dir=None):
+  def make_worker(recipe, closers, *, checkpoint_dir, write_dir):
     assert source._thread is not None and source._thread.is_alive()  # sampling already
     # A run checkpoints its last step: the shared engine was built without the directory run_rl gives one.
-    monkeypatch.setattr(engine, "_checkpointer", Checkpointer(out / "checkpoints"))
+    monkeypatch.setattr(engine, "_checkpointer", Checkpointer(checkpoint_dir))
     return TrainerWorker(engine), None
 
   source.evaluate = noted
@@ -299,7 +300,7 @@ def test_a_new_live_run_whose_trainer_cannot_be_built_stops_its_sampling(rig, tm
   sampler.sync(initial, 0)
   source = LiveRollouts(sampler, TASK, LiveShape(STEPS, MICRO, 2, 4, 1, seed=3))
 
-  def make_worker(recipe, out, closers, write_dir=None):
+  def make_worker(recipe, closers, *, checkpoint_dir, write_dir):
     raise RuntimeError("no trainer here")
 
   with pytest.raises(RuntimeError, match="no trainer here"):

@@ -250,3 +250,27 @@ def test_the_metrics_log_loads_no_jax():
           "assert 'jax' not in sys.modules, sorted(m for m in sys.modules if m.startswith('jax'))\n")
   proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
   assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+@pytest.mark.spec
+def test_the_progress_is_the_step_progress_build_run_takes_and_moves_logging_above_its_bar_only():
+  """``console.Progress`` fills ``assembly.StepProgress``; while the program runs, log lines go through tqdm where
+  there is a bar, and where they went where there is none. Negative control: an object without
+  ``logging_redirected`` is no ``StepProgress``."""
+  import logging
+
+  from orchestrator.assembly import StepProgress
+  from tqdm.contrib.logging import _TqdmLoggingHandler
+
+  plain = console.Progress("default", total=3, stream=io.StringIO())
+  bar = console.Progress("default", total=3, stream=io.StringIO(), terminal=True)
+  assert isinstance(plain, StepProgress) and isinstance(bar, StepProgress)
+  assert not isinstance(SimpleNamespace(close=lambda: None), StepProgress)
+  root = logging.getLogger()
+  before = list(root.handlers)
+  with plain.logging_redirected():
+    assert root.handlers == before
+  with bar.logging_redirected():
+    assert any(isinstance(h, _TqdmLoggingHandler) for h in root.handlers)
+  assert root.handlers == before
+  bar.close()

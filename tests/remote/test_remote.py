@@ -100,7 +100,7 @@ def _recipe(*overrides):
 def server(tmp_path_factory):
   """A tiny-model trainer on a free loopback port, with a token; yields its address."""
   from orchestrator.remote.server import TrainerService, start_server
-  from orchestrator.app.runner import build_engine_from_recipe
+  from orchestrator.assembly import build_engine_from_recipe
 
   recipe = _recipe()
   ckpt = str(tmp_path_factory.mktemp("server-ckpt"))
@@ -206,7 +206,7 @@ def test_restoring_a_checkpoint_the_trainer_does_not_hold_is_not_found_in_one_li
 
 @pytest.mark.engine
 def test_a_stage_over_the_wire_says_what_its_input_holds_on_the_devices(server, monkeypatch):
-  from orchestrator.app.runner import batch_shape
+  from orchestrator.assembly import batch_shape
   from orchestrator.data.packing import pack_payload
 
   vocab, rows, tokens = batch_shape(_recipe())

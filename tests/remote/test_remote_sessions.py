@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from orchestrator import recipe as recipe_lib
-from orchestrator.app.runner import batch_shape, build_engine_from_recipe
+from orchestrator.assembly import batch_shape, build_engine_from_recipe
 from orchestrator.contract import WorkerUsageError
 from orchestrator.data.synthetic import SyntheticRollouts
 from orchestrator.remote import protocol, wire

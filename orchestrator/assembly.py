@@ -1,25 +1,27 @@
-"""Turn a validated recipe into a running program: engine, rollouts, worker, policy, progress.
+"""Turn a validated recipe into the objects a run is made of: engine, rollouts, worker, policy, program.
 
-``policy_from_recipe`` is the one place a recipe becomes a ``StepBoundaryPolicy``
-(``run_rl``, the rig and the benches all use it).
+``run_rl`` (``orchestrator.app``), the rig and the benches build from here:
+``policy_from_recipe`` is the one place a recipe becomes a
+``StepBoundaryPolicy``, ``make_worker`` the one place it becomes a trainer
+(here or remote), and ``build_run`` puts them together into a ``RunHandle``.
+Where a run's files go is the caller's to say (its checkpoint directory, the
+directory it writes into): this module knows no run directory's layout.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
-
-from tqdm.contrib.logging import logging_redirect_tqdm
+from typing import Protocol, runtime_checkable
 
 from orchestrator import recipe as recipe_lib
-from orchestrator.app.console import Progress
-from orchestrator.app.run_dir import CHECKPOINTS
 from orchestrator.contract import Evaluation, live_part
 from orchestrator.data.recording import open_recording
 from orchestrator.data.sources import ReplaySteps, SyntheticSteps
 from orchestrator.data.synthetic import SyntheticRollouts
 from orchestrator.engine import build_backend
-from orchestrator.engine.options import CHECKPOINTING_BACKENDS
 from orchestrator.live.tasks import max_generation_steps
 from orchestrator.loop.metrics_log import MetricsLog, open_metrics_log
 from orchestrator.loop.program import ProgramConfig, RLProgram
@@ -130,14 +132,6 @@ def resolve_path(path: str) -> Path:
   return RECIPES_DIR.parent / given
 
 
-def checkpoint_dir_for(recipe: Recipe, out: Path) -> str | None:
-  """Where the run's checkpoints go: the recipe's directory, else ``OUT/checkpoints``; None for a
-  backend that cannot checkpoint."""
-  if recipe.engine.backend not in CHECKPOINTING_BACKENDS:
-    return None
-  return str(Path(recipe.checkpoint.directory or out / CHECKPOINTS).absolute())
-
-
 def keeps_final_weights(recipe: Recipe) -> bool:
   """Whether a completed run checkpoints its last step (what `run_rl export` and an extending resume start
   from): always, but with a trainer served elsewhere (``trainer.address``, not spawned), whose
@@ -146,7 +140,7 @@ def keeps_final_weights(recipe: Recipe) -> bool:
   return recipe.trainer.location == "local" or recipe.trainer.spawn
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(kw_only=True)
 class ResumePoint:
   """Where a stopped run continues: a checked checkpoint and the records it covers.
 
@@ -184,6 +178,24 @@ def program_config(recipe: Recipe, out: Path | None, *, steps: int | None = None
   )
 
 
+@runtime_checkable
+class StepProgress(Protocol):
+  """What shows a run's progress as it goes (``run_rl``'s bar or plain lines, ``app.console.Progress``).
+
+  ``build_run`` makes one from the step the run starts at (a resumed run's is
+  its checkpoint's), in process 0 of a job only.
+  """
+
+  def __call__(self, record: BoundaryRecord) -> None:
+    """Shows one finished step (the program's ``on_step``)."""
+
+  def logging_redirected(self) -> contextlib.AbstractContextManager:
+    """Held while the program runs: where log lines go meanwhile, so that they do not break the display."""
+
+  def close(self) -> None:
+    """Ends the display after the run (also after a failure); called once."""
+
+
 @dataclasses.dataclass
 class RunHandle:
   """A built run: ``run()`` it; ``current_step`` names the step if it fails.
@@ -197,7 +209,7 @@ class RunHandle:
   """
 
   program: RLProgram
-  progress: Progress | None
+  progress: StepProgress | None
   eval_prompts: int = 0
   metrics: MetricsLog | None = None
   closers: list = dataclasses.field(default_factory=list)
@@ -208,11 +220,8 @@ class RunHandle:
     worker, start, stop = self.program.worker, self.program.config.start_step, self.program.stop_requested
     try:
       start_weights = host_copy(worker.export_weights()) if live is not None else None
-      if self.progress is None or self.progress.bar is None:
+      with self.progress.logging_redirected() if self.progress is not None else contextlib.nullcontext():
         result = self.program.run()
-      else:
-        with logging_redirect_tqdm():
-          result = self.program.run()
     finally:
       self.program.source.close()
     if live is not None:  # both, also where one gives up (a stop): in a job each gathers the weights, a collective
@@ -234,7 +243,7 @@ class RunHandle:
     return self.program.current_step
 
   def close(self):
-    """Closes the progress bar, the metrics log (its events flushed), then the remote trainer (and a spawned
+    """Closes the progress, the metrics log (its events flushed), then the remote trainer (and a spawned
     one's process), if any; a second call does nothing."""
     if self.progress is not None:
       self.progress.close()
@@ -257,21 +266,21 @@ def host_copy(weights):
   return jax.device_get(gather_across_processes(weights)[0])
 
 
-def make_worker(recipe: Recipe, out: Path, closers: list, write_dir: Path | None = None):
+def make_worker(recipe: Recipe, closers: list, *, checkpoint_dir: str | None, write_dir: Path):
   """The trainer the recipe names: a ``TrainerWorker`` here, or a ``RemoteTrainerWorker`` (spawning its server,
-  whose recipe and log go in ``write_dir``, default ``out``).
+  whose recipe and log go in ``write_dir``). A trainer built here or spawned keeps its checkpoints in
+  ``checkpoint_dir`` (None: it writes none).
 
   Appends what must be closed after the run to ``closers``; returns ``(worker, trainer_info)``.
   """
-  write_dir = write_dir or out
   t = recipe.trainer
   if t.location == "local":
-    return TrainerWorker(build_engine_from_recipe(recipe, checkpoint_dir=checkpoint_dir_for(recipe, out))), None
+    return TrainerWorker(build_engine_from_recipe(recipe, checkpoint_dir=checkpoint_dir)), None
   limits = protocol.Limits(max_message_bytes=t.max_message_bytes, timeout_s=t.timeout_s)
   address, token = t.address, protocol.read_token(t.token_file)
   if t.spawn:
     child = SpawnedTrainer(recipe_lib.to_dict(recipe), recipe_path=write_dir / "trainer_recipe.json",
-                           checkpoint_dir=checkpoint_dir_for(recipe, out), address=address or "127.0.0.1:0",
+                           checkpoint_dir=checkpoint_dir, address=address or "127.0.0.1:0",
                            timeout_s=max(t.timeout_s, 60.0), log_path=write_dir / "trainer.log")
     closers.append(child.stop)
     address, token = child.address, child.token
@@ -282,17 +291,21 @@ def make_worker(recipe: Recipe, out: Path, closers: list, write_dir: Path | None
                   "clock_offset_s": worker.offset_s, "clock_offset_error_s": worker.offset_error_s}
 
 
-def build_run(recipe: Recipe, out: Path, *, source, run_id: str, resume: ResumePoint | None = None,
-              stop_requested=None, progress: bool = True, job=None, write_dir: Path | None = None,
+def build_run(recipe: Recipe, out: Path, *, source, run_id: str, checkpoint_dir: str | None,
+              resume: ResumePoint | None = None, stop_requested=None,
+              progress: Callable[..., StepProgress] | None = None, job=None, write_dir: Path | None = None,
               config_sha256: str | None = None) -> RunHandle:
   """Builds the engine, worker, policy and program for a validated recipe and a checked source.
 
-  ``out`` is the run's directory (its checkpoints), ``write_dir`` (default
-  ``out``) where this segment writes its records and trace. With ``resume``,
-  the engine restores that checkpoint, the source and the policy continue from
-  the positions it saved, and the records it covers are carried. In a job of
-  several processes (``job``), every process builds the same run; only process
-  0 writes records and the trace and shows progress.
+  ``out`` is the run's directory (the metrics dashboard names the run after
+  it), ``checkpoint_dir`` where its trainer keeps checkpoints, ``write_dir``
+  (default ``out``) where this segment writes its records and trace. With
+  ``resume``, the engine restores that checkpoint, the source and the policy
+  continue from the positions it saved, and the records it covers are
+  carried. ``progress(initial=step)`` makes the display of the steps from
+  ``step`` on. In a job of several processes (``job``), every process builds
+  the same run; only process 0 writes records and the trace and shows
+  progress.
   """
   closers: list = []
   write_dir = write_dir or out
@@ -303,11 +316,10 @@ def build_run(recipe: Recipe, out: Path, *, source, run_id: str, resume: ResumeP
   try:
     if sampling is not None:
       sampling.ready(0, 0.0)
-    worker, trainer_info = make_worker(recipe, out, closers, write_dir)
+    worker, trainer_info = make_worker(recipe, closers, checkpoint_dir=checkpoint_dir, write_dir=write_dir)
     handle = _build_program(recipe, write_dir, worker, source=source, run_id=run_id, config_sha256=config_sha256,
-                            resume=resume, run_name=out.name,
-                            stop_requested=stop_requested, progress=progress and (job is None or job.is_primary),
-                            job=job)
+                            resume=resume, run_name=out.name, stop_requested=stop_requested,
+                            progress=progress if job is None or job.is_primary else None, job=job)
   except BaseException:
     if sampling is not None:  # RunHandle.run would have closed it
       source.close()
@@ -319,8 +331,8 @@ def build_run(recipe: Recipe, out: Path, *, source, run_id: str, resume: ResumeP
 
 
 def _build_program(recipe: Recipe, out: Path, worker, *, source, run_id: str, config_sha256: str | None, resume,
-                   run_name: str, stop_requested,
-                   progress: bool, job=None) -> RunHandle:
+                   run_name: str, stop_requested, progress: Callable[..., StepProgress] | None,
+                   job=None) -> RunHandle:
   policy = policy_from_recipe(recipe, worker.capabilities)
   start_step, previous, first_plan = 0, [], None
   if resume is not None:
@@ -334,9 +346,9 @@ def _build_program(recipe: Recipe, out: Path, worker, *, source, run_id: str, co
       first_plan = BoundaryPlan.from_json(resume.metadata["next_plan"])
   primary = job is None or job.is_primary
   steps_done: list = []  # what sees each finished record: the progress, the metrics log (opened below)
-  progress = Progress(recipe.name, total=recipe.steps, initial=start_step) if progress else None
-  if progress is not None:
-    steps_done.append(progress)
+  shown = progress(initial=start_step) if progress is not None else None
+  if shown is not None:
+    steps_done.append(shown)
 
   def on_step(record):
     for see in steps_done:
@@ -353,5 +365,5 @@ def _build_program(recipe: Recipe, out: Path, worker, *, source, run_id: str, co
   metrics = open_metrics_log(recipe.metrics.backends, out, run_name=run_name, run_id=run_id) if primary else None
   if metrics is not None:
     steps_done.append(metrics)
-  return RunHandle(program, progress, program.live.eval_prompt_count(recipe.task.eval_prompts) if live else 0,
+  return RunHandle(program, shown, program.live.eval_prompt_count(recipe.task.eval_prompts) if live else 0,
                    metrics=metrics)
