@@ -311,7 +311,7 @@ def build_run(recipe: Recipe, out: Path, *, source, run_id: str, checkpoint_dir:
   write_dir = write_dir or out
   # A new live run samples its first steps while the trainer is built: asking for step 0 starts the sampling
   # thread, and its work overlaps the trainer's (a resume sets the source's position first, in _build_program).
-  # What a step samples does not depend on when it is sampled (docs/design.md §9).
+  # What a step samples does not depend on when it is sampled (docs/live-loop.md).
   sampling = live_part(source) if resume is None else None
   try:
     if sampling is not None:

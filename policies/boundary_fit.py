@@ -1,7 +1,7 @@
 """Fitting the boundary model's components from a run's records: what they identify, and what they leave open.
 
 Pure Python over record dicts (``BoundaryRecord.to_json``), so ``run_rl
-simulate --from`` and the rig share one fit. docs/design.md §6 says what each
+simulate --from`` and the rig share one fit. docs/rig.md says what each
 arm identifies:
 
 - any arm: micro-batch compute (a step's first micro-batch apart: it computes

@@ -1,7 +1,7 @@
 """Boundary model: the timeline of one step boundary per mode, from component times.
 
 Pure Python (no JAX), used by the rig to write predictions before its arms run
-and by ``run_rl simulate`` as a planning tool. docs/design.md §6 gives each
+and by ``run_rl simulate`` as a planning tool. docs/rig.md gives each
 component's unit, meaning, how a run identifies it and how it scales.
 
 Model. One device runs its work in dispatch order; one host thread issues it.
@@ -34,7 +34,7 @@ The wait is an input per mode, not derived from one time at which the
 rollouts are ready: OFF asks for them after the boundary work, which overlaps
 the sampler, the other modes before it; and where the sampler sets the pace the
 trainer's whole cycle locks to it, so the rollouts' arrival relative to the
-boundary moves with the mode as well (docs/design.md §6).
+boundary moves with the mode as well (docs/rig.md).
 ``boundary_idle_s`` is the gap between update k finishing and step k+1's first
 micro-batch starting; ``step_s`` adds it, any delay of the update's start and
 the gaps inside the step to the compute-only bound ``M × micro_batch_s +

@@ -1,7 +1,7 @@
 """The add-on: a stock Tunix GRPO learner whose trainer no longer idles at step boundaries.
 
 ``install(learner, policy)`` changes three things on one ``RLLearner``
-instance (docs/design.md §10):
+instance (docs/tunix.md):
 
 1. **The drain.** The actor trainer's throttler becomes a ``CountingThrottler``
    that, outside OFF, does not drain the device after every micro-batch: the

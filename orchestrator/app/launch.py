@@ -56,7 +56,7 @@ def start(resolved: recipe_lib.ResolvedRecipe, out: Path | None, *, argv: list[s
 
   With ``distributed.num_processes`` and no identity, starts that many local
   processes running ``argv`` (``orchestrator.distributed.launcher``); with an
-  identity, this process joins its job (docs/design.md §12).
+  identity, this process joins its job (docs/distributed.md).
   """
   return execute(plan_new_run(resolved, out, argv or ()))
 

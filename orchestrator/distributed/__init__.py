@@ -11,5 +11,5 @@
 * ``launcher``: ``distributed.num_processes=N`` on one host starts N local
   processes and reports how they ended.
 
-The call order and the rules are in docs/design.md §12.
+The call order and the rules are in docs/distributed.md.
 """

@@ -1,4 +1,4 @@
-"""Where the live loop's sampler runs and holds its weights (``rollouts.placement``, docs/design.md §9).
+"""Where the live loop's sampler runs and holds its weights (``rollouts.placement``, docs/live-loop.md).
 
 ``shared``: on the trainer's devices. With a one-device trainer there is no
 placement (None): the sampler runs on the default device as it always has, so

@@ -1,4 +1,4 @@
-"""The step loop's waits for a live source's rollouts, each with a timeout and the stop flag (docs/design.md §8).
+"""The step loop's waits for a live source's rollouts, each with a timeout and the stop flag (docs/resume.md).
 
 A sampler that is stuck or slow must not hold a stop. ``LiveWaits`` asks the source with a timeout
 (``LiveSource.ready``, ``ready_to_checkpoint``) and looks at the stop flag between asks; the program decides

@@ -3,7 +3,7 @@
 The policy plans and judges on measurements: the wait floor sampled at bring-up, the devices' memory headroom a
 boundary is planned with, and what each staged boundary measured. In a job of several processes each is
 exchanged and combined (``orchestrator.distributed.agreement``) before the policy sees it, so every process's
-policy decides the same (docs/design.md §12); in a run of one the exchange is this process's value alone.
+policy decides the same (docs/distributed.md); in a run of one the exchange is this process's value alone.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ last, so the boundary it belongs to is planned when it is dispatched.
 A step whose loss or gradient norm is not finite ends the run there
 (``NonFiniteStepError``, raised once the step's record is written): no
 checkpoint of it or of any later step is written, so the checkpoints on disk
-are all from steps whose metrics were finite (docs/design.md §8).
+are all from steps whose metrics were finite (docs/resume.md).
 
 The ``Recorder`` owns the measurements: completion stamps, host spans, records,
 trace and summary. The ``StepFeed`` (``loop/feed.py``) owns the source side:
@@ -175,7 +175,7 @@ class RLProgram:
     agreement: in a job of several processes, what keeps every process on
       one path (``orchestrator.distributed.agreement``): the wait floor, a
       stop and each boundary's measurements are combined before the policy
-      sees them (docs/design.md §12). Default: one process, nothing exchanged.
+      sees them (docs/distributed.md). Default: one process, nothing exchanged.
   """
 
   def __init__(self, worker: Worker, policy: StepBoundaryPolicy, source: StepSource | Iterable[Sequence[Any]],
@@ -420,7 +420,7 @@ class RLProgram:
         self._read_metrics(boundary)
         if boundary.non_finite:  # never saved
           return
-      if self.feed.waits is not None:  # the rollouts it carries (docs/design.md §8)
+      if self.feed.waits is not None:  # the rollouts it carries (docs/resume.md)
         self.feed.waits.checkpoint(boundary.step, self._result.stop_reason if boundary.stop else None)
       start = self.clock()
       self.recorder.sync_records()  # every record before this step is on disk before the checkpoint is

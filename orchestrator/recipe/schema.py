@@ -395,7 +395,7 @@ class CheckpointSection:
 
 @dataclasses.dataclass
 class StepBoundarySection:
-  """The switches of the step-boundary scheduler (README: one section each)."""
+  """The switches of the step-boundary scheduler (docs/run_rl.md describes each)."""
 
   pipeline_step_boundary: bool = True
   stage_next_microbatch: bool | None = None  # None: follows pipeline_step_boundary
@@ -445,7 +445,7 @@ class StepBoundarySection:
 
 @dataclasses.dataclass
 class SimulateSection:
-  """Component times for ``run_rl simulate``, in place of a calibration (docs/design.md §6 gives each one's
+  """Component times for ``run_rl simulate``, in place of a calibration (docs/rig.md gives each one's
   meaning and scaling rule). Seconds unless the name says otherwise."""
 
   micro_batch_s: float = 1.0
@@ -506,7 +506,7 @@ class SimulateSection:
 
 @dataclasses.dataclass
 class TrainerSection:
-  """Where the trainer runs: in this process, or behind ``run_rl serve-trainer`` (docs/design.md §11)."""
+  """Where the trainer runs: in this process, or behind ``run_rl serve-trainer`` (docs/remote.md)."""
 
   location: str = "local"  # local | remote
   address: str | None = None  # remote: HOST:PORT of serve-trainer (spawn: loopback, default a free port)
@@ -543,7 +543,7 @@ class TrainerSection:
 
 @dataclasses.dataclass
 class DistributedSection:
-  """Several JAX processes (multi-controller) training one model (docs/design.md §12).
+  """Several JAX processes (multi-controller) training one model (docs/distributed.md).
 
   ``num_processes`` unset: one process and no distributed runtime. Set alone,
   ``run_rl`` starts that many local processes itself (CPU devices split among

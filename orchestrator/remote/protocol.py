@@ -1,6 +1,6 @@
 """What both ends of the remote trainer agree on: names, version, limits, addresses and the token.
 
-The service is ``step_boundary.Trainer`` with four methods (docs/design.md §11):
+The service is ``step_boundary.Trainer`` with four methods (docs/remote.md):
 
 * ``Hello`` — the version handshake and the driver's claim: the client sends
   its protocol version and the digest of the recipe's model/engine/batch

@@ -1,6 +1,6 @@
 """The reduced rig: several arms over the same recorded steps, from the same start, checked and scored.
 
-Order of a rig run (docs/design.md §7):
+Order of a rig run (docs/rig.md):
 
 1. build the engine once; replay the recording into steps of micro-batch payloads;
    snapshot the initial state;

@@ -3,7 +3,7 @@
 The jobs run as child processes with CPU (Gloo) collectives. Both jobs go
 through ``jax.distributed`` — the job of one process too: XLA's in-process
 CPU collectives sum in another order than Gloo's, so only runs over the same
-collectives can agree to the bit (docs/design.md §12). The unit tests at the
+collectives can agree to the bit (docs/distributed.md). The unit tests at the
 end need no second process.
 """
 
@@ -181,7 +181,7 @@ def test_input_refused_in_every_process_is_one_line_and_nothing_is_written(tmp_p
 
 # ---------------------------------------------------------------- the live loop in a job
 # The default recipe (live GRPO, staleness 1) on fsdp 2: 2 processes × 1 device against a job of 1 process × 2
-# (a plain run sums its collectives in another order: docs/design.md §12). The job stages before every update
+# (a plain run sums its collectives in another order: docs/distributed.md). The job stages before every update
 # (STAGE_BEFORE_UPDATE), the one process runs OFF: every process samples the same rollouts from the same weights,
 # so both must reach one digest.
 LIVE = ["steps=3", "rollouts.groups_per_micro_batch=2", "batch.rows=4", "task.eval_prompts=4", "checkpoint.every=2",
