@@ -238,6 +238,21 @@ def test_no_import_circle_among_the_projects_modules():
   assert _cycles(_graph(module_level_only=False)) == []
 
 
+def _folder(module: str) -> str:
+  """The folder a module sits in, at the depth the layers name (``orchestrator.loop.program`` → ``orchestrator.loop``)."""
+  parts = module.split(".")
+  return ".".join(parts[:2]) if parts[0] == "orchestrator" else parts[0]
+
+
+@pytest.mark.spec
+def test_no_import_circle_among_the_projects_folders():
+  """At folder scale too: two folders never import each other, even through a third."""
+  folders: dict[str, set[str]] = {}
+  for module, targets in _graph(module_level_only=False).items():
+    folders.setdefault(_folder(module), set()).update(_folder(t) for t in targets if _folder(t) != _folder(module))
+  assert _cycles(folders) == []
+
+
 @pytest.mark.spec
 def test_the_circle_check_finds_a_circle():
   """Negative control."""
