@@ -140,10 +140,14 @@ class LiveRollouts:
   def sync(self, version: int, weights: Any) -> WeightTransfer | None:
     """Keeps the weights of ``version`` for the steps that need them (``placement.keep``: on host, or on a split
     sampler's devices, returning what the transfer moved). It never waits for the sampler: the copy waits only
-    for the update that produced the weights, and the condition's lock is never held while sampling."""
+    for the update that produced the weights, and the condition's lock is never held while sampling. Weights no
+    batch samples with (inside a batch of several steps) are not copied at all: every process of a job skips
+    the same ones."""
     if weights is None:
       return None
-    kept, moved = keep(self._shared.sampler.placement, weights)
+    kept, moved = None, None
+    if self._versions.samples_with(int(version)):
+      kept, moved = keep(self._shared.sampler.placement, weights)
     with self._cond:
       self._versions.keep(int(version), kept)
       self._cond.notify_all()

@@ -49,10 +49,14 @@ class WeightVersions:
     """Whether ``batch``'s version is one this source can still have (not older than ``first``)."""
     return self.schedule.batch_version(batch) >= self.first
 
+  def samples_with(self, version: int) -> bool:
+    """Whether a batch samples with ``version``'s weights: every version with one step per batch, else those
+    after a batch's last step."""
+    return version % self.schedule.steps_per_batch == 0
+
   def keep(self, version: int, weights: Any) -> None:
-    """``version``'s weights, synced; kept only if a batch samples with them (every version with one step per
-    batch, else a batch's first step's)."""
-    if version % self.schedule.steps_per_batch == 0:
+    """``version``'s weights, synced; kept only if a batch samples with them (``samples_with``)."""
+    if self.samples_with(version):
       self._kept[version] = weights
     self.synced = max(self.synced, version)
 
