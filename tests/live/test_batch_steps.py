@@ -202,6 +202,21 @@ def test_a_batch_s_later_steps_train_against_the_sampler_s_log_probs(rig, runs):
   assert all(abs(loss) > 1e-3 for loss in losses[1:4]), losses  # the first batch's later steps, both passes
 
 
+@pytest.mark.engine
+def test_a_position_inside_a_batch_without_the_batch_s_rollouts_is_refused(rig):
+  """The negative control of resuming inside a batch: its rest was sampled with weights no checkpoint inside it
+  holds, so a position that does not carry them cannot restore; at the batch's edge nothing is owed."""
+  from orchestrator.contract import SourceStateError
+  from orchestrator.live.rollouts import LiveRollouts, LiveShape
+
+  _, _, _, sampler, task = rig
+  shape = LiveShape(STEPS, MICRO, 2, 4, 0, seed=3, batch_steps=BATCH_STEPS, epochs=EPOCHS)
+  with pytest.raises(SourceStateError, match=r"carries sampled batches \[\], but max_staleness 0 with 4 steps per"
+                                             r" batch needs \[0\]"):
+    LiveRollouts(sampler, task, shape).set_state({"kind": "live", "next_step": 3, "sampled": []})
+  LiveRollouts(sampler, task, shape).set_state({"kind": "live", "next_step": 4, "sampled": []})
+
+
 # ---------------------------------------------------------------- run_rl: resume inside a batch, extension
 
 ARGV = ["rollouts.groups_per_micro_batch=2", "batch.rows=4", "task.eval_prompts=4", "run.reserve_host_core=false",
