@@ -180,11 +180,11 @@ def _position_problem(step: int, state: Any, source, expected: Any, payload_chec
     return f"holds a rollout position that cannot be restored ({e})"
   except Exception as e:  # pylint: disable=broad-except  # a damaged position can fail anywhere in grain
     return f"holds a rollout position that cannot be restored ({type(e).__name__}: {e})"
-  carried = getattr(source, "carried_payloads", None)  # a live source's sampled steps, trained on next
+  carried = getattr(source, "carried_payloads", None)  # a live source's sampled batches, trained on next
   if carried is not None and payload_check is not None:
-    for carried_step, micro, payload in carried():
+    for carried_batch, micro, payload in carried():  # the batch named ("step 4"), a micro-batch of it
       try:
         payload_check(payload)
       except ValueError as e:
-        return f"carries rollouts of step {carried_step} that cannot be trained on (micro-batch {micro}: {e})"
+        return f"carries rollouts of {carried_batch} that cannot be trained on (micro-batch {micro}: {e})"
   return None

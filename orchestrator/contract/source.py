@@ -36,7 +36,8 @@ class RolloutStats:
 
   Attributes:
     weights_version: the updates applied to the weights the step was sampled with.
-    staleness: the step's index minus that version.
+    staleness: the step's index minus that version: how many updates the rollouts lag the weights the step
+      trains (with several steps per sampled batch, it grows within each batch).
     reward_mean, reward_std: over the step's completions.
     accuracy: the share of completions whose reward is full marks.
     sampled_tokens_per_s: completion tokens sampled per second of sampling; None if nothing was timed.
@@ -123,8 +124,8 @@ class LiveSource(Protocol):
   """The part of a step source that samples from the weights being trained.
 
   Step ``s`` is sampled with the weights of a fixed version (``s - max_staleness``,
-  floored at 0), so what it holds is the same in every boundary mode; only when
-  it is ready varies.
+  floored at 0; with several steps per sampled batch, its batch's), so what it holds is the same in every
+  boundary mode; only when it is ready varies.
   """
 
   @property

@@ -49,6 +49,9 @@ class EngineOptions:
       skips the optimizer step when it is not finite.
     dtype: the compute dtype of the forward and backward passes (``COMPUTE_DTYPES``);
       weights, gradients' accumulation and the optimizer state stay float32.
+    epochs: passes over each sampled batch of the live loop (GRPO's μ, Tunix's ``num_iterations``): a batch
+      serves ``rollouts.batch_steps`` × ``epochs`` optimizer steps. The live source schedules them; the engine
+      trains each step as any other.
   """
 
   backend: str = "jax"
@@ -63,6 +66,7 @@ class EngineOptions:
   retry_when_tokens_dropped: bool = False
   skip_nonfinite_updates: bool = False
   dtype: str = "float32"
+  epochs: int = 1
 
   def validate(self, preset: ModelPreset | None = None) -> None:
     """Raises ValueError naming the ``engine.*`` key, its value and the fix."""
@@ -83,6 +87,8 @@ class EngineOptions:
       raise ValueError(f"engine.dtype={self.dtype!r} is not a compute dtype; use one of {', '.join(COMPUTE_DTYPES)}")
     if not 1 <= self.max_inflight <= 1024:
       raise ValueError(f"engine.max_inflight={self.max_inflight} is out of range: it must be in [1, 1024]")
+    if not 1 <= self.epochs <= 1024:
+      raise ValueError(f"engine.epochs={self.epochs} is out of range: it must be in [1, 1024]")
     if preset is not None:
       self._validate_for(preset)
     factor = float(self.ragged_buffer_factor)

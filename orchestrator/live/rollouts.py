@@ -1,35 +1,45 @@
-"""Live rollouts: a sampler thread that produces each step's micro-batches ahead, under a staleness bound.
+"""Live rollouts: a sampler thread that produces each sampled batch's micro-batches ahead, under a staleness bound.
 
-Step ``s`` trains on rollouts sampled with weights version ``max(0, s - S)``
-(``S`` = ``max_staleness``; version v = the weights after v updates), never
-"whatever is newest", and every micro-batch's sampling seed derives from
-(seed, step, micro-batch). So what a step trains on is a fixed function of the
-recipe — the same in every boundary mode — and only *when* it is ready varies.
+A sampled batch serves ``batch_steps`` × ``epochs`` optimizer steps (one by
+default: a batch is then a step); batch b is sampled with weights version
+``max(0, (b - S) · steps_per_batch)`` (``S`` = ``max_staleness``; version v =
+the weights after v updates), never "whatever is newest", and every
+micro-batch's sampling seed derives from (seed, batch, micro-batch). Which
+micro-batches each step trains on, and in which order, is
+``rollout_batches.BatchSchedule``'s. So what a step trains on is a fixed
+function of the recipe — the same in every boundary mode — and only *when* it
+is ready varies.
 
-With ``S = 0`` step s+1 needs the weights of update s: its rollouts cannot
-exist before that boundary's weight sync, so nothing can be staged there
-(``blocked_on_sync``). With ``S >= 1`` they are sampled while step s trains.
+With ``S = 0`` a batch needs the weights after the last step of the batch
+before: its rollouts cannot exist before that boundary's weight sync, so
+nothing can be staged there (``blocked_on_sync``); the other boundaries of a
+batch train on rollouts already sampled. With ``S >= 1`` batch b+1 is sampled
+while batch b trains.
 
-Steps stream at micro-batch granularity: the sampler samples a step's
-micro-batches in training order and publishes each as it is done, so step s+1
-can be taken (and its first micro-batch staged) once that micro-batch exists;
-its later ones are waited for, if at all, when the program dispatches them
-(``micro_batch_ready``; the seconds go in that step's ``RolloutStats``).
+Batches stream at micro-batch granularity: the sampler samples a batch's
+micro-batches in training order (pass 0's) and publishes each as it is done, so
+step s+1 can be taken (and its first micro-batch staged) once that micro-batch
+exists; its later ones are waited for, if at all, when the program dispatches
+them (``micro_batch_ready``; the seconds go in that step's ``RolloutStats``).
+A later pass reshuffles the whole batch, which its first pass has waited for.
 
 The source is an iterator of steps like the others (``orchestrator.data.sources``):
 ``next`` blocks until the next step's first micro-batch is sampled; ``get_state``
-is its position, and ``state_json`` adds the already-sampled steps a resumed run
-cannot sample again (their weights are older than the checkpoint's), which a
+is its position, and ``state_json`` adds the already-sampled batches a resumed run
+cannot sample again (their weights are older than the checkpoint's: the rest of
+the batch a checkpoint lands inside, and those sampled ahead), which a
 checkpoint first waits for (``ready_to_checkpoint``). The program never blocks in them:
 it first polls ``ready`` (or ``ready_to_checkpoint``) with a timeout, looking
 at its stop flag in between, so a stuck sampler cannot hold a stop.
 
-A position near the end of the run carries steps past it too: a run of N steps
+A position near the end of the run carries batches past it too: a run of N steps
 extended later (``run_rl --resume DIR --steps M``) trains step N first, and at
-staleness S >= 1 that step needs weights version N - S, which no checkpoint of
-N steps holds. So a checkpoint whose position needs such steps asks the
+staleness S >= 1 that step needs weights older than N, which no checkpoint of
+N steps holds. So a checkpoint whose position needs such batches asks the
 sampling thread for them (``ready_to_checkpoint``) and keeps them; nothing past
-the end is sampled for a run that writes no such checkpoint.
+the end is sampled for a run that writes no such checkpoint. A run whose steps
+end inside a batch samples that batch whole and trains part of it; its last
+checkpoint carries the batch, so an extension continues inside it.
 """
 
 from __future__ import annotations
@@ -47,6 +57,7 @@ from orchestrator.contract import RolloutStats, SourceStateError, WeightTransfer
 from orchestrator.data.trajectory import Trajectory, TrajectoryGroup
 from orchestrator.live.placement import keep
 from orchestrator.live.rewards import CallCancelled, Reward, task_reward
+from orchestrator.live.rollout_batches import BatchRollouts, BatchSchedule, SampledBatches
 from orchestrator.live.sampler import LiveSampler
 from orchestrator.live.shared_sampler import WAIT_POLL_S, SharedSampler
 from orchestrator.live.weight_versions import WeightVersions
@@ -58,43 +69,9 @@ class RolloutError(RuntimeError):
   """The rollout thread failed; the message names the step it was sampling."""
 
 
-@dataclasses.dataclass
-class StepRollouts:
-  """One step's micro-batches and what sampling them measured."""
-
-  step: int
-  payloads: list[list[Trajectory]]
-  rewards: list[list[float]]  # per trajectory, aligned with payloads
-  weights_version: int
-  reward_mean: float
-  reward_std: float
-  accuracy: float
-  sampled_tokens: int
-  sampling_s: float
-
-  def stats(self, micro_batch_wait_s: float = 0.0) -> RolloutStats:
-    return RolloutStats(weights_version=self.weights_version, staleness=self.step - self.weights_version,
-                        reward_mean=self.reward_mean, reward_std=self.reward_std, accuracy=self.accuracy,
-                        sampled_tokens_per_s=self.sampled_tokens / self.sampling_s if self.sampling_s > 0 else None,
-                        micro_batch_wait_s=micro_batch_wait_s)
-
-  def to_json(self) -> dict[str, Any]:
-    payloads = [[{"prompt_ids": t.prompt_ids.tolist(), "completion_ids": t.completion_ids.tolist(),
-                  "advantage": float(t.advantage), "old_logprobs": t.old_logprobs.tolist(), "group_id": t.group_id}
-                 for t in payload] for payload in self.payloads]
-    return dict(dataclasses.asdict(self), payloads=payloads)
-
-  @classmethod
-  def from_json(cls, data: dict[str, Any]) -> "StepRollouts":
-    payloads = [[Trajectory(np.asarray(t["prompt_ids"], np.int32), np.asarray(t["completion_ids"], np.int32),
-                            float(t["advantage"]), np.asarray(t["old_logprobs"], np.float32), int(t["group_id"]))
-                 for t in payload] for payload in data["payloads"]]
-    return cls(**dict(data, payloads=payloads))
-
-
 @dataclasses.dataclass(frozen=True)
 class LiveShape:
-  """How many rollouts a step holds."""
+  """How many rollouts a step holds, and how many steps a sampled batch serves."""
 
   steps: int
   micro_batches_per_step: int
@@ -103,15 +80,27 @@ class LiveShape:
   max_staleness: int
   temperature: float = 1.0
   seed: int = 0
+  batch_steps: int = 1  # optimizer steps (mini-batches) per pass over a sampled batch
+  epochs: int = 1  # passes over a sampled batch
+
+  @property
+  def schedule(self) -> BatchSchedule:
+    return BatchSchedule(self.micro_batches_per_step, self.generations_per_group, self.batch_steps, self.epochs,
+                         self.max_staleness, self.seed)
+
+  @property
+  def micro_batches_per_batch(self) -> int:
+    return self.batch_steps * self.micro_batches_per_step
 
 
 class LiveRollouts:
-  """Samples steps on a background thread, each from its fixed weights version; a ``StepSource`` and a
-  ``LiveSource`` (``orchestrator.contract``) on a ``tasks.Task``, trained on ``reward`` (default: the task's own;
-  ``shared_sampler.score_micro_batch``). With ``record``, every step taken is kept for ``recorded_steps``.
+  """Samples batches on a background thread, each from its fixed weights version, and hands them out a step at
+  a time; a ``StepSource`` and a ``LiveSource`` (``orchestrator.contract``) on a ``tasks.Task``, trained on
+  ``reward`` (default: the task's own; ``shared_sampler.score_micro_batch``). With ``record``, every batch
+  taken is kept for ``recorded_steps``.
 
-  It holds the steps sampled and taken (``SampledSteps``), the staleness schedule and the weights kept for it
-  (``WeightVersions``) and the sampler, which evaluation takes in turns with the sampling thread
+  It holds the batches sampled and taken (``SampledBatches``), the staleness schedule and the weights kept for
+  it (``WeightVersions``) and the sampler, which evaluation takes in turns with the sampling thread
   (``SharedSampler``); one condition guards the first two."""
 
   kind = "live"
@@ -121,11 +110,13 @@ class LiveRollouts:
     self._shared = SharedSampler(sampler, task, reward if reward is not None else task_reward(task), shape)
     self.shape = shape
     self._cond = threading.Condition()
-    self._versions = WeightVersions(steps=shape.steps, max_staleness=shape.max_staleness)  # guarded by _cond
-    self._steps = SampledSteps(record)  # guarded by _cond
+    self._schedule = shape.schedule
+    self._versions = WeightVersions(self._schedule, steps=shape.steps)  # guarded by _cond
+    self._batches = SampledBatches(record, shape.micro_batches_per_batch)  # guarded by _cond
+    self._run_batches = self._schedule.batches_for(shape.steps)
     self._next = 0
-    self._produce_from = 0
-    self._produce_until = shape.steps  # raised by a checkpoint that carries steps past the end
+    self._produce_from = 0  # batches
+    self._produce_until = self._run_batches  # raised by a checkpoint that carries batches past the end
     self._error: BaseException | None = None
     self._closed = False
     self._thread: threading.Thread | None = None
@@ -149,10 +140,14 @@ class LiveRollouts:
   def sync(self, version: int, weights: Any) -> WeightTransfer | None:
     """Keeps the weights of ``version`` for the steps that need them (``placement.keep``: on host, or on a split
     sampler's devices, returning what the transfer moved). It never waits for the sampler: the copy waits only
-    for the update that produced the weights, and the condition's lock is never held while sampling."""
+    for the update that produced the weights, and the condition's lock is never held while sampling. Weights no
+    batch samples with (inside a batch of several steps) are not copied at all: every process of a job skips
+    the same ones."""
     if weights is None:
       return None
-    kept, moved = keep(self._shared.sampler.placement, weights)
+    kept, moved = None, None
+    if self._versions.samples_with(int(version)):
+      kept, moved = keep(self._shared.sampler.placement, weights)
     with self._cond:
       self._versions.keep(int(version), kept)
       self._cond.notify_all()
@@ -169,15 +164,30 @@ class LiveRollouts:
       step = self._next
       if step >= self.shape.steps:
         raise StopIteration
-      start, ready = time.perf_counter(), self._steps.first_sampled(step)
-      self._cond.wait_for(lambda: self._steps.first_sampled(step) or self._error is not None)
+      start, ready = time.perf_counter(), self._sampled(step, 0)
+      self._cond.wait_for(lambda: self._sampled(step, 0) or self._error is not None)
       self._last_wait_s = self._take_wait_s + (0.0 if ready else time.perf_counter() - start)
       self._take_wait_s = 0.0
       self._raise_error()
       self._next += 1
-      self._steps.forget(step - self.shape.max_staleness - 2)
-      taken = self._steps.take(step)
-      return taken if taken is not None else StreamedPayloads(self, step, self.shape.micro_batches_per_step)
+      self._forget_before(step - self.shape.max_staleness - 2)
+      batch = self._schedule.batch_of(step)
+      self._batches.take(batch)
+      if self._batches.complete(batch) is None:
+        return StreamedPayloads(self, step, self.shape.micro_batches_per_step)
+      return self._schedule.mini_batch(step, self._batches.micro_batches_of(batch))
+
+  def _sampled(self, step: int, index: int) -> bool:
+    """Under the condition: whether micro-batch ``index`` of ``step`` can be had without waiting."""
+    batch = self._schedule.batch_of(step)
+    return len(self._batches.micro_batches_of(batch)) > self._schedule.sampled_index(step, index)
+
+  def _forget_before(self, step: int) -> None:
+    """Drops the batch that ends at ``step``: no position from now on can carry it."""
+    if step >= 0 and (step + 1) % self._schedule.steps_per_batch == 0:
+      batch = self._schedule.batch_of(step)
+      first = self._schedule.first_step(batch)
+      self._batches.forget(batch, range(first, first + self._schedule.steps_per_batch))
 
   def micro_batch(self, step: int, index: int) -> list[Trajectory]:
     """Micro-batch ``index`` of a taken ``step``, waiting until it is sampled (``micro_batch_ready``'s wait).
@@ -190,14 +200,14 @@ class LiveRollouts:
         if self._closed:
           raise RolloutError(f"the rollout source was closed before step {step}'s micro-batch {index} was sampled")
     with self._cond:
-      return self._steps.micro_batches_of(step)[index]
+      return self._schedule.mini_batch(step, self._batches.micro_batches_of(self._schedule.batch_of(step)))[index]
 
   def micro_batch_ready(self, step: int, index: int, timeout_s: float) -> bool:
     """Waits at most ``timeout_s`` until micro-batch ``index`` of ``step`` is sampled; True then. The seconds
     waited count in that step's ``RolloutStats.micro_batch_wait_s``. Raises the sampling thread's error."""
     with self._cond:
-      done, waited = self._wait_until(lambda: len(self._steps.micro_batches_of(step)) > index, timeout_s)
-      self._steps.micro_batch_wait_s[step] = self._steps.micro_batch_wait_s.get(step, 0.0) + waited
+      done, waited = self._wait_until(lambda: self._sampled(step, index), timeout_s)
+      self._batches.micro_batch_wait_s[step] = self._batches.micro_batch_wait_s.get(step, 0.0) + waited
       return done
 
   @property
@@ -206,9 +216,10 @@ class LiveRollouts:
     ``next`` included: the program polls ``ready`` first)."""
     return self._last_wait_s
 
-  def recorded_steps(self) -> list[StepRollouts] | None:
-    """Every step taken so far, when built with ``record``; None otherwise."""
-    return self._steps.recorded
+  def recorded_steps(self) -> list[BatchRollouts] | None:
+    """Every sampled batch taken so far (once, whatever its passes), when built with ``record``; None
+    otherwise."""
+    return self._batches.recorded
 
   def count_steps(self, limit: int) -> int:
     """The steps this source samples (its shape's), up to ``limit``."""
@@ -216,8 +227,11 @@ class LiveRollouts:
 
   def step_stats(self, step: int) -> RolloutStats | None:
     with self._cond:
-      rollouts, waited = self._steps.delivered.get(step), self._steps.micro_batch_wait_s.get(step, 0.0)
-    return rollouts.stats(waited) if rollouts else None
+      batch, waited = self._schedule.batch_of(step), self._batches.micro_batch_wait_s.get(step, 0.0)
+      rollouts = self._batches.batches.get(batch) if batch in self._batches.taken else None
+      if rollouts is None or not self._sampled(step, self.shape.micro_batches_per_step - 1):
+        return None  # not this run's, or still streaming
+      return rollouts.stats(self._schedule, step, waited)
 
   def check(self) -> None:
     """Raises the rollout thread's error, if it failed (the program checks at every boundary)."""
@@ -236,15 +250,16 @@ class LiveRollouts:
       return {"kind": self.kind, "next_step": self._next}
 
   def state_json(self, state: dict[str, Any]) -> dict[str, Any]:
-    """``state`` as JSON, for a checkpoint's metadata, with the steps sampled from weights older than its
+    """``state`` as JSON, for a checkpoint's metadata, with the batches sampled from weights older than its
     position's (their arrays as lists), which ``ready_to_checkpoint`` waited for; past the source's last step
     too, as far as they are sampled (a run extended from this checkpoint trains them first).
 
     Raises:
-      RuntimeError: a step the position must carry is not sampled yet (``ready_to_checkpoint`` comes first).
+      RuntimeError: a batch the position must carry is not sampled yet (``ready_to_checkpoint`` comes first).
     """
     with self._cond:
-      sampled = self._steps.carried(state["next_step"], self._versions.carried(state["next_step"]), self.shape.steps)
+      sampled = self._batches.carried(state["next_step"], self._versions.carried(state["next_step"]),
+                                      self._run_batches)
     return {"kind": self.kind, "next_step": state["next_step"], "sampled": [r.to_json() for r in sampled]}
 
   def ready(self, step: int, timeout_s: float) -> bool:
@@ -255,25 +270,25 @@ class LiveRollouts:
     with self._cond:
       if not self._next <= step < self.shape.steps:
         return True
-      done, waited = self._wait_until(lambda: self._steps.first_sampled(step), timeout_s)
+      done, waited = self._wait_until(lambda: self._sampled(step, 0), timeout_s)
       self._take_wait_s += waited  # the step's rollout wait (``last_wait_s``): the policy must not judge it
       return done
 
   def ready_to_checkpoint(self, position: int, timeout_s: float, *, extendable: bool = True) -> bool:
-    """Waits at most ``timeout_s`` until a checkpoint at ``position`` has every sampled step it must carry (see
-    ``LiveSource.ready_to_checkpoint``). Those past the end, asked of the sampling thread here, are left out when
-    they cannot be sampled any more (weights older than this source's: its checkpoint lacked them)."""
+    """Waits at most ``timeout_s`` until a checkpoint at ``position`` has every sampled batch it must carry
+    (see ``LiveSource.ready_to_checkpoint``). Those past the end, asked of the sampling thread here, are left
+    out when they cannot be sampled any more (weights older than this source's: its checkpoint lacked them)."""
     self._start()
     with self._cond:
       carried = self._versions.carried(position)
-      needed = [s for s in carried if s < self.shape.steps]  # a taken one too: it may still be streaming
-      past_end = [s for s in carried if s >= self.shape.steps]
-      if extendable and all(self._steps.complete(s) or self._versions.can_sample(s) for s in past_end):
+      needed = [b for b in carried if b < self._run_batches]  # a taken one too: it may still be streaming
+      past_end = [b for b in carried if b >= self._run_batches]
+      if extendable and all(self._batches.complete(b) or self._versions.can_sample(b) for b in past_end):
         needed += past_end
         if past_end and past_end[-1] >= self._produce_until:
           self._produce_until = past_end[-1] + 1
           self._cond.notify_all()
-      return self._wait_until(lambda: all(self._steps.complete(s) for s in needed), timeout_s)[0]
+      return self._wait_until(lambda: all(self._batches.complete(b) for b in needed), timeout_s)[0]
 
   def _wait_until(self, sampled: Callable[[], bool], timeout_s: float) -> tuple[bool, float]:
     """Under the condition: waits at most ``timeout_s`` until ``sampled()``; whether it is, and the seconds
@@ -291,20 +306,26 @@ class LiveRollouts:
     if self._thread is not None:
       raise RuntimeError("set_state must come before the first step is taken")
     self._next = int(state["next_step"])
-    carried = self._steps.restore(state["sampled"])
-    # Steps that need weights older than the checkpoint's cannot be sampled again: the state must carry them.
-    # It may carry more (steps past the end of the run that wrote it, which this run may never reach).
-    owed = [s for s in self._versions.carried(self._next) if s < self.shape.steps]
-    if carried != list(range(self._next, self._next + len(carried))) or not set(owed) <= set(carried):
-      raise SourceStateError(f"the saved rollout position before step {self._next} carries steps {carried},"
-                             f" but max_staleness {self.shape.max_staleness} needs {owed}; the run cannot be resumed"
-                             " from this checkpoint")
-    self._produce_from = self._next + len(carried)
+    try:
+      carried = self._batches.restore(state["sampled"])
+    except ValueError as e:
+      raise SourceStateError(f"the saved rollout position before step {self._next}: {e}") from None
+    # Batches that need weights older than the checkpoint's cannot be sampled again: the state must carry them.
+    # It may carry more (batches past the end of the run that wrote it, which this run may never reach).
+    first = self._schedule.batch_of(self._next)
+    owed = [b for b in self._versions.carried(self._next) if b < self._run_batches]
+    if carried != list(range(first, first + len(carried))) or not set(owed) <= set(carried):
+      raise SourceStateError(f"the saved rollout position before step {self._next} carries sampled batches"
+                             f" {carried}, but max_staleness {self.shape.max_staleness} with"
+                             f" {self._schedule.steps_per_batch} steps per batch needs {owed}; the run cannot be"
+                             " resumed from this checkpoint")
+    self._produce_from = first + len(carried)
     self._versions.restart_at(self._next)  # the checkpoint's weights; sync() delivers them
 
-  def carried_payloads(self) -> list[tuple[int, int, list[Trajectory]]]:
-    """(step, micro-batch, payload) of each step a restored position carries (checked before a resume)."""
-    return self._steps.ready_payloads()
+  def carried_payloads(self) -> list[tuple[str, int, list[Trajectory]]]:
+    """(the batch named, micro-batch, payload) of each sampled batch a restored position carries (checked
+    before a resume)."""
+    return [(self._schedule.describe(b), i, p) for b, i, p in self._batches.ready_payloads()]
 
   def _start(self) -> None:
     if self._thread is None:
@@ -320,30 +341,30 @@ class LiveRollouts:
       self._thread.join(timeout_s)
 
   def _produce(self) -> None:
-    step = self._produce_from
+    batch = self._produce_from
     try:
       while True:
-        version = self._versions.version_for(step)
+        version = self._schedule.batch_version(batch)
         with self._cond:
-          # Past the run's last step only when a checkpoint asks (``_produce_until``); close() ends the wait.
-          self._cond.wait_for(lambda: self._closed or (step < self._produce_until
+          # Past the run's last batch only when a checkpoint asks (``_produce_until``); close() ends the wait.
+          self._cond.wait_for(lambda: self._closed or (batch < self._produce_until
                                                        and self._versions.available(version)))
           if self._closed:
             return
           weights = self._versions.take(version)
-        start, parts = time.perf_counter(), []
-        for i in range(self.shape.micro_batches_per_step):  # in training order, each published when done
-          parts.append(self._shared.sample_micro_batch(step, i, version, weights, cancelled=lambda: self._closed))
+        for i in range(self.shape.micro_batches_per_batch):  # in pass 0's training order, each published when done
+          start = time.perf_counter()
+          sampled = self._shared.sample_micro_batch(batch, i, version, weights, cancelled=lambda: self._closed)
           with self._cond:
-            self._steps.publish(step, parts, lambda: assemble_step(step, version, parts, time.perf_counter() - start),
-                                taken=step < self._next, micro_batches=self.shape.micro_batches_per_step)
+            self._batches.publish(batch, version, sampled, time.perf_counter() - start)
             self._cond.notify_all()
-        step += 1
+        batch += 1
     except CallCancelled as e:  # closed while a reward function ran: the run ends without waiting for it
       log.warning("[rollouts] the run ended while sampling waited for %s; it was left running", e)
     except BaseException as e:  # pylint: disable=broad-except  # surfaced at the next boundary
       with self._cond:
-        self._error = RuntimeError(f"the rollout thread failed while sampling step {step}: {type(e).__name__}: {e}")
+        self._error = RuntimeError(f"the rollout thread failed while sampling {self._schedule.describe(batch)}:"
+                                   f" {type(e).__name__}: {e}")
         self._cond.notify_all()
 
   def eval_prompt_count(self, asked: int) -> int:
@@ -357,96 +378,10 @@ class LiveRollouts:
     return self._shared.evaluate(weights, version, prompts, stop=stop)
 
 
-class SampledSteps:
-  """What the sampling thread has produced and the loop has taken, by step; the source's condition guards it.
-
-  Attributes:
-    ready: complete steps not taken yet. delivered: complete steps taken (the last few).
-    partial: the step being sampled, its micro-batches so far (in training order).
-    micro_batch_wait_s: per taken step, the seconds spent waiting for its micro-batches after the first.
-    recorded: every step taken, in order, once complete (None when the run records no rollouts).
-  """
-
-  def __init__(self, record: bool):
-    self.ready: dict[int, StepRollouts] = {}
-    self.delivered: dict[int, StepRollouts] = {}
-    self.partial: dict[int, list[list[Trajectory]]] = {}
-    self.micro_batch_wait_s: dict[int, float] = {}
-    self.recorded: list[StepRollouts] | None = [] if record else None
-
-  def complete(self, step: int) -> StepRollouts | None:
-    """``step`` when all its micro-batches are sampled (taken or not); else None."""
-    return self.ready.get(step) or self.delivered.get(step)
-
-  def micro_batches_of(self, step: int) -> list[list[Trajectory]]:
-    """The micro-batches of ``step`` sampled so far."""
-    done = self.complete(step)
-    return done.payloads if done is not None else self.partial.get(step, [])
-
-  def first_sampled(self, step: int) -> bool:
-    return bool(self.micro_batches_of(step))
-
-  def carried(self, position: int, steps: list[int], run_steps: int) -> list[StepRollouts]:
-    """The complete ``steps`` a position before ``position`` carries; past the run's ``run_steps`` as far as
-    they are sampled.
-
-    Raises:
-      RuntimeError: one before the end is not sampled yet.
-    """
-    sampled = []
-    for s in steps:
-      rollouts = self.complete(s)
-      if rollouts is None and s < run_steps:
-        raise RuntimeError(f"the position before step {position} must carry step {s}, which is not"
-                           " sampled yet; wait for ready_to_checkpoint first")
-      if rollouts is None:
-        break
-      sampled.append(rollouts)
-    return sampled
-
-  def restore(self, sampled: list[dict[str, Any]]) -> list[int]:
-    """The steps a restored position carries (``StepRollouts.to_json``'s), ready to be taken; their numbers."""
-    self.ready = {r["step"]: StepRollouts.from_json(r) for r in sampled}
-    return sorted(self.ready)
-
-  def ready_payloads(self) -> list[tuple[int, int, list[Trajectory]]]:
-    """(step, micro-batch, payload) of each step ready to be taken, in order."""
-    return [(step, i, p) for step, r in sorted(self.ready.items()) for i, p in enumerate(r.payloads)]
-
-  def take(self, step: int) -> list[list[Trajectory]] | None:
-    """Marks ``step`` taken; its payloads when it is complete, None while it still streams."""
-    if step not in self.ready:
-      return None
-    self._deliver(self.ready.pop(step))
-    return self.delivered[step].payloads
-
-  def forget(self, step: int) -> None:
-    """Drops what is kept of a step no position can carry any more."""
-    self.delivered.pop(step, None)
-    self.micro_batch_wait_s.pop(step, None)
-
-  def publish(self, step: int, parts: list, assemble: Callable[[], StepRollouts], *, taken: bool,
-              micro_batches: int) -> None:
-    """``step``'s micro-batches sampled so far (``parts``: ``sample_micro_batch``'s results); once all
-    ``micro_batches`` are, the step, complete (``assemble()``), delivered at once if it was ``taken``."""
-    if len(parts) < micro_batches:
-      self.partial[step] = [part[0] for part in parts]
-      return
-    self.partial.pop(step, None)
-    if taken:
-      self._deliver(assemble())
-    else:
-      self.ready[step] = assemble()
-
-  def _deliver(self, rollouts: StepRollouts) -> None:
-    self.delivered[rollouts.step] = rollouts
-    if self.recorded is not None:
-      self.recorded.append(rollouts)
-
-
 class StreamedPayloads(Sequence):
-  """A taken step's micro-batches while its later ones are still being sampled: item i waits for micro-batch
-  i (``LiveRollouts.micro_batch``); its length is the step's micro-batch count from the start."""
+  """A taken step's micro-batches while its later ones are still being sampled (pass 0 of its batch): item i
+  waits for micro-batch i (``LiveRollouts.micro_batch``); its length is the step's micro-batch count from the
+  start."""
 
   def __init__(self, source: LiveRollouts, step: int, micro_batches: int):
     self._source, self._step, self._len = source, step, micro_batches
@@ -462,17 +397,10 @@ class StreamedPayloads(Sequence):
     return self._source.micro_batch(self._step, index)
 
 
-def assemble_step(step: int, version: int, parts: list, sampling_s: float) -> StepRollouts:
-  """A step from its micro-batches' ``sample_micro_batch`` results, in training order."""
-  payloads, rewards, correct, tokens = (list(part) for part in zip(*parts))
-  flat = np.concatenate(rewards)
-  return StepRollouts(step, payloads, [r.tolist() for r in rewards], version, float(flat.mean()), float(flat.std()),
-                      float(np.mean(np.concatenate(correct))), sum(tokens), sampling_s)
-
-
-def recorded_groups(steps: list[StepRollouts], generations: int):
-  """The groups of recorded steps, as a recording stores them (``orchestrator.data.recording``)."""
-  for rollouts in steps:
+def recorded_groups(batches: list[BatchRollouts], generations: int):
+  """The groups of recorded batches, as a recording stores them (``orchestrator.data.recording``): each
+  sampled group once, however many passes trained on it."""
+  for rollouts in batches:
     for payload, rewards in zip(rollouts.payloads, rollouts.rewards):
       for first in range(0, len(payload), generations):
         group = payload[first:first + generations]

@@ -39,14 +39,14 @@ class SharedSampler:
     self.sampler, self._task, self._reward, self._shape = sampler, task, reward, shape
     self._turn = threading.Lock()
 
-  def sample_micro_batch(self, step: int, i: int, version: int, weights: Any, *,
+  def sample_micro_batch(self, batch: int, i: int, version: int, weights: Any, *,
                          cancelled: Callable[[], bool] | None = None):
-    """Micro-batch ``i`` of ``step`` sampled with weights ``version`` (``weights``; None: the sampler's own),
+    """Micro-batch ``i`` of sampled ``batch`` with weights ``version`` (``weights``; None: the sampler's own),
     in this caller's turn: ``sample_micro_batch``'s result."""
     with self._turn:  # per micro-batch: an evaluation may take the sampler (and its weights) between
       if weights is not None and self.sampler.weights_version != version:
         self.sampler.sync(weights, version)
-      return sample_micro_batch(self.sampler, self._task, self._reward, self._shape, step, i, cancelled=cancelled)
+      return sample_micro_batch(self.sampler, self._task, self._reward, self._shape, batch, i, cancelled=cancelled)
 
   def eval_prompt_count(self, asked: int) -> int:
     """``asked``, or what a finite evaluation split holds (a dataset's) if fewer: no prompt counts twice."""
@@ -81,22 +81,25 @@ def acquire_unless(lock: threading.Lock, stop: Callable[[], Any] | None) -> bool
   return True
 
 
-def sample_micro_batch(sampler: LiveSampler, task, reward: Reward, shape, step: int, i: int, *,
+def sample_micro_batch(sampler: LiveSampler, task, reward: Reward, shape, batch: int, i: int, *,
                        cancelled: Callable[[], bool] | None = None):
-  """Samples micro-batch ``i`` of ``step`` with the sampler's current weights: (payload, rewards, correct,
-  completion tokens). Its problems and seed are functions of (seed, step, i) alone. ``cancelled``: whether the
-  source is closing (a reward call still running is then given up: ``rewards.CallCancelled``)."""
+  """Samples micro-batch ``i`` of sampled ``batch`` (a step, with one step per batch) with the sampler's current
+  weights: (payload, rewards, correct, completion tokens). Its problems and seed are functions of (seed, batch,
+  i) alone. ``cancelled``: whether the source is closing (a reward call still running is then given up:
+  ``rewards.CallCancelled``)."""
   g = shape.generations_per_group
-  first_group = (step * shape.micro_batches_per_step + i) * shape.groups_per_micro_batch
+  first_group = (batch * shape.micro_batches_per_batch + i) * shape.groups_per_micro_batch
+  step = shape.schedule.first_step(batch)  # named in a reward's errors
   problems = [task.problem(shape.seed, "train", first_group + j) for j in range(shape.groups_per_micro_batch)]
   prompts = [p.prompt for p in problems for _ in range(g)]
-  seed = int(np.random.default_rng((shape.seed, step, i)).integers(2**31 - 1))
+  seed = int(np.random.default_rng((shape.seed, batch, i)).integers(2**31 - 1))
   samples = sampler.sample(prompts, seed=seed, temperature=shape.temperature)
   rewards, correct = score_micro_batch(task, reward, problems, samples.texts, first_group, g, step=step,
                                        cancelled=cancelled)
   advantages = group_advantages(rewards, g)
   if any(len(c) == 0 for c in samples.completion_ids):
-    raise RuntimeError(f"the sampler returned an empty completion at step {step}, micro-batch {i}")
+    raise RuntimeError(f"the sampler returned an empty completion at {shape.schedule.describe(batch)},"
+                       f" micro-batch {i}")
   payload = [Trajectory(samples.prompt_ids[k], samples.completion_ids[k], float(advantages[k]), samples.logprobs[k],
                         first_group + k // g) for k in range(len(prompts))]
   return payload, rewards, correct, int(sum(len(c) for c in samples.completion_ids))

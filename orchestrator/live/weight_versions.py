@@ -1,51 +1,63 @@
 """The staleness schedule of live rollouts, and the weights kept for it.
 
-Step ``s`` samples with weights version ``max(0, s - max_staleness)``
-(version v = the weights after v updates). ``WeightVersions`` answers which
-version a step needs and whether it is synced yet, and keeps each synced
-version's weights until the sampling thread takes them.
+Sampled batch b samples with weights version ``max(0, (b - max_staleness) ·
+steps_per_batch)`` (version v = the weights after v updates; with one step per
+batch, step s samples with ``max(0, s - max_staleness)``; the schedule is
+``rollout_batches.BatchSchedule``'s). ``WeightVersions`` answers which version a
+step needs and whether it is synced yet, and keeps each synced version a batch
+samples with until the sampling thread takes it.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from orchestrator.live.rollout_batches import BatchSchedule
+
 
 class WeightVersions:
-  """The weights versions a live source's ``steps`` sample with under ``max_staleness``; the source's
-  condition guards it.
+  """The weights versions a live source's ``steps`` sample with under its ``schedule``; the source's condition
+  guards it.
 
   Attributes:
     synced: the newest version synced so far.
     first: the oldest version this source can sample with (a resumed run's: its checkpoint's).
   """
 
-  def __init__(self, *, steps: int, max_staleness: int):
-    self._steps, self._max_staleness = steps, max_staleness
+  def __init__(self, schedule: BatchSchedule, *, steps: int):
+    self.schedule, self._steps = schedule, steps
     # version -> weights (host, or on a split sampler's devices); None: the sampler's own (version 0)
     self._kept: dict[int, Any] = {0: None}
     self.synced = 0
     self.first = 0
 
   def version_for(self, step: int) -> int:
-    return max(0, step - self._max_staleness)
+    return self.schedule.version_for(step)
 
   def carried(self, first: int) -> list[int]:
-    """The steps a position before ``first`` must carry: those sampled with weights older than ``first``'s,
-    which a run resumed there cannot sample again (past the last step too: an extended run's)."""
-    return [s for s in range(first, first + self._max_staleness) if self.version_for(s) < first]
+    """The batches a position before step ``first`` must carry: those with steps from ``first`` on that were
+    sampled with weights older than ``first``'s, which a run resumed there cannot sample again (past the last
+    step too: an extended run's)."""
+    batch = self.schedule.batch_of(first)
+    return [b for b in range(batch, batch + self.schedule.max_staleness + 1) if self.schedule.batch_version(b) < first]
 
   def blocked_on_sync(self, step: int) -> bool:
     """True when ``step``'s rollouts need weights that have not been synced yet."""
     return step < self._steps and self.version_for(step) > self.synced
 
-  def can_sample(self, step: int) -> bool:
-    """Whether ``step``'s version is one this source can still have (not older than ``first``)."""
-    return self.version_for(step) >= self.first
+  def can_sample(self, batch: int) -> bool:
+    """Whether ``batch``'s version is one this source can still have (not older than ``first``)."""
+    return self.schedule.batch_version(batch) >= self.first
+
+  def samples_with(self, version: int) -> bool:
+    """Whether a batch samples with ``version``'s weights: every version with one step per batch, else those
+    after a batch's last step."""
+    return version % self.schedule.steps_per_batch == 0
 
   def keep(self, version: int, weights: Any) -> None:
-    """``version``'s weights, synced."""
-    self._kept[version] = weights
+    """``version``'s weights, synced; kept only if a batch samples with them (``samples_with``)."""
+    if self.samples_with(version):
+      self._kept[version] = weights
     self.synced = max(self.synced, version)
 
   def available(self, version: int) -> bool:
@@ -53,7 +65,7 @@ class WeightVersions:
     return version <= self.synced and version in self._kept
 
   def take(self, version: int) -> Any:
-    """``version``'s weights (``available`` first); the older ones, which no later step needs, are dropped."""
+    """``version``'s weights (``available`` first); the older ones, which no later batch needs, are dropped."""
     weights = self._kept[version]
     for old in [v for v in self._kept if v < version]:
       del self._kept[old]

@@ -195,7 +195,10 @@ class RolloutsSection:
   generations_per_group: int = 4
   fill: float = 0.85
   # The live loop (source: sampler).
-  max_staleness: int = 1  # step s trains on rollouts of weights version max(0, s - max_staleness); 0 = on-policy
+  # Sampled batch b (batch_steps × engine.epochs optimizer steps) samples with the weights after the last step of
+  # batch b - max_staleness (floored at 0); 0 = on-policy at each batch's first step.
+  max_staleness: int = 1
+  batch_steps: int = 1  # optimizer steps per sampled batch (per pass over it): N × micro_batches_per_step sampled
   groups_per_micro_batch: int = 4
   temperature: float = 1.0
   record_to: str | None = None  # a live run writes the rollouts it trained on as a recording there
@@ -214,8 +217,8 @@ class RolloutsSection:
     _at_most("rollouts", self, ("generations_per_group",), 65_536)
     _at_least("rollouts", self, ("max_staleness",), 0)
     _at_most("rollouts", self, ("max_staleness",), 16)
-    _at_least("rollouts", self, ("groups_per_micro_batch",), 1)
-    _at_most("rollouts", self, ("groups_per_micro_batch",), 4096)
+    _at_least("rollouts", self, ("groups_per_micro_batch", "batch_steps"), 1)
+    _at_most("rollouts", self, ("groups_per_micro_batch", "batch_steps"), 4096)
     if self.source == "sampler" and self.generations_per_group < 2:
       raise RecipeError(f"rollouts.generations_per_group={self.generations_per_group} is out of range for the"
                         " live loop: GRPO compares a group's completions, use >= 2")
@@ -783,7 +786,10 @@ class Recipe:
                                              ("task.reward", self.task.reward or None),
                                              ("task.reward_timeout_s", None if self.task.reward_timeout_s
                                               == rewards_lib.DEFAULT_TIMEOUT_S else self.task.reward_timeout_s),
-                                             ("model.chat_template", self.model.chat_template or None))
+                                             ("model.chat_template", self.model.chat_template or None),
+                                             ("rollouts.batch_steps", None if self.rollouts.batch_steps == 1
+                                              else self.rollouts.batch_steps),
+                                             ("engine.epochs", None if self.engine.epochs == 1 else self.engine.epochs))
              if value is not None]
     if given:
       key, value = given[0]

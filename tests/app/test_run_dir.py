@@ -362,7 +362,7 @@ def test_rollouts_a_live_checkpoint_carries_are_checked_before_a_resume_trains_o
       del state
 
     def carried_payloads(self):
-      return [(4, 0, ["not a trajectory"])]
+      return [("step 4", 0, ["not a trajectory"])]
 
   def refuse(payload):
     raise ValueError(f"payload[0] is a {type(payload[0]).__name__}, expected a Trajectory")

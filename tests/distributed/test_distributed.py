@@ -242,7 +242,7 @@ def test_a_live_job_gathers_each_update_records_and_checkpoints_once(live_jobs):
   assert sorted(checkpoints) == [2, 3] and summary["checkpoint_path"].endswith("checkpoints/3")
   state = checkpoints[2]["source_state"]
   assert state["kind"] == "live" and state["next_step"] == 2
-  assert [(r["step"], r["weights_version"]) for r in state["sampled"]] == [(2, 1)]
+  assert [(r["batch"], r["weights_version"]) for r in state["sampled"]] == [(2, 1)]  # one step per sampled batch
 
 
 @pytest.fixture(scope="module")

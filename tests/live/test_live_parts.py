@@ -16,6 +16,7 @@ from orchestrator.live.rewards import Reward, Term
 from orchestrator.live.tasks import (TASKS, ModularAddition, Problem, ReverseString, _held_out, group_advantages,
                                      make_task, split_sizes)
 from orchestrator.live.tokenizer import EOS, CharTokenizer
+from orchestrator.live.rollout_batches import BatchSchedule
 from orchestrator.live.weight_versions import WeightVersions
 from orchestrator.loop.program import ProgramConfig, RLProgram, StoppedWithoutCheckpointError
 from orchestrator.loop.trainer_worker import TrainerWorker
@@ -358,7 +359,7 @@ def test_in_a_job_a_stop_seen_while_waiting_for_rollouts_is_agreed_at_the_next_b
 
 @pytest.mark.spec
 def test_the_staleness_schedule_waits_for_each_step_s_version_and_keeps_only_what_is_still_needed():
-  versions = WeightVersions(steps=6, max_staleness=2)
+  versions = WeightVersions(BatchSchedule(1, 2, max_staleness=2), steps=6)
   assert [versions.version_for(s) for s in range(6)] == [0, 0, 0, 1, 2, 3]
   assert versions.available(0) and not versions.blocked_on_sync(2) and versions.blocked_on_sync(3)
   assert not versions.blocked_on_sync(9)  # past the run's last step nothing waits for a sync

@@ -1,0 +1,253 @@
+"""Sampled batches: several optimizer steps per batch of rollouts, and the passes over it.
+
+A sampled batch is ``batch_steps`` × ``micro_batches_per_step`` micro-batches,
+all sampled with one weights version; it serves ``batch_steps`` × ``epochs``
+optimizer steps (``steps_per_batch``). Pass 0 trains its mini-batches in
+sampling order, so micro-batches still stream to the trainer as they are
+sampled; each later pass reshuffles the batch's GRPO groups (a group's
+advantages are relative within it) by a seeded rule — a function of (seed,
+batch, pass) alone, so identical in every boundary mode and across resume —
+keeping every micro-batch's shape (``groups_per_micro_batch`` groups).
+
+Batch b samples with the weights after the last step of batch b − S (S =
+``max_staleness``): version ``max(0, (b − S) · steps_per_batch)``. With one
+step per batch (the default) a batch is a step and all of this is the step
+schedule it always was.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from orchestrator.contract import RolloutStats
+from orchestrator.data.trajectory import Trajectory
+
+#: The last entry of a reshuffle's seed, so its stream is never a sampling seed's ((seed, batch, micro-batch)).
+SHUFFLE_STREAM = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchSchedule:
+  """Which sampled batch, pass and mini-batch each optimizer step trains on, and the version each batch samples
+  with. Every answer is a function of these numbers alone."""
+
+  micro_batches_per_step: int
+  generations_per_group: int
+  batch_steps: int = 1
+  epochs: int = 1
+  max_staleness: int = 0
+  seed: int = 0
+
+  @property
+  def steps_per_batch(self) -> int:
+    return self.batch_steps * self.epochs
+
+  @property
+  def micro_batches_per_batch(self) -> int:
+    return self.batch_steps * self.micro_batches_per_step
+
+  def batch_of(self, step: int) -> int:
+    return step // self.steps_per_batch
+
+  def first_step(self, batch: int) -> int:
+    return batch * self.steps_per_batch
+
+  def batches_for(self, steps: int) -> int:
+    """The batches a run of ``steps`` samples: its last one whole, though it may train only part of it."""
+    return math.ceil(steps / self.steps_per_batch)
+
+  def batch_version(self, batch: int) -> int:
+    """The weights version (updates done) ``batch`` samples with."""
+    return max(0, (batch - self.max_staleness) * self.steps_per_batch)
+
+  def version_for(self, step: int) -> int:
+    """The weights version the rollouts ``step`` trains on were sampled with."""
+    return self.batch_version(self.batch_of(step))
+
+  def pass_of(self, step: int) -> int:
+    return step % self.steps_per_batch // self.batch_steps
+
+  def sampled_index(self, step: int, index: int) -> int:
+    """The last of its batch's sampled micro-batches that micro-batch ``index`` of ``step`` needs: in pass 0
+    its own (training follows sampling), in a later pass the batch's last (a reshuffle takes the whole batch)."""
+    if self.pass_of(step) > 0:
+      return self.micro_batches_per_batch - 1
+    return step % self.batch_steps * self.micro_batches_per_step + index
+
+  def sampled_range(self, step: int) -> range:
+    """The batch's sampled micro-batches ``step``'s rollouts come from."""
+    if self.pass_of(step) > 0:
+      return range(self.micro_batches_per_batch)
+    first = step % self.batch_steps * self.micro_batches_per_step
+    return range(first, first + self.micro_batches_per_step)
+
+  def mini_batch(self, step: int, sampled: Sequence[Sequence[Any]]) -> list[list[Any]]:
+    """``step``'s micro-batches of its batch's ``sampled`` per-micro-batch lists (trajectories, or anything
+    aligned with them: rewards). In pass 0 those sampled for it, as sampled (a prefix of the batch will do);
+    in a later pass the whole batch's groups reshuffled (``shuffled``)."""
+    pass_ = self.pass_of(step)
+    micro = self.shuffled(self.batch_of(step), pass_, sampled) if pass_ > 0 else sampled
+    first = step % self.batch_steps * self.micro_batches_per_step
+    return [list(m) for m in micro[first:first + self.micro_batches_per_step]]
+
+  def shuffled(self, batch: int, pass_: int, sampled: Sequence[Sequence[Any]]) -> list[list[Any]]:
+    """The batch's micro-batches with its groups (``generations_per_group`` consecutive items) permuted by
+    ``group_order``: each micro-batch keeps its count of groups."""
+    g = self.generations_per_group
+    groups = [list(m[i:i + g]) for m in sampled for i in range(0, len(m), g)]
+    per_micro = len(sampled[0]) // g
+    order = group_order(self.seed, batch, pass_, len(groups))
+    return [[item for j in order[m * per_micro:(m + 1) * per_micro] for item in groups[j]]
+            for m in range(len(sampled))]
+
+  def describe(self, batch: int) -> str:
+    """``batch`` in a message: its step when a batch is one step."""
+    first = self.first_step(batch)
+    return f"step {first}" if self.steps_per_batch == 1 else f"the batch of steps {first}-{first + self.steps_per_batch - 1}"
+
+
+def group_order(seed: int, batch: int, pass_: int, groups: int) -> list[int]:
+  """The order of a batch's ``groups`` in pass ``pass_``: a permutation seeded by (seed, batch, pass)."""
+  return np.random.default_rng((seed, batch, pass_, SHUFFLE_STREAM)).permutation(groups).tolist()
+
+
+@dataclasses.dataclass
+class BatchRollouts:
+  """One sampled batch's micro-batches so far (in sampling order) and what sampling each measured."""
+
+  batch: int
+  weights_version: int
+  payloads: list[list[Trajectory]] = dataclasses.field(default_factory=list)
+  rewards: list[list[float]] = dataclasses.field(default_factory=list)  # per trajectory, aligned with payloads
+  correct: list[list[bool]] = dataclasses.field(default_factory=list)  # the task's own check, per trajectory
+  sampled_tokens: list[int] = dataclasses.field(default_factory=list)  # per micro-batch
+  sampling_s: list[float] = dataclasses.field(default_factory=list)  # per micro-batch
+
+  def add(self, payload: list[Trajectory], rewards, correct, tokens: int, seconds: float) -> None:
+    self.payloads.append(payload)
+    self.rewards.append([float(r) for r in rewards])
+    self.correct.append([bool(c) for c in correct])
+    self.sampled_tokens.append(int(tokens))
+    self.sampling_s.append(float(seconds))
+
+  def stats(self, schedule: BatchSchedule, step: int, micro_batch_wait_s: float = 0.0) -> RolloutStats:
+    """What ``step`` trains on: its mini-batch's rewards and accuracy, the sampling rate of the micro-batches
+    they were sampled in, and how far behind ``step`` the weights that sampled them are."""
+    rewards = np.asarray([r for m in schedule.mini_batch(step, self.rewards) for r in m], np.float32)
+    correct = [c for m in schedule.mini_batch(step, self.correct) for c in m]
+    sampled = schedule.sampled_range(step)
+    tokens, seconds = sum(self.sampled_tokens[i] for i in sampled), sum(self.sampling_s[i] for i in sampled)
+    return RolloutStats(weights_version=self.weights_version, staleness=step - self.weights_version,
+                        reward_mean=float(rewards.mean()), reward_std=float(rewards.std()),
+                        accuracy=float(np.mean(correct)),
+                        sampled_tokens_per_s=tokens / seconds if seconds > 0 else None,
+                        micro_batch_wait_s=micro_batch_wait_s)
+
+  def to_json(self) -> dict[str, Any]:
+    payloads = [[{"prompt_ids": t.prompt_ids.tolist(), "completion_ids": t.completion_ids.tolist(),
+                  "advantage": float(t.advantage), "old_logprobs": t.old_logprobs.tolist(), "group_id": t.group_id}
+                 for t in payload] for payload in self.payloads]
+    return dict(dataclasses.asdict(self), payloads=payloads)
+
+  @classmethod
+  def from_json(cls, data: dict[str, Any]) -> "BatchRollouts":
+    payloads = [[Trajectory(np.asarray(t["prompt_ids"], np.int32), np.asarray(t["completion_ids"], np.int32),
+                            float(t["advantage"]), np.asarray(t["old_logprobs"], np.float32), int(t["group_id"]))
+                 for t in payload] for payload in data["payloads"]]
+    return cls(**dict(data, payloads=payloads))
+
+
+class SampledBatches:
+  """What the sampling thread has produced and the loop has taken, by batch; the source's condition guards it.
+
+  Attributes:
+    batches: each batch sampled or being sampled (the last few), its micro-batches so far.
+    taken: the batches some step of which was taken.
+    micro_batch_wait_s: per taken step, the seconds spent waiting for its micro-batches after the first.
+    recorded: every batch taken, in order, once complete (None when the run records no rollouts).
+  """
+
+  def __init__(self, record: bool, micro_batches_per_batch: int):
+    self._per_batch = micro_batches_per_batch
+    self.batches: dict[int, BatchRollouts] = {}
+    self.taken: set[int] = set()
+    self.micro_batch_wait_s: dict[int, float] = {}
+    self.recorded: list[BatchRollouts] | None = [] if record else None
+
+  def complete(self, batch: int) -> BatchRollouts | None:
+    """``batch`` when all its micro-batches are sampled (taken or not); else None."""
+    rollouts = self.batches.get(batch)
+    return rollouts if rollouts is not None and len(rollouts.payloads) == self._per_batch else None
+
+  def micro_batches_of(self, batch: int) -> list[list[Trajectory]]:
+    """The micro-batches of ``batch`` sampled so far."""
+    rollouts = self.batches.get(batch)
+    return rollouts.payloads if rollouts is not None else []
+
+  def carried(self, position: int, batches: list[int], run_batches: int) -> list[BatchRollouts]:
+    """The complete ``batches`` a position before step ``position`` carries; past the run's ``run_batches``
+    as far as they are sampled.
+
+    Raises:
+      RuntimeError: one the run trains is not sampled yet.
+    """
+    sampled = []
+    for b in batches:
+      rollouts = self.complete(b)
+      if rollouts is None and b < run_batches:
+        raise RuntimeError(f"the position before step {position} must carry sampled batch {b}, which is not"
+                           " sampled yet; wait for ready_to_checkpoint first")
+      if rollouts is None:
+        break
+      sampled.append(rollouts)
+    return sampled
+
+  def restore(self, sampled: list[dict[str, Any]]) -> list[int]:
+    """The batches a restored position carries (``BatchRollouts.to_json``'s), ready to be taken; their numbers.
+
+    Raises:
+      ValueError: one of them is not a whole batch.
+    """
+    restored = [BatchRollouts.from_json(r) for r in sampled]
+    short = [r.batch for r in restored if len(r.payloads) != self._per_batch]
+    if short:
+      raise ValueError(f"sampled batches {short} do not hold {self._per_batch} micro-batches each")
+    self.batches = {r.batch: r for r in restored}
+    return sorted(self.batches)
+
+  def ready_payloads(self) -> list[tuple[int, int, list[Trajectory]]]:
+    """(batch, micro-batch, payload) of each batch not taken yet, in order."""
+    return [(b, i, p) for b, r in sorted(self.batches.items()) if b not in self.taken for i, p in enumerate(r.payloads)]
+
+  def take(self, batch: int) -> None:
+    """Marks ``batch`` taken (one of its steps is); recorded now if it is complete, else once it is."""
+    if batch in self.taken:
+      return
+    self.taken.add(batch)
+    self._record(batch)
+
+  def forget(self, batch: int, steps: range) -> None:
+    """Drops what is kept of a batch (and its ``steps``) no position can carry any more."""
+    self.batches.pop(batch, None)
+    self.taken.discard(batch)
+    for step in steps:
+      self.micro_batch_wait_s.pop(step, None)
+
+  def publish(self, batch: int, version: int, sampled: tuple, seconds: float) -> None:
+    """The next micro-batch of ``batch`` (``sample_micro_batch``'s result), sampled with ``version`` in
+    ``seconds``; a batch taken before it was complete is recorded once it is."""
+    rollouts = self.batches.setdefault(batch, BatchRollouts(batch, version))
+    payload, rewards, correct, tokens = sampled
+    rollouts.add(payload, rewards, correct, tokens, seconds)
+    if batch in self.taken:
+      self._record(batch)
+
+  def _record(self, batch: int) -> None:
+    done = self.complete(batch)
+    if self.recorded is not None and done is not None:
+      self.recorded.append(done)

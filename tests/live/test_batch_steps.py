@@ -1,0 +1,274 @@
+"""Several optimizer steps per sampled batch (rollouts.batch_steps) and passes over it (engine.epochs): each batch is
+sampled once, its later passes reshuffle whole groups by a seeded rule, staleness counts in batches, and every mode,
+a resume inside a batch and an extension train to the digest of one uninterrupted run."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import shutil
+
+import pytest
+
+from orchestrator import recipe as recipe_lib
+from orchestrator.live import rollout_batches
+from orchestrator.live.rollout_batches import BatchSchedule
+from orchestrator.live.weight_versions import WeightVersions
+
+STEPS, MICRO, BATCH_STEPS, EPOCHS = 6, 2, 2, 2  # a batch serves 4 steps: the run ends inside its second batch
+
+
+def _items(schedule: BatchSchedule, groups_per_micro_batch: int) -> list[list[tuple[int, int]]]:
+  """A sampled batch's micro-batches of (group, generation) pairs, in sampling order."""
+  g, per_micro = schedule.generations_per_group, groups_per_micro_batch
+  return [[(m * per_micro + k // g, k % g) for k in range(per_micro * g)] for m in range(schedule.micro_batches_per_batch)]
+
+
+@pytest.mark.spec
+def test_pass_zero_trains_in_sampling_order_and_later_passes_reshuffle_whole_groups():
+  schedule = BatchSchedule(micro_batches_per_step=2, generations_per_group=3, batch_steps=2, epochs=3, seed=7)
+  sampled = _items(schedule, groups_per_micro_batch=2)
+  assert schedule.steps_per_batch == 6 and [schedule.pass_of(s) for s in range(6)] == [0, 0, 1, 1, 2, 2]
+  assert schedule.mini_batch(0, sampled) == sampled[:2] and schedule.mini_batch(1, sampled) == sampled[2:]
+  assert schedule.mini_batch(7, sampled) == sampled[2:]  # batch 1's second step, pass 0
+  assert schedule.sampled_index(1, 1) == 3 and schedule.sampled_index(2, 0) == 3  # a later pass needs the batch
+  for first in (2, 4):  # each later pass: every trajectory once, groups whole and in order, shapes kept
+    micro = schedule.mini_batch(first, sampled) + schedule.mini_batch(first + 1, sampled)
+    assert [len(m) for m in micro] == [len(m) for m in sampled]
+    assert sorted(t for m in micro for t in m) == sorted(t for m in sampled for t in m)
+    assert all(m[i:i + 3] == [(m[i][0], 0), (m[i][0], 1), (m[i][0], 2)] for m in micro for i in range(0, 6, 3))
+    assert micro != sampled  # reshuffled
+  assert schedule.mini_batch(2, sampled) != schedule.mini_batch(4, sampled)  # each pass its own order
+  again = BatchSchedule(micro_batches_per_step=2, generations_per_group=3, batch_steps=2, epochs=3, seed=7)
+  assert again.mini_batch(3, sampled) == schedule.mini_batch(3, sampled)  # a function of the recipe
+  other_seed = dataclasses.replace(schedule, seed=8)
+  assert other_seed.mini_batch(2, sampled) != schedule.mini_batch(2, sampled)  # negative control: the seed counts
+  assert schedule.mini_batch(8, sampled) != schedule.mini_batch(2, sampled)  # and the batch
+
+
+@pytest.mark.spec
+def test_one_step_per_batch_is_the_step_schedule():
+  schedule = BatchSchedule(micro_batches_per_step=3, generations_per_group=2, max_staleness=2)
+  sampled = _items(schedule, groups_per_micro_batch=1)
+  assert [schedule.version_for(s) for s in range(5)] == [0, 0, 0, 1, 2]
+  assert all(schedule.mini_batch(s, sampled) == sampled for s in range(5))
+  assert schedule.describe(4) == "step 4"
+
+
+@pytest.mark.spec
+def test_staleness_counts_in_sampled_batches_and_a_position_inside_a_batch_carries_it():
+  on_policy = WeightVersions(BatchSchedule(2, 2, batch_steps=2, epochs=2, max_staleness=0), steps=10)
+  assert [on_policy.version_for(s) for s in range(9)] == [0, 0, 0, 0, 4, 4, 4, 4, 8]
+  assert [on_policy.carried(p) for p in (0, 3, 4, 5)] == [[], [0], [], [1]]  # inside a batch: the batch's rest
+  assert not on_policy.blocked_on_sync(3) and on_policy.blocked_on_sync(4)
+  for version in range(1, 5):  # only a batch's version is kept: the others no batch samples with
+    on_policy.keep(version, f"w{version}")
+  assert on_policy.synced == 4 and on_policy.available(4) and not on_policy.available(3)
+  stale = WeightVersions(BatchSchedule(2, 2, batch_steps=2, epochs=2, max_staleness=1), steps=10)
+  assert [stale.version_for(s) for s in (0, 3, 4, 7, 8)] == [0, 0, 0, 0, 4]
+  assert [stale.carried(p) for p in (0, 3, 4, 5, 8)] == [[], [0, 1], [1], [1, 2], [2]]
+  stale.restart_at(5)
+  assert not stale.can_sample(2) and stale.can_sample(3)
+
+
+@pytest.mark.spec
+def test_batch_keys_default_to_one_step_per_batch():
+  recipe = recipe_lib.resolve(None, overrides=[]).recipe
+  assert recipe.rollouts.batch_steps == 1 and recipe.engine.epochs == 1
+
+
+# ---------------------------------------------------------------- the loop on a real engine
+
+TASK_ARGS = dict(length=4, letters=8)
+
+
+@pytest.fixture(scope="module")
+def rig():
+  """One compiled engine and one sampler, returned to their start before every run."""
+  from orchestrator.engine import build_engine
+  from orchestrator.engine.presets import load_preset
+  from orchestrator.live.sampler import LiveSampler
+  from orchestrator.live.tasks import FirstLetter
+  from orchestrator.live.tokenizer import CharTokenizer
+
+  task = FirstLetter(**TASK_ARGS)
+  engine = build_engine("tiny", rows=4, learning_rate=3e-3)
+  sampler = LiveSampler(load_preset("tiny"), CharTokenizer(), seed=0, max_prompt_length=16, max_generation_steps=1,
+                        alphabet=task.answer_alphabet)
+  return engine, engine.snapshot(), engine.export_weights(), sampler, task
+
+
+def _run(rig, mode, staleness, *, batch_steps=BATCH_STEPS, epochs=EPOCHS, source_cls=None):
+  """The run's result and how many micro-batches it sampled."""
+  from orchestrator.live.rollouts import LiveRollouts, LiveShape
+  from orchestrator.loop.program import ProgramConfig, RLProgram
+  from orchestrator.loop.trainer_worker import TrainerWorker
+  from policies import StepBoundaryPolicy
+
+  engine, start, initial, sampler, task = rig
+  engine.restore(start)
+  sampler.sync(initial, 0)
+  shape = LiveShape(STEPS, MICRO, 2, 4, staleness, seed=3, batch_steps=batch_steps, epochs=epochs)
+  source = (source_cls or LiveRollouts)(sampler, task, shape)
+  sampled = []
+  sample = source._shared.sample_micro_batch
+  source._shared.sample_micro_batch = lambda batch, i, *a, **k: sampled.append((batch, i)) or sample(batch, i, *a, **k)
+  program = RLProgram(TrainerWorker(engine), StepBoundaryPolicy(mode, wait_threshold_s=0.0), source,
+                      ProgramConfig(steps=STEPS, micro_batches_per_step=MICRO), weight_sync=source.sync)
+  try:
+    return program.run(), sampled
+  finally:
+    source.close()
+
+
+@pytest.fixture(scope="module")
+def runs(rig):
+  from policies import Mode
+
+  return {(mode, s): _run(rig, mode, s) for s in (0, 1) for mode in Mode}
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_every_mode_trains_to_one_digest_with_several_steps_per_batch(runs, staleness):
+  from policies import Mode
+
+  digests = {mode: runs[(mode, staleness)][0].summary.final_state_digest for mode in Mode}
+  assert len(set(digests.values())) == 1, digests
+  assert runs[(Mode.OFF, 0)][0].summary.final_state_digest != runs[(Mode.OFF, 1)][0].summary.final_state_digest
+
+
+@pytest.mark.engine
+def test_on_policy_batches_lag_only_after_their_first_step_and_stage_inside_a_batch(runs):
+  """At max_staleness 0 a step trains on rollouts of the weights after the last step of the batch before: the
+  record's staleness (step - the rollouts' weights version) is 0 at each batch's first step only. Every boundary
+  inside a batch stages (its next micro-batch is sampled already); the one before a new batch cannot."""
+  from policies import Mode
+
+  records = runs[(Mode.STAGE_BEFORE_UPDATE, 0)][0].records
+  assert [r.staleness for r in records] == [0, 1, 2, 3, 0, 1]
+  assert [r.weights_version for r in records] == [0, 0, 0, 0, 4, 4]
+  assert [r.staged for r in records] == [True, True, True, False, True, False]  # step 5 is the run's last
+  assert records[3].next_ready is False
+  stale = runs[(Mode.STAGE_BEFORE_UPDATE, 1)][0].records
+  assert [r.staleness for r in stale] == [0, 1, 2, 3, 4, 5] and all(r.staged for r in stale[:-1])
+
+
+@pytest.mark.engine
+def test_a_batch_is_sampled_once_and_reused_by_its_steps(rig, runs):
+  """Two batches of batch_steps × micro-batches are sampled for six steps of two passes; a run that samples each
+  step anew (one step per batch: the negative control) samples every micro-batch it trains and trains elsewhere."""
+  from policies import Mode
+
+  result, sampled = runs[(Mode.PIPELINED, 0)]
+  assert sampled == [(b, i) for b in range(2) for i in range(BATCH_STEPS * MICRO)]
+  resampled, again = _run(rig, Mode.PIPELINED, 0, batch_steps=1, epochs=1)
+  assert again == [(s, i) for s in range(STEPS) for i in range(MICRO)]
+  assert [r.staleness for r in resampled.records] == [0] * STEPS
+  assert resampled.summary.final_state_digest != result.summary.final_state_digest
+
+
+@pytest.mark.engine
+def test_a_skipped_or_differently_seeded_reshuffle_changes_what_trains(rig, runs, monkeypatch):
+  from policies import Mode
+
+  digest = runs[(Mode.PIPELINED, 0)][0].summary.final_state_digest
+  assert _run(rig, Mode.PIPELINED, 0)[0].summary.final_state_digest == digest  # a rerun agrees
+  order = rollout_batches.group_order
+  monkeypatch.setattr(rollout_batches, "group_order", lambda seed, batch, pass_, groups: order(seed + 1, batch, pass_,
+                                                                                                  groups))
+  assert _run(rig, Mode.PIPELINED, 0)[0].summary.final_state_digest != digest
+  monkeypatch.setattr(rollout_batches, "group_order", lambda seed, batch, pass_, groups: list(range(groups)))
+  assert _run(rig, Mode.PIPELINED, 0)[0].summary.final_state_digest != digest
+
+
+@pytest.mark.engine
+def test_a_batch_s_later_steps_train_against_the_sampler_s_log_probs(rig, runs):
+  """The ratio of every step is taken against the sampler's log-probs (the old policy), not the weights the step
+  trains: the loss is the clipped surrogate of a ratio that is not 1. The negative control strips them (the loss
+  then takes the ratio against the current policy: exactly 1, and a loss of group-centred advantages over
+  completions of one length is 0). (Step 5's groups all scored alike: its advantages, and loss, are 0.)"""
+  from orchestrator.live.rollouts import LiveRollouts
+  from policies import Mode
+
+  class Stripped(LiveRollouts):
+    def __next__(self):
+      return [[dataclasses.replace(t, old_logprobs=None) for t in micro] for micro in super().__next__()]
+
+  losses = [r.loss for r in runs[(Mode.PIPELINED, 0)][0].records]
+  stripped = [r.loss for r in _run(rig, Mode.PIPELINED, 0, source_cls=Stripped)[0].records]
+  assert all(abs(loss) < 1e-6 for loss in stripped), stripped
+  assert all(abs(loss) > 1e-3 for loss in losses[1:4]), losses  # the first batch's later steps, both passes
+
+
+@pytest.mark.engine
+def test_a_position_inside_a_batch_without_the_batch_s_rollouts_is_refused(rig):
+  """The negative control of resuming inside a batch: its rest was sampled with weights no checkpoint inside it
+  holds, so a position that does not carry them cannot restore; at the batch's edge nothing is owed."""
+  from orchestrator.contract import SourceStateError
+  from orchestrator.live.rollouts import LiveRollouts, LiveShape
+
+  _, _, _, sampler, task = rig
+  shape = LiveShape(STEPS, MICRO, 2, 4, 0, seed=3, batch_steps=BATCH_STEPS, epochs=EPOCHS)
+  with pytest.raises(SourceStateError, match=r"carries sampled batches \[\], but max_staleness 0 with 4 steps per"
+                                             r" batch needs \[0\]"):
+    LiveRollouts(sampler, task, shape).set_state({"kind": "live", "next_step": 3, "sampled": []})
+  LiveRollouts(sampler, task, shape).set_state({"kind": "live", "next_step": 4, "sampled": []})
+
+
+# ---------------------------------------------------------------- run_rl: resume inside a batch, extension
+
+ARGV = ["rollouts.groups_per_micro_batch=2", "batch.rows=4", "task.eval_prompts=4", "run.reserve_host_core=false",
+        f"rollouts.batch_steps={BATCH_STEPS}", f"engine.epochs={EPOCHS}"]
+
+
+def _digest(stdout: str) -> str:
+  return re.search(r"^final state digest: (\w+)$", stdout, re.M).group(1)
+
+
+@pytest.fixture()
+def clean_env(monkeypatch):
+  for name in recipe_lib.ENV_SWITCHES:
+    monkeypatch.delenv(name, raising=False)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_a_run_resumed_inside_a_batch_or_at_its_edge_trains_like_one_never_stopped(tmp_path, clean_env, capsys,
+                                                                                   staleness):
+  """Checkpoints after steps 2 and 3 (and the last); a resume from the one after step 2 (inside the first batch: it carries the
+  batch's rest) and from the one after step 3 (the batch's edge) reach the uninterrupted run's digest."""
+  from orchestrator.app import cli, run_dir
+
+  run = tmp_path / "run"
+  argv = ARGV + [f"rollouts.max_staleness={staleness}", f"steps={STEPS}", "checkpoint.scored_steps=3,4"]
+  assert cli.main(argv + ["--out", str(run)]) == 0
+  whole = _digest(capsys.readouterr().out)
+  records = run_dir.all_records(run)
+  for position in (3, 4):  # the position after steps 0-2 (inside batch 0) and after steps 0-3 (its edge)
+    copy = tmp_path / f"from-{position}"
+    shutil.copytree(run, copy)
+    for later in {4, STEPS} - {position}:
+      shutil.rmtree(copy / "checkpoints" / str(later))
+    metadata = json.loads((copy / "checkpoints" / str(position) / "metadata" / "metadata").read_text())
+    carried = [b["batch"] for b in metadata["source_state"]["sampled"]]
+    assert carried == ([0] if position == 3 else []) + ([1] if staleness else [])
+    assert cli.main(["--resume", str(copy)]) == 0
+    assert _digest(capsys.readouterr().out) == whole
+    assert [r["reward_mean"] for r in run_dir.all_records(copy)] == [r["reward_mean"] for r in records]
+
+
+@pytest.mark.e2e
+def test_a_run_ending_inside_a_batch_extends_by_resume_like_a_longer_run(tmp_path, clean_env, capsys):
+  """Five steps end inside the second batch (steps 4-7); extended to six by --resume --steps, the run trains the
+  batch's rest from its last checkpoint and reaches the digest of six steps run at once."""
+  from orchestrator.app import cli
+
+  assert cli.main(ARGV + [f"steps={STEPS}", "--out", str(tmp_path / "six")]) == 0
+  six = _digest(capsys.readouterr().out)
+  run = tmp_path / "five"
+  assert cli.main(ARGV + [f"steps={STEPS - 1}", "--out", str(run)]) == 0
+  five = _digest(capsys.readouterr().out)
+  assert cli.main(["--resume", str(run), "--steps", str(STEPS)]) == 0
+  assert _digest(capsys.readouterr().out) == six != five
