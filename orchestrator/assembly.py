@@ -63,11 +63,26 @@ def policy_from_recipe(recipe: Recipe, capabilities: WorkerCapabilities, *, mode
 
 
 def build_engine_from_recipe(recipe: Recipe, *, checkpoint_dir: str | None = None):
-  """The engine ``engine.backend`` names, with the recipe's model, mesh, batch shape and options."""
+  """The engine ``engine.backend`` names, with the recipe's model, mesh, batch shape and options, and the
+  distribution its rollouts are sampled from."""
   return build_backend(recipe.model_preset(), recipe.engine, mesh=dataclasses.asdict(recipe.mesh),
                        rows=recipe.batch.rows, tokens_per_row=recipe.batch.tokens_per_row,
                        checkpoint_dir=checkpoint_dir,
-                       micro_batches_per_step=recipe.batch.micro_batches_per_step)
+                       micro_batches_per_step=recipe.batch.micro_batches_per_step,
+                       sampled=sampled_distribution(recipe))
+
+
+def sampled_distribution(recipe: Recipe):
+  """What the live sampler samples from (its temperature, the ids it may emit), for the trainer's loss to take
+  its log-probs the same way; None for recorded or synthetic rollouts."""
+  if recipe.rollouts.source != "sampler":
+    return None
+  # import here: both import JAX, which starts after the host settings (see live_source)
+  from orchestrator.engine.loss import SampledDistribution
+  from orchestrator.live.sampler import sampled_token_ids
+
+  return SampledDistribution(float(recipe.rollouts.temperature),
+                             tuple(sampled_token_ids(recipe.model.tokenizer(), recipe.live_task().answer_alphabet)))
 
 
 def batch_shape(recipe: Recipe) -> tuple[int, int, int]:

@@ -44,7 +44,7 @@ from orchestrator.engine.placement import allocator_stats
 from orchestrator.engine.programs import StepPrograms
 from orchestrator.engine.checkpointing import Checkpointer
 from orchestrator.engine.diagnostics import backend_compile_count
-from orchestrator.engine.loss import LossConfig
+from orchestrator.engine.loss import LossConfig, SampledDistribution
 from orchestrator.engine.options import EngineOptions
 from orchestrator.engine.presets import ModelPreset, load_preset
 from orchestrator.engine.step_record import FinishedStep, PendingOverflowCheck, StepInProgress
@@ -78,7 +78,8 @@ class JaxTrainingEngine:
 
   def __init__(self, preset: ModelPreset, mesh_config: mesh_lib.MeshConfig | None = None,
                options: EngineOptions | None = None, *, rows: int | None = None,
-               tokens_per_row: int | None = None, checkpoint_dir: str | None = None, aot: bool = True):
+               tokens_per_row: int | None = None, checkpoint_dir: str | None = None, aot: bool = True,
+               sampled: SampledDistribution | None = None):
     self.preset = preset
     self.options = dataclasses.replace(options) if options else EngineOptions()
     self.options.validate(preset)
@@ -101,7 +102,7 @@ class JaxTrainingEngine:
     self._training = state = TrainingState(self.preset, self.options, self.mesh, optimizer)
     self._inputs = MicroBatchInputs(self.rows, self.tokens_per_row, self.preset.vocab_size, state.batch_shardings)
     self._programs = StepPrograms(
-        state.graphdefs, LossConfig(self.options.clip_eps_low, self.options.clip_eps_high),
+        state.graphdefs, LossConfig(self.options.clip_eps_low, self.options.clip_eps_high, sampled),
         optimizer, rerun_dropped=self.rerun_dropped, param_shardings=state.param_shardings,
         opt_shardings=state.opt_shardings, scalar_sharding=state.scalar_sharding,
         batch_shardings=state.batch_shardings, aot=aot)
@@ -334,7 +335,8 @@ class JaxTrainingEngine:
 def build_engine(preset: str | ModelPreset = "tiny",
                  mesh: mesh_lib.MeshConfig | Mapping[str, int] | None = None, *,
                  rows: int | None = None, tokens_per_row: int | None = None,
-                 checkpoint_dir: str | None = None, aot: bool = True, **options: Any) -> JaxTrainingEngine:
+                 checkpoint_dir: str | None = None, aot: bool = True, sampled: SampledDistribution | None = None,
+                 **options: Any) -> JaxTrainingEngine:
   """A ready engine: model built, weights placed and, with ``aot`` (default), programs compiled.
 
   Args:
@@ -344,6 +346,8 @@ def build_engine(preset: str | ModelPreset = "tiny",
     checkpoint_dir: where ``save_checkpoint`` writes; None disables checkpoints.
     aot: compile ahead of time and dispatch the compiled executables; False
       dispatches through ``jax.jit``.
+    sampled: the distribution the rollouts' ``old_logprobs`` were sampled from (the loss takes its
+      log-probs the same way); None: the model's own.
     **options: fields of ``EngineOptions`` (the recipe's ``engine`` section).
 
   Raises:
@@ -356,7 +360,7 @@ def build_engine(preset: str | ModelPreset = "tiny",
   if isinstance(preset, str):
     preset = load_preset(preset)
   engine = JaxTrainingEngine(preset, mesh_lib.MeshConfig.parse(mesh), EngineOptions(**options), rows=rows,
-                             tokens_per_row=tokens_per_row, checkpoint_dir=checkpoint_dir, aot=aot)
+                             tokens_per_row=tokens_per_row, checkpoint_dir=checkpoint_dir, aot=aot, sampled=sampled)
   if aot:
     engine.compile()
   return engine

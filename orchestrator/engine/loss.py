@@ -3,6 +3,14 @@
 Returning the *sum* and the denominator (completion tokens) lets the engine
 accumulate micro-batches and divide once in ``update()``, so M micro-batches and
 one update equal one batch of M times the rows, up to float reassociation.
+
+The ratio compares the trained policy with the one that sampled the rollouts
+(their ``old_logprobs``), so both must be the same distribution: the sampler
+divides the logits by its temperature and may sample from a subset of the
+vocabulary (a task's answer alphabet), and ``SampledDistribution`` tells the
+loss to take its log-probs the same way, as Tunix's GRPO does for the
+temperature. Otherwise the ratio is off by the sampler's normaliser before any
+update, and the clipping then cuts the gradient of one sign of advantage.
 """
 
 from __future__ import annotations
@@ -11,15 +19,48 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from tunix.rl import common as rl_common
 
 
 @dataclasses.dataclass(frozen=True)
+class SampledDistribution:
+  """The distribution the rollouts were sampled from, over the model's logits.
+
+  Attributes:
+    temperature: the sampler's temperature (its logits are divided by it).
+    token_ids: the ids the sampler may emit; None: every id of the vocabulary.
+  """
+
+  temperature: float = 1.0
+  token_ids: tuple[int, ...] | None = None
+
+  def is_plain(self, vocab_size: int) -> bool:
+    """True when it is the model's own distribution: temperature 1 over the whole vocabulary."""
+    return self.temperature == 1.0 and (self.token_ids is None or len(set(self.token_ids)) >= vocab_size)
+
+  def logits(self, logits: jax.Array) -> jax.Array:
+    """``logits`` as the sampler turns them into probabilities (float32)."""
+    out = logits.astype(jnp.float32)
+    if self.token_ids is not None:
+      allowed = np.zeros(logits.shape[-1], dtype=bool)
+      allowed[np.asarray(self.token_ids, dtype=np.int64)] = True
+      # finite, not -inf: a prompt position's target may be an id the sampler never emits, and its
+      # (masked-out) term must stay finite
+      out = jnp.where(allowed, out, jnp.finfo(jnp.float32).min / 2)
+    if self.temperature != 1.0:
+      out = out / self.temperature
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
 class LossConfig:
-  """Clipping range of the probability ratio (PPO/GRPO style, asymmetric allowed)."""
+  """Clipping range of the probability ratio (PPO/GRPO style, asymmetric allowed), and the distribution the
+  rollouts were sampled from."""
 
   clip_eps_low: float = 0.2
   clip_eps_high: float = 0.28
+  sampled: SampledDistribution | None = None  # None: the model's own distribution
 
 
 def attention_mask(segment_ids: jax.Array) -> jax.Array:
@@ -33,6 +74,8 @@ def attention_mask(segment_ids: jax.Array) -> jax.Array:
 
 def policy_loss_sum(logits: jax.Array, batch: dict, config: LossConfig):
   """Returns ``(loss_sum, token_count)`` of the clipped surrogate over completion tokens."""
+  if config.sampled is not None and not config.sampled.is_plain(logits.shape[-1]):
+    logits = config.sampled.logits(logits)
   logp = rl_common.selective_log_softmax(logits, batch["target_tokens"])
   has_old = batch["old_logprobs_mask"] > 0
   old = jnp.where(has_old, batch["old_logprobs"], jax.lax.stop_gradient(logp))

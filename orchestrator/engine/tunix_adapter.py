@@ -39,7 +39,7 @@ from orchestrator.data.packing import content_digest, count_loss_tokens, pack_pa
 from orchestrator.data.trajectory import Trajectory
 from orchestrator.engine import model as model_lib
 from orchestrator.engine.options import EngineOptions
-from orchestrator.engine.loss import LossConfig, attention_mask, policy_loss_sum
+from orchestrator.engine.loss import LossConfig, SampledDistribution, attention_mask, policy_loss_sum
 from orchestrator.engine.presets import ModelPreset, load_preset
 
 
@@ -69,19 +69,20 @@ class TunixTrainerEngine:
     clip_eps_low, clip_eps_high: the loss's ratio clipping range.
     seed: weight seed.
     dtype: the compute dtype (``engine.dtype``).
+    sampled: the distribution the rollouts were sampled from (``loss.SampledDistribution``).
   """
 
   def __init__(self, preset: str | ModelPreset = "tiny", *, micro_batches_per_step: int, rows: int | None = None,
                tokens_per_row: int | None = None, learning_rate: float = 1e-3, weight_decay: float = 0.0,
                max_grad_norm: float = 1.0, clip_eps_low: float = 0.2, clip_eps_high: float = 0.28,
-               seed: int = 0, dtype: str = "float32"):
+               seed: int = 0, dtype: str = "float32", sampled: SampledDistribution | None = None):
     self.preset = load_preset(preset) if isinstance(preset, str) else preset
     self.rows = rows or self.preset.rows
     self.tokens_per_row = tokens_per_row or self.preset.tokens_per_row
     self.micro_batches_per_step = micro_batches_per_step
     graphdefs, params, _ = model_lib.build_model(self.preset, seed, dtype=dtype)
     self.model = nnx.merge(graphdefs["capacity"], params)
-    loss_config = LossConfig(clip_eps_low, clip_eps_high)
+    loss_config = LossConfig(clip_eps_low, clip_eps_high, sampled)
 
     # Tunix calls loss_fn(model, **inputs) through nnx.value_and_grad, which needs
     # every input as a named parameter.
@@ -191,7 +192,7 @@ class TunixTrainerEngine:
 
 def build_tunix_engine(preset: str | ModelPreset, *, mesh: Mapping[str, int] | None, rows: int | None,
                        tokens_per_row: int | None, checkpoint_dir: str | None, micro_batches_per_step: int,
-                       **options: Any) -> TunixTrainerEngine:
+                       sampled: SampledDistribution | None = None, **options: Any) -> TunixTrainerEngine:
   """The ``tunix_peft`` backend: a stock ``PeftTrainer`` on one device, without checkpoints.
 
   Raises:
@@ -213,5 +214,5 @@ def build_tunix_engine(preset: str | ModelPreset, *, mesh: Mapping[str, int] | N
   kept = {k: options[k] for k in ("learning_rate", "weight_decay", "max_grad_norm", "clip_eps_low",
                                   "clip_eps_high", "seed", "dtype") if k in options}
   return TunixTrainerEngine(preset, micro_batches_per_step=micro_batches_per_step, rows=rows,
-                            tokens_per_row=tokens_per_row, **kept)
+                            tokens_per_row=tokens_per_row, sampled=sampled, **kept)
 

@@ -44,6 +44,19 @@ class Samples:
   weights_version: int
 
 
+def sampled_token_ids(tokenizer, alphabet: str | None) -> list[int]:
+  """The ids a live sampler may emit: the answer alphabet's, or any id the tokenizer can decode.
+
+  With an alphabet, only the answer's characters are ever sampled: answers have a fixed length, so no eos
+  is needed, and every completion has exactly ``max_generation_steps`` tokens. Without one, a checkpoint's
+  vocabulary may be padded past the tokenizer's, and those ids are never sampled. The trainer's loss takes
+  its log-probs over the same ids (``orchestrator.engine.loss.SampledDistribution``).
+  """
+  if alphabet is not None:
+    return sorted(set(tokenizer.encode(alphabet)))
+  return list(range(tokenizer.vocab_size))
+
+
 class LiveSampler:
   """Tunix's sampler over the trained Qwen3, restricted to the tokenizer's ids.
 
@@ -78,12 +91,7 @@ class LiveSampler:
                                     num_layers=preset.num_layers, num_kv_heads=preset.num_kv_heads,
                                     head_dim=preset.head_dim)
     self._sampler = sampler_lib.Sampler(nnx.merge(self._graphdef, params), tokenizer, cache)
-    if alphabet is not None:
-      # Only the answer's characters are ever sampled: answers have a fixed length, so no eos is needed,
-      # and every completion has exactly max_generation_steps tokens.
-      allowed = set(tokenizer.encode(alphabet))
-    else:  # any id the tokenizer can decode (a checkpoint's vocabulary may be padded past the tokenizer's)
-      allowed = set(range(tokenizer.vocab_size))
+    allowed = set(sampled_token_ids(tokenizer, alphabet))
     self._forbidden = [i for i in range(preset.vocab_size) if i not in allowed]
     self._eos_ids = list(getattr(tokenizer, "eos_ids", [tokenizer.eos_id()]))
     self._format = getattr(tokenizer, "format_prompt", None)

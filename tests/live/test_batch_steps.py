@@ -86,17 +86,24 @@ TASK_ARGS = dict(length=4, letters=8)
 @pytest.fixture(scope="module")
 def rig():
   """One compiled engine and one sampler, returned to their start before every run."""
+  engine, sampler, task = _engine_and_sampler(sampled_as_the_sampler_samples=True)
+  return engine, engine.snapshot(), engine.export_weights(), sampler, task
+
+
+def _engine_and_sampler(*, sampled_as_the_sampler_samples: bool):
   from orchestrator.engine import build_engine
+  from orchestrator.engine.loss import SampledDistribution
   from orchestrator.engine.presets import load_preset
-  from orchestrator.live.sampler import LiveSampler
+  from orchestrator.live.sampler import LiveSampler, sampled_token_ids
   from orchestrator.live.tasks import FirstLetter
   from orchestrator.live.tokenizer import CharTokenizer
 
   task = FirstLetter(**TASK_ARGS)
-  engine = build_engine("tiny", rows=4, learning_rate=3e-3)
+  sampled = SampledDistribution(1.0, tuple(sampled_token_ids(CharTokenizer(), task.answer_alphabet)))
+  engine = build_engine("tiny", rows=4, learning_rate=3e-3, sampled=sampled if sampled_as_the_sampler_samples else None)
   sampler = LiveSampler(load_preset("tiny"), CharTokenizer(), seed=0, max_prompt_length=16, max_generation_steps=1,
                         alphabet=task.answer_alphabet)
-  return engine, engine.snapshot(), engine.export_weights(), sampler, task
+  return engine, sampler, task
 
 
 def _run(rig, mode, staleness, *, batch_steps=BATCH_STEPS, epochs=EPOCHS, source_cls=None):
@@ -200,6 +207,30 @@ def test_a_batch_s_later_steps_train_against_the_sampler_s_log_probs(rig, runs):
   stripped = [r.loss for r in _run(rig, Mode.PIPELINED, 0, source_cls=Stripped)[0].records]
   assert all(abs(loss) < 1e-6 for loss in stripped), stripped
   assert all(abs(loss) > 1e-3 for loss in losses[1:4]), losses  # the first batch's later steps, both passes
+
+
+@pytest.mark.engine
+def test_a_step_on_the_sampler_s_own_weights_has_a_ratio_of_one(runs):
+  """The trainer takes its log-probs from the distribution the sampler sampled from (its answer alphabet, its
+  temperature): each batch's first step at staleness 0 trains the weights that sampled it, so its ratio is 1 to
+  float rounding and its loss 0. The negative control takes them over the whole vocabulary, as a model's own
+  distribution: the sampler's log-probs are then larger by its normaliser, the ratio is below 1 before any update,
+  and the loss is far from 0."""
+  from orchestrator.live.rollouts import LiveRollouts, LiveShape
+  from orchestrator.loop.program import ProgramConfig, RLProgram
+  from orchestrator.loop.trainer_worker import TrainerWorker
+  from policies import Mode, StepBoundaryPolicy
+
+  losses = [r.loss for r in runs[(Mode.PIPELINED, 0)][0].records]
+  assert abs(losses[0]) < 1e-4 and abs(losses[4]) < 1e-4, losses
+  engine, sampler, task = _engine_and_sampler(sampled_as_the_sampler_samples=False)
+  source = LiveRollouts(sampler, task, LiveShape(1, MICRO, 2, 4, 0, seed=3))
+  try:
+    result = RLProgram(TrainerWorker(engine), StepBoundaryPolicy(Mode.OFF, wait_threshold_s=0.0), source,
+                       ProgramConfig(steps=1, micro_batches_per_step=MICRO), weight_sync=source.sync).run()
+  finally:
+    source.close()
+  assert abs(result.records[0].loss) > 1e-2, result.records[0].loss
 
 
 @pytest.mark.engine
