@@ -9,7 +9,7 @@ advantages are relative within it) by a seeded rule — a function of (seed,
 batch, pass) alone, so identical in every boundary mode and across resume —
 keeping every micro-batch's shape (``groups_per_micro_batch`` groups).
 
-Batch b samples with the weights after the last step of batch b − S (S =
+Batch b samples with the weights at the start of batch b − S (S =
 ``max_staleness``): version ``max(0, (b − S) · steps_per_batch)``. With one
 step per batch (the default) a batch is a step and all of this is the step
 schedule it always was.
@@ -239,7 +239,7 @@ class SampledBatches:
       self.micro_batch_wait_s.pop(step, None)
 
   def publish(self, batch: int, version: int, sampled: tuple, seconds: float) -> None:
-    """The next micro-batch of ``batch`` (``sample_micro_batch``'s result), sampled with ``version`` in
+    """The next micro-batch of ``batch`` (one of ``sample_micro_batches``' results), sampled with ``version`` in
     ``seconds``; a batch taken before it was complete is recorded once it is."""
     rollouts = self.batches.setdefault(batch, BatchRollouts(batch, version))
     payload, rewards, correct, tokens = sampled

@@ -82,6 +82,7 @@ class LiveShape:
   seed: int = 0
   batch_steps: int = 1  # optimizer steps (mini-batches) per pass over a sampled batch
   epochs: int = 1  # passes over a sampled batch
+  micro_batches_per_call: int = 1  # micro-batches the sampler generates in one call (divides a batch's)
 
   @property
   def schedule(self) -> BatchSchedule:
@@ -352,11 +353,15 @@ class LiveRollouts:
           if self._closed:
             return
           weights = self._versions.take(version)
-        for i in range(self.shape.micro_batches_per_batch):  # in pass 0's training order, each published when done
+        per_call = self.shape.micro_batches_per_call
+        for first in range(0, self.shape.micro_batches_per_batch, per_call):  # in pass 0's training order
           start = time.perf_counter()
-          sampled = self._shared.sample_micro_batch(batch, i, version, weights, cancelled=lambda: self._closed)
-          with self._cond:
-            self._batches.publish(batch, version, sampled, time.perf_counter() - start)
+          sampled = self._shared.sample_micro_batches(batch, first, per_call, version, weights,
+                                                      cancelled=lambda: self._closed)
+          seconds = (time.perf_counter() - start) / per_call  # each micro-batch's share of the call
+          with self._cond:  # each published when its call is done
+            for one in sampled:
+              self._batches.publish(batch, version, one, seconds)
             self._cond.notify_all()
         batch += 1
     except CallCancelled as e:  # closed while a reward function ran: the run ends without waiting for it

@@ -25,7 +25,7 @@ WAIT_POLL_S = 0.1
 
 
 class SharedSampler:
-  """A ``LiveSampler`` on a ``tasks.Task``, taken in turns by the sampling thread (``sample_micro_batch``) and
+  """A ``LiveSampler`` on a ``tasks.Task``, taken in turns by the sampling thread (``sample_micro_batches``) and
   evaluation (``evaluate``); trained on ``reward``, judged by the task's own check.
 
   Args:
@@ -39,14 +39,15 @@ class SharedSampler:
     self.sampler, self._task, self._reward, self._shape = sampler, task, reward, shape
     self._turn = threading.Lock()
 
-  def sample_micro_batch(self, batch: int, i: int, version: int, weights: Any, *,
-                         cancelled: Callable[[], bool] | None = None):
-    """Micro-batch ``i`` of sampled ``batch`` with weights ``version`` (``weights``; None: the sampler's own),
-    in this caller's turn: ``sample_micro_batch``'s result."""
-    with self._turn:  # per micro-batch: an evaluation may take the sampler (and its weights) between
+  def sample_micro_batches(self, batch: int, first: int, count: int, version: int, weights: Any, *,
+                           cancelled: Callable[[], bool] | None = None) -> list:
+    """Micro-batches ``first`` … ``first + count - 1`` of sampled ``batch`` with weights ``version`` (``weights``;
+    None: the sampler's own), in one sampler call in this caller's turn: ``sample_micro_batches``'s result."""
+    with self._turn:  # per call: an evaluation may take the sampler (and its weights) between
       if weights is not None and self.sampler.weights_version != version:
         self.sampler.sync(weights, version)
-      return sample_micro_batch(self.sampler, self._task, self._reward, self._shape, batch, i, cancelled=cancelled)
+      return sample_micro_batches(self.sampler, self._task, self._reward, self._shape, batch, first, count,
+                                  cancelled=cancelled)
 
   def eval_prompt_count(self, asked: int) -> int:
     """``asked``, or what a finite evaluation split holds (a dataset's) if fewer: no prompt counts twice."""
@@ -81,28 +82,33 @@ def acquire_unless(lock: threading.Lock, stop: Callable[[], Any] | None) -> bool
   return True
 
 
-def sample_micro_batch(sampler: LiveSampler, task, reward: Reward, shape, batch: int, i: int, *,
-                       cancelled: Callable[[], bool] | None = None):
-  """Samples micro-batch ``i`` of sampled ``batch`` (a step, with one step per batch) with the sampler's current
-  weights: (payload, rewards, correct, completion tokens). Its problems and seed are functions of (seed, batch,
-  i) alone. ``cancelled``: whether the source is closing (a reward call still running is then given up:
-  ``rewards.CallCancelled``)."""
-  g = shape.generations_per_group
-  first_group = (batch * shape.micro_batches_per_batch + i) * shape.groups_per_micro_batch
-  step = shape.schedule.first_step(batch)  # named in a reward's errors
-  problems = [task.problem(shape.seed, "train", first_group + j) for j in range(shape.groups_per_micro_batch)]
+def sample_micro_batches(sampler: LiveSampler, task, reward: Reward, shape, batch: int, first: int, count: int, *,
+                         cancelled: Callable[[], bool] | None = None) -> list:
+  """Samples micro-batches ``first`` … ``first + count - 1`` of sampled ``batch`` (a step, with one step per
+  batch) in one call with the sampler's current weights: per micro-batch (payload, rewards, correct, completion
+  tokens). Their problems and the call's seed are functions of (seed, batch, first) and the count alone, so one
+  micro-batch per call samples each as it always was. ``cancelled``: whether the source is closing (a reward
+  call still running is then given up: ``rewards.CallCancelled``)."""
+  g, groups = shape.generations_per_group, shape.groups_per_micro_batch
+  first_group = (batch * shape.micro_batches_per_batch + first) * groups
+  problems = [task.problem(shape.seed, "train", first_group + j) for j in range(count * groups)]
   prompts = [p.prompt for p in problems for _ in range(g)]
-  seed = int(np.random.default_rng((shape.seed, batch, i)).integers(2**31 - 1))
+  seed = int(np.random.default_rng((shape.seed, batch, first)).integers(2**31 - 1))
   samples = sampler.sample(prompts, seed=seed, temperature=shape.temperature)
-  rewards, correct = score_micro_batch(task, reward, problems, samples.texts, first_group, g, step=step,
-                                       cancelled=cancelled)
-  advantages = group_advantages(rewards, g)
   if any(len(c) == 0 for c in samples.completion_ids):
     raise RuntimeError(f"the sampler returned an empty completion at {shape.schedule.describe(batch)},"
-                       f" micro-batch {i}")
-  payload = [Trajectory(samples.prompt_ids[k], samples.completion_ids[k], float(advantages[k]), samples.logprobs[k],
-                        first_group + k // g) for k in range(len(prompts))]
-  return payload, rewards, correct, int(sum(len(c) for c in samples.completion_ids))
+                       f" micro-batches {first}–{first + count - 1}")
+  rows = groups * g
+  out = []
+  for m in range(count):  # each micro-batch scored and normalised on its own, as when sampled alone
+    part, rows_m = problems[m * groups:(m + 1) * groups], slice(m * rows, (m + 1) * rows)
+    rewards, correct = score_micro_batch(task, reward, part, samples.texts[rows_m], first_group + m * groups, g,
+                                         step=shape.schedule.first_step(batch), cancelled=cancelled)
+    advantages = group_advantages(rewards, g)
+    payload = [Trajectory(samples.prompt_ids[k], samples.completion_ids[k], float(advantages[k - m * rows]),
+                          samples.logprobs[k], first_group + k // g) for k in range(m * rows, (m + 1) * rows)]
+    out.append((payload, rewards, correct, int(sum(len(c) for c in samples.completion_ids[rows_m]))))
+  return out
 
 
 def score_micro_batch(task, reward: Reward, problems, texts: list[str], first_index: int, generations: int, *,

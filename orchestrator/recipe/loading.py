@@ -184,7 +184,7 @@ def resolve(
       raise RecipeError(f"override {item!r}: unknown key {key!r}{suggest(key)}")
     values[key] = coerce(key, _override_value(key, raw))
     sources[key] = "override"
-  dropped = _drop_outranked(values, sources)
+  dropped = _drop_outranked(values, sources) + _drop_live_keys_of_a_replaced_sampler(values, sources)
   changes = _changes(values, sources)
   _mark_description(values, sources, changes)
   recipe = build(values)
@@ -202,6 +202,31 @@ def _shown(value: Any) -> str:
 
 def _is_set(key: str, value: Any) -> bool:
   return value != get(Recipe(), key)
+
+
+#: Keys only the live loop reads (``Recipe._refuse_live_only_keys`` refuses them, set, for a run that samples
+#: nothing).
+LIVE_ONLY_KEYS = ("task.reward", "task.reward_timeout_s", "model.chat_template", "rollouts.batch_steps",
+                  "rollouts.micro_batches_per_call", "engine.epochs")
+
+
+def _drop_live_keys_of_a_replaced_sampler(values: dict[str, Any], sources: dict[str, str]) -> tuple[str, ...]:
+  """A live recipe whose sampler the environment or the command line replaces (``rollouts.source=synthetic`` on
+  the default recipe): the recipe file's live-only keys go back to their defaults, each source saying why, as
+  its other live settings (staleness, groups) go unread. The same keys given in the layer that replaces the
+  sampler, or above it, are still refused (they would be ignored)."""
+  source_layer = sources.get("rollouts.source", "default").split()[0]
+  if values.get("rollouts.source", "synthetic") == "sampler" or source_layer in ("default", "recipe"):
+    return ()
+  dropped = []
+  for key in LIVE_ONLY_KEYS:
+    if key in values and sources.get(key) == "recipe" and _is_set(key, values[key]):
+      phrase = (f"rollouts.source={_shown(values['rollouts.source'])} ({sources['rollouts.source']}) samples nothing,"
+                f" so the recipe's {key}={_shown(values[key])} is not read")
+      del values[key]
+      sources[key] = f"default (dropped: {phrase})"
+      dropped.append(phrase)
+  return tuple(dropped)
 
 
 def _drop_outranked(values: dict[str, Any], sources: dict[str, str]) -> tuple[str, ...]:

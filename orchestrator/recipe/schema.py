@@ -195,10 +195,13 @@ class RolloutsSection:
   generations_per_group: int = 4
   fill: float = 0.85
   # The live loop (source: sampler).
-  # Sampled batch b (batch_steps × engine.epochs optimizer steps) samples with the weights after the last step of
-  # batch b - max_staleness (floored at 0); 0 = on-policy at each batch's first step.
+  # Sampled batch b (batch_steps × engine.epochs optimizer steps) samples with the weights at the start of batch
+  # b - max_staleness (floored at 0); 0 = on-policy at each batch's first step.
   max_staleness: int = 1
   batch_steps: int = 1  # optimizer steps per sampled batch (per pass over it): N × micro_batches_per_step sampled
+  # Micro-batches the sampler generates in one call: larger calls use the devices better and queue fewer
+  # computations beside the trainer's; smaller ones stream sooner (each is published when its call is done).
+  micro_batches_per_call: int = 1
   groups_per_micro_batch: int = 4
   temperature: float = 1.0
   record_to: str | None = None  # a live run writes the rollouts it trained on as a recording there
@@ -217,8 +220,8 @@ class RolloutsSection:
     _at_most("rollouts", self, ("generations_per_group",), 65_536)
     _at_least("rollouts", self, ("max_staleness",), 0)
     _at_most("rollouts", self, ("max_staleness",), 16)
-    _at_least("rollouts", self, ("groups_per_micro_batch", "batch_steps"), 1)
-    _at_most("rollouts", self, ("groups_per_micro_batch", "batch_steps"), 4096)
+    _at_least("rollouts", self, ("groups_per_micro_batch", "batch_steps", "micro_batches_per_call"), 1)
+    _at_most("rollouts", self, ("groups_per_micro_batch", "batch_steps", "micro_batches_per_call"), 4096)
     if self.source == "sampler" and self.generations_per_group < 2:
       raise RecipeError(f"rollouts.generations_per_group={self.generations_per_group} is out of range for the"
                         " live loop: GRPO compares a group's completions, use >= 2")
@@ -726,8 +729,10 @@ class Recipe:
     preset = self.model_preset()
     if self.rollouts.source != "sampler":
       self._refuse_live_only_keys()
-    elif self.task.name == DATASET:  # every row and every reward entry, before anything runs
-      self.task.make_reward(self.live_task())
+    else:
+      self._check_sampler_calls()
+      if self.task.name == DATASET:  # every row and every reward entry, before anything runs
+        self.task.make_reward(self.live_task())
     rows, tokens = self.batch.rows or preset.rows, self.batch.tokens_per_row or preset.tokens_per_row
     try:
       self.engine.validate(preset)
@@ -780,6 +785,16 @@ class Recipe:
           f" {per_trajectory} tokens may not fit batch.rows={rows} × batch.tokens_per_row={tokens};"
           " raise rows or tokens_per_row, or sample fewer groups per micro-batch")
 
+  def _check_sampler_calls(self) -> None:
+    """A sampled batch must split into whole sampler calls."""
+    per_batch = self.rollouts.batch_steps * self.batch.micro_batches_per_step
+    per_call = self.rollouts.micro_batches_per_call
+    if per_batch % per_call:
+      raise RecipeError(f"rollouts.micro_batches_per_call={per_call} does not divide a sampled batch of {per_batch}"
+                        f" micro-batches (rollouts.batch_steps={self.rollouts.batch_steps} ×"
+                        f" batch.micro_batches_per_step={self.batch.micro_batches_per_step}); use a divisor of"
+                        f" {per_batch}")
+
   def _refuse_live_only_keys(self) -> None:
     """Keys only the live loop reads, set for a run that samples nothing: it would ignore them silently."""
     given = [(key, value) for key, value in (("task.name", self.task.name if self.task.name == DATASET else None),
@@ -789,6 +804,9 @@ class Recipe:
                                              ("model.chat_template", self.model.chat_template or None),
                                              ("rollouts.batch_steps", None if self.rollouts.batch_steps == 1
                                               else self.rollouts.batch_steps),
+                                             ("rollouts.micro_batches_per_call", None
+                                              if self.rollouts.micro_batches_per_call == 1
+                                              else self.rollouts.micro_batches_per_call),
                                              ("engine.epochs", None if self.engine.epochs == 1 else self.engine.epochs))
              if value is not None]
     if given:

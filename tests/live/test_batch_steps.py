@@ -73,9 +73,28 @@ def test_staleness_counts_in_sampled_batches_and_a_position_inside_a_batch_carri
 
 
 @pytest.mark.spec
-def test_batch_keys_default_to_one_step_per_batch():
-  recipe = recipe_lib.resolve(None, overrides=[]).recipe
-  assert recipe.rollouts.batch_steps == 1 and recipe.engine.epochs == 1
+def test_batch_keys_default_to_one_step_per_batch_and_one_micro_batch_per_call():
+  recipe = recipe_lib.Recipe()
+  assert recipe.rollouts.batch_steps == 1 and recipe.engine.epochs == 1 and recipe.rollouts.micro_batches_per_call == 1
+
+
+@pytest.mark.spec
+def test_the_default_recipe_s_batch_keys_go_unread_when_its_sampler_is_replaced(tmp_path):
+  """``rollouts.source=synthetic`` on the default recipe: the recipe's batch keys go back to their defaults, each
+  source saying why (as its staleness and groups go unread). Given beside the replacement, or in a recipe that
+  samples nothing, they are refused: nothing would read them."""
+  default = recipe_lib.resolve(None, env={}).recipe
+  assert (default.rollouts.batch_steps, default.rollouts.micro_batches_per_call) == (4, 8)
+  resolved = recipe_lib.resolve(None, env={}, overrides=["rollouts.source=synthetic"])
+  assert (resolved.recipe.rollouts.batch_steps, resolved.recipe.rollouts.micro_batches_per_call) == (1, 1)
+  assert resolved.sources["rollouts.batch_steps"].startswith("default (dropped: rollouts.source=synthetic (override)")
+  assert any("rollouts.micro_batches_per_call=8 is not read" in d for d in resolved.dropped)
+  with pytest.raises(recipe_lib.RecipeError, match="rollouts.batch_steps=2 is read by the live loop only"):
+    recipe_lib.resolve(None, env={}, overrides=["rollouts.source=synthetic", "rollouts.batch_steps=2"])
+  own = tmp_path / "own.yaml"
+  own.write_text("model: tiny\nrollouts:\n  source: synthetic\n  micro_batches_per_call: 2\n")
+  with pytest.raises(recipe_lib.RecipeError, match="rollouts.micro_batches_per_call=2 is read by the live loop"):
+    recipe_lib.resolve(own, env={})
 
 
 # ---------------------------------------------------------------- the loop on a real engine
@@ -106,7 +125,7 @@ def _engine_and_sampler(*, sampled_as_the_sampler_samples: bool):
   return engine, sampler, task
 
 
-def _run(rig, mode, staleness, *, batch_steps=BATCH_STEPS, epochs=EPOCHS, source_cls=None):
+def _run(rig, mode, staleness, *, batch_steps=BATCH_STEPS, epochs=EPOCHS, source_cls=None, per_call=1, calls=None):
   """The run's result and how many micro-batches it sampled."""
   from orchestrator.live.rollouts import LiveRollouts, LiveShape
   from orchestrator.loop.program import ProgramConfig, RLProgram
@@ -116,11 +135,15 @@ def _run(rig, mode, staleness, *, batch_steps=BATCH_STEPS, epochs=EPOCHS, source
   engine, start, initial, sampler, task = rig
   engine.restore(start)
   sampler.sync(initial, 0)
-  shape = LiveShape(STEPS, MICRO, 2, 4, staleness, seed=3, batch_steps=batch_steps, epochs=epochs)
+  shape = LiveShape(STEPS, MICRO, 2, 4, staleness, seed=3, batch_steps=batch_steps, epochs=epochs,
+                    micro_batches_per_call=per_call)
   source = (source_cls or LiveRollouts)(sampler, task, shape)
   sampled = []
-  sample = source._shared.sample_micro_batch
-  source._shared.sample_micro_batch = lambda batch, i, *a, **k: sampled.append((batch, i)) or sample(batch, i, *a, **k)
+  sample = source._shared.sample_micro_batches
+  source._shared.sample_micro_batches = (lambda batch, first, count, *a, **k:
+                                         sampled.extend((batch, first + m) for m in range(count))
+                                         or (calls is not None and calls.append((batch, first, count)))
+                                         or sample(batch, first, count, *a, **k))
   program = RLProgram(TrainerWorker(engine), StepBoundaryPolicy(mode, wait_threshold_s=0.0), source,
                       ProgramConfig(steps=STEPS, micro_batches_per_step=MICRO), weight_sync=source.sync)
   try:
@@ -174,6 +197,27 @@ def test_a_batch_is_sampled_once_and_reused_by_its_steps(rig, runs):
   assert again == [(s, i) for s in range(STEPS) for i in range(MICRO)]
   assert [r.staleness for r in resampled.records] == [0] * STEPS
   assert resampled.summary.final_state_digest != result.summary.final_state_digest
+
+
+@pytest.mark.engine
+def test_a_whole_batch_sampled_in_one_call_trains_every_mode_to_one_digest(rig, runs):
+  """``rollouts.micro_batches_per_call`` = a batch's micro-batches: one sampler call per batch, each micro-batch
+  still published, scored and normalised on its own; what trains is a function of the recipe, so every mode
+  agrees. One micro-batch per call (the control) calls the sampler once per micro-batch."""
+  from policies import Mode
+
+  per_batch = BATCH_STEPS * MICRO
+  results = {}
+  for mode in Mode:
+    calls = []
+    result, sampled = _run(rig, mode, 1, per_call=per_batch, calls=calls)
+    assert calls == [(b, 0, per_batch) for b in range(2)], calls
+    assert sampled == [(b, i) for b in range(2) for i in range(per_batch)]
+    results[mode] = result.summary.final_state_digest
+  assert len(set(results.values())) == 1, results
+  calls = []
+  _run(rig, Mode.OFF, 1, calls=calls)
+  assert calls == [(b, i, 1) for b in range(2) for i in range(per_batch)]
 
 
 @pytest.mark.engine

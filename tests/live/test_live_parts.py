@@ -404,7 +404,7 @@ def test_an_evaluation_takes_the_sampler_in_its_turn_and_a_stop_ends_its_wait():
 
   task, sampler = ModularAddition(), _BlockingSampler()
   shared = SharedSampler(sampler, task, lambda *a, **k: None, LiveShape(1, 1, 1, 1, 0))
-  thread = threading.Thread(target=lambda: pytest.raises(RuntimeError, shared.sample_micro_batch, 0, 0, 0, None),
+  thread = threading.Thread(target=lambda: pytest.raises(RuntimeError, shared.sample_micro_batches, 0, 0, 1, 0, None),
                             daemon=True)
   thread.start()
   assert sampler.sampling.wait(30)  # the sampling thread holds the sampler
