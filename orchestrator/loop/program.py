@@ -272,6 +272,7 @@ class RLProgram:
       if boundary.stop:
         self._result.ended = "stopped"
         return
+      self.policy_inputs.observe_saving(self.records)
 
   def _end_after(self, boundary: BoundaryState, why: StopWhileWaiting | SourceFailed,
                  executed: tuple[Action, ...]) -> None:

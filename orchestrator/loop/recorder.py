@@ -24,6 +24,7 @@ from orchestrator.contract import Receipt, RolloutSummary, RunSummary, StepMetri
 from orchestrator.loop.trace import chrome_trace
 from orchestrator.loop.watcher import CompletionWatcher, Watched
 from policies import PolicyReport
+from policies.saving import estimate_from_records
 
 
 class Lane(enum.IntEnum):
@@ -117,6 +118,9 @@ class BoundaryRecord:
   # reply as received and the export call's seconds (part of weight_sync_s). None for a trainer in this process.
   weight_sync_wire_bytes: int | None = None
   weight_sync_wire_s: float | None = None
+  # A control: a boundary that would have staged ran unstaged, to measure what staging saves (None: a record of a
+  # version before controls).
+  control: bool | None = None
 
   def to_json(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
@@ -294,6 +298,7 @@ class Recorder:
         per_process=boundary.per_process, **_memory_fields(boundary),
         weight_sync_bytes=spans.get("weight_sync_bytes"), weight_transfer_s=spans.get("weight_transfer_s"),
         weight_sync_wire_bytes=spans.get("weight_sync_wire_bytes"), weight_sync_wire_s=spans.get("weight_sync_wire_s"),
+        control=bool(plan and plan.control),
     )
 
   def sync_records(self) -> None:
@@ -325,7 +330,9 @@ class Recorder:
                           median_step_s=statistics.median(steps) if steps else None,
                           staged_boundaries=sum(1 for r in self.records if r.staged),
                           peak_staged_bytes_per_device=_peak(r.staged_bytes_per_device for r in self.records),
-                          peak_device_bytes_in_use=_peak(r.device_bytes_in_use for r in self.records))
+                          peak_device_bytes_in_use=_peak(r.device_bytes_in_use for r in self.records),
+                          staged_before_update=sum(1 for r in self.records if r.staged and r.stage_before_update),
+                          measured_saving=estimate_from_records(self.records))
     return RunSummary(timings=timings, policy=policy, final_state_digest=final_state_digest,
                       records_path=str(self.out_dir / "records.jsonl") if self.out_dir else None,
                       rollouts=self._rollout_summary())
