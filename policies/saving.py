@@ -2,9 +2,10 @@
 
 Every ``control_every``-th boundary at which the policy would stage runs unstaged instead (a *control*,
 ``ControlSchedule``), so a run gives up at most 1/K of its saving to measure it. Each staged or control
-boundary k yields one ``BoundarySample`` (``boundary_sample``): its boundary idle, and the seconds of the two
-steps around it (step k and k+1: the update a stage may delay and the first micro-batch it may speed, so the
-difference is the boundary's whole effect on a step's wall time). The saving is the mean difference
+boundary k yields one ``BoundarySample`` (``boundary_sample``): its boundary idle, and its span — from step k's
+last micro-batch finishing to step k+1's first finishing: the update a stage may delay, the idle, and the first
+micro-batch whose input a stage copied ahead. Nothing else in a step depends on the boundary, so the span's
+difference is the difference in step seconds, without its neighbours' noise. The saving is the mean difference
 control − staged, with a 95 % Welch interval (``welch_interval``); ``MeasuredSaving`` holds the samples the
 policy judges by, and says when staging costs time (docs/design.md §6).
 
@@ -89,7 +90,8 @@ def welch_interval(control: Sequence[float], staged: Sequence[float]) -> Interva
 
 @dataclasses.dataclass(frozen=True)
 class BoundarySample:
-  """What one staged or control boundary measured: its idle, and the seconds of the two steps around it."""
+  """What one staged or control boundary measured: its idle, and its span (``step_s``: the seconds from step
+  k's last micro-batch finishing to step k+1's first finishing, what a step's seconds change by)."""
 
   boundary_idle_s: float
   step_s: float
@@ -100,28 +102,29 @@ _CLOCK_TOLERANCE_S = 1e-6
 
 
 def _continues(before: Any, record: Any) -> bool:
-  """Whether ``record``'s step seconds count from ``before``'s update (one segment's clock), not from the
-  segment's first dispatch (a run's first step, a resumed segment's first: compilation included)."""
-  if before is None or before.t_update_ready is None or record.t_update_ready is None or record.step_s is None:
+  """Whether ``record``'s times count from ``before``'s update (one segment's clock), not from the segment's
+  first dispatch (a resumed segment's first step: compilation included)."""
+  if before.t_update_ready is None or record.t_update_ready is None or record.step_s is None:
     return False
   return abs(record.t_update_ready - record.step_s - before.t_update_ready) <= _CLOCK_TOLERANCE_S
 
 
 def boundary_sample(before: Any, record: Any, after: Any) -> BoundarySample | None:
-  """The sample of the boundary after ``record``'s step (``before`` and ``after``: the records of the steps
+  """The sample of the boundary after ``record``'s step (``before``, ``after``: the records of the steps
   around it; records are ``BoundaryRecord``s or anything with their fields). None where the boundary neither
-  staged nor was a control, where its idle is not known, or where a step's seconds do not count from the
-  update before it."""
-  if not (record.staged or record.control) or record.boundary_idle_s is None:
+  staged nor was a control, where a time is not known, or where a step's times do not count from the update
+  before it (the step then was its segment's first, compilation included: a first update, a first stage)."""
+  if not (record.staged or record.control) or not (_continues(before, record) and _continues(record, after)):
     return None
-  if not (_continues(before, record) and _continues(record, after)):
+  parts = (record.boundary_idle_strict_s, record.update_s, (after.micro_batch_s or [None])[0])
+  if record.boundary_idle_s is None or any(p is None for p in parts):
     return None
-  return BoundarySample(record.boundary_idle_s, record.step_s + after.step_s)
+  return BoundarySample(record.boundary_idle_s, sum(parts))
 
 
 @dataclasses.dataclass(frozen=True)
 class SavingEstimate:
-  """The measured saving: control − staged, per boundary (idle) and per step (the two steps around a boundary).
+  """The measured saving: control − staged, per boundary (idle) and per step (the boundary's span).
 
   ``boundary_idle_s`` and ``step_s`` are None until there are ``MIN_CONTROLS`` controls and ``MIN_STAGED``
   staged samples (``enough``).

@@ -73,7 +73,7 @@ there is a threshold, waits are recorded but not judged.
 
 Controls and the measured saving (``policies.saving``): every ``control_every``-th boundary that would
 stage runs unstaged, PIPELINED's call order, as a control. ``observe_saving`` is fed each staged or control
-boundary's sample (its idle, and the seconds of the two steps around it); with ``MIN_CONTROLS`` controls
+boundary's sample (its idle, and its span to the next step's first micro-batch); with ``MIN_CONTROLS`` controls
 since staging last turned on, a step saving (control − staged) whose whole 95 % interval lies below zero
 turns staging off as a low-wait streak does, and ``reprobe_every`` re-probes it the same way.
 
