@@ -245,7 +245,7 @@ class PolicyReport:
 
   Attributes:
     requested_mode, final_mode: the mode asked for and the mode at the end.
-    auto_disables: how often staging turned itself off.
+    auto_disables: how often staging turned itself off (low waits or the measured saving).
     transitions: every mode change, in order.
     counters: every counted event by name (the table at the top names them).
     threshold_s: the low-wait threshold (None: not calibrated, waits not judged).
@@ -324,6 +324,7 @@ class StepBoundaryPolicy:
     self.requested_mode = Mode.parse(mode)
     self._controls = ControlSchedule(control_every)
     self._saving = MeasuredSaving()
+    self._judged_saving = self._saving.estimate()  # what the last sample was judged with
     self._streak = LowWaitStreak(disable_after=disable_after, reprobe_every=reprobe_every)
     self._wait_threshold = WaitThreshold(wait_threshold_s, calibration)
     self._memory_gate = MemoryGate(min_free_device_bytes, headroom_rule)
@@ -381,7 +382,8 @@ class StepBoundaryPolicy:
   def report(self) -> PolicyReport:
     """What the policy did so far: modes, transitions, counters, threshold and floor."""
     return PolicyReport(requested_mode=self.requested_mode, final_mode=self.mode,
-                        auto_disables=self.counters.get("auto_disable", 0), transitions=tuple(self.history),
+                        auto_disables=self.counters.get("auto_disable", 0) + self.counters.get("saving_disable", 0),
+                        transitions=tuple(self.history),
                         counters=dict(self.counters), threshold_s=self.threshold_s,
                         wait_floor_max_s=self._wait_threshold.floor_max_s)
 
@@ -417,6 +419,7 @@ class StepBoundaryPolicy:
       streak.probe_used, streak.reported = bool(state["probe_used"]), bool(state["reported_low"])
       # A checkpoint of a version before controls has no samples and did not count them.
       self._saving.load_state_dict(state.get("saving_samples", {"staged": [], "control": []}))
+      self._judged_saving = self._saving.estimate()
       self.counters = dict(dict.fromkeys(COUNTED_EVENTS, 0), **self.counters)
       self.history = [Transition(h["step"], Mode.parse(h["from_mode"]), Mode.parse(h["to_mode"]), h["kind"],
                                  h["reason"]) for h in state["history"]]
@@ -527,7 +530,7 @@ class StepBoundaryPolicy:
     show it costs time (``saving_disable``). Samples from outside a staged mode (a probe) are not kept."""
     if not self.mode.staged:
       return None
-    saving = self._saving.add(sample, control=control)
+    saving = self._judged_saving = self._saving.add(sample, control=control)
     if not saving.costs_time:
       return None
     self._streak.disable(step)
@@ -536,14 +539,14 @@ class StepBoundaryPolicy:
         step, Mode.PIPELINED, "saving_disable",
         f"staging cost time: a step took {s(-saving.step_s.mean)} longer staged than unstaged (saving"
         f" {s(saving.step_s.mean)}, 95 % interval {s(saving.step_s.low)} to {s(saving.step_s.high)}; boundary idle"
-        f" saving {s(saving.boundary_idle_s.mean)}) over {saving.staged_n} staged and {saving.control_n} control"
+        f" saving {s(saving.boundary_idle_s.mean, zero='none')}) over {saving.staged_n} staged and {saving.control_n} control"
         " boundaries, so staging is off" + (f"; re-probed {self._streak.reprobe_every} boundaries later"
                                             if self._streak.reprobe_every else " for the run"))
 
   @property
   def measured_saving(self) -> SavingEstimate:
-    """What the samples since staging last turned on show."""
-    return self._saving.estimate()
+    """What the last sample was judged with: the samples then since staging last turned on."""
+    return self._judged_saving
 
   def _observe_probe(self, step: int, device_wait_s: float, low: bool | None) -> Transition:
     """A re-probe's verdict: staging back on unless its wait was low too."""

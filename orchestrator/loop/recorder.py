@@ -121,6 +121,9 @@ class BoundaryRecord:
   # A control: a boundary that would have staged ran unstaged, to measure what staging saves (None: a record of a
   # version before controls).
   control: bool | None = None
+  # The measured step saving (control − staged, mean seconds) the policy judged by once this step was in; None
+  # until enough controls since staging last turned on (policies.saving).
+  saving_s: float | None = None
 
   def to_json(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
@@ -307,9 +310,13 @@ class Recorder:
       self._records_file.flush()
       os.fsync(self._records_file.fileno())
 
-  def finish_record(self, boundary, first_dispatch: float | None) -> BoundaryRecord:
-    """Builds, keeps and writes step ``boundary.step``'s record (see ``BoundaryRecord``)."""
+  def finish_record(self, boundary, first_dispatch: float | None,
+                    before_keeping: Callable[[BoundaryRecord], None] | None = None) -> BoundaryRecord:
+    """Builds, keeps and writes step ``boundary.step``'s record (see ``BoundaryRecord``); ``before_keeping`` is
+    given it first (it may fill in what is learned from it: the measured saving)."""
     record = self._build_record(boundary, first_dispatch)
+    if before_keeping is not None:
+      before_keeping(record)
     self._last_update_ready = self.ready_at(update_key(boundary.step))
     self.records.append(record)
     if self._records_file:

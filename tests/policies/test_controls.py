@@ -97,7 +97,8 @@ def test_a_saving_disable_is_reprobed_and_a_good_probe_starts_a_new_window():
   plans = [p.plan(s) for s in range(transition.step + 1, transition.step + 5)]
   assert [pl.probe for pl in plans] == [False, False, True, False]  # 3 boundaries after the disable
   p.observe(plans[2].step, stage_s=0.01, device_wait_s=0.5, probe=True)  # not low: staging back on
-  assert p.mode is Mode.STAGE_BEFORE_UPDATE and p.measured_saving.control_n == 0  # a new window
+  assert p.mode is Mode.STAGE_BEFORE_UPDATE
+  assert p.state_dict()["saving_samples"] == {"staged": [], "control": []}  # a new window
 
 
 def test_samples_outside_a_staged_mode_are_not_kept():
