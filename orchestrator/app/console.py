@@ -141,12 +141,22 @@ def progress_postfix(record: BoundaryRecord) -> str:
 def progress_fields(record: BoundaryRecord) -> str:
   """Every field of a plain progress line (``Progress``): the step's timings, loss and, live, its rollouts."""
   fields = {"step_s": _number(record.step_s, ".3f"), "idle_s": _number(record.boundary_idle_s, ".4f"),
-            "loss": _number(record.loss, ".4f")}
+            "loss": _number(record.loss, ".4f"), "boundary": boundary_word(record)}
   if record.reward_mean is not None:
     fields.update(reward=_number(record.reward_mean, ".3f"), acc=_number(record.accuracy, ".2f"),
                   ver=str(record.weights_version), tok_s=_number(record.sampled_tokens_per_s, ".0f"),
                   rollout_wait_s=_number(record.rollout_wait_s, ".3f"))
   return " ".join(f"{key}={value}" for key, value in fields.items())
+
+
+def boundary_word(record: BoundaryRecord) -> str:
+  """What the boundary after the record's step did, in one word: staged before or after the update, a control,
+  unstaged, or none (the run's last step)."""
+  if record.boundary_idle_s is None and not record.staged:
+    return "none"
+  if record.staged:
+    return "staged-before-update" if record.stage_before_update else "staged-after-update"
+  return "control" if record.control else "unstaged"
 
 
 def _number(value, spec: str) -> str:

@@ -3,6 +3,8 @@ figure that means "nothing left to wait for" is said in words, not as 0.0 µs.""
 
 from __future__ import annotations
 
+import types
+
 import pytest
 
 from orchestrator.app import console
@@ -68,3 +70,17 @@ def test_the_summary_says_no_idle_in_words_and_keeps_a_figure_otherwise():
   assert "median boundary idle: none, the device never waited (strict: 2.00 ms)" in text and "0.0 µs" not in text
   assert "what the scheduler did:" in text and "measured saving:" in text
   assert "median boundary idle: 16.00 ms" in console.format_summary(_summary(idle_s=0.016))  # the control
+
+
+def _record(**fields):
+  base = dict(staged=False, stage_before_update=False, control=False, boundary_idle_s=0.001)
+  return types.SimpleNamespace(**dict(base, **fields))
+
+
+@pytest.mark.parametrize("fields,word", [
+    ({"staged": True, "stage_before_update": True}, "staged-before-update"),
+    ({"staged": True}, "staged-after-update"), ({"control": True}, "control"), ({}, "unstaged"),
+    ({"boundary_idle_s": None}, "none"),
+])
+def test_each_progress_line_says_what_its_boundary_did(fields, word):
+  assert console.boundary_word(_record(**fields)) == word
