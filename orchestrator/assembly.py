@@ -57,6 +57,7 @@ def policy_from_recipe(recipe: Recipe, capabilities: WorkerCapabilities, *, mode
         excluded_steps=excluded,
         engine_missing=capabilities.missing_staging_methods,
         min_free_device_bytes=sb.min_free_device_bytes,
+        control_every=sb.control_every,
     )
   except StagingUnsupportedError as e:
     raise RecipeError(str(e)) from None

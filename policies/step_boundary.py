@@ -35,14 +35,23 @@ STAGE_BEFORE_UPDATE  ``plan(step, next_sampled=False)``   the next step's first 
                                                                                                 update_for_rollouts``)
 staged, or a probe   ``plan(step, headroom=…)``           the devices' free bytes are below     unchanged; no stage there
                                                           ``min_free_device_bytes``             (``no_memory_headroom``)
+staged               ``plan(step)``                       the ``control_every``-th boundary     unchanged; a control: no
+                                                          that would stage                      stage there (``controls``)
 staged               ``observe`` (stage waited for        —                                     unchanged; not judged
                      rollouts)                                                                  (``rollout_waits``)
 staged               ``observe`` (not low)                —                                     unchanged; low count → 0
 staged               ``observe`` (low)                    fewer than N low in a row             unchanged; reported
                                                                                                 (``stage_outlasted_compute``)
 staged               ``observe`` (low)                    N low in a row                        PIPELINED (``auto_disable``)
-PIPELINED            ``plan(step)``                       auto-disabled, ``reprobe_every``      unchanged; this one boundary
-(auto-disabled)                                           boundaries since, no probe used yet   is staged as a probe
+staged               ``observe_saving``                   fewer than ``MIN_CONTROLS``           unchanged; the sample is kept
+                                                          controls, or the step saving's
+                                                          interval reaches 0 or above
+staged               ``observe_saving``                   ``MIN_CONTROLS`` controls and the     PIPELINED (``saving_disable``)
+                                                          step saving's 95 % interval lies
+                                                          below zero: staging costs time
+PIPELINED            ``plan(step)``                       auto-disabled (either kind),          unchanged; this one boundary
+(auto-disabled)                                           ``reprobe_every`` boundaries since,   is staged as a probe
+                                                          no probe used yet
 PIPELINED            ``observe`` (probe, not low)         —                                     the requested staged mode
 (auto-disabled)                                                                                 (``reprobe_enabled``)
 PIPELINED            ``observe`` (probe, low)             —                                     PIPELINED for the rest of the
@@ -61,6 +70,12 @@ with ``rel_margin = 0.1`` and ``abs_margin = 0.002`` s by default: a wait must
 clear the noisiest floor sample by 10 %, and by at least 2 ms (scheduler noise
 on a local runtime). A pinned ``wait_threshold_s`` skips calibration. Until
 there is a threshold, waits are recorded but not judged.
+
+Controls and the measured saving (``policies.saving``): every ``control_every``-th boundary that would
+stage runs unstaged, PIPELINED's call order, as a control. ``observe_saving`` is fed each staged or control
+boundary's sample (its idle, and its span to the next step's first micro-batch); with ``MIN_CONTROLS`` controls
+since staging last turned on, a step saving (control − staged) whose whole 95 % interval lies below zero
+turns staging off as a low-wait streak does, and ``reprobe_every`` re-probes it the same way.
 
 Memory headroom (``HeadroomRule``): a stage holds one more micro-batch's input
 on the devices while the last one computes. Where the engine reports its
@@ -87,6 +102,7 @@ from collections.abc import Iterable, Sequence
 from policies.calibration import CalibrationRule, WaitThreshold
 from policies.headroom import DeviceHeadroom, HeadroomRule, MemoryGate
 from policies.low_waits import LowWaitStreak
+from policies.saving import DEFAULT_CONTROL_EVERY, BoundarySample, ControlSchedule, MeasuredSaving, SavingEstimate
 from policies.units import format_seconds  # noqa: F401  (callers import it from here too)
 
 log = logging.getLogger("step_boundary.policy")
@@ -150,6 +166,9 @@ def stage_order(mode: Mode, next_sampled: bool | None) -> Mode:
   return Mode.STAGE_AFTER_UPDATE if mode is Mode.STAGE_BEFORE_UPDATE and next_sampled is False else mode
 
 
+#: Why a boundary that would have staged did not (``control_every``).
+CONTROL_REASON = "control: run unstaged to measure what staging saves"
+
 #: Why a STAGE_BEFORE_UPDATE boundary staged after the update (``plan(next_sampled=False)``).
 UPDATE_FIRST_REASON = ("the next step's first micro-batch was not sampled yet: staged after the update, so waiting"
                        " for it does not hold the update back")
@@ -169,6 +188,7 @@ class BoundaryPlan:
       next step's first micro-batch is dispatched (OFF); otherwise after it.
     probe: this staged boundary is a re-probe while staging is auto-disabled.
     reason: why, in words.
+    control: a boundary that would have staged runs unstaged, to measure what staging saves.
   """
 
   step: int
@@ -178,22 +198,24 @@ class BoundaryPlan:
   await_metrics: bool
   reason: str
   probe: bool = False
+  control: bool = False
 
   @classmethod
   def for_mode(cls, step: int, mode: Mode, *, reason: str, staged_as: Mode | None = None,
-               probe: bool = False) -> "BoundaryPlan":
+               probe: bool = False, control: bool = False) -> "BoundaryPlan":
     """The plan of a boundary in ``mode`` that does what ``staged_as``'s row says (default: ``mode``'s own).
 
     A re-probe while auto-disabled is ``mode=PIPELINED, staged_as=<the requested mode>``.
     """
     flags = (staged_as or mode).flags
     return cls(step=step, mode=mode, stage=flags.stage, stage_before_update=flags.stage_before_update,
-               await_metrics=flags.await_metrics, reason=reason, probe=probe)
+               await_metrics=flags.await_metrics, reason=reason, probe=probe, control=control)
 
   @classmethod
-  def unstaged(cls, step: int, mode: Mode, *, reason: str) -> "BoundaryPlan":
+  def unstaged(cls, step: int, mode: Mode, *, reason: str, control: bool = False) -> "BoundaryPlan":
     """A boundary in ``mode`` that stages nothing (pipelined unless the mode is OFF)."""
-    return cls.for_mode(step, mode, reason=reason, staged_as=Mode.OFF if mode is Mode.OFF else Mode.PIPELINED)
+    return cls.for_mode(step, mode, reason=reason, staged_as=Mode.OFF if mode is Mode.OFF else Mode.PIPELINED,
+                        control=control)
 
   def to_json(self) -> dict:
     """The plan as JSON (the mode by its value): what a checkpoint keeps of a boundary planned before it."""
@@ -223,7 +245,7 @@ class PolicyReport:
 
   Attributes:
     requested_mode, final_mode: the mode asked for and the mode at the end.
-    auto_disables: how often staging turned itself off.
+    auto_disables: how often staging turned itself off (low waits or the measured saving).
     transitions: every mode change, in order.
     counters: every counted event by name (the table at the top names them).
     threshold_s: the low-wait threshold (None: not calibrated, waits not judged).
@@ -261,7 +283,7 @@ class Observation:
 #: run's counters are the saved ones.
 COUNTED_EVENTS = ("unsupported_engine", "auto_disable", "reprobe_enabled", "reprobe_failed", "stage_outlasted_compute",
                   "excluded_boundaries", "staged_boundaries", "probes", "next_not_ready", "rollout_waits",
-                  "no_memory_headroom")
+                  "no_memory_headroom", "controls", "saving_disable")
 
 
 class StepBoundaryPolicy:
@@ -285,6 +307,7 @@ class StepBoundaryPolicy:
     min_free_device_bytes: the free device memory a stage needs: ``"auto"`` (``headroom_rule`` applied
       to the staged input's size), a number of bytes, or 0 (no memory gate).
     headroom_rule: what ``"auto"`` requires.
+    control_every: every K-th boundary that would stage runs unstaged as a control (0: none).
 
   Raises:
     StagingUnsupportedError: a staged mode with ``require_staging`` on an
@@ -296,8 +319,12 @@ class StepBoundaryPolicy:
                wait_threshold_s: float | None = None, disable_after: int = 2, reprobe_every: int | None = None,
                excluded_steps: Iterable[int] = (), calibration: CalibrationRule = CalibrationRule(),
                engine_missing: Sequence[str] = ("prepare_fwd_bwd_input", "wait_for_device"),
-               min_free_device_bytes: int | str = "auto", headroom_rule: HeadroomRule = HeadroomRule()):
+               min_free_device_bytes: int | str = "auto", headroom_rule: HeadroomRule = HeadroomRule(),
+               control_every: int = DEFAULT_CONTROL_EVERY):
     self.requested_mode = Mode.parse(mode)
+    self._controls = ControlSchedule(control_every)
+    self._saving = MeasuredSaving()
+    self._judged_saving = self._saving.estimate()  # what the last sample was judged with
     self._streak = LowWaitStreak(disable_after=disable_after, reprobe_every=reprobe_every)
     self._wait_threshold = WaitThreshold(wait_threshold_s, calibration)
     self._memory_gate = MemoryGate(min_free_device_bytes, headroom_rule)
@@ -347,6 +374,7 @@ class StepBoundaryPolicy:
     self.history.append(transition)
     self.counters[kind] = self.counters.get(kind, 0) + 1
     self.mode, self.reason = to_mode, reason
+    self._saving.restart()  # the samples measured the mode before
     where = "at bring-up" if step is None else f"after step {step}"
     log.warning("[policy] %s → %s %s: %s", transition.from_mode.name, to_mode.name, where, reason)
     return transition
@@ -354,7 +382,8 @@ class StepBoundaryPolicy:
   def report(self) -> PolicyReport:
     """What the policy did so far: modes, transitions, counters, threshold and floor."""
     return PolicyReport(requested_mode=self.requested_mode, final_mode=self.mode,
-                        auto_disables=self.counters.get("auto_disable", 0), transitions=tuple(self.history),
+                        auto_disables=self.counters.get("auto_disable", 0) + self.counters.get("saving_disable", 0),
+                        transitions=tuple(self.history),
                         counters=dict(self.counters), threshold_s=self.threshold_s,
                         wait_floor_max_s=self._wait_threshold.floor_max_s)
 
@@ -369,7 +398,7 @@ class StepBoundaryPolicy:
         "mode": self.mode.value, "reason": self.reason, "threshold_s": self.threshold_s,
         "floor_samples": list(self.floor_samples), "low_waits": list(streak.waits_s),
         "counters": dict(self.counters), "disabled_at": streak.disabled_at, "probe_used": streak.probe_used,
-        "reported_low": streak.reported,
+        "reported_low": streak.reported, "saving_samples": self._saving.state_dict(),
         "history": [{"step": t.step, "from_mode": t.from_mode.value, "to_mode": t.to_mode.value,
                      "kind": t.kind, "reason": t.reason} for t in self.history],
     }
@@ -388,6 +417,10 @@ class StepBoundaryPolicy:
       self.counters = {str(k): int(v) for k, v in state["counters"].items()}
       streak.disabled_at = None if state["disabled_at"] is None else int(state["disabled_at"])
       streak.probe_used, streak.reported = bool(state["probe_used"]), bool(state["reported_low"])
+      # A checkpoint of a version before controls has no samples and did not count them.
+      self._saving.load_state_dict(state.get("saving_samples", {"staged": [], "control": []}))
+      self._judged_saving = self._saving.estimate()
+      self.counters = dict(dict.fromkeys(COUNTED_EVENTS, 0), **self.counters)
       self.history = [Transition(h["step"], Mode.parse(h["from_mode"]), Mode.parse(h["to_mode"]), h["kind"],
                                  h["reason"]) for h in state["history"]]
     except (KeyError, TypeError, ValueError, AttributeError) as e:
@@ -433,6 +466,9 @@ class StepBoundaryPolicy:
       log.log(logging.WARNING if self.counters["no_memory_headroom"] == 1 else logging.INFO,
               "[policy] step %d: %s; pipelined instead", step, refusal)
       return BoundaryPlan.unstaged(step, mode, reason=refusal)
+    if not probe and self._controls.is_control(self.counters["staged_boundaries"] + self.counters["controls"] + 1):
+      self.counters["controls"] += 1
+      return BoundaryPlan.unstaged(step, mode, reason=CONTROL_REASON, control=True)
     if probe:
       self._streak.probe_used = True
       self.counters["probes"] += 1
@@ -488,6 +524,29 @@ class StepBoundaryPolicy:
         step, stage_s, delay, device_wait_s, threshold, len(streak.waits_s), streak.disable_after,
     )
     return Observation(step, stage_s, device_wait_s, True, len(streak.waits_s), None)
+
+  def observe_saving(self, step: int, sample: BoundarySample, *, control: bool) -> Transition | None:
+    """Feeds one staged (or, ``control``, control) boundary's sample; turns staging off where enough controls
+    show it costs time (``saving_disable``). Samples from outside a staged mode (a probe) are not kept."""
+    if not self.mode.staged:
+      return None
+    saving = self._judged_saving = self._saving.add(sample, control=control)
+    if not saving.costs_time:
+      return None
+    self._streak.disable(step)
+    s = format_seconds
+    return self._apply(
+        step, Mode.PIPELINED, "saving_disable",
+        f"staging cost time: a step took {s(-saving.step_s.mean)} longer staged than unstaged (saving"
+        f" {s(saving.step_s.mean)}, 95 % interval {s(saving.step_s.low)} to {s(saving.step_s.high)}; boundary idle"
+        f" saving {s(saving.boundary_idle_s.mean, zero='none')}) over {saving.staged_n} staged and {saving.control_n} control"
+        " boundaries, so staging is off" + (f"; re-probed {self._streak.reprobe_every} boundaries later"
+                                            if self._streak.reprobe_every else " for the run"))
+
+  @property
+  def measured_saving(self) -> SavingEstimate:
+    """What the last sample was judged with: the samples then since staging last turned on."""
+    return self._judged_saving
 
   def _observe_probe(self, step: int, device_wait_s: float, low: bool | None) -> Transition:
     """A re-probe's verdict: staging back on unless its wait was low too."""

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 
-def format_seconds(x: float | None) -> str:
-  """Seconds in the unit that keeps them readable (µs, ms or s)."""
+def format_seconds(x: float | None, *, zero: str | None = None) -> str:
+  """Seconds in the unit that keeps them readable (µs, ms or s); ``zero``, where given, in place of a figure
+  that would read 0.0 µs (a wait or an idle that means "nothing left to wait for", said in words)."""
   if x is None:
     return "-"
+  if zero is not None and abs(x) < 0.05e-6:
+    return zero
   if abs(x) < 1e-3:
     return f"{x * 1e6:.1f} µs"
   if abs(x) < 1:

@@ -1,5 +1,5 @@
-"""Fakes for the tests: a recording engine (every call the worker and program make, in order), a live source whose
-rollouts stop arriving, an in-memory key-value client."""
+"""Fakes for the tests: a recording engine (every call the worker and program make, in order), one whose stage is
+slower than its compute, a live source whose rollouts stop arriving, an in-memory key-value client."""
 
 from __future__ import annotations
 
@@ -62,6 +62,20 @@ class RecordingEngine:
 
   def state_digest(self):
     return f"state-{self.step}"
+
+
+class SlowStagingEngine(RecordingEngine):
+  """The recording engine whose stage takes ``stage_s`` (a sleep), longer than its last micro-batch (which
+  computes nothing), while its device wait reads ``wait_s``: a staged boundary is slower than an unstaged one,
+  yet the wait proxy, at a threshold below ``wait_s``, never calls the wait low."""
+
+  def __init__(self, stage_s: float, wait_s: float = 0.5):
+    super().__init__(wait_s)
+    self.stage_s = stage_s
+
+  def prepare_fwd_bwd_input(self, payload):
+    time.sleep(self.stage_s)
+    return super().prepare_fwd_bwd_input(payload)
 
 
 class NoStagingEngine(RecordingEngine):

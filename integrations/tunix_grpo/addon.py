@@ -398,5 +398,7 @@ def install(learner: Any, policy: StepBoundaryPolicy | Mode | str = Mode.STAGE_B
     ValueError: ``max_inflight`` is not an integer >= 1.
   """
   if not isinstance(policy, StepBoundaryPolicy):
-    policy = StepBoundaryPolicy(policy)
+    # No controls: the add-on measures no saving (the learner's loop records no boundary spans), so a control
+    # would only give up a stage.
+    policy = StepBoundaryPolicy(policy, control_every=0)
   return StepBoundaryAddon(learner, policy, max_inflight=max_inflight)

@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, TextIO
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from policies.step_boundary import format_seconds
+from policies.saving import MIN_CONTROLS
+from policies.step_boundary import Mode, format_seconds
 
 if TYPE_CHECKING:  # annotations only: launch prints with this module before anything JAX-side is loaded
   from orchestrator.contract import RunSummary
@@ -50,15 +51,61 @@ def format_table(records: Sequence[BoundaryRecord], *, max_rows: int = 40) -> st
   return "\n".join(lines)
 
 
+#: Why a boundary that could have staged ran unstaged, by the policy's counter (``policies.step_boundary``).
+UNSTAGED_BECAUSE = {"excluded_boundaries": "for a scored checkpoint", "no_memory_headroom": "short of device memory",
+                    "controls": "as controls, to measure the saving",
+                    "next_not_ready": "waiting for this boundary's weights (on-policy rollouts)"}
+
+
+def scheduler_line(summary: RunSummary) -> str:
+  """What the scheduler did, in words: how many boundaries staged before the update, after it and why, and how
+  many ran unstaged and why (the run's last step has no boundary)."""
+  timings, policy = summary.timings, summary.policy
+  counters, boundaries = policy.counters, max(0, timings.steps - 1)
+  staged, before = timings.staged_boundaries, timings.staged_before_update
+  after = staged - before
+  if policy.requested_mode is Mode.STAGE_AFTER_UPDATE:
+    after_why = " (the mode stages there)" if after else ""
+  else:
+    for_rollouts = counters.get("staged_after_update_for_rollouts", 0)
+    after_why = f" ({for_rollouts} because the next step's rollouts were not sampled yet)" if for_rollouts else ""
+  unstaged = boundaries - staged
+  whys = [f"{counters[key]} {words}" for key, words in UNSTAGED_BECAUSE.items() if counters.get(key)]
+  rest = unstaged - sum(counters.get(key, 0) for key in UNSTAGED_BECAUSE)
+  if rest > 0:
+    whys.append(f"{rest} with staging off" if whys else "staging off")
+  return (f"what the scheduler did: of {boundaries} {'boundary' if boundaries == 1 else 'boundaries'}, {before} staged the next step's first"
+          f" micro-batch before the update, {after} after it{after_why}; {unstaged} ran unstaged"
+          + (f" ({', '.join(whys)})" if unstaged and whys else ""))
+
+
+def saving_line(summary: RunSummary) -> str | None:
+  """What staging saved, measured from control boundaries (None: the run never asked to stage)."""
+  saving, s = summary.timings.measured_saving, format_seconds
+  if saving is None or not summary.policy.requested_mode.staged:
+    return None
+  if not saving.enough:
+    return (f"measured saving: not enough controls yet ({saving.control_n} of {MIN_CONTROLS}, beside"
+            f" {saving.staged_n} staged boundaries; step_boundary.control_every sets how often)")
+  idle, step = saving.boundary_idle_s, saving.step_s
+  verdict = ("staging cost time" if step.below_zero else "staging saved time" if step.low > 0
+             else "no difference beyond the noise")
+  return (f"measured saving per step: {s(step.mean, zero='none')} (95 % interval {s(step.low)} to {s(step.high)}):"
+          f" {verdict}; boundary idle saved: {s(idle.mean, zero='none, neither had any')}; over"
+          f" {saving.staged_n} staged and {saving.control_n} control boundaries")
+
+
 def format_summary(summary: RunSummary) -> str:
   """The summary lines printed after the table."""
   s, timings, policy = format_seconds, summary.timings, summary.policy
   lines = [
       f"mode: requested {policy.requested_mode.value}, ended {policy.final_mode.value}",
-      f"median boundary idle: {s(timings.median_boundary_idle_s)}"
-      f" (strict: {s(timings.median_boundary_idle_strict_s)})",
+      f"median boundary idle: {s(timings.median_boundary_idle_s, zero='none, the device never waited')}"
+      f" (strict: {s(timings.median_boundary_idle_strict_s, zero='none')})",
       f"median step: {s(timings.median_step_s)} over {timings.steps} steps",
       f"staged boundaries: {timings.staged_boundaries}; auto-disables: {policy.auto_disables}",
+      scheduler_line(summary),
+      *filter(None, [saving_line(summary)]),
       f"low-wait threshold: {s(policy.threshold_s)} (wait floor max {s(policy.wait_floor_max_s)})",
       f"final state digest: {summary.final_state_digest}",
   ]
@@ -94,12 +141,22 @@ def progress_postfix(record: BoundaryRecord) -> str:
 def progress_fields(record: BoundaryRecord) -> str:
   """Every field of a plain progress line (``Progress``): the step's timings, loss and, live, its rollouts."""
   fields = {"step_s": _number(record.step_s, ".3f"), "idle_s": _number(record.boundary_idle_s, ".4f"),
-            "loss": _number(record.loss, ".4f")}
+            "loss": _number(record.loss, ".4f"), "boundary": boundary_word(record)}
   if record.reward_mean is not None:
     fields.update(reward=_number(record.reward_mean, ".3f"), acc=_number(record.accuracy, ".2f"),
                   ver=str(record.weights_version), tok_s=_number(record.sampled_tokens_per_s, ".0f"),
                   rollout_wait_s=_number(record.rollout_wait_s, ".3f"))
   return " ".join(f"{key}={value}" for key, value in fields.items())
+
+
+def boundary_word(record: BoundaryRecord) -> str:
+  """What the boundary after the record's step did, in one word: staged before or after the update, a control,
+  unstaged, or none (the run's last step)."""
+  if record.boundary_idle_s is None and not record.staged:
+    return "none"
+  if record.staged:
+    return "staged-before-update" if record.stage_before_update else "staged-after-update"
+  return "control" if record.control else "unstaged"
 
 
 def _number(value, spec: str) -> str:

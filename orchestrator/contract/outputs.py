@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from policies import PolicyReport
+from policies.saving import SavingEstimate
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -22,7 +23,9 @@ class StepTimings:
 
   ``peak_staged_bytes_per_device`` is the most a staged input held on one device, and
   ``peak_device_bytes_in_use`` the most a device had in use right after a stage (None: not reported;
-  records of versions before these fields count as not reported).
+  records of versions before these fields count as not reported). ``staged_before_update`` counts the staged
+  boundaries that staged before the update (the rest staged after it); ``measured_saving`` is what staging
+  saved, control boundaries against staged ones (``policies.saving``; None: not measured).
   """
 
   steps: int
@@ -32,6 +35,8 @@ class StepTimings:
   staged_boundaries: int
   peak_staged_bytes_per_device: int | None = None
   peak_device_bytes_in_use: int | None = None
+  staged_before_update: int = 0
+  measured_saving: SavingEstimate | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -115,6 +120,10 @@ class RunSummary:
     """``summary.json``: one flat dict, each part's fields at the top level (processes as a list)."""
     timings, policy = dataclasses.asdict(self.timings), self.policy.to_json()
     memory = {key: timings.pop(key) for key in ("peak_staged_bytes_per_device", "peak_device_bytes_in_use")}
+    saving = self.timings.measured_saving
+    newest = {"staged_before_update": timings.pop("staged_before_update"),
+              "measured_saving": saving.to_json() if saving is not None else None}
+    timings.pop("measured_saving")
     # The order summary.json has always had: the step count and the modes first.
     out: dict[str, Any] = {"steps": timings.pop("steps"), "requested_mode": policy.pop("requested_mode"),
                            "final_mode": policy.pop("final_mode")}
@@ -135,4 +144,5 @@ class RunSummary:
       out["trainer"] = dict(self.trainer)
     out.update(self.run)
     out.update(memory)  # newer keys go last: the order of every earlier key stays as it was
+    out.update(newest)
     return out

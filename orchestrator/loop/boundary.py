@@ -115,9 +115,10 @@ class BoundaryState:
     self.transition = observation.transition.kind if observation.transition else None
     where = "before" if self.plan.stage_before_update else "after"
     note = " — below the threshold: the stage outlasted the compute" if observation.low else ""
-    log.info("[boundary] step %d STAGED%s %s update in %s; the device still computed %s after it%s",
-             self.step, " (re-probe)" if self.plan.probe else "", where, format_seconds(self.stage.stage_s),
-             format_seconds(self.device_wait_s), note)
+    still = format_seconds(self.device_wait_s, zero="")
+    after = f"the device still computed {still} after it" if still else "the device had nothing left to compute"
+    log.info("[boundary] step %d STAGED%s %s update in %s; %s%s", self.step, " (re-probe)" if self.plan.probe else "",
+             where, format_seconds(self.stage.stage_s), after, note)
 
   def ended_waiting(self, reason: str, ran: tuple[Action, ...]) -> None:
     """Notes that the boundary ended while it waited for step k+1's rollouts (``reason``: what ended it) after

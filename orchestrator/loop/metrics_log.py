@@ -58,6 +58,7 @@ SCALARS: dict[str, Callable[[BoundaryRecord], float | int | None]] = {
     "boundary/stage_s": lambda r: r.stage_s,
     "boundary/device_wait_s": lambda r: r.device_wait_s,
     "boundary/staged": lambda r: int(r.staged),
+    "boundary/saving_s": lambda r: r.saving_s,  # measured: control − staged step seconds, once enough controls
     "timing/step_s": lambda r: r.step_s,
     "timing/update_s": lambda r: r.update_s,
     "timing/micro_batch_s": lambda r: _mean(r.micro_batch_s),  # the mean over the step's micro-batches

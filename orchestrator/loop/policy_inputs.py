@@ -1,18 +1,22 @@
 """PolicyInputs: what the step-boundary policy is given from the run, agreed between a job's processes first.
 
 The policy plans and judges on measurements: the wait floor sampled at bring-up, the devices' memory headroom a
-boundary is planned with, and what each staged boundary measured. In a job of several processes each is
+boundary is planned with, what each staged boundary measured, and each staged or control boundary's sample of
+the measured saving (its idle and step seconds, from the records). In a job of several processes each is
 exchanged and combined (``orchestrator.distributed.agreement``) before the policy sees it, so every process's
 policy decides the same (docs/distributed.md); in a run of one the exchange is this process's value alone.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from orchestrator.contract import Worker
 from orchestrator.distributed.agreement import SingleProcess, agree_on_headroom, agree_on_measurements
 from orchestrator.loop.boundary import BoundaryState
-from orchestrator.loop.recorder import Recorder
+from orchestrator.loop.recorder import BoundaryRecord, Recorder
 from policies import DeviceHeadroom, StepBoundaryPolicy
+from policies.saving import BoundarySample, boundary_sample
 
 
 class PolicyInputs:
@@ -61,3 +65,20 @@ class PolicyInputs:
     boundary.judged(self.policy.observe(
         boundary.step, stage_s=seen["stage_s"], device_wait_s=seen["device_wait_s"], probe=boundary.plan.probe,
         update_delay_s=seen["update_delay_s"], rollout_wait_s=seen["rollout_wait_s"]))
+
+  def observe_saving(self, records: Sequence[BoundaryRecord]) -> None:
+    """Feeds the policy the sample of the boundary before the last record (its span ends with the next step's
+    first micro-batch), where that boundary staged or was a control: every process's, combined (the slowest
+    process's seconds), so each process's policy decides the same. Its plan, and so whether there is an
+    exchange, is the same in every process."""
+    if len(records) < 3 or not (records[-2].staged or records[-2].control):
+      return
+    record = records[-2]
+    sample = boundary_sample(records[-3], record, records[-1])
+    local = None if sample is None else {"boundary_idle_s": sample.boundary_idle_s, "step_s": sample.step_s}
+    seen = self.agreement.combine(f"saving step {record.step}",
+                                  local or {"boundary_idle_s": None, "step_s": None})
+    if seen["boundary_idle_s"] is None or seen["step_s"] is None:
+      return
+    self.policy.observe_saving(record.step, BoundarySample(seen["boundary_idle_s"], seen["step_s"]),
+                               control=bool(record.control))

@@ -261,7 +261,9 @@ class RLProgram:
         if boundary.non_finite:  # nothing more of this run: no checkpoint, no sync, no next step
           break
       boundary.rollout = self.live.step_stats(k) if self.live is not None else None
-      self.recorder.finish_record(boundary, boundary.first_dispatch)
+      ended = boundary.failed is not None or boundary.non_finite or boundary.stop
+      self.recorder.finish_record(boundary, boundary.first_dispatch,
+                                  before_keeping=None if ended else self._observe_saving)
       del self._boundaries[k]
       self.feed.forget(k)
       self._result.last_step = k
@@ -272,6 +274,13 @@ class RLProgram:
       if boundary.stop:
         self._result.ended = "stopped"
         return
+
+  def _observe_saving(self, record: BoundaryRecord) -> None:
+    """Feeds the policy the sample ``record`` completes (the boundary before it), and notes in ``record`` the
+    saving the policy now judges by."""
+    self.policy_inputs.observe_saving([*self.records[-2:], record])
+    saving = self.policy.measured_saving
+    record.saving_s = saving.step_s.mean if saving.enough else None
 
   def _end_after(self, boundary: BoundaryState, why: StopWhileWaiting | SourceFailed,
                  executed: tuple[Action, ...]) -> None:

@@ -24,6 +24,7 @@ from orchestrator.contract import Receipt, RolloutSummary, RunSummary, StepMetri
 from orchestrator.loop.trace import chrome_trace
 from orchestrator.loop.watcher import CompletionWatcher, Watched
 from policies import PolicyReport
+from policies.saving import estimate_from_records
 
 
 class Lane(enum.IntEnum):
@@ -117,6 +118,12 @@ class BoundaryRecord:
   # reply as received and the export call's seconds (part of weight_sync_s). None for a trainer in this process.
   weight_sync_wire_bytes: int | None = None
   weight_sync_wire_s: float | None = None
+  # A control: a boundary that would have staged ran unstaged, to measure what staging saves (None: a record of a
+  # version before controls).
+  control: bool | None = None
+  # The measured step saving (control − staged, mean seconds) the policy judged by once this step was in; None
+  # until enough controls since staging last turned on (policies.saving).
+  saving_s: float | None = None
 
   def to_json(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
@@ -294,6 +301,7 @@ class Recorder:
         per_process=boundary.per_process, **_memory_fields(boundary),
         weight_sync_bytes=spans.get("weight_sync_bytes"), weight_transfer_s=spans.get("weight_transfer_s"),
         weight_sync_wire_bytes=spans.get("weight_sync_wire_bytes"), weight_sync_wire_s=spans.get("weight_sync_wire_s"),
+        control=bool(plan and plan.control),
     )
 
   def sync_records(self) -> None:
@@ -302,9 +310,13 @@ class Recorder:
       self._records_file.flush()
       os.fsync(self._records_file.fileno())
 
-  def finish_record(self, boundary, first_dispatch: float | None) -> BoundaryRecord:
-    """Builds, keeps and writes step ``boundary.step``'s record (see ``BoundaryRecord``)."""
+  def finish_record(self, boundary, first_dispatch: float | None,
+                    before_keeping: Callable[[BoundaryRecord], None] | None = None) -> BoundaryRecord:
+    """Builds, keeps and writes step ``boundary.step``'s record (see ``BoundaryRecord``); ``before_keeping`` is
+    given it first (it may fill in what is learned from it: the measured saving)."""
     record = self._build_record(boundary, first_dispatch)
+    if before_keeping is not None:
+      before_keeping(record)
     self._last_update_ready = self.ready_at(update_key(boundary.step))
     self.records.append(record)
     if self._records_file:
@@ -325,7 +337,9 @@ class Recorder:
                           median_step_s=statistics.median(steps) if steps else None,
                           staged_boundaries=sum(1 for r in self.records if r.staged),
                           peak_staged_bytes_per_device=_peak(r.staged_bytes_per_device for r in self.records),
-                          peak_device_bytes_in_use=_peak(r.device_bytes_in_use for r in self.records))
+                          peak_device_bytes_in_use=_peak(r.device_bytes_in_use for r in self.records),
+                          staged_before_update=sum(1 for r in self.records if r.staged and r.stage_before_update),
+                          measured_saving=estimate_from_records(self.records))
     return RunSummary(timings=timings, policy=policy, final_state_digest=final_state_digest,
                       records_path=str(self.out_dir / "records.jsonl") if self.out_dir else None,
                       rollouts=self._rollout_summary())

@@ -25,6 +25,7 @@ from orchestrator.live.hf_tokenizer import HFTokenizer, TokenizerError
 from orchestrator.live.tasks import TASKS, make_task, max_generation_steps, split_sizes
 from orchestrator.live.tokenizer import CharTokenizer
 from policies import Mode
+from policies.saving import DEFAULT_CONTROL_EVERY
 
 
 class RecipeError(ValueError):
@@ -415,6 +416,8 @@ class StepBoundarySection:
   calibration_samples: int = 8
   # The free device memory a stage needs: "auto" (the staged input's bytes + max(10 %, 64 MiB)), bytes, or 0 (off).
   min_free_device_bytes: int | str = "auto"
+  # Every K-th boundary that would stage runs unstaged, to measure what staging saves (0: no controls).
+  control_every: int = DEFAULT_CONTROL_EVERY
 
   @property
   def staging_requested(self) -> bool:
@@ -432,6 +435,7 @@ class StepBoundarySection:
   def validate(self) -> None:
     _at_least("step_boundary", self, ("disable_after", "calibration_samples", "reprobe_every"), 1)
     _at_most("step_boundary", self, ("calibration_samples",), 10_000)
+    _at_least("step_boundary", self, ("control_every",), 0)
     t = self.wait_threshold_s
     if t != "auto" and t < 0:
       raise RecipeError(f"step_boundary.wait_threshold_s={t} is out of range: use 'auto' or a number >= 0")

@@ -134,6 +134,7 @@ def _markdown(report, arms, components) -> str:
         f"| {a['name']}{fault} | {ended} | {st(a['boundary_idle_s'])} | {st(a['boundary_idle_strict_s'])} |"
         f" {st(a['step_s'])} | {st(a['micro_batch_s'])} | {st(a['device_wait_s'])} | {st(a['stage_s'])} |"
         f" {a['prepare_share_of_micro_batch']:.1%} | {st(a['boundary_work_s'])} | {a['reruns']} |")
+  lines += _saving_markdown(arms)
   lines += ["", "## Predictions vs measurements", "",
             "| arm | predicted idle | band | measured | predicted step | band | measured |",
             "| --- | --- | --- | --- | --- | --- | --- |"]
@@ -156,6 +157,25 @@ def _markdown(report, arms, components) -> str:
             "", "Files: `report.json`, `records.json`, `predictions.json`, `trace.json` (ui.perfetto.dev),"
             " `timeline.png`.", ""]
   return "\n".join(lines)
+
+
+def _saving_markdown(arms) -> list[str]:
+  """Each staged arm's measured saving: its control boundaries against its staged ones (docs/design.md §6)."""
+  rows = [a for a in arms if a.get("measured_saving")]
+  if not rows:
+    return []
+  lines = ["", "## Measured saving (control boundaries against staged ones, 95 % interval)", "",
+           "| arm | per step | boundary idle | staged | controls |", "| --- | --- | --- | --- | --- |"]
+  for a in rows:
+    saving = a["measured_saving"]
+    step, idle = saving["step_s"], saving["boundary_idle_s"]
+    if step is None:
+      figures = f"not enough controls yet ({saving['control_n']} of {saving['min_controls']}) | -"
+    else:
+      figures = (f"{fs(step['mean'])} ({fs(step['low'])} to {fs(step['high'])}) |"
+                 f" {fs(idle['mean'])} ({fs(idle['low'])} to {fs(idle['high'])})")
+    lines.append(f"| {a['name']} | {figures} | {saving['staged_n']} | {saving['control_n']} |")
+  return lines
 
 
 def _fitted_markdown(fitted: dict) -> list[str]:

@@ -128,6 +128,9 @@ def _arm_report(arm: Arm, result, components: Components) -> dict:
                                  for r in records]),
       "reruns": [r.reruns or 0 for r in records],
       "auto_disables": summary.policy.auto_disables,
+      # Control boundaries against staged ones (policies.saving); None where the arm's mode does not stage.
+      "measured_saving": (summary.timings.measured_saving.to_json() if arm.mode.staged
+                          and summary.timings.measured_saving is not None else None),
       "final_state_digest": summary.final_state_digest,
       "records": [r.to_json() for r in records],
   }

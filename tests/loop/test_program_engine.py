@@ -50,6 +50,16 @@ def test_every_mode_trains_bit_identically_to_off(digests_per_mode, mode):
   assert digests_per_mode[mode] == digests_per_mode[Mode.OFF]
 
 
+def test_control_boundaries_train_to_the_same_digest(digests_per_mode, tiny_engine_and_start, tiny_source):
+  engine, start = tiny_engine_and_start
+  engine.restore(start)
+  result, policy = _run(engine, tiny_source, Mode.STAGE_BEFORE_UPDATE, control_every=2)
+  assert [r.control for r in result.records] == [False, True, False, False]  # the second boundary that would stage
+  assert not result.records[1].staged and policy.counters["controls"] == 1
+  assert (result.summary.final_state_digest, [r.loss for r in result.records]) == digests_per_mode[
+      Mode.STAGE_BEFORE_UPDATE]
+
+
 def test_records_trace_and_summary_are_written(tiny_engine, tiny_source, tmp_path):
   result, _ = _run(tiny_engine, tiny_source, Mode.STAGE_BEFORE_UPDATE, out_dir=str(tmp_path))
   lines = (tmp_path / "records.jsonl").read_text().splitlines()
@@ -252,7 +262,8 @@ def test_every_staged_boundary_records_what_its_input_holds_on_the_devices(tiny_
   assert timings.peak_staged_bytes_per_device == max(max(r.staged_bytes_per_device) for r in staged)
   assert timings.peak_device_bytes_in_use is None
   summary = result.summary.to_json()
-  assert list(summary)[-2:] == ["peak_staged_bytes_per_device", "peak_device_bytes_in_use"]
+  assert list(summary)[-4:] == ["peak_staged_bytes_per_device", "peak_device_bytes_in_use", "staged_before_update",
+                                "measured_saving"]
 
 
 GiB = 1 << 30

@@ -72,6 +72,10 @@ def test_rig_end_to_end_two_arms(clean_rig):
   assert data["verdict_line"].startswith("verdict:")
   md = (out / "report.md").read_text()
   assert "## Predictions vs measurements" in md and "## Checks" in md and data["verdict_line"] in md
+  # The staged arm's measured saving: 4 steps hold no control yet (one every 20th staged boundary by default).
+  assert data["arms"][0]["measured_saving"] is None  # OFF stages nothing
+  assert arm["measured_saving"]["control_n"] == 0 and arm["measured_saving"]["step_s"] is None
+  assert "| stage_before_update | not enough controls yet (0 of 5) |" in md
   # Every arm again, predicted from components fitted on the OFF arm and the staged arm only.
   fitted = data["fitted_predictions"]
   assert fitted["fitted_on"] == ["off", "stage_before_update"] and "## Predictions from the fit on off" in md

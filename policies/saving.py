@@ -1,0 +1,227 @@
+"""What staging saved, measured: control boundaries against staged ones, with a 95 % interval.
+
+Every ``control_every``-th boundary at which the policy would stage runs unstaged instead (a *control*,
+``ControlSchedule``), so a run gives up at most 1/K of its saving to measure it. Each staged or control
+boundary k yields one ``BoundarySample`` (``boundary_sample``): its boundary idle, and its span — from step k's
+last micro-batch finishing to step k+1's first finishing: the update a stage may delay, the idle, and the first
+micro-batch whose input a stage copied ahead. Nothing else in a step depends on the boundary, so the span's
+difference is the difference in step seconds, without its neighbours' noise. The saving is the mean difference
+control − staged, with a 95 % Welch interval (``welch_interval``); ``MeasuredSaving`` holds the samples the
+policy judges by, and says when staging costs time (docs/design.md §6).
+
+The t quantile comes from a table (df 1–30, 40, 60, 120, ∞) with the Welch–Satterthwaite degrees of freedom
+rounded down to the nearest entry: the interval is never narrower than the exact one.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import math
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+#: Controls the policy needs before it acts on the measured saving (and before a report gives a figure).
+MIN_CONTROLS = 5
+#: Staged samples a figure needs beside the controls (a variance needs two).
+MIN_STAGED = 2
+#: ``step_boundary.control_every``'s default: a control every 20th staged boundary gives up at most 5 % of the
+#: saving to measure it.
+DEFAULT_CONTROL_EVERY = 20
+
+# Two-sided 95 % quantiles of Student's t (0.975), by degrees of freedom.
+_T975_DF = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28,
+            29, 30, 40, 60, 120)
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042,
+         2.021, 2.000, 1.980)
+_Z975 = 1.960
+
+
+def t_quantile_975(df: float) -> float:
+  """Student's t 0.975 quantile at ``df`` degrees of freedom, from the table, ``df`` rounded down to an entry
+  (a larger quantile: conservative); the normal's at ∞ alone.
+
+  Raises:
+    ValueError: ``df`` below 1.
+  """
+  if not df >= 1:
+    raise ValueError(f"degrees of freedom must be >= 1, got {df}")
+  if df == math.inf:
+    return _Z975
+  return _T975[bisect.bisect_right(_T975_DF, df) - 1]
+
+
+@dataclasses.dataclass(frozen=True)
+class Interval:
+  """A mean difference and its 95 % interval, in seconds."""
+
+  mean: float
+  low: float
+  high: float
+
+  @property
+  def below_zero(self) -> bool:
+    """The whole interval lies below zero: the difference is negative, beyond the noise."""
+    return self.high < 0
+
+  def to_json(self) -> dict[str, float]:
+    return {"mean": self.mean, "low": self.low, "high": self.high}
+
+
+def welch_interval(control: Sequence[float], staged: Sequence[float]) -> Interval:
+  """mean(control) − mean(staged), with Welch's 95 % interval (unequal variances).
+
+  Raises:
+    ValueError: fewer than two values on a side.
+  """
+  if len(control) < 2 or len(staged) < 2:
+    raise ValueError(f"a Welch interval needs two values a side, got {len(control)} and {len(staged)}")
+  diff = statistics.fmean(control) - statistics.fmean(staged)
+  var_c, var_s = statistics.variance(control) / len(control), statistics.variance(staged) / len(staged)
+  se = math.sqrt(var_c + var_s)
+  if se == 0:
+    return Interval(diff, diff, diff)
+  df = (var_c + var_s) ** 2 / (var_c ** 2 / (len(control) - 1) + var_s ** 2 / (len(staged) - 1))
+  half = t_quantile_975(max(1.0, df)) * se
+  return Interval(diff, diff - half, diff + half)
+
+
+@dataclasses.dataclass(frozen=True)
+class BoundarySample:
+  """What one staged or control boundary measured: its idle, and its span (``step_s``: the seconds from step
+  k's last micro-batch finishing to step k+1's first finishing, what a step's seconds change by)."""
+
+  boundary_idle_s: float
+  step_s: float
+
+
+# How far apart two stamps of one clock may read after the subtractions that made them (perf_counter seconds).
+_CLOCK_TOLERANCE_S = 1e-6
+
+
+def _continues(before: Any, record: Any) -> bool:
+  """Whether ``record``'s times count from ``before``'s update (one segment's clock), not from the segment's
+  first dispatch (a resumed segment's first step: compilation included)."""
+  if before.t_update_ready is None or record.t_update_ready is None or record.step_s is None:
+    return False
+  return abs(record.t_update_ready - record.step_s - before.t_update_ready) <= _CLOCK_TOLERANCE_S
+
+
+def boundary_sample(before: Any, record: Any, after: Any) -> BoundarySample | None:
+  """The sample of the boundary after ``record``'s step (``before``, ``after``: the records of the steps
+  around it; records are ``BoundaryRecord``s or anything with their fields). None where the boundary neither
+  staged nor was a control, where a time is not known, or where a step's times do not count from the update
+  before it (the step then was its segment's first, compilation included: a first update, a first stage)."""
+  if not (record.staged or record.control) or not (_continues(before, record) and _continues(record, after)):
+    return None
+  parts = (record.boundary_idle_strict_s, record.update_s, (after.micro_batch_s or [None])[0])
+  if record.boundary_idle_s is None or any(p is None for p in parts):
+    return None
+  return BoundarySample(record.boundary_idle_s, sum(parts))
+
+
+@dataclasses.dataclass(frozen=True)
+class SavingEstimate:
+  """The measured saving: control − staged, per boundary (idle) and per step (the boundary's span).
+
+  ``boundary_idle_s`` and ``step_s`` are None until there are ``MIN_CONTROLS`` controls and ``MIN_STAGED``
+  staged samples (``enough``).
+  """
+
+  boundary_idle_s: Interval | None
+  step_s: Interval | None
+  staged_n: int
+  control_n: int
+
+  @property
+  def enough(self) -> bool:
+    return self.boundary_idle_s is not None
+
+  @property
+  def costs_time(self) -> bool:
+    """Enough controls show staging costs time: the step saving's whole interval lies below zero."""
+    return self.enough and self.step_s.below_zero
+
+  def to_json(self) -> dict[str, Any]:
+    return {"boundary_idle_s": self.boundary_idle_s and self.boundary_idle_s.to_json(),
+            "step_s": self.step_s and self.step_s.to_json(), "staged_n": self.staged_n,
+            "control_n": self.control_n, "min_controls": MIN_CONTROLS}
+
+  @classmethod
+  def from_json(cls, data: dict[str, Any]) -> "SavingEstimate":
+    def interval(d):
+      return None if d is None else Interval(d["mean"], d["low"], d["high"])
+    return cls(interval(data["boundary_idle_s"]), interval(data["step_s"]), int(data["staged_n"]),
+               int(data["control_n"]))
+
+
+def estimate(staged: Sequence[BoundarySample], control: Sequence[BoundarySample]) -> SavingEstimate:
+  """The saving the samples show (no figure with fewer than ``MIN_CONTROLS`` controls)."""
+  if len(control) < MIN_CONTROLS or len(staged) < MIN_STAGED:
+    return SavingEstimate(None, None, len(staged), len(control))
+  return SavingEstimate(
+      welch_interval([c.boundary_idle_s for c in control], [s.boundary_idle_s for s in staged]),
+      welch_interval([c.step_s for c in control], [s.step_s for s in staged]), len(staged), len(control))
+
+
+def estimate_from_records(records: Sequence[Any]) -> SavingEstimate:
+  """The saving a run's records show, in step order (``boundary_sample`` says which count)."""
+  staged, control = [], []
+  for before, record, after in zip(records, records[1:], records[2:]):
+    sample = boundary_sample(before, record, after)
+    if sample is not None:
+      (control if record.control else staged).append(sample)
+  return estimate(staged, control)
+
+
+class ControlSchedule:
+  """Which boundaries that would stage run unstaged as controls: the ``control_every``-th, 2×``control_every``-th,
+  … of them, counted over the run (a fixed function of the boundary sequence, the same in every process).
+
+  Raises:
+    ValueError: ``control_every`` below 0 (0: no controls).
+  """
+
+  def __init__(self, control_every: int):
+    if type(control_every) is not int or control_every < 0:
+      raise ValueError(f"control_every must be a whole number >= 0, got {control_every!r}")
+    self.control_every = control_every
+
+  def is_control(self, would_stage_count: int) -> bool:
+    """Whether the ``would_stage_count``-th boundary that would stage (counted from 1) is a control."""
+    return self.control_every > 0 and would_stage_count % self.control_every == 0
+
+
+class MeasuredSaving:
+  """The samples the policy judges staging by, since staging last turned on (agreed between a job's
+  processes before they are added).
+
+  Attributes:
+    staged, control: the samples of the current window (staging on).
+  """
+
+  def __init__(self):
+    self.staged: list[BoundarySample] = []
+    self.control: list[BoundarySample] = []
+
+  def add(self, sample: BoundarySample, *, control: bool) -> SavingEstimate:
+    """Adds one boundary's sample; returns the estimate the window now shows."""
+    (self.control if control else self.staged).append(sample)
+    return self.estimate()
+
+  def estimate(self) -> SavingEstimate:
+    return estimate(self.staged, self.control)
+
+  def restart(self) -> None:
+    """Staging turned on again: a new window (the old samples measured another period)."""
+    self.staged, self.control = [], []
+
+  def state_dict(self) -> dict[str, list[list[float]]]:
+    return {"staged": [[s.boundary_idle_s, s.step_s] for s in self.staged],
+            "control": [[s.boundary_idle_s, s.step_s] for s in self.control]}
+
+  def load_state_dict(self, state: dict[str, list[list[float]]]) -> None:
+    self.staged = [BoundarySample(float(a), float(b)) for a, b in state["staged"]]
+    self.control = [BoundarySample(float(a), float(b)) for a, b in state["control"]]

@@ -1,0 +1,86 @@
+"""The summary's closing lines say in words what the scheduler did, why, and what staging saved, measured; a
+figure that means "nothing left to wait for" is said in words, not as 0.0 µs."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from orchestrator.app import console
+from orchestrator.contract import RunSummary, StepTimings
+from policies import Mode, PolicyReport
+from policies.saving import Interval, SavingEstimate
+from policies.step_boundary import COUNTED_EVENTS
+from policies.units import format_seconds
+
+pytestmark = pytest.mark.spec
+
+NOT_ENOUGH = SavingEstimate(None, None, staged_n=40, control_n=2)
+
+
+def _summary(*, mode=Mode.STAGE_BEFORE_UPDATE, steps=51, staged=40, before=37, saving=NOT_ENOUGH, idle_s=0.0,
+             **counters) -> RunSummary:
+  timings = StepTimings(steps=steps, median_boundary_idle_s=idle_s, median_boundary_idle_strict_s=0.002,
+                        median_step_s=0.25, staged_boundaries=staged, staged_before_update=before,
+                        measured_saving=saving)
+  policy = PolicyReport(requested_mode=mode, final_mode=mode, auto_disables=0, transitions=(),
+                        counters=dict(dict.fromkeys(COUNTED_EVENTS, 0), **counters), threshold_s=0.002,
+                        wait_floor_max_s=1e-6)
+  return RunSummary(timings=timings, policy=policy, final_state_digest="abc")
+
+
+def test_the_scheduler_line_counts_each_kind_of_boundary_and_says_why():
+  line = console.scheduler_line(_summary(staged_after_update_for_rollouts=3, excluded_boundaries=1,
+                                         no_memory_headroom=2, controls=2, next_not_ready=0))
+  assert line == ("what the scheduler did: of 50 boundaries, 37 staged the next step's first micro-batch before"
+                  " the update, 3 after it (3 because the next step's rollouts were not sampled yet); 10 ran"
+                  " unstaged (1 for a scored checkpoint, 2 short of device memory, 2 as controls, to measure the"
+                  " saving, 5 with staging off)")
+
+
+def test_a_run_that_never_stages_says_staging_was_off():
+  line = console.scheduler_line(_summary(mode=Mode.PIPELINED, staged=0, before=0, saving=None))
+  assert line.endswith("0 staged the next step's first micro-batch before the update, 0 after it; 50 ran unstaged"
+                       " (staging off)")
+  assert console.saving_line(_summary(mode=Mode.PIPELINED, staged=0, before=0, saving=None)) is None
+
+
+def test_few_controls_say_so_rather_than_give_a_number():
+  assert console.saving_line(_summary()) == (
+      "measured saving: not enough controls yet (2 of 5, beside 40 staged boundaries; step_boundary.control_every"
+      " sets how often)")
+
+
+@pytest.mark.parametrize("step,verdict", [
+    (Interval(0.0012, 0.0004, 0.002), "staging saved time"),
+    (Interval(-0.21, -0.22, -0.2), "staging cost time"),
+    (Interval(0.0001, -0.0003, 0.0005), "no difference beyond the noise"),
+])
+def test_the_saving_line_gives_the_figure_its_interval_and_what_it_means(step, verdict):
+  saving = SavingEstimate(Interval(0.0, 0.0, 0.0), step, staged_n=40, control_n=6)
+  line = console.saving_line(_summary(saving=saving))
+  assert line == (f"measured saving per step: {format_seconds(step.mean)} (95 % interval {format_seconds(step.low)}"
+                  f" to {format_seconds(step.high)}): {verdict}; boundary idle saved: none, neither had any; over 40"
+                  " staged and 6 control boundaries")
+
+
+def test_the_summary_says_no_idle_in_words_and_keeps_a_figure_otherwise():
+  text = console.format_summary(_summary(idle_s=0.0))
+  assert "median boundary idle: none, the device never waited (strict: 2.00 ms)" in text and "0.0 µs" not in text
+  assert "what the scheduler did:" in text and "measured saving:" in text
+  assert "median boundary idle: 16.00 ms" in console.format_summary(_summary(idle_s=0.016))  # the control
+
+
+def _record(**fields):
+  base = dict(staged=False, stage_before_update=False, control=False, boundary_idle_s=0.001)
+  return types.SimpleNamespace(**dict(base, **fields))
+
+
+@pytest.mark.parametrize("fields,word", [
+    ({"staged": True, "stage_before_update": True}, "staged-before-update"),
+    ({"staged": True}, "staged-after-update"), ({"control": True}, "control"), ({}, "unstaged"),
+    ({"boundary_idle_s": None}, "none"),
+])
+def test_each_progress_line_says_what_its_boundary_did(fields, word):
+  assert console.boundary_word(_record(**fields)) == word

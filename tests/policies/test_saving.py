@@ -1,0 +1,87 @@
+"""The measured saving's arithmetic: the t table, Welch's interval against values worked by hand, which
+boundaries give a sample, and when there are too few controls for a figure."""
+
+from __future__ import annotations
+
+import math
+import types
+
+import pytest
+
+from policies.saving import (MIN_CONTROLS, BoundarySample, ControlSchedule, Interval, SavingEstimate, boundary_sample,
+                             estimate, estimate_from_records, t_quantile_975, welch_interval)
+
+pytestmark = pytest.mark.spec
+
+
+@pytest.mark.parametrize("df,quantile", [(1, 12.706), (6, 2.447), (6.98, 2.447), (30, 2.042), (30.5, 2.042),
+                                         (45, 2.021), (119, 2.000), (120, 1.980), (1e6, 1.980), (math.inf, 1.960)])
+def test_the_t_quantile_rounds_the_degrees_of_freedom_down_to_a_table_entry(df, quantile):
+  assert t_quantile_975(df) == quantile
+
+
+def test_the_t_quantile_refuses_less_than_one_degree_of_freedom():
+  with pytest.raises(ValueError, match="degrees of freedom must be >= 1, got 0.5"):
+    t_quantile_975(0.5)
+
+
+def test_welch_interval_matches_the_value_worked_by_hand():
+  # control mean 2.5 (variance 5/3), staged mean 4 (variance 2.5): se = sqrt(5/12 + 1/2) = 0.957427,
+  # df = (11/12)^2 / ((5/12)^2 / 3 + (1/2)^2 / 4) = 6.98 -> the table's 6: t = 2.447.
+  interval = welch_interval([1, 2, 3, 4], [2, 3, 4, 5, 6])
+  se = math.sqrt(5 / 12 + 1 / 2)
+  assert interval.mean == pytest.approx(-1.5)
+  assert interval.low == pytest.approx(-1.5 - 2.447 * se) and interval.high == pytest.approx(-1.5 + 2.447 * se)
+  assert not interval.below_zero  # it straddles zero
+
+
+def test_an_interval_wholly_below_zero_says_so_and_equal_samples_give_a_point():
+  assert welch_interval([1.0, 1.1, 0.9], [2.0, 2.1, 1.9]).below_zero
+  assert welch_interval([1.0, 1.0], [1.0, 1.0]) == Interval(0.0, 0.0, 0.0)
+  with pytest.raises(ValueError, match="two values a side, got 1 and 3"):
+    welch_interval([1.0], [1.0, 2.0, 3.0])
+
+
+def test_too_few_controls_give_no_figure_and_enough_give_one():
+  staged = [BoundarySample(0.0, 1.0 + 0.01 * i) for i in range(10)]
+  few = estimate(staged, [BoundarySample(0.1, 1.2)] * (MIN_CONTROLS - 1))
+  assert not few.enough and few.step_s is None and (few.staged_n, few.control_n) == (10, MIN_CONTROLS - 1)
+  enough = estimate(staged, [BoundarySample(0.1 + 0.01 * i, 1.2 + 0.01 * i) for i in range(MIN_CONTROLS)])
+  assert enough.enough and enough.step_s.mean > 0 and not enough.costs_time
+  assert SavingEstimate.from_json(enough.to_json()) == enough
+
+
+def _record(step, *, staged=False, control=False, t=None, step_s=1.0, idle=0.1, strict=0.2, update_s=0.05,
+            micro=(0.4, 0.4)):
+  return types.SimpleNamespace(step=step, staged=staged, control=control, step_s=step_s,
+                               t_update_ready=t if t is not None else 1.0 + step, boundary_idle_s=idle,
+                               boundary_idle_strict_s=strict, update_s=update_s, micro_batch_s=list(micro))
+
+
+def test_a_sample_is_the_boundarys_idle_and_its_span_to_the_next_steps_first_micro_batch():
+  before, record, after = _record(0), _record(1, staged=True), _record(2, micro=(0.3, 0.4))
+  assert boundary_sample(before, record, after) == BoundarySample(0.1, 0.2 + 0.05 + 0.3)
+  assert boundary_sample(before, _record(1), after) is None  # neither staged nor a control
+  # A resumed segment's first step counts from its first dispatch, on another clock: no sample across it.
+  assert boundary_sample(before, record, _record(2, t=0.7)) is None
+  assert boundary_sample(_record(0, t=5.0), record, after) is None
+
+
+def test_the_records_of_a_run_give_control_and_staged_samples():
+  records = [_record(k, staged=k % 3 != 2, control=k % 3 == 2, idle=0.1 + 0.01 * k) for k in range(20)]
+  saving = estimate_from_records(records)
+  assert (saving.control_n, saving.staged_n) == (6, 12)  # neither the first step's boundary nor the last's
+  assert saving.boundary_idle_s.mean == pytest.approx(0.01 * (sum(range(2, 20, 3)) / 6 - sum(
+      k for k in range(1, 19) if k % 3 != 2) / 12))
+
+
+@pytest.mark.parametrize("every,controls", [(0, []), (1, [1, 2, 3, 4, 5, 6]), (3, [3, 6])])
+def test_the_control_schedule_is_every_kth_boundary_that_would_stage(every, controls):
+  schedule = ControlSchedule(every)
+  assert [n for n in range(1, 7) if schedule.is_control(n)] == controls
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "2"])
+def test_the_control_schedule_refuses_what_is_not_a_whole_number(bad):
+  with pytest.raises(ValueError, match="control_every must be a whole number >= 0"):
+    ControlSchedule(bad)
