@@ -1,7 +1,7 @@
 """What staging saved, measured: control boundaries against staged ones, with a 95 % interval.
 
-Every ``control_every``-th boundary at which the policy would stage runs unstaged instead (a *control*,
-``ControlSchedule``), so a run gives up at most 1/K of its saving to measure it. Each staged or control
+One in each ``control_every`` boundaries at which the policy would stage runs unstaged instead (a *control*,
+``ControlSchedule``: at a position within each block drawn from the block's index), so a run gives up at most 1/K of its saving to measure it. Each staged or control
 boundary k yields one ``BoundarySample`` (``boundary_sample``): its boundary idle, and its span — from step k's
 last micro-batch finishing to step k+1's first finishing: the update a stage may delay, the idle, and the first
 micro-batch whose input a stage copied ahead. Nothing else in a step depends on the boundary, so the span's
@@ -176,9 +176,22 @@ def estimate_from_records(records: Sequence[Any]) -> SavingEstimate:
   return estimate(staged, control)
 
 
+def _mix64(value: int) -> int:
+  """SplitMix64's finaliser: a fixed, well-spread function of an integer (the same in every process and run)."""
+  z = (value + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+  z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+  z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+  return z ^ (z >> 31)
+
+
 class ControlSchedule:
-  """Which boundaries that would stage run unstaged as controls: the ``control_every``-th, 2×``control_every``-th,
-  … of them, counted over the run (a fixed function of the boundary sequence, the same in every process).
+  """Which boundaries that would stage run unstaged as controls: one in each block of ``control_every`` of them,
+  counted over the run, at a position within the block drawn from the block's index (a fixed function of the
+  boundary sequence, the same in every process).
+
+  Not simply every K-th: a run's boundaries have periods of their own (a sampled batch every
+  ``rollouts.batch_steps`` steps, a checkpoint every ``checkpoint.every``), and every K-th would put each control
+  at the same phase of such a period whenever K is a multiple of it, comparing one kind of boundary with all kinds.
 
   Raises:
     ValueError: ``control_every`` below 0 (0: no controls).
@@ -191,7 +204,10 @@ class ControlSchedule:
 
   def is_control(self, would_stage_count: int) -> bool:
     """Whether the ``would_stage_count``-th boundary that would stage (counted from 1) is a control."""
-    return self.control_every > 0 and would_stage_count % self.control_every == 0
+    if self.control_every == 0:
+      return False
+    block, position = divmod(would_stage_count - 1, self.control_every)
+    return position == _mix64(block) % self.control_every
 
 
 class MeasuredSaving:

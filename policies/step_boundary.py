@@ -35,8 +35,8 @@ STAGE_BEFORE_UPDATE  ``plan(step, next_sampled=False)``   the next step's first 
                                                                                                 update_for_rollouts``)
 staged, or a probe   ``plan(step, headroom=…)``           the devices' free bytes are below     unchanged; no stage there
                                                           ``min_free_device_bytes``             (``no_memory_headroom``)
-staged               ``plan(step)``                       the ``control_every``-th boundary     unchanged; a control: no
-                                                          that would stage                      stage there (``controls``)
+staged               ``plan(step)``                       one in each ``control_every``         unchanged; a control: no
+                                                          boundaries that would stage           stage there (``controls``)
 staged               ``observe`` (stage waited for        —                                     unchanged; not judged
                      rollouts)                                                                  (``rollout_waits``)
 staged               ``observe`` (not low)                —                                     unchanged; low count → 0
@@ -71,8 +71,8 @@ clear the noisiest floor sample by 10 %, and by at least 2 ms (scheduler noise
 on a local runtime). A pinned ``wait_threshold_s`` skips calibration. Until
 there is a threshold, waits are recorded but not judged.
 
-Controls and the measured saving (``policies.saving``): every ``control_every``-th boundary that would
-stage runs unstaged, PIPELINED's call order, as a control. ``observe_saving`` is fed each staged or control
+Controls and the measured saving (``policies.saving``): one in each ``control_every`` boundaries that would
+stage (``ControlSchedule``) runs unstaged, PIPELINED's call order, as a control. ``observe_saving`` is fed each staged or control
 boundary's sample (its idle, and its span to the next step's first micro-batch); with ``MIN_CONTROLS`` controls
 since staging last turned on, a step saving (control − staged) whose whole 95 % interval lies below zero
 turns staging off as a low-wait streak does, and ``reprobe_every`` re-probes it the same way.
@@ -307,7 +307,7 @@ class StepBoundaryPolicy:
     min_free_device_bytes: the free device memory a stage needs: ``"auto"`` (``headroom_rule`` applied
       to the staged input's size), a number of bytes, or 0 (no memory gate).
     headroom_rule: what ``"auto"`` requires.
-    control_every: every K-th boundary that would stage runs unstaged as a control (0: none).
+    control_every: one in each K boundaries that would stage runs unstaged as a control (0: none).
 
   Raises:
     StagingUnsupportedError: a staged mode with ``require_staging`` on an

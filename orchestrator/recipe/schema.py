@@ -416,7 +416,7 @@ class StepBoundarySection:
   calibration_samples: int = 8
   # The free device memory a stage needs: "auto" (the staged input's bytes + max(10 %, 64 MiB)), bytes, or 0 (off).
   min_free_device_bytes: int | str = "auto"
-  # Every K-th boundary that would stage runs unstaged, to measure what staging saves (0: no controls).
+  # One in each K boundaries that would stage runs unstaged, to measure what staging saves (0: no controls).
   control_every: int = DEFAULT_CONTROL_EVERY
 
   @property

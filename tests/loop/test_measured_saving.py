@@ -66,10 +66,10 @@ def test_without_controls_the_wait_proxy_alone_keeps_the_slow_staging_on(caplog)
   assert not saving.enough and saving.control_n == 0 and all(r.saving_s is None for r in result.records)
 
 
-def test_every_kth_boundary_that_would_stage_is_a_control_and_the_run_ends_the_same():
+def test_one_boundary_in_each_k_that_would_stage_is_a_control_and_the_run_ends_the_same():
   with_controls, policy = _run(RecordingEngine(), control_every=3, steps=10)
   without, _ = _run(RecordingEngine(), control_every=0, steps=10)
-  assert [r.step for r in with_controls.records if r.control] == [2, 5, 8]
+  assert [r.step for r in with_controls.records if r.control] == [1, 5, 7]
   assert policy.counters["controls"] == 3 and policy.counters["staged_boundaries"] == 6
   assert with_controls.summary.final_state_digest == without.summary.final_state_digest
 

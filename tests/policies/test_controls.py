@@ -27,12 +27,12 @@ def _jitter(sample: BoundarySample, step: int) -> BoundarySample:
 
 
 @pytest.mark.parametrize("mode", STAGED)
-def test_every_kth_boundary_that_would_stage_runs_pipelined_as_a_control(mode):
+def test_one_boundary_in_each_k_that_would_stage_runs_pipelined_as_a_control(mode):
   p = _policy(mode, control_every=3)
   plans = [p.plan(s) for s in range(9)]
-  assert [s for s, pl in enumerate(plans) if pl.control] == [2, 5, 8]
-  control = plans[2]
-  assert control == BoundaryPlan.unstaged(2, mode, reason=CONTROL_REASON, control=True)
+  assert [s for s, pl in enumerate(plans) if pl.control] == [1, 5, 7]  # one in each of steps 0-2, 3-5, 6-8
+  control = plans[1]
+  assert control == BoundaryPlan.unstaged(1, mode, reason=CONTROL_REASON, control=True)
   assert (control.stage, control.await_metrics, control.mode) == (False, False, mode)  # PIPELINED's order
   assert p.counters["controls"] == 3 and p.counters["staged_boundaries"] == 6 and p.mode is mode
 

@@ -75,10 +75,26 @@ def test_the_records_of_a_run_give_control_and_staged_samples():
       k for k in range(1, 19) if k % 3 != 2) / 12))
 
 
-@pytest.mark.parametrize("every,controls", [(0, []), (1, [1, 2, 3, 4, 5, 6]), (3, [3, 6])])
-def test_the_control_schedule_is_every_kth_boundary_that_would_stage(every, controls):
+@pytest.mark.parametrize("every,controls", [(0, []), (1, [1, 2, 3, 4, 5, 6]), (3, [2, 6])])
+def test_the_control_schedule_takes_one_boundary_in_each_k_that_would_stage(every, controls):
   schedule = ControlSchedule(every)
   assert [n for n in range(1, 7) if schedule.is_control(n)] == controls
+
+
+def _phases_of_controls(is_control, every: int, period: int, blocks: int = 200) -> set[int]:
+  """The phases, within a period of ``period`` boundaries, at which ``is_control`` puts its controls; asserting
+  one control per block of ``every``."""
+  controls = [n for n in range(1, every * blocks + 1) if is_control(n)]
+  assert [(n - 1) // every for n in controls] == list(range(blocks))
+  return {n % period for n in controls}
+
+
+@pytest.mark.parametrize("every", [4, 8, 20])
+def test_controls_fall_at_every_phase_of_a_period_k_is_a_multiple_of(every):
+  """A run's boundaries have periods (a sampled batch of 4 steps): controls at one phase of it would compare one
+  kind of boundary with all kinds. The negative control, every K-th boundary, puts all of them at one phase."""
+  assert _phases_of_controls(ControlSchedule(every).is_control, every, period=4) == {0, 1, 2, 3}
+  assert len(_phases_of_controls(lambda n: n % every == 0, every, period=4)) == 1
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "2"])
