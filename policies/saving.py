@@ -114,7 +114,15 @@ def boundary_sample(before: Any, record: Any, after: Any) -> BoundarySample | No
   around it; records are ``BoundaryRecord``s or anything with their fields). None where the boundary neither
   staged nor was a control, where a time is not known, or where a step's times do not count from the update
   before it (the step then was its segment's first, compilation included: a first update, a first stage)."""
-  if not (record.staged or record.control) or not (_continues(before, record) and _continues(record, after)):
+  if not (record.staged or record.control):
+    return None
+  return boundary_span(before, record, after)
+
+
+def boundary_span(before: Any, record: Any, after: Any) -> BoundarySample | None:
+  """What the boundary after ``record``'s step measured, whatever it did (an A/B between runs compares these):
+  None where a time is not known or a step's times do not count from the update before it."""
+  if not (_continues(before, record) and _continues(record, after)):
     return None
   parts = (record.boundary_idle_strict_s, record.update_s, (after.micro_batch_s or [None])[0])
   if record.boundary_idle_s is None or any(p is None for p in parts):

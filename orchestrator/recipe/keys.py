@@ -114,6 +114,14 @@ def coerce(key: str, value: Any) -> Any:
       if isinstance(value, str) and value.strip().lower() == "auto":
         return "auto"
       return _parse_number(value, float, key)
+    if key == "rollouts.micro_batches_per_call":
+      if isinstance(value, str) and value.strip().lower() == "batch":
+        return "batch"
+      try:
+        return _parse_number(value, int, key)
+      except RecipeError:
+        raise RecipeError(f"{key}: expected 'batch' (a whole sampled batch per call) or a whole number of"
+                          f" micro-batches, got {value!r}") from None
     if key == "step_boundary.min_free_device_bytes":
       if isinstance(value, str) and value.strip().lower() == "auto":
         return "auto"

@@ -200,9 +200,10 @@ class RolloutsSection:
   # b - max_staleness (floored at 0); 0 = on-policy at each batch's first step.
   max_staleness: int = 1
   batch_steps: int = 1  # optimizer steps per sampled batch (per pass over it): N × micro_batches_per_step sampled
-  # Micro-batches the sampler generates in one call: larger calls use the devices better and queue fewer
-  # computations beside the trainer's; smaller ones stream sooner (each is published when its call is done).
-  micro_batches_per_call: int = 1
+  # Micro-batches the sampler generates in one call ('batch': a whole sampled batch): larger calls use the devices
+  # better and queue fewer computations beside the trainer's; smaller ones stream sooner (each is published when
+  # its call is done).
+  micro_batches_per_call: int | str = 1
   groups_per_micro_batch: int = 4
   temperature: float = 1.0
   record_to: str | None = None  # a live run writes the rollouts it trained on as a recording there
@@ -221,8 +222,11 @@ class RolloutsSection:
     _at_most("rollouts", self, ("generations_per_group",), 65_536)
     _at_least("rollouts", self, ("max_staleness",), 0)
     _at_most("rollouts", self, ("max_staleness",), 16)
-    _at_least("rollouts", self, ("groups_per_micro_batch", "batch_steps", "micro_batches_per_call"), 1)
-    _at_most("rollouts", self, ("groups_per_micro_batch", "batch_steps", "micro_batches_per_call"), 4096)
+    _at_least("rollouts", self, ("groups_per_micro_batch", "batch_steps"), 1)
+    _at_most("rollouts", self, ("groups_per_micro_batch", "batch_steps"), 4096)
+    if self.micro_batches_per_call != "batch":
+      _at_least("rollouts", self, ("micro_batches_per_call",), 1)
+      _at_most("rollouts", self, ("micro_batches_per_call",), 4096)
     if self.source == "sampler" and self.generations_per_group < 2:
       raise RecipeError(f"rollouts.generations_per_group={self.generations_per_group} is out of range for the"
                         " live loop: GRPO compares a group's completions, use >= 2")
@@ -789,10 +793,16 @@ class Recipe:
           f" {per_trajectory} tokens may not fit batch.rows={rows} × batch.tokens_per_row={tokens};"
           " raise rows or tokens_per_row, or sample fewer groups per micro-batch")
 
+  def micro_batches_per_call(self) -> int:
+    """How many micro-batches the live sampler generates in one call (``rollouts.micro_batches_per_call``, with
+    'batch' resolved to a sampled batch's)."""
+    per_call = self.rollouts.micro_batches_per_call
+    return self.rollouts.batch_steps * self.batch.micro_batches_per_step if per_call == "batch" else per_call
+
   def _check_sampler_calls(self) -> None:
     """A sampled batch must split into whole sampler calls."""
     per_batch = self.rollouts.batch_steps * self.batch.micro_batches_per_step
-    per_call = self.rollouts.micro_batches_per_call
+    per_call = self.micro_batches_per_call()
     if per_batch % per_call:
       raise RecipeError(f"rollouts.micro_batches_per_call={per_call} does not divide a sampled batch of {per_batch}"
                         f" micro-batches (rollouts.batch_steps={self.rollouts.batch_steps} ×"

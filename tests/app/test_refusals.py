@@ -468,9 +468,10 @@ CASES = [
     ("per-call-zero", ["rollouts.micro_batches_per_call=0"], {},
      "rollouts.micro_batches_per_call=0 is out of range: it must be >= 1"),
     ("per-call-fraction", ["rollouts.micro_batches_per_call=1.5"], {},
-     "rollouts.micro_batches_per_call: expected a whole number"),
+     "rollouts.micro_batches_per_call: expected 'batch' (a whole sampled batch per call) or a whole number"),
     ("per-call-word", ["rollouts.micro_batches_per_call=all"], {},
-     "rollouts.micro_batches_per_call: expected int, got 'all'"),
+     "rollouts.micro_batches_per_call: expected 'batch' (a whole sampled batch per call) or a whole number of"
+     " micro-batches, got 'all'"),
     ("per-call-not-dividing", ["rollouts.micro_batches_per_call=3"], {},
      "rollouts.micro_batches_per_call=3 does not divide a sampled batch of 8 micro-batches"),
     ("epochs-zero", ["engine.epochs=0"], {}, "engine.epochs=0 is out of range: it must be in [1, 1024]"),

@@ -84,11 +84,12 @@ def test_the_default_recipe_s_batch_keys_go_unread_when_its_sampler_is_replaced(
   source saying why (as its staleness and groups go unread). Given beside the replacement, or in a recipe that
   samples nothing, they are refused: nothing would read them."""
   default = recipe_lib.resolve(None, env={}).recipe
-  assert (default.rollouts.batch_steps, default.rollouts.micro_batches_per_call) == (4, 8)
+  assert (default.rollouts.batch_steps, default.rollouts.micro_batches_per_call) == (4, "batch")
+  assert default.micro_batches_per_call() == 8
   resolved = recipe_lib.resolve(None, env={}, overrides=["rollouts.source=synthetic"])
   assert (resolved.recipe.rollouts.batch_steps, resolved.recipe.rollouts.micro_batches_per_call) == (1, 1)
   assert resolved.sources["rollouts.batch_steps"].startswith("default (dropped: rollouts.source=synthetic (override)")
-  assert any("rollouts.micro_batches_per_call=8 is not read" in d for d in resolved.dropped)
+  assert any("rollouts.micro_batches_per_call=batch is not read" in d for d in resolved.dropped)
   with pytest.raises(recipe_lib.RecipeError, match="rollouts.batch_steps=2 is read by the live loop only"):
     recipe_lib.resolve(None, env={}, overrides=["rollouts.source=synthetic", "rollouts.batch_steps=2"])
   own = tmp_path / "own.yaml"
