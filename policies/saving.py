@@ -1,11 +1,14 @@
 """What staging saved, measured: control boundaries against staged ones, with a 95 % interval.
 
 One in each ``control_every`` boundaries at which the policy would stage runs unstaged instead (a *control*,
-``ControlSchedule``: at a position within each block drawn from the block's index), so a run gives up at most 1/K of its saving to measure it. Each staged or control
-boundary k yields one ``BoundarySample`` (``boundary_sample``): its boundary idle, and its span — from step k's
-last micro-batch finishing to step k+1's first finishing: the update a stage may delay, the idle, and the first
-micro-batch whose input a stage copied ahead. Nothing else in a step depends on the boundary, so the span's
-difference is the difference in step seconds, without its neighbours' noise. The saving is the mean difference
+``ControlSchedule``: at a position within each block drawn from the block's index), so a run gives up at most
+1/K of its saving to measure it. Each staged or control boundary k yields one ``BoundarySample``
+(``boundary_sample``): its boundary idle, and the seconds of the two steps around it, k and k + 1 — all that a
+boundary's staging can change: before the update it runs during step k's last micro-batch and may delay update
+k; its input shortens the idle and the first micro-batch of step k + 1. Controls are sparse and placed at random
+within their blocks, so the boundaries next to a control stage as those next to a staged one do: the difference
+of the two-step sums is what staging at one boundary changes, and counts every effect it has (a span of the
+boundary alone missed what a stage costs its micro-batch's neighbours). The saving is the mean difference
 control − staged, with a 95 % Welch interval (``welch_interval``); ``MeasuredSaving`` holds the samples the
 policy judges by, and says when staging costs time (docs/design.md §6).
 
@@ -90,8 +93,8 @@ def welch_interval(control: Sequence[float], staged: Sequence[float]) -> Interva
 
 @dataclasses.dataclass(frozen=True)
 class BoundarySample:
-  """What one staged or control boundary measured: its idle, and its span (``step_s``: the seconds from step
-  k's last micro-batch finishing to step k+1's first finishing, what a step's seconds change by)."""
+  """What one staged or control boundary k measured: its idle, and ``step_s``: the seconds of steps k and k + 1
+  together (update k − 1 ready to update k + 1 ready), what staging at k can change."""
 
   boundary_idle_s: float
   step_s: float
@@ -112,9 +115,11 @@ def _continues(before: Any, record: Any) -> bool:
 def boundary_sample(before: Any, record: Any, after: Any) -> BoundarySample | None:
   """The sample of the boundary after ``record``'s step (``before``, ``after``: the records of the steps
   around it; records are ``BoundaryRecord``s or anything with their fields). None where the boundary neither
-  staged nor was a control, where a time is not known, or where a step's times do not count from the update
-  before it (the step then was its segment's first, compilation included: a first update, a first stage)."""
-  if not (record.staged or record.control):
+  staged nor was a control, where the boundary before it did not stage (a control's or an unstaged boundary's
+  effect on step k would count against this one: both kinds of sample follow a staged boundary), where a time
+  is not known, or where a step's times do not count from the update before it (the step then was its
+  segment's first, compilation included: a first update, a first stage)."""
+  if not (record.staged or record.control) or not before.staged:
     return None
   return boundary_span(before, record, after)
 
@@ -124,10 +129,9 @@ def boundary_span(before: Any, record: Any, after: Any) -> BoundarySample | None
   None where a time is not known or a step's times do not count from the update before it."""
   if not (_continues(before, record) and _continues(record, after)):
     return None
-  parts = (record.boundary_idle_strict_s, record.update_s, (after.micro_batch_s or [None])[0])
-  if record.boundary_idle_s is None or any(p is None for p in parts):
+  if record.boundary_idle_s is None:
     return None
-  return BoundarySample(record.boundary_idle_s, sum(parts))
+  return BoundarySample(record.boundary_idle_s, record.step_s + after.step_s)
 
 
 @dataclasses.dataclass(frozen=True)

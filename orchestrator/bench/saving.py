@@ -15,10 +15,11 @@ Per variant and mode it prints the median over rounds of each run's median step 
 the share of boundaries that staged before the update, the run's wall seconds and its last 10 steps' reward. Per
 variant, two measures of what staging saves per step, each with its 95 % interval:
 
-- *control-measured*: the STAGE_BEFORE_UPDATE runs' ``measured_saving`` (``summary.json``: control boundaries
-  against staged ones inside one run), pooled over the rounds' samples;
-- *A/B*: the same span per boundary (``policies.saving.boundary_span``), every boundary of the PIPELINED runs
-  against every staged one of the STAGE_BEFORE_UPDATE runs;
+- *control-measured*: inside the STAGE_BEFORE_UPDATE runs, control boundaries against staged ones, each sample
+  the seconds of the two steps around the boundary (``policies.saving.boundary_sample``, as the run's own
+  ``measured_saving``), pooled over the rounds;
+- *A/B*: step seconds of the PIPELINED runs against those of the STAGE_BEFORE_UPDATE runs' steps that follow a
+  staged boundary (each step carries one boundary's effect, so the difference per step is the same saving);
 
 and whether the two intervals overlap (they measure one thing two ways). Then one JSON object.
 """
@@ -35,7 +36,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-from policies.saving import boundary_sample, boundary_span, welch_interval
+from policies.saving import boundary_sample, welch_interval
 
 #: Each mode's switches on the ``run_rl`` command line.
 MODE_FLAGS = {
@@ -63,19 +64,19 @@ def run_arm(variant: str, mode: str, steps: int | None, out: Path, timeout_s: fl
   return {"variant": variant, "mode": mode, "wall_s": wall_s, "summary": summary, "records": records}
 
 
-def _spans(records, *, staged_only: bool, control: bool = False) -> list[float]:
-  """The span of each boundary of a run: every one (``staged_only`` False), or its staged ones or controls."""
+def _samples(records, *, control: bool) -> list[float]:
+  """A staged run's two-step samples of its staged boundaries, or of its controls."""
   out = []
   for before, record, after in zip(records, records[1:], records[2:]):
-    if staged_only:
-      sample = boundary_sample(before, record, after)
-      if sample is None or bool(record.control) != control:
-        continue
-    else:
-      sample = boundary_span(before, record, after)
-    if sample is not None:
+    sample = boundary_sample(before, record, after)
+    if sample is not None and bool(record.control) == control:
       out.append(sample.step_s)
   return out
+
+
+def _step_seconds(records, *, after_staged: bool) -> list[float]:
+  """A run's step seconds but its first's (compilation): every step's, or those after a staged boundary."""
+  return [r.step_s for before, r in zip(records, records[1:]) if not after_staged or before.staged]
 
 
 def summarise(arms: list[dict]) -> dict:
@@ -103,11 +104,13 @@ def summarise(arms: list[dict]) -> dict:
         figures["step_ratio_to_off"] = figures["median_step_s"] / modes["off"]["median_step_s"]
     before = [a for a in mine if a["mode"] == "stage_before_update"]
     pipelined = [a for a in mine if a["mode"] == "pipelined"]
-    staged = [s for a in before for s in _spans(a["records"], staged_only=True)]
-    controls = [s for a in before for s in _spans(a["records"], staged_only=True, control=True)]
-    unstaged = [s for a in pipelined for s in _spans(a["records"], staged_only=False)]
+    staged = [s for a in before for s in _samples(a["records"], control=False)]
+    controls = [s for a in before for s in _samples(a["records"], control=True)]
     control_measured = welch_interval(controls, staged) if len(controls) >= 2 and len(staged) >= 2 else None
-    a_b = welch_interval(unstaged, staged) if len(unstaged) >= 2 and len(staged) >= 2 else None
+    unstaged_steps = [s for a in pipelined for s in _step_seconds(a["records"], after_staged=False)]
+    staged_steps = [s for a in before for s in _step_seconds(a["records"], after_staged=True)]
+    a_b = (welch_interval(unstaged_steps, staged_steps) if len(unstaged_steps) >= 2 and len(staged_steps) >= 2
+           else None)
     agree = (None if control_measured is None or a_b is None
              else control_measured.low <= a_b.high and a_b.low <= control_measured.high)
     out[variant] = {"modes": modes, "control_measured_saving_s": control_measured and control_measured.to_json(),
@@ -132,7 +135,7 @@ def _print(summary: dict) -> None:
             f" {m['wall_s']:>7.1f} {m['reward_last_10']:>7.3f}")
     print(f"saving per step, control-measured ({figures['controls']} controls, {figures['staged']} staged):"
           f" {_ms(figures['control_measured_saving_s'])}")
-    print(f"saving per step, A/B (PIPELINED runs against STAGE_BEFORE_UPDATE's staged boundaries):"
+    print(f"saving per step, A/B (PIPELINED runs' steps against STAGE_BEFORE_UPDATE's after a staged boundary):"
           f" {_ms(figures['a_b_saving_s'])}")
     print(f"the two intervals overlap: {figures['intervals_overlap']}")
 

@@ -67,8 +67,8 @@ class PolicyInputs:
         update_delay_s=seen["update_delay_s"], rollout_wait_s=seen["rollout_wait_s"]))
 
   def observe_saving(self, records: Sequence[BoundaryRecord]) -> None:
-    """Feeds the policy the sample of the boundary before the last record (its span ends with the next step's
-    first micro-batch), where that boundary staged or was a control: every process's, combined (the slowest
+    """Feeds the policy the sample of the boundary before the last record (the seconds of its step and the
+    next, which the last record completes), where that boundary staged or was a control: every process's, combined (the slowest
     process's seconds), so each process's policy decides the same. Its plan, and so whether there is an
     exchange, is the same in every process."""
     if len(records) < 3 or not (records[-2].staged or records[-2].control):

@@ -58,21 +58,22 @@ def _record(step, *, staged=False, control=False, t=None, step_s=1.0, idle=0.1, 
                                boundary_idle_strict_s=strict, update_s=update_s, micro_batch_s=list(micro))
 
 
-def test_a_sample_is_the_boundarys_idle_and_its_span_to_the_next_steps_first_micro_batch():
-  before, record, after = _record(0), _record(1, staged=True), _record(2, micro=(0.3, 0.4))
-  assert boundary_sample(before, record, after) == BoundarySample(0.1, 0.2 + 0.05 + 0.3)
+def test_a_sample_is_the_boundarys_idle_and_the_seconds_of_the_two_steps_around_it():
+  before, record, after = _record(0, staged=True), _record(1, staged=True), _record(2, step_s=0.75, t=2.75)
+  assert boundary_sample(before, record, after) == BoundarySample(0.1, 1.0 + 0.75)
+  assert boundary_sample(_record(0, control=True), record, after) is None  # after a control: step 1 carries its effect
   assert boundary_sample(before, _record(1), after) is None  # neither staged nor a control
   # A resumed segment's first step counts from its first dispatch, on another clock: no sample across it.
   assert boundary_sample(before, record, _record(2, t=0.7)) is None
-  assert boundary_sample(_record(0, t=5.0), record, after) is None
+  assert boundary_sample(_record(0, staged=True, t=5.0), record, after) is None
 
 
 def test_the_records_of_a_run_give_control_and_staged_samples():
   records = [_record(k, staged=k % 3 != 2, control=k % 3 == 2, idle=0.1 + 0.01 * k) for k in range(20)]
   saving = estimate_from_records(records)
-  assert (saving.control_n, saving.staged_n) == (6, 12)  # neither the first step's boundary nor the last's
-  assert saving.boundary_idle_s.mean == pytest.approx(0.01 * (sum(range(2, 20, 3)) / 6 - sum(
-      k for k in range(1, 19) if k % 3 != 2) / 12))
+  # Neither the first step's boundary nor the last's; a staged one only after a staged one (k % 3 == 1).
+  assert (saving.control_n, saving.staged_n) == (6, 6)
+  assert saving.boundary_idle_s.mean == pytest.approx(0.01 * (sum(range(2, 20, 3)) / 6 - sum(range(1, 19, 3)) / 6))
 
 
 @pytest.mark.parametrize("every,controls", [(0, []), (1, [1, 2, 3, 4, 5, 6]), (3, [2, 6])])
