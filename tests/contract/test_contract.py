@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 
 import numpy as np
 import pytest
@@ -161,7 +162,10 @@ def test_the_compile_counter_counts_new_compiles():
   from orchestrator.engine import backend_compile_count
 
   x = jnp.arange(7.0).block_until_ready()
-  f = jax.jit(lambda x: jnp.sin(x) * 3.25 + 0.125)
+  # A constant no earlier run used, so a persistent compilation cache (STEP_BOUNDARY_COMPILATION_CACHE) has no
+  # executable for it and the first call compiles.
+  scale = 1.0 + int.from_bytes(os.urandom(4), "little") / 2**32
+  f = jax.jit(lambda x: jnp.sin(x) * scale + 0.125)
   before = backend_compile_count()
   f(x).block_until_ready()
   assert backend_compile_count() == before + 1
