@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 
 from orchestrator.recipe.keys import all_keys, build, canonical, coerce, flatten, get, is_text_key, suggest
-from orchestrator.recipe.schema import Recipe, RecipeError, validate
+from orchestrator.recipe.schema import LIVE_ONLY_KEYS, Recipe, RecipeError, validate
 
 RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
 DEFAULT_RECIPE = RECIPES_DIR / "default.yaml"
@@ -204,12 +204,6 @@ def _is_set(key: str, value: Any) -> bool:
   return value != get(Recipe(), key)
 
 
-#: Keys only the live loop reads (``Recipe._refuse_live_only_keys`` refuses them, set, for a run that samples
-#: nothing).
-LIVE_ONLY_KEYS = ("task.reward", "task.reward_timeout_s", "model.chat_template", "rollouts.batch_steps",
-                  "rollouts.micro_batches_per_call", "engine.epochs")
-
-
 def _drop_live_keys_of_a_replaced_sampler(values: dict[str, Any], sources: dict[str, str]) -> tuple[str, ...]:
   """A live recipe whose sampler the environment or the command line replaces (``rollouts.source=synthetic`` on
   the default recipe): the recipe file's live-only keys go back to their defaults, each source saying why, as
@@ -221,12 +215,17 @@ def _drop_live_keys_of_a_replaced_sampler(values: dict[str, Any], sources: dict[
   dropped = []
   for key in LIVE_ONLY_KEYS:
     if key in values and sources.get(key) == "recipe" and _is_set(key, values[key]):
-      phrase = (f"rollouts.source={_shown(values['rollouts.source'])} ({sources['rollouts.source']}) samples nothing,"
-                f" so the recipe's {key}={_shown(values[key])} is not read")
-      del values[key]
-      sources[key] = f"default (dropped: {phrase})"
-      dropped.append(phrase)
+      dropped.append(_drop(values, sources, key, f"rollouts.source={_shown(values['rollouts.source'])}"
+                                                 f" ({sources['rollouts.source']}) samples nothing, so the recipe's"
+                                                 f" {key}={_shown(values[key])} is not read"))
   return tuple(dropped)
+
+
+def _drop(values: dict[str, Any], sources: dict[str, str], key: str, phrase: str) -> str:
+  """``key`` back to its default, its source saying why (``phrase``, returned)."""
+  del values[key]
+  sources[key] = f"default (dropped: {phrase})"
+  return phrase
 
 
 def _drop_outranked(values: dict[str, Any], sources: dict[str, str]) -> tuple[str, ...]:
@@ -239,11 +238,8 @@ def _drop_outranked(values: dict[str, Any], sources: dict[str, str]) -> tuple[st
     lower, higher = sorted(pair, key=lambda key: LAYER_RANKS[sources[key].split()[0]])
     if LAYER_RANKS[sources[lower].split()[0]] == LAYER_RANKS[sources[higher].split()[0]]:
       continue  # one layer names both: the recipe's checks refuse it (or check that they agree)
-    phrase = (f"{higher}={_shown(values[higher])} ({sources[higher]}) replaces {lower}={_shown(values[lower])}"
-              f" ({sources[lower]})")
-    del values[lower]
-    sources[lower] = f"default (dropped: {phrase})"
-    dropped.append(phrase)
+    dropped.append(_drop(values, sources, lower, f"{higher}={_shown(values[higher])} ({sources[higher]}) replaces"
+                                                 f" {lower}={_shown(values[lower])} ({sources[lower]})"))
   return tuple(dropped)
 
 

@@ -186,6 +186,12 @@ ROLLOUT_SOURCES = ("synthetic", "recording", "sampler")
 PLACEMENTS = ("shared", "split")
 
 
+#: Keys only the live loop reads: set for a run that samples nothing, they are refused
+#: (``Recipe._refuse_live_only_keys``), or dropped where the command line replaces a live recipe's sampler.
+LIVE_ONLY_KEYS = ("task.reward", "task.reward_timeout_s", "model.chat_template", "rollouts.batch_steps",
+                  "rollouts.micro_batches_per_call", "engine.epochs")
+
+
 @dataclasses.dataclass
 class RolloutsSection:
   """Where each step's trajectories come from: ``sampler`` samples them live from the model being trained."""
@@ -811,18 +817,12 @@ class Recipe:
 
   def _refuse_live_only_keys(self) -> None:
     """Keys only the live loop reads, set for a run that samples nothing: it would ignore them silently."""
-    given = [(key, value) for key, value in (("task.name", self.task.name if self.task.name == DATASET else None),
-                                             ("task.reward", self.task.reward or None),
-                                             ("task.reward_timeout_s", None if self.task.reward_timeout_s
-                                              == rewards_lib.DEFAULT_TIMEOUT_S else self.task.reward_timeout_s),
-                                             ("model.chat_template", self.model.chat_template or None),
-                                             ("rollouts.batch_steps", None if self.rollouts.batch_steps == 1
-                                              else self.rollouts.batch_steps),
-                                             ("rollouts.micro_batches_per_call", None
-                                              if self.rollouts.micro_batches_per_call == 1
-                                              else self.rollouts.micro_batches_per_call),
-                                             ("engine.epochs", None if self.engine.epochs == 1 else self.engine.epochs))
-             if value is not None]
+    given = [("task.name", self.task.name)] if self.task.name == DATASET else []
+    for key in LIVE_ONLY_KEYS:
+      section, leaf = key.split(".")
+      value = getattr(getattr(self, section), leaf)
+      if value != getattr(type(getattr(self, section))(), leaf):
+        given.append((key, value))
     if given:
       key, value = given[0]
       raise RecipeError(f"{key}={value} is read by the live loop only, but rollouts.source={self.rollouts.source}"
