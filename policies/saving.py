@@ -29,7 +29,7 @@ from typing import Any
 MIN_CONTROLS = 5
 #: Staged samples a figure needs beside the controls (a variance needs two).
 MIN_STAGED = 2
-#: ``step_boundary.control_every``'s default: a control every 20th staged boundary gives up at most 5 % of the
+#: ``step_boundary.control_every``'s default: one control in 20 staged boundaries gives up at most 5 % of the
 #: saving to measure it.
 DEFAULT_CONTROL_EVERY = 20
 
