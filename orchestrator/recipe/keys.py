@@ -99,6 +99,16 @@ def _parse_number(value: Any, kind: type, key: str):
   return float(number)
 
 
+#: Keys whose value is a word or a number: (the word, the number's type, what the error says is expected; None:
+#: the number's own error).
+WORD_OR_NUMBER_KEYS = {
+    "step_boundary.wait_threshold_s": ("auto", float, None),
+    "step_boundary.min_free_device_bytes": ("auto", int, "'auto' or a whole number of bytes (0: no memory gate)"),
+    "rollouts.micro_batches_per_call": ("batch", int, "'batch' (a whole sampled batch per call) or a whole number"
+                                                      " of micro-batches"),
+}
+
+
 def coerce(key: str, value: Any) -> Any:
   """``value`` (from YAML, an env var or the command line) as the schema's type for ``key``."""
   t = _leaf_type(key)
@@ -110,26 +120,16 @@ def coerce(key: str, value: Any) -> Any:
       if type(None) in args:
         return None
       raise RecipeError(f"{key}: a value is required")
-    if key == "step_boundary.wait_threshold_s":
-      if isinstance(value, str) and value.strip().lower() == "auto":
-        return "auto"
-      return _parse_number(value, float, key)
-    if key == "rollouts.micro_batches_per_call":
-      if isinstance(value, str) and value.strip().lower() == "batch":
-        return "batch"
+    if key in WORD_OR_NUMBER_KEYS:
+      word, kind, expected = WORD_OR_NUMBER_KEYS[key]
+      if isinstance(value, str) and value.strip().lower() == word:
+        return word
       try:
-        return _parse_number(value, int, key)
+        return _parse_number(value, kind, key)
       except RecipeError:
-        raise RecipeError(f"{key}: expected 'batch' (a whole sampled batch per call) or a whole number of"
-                          f" micro-batches, got {value!r}") from None
-    if key == "step_boundary.min_free_device_bytes":
-      if isinstance(value, str) and value.strip().lower() == "auto":
-        return "auto"
-      try:
-        return _parse_number(value, int, key)
-      except RecipeError:
-        raise RecipeError(f"{key}: expected 'auto' or a whole number of bytes (0: no memory gate), got {value!r}"
-                          ) from None
+        if expected is None:
+          raise
+        raise RecipeError(f"{key}: expected {expected}, got {value!r}") from None
     errors = []
     for option in options:
       try:
