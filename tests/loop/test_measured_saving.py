@@ -38,7 +38,9 @@ def _run(engine, *, control_every: int, steps: int = STEPS):
 
 def test_controls_that_show_staging_costs_time_turn_it_off_with_one_warning(caplog):
   with caplog.at_level(logging.WARNING, logger="step_boundary.policy"):
-    result, policy = _run(SlowStagingEngine(STAGE_S), control_every=2)
+    # One control in 4: the boundaries around a control stage, so each control sample lacks exactly one stage
+    # (at 1 in 2 a neighbour is often a control too, and the samples spread by a whole stage either way).
+    result, policy = _run(SlowStagingEngine(STAGE_S), control_every=4, steps=60)
   assert policy.mode is Mode.PIPELINED and policy.counters["saving_disable"] == 1
   [transition] = policy.history
   assert transition.kind == "saving_disable"
