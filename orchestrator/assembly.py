@@ -123,16 +123,24 @@ def live_source(recipe: Recipe, *, steps: int | None = None):
   from orchestrator.live.rollouts import LiveRollouts, LiveShape
   from orchestrator.live.sampler import LiveSampler
 
+  from orchestrator.live.sampler_process import SamplerProcess, SamplerSpec
+
   task, r = recipe.live_task(), recipe.rollouts
   placement = None
   if recipe.trainer.location == "local":  # a remote trainer's driver samples on its own default device
     try:
-      placement = sampler_placement(r.placement, recipe.mesh, r.devices)
+      placement = sampler_placement("shared" if r.placement == "process" else r.placement, recipe.mesh, r.devices)
     except ValueError as e:  # too few devices: refused before anything is built or written
       raise RecipeError(str(e)) from None
-  sampler = LiveSampler(recipe.model_preset(), recipe.model.tokenizer(), seed=recipe.engine.seed,
-                        max_prompt_length=task.max_prompt_tokens, max_generation_steps=max_generation_steps(task),
-                        alphabet=task.answer_alphabet, dtype=recipe.engine.dtype, placement=placement)
+  spec = SamplerSpec(preset=recipe.model_preset(), model=recipe.model, seed=recipe.engine.seed,
+                     max_prompt_length=task.max_prompt_tokens, max_generation_steps=max_generation_steps(task),
+                     alphabet=task.answer_alphabet, dtype=recipe.engine.dtype)
+  if r.placement == "process":  # started first: it imports and builds while this process builds the trainer
+    sampler = SamplerProcess(spec, recipe.model.tokenizer())
+  else:
+    sampler = LiveSampler(spec.preset, spec.model.tokenizer(), seed=spec.seed,
+                          max_prompt_length=spec.max_prompt_length, max_generation_steps=spec.max_generation_steps,
+                          alphabet=spec.alphabet, dtype=spec.dtype, placement=placement)
   shape = LiveShape(steps or recipe.steps, recipe.batch.micro_batches_per_step, r.groups_per_micro_batch,
                     r.generations_per_group, r.max_staleness, r.temperature, r.seed, r.batch_steps,
                     recipe.engine.epochs, recipe.micro_batches_per_call())
@@ -325,6 +333,9 @@ def build_run(recipe: Recipe, out: Path, *, source, run_id: str, checkpoint_dir:
   progress.
   """
   closers: list = []
+  live = live_part(source)
+  if live is not None:  # after the run's evaluations (RunHandle.close)
+    closers.append(live.release)
   write_dir = write_dir or out
   # A new live run samples its first steps while the trainer is built: asking for step 0 starts the sampling
   # thread, and its work overlaps the trainer's (a resume sets the source's position first, in _build_program).

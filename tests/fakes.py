@@ -196,6 +196,9 @@ class StuckLiveSource:
   def recorded_steps(self):
     return None
 
+  def release(self):
+    pass
+
   def ready(self, step, timeout_s):
     return self._arrives(step < self.stuck_at or (step == self.stuck_at and self.stuck_micro is not None),
                          timeout_s)

@@ -29,7 +29,7 @@ from orchestrator.app import launch, run_dir
 from orchestrator.app import simulate as simulate_lib
 from orchestrator.app.arguments import UsageError, UsageErrorParser, parse_subcommand, subcommand_parser
 from orchestrator.app.export import export_main
-from orchestrator.app.host import COMPILATION_CACHE_ENV, use_compilation_cache
+from orchestrator.engine.compilation_cache import COMPILATION_CACHE_ENV, use_compilation_cache
 from orchestrator.app.run_dir import RunDirError, default_out
 from orchestrator.app.serve_trainer import serve_main
 from orchestrator.data.recording import RecordingError, write_recording

@@ -164,6 +164,11 @@ class LiveSource(Protocol):
     """Every step taken so far when the run records its rollouts; None when it does not."""
     ...
 
+  def release(self) -> None:
+    """Frees what sampling holds beyond its thread (a sampler's own process exits): after ``close`` and the
+    last ``evaluate``; nothing samples or evaluates after it. A second call does nothing."""
+    ...
+
   def ready(self, step: int, timeout_s: float) -> bool:
     """Waits at most ``timeout_s`` until taking ``step`` (``get_state``, then ``next``) would not wait for
     sampling: its first micro-batch is sampled. True then, False on the timeout. Raises the sampling thread's

@@ -98,11 +98,9 @@ class LiveRollouts:
   """Samples batches on a background thread, each from its fixed weights version, and hands them out a step at
   a time; a ``StepSource`` and a ``LiveSource`` (``orchestrator.contract``) on a ``tasks.Task``, trained on
   ``reward`` (default: the task's own; ``shared_sampler.score_micro_batch``). With ``record``, every batch
-  taken is kept for ``recorded_steps``.
-
-  It holds the batches sampled and taken (``SampledBatches``), the staleness schedule and the weights kept for
-  it (``WeightVersions``) and the sampler, which evaluation takes in turns with the sampling thread
-  (``SharedSampler``); one condition guards the first two."""
+  taken is kept for ``recorded_steps``. It holds the batches sampled and taken (``SampledBatches``), the
+  staleness schedule and the weights kept for it (``WeightVersions``), one condition guarding both, and the
+  sampler, which evaluation takes in turns with the sampling thread (``SharedSampler``)."""
 
   kind = "live"
 
@@ -371,6 +369,10 @@ class LiveRollouts:
         self._error = RuntimeError(f"the rollout thread failed while sampling {self._schedule.describe(batch)}:"
                                    f" {type(e).__name__}: {e}")
         self._cond.notify_all()
+
+  def release(self) -> None:
+    """Closes the sampler (``LiveSampler.close``: a sampler process exits); after ``close`` and the evaluations."""
+    self._shared.sampler.close()
 
   def eval_prompt_count(self, asked: int) -> int:
     """``asked``, or what a finite evaluation split holds (a dataset's) if fewer: no prompt counts twice."""

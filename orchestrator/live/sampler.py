@@ -84,6 +84,9 @@ class LiveSampler:
     if placement is not None:  # Tunix's sampler keeps the first weights' shardings: every later sync must match
       params = placement.put(params)
     self._graphdef = graphdefs["dropless"]  # sampling never drops tokens
+    #: The tree ``sync`` takes and each leaf's shape (a sampler in another process rebuilds the weights with it).
+    self.weights_structure = jax.tree.structure(params)
+    self.weight_shapes = [tuple(leaf.shape) for leaf in jax.tree.leaves(params)]
     self.tokenizer = tokenizer
     self.max_prompt_length = max_prompt_length
     self.max_generation_steps = max_generation_steps
@@ -107,6 +110,9 @@ class LiveSampler:
     model = nnx.merge(self._graphdef, placed)
     self._sampler.transformer_state = nnx.variables(model)
     self.weights_version = int(version)
+
+  def close(self) -> None:
+    """Nothing to free here (``sampler_process.SamplerProcess.close`` ends its process)."""
 
   def model_prompt(self, prompt: str) -> str:
     """The text the model is given for ``prompt`` (through the tokenizer's chat template, if it has one)."""

@@ -183,13 +183,13 @@ class BatchSection:
 
 ROLLOUT_SOURCES = ("synthetic", "recording", "sampler")
 #: Where the live loop's sampler runs (``rollouts.placement``; ``orchestrator.live.placement``).
-PLACEMENTS = ("shared", "split")
+PLACEMENTS = ("shared", "split", "process")
 
 
 #: Keys only the live loop reads: set for a run that samples nothing, they are refused
 #: (``Recipe._refuse_live_only_keys``), or dropped where the command line replaces a live recipe's sampler.
 LIVE_ONLY_KEYS = ("task.reward", "task.reward_timeout_s", "model.chat_template", "rollouts.batch_steps",
-                  "rollouts.micro_batches_per_call", "engine.epochs")
+                  "rollouts.micro_batches_per_call", "rollouts.placement", "rollouts.devices", "engine.epochs")
 
 
 @dataclasses.dataclass
@@ -214,7 +214,9 @@ class RolloutsSection:
   temperature: float = 1.0
   record_to: str | None = None  # a live run writes the rollouts it trained on as a recording there
   # shared: the sampler runs on the trainer's devices; split: on rollouts.devices local devices of its own
-  # (those after the mesh's), with its own copy of the weights, which the weight sync copies device to device.
+  # (those after the mesh's), with its own copy of the weights, which the weight sync copies device to device;
+  # process: in a process of its own on the host's cores (its own interpreter and XLA client), sent each
+  # version's weights as host arrays.
   placement: str = "shared"
   devices: int | None = None  # split: the sampler's devices (default 1)
   # Shape of recordings made by `run_rl record` (log-normal lengths, medians in tokens).
@@ -253,9 +255,6 @@ class RolloutsSection:
         raise RecipeError(f"rollouts.devices={self.devices} is for rollouts.placement=split (a sampler on devices"
                           " of its own); the shared sampler runs on the trainer's devices, so drop it or set"
                           " rollouts.placement=split")
-    if self.source != "sampler" and self.placement != "shared":
-      raise RecipeError(f"rollouts.placement={self.placement} places the live loop's sampler, but"
-                        f" rollouts.source={self.source}; set rollouts.source=sampler or drop it")
 
 
 #: Each task's size keys (``task.*``); ``TaskSection.make`` passes these to the task.
@@ -833,7 +832,8 @@ class Recipe:
     if self.rollouts.source == "sampler" and self.rollouts.placement == "split":
       raise RecipeError("rollouts.placement=split puts the sampler on local devices beside the trainer's, but with"
                         " distributed.* set the mesh takes every device of the job; use rollouts.placement=shared"
-                        " (every process samples on its first device) or drop distributed.*")
+                        " or process (every process samples on its first device, or in a process of its own) or"
+                        " drop distributed.*")
     if self.trainer.location != "local":
       raise RecipeError("trainer.location=remote drives one trainer process; several JAX processes train"
                         " in place (trainer.location=local), so drop one of the two")

@@ -399,7 +399,7 @@ CASES = [
     ("live-placement-unknown", ["rollouts.placement=apart"], {}, "rollouts.placement='apart': use one of shared, split"),
     ("live-devices-when-shared", ["rollouts.devices=2"], {}, "rollouts.devices=2 is for rollouts.placement=split"),
     ("live-placement-not-live", ["rollouts.source=synthetic", "rollouts.placement=split"], {},
-     "rollouts.placement=split places the live loop's sampler, but rollouts.source=synthetic"),
+     "rollouts.placement=split is read by the live loop only, but rollouts.source=synthetic"),
     ("live-split-too-few-devices", ["steps=1", "rollouts.placement=split"], {},
      "rollouts.placement=split needs 2 local devices (the mesh's 1 and rollouts.devices=1) but 1 are visible"),
     ("live-split-remote-trainer", ["rollouts.placement=split", "trainer.location=remote", "trainer.spawn=true"], {},

@@ -1,0 +1,207 @@
+"""The live loop's sampler in a process of its own (``rollouts.placement: process``, docs/live-loop.md).
+
+In one process the sampler and the trainer share one XLA client (one thread
+pool, one queue per device) and one interpreter: the sampler's programs land
+between the trainer's, so a boundary's idle time is filled with sampling
+rather than removed, and whatever the step loop does with the interpreter (a
+blocking ``wait_for_device`` at a staged boundary hands it to the sampling
+thread) moves sampling time from one step to another. A real job samples on
+devices of its own; on a CPU host the equivalent is a process of its own:
+its own interpreter and XLA client, on the host's cores rather than the
+trainer's.
+
+``SamplerProcess`` is a ``LiveSampler`` seen from outside: ``sync``, ``sample``
+and ``greedy`` are requests over a pipe to a child process that built the same
+``LiveSampler`` (same preset, seed, tokenizer and fixed sizes), so it samples
+what an in-process sampler on one thread samples. Weights cross as host arrays
+(the leaves in ``jax.tree.leaves`` order; the child keeps its own tree
+structure). The child runs on the cores its parent's calling thread may use
+(the host's, where ``run.reserve_host_core`` kept one) with an XLA pool sized
+to them, ignores Ctrl-C (its parent stops the run and then it), and exits when
+its parent's end of the pipe closes, so a killed run leaves no sampler behind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+import os
+import signal
+import threading
+import time
+import traceback
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from orchestrator.live.sampler import Samples
+
+#: The child's scheduling priority below its parent's. The host core is shared: the trainer's thread sleeps in
+#: ``wait_for_device`` while its last micro-batch computes, and a staged boundary's update is dispatched only
+#: once that thread runs again. At its parent's priority the sampler held the core for milliseconds after the
+#: wait ended (staged steps measured 7 ms slower than controls); below it, the waking thread takes the core at
+#: once, and the sampler keeps every moment the trainer's thread does not use.
+SAMPLER_NICE = 10
+#: How long the child may take to import, build its model and answer that it is ready.
+START_TIMEOUT_S = 600.0
+#: How long ``close`` waits for the child to exit before it is killed.
+CLOSE_TIMEOUT_S = 10.0
+
+
+class SamplerProcessError(RuntimeError):
+  """The sampler process failed or exited; the message says how (its traceback, or its exit code)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplerSpec:
+  """What the child needs to build the sampler: ``LiveSampler``'s arguments, the tokenizer as the recipe's model
+  section makes it (a ``recipe.ModelSection``: picklable, unlike some tokenizers)."""
+
+  preset: Any
+  model: Any
+  seed: int
+  max_prompt_length: int
+  max_generation_steps: int
+  alphabet: str | None
+  dtype: str
+
+
+class SamplerProcess:
+  """A ``LiveSampler`` in a child process; the same surface (``sync``, ``sample``, ``greedy``,
+  ``weights_version``, ``placement``, ``tokenizer``).
+
+  One request at a time (a lock): the sampling thread and an evaluation take turns already
+  (``SharedSampler``). A request the child fails raises ``SamplerProcessError`` with its traceback; a child
+  that exits raises it with the exit code.
+  """
+
+  #: Weights reach the child as host arrays: the sync keeps a host copy, as for a shared sampler.
+  placement = None
+
+  def __init__(self, spec: SamplerSpec, tokenizer):
+    self.tokenizer = tokenizer
+    self.weights_version = 0
+    self._lock = threading.Lock()
+    context = multiprocessing.get_context("spawn")  # a fork of a process whose XLA client runs is unsafe
+    self._conn, child_conn = context.Pipe()
+    self._process = context.Process(target=_serve, args=(child_conn, spec), name="step-boundary-sampler",
+                                    daemon=True)
+    self._process.start()
+    child_conn.close()  # the child holds its end: an exit shows here as EOF
+    self.pid = self._process.pid
+    self._ready = False
+
+  def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
+    """Waits until the child has built its sampler (the first request waits for it anyway)."""
+    with self._lock:
+      self._wait_ready(timeout_s)
+
+  def sync(self, weights: Any, version: int) -> None:
+    """Sends the trainer's weights (host or device arrays; copied to host here) as version ``version``."""
+    leaves = [np.asarray(leaf) for leaf in jax.tree.leaves(jax.device_get(weights))]
+    self._request("sync", leaves)
+    self.weights_version = int(version)
+
+  def sample(self, prompts: Sequence[str], *, seed: int, temperature: float = 1.0) -> Samples:
+    """``LiveSampler.sample`` in the child; the samples carry this side's ``weights_version``."""
+    samples = self._request("sample", list(prompts), int(seed), float(temperature))
+    return dataclasses.replace(samples, weights_version=self.weights_version)
+
+  def greedy(self, prompts: Sequence[str]) -> list[str]:
+    """``LiveSampler.greedy`` in the child."""
+    return self._request("greedy", list(prompts))
+
+  def close(self) -> None:
+    """Asks the child to exit and waits for it (killing it after ``CLOSE_TIMEOUT_S``); idempotent."""
+    if self._process.exitcode is None and not self._conn.closed:
+      try:
+        self._conn.send(("close",))
+      except (BrokenPipeError, OSError):
+        pass
+    self._process.join(CLOSE_TIMEOUT_S)
+    if self._process.exitcode is None:
+      self._process.kill()
+      self._process.join()
+    self._conn.close()
+
+  def _request(self, *message) -> Any:
+    with self._lock:
+      self._wait_ready(START_TIMEOUT_S)
+      try:
+        self._conn.send(message)
+        return self._answer(message[0], None)
+      except (BrokenPipeError, EOFError, OSError):
+        raise self._exited(message[0]) from None
+
+  def _wait_ready(self, timeout_s: float) -> None:
+    if not self._ready:
+      self._answer("start", timeout_s)
+      self._ready = True
+
+  def _answer(self, what: str, timeout_s: float | None) -> Any:
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while not self._conn.poll(1.0):  # in steps, so a child that died without closing its end is noticed
+      if not self._process.is_alive():
+        raise self._exited(what)
+      if deadline is not None and time.monotonic() > deadline:
+        raise SamplerProcessError(f"the sampler process did not answer {what!r} within {timeout_s:.0f} s")
+    try:
+      status, value = self._conn.recv()
+    except EOFError:
+      raise self._exited(what) from None
+    if status == "error":
+      raise SamplerProcessError(f"the sampler process failed at {what!r}:\n{value}")
+    return value
+
+  def _exited(self, what: str) -> SamplerProcessError:
+    self._process.join(1.0)
+    return SamplerProcessError(f"the sampler process exited (code {self._process.exitcode}) during {what!r}")
+
+
+def _serve(conn, spec: SamplerSpec) -> None:
+  """The child: builds the sampler on its cores and answers requests until told to close or the pipe closes."""
+  signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the parent stops us
+  os.nice(SAMPLER_NICE)
+  if hasattr(os, "sched_getaffinity"):  # an XLA pool sized to the cores this process may run on
+    os.environ["PJRT_NPROC"] = str(len(os.sched_getaffinity(0)))
+  try:
+    from orchestrator.engine.compilation_cache import use_compilation_cache  # import here: after PJRT_NPROC, which keys it
+    from orchestrator.live.sampler import LiveSampler  # import here: the child's JAX starts with the pool above
+
+    use_compilation_cache()
+    sampler = LiveSampler(spec.preset, spec.model.tokenizer(), seed=spec.seed,
+                          max_prompt_length=spec.max_prompt_length,
+                          max_generation_steps=spec.max_generation_steps, alphabet=spec.alphabet,
+                          dtype=spec.dtype)
+    treedef, shapes = sampler.weights_structure, sampler.weight_shapes
+    conn.send(("ok", None))
+  except BaseException:
+    conn.send(("error", traceback.format_exc()))
+    return
+  while True:
+    try:
+      message = conn.recv()
+    except (EOFError, OSError):  # the parent is gone
+      return
+    kind = message[0]
+    if kind == "close":
+      return
+    try:
+      if kind == "sync":
+        leaves = message[1]
+        sent = [tuple(leaf.shape) for leaf in leaves]
+        if sent != shapes:
+          raise ValueError(f"sync sent weights of shapes {sent}; the sampler's model has {shapes}")
+        sampler.sync(jax.tree.unflatten(treedef, leaves), 0)
+        answer = None
+      elif kind == "sample":
+        answer = sampler.sample(message[1], seed=message[2], temperature=message[3])
+      elif kind == "greedy":
+        answer = sampler.greedy(message[1])
+      else:
+        raise ValueError(f"unknown request {kind!r}")
+      conn.send(("ok", answer))
+    except BaseException:
+      conn.send(("error", traceback.format_exc()))

@@ -1,0 +1,164 @@
+"""The sampler in a process of its own (``rollouts.placement: process``): the same samples as in process, bit for
+bit, on synced weights; failures named; the child's priority and cores; and no child outlives its run."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from orchestrator.live.sampler_process import SAMPLER_NICE, SamplerProcess, SamplerProcessError, SamplerSpec
+from orchestrator.live.tasks import FirstLetter
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.engine
+
+TASK = FirstLetter(length=4, letters=8)
+PROMPTS = [TASK.problem(3, "train", i).prompt for i in range(4) for _ in range(4)]
+
+
+def _spec():
+  from orchestrator.engine.presets import load_preset
+  from orchestrator.recipe.schema import ModelSection
+
+  return SamplerSpec(preset=load_preset("tiny"), model=ModelSection(preset="tiny"), seed=0, max_prompt_length=16,
+                     max_generation_steps=1, alphabet=TASK.answer_alphabet, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def pair():
+  """An in-process sampler and a process sampler built alike, and trained weights to sync to both."""
+  from orchestrator.engine import build_engine
+  from orchestrator.live.sampler import LiveSampler
+  from orchestrator.live.tokenizer import CharTokenizer
+
+  spec = _spec()
+  here = LiveSampler(spec.preset, CharTokenizer(), seed=0, max_prompt_length=16, max_generation_steps=1,
+                     alphabet=TASK.answer_alphabet)
+  there = SamplerProcess(spec, CharTokenizer())
+  engine = build_engine("tiny", rows=4, learning_rate=3e-2)
+  rng = np.random.default_rng(0)
+  import jax
+
+  trained = jax.tree.map(lambda w: np.asarray(w) + rng.normal(0, 0.05, np.shape(w)).astype(np.asarray(w).dtype),
+                         jax.device_get(engine.export_weights()))
+  yield here, there, trained
+  there.close()
+
+
+def _same(a, b):
+  assert a.texts == b.texts
+  for x, y in zip(a.completion_ids + a.logprobs + a.prompt_ids, b.completion_ids + b.logprobs + b.prompt_ids):
+    np.testing.assert_array_equal(x, y)
+
+
+def test_it_samples_what_the_in_process_sampler_samples_bit_for_bit(pair):
+  here, there, trained = pair
+  _same(here.sample(PROMPTS, seed=7), there.sample(PROMPTS, seed=7))
+  assert here.greedy(PROMPTS[:4]) == there.greedy(PROMPTS[:4])
+  here.sync(trained, 5)
+  there.sync(trained, 5)
+  after_here, after_there = here.sample(PROMPTS, seed=7), there.sample(PROMPTS, seed=7)
+  _same(after_here, after_there)
+  assert after_there.weights_version == 5
+
+
+def test_a_sync_reaches_the_child_negative_control(pair):
+  """Samples after a sync differ from those before it: the weights sent are the ones sampled with."""
+  here, there, trained = pair
+  there.sync(trained, 5)
+  synced = there.sample(PROMPTS, seed=7)
+  there.sync(jax_zeros_like(trained), 6)
+  assert any(not np.array_equal(a, b) for a, b in zip(synced.logprobs, there.sample(PROMPTS, seed=7).logprobs))
+  there.sync(trained, 5)
+
+
+def jax_zeros_like(tree):
+  import jax
+
+  return jax.tree.map(np.zeros_like, tree)
+
+
+def test_weights_of_another_model_are_refused_naming_the_shapes_and_the_child_serves_on(pair):
+  _, there, trained = pair
+  import jax
+
+  leaves, treedef = jax.tree.flatten(trained)
+  wrong = jax.tree.unflatten(treedef, [leaves[0][:1], *leaves[1:]])
+  with pytest.raises(SamplerProcessError, match="sync sent weights of shapes"):
+    there.sync(wrong, 9)
+  assert len(there.sample(PROMPTS[:2], seed=1).texts) == 2
+
+
+def test_the_child_runs_below_its_parents_priority_on_its_parents_cores_and_ignores_ctrl_c(pair):
+  _, there, _ = pair
+  there.wait_ready()
+  assert os.getpriority(os.PRIO_PROCESS, there.pid) == os.getpriority(os.PRIO_PROCESS, 0) + SAMPLER_NICE
+  assert os.sched_getaffinity(there.pid) == os.sched_getaffinity(0)
+  os.kill(there.pid, signal.SIGINT)
+  assert len(there.sample(PROMPTS[:2], seed=1).texts) == 2
+
+
+def test_a_child_that_dies_is_named_at_the_next_request():
+  from orchestrator.live.tokenizer import CharTokenizer
+
+  sampler = SamplerProcess(_spec(), CharTokenizer())
+  sampler.wait_ready()
+  os.kill(sampler.pid, signal.SIGKILL)
+  with pytest.raises(SamplerProcessError, match=r"exited \(code -9\) during 'sample'"):
+    sampler.sample(PROMPTS[:2], seed=1)
+  sampler.close()
+
+
+def test_close_ends_the_child_and_a_second_close_does_nothing():
+  from orchestrator.live.tokenizer import CharTokenizer
+
+  sampler = SamplerProcess(_spec(), CharTokenizer())
+  sampler.wait_ready()
+  sampler.close()
+  assert not _alive(sampler.pid)
+  sampler.close()
+  with pytest.raises(SamplerProcessError):
+    sampler.sample(PROMPTS[:2], seed=1)
+
+
+_KILLED_PARENT = '''
+import os, sys, time
+from tests.live.test_sampler_process import _spec
+from orchestrator.live.sampler_process import SamplerProcess
+from orchestrator.live.tokenizer import CharTokenizer
+sampler = SamplerProcess(_spec(), CharTokenizer())
+sampler.wait_ready()
+print(sampler.pid, flush=True)
+time.sleep(600)
+'''
+
+
+def test_a_killed_run_leaves_no_sampler_behind():
+  parent = subprocess.Popen([sys.executable, "-c", _KILLED_PARENT], cwd=REPO, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+  try:
+    child = int(parent.stdout.readline())
+    assert _alive(child)
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 60
+    while _alive(child) and time.monotonic() < deadline:
+      time.sleep(0.2)
+    assert not _alive(child), "the sampler process outlived its killed parent"
+  finally:
+    parent.kill()
+
+
+def _alive(pid: int) -> bool:
+  """Whether ``pid`` runs (a zombie, exited but not yet reaped, does not)."""
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+  except FileNotFoundError:
+    return False
