@@ -88,6 +88,7 @@ class StepMetrics:
     reruns: how many micro-batches were re-run dropless; rerun_micro_batches: which.
     skipped_update: the update was skipped (a non-finite gradient under the skip guard);
       skipped_updates_total: skipped so far in the run.
+    learning_rate: the learning rate the update used (its schedule's value at the updates applied before it).
     extra: anything else the engine reports, by name (JSON-able values).
   """
 
@@ -103,6 +104,7 @@ class StepMetrics:
   rerun_micro_batches: list[int] | None = None
   skipped_update: bool | None = None
   skipped_updates_total: int | None = None
+  learning_rate: float | None = None
   extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
   @classmethod

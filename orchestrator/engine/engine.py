@@ -34,7 +34,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from orchestrator.contract import DeviceMemory, NoCheckpointError, Receipt, StepMetrics
 from orchestrator.data.trajectory import Trajectory
@@ -45,6 +44,7 @@ from orchestrator.engine.programs import StepPrograms
 from orchestrator.engine.checkpointing import Checkpointer
 from orchestrator.engine.diagnostics import backend_compile_count
 from orchestrator.engine.loss import LossConfig, SampledDistribution
+from orchestrator.engine.optimizer import LearningRates, make_optimizer
 from orchestrator.engine.options import EngineOptions
 from orchestrator.engine.presets import ModelPreset, load_preset
 from orchestrator.engine.step_record import FinishedStep, PendingOverflowCheck, StepInProgress
@@ -90,10 +90,8 @@ class JaxTrainingEngine:
     self.rerun_dropped = bool(self.options.retry_when_tokens_dropped)
     self.mesh, self.engine_id, self.aot = mesh_lib.make_mesh(self.mesh_config), next(_engine_ids), aot
     self._checkpointer = Checkpointer(checkpoint_dir) if checkpoint_dir else None
-    optimizer = optax.chain(
-        optax.clip_by_global_norm(self.options.max_grad_norm),
-        optax.adamw(self.options.learning_rate, weight_decay=self.options.weight_decay),
-    )
+    optimizer = make_optimizer(self.options)
+    self._learning_rates = LearningRates(self.options)
     self._throttler = InflightThrottler(self.options.max_inflight)
     self._host_wait_s = 0.0
     self._in_progress = StepInProgress()
@@ -281,7 +279,7 @@ class JaxTrainingEngine:
     """Metrics of the last applied update, read to the host (blocks on that update); all None before one."""
     if self._finished is None:
       return StepMetrics()
-    return self._finished.host_metrics(self._skipped_updates)
+    return self._finished.host_metrics(self._skipped_updates, self._learning_rates)
 
   def state_digest(self) -> str:
     """A sha256 of params and optimizer state: equal digests mean bit-identical training state."""

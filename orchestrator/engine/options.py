@@ -25,6 +25,9 @@ CHECKPOINTING_BACKENDS = ("jax",)
 #: The compute dtypes ``engine.dtype`` may name (``orchestrator.engine.model`` maps them to JAX's).
 COMPUTE_DTYPES = ("float32", "bfloat16")
 
+#: ``engine.lr_schedule``'s values (``orchestrator.engine.optimizer`` defines each).
+LR_SCHEDULES = ("constant", "linear", "cosine")
+
 #: The largest finite float32: optimizer hyperparameters past it are inf on the devices.
 FLOAT32_MAX = 3.4028234663852886e38
 
@@ -38,6 +41,9 @@ class EngineOptions:
       package's engine, stages its inputs) or ``tunix_peft`` (a stock Tunix
       ``PeftTrainer`` with staging added: dense models, one device, no checkpoints).
     learning_rate, weight_decay, max_grad_norm: AdamW with global-norm clipping.
+    lr_schedule, warmup_steps, decay_steps: the learning rate per update (``LR_SCHEDULES``; see
+      ``orchestrator.engine.optimizer``): a linear warm-up over ``warmup_steps`` updates, then constant, or
+      decaying to 0 over ``decay_steps`` updates (linear or cosine; they need it).
     clip_eps_low, clip_eps_high: the ratio clipping range of the loss.
     max_inflight: how many dispatched computations may be queued on the devices.
     seed: weight initialisation seed.
@@ -58,6 +64,9 @@ class EngineOptions:
   learning_rate: float = 1e-3
   weight_decay: float = 0.0
   max_grad_norm: float = 1.0
+  lr_schedule: str = "constant"
+  warmup_steps: int = 0
+  decay_steps: int | None = None
   clip_eps_low: float = 0.2
   clip_eps_high: float = 0.28
   max_inflight: int = 2
@@ -83,6 +92,7 @@ class EngineOptions:
       value = getattr(self, key)
       if not (math.isfinite(value) and value >= 0):
         raise ValueError(f"engine.{key}={value} is out of range: it must be a finite number >= 0")
+    self._validate_schedule()
     if self.dtype not in COMPUTE_DTYPES:
       raise ValueError(f"engine.dtype={self.dtype!r} is not a compute dtype; use one of {', '.join(COMPUTE_DTYPES)}")
     if not 1 <= self.max_inflight <= 1024:
@@ -102,6 +112,22 @@ class EngineOptions:
           "engine.retry_when_tokens_dropped=true with engine.ragged_buffer_factor=-1 (fully"
           " dropless) has nothing to re-run; set a capacity factor > 0 or turn the retry off"
       )
+
+  def _validate_schedule(self) -> None:
+    if self.lr_schedule not in LR_SCHEDULES:
+      raise ValueError(f"engine.lr_schedule={self.lr_schedule!r} is not a schedule; use one of"
+                       f" {', '.join(LR_SCHEDULES)}")
+    if not 0 <= self.warmup_steps <= 10**9:
+      raise ValueError(f"engine.warmup_steps={self.warmup_steps} is out of range: it must be in [0, 10**9]")
+    if self.lr_schedule == "constant":
+      if self.decay_steps is not None:
+        raise ValueError(f"engine.decay_steps={self.decay_steps} is for a decaying schedule, but"
+                         " engine.lr_schedule=constant; set engine.lr_schedule=linear or cosine, or drop it")
+    elif self.decay_steps is None:
+      raise ValueError(f"engine.lr_schedule={self.lr_schedule} needs engine.decay_steps: the updates over which"
+                       " the rate decays to 0 after the warm-up (e.g. the run's steps)")
+    elif not 1 <= self.decay_steps <= 10**9:
+      raise ValueError(f"engine.decay_steps={self.decay_steps} is out of range: it must be in [1, 10**9]")
 
   def _validate_for(self, preset: ModelPreset) -> None:
     if self.retry_when_tokens_dropped and not preset.is_moe:

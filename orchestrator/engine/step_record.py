@@ -14,6 +14,7 @@ from typing import Any
 import jax
 
 from orchestrator.contract import StepMetrics
+from orchestrator.engine.optimizer import LearningRates
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -45,9 +46,11 @@ class FinishedStep:
   reruns: list
   skipped: bool
 
-  def host_metrics(self, skipped_updates_total: int) -> StepMetrics:
-    """The step's metrics read to the host (blocks on its update)."""
+  def host_metrics(self, skipped_updates_total: int, learning_rates: LearningRates) -> StepMetrics:
+    """The step's metrics read to the host (blocks on its update), with the learning rate its update used
+    (``learning_rates``, at the updates the optimizer applied before it: a skipped one does not count)."""
     device, micro, dropped = jax.device_get((self.device, self.micro_losses, self.micro_dropped))
+    applied_before = self.step - 1 - (skipped_updates_total - int(bool(self.skipped)))  # step: count after it
     return StepMetrics(
         step=self.step, loss=float(device["loss"]), grad_norm=float(device["grad_norm"]),
         tokens=int(device["tokens"]), micro_batches=self.micro_batches,
@@ -56,6 +59,7 @@ class FinishedStep:
         dropped_tokens=[int(d) for d in dropped],
         reruns=len(self.reruns), rerun_micro_batches=list(self.reruns),
         skipped_update=self.skipped, skipped_updates_total=skipped_updates_total,
+        learning_rate=learning_rates.at(applied_before),
     )
 
 

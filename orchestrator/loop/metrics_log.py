@@ -64,6 +64,7 @@ SCALARS: dict[str, Callable[[BoundaryRecord], float | int | None]] = {
     "timing/micro_batch_s": lambda r: _mean(r.micro_batch_s),  # the mean over the step's micro-batches
     "train/loss": lambda r: r.loss,
     "train/grad_norm": lambda r: r.grad_norm,
+    "train/learning_rate": lambda r: r.learning_rate,
     "train/tokens_per_s": lambda r: _per_second(r.tokens, r.step_s),  # tokens that carried loss, per step second
     "rollout/reward_mean": lambda r: r.reward_mean,
     "rollout/reward_std": lambda r: r.reward_std,

@@ -124,6 +124,8 @@ class BoundaryRecord:
   # The measured step saving (control − staged, mean seconds) the policy judged by once this step was in; None
   # until enough controls since staging last turned on (policies.saving).
   saving_s: float | None = None
+  # The learning rate the step's update used (engine.lr_schedule); None where the engine does not say.
+  learning_rate: float | None = None
 
   def to_json(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
@@ -291,7 +293,7 @@ class Recorder:
         checkpoint_s=spans.get("checkpoint_s"), checkpoint_path=boundary.checkpoint_path,
         weight_sync_s=spans.get("weight_sync_s"),
         staged_digest=boundary.stage.input_digest if boundary.stage else None,
-        loss=metrics.loss, grad_norm=metrics.grad_norm, tokens=metrics.tokens,
+        loss=metrics.loss, grad_norm=metrics.grad_norm, tokens=metrics.tokens, learning_rate=metrics.learning_rate,
         reruns=metrics.reruns, rerun_micro_batches=metrics.rerun_micro_batches,
         dropped_tokens=metrics.dropped_tokens,
         t_update_ready=update_ready - self.run_start,

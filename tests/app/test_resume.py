@@ -90,6 +90,24 @@ def test_a_resumed_run_trains_like_an_uninterrupted_one(model, mode, reference_d
 
 
 @pytest.mark.e2e
+def test_a_resumed_run_continues_its_learning_rate_schedule_exactly(tmp_path):
+  """The schedule's position is the optimizer's update count, in the checkpoint: a run resumed inside a warm-up
+  and decay trains what an uninterrupted one trains, and its records carry each update's rate."""
+  schedule = ["engine.lr_schedule=cosine", "engine.warmup_steps=2", "engine.decay_steps=2"]
+  whole, run = tmp_path / "whole", tmp_path / "run"
+  assert cli.main(DENSE + PINNED + schedule + ["steps=4", "--out", str(whole)]) == 0
+  assert cli.main(DENSE + PINNED + schedule + ["steps=3", "checkpoint.every=3", "--out", str(run)]) == 0
+  assert cli.main(["--resume", str(run), "--steps", "4"]) == 0
+  assert _summary(run)["final_state_digest"] == _summary(whole)["final_state_digest"]
+  rates = [r["learning_rate"] for r in _records(run)]
+  lr = rates[2]  # the recipe's engine.learning_rate, reached at the end of the warm-up
+  assert lr > 0 and rates == pytest.approx([0.0, lr / 2, lr, lr / 2])
+  constant = tmp_path / "constant"  # negative control: without the schedule the digest differs
+  assert cli.main(DENSE + PINNED + ["steps=4", "--out", str(constant)]) == 0
+  assert _summary(constant)["final_state_digest"] != _summary(whole)["final_state_digest"]
+
+
+@pytest.mark.e2e
 def test_a_completed_run_keeps_its_final_weights_and_without_a_checkpoint_it_cannot_resume(tmp_path, capsys):
   """A run without checkpoint.every still checkpoints its last step (summary.json names it); with that
   checkpoint gone there is nothing to resume from."""
