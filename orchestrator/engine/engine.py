@@ -100,7 +100,8 @@ class JaxTrainingEngine:
     self._training = state = TrainingState(self.preset, self.options, self.mesh, optimizer)
     self._inputs = MicroBatchInputs(self.rows, self.tokens_per_row, self.preset.vocab_size, state.batch_shardings)
     self._programs = StepPrograms(
-        state.graphdefs, LossConfig(self.options.clip_eps_low, self.options.clip_eps_high, sampled),
+        state.graphdefs, LossConfig(self.options.clip_eps_low, self.options.clip_eps_high, sampled,
+                                    self.options.loss_aggregation, self.tokens_per_row),
         optimizer, rerun_dropped=self.rerun_dropped, param_shardings=state.param_shardings,
         opt_shardings=state.opt_shardings, scalar_sharding=state.scalar_sharding,
         batch_shardings=state.batch_shardings, aot=aot)

@@ -1,6 +1,6 @@
-"""GRPO-style clipped policy-gradient loss over packed rows, as a sum and its token count.
+"""GRPO-style clipped policy-gradient loss over packed rows, as a sum and its denominator.
 
-Returning the *sum* and the denominator (completion tokens) lets the engine
+Returning the *sum* and the denominator (completion tokens, or sequences) lets the engine
 accumulate micro-batches and divide once in ``update()``, so M micro-batches and
 one update equal one batch of M times the rows, up to float reassociation.
 
@@ -55,12 +55,17 @@ class SampledDistribution:
 
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
-  """Clipping range of the probability ratio (PPO/GRPO style, asymmetric allowed), and the distribution the
-  rollouts were sampled from."""
+  """Clipping range of the probability ratio (PPO/GRPO style, asymmetric allowed: DAPO's ε_low/ε_high), the
+  distribution the rollouts were sampled from, and how token losses are averaged (``policy_loss_sum``).
+
+  ``norm_tokens``: ``seq_mean_token_sum_norm``'s constant, the most tokens a trajectory may have (the engine's
+  ``tokens_per_row``)."""
 
   clip_eps_low: float = 0.2
   clip_eps_high: float = 0.28
   sampled: SampledDistribution | None = None  # None: the model's own distribution
+  aggregation: str = "token_mean"
+  norm_tokens: int = 1
 
 
 def attention_mask(segment_ids: jax.Array) -> jax.Array:
@@ -73,7 +78,15 @@ def attention_mask(segment_ids: jax.Array) -> jax.Array:
 
 
 def policy_loss_sum(logits: jax.Array, batch: dict, config: LossConfig):
-  """Returns ``(loss_sum, token_count)`` of the clipped surrogate over completion tokens."""
+  """Returns ``(loss_sum, denominator, token_count)`` of the clipped surrogate l_st over completion tokens t of
+  sequences s; the step's loss is the micro-batches' summed ``loss_sum`` over their summed ``denominator``,
+  so micro-batches accumulate exactly. Per ``config.aggregation`` (``engine.loss_aggregation``):
+
+  * ``token_mean``: Σ_st l_st / Σ_s L_s — every completion token weighs the same (L_s: s's completion tokens);
+  * ``seq_mean_token_mean``: (1/N) Σ_s (1/L_s) Σ_t l_st — every sequence weighs the same (N: sequences);
+  * ``seq_mean_token_sum_norm``: Σ_st l_st / (N · norm_tokens) — Dr. GRPO's constant normaliser: no length
+    bias in either direction.
+  """
   if config.sampled is not None and not config.sampled.is_plain(logits.shape[-1]):
     logits = config.sampled.logits(logits)
   logp = rl_common.selective_log_softmax(logits, batch["target_tokens"])
@@ -85,4 +98,22 @@ def policy_loss_sum(logits: jax.Array, batch: dict, config: LossConfig):
   clipped = jnp.clip(ratio, 1.0 - config.clip_eps_low, 1.0 + config.clip_eps_high) * adv
   per_token = -jnp.minimum(unclipped, clipped)
   mask = batch["loss_mask"]
-  return jnp.sum(per_token * mask), jnp.sum(mask)
+  tokens = jnp.sum(mask)
+  if config.aggregation == "token_mean":
+    return jnp.sum(per_token * mask), tokens, tokens
+  lengths, sequences = sequence_lengths(mask, batch["segment_ids"])
+  if config.aggregation == "seq_mean_token_mean":
+    return jnp.sum(per_token * mask / jnp.maximum(lengths, 1.0)), sequences, tokens
+  if config.aggregation == "seq_mean_token_sum_norm":
+    return jnp.sum(per_token * mask), sequences * float(config.norm_tokens), tokens
+  raise ValueError(f"loss aggregation {config.aggregation!r}: use one of token_mean, seq_mean_token_mean,"
+                   " seq_mean_token_sum_norm")
+
+
+def sequence_lengths(mask: jax.Array, segment_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Each token's sequence's loss-carrying token count ([B, T]), and how many sequences carry loss: a packed
+  row holds several sequences (segment ids 1, 2, …; 0 is padding), each within one row."""
+  rows, width = segment_ids.shape
+  flat = (segment_ids + jnp.arange(rows, dtype=segment_ids.dtype)[:, None] * (width + 1)).reshape(-1)
+  counts = jax.ops.segment_sum(mask.reshape(-1), flat, num_segments=rows * (width + 1))
+  return counts[flat].reshape(rows, width), jnp.sum((counts > 0).astype(jnp.float32))

@@ -28,6 +28,9 @@ COMPUTE_DTYPES = ("float32", "bfloat16")
 #: ``engine.lr_schedule``'s values (``orchestrator.engine.optimizer`` defines each).
 LR_SCHEDULES = ("constant", "linear", "cosine")
 
+#: ``engine.loss_aggregation``'s values (``orchestrator.engine.loss.policy_loss_sum`` defines each).
+LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+
 #: The largest finite float32: optimizer hyperparameters past it are inf on the devices.
 FLOAT32_MAX = 3.4028234663852886e38
 
@@ -44,7 +47,9 @@ class EngineOptions:
     lr_schedule, warmup_steps, decay_steps: the learning rate per update (``LR_SCHEDULES``; see
       ``orchestrator.engine.optimizer``): a linear warm-up over ``warmup_steps`` updates, then constant, or
       decaying to 0 over ``decay_steps`` updates (linear or cosine; they need it).
-    clip_eps_low, clip_eps_high: the ratio clipping range of the loss.
+    clip_eps_low, clip_eps_high: the ratio clipping range of the loss: [1 - low, 1 + high] (DAPO's ε_low, ε_high).
+    loss_aggregation: how token losses average into the step's loss (``LOSS_AGGREGATIONS``): per token, per
+      sequence, or over a constant (Dr. GRPO); ``orchestrator.engine.loss.policy_loss_sum`` has the formulas.
     max_inflight: how many dispatched computations may be queued on the devices.
     seed: weight initialisation seed.
     ragged_buffer_factor: MoE expert capacity factor (see ``moe``); -1 routes
@@ -69,6 +74,7 @@ class EngineOptions:
   decay_steps: int | None = None
   clip_eps_low: float = 0.2
   clip_eps_high: float = 0.28
+  loss_aggregation: str = "token_mean"
   max_inflight: int = 2
   seed: int = 0
   ragged_buffer_factor: float = -1.0
@@ -93,6 +99,9 @@ class EngineOptions:
       if not (math.isfinite(value) and value >= 0):
         raise ValueError(f"engine.{key}={value} is out of range: it must be a finite number >= 0")
     self._validate_schedule()
+    if self.loss_aggregation not in LOSS_AGGREGATIONS:
+      raise ValueError(f"engine.loss_aggregation={self.loss_aggregation!r} is not an aggregation; use one of"
+                       f" {', '.join(LOSS_AGGREGATIONS)}")
     if self.dtype not in COMPUTE_DTYPES:
       raise ValueError(f"engine.dtype={self.dtype!r} is not a compute dtype; use one of {', '.join(COMPUTE_DTYPES)}")
     if not 1 <= self.max_inflight <= 1024:

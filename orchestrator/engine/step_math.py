@@ -19,16 +19,17 @@ from orchestrator.engine.loss import LossConfig, attention_mask, policy_loss_sum
 
 
 def loss_sum_fn(graphdef: Any, loss_config: LossConfig) -> Callable:
-  """``(params, batch) -> (loss_sum, (token_count, dropped_tokens))`` for one packed micro-batch."""
+  """``(params, batch) -> (loss_sum, ([denominator, token_count], dropped_tokens))`` for one packed micro-batch
+  (``loss.policy_loss_sum``)."""
 
   def loss_sum(params, batch):
     model = nnx.merge(graphdef, params)
     with moe_lib.routing_scope(batch["segment_ids"] > 0) as dropped:
       logits, _ = model(batch["input_tokens"], batch["positions"], None,
                         attention_mask(batch["segment_ids"]))
-    total, count = policy_loss_sum(logits, batch, loss_config)
+    total, denominator, tokens = policy_loss_sum(logits, batch, loss_config)
     dropped_tokens = sum(dropped) if dropped else jnp.float32(0)
-    return total, (count, dropped_tokens)
+    return total, (jnp.stack([denominator, tokens]), dropped_tokens)
 
   return loss_sum
 
@@ -36,7 +37,7 @@ def loss_sum_fn(graphdef: Any, loss_config: LossConfig) -> Callable:
 def accumulate_fn(graphdef: Any, loss_config: LossConfig, *, mask_overflow: bool,
                   on_trace: Callable[[], None]) -> Callable:
   """``(params, grad_acc, loss_acc, denom_acc, batch)`` → accumulators plus this micro-batch's
-  loss sum, token count, dropped tokens and overflow flag.
+  loss sum, token count, dropped tokens and overflow flag. ``denom_acc`` is [the loss's denominator, tokens].
 
   With ``mask_overflow`` (dropless re-runs) a micro-batch that dropped tokens
   adds nothing; its re-run adds its gradients once. The mask runs on the
@@ -46,22 +47,22 @@ def accumulate_fn(graphdef: Any, loss_config: LossConfig, *, mask_overflow: bool
 
   def accumulate(params, grad_acc, loss_acc, denom_acc, batch):
     on_trace()
-    (total, (count, dropped)), grads = jax.value_and_grad(loss_sum, has_aux=True)(params, batch)
+    (total, (denominators, dropped)), grads = jax.value_and_grad(loss_sum, has_aux=True)(params, batch)
     overflow = dropped > 0
     if mask_overflow:
       keep = jnp.logical_not(overflow)
       grads = jax.tree.map(lambda g: jnp.where(keep, g, jnp.zeros_like(g)), grads)
       total = jnp.where(keep, total, 0.0)
-      count = jnp.where(keep, count, 0.0)
+      denominators = jnp.where(keep, denominators, 0.0)
     grad_acc = jax.tree.map(jnp.add, grad_acc, grads)
-    return grad_acc, loss_acc + total, denom_acc + count, total, count, dropped, overflow
+    return grad_acc, loss_acc + total, denom_acc + denominators, total, denominators[1], dropped, overflow
 
   return accumulate
 
 
 def mean_grads(grad_acc: Any, denom_acc: jax.Array) -> Any:
-  """Accumulated gradient sums divided by the step's token count."""
-  scale = 1.0 / jnp.maximum(denom_acc, 1.0)
+  """Accumulated gradient sums divided by the step's loss denominator (``denom_acc[0]``)."""
+  scale = 1.0 / jnp.maximum(denom_acc[0], 1.0)
   return jax.tree.map(lambda g: g * scale, grad_acc)
 
 
@@ -75,8 +76,8 @@ def apply_fn(optimizer: optax.GradientTransformation, *, on_trace: Callable[[], 
     grad_norm = optax.tree.norm(grads)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
-    metrics = {"loss": loss_acc * (1.0 / jnp.maximum(denom_acc, 1.0)),
-               "grad_norm": grad_norm, "tokens": denom_acc}
+    metrics = {"loss": loss_acc * (1.0 / jnp.maximum(denom_acc[0], 1.0)),
+               "grad_norm": grad_norm, "tokens": denom_acc[1]}
     zeros = jax.tree.map(jnp.zeros_like, grad_acc)
     return params, opt_state, zeros, jnp.zeros_like(loss_acc), jnp.zeros_like(denom_acc), metrics
 

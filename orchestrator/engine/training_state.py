@@ -34,7 +34,7 @@ class TrainingState:
     graphdefs: the model's graph definitions by name (``"capacity"``, ``"dropless"``).
     param_shardings, opt_shardings, scalar_sharding, batch_shardings: the shardings the programs take.
     params, opt_state: the training state.
-    grad_acc, loss_acc, denom_acc: the step's gradient, loss and token-count accumulators.
+    grad_acc, loss_acc, denom_acc: the step's gradient, loss and [loss denominator, token count] accumulators.
   """
 
   def __init__(self, preset: ModelPreset, options: EngineOptions, mesh, optimizer):
@@ -59,13 +59,13 @@ class TrainingState:
 
   @property
   def accumulators(self) -> tuple:
-    """(gradient, loss, token count) accumulated over the step so far."""
+    """(gradient, loss, [loss denominator, token count]) accumulated over the step so far."""
     return self.grad_acc, self.loss_acc, self.denom_acc
 
   def zero_accumulators(self) -> None:
     self.grad_acc = self._zeros_jit(self.params)
     self.loss_acc = jax.device_put(np.float32(0), self.scalar_sharding)
-    self.denom_acc = jax.device_put(np.float32(0), self.scalar_sharding)
+    self.denom_acc = jax.device_put(np.zeros(2, np.float32), self.scalar_sharding)
 
   def accumulate(self, program, batch) -> tuple:
     """Dispatches an accumulate program on ``batch``; keeps its accumulators and returns its

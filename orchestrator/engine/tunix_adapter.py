@@ -91,8 +91,8 @@ class TunixTrainerEngine:
       batch = {"target_tokens": target_tokens, "loss_mask": loss_mask, "advantages": advantages,
                "old_logprobs": old_logprobs, "old_logprobs_mask": old_logprobs_mask}
       logits, _ = model(input_tokens, positions, None, attention_mask(segment_ids))
-      total, count = policy_loss_sum(logits, batch, loss_config)
-      return total / jnp.maximum(count, 1.0)
+      total, denominator, _ = policy_loss_sum(logits, batch, loss_config)
+      return total / jnp.maximum(denominator, 1.0)
 
     self.trainer = peft_trainer.PeftTrainer(
         self.model,
@@ -208,7 +208,7 @@ def build_tunix_engine(preset: str | ModelPreset, *, mesh: Mapping[str, int] | N
     raise ValueError("engine.backend=tunix_peft does not write checkpoints; drop the checkpoint settings")
   unsupported = {k: v for k, v in options.items()
                  if k in ("ragged_buffer_factor", "retry_when_tokens_dropped", "skip_nonfinite_updates",
-                          "max_inflight", "lr_schedule", "warmup_steps", "decay_steps")
+                          "max_inflight", "lr_schedule", "warmup_steps", "decay_steps", "loss_aggregation")
                  and v != getattr(EngineOptions(), k)}
   if unsupported:
     raise ValueError(f"engine.backend=tunix_peft cannot honour {unsupported}; leave them at their defaults")

@@ -398,6 +398,8 @@ CASES = [
                                          "trainer.spawn=true"], {}, "trainer.location=remote drives one trainer"),
     ("live-placement-unknown", ["rollouts.placement=apart"], {}, "rollouts.placement='apart': use one of shared, split"),
     ("live-devices-when-shared", ["rollouts.devices=2"], {}, "rollouts.devices=2 is for rollouts.placement=split"),
+    ("loss-aggregation-unknown", ["engine.loss_aggregation=sum"], {},
+     "engine.loss_aggregation='sum' is not an aggregation; use one of token_mean"),
     ("lr-schedule-unknown", ["engine.lr_schedule=step"], {}, "engine.lr_schedule='step' is not a schedule"),
     ("lr-schedule-no-decay", ["engine.lr_schedule=cosine"], {}, "engine.lr_schedule=cosine needs engine.decay_steps"),
     ("lr-decay-when-constant", ["engine.decay_steps=10"], {}, "engine.decay_steps=10 is for a decaying schedule"),

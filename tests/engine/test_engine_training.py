@@ -8,6 +8,8 @@ import pytest
 
 from orchestrator.engine import build_engine
 from orchestrator.engine.mesh import MeshConfig, describe_devices, device_summary, missing_devices
+from orchestrator.engine.optimizer import LearningRates
+from orchestrator.engine.options import EngineOptions
 from orchestrator.engine.step_record import StepInProgress
 from tests.engine_helpers import run_unstaged
 
@@ -148,7 +150,9 @@ def test_the_step_in_progress_records_each_micro_batch_once_and_a_finished_step_
                          skipped=False)
   step.reset()
   step.record(0, np.float32(9.0), np.int32(1), np.int32(1))
-  metrics = finished.host_metrics(skipped_updates_total=1)
+  rates = LearningRates(EngineOptions(learning_rate=0.5, warmup_steps=10))
+  metrics = finished.host_metrics(skipped_updates_total=1, learning_rates=rates)
+  assert metrics.learning_rate == 0.5 * 5 / 10  # update 7 after one skipped: the optimizer applied 5 before it
   assert metrics.step == 7 and metrics.micro_batches == 2 and metrics.micro_batch_loss_sums == [5.0, 3.0]
   assert metrics.dropped_tokens == [2, 0] and metrics.rerun_micro_batches == [0] and metrics.reruns == 1
   assert metrics.loss == 2.0 and not metrics.skipped_update and metrics.skipped_updates_total == 1
