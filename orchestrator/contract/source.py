@@ -43,6 +43,10 @@ class RolloutStats:
     sampled_tokens_per_s: completion tokens sampled per second of sampling; None if nothing was timed.
     micro_batch_wait_s: seconds the loop waited, inside the step, for its micro-batches after the first
       (which the boundary before waited for: ``rollout_wait_s``); 0 when each was sampled before it was due.
+    reward_min, reward_max: over the step's completions.
+    completion_tokens_mean, completion_tokens_max: the step's completions' lengths, in tokens.
+    truncated_fraction: the share of the step's completions cut at the length limit (no end token sampled);
+      None for fixed-length answers, which have no end.
   """
 
   weights_version: int
@@ -52,6 +56,11 @@ class RolloutStats:
   accuracy: float
   sampled_tokens_per_s: float | None
   micro_batch_wait_s: float = 0.0
+  reward_min: float | None = None
+  reward_max: float | None = None
+  completion_tokens_mean: float | None = None
+  completion_tokens_max: int | None = None
+  truncated_fraction: float | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -127,8 +127,13 @@ class BatchRollouts:
   correct: list[list[bool]] = dataclasses.field(default_factory=list)  # the task's own check, per trajectory
   sampled_tokens: list[int] = dataclasses.field(default_factory=list)  # per micro-batch
   sampling_s: list[float] = dataclasses.field(default_factory=list)  # per micro-batch
+  # Per trajectory, whether its completion was cut at the length limit; None: fixed-length answers (no end).
+  truncated: list[list[bool]] | None = None
 
-  def add(self, payload: list[Trajectory], rewards, correct, tokens: int, seconds: float) -> None:
+  def add(self, payload: list[Trajectory], rewards, correct, tokens: int, seconds: float,
+          truncated: list[bool] | None = None) -> None:
+    if truncated is not None:
+      self.truncated = (self.truncated or []) + [[bool(t) for t in truncated]]
     self.payloads.append(payload)
     self.rewards.append([float(r) for r in rewards])
     self.correct.append([bool(c) for c in correct])
@@ -140,13 +145,18 @@ class BatchRollouts:
     they were sampled in, and how far behind ``step`` the weights that sampled them are."""
     rewards = np.asarray([r for m in schedule.mini_batch(step, self.rewards) for r in m], np.float32)
     correct = [c for m in schedule.mini_batch(step, self.correct) for c in m]
+    lengths = [len(t.completion_ids) for m in schedule.mini_batch(step, self.payloads) for t in m]
+    truncated = (None if self.truncated is None
+                 else float(np.mean([c for m in schedule.mini_batch(step, self.truncated) for c in m])))
     sampled = schedule.sampled_range(step)
     tokens, seconds = sum(self.sampled_tokens[i] for i in sampled), sum(self.sampling_s[i] for i in sampled)
     return RolloutStats(weights_version=self.weights_version, staleness=step - self.weights_version,
                         reward_mean=float(rewards.mean()), reward_std=float(rewards.std()),
                         accuracy=float(np.mean(correct)),
                         sampled_tokens_per_s=tokens / seconds if seconds > 0 else None,
-                        micro_batch_wait_s=micro_batch_wait_s)
+                        micro_batch_wait_s=micro_batch_wait_s, reward_min=float(rewards.min()),
+                        reward_max=float(rewards.max()), completion_tokens_mean=float(np.mean(lengths)),
+                        completion_tokens_max=int(max(lengths)), truncated_fraction=truncated)
 
   def to_json(self) -> dict[str, Any]:
     payloads = [[{"prompt_ids": t.prompt_ids.tolist(), "completion_ids": t.completion_ids.tolist(),
@@ -242,8 +252,8 @@ class SampledBatches:
     """The next micro-batch of ``batch`` (one of ``sample_micro_batches``' results), sampled with ``version`` in
     ``seconds``; a batch taken before it was complete is recorded once it is."""
     rollouts = self.batches.setdefault(batch, BatchRollouts(batch, version))
-    payload, rewards, correct, tokens = sampled
-    rollouts.add(payload, rewards, correct, tokens, seconds)
+    payload, rewards, correct, tokens, truncated = sampled
+    rollouts.add(payload, rewards, correct, tokens, seconds, truncated)
     if batch in self.taken:
       self._record(batch)
 

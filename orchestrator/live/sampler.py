@@ -33,7 +33,8 @@ class Samples:
   """Completions of ``prompts`` (one per prompt), with their per-token log-probs under the sampler.
 
   ``prompt_ids[i]`` are the ids the model was given (bos where the tokenizer has one, the prompt as
-  formatted); ``completion_ids[i]`` ends with the eos id when the model produced one.
+  formatted); ``completion_ids[i]`` ends with the eos id when the model produced one. ``ended[i]``: whether it
+  did (False: cut at ``max_generation_steps``); None for a fixed-length answer alphabet, which has no end.
   """
 
   prompts: list[str]
@@ -42,6 +43,7 @@ class Samples:
   logprobs: list[np.ndarray]
   texts: list[str]
   weights_version: int
+  ended: list[bool] | None = None
 
 
 def sampled_token_ids(tokenizer, alphabet: str | None) -> list[int]:
@@ -97,6 +99,7 @@ class LiveSampler:
     allowed = set(sampled_token_ids(tokenizer, alphabet))
     self._forbidden = [i for i in range(preset.vocab_size) if i not in allowed]
     self._eos_ids = list(getattr(tokenizer, "eos_ids", [tokenizer.eos_id()]))
+    self._fixed_length = alphabet is not None  # answers end at their length: no eos is ever sampled
     self._format = getattr(tokenizer, "format_prompt", None)
     self.weights_version = 0
 
@@ -143,12 +146,14 @@ class LiveSampler:
     return [self.tokenizer.decode(ids) for ids in out.tokens]
 
   def _samples(self, prompts: Sequence[str], out) -> Samples:
-    completions, logprobs = [], []
+    completions, logprobs, ended = [], [], []
     for ids, lp in zip(out.tokens, out.logprobs):
       ids = np.asarray(ids, np.int32)
       ends = np.isin(ids, self._eos_ids)
       end = int(np.argmax(ends)) + 1 if np.any(ends) else len(ids)
       completions.append(ids[:end])
       logprobs.append(np.asarray(lp, np.float32)[:end])
+      ended.append(bool(np.any(ends)))
     return Samples(list(prompts), [self.prompt_ids(p) for p in prompts],
-                   completions, logprobs, [self.tokenizer.decode(c) for c in completions], self.weights_version)
+                   completions, logprobs, [self.tokenizer.decode(c) for c in completions], self.weights_version,
+                   None if self._fixed_length else ended)

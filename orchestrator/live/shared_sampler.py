@@ -88,7 +88,8 @@ def sample_micro_batches(sampler: LiveSampler, task, reward: Reward, shape, batc
   batch) in one call with the sampler's current weights: per micro-batch (payload, rewards, correct, completion
   tokens). Their problems and the call's seed are functions of (seed, batch, first) and the count alone, so one
   micro-batch per call samples each as it always was. ``cancelled``: whether the source is closing (a reward
-  call still running is then given up: ``rewards.CallCancelled``)."""
+  call still running is then given up: ``rewards.CallCancelled``). Each micro-batch's last item says which
+  completions were cut at the length limit (None: a fixed-length answer, which has no end)."""
   g, groups = shape.generations_per_group, shape.groups_per_micro_batch
   first_group = (batch * shape.micro_batches_per_batch + first) * groups
   problems = [task.problem(shape.seed, "train", first_group + j) for j in range(count * groups)]
@@ -107,7 +108,8 @@ def sample_micro_batches(sampler: LiveSampler, task, reward: Reward, shape, batc
     advantages = group_advantages(rewards, g)
     payload = [Trajectory(samples.prompt_ids[k], samples.completion_ids[k], float(advantages[k - m * rows]),
                           samples.logprobs[k], first_group + k // g) for k in range(m * rows, (m + 1) * rows)]
-    out.append((payload, rewards, correct, int(sum(len(c) for c in samples.completion_ids[rows_m]))))
+    truncated = None if samples.ended is None else [not e for e in samples.ended[rows_m]]
+    out.append((payload, rewards, correct, int(sum(len(c) for c in samples.completion_ids[rows_m])), truncated))
   return out
 
 

@@ -68,6 +68,11 @@ SCALARS: dict[str, Callable[[BoundaryRecord], float | int | None]] = {
     "train/tokens_per_s": lambda r: _per_second(r.tokens, r.step_s),  # tokens that carried loss, per step second
     "rollout/reward_mean": lambda r: r.reward_mean,
     "rollout/reward_std": lambda r: r.reward_std,
+    "rollout/reward_min": lambda r: r.reward_min,
+    "rollout/reward_max": lambda r: r.reward_max,
+    "rollout/completion_tokens_mean": lambda r: r.completion_tokens_mean,
+    "rollout/completion_tokens_max": lambda r: r.completion_tokens_max,
+    "rollout/truncated_fraction": lambda r: r.truncated_fraction,  # cut at the length limit (no end sampled)
     "rollout/accuracy": lambda r: r.accuracy,
     "rollout/staleness": lambda r: r.staleness,
     "rollout/wait_s": lambda r: r.rollout_wait_s,  # how long the boundary waited for the next step's rollouts

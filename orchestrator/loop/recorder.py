@@ -126,6 +126,13 @@ class BoundaryRecord:
   saving_s: float | None = None
   # The learning rate the step's update used (engine.lr_schedule); None where the engine does not say.
   learning_rate: float | None = None
+  # A live source: the step's rewards' range, its completions' lengths and the share cut at the length limit
+  # (RolloutStats; None for fixed-length answers).
+  reward_min: float | None = None
+  reward_max: float | None = None
+  completion_tokens_mean: float | None = None
+  completion_tokens_max: int | None = None
+  truncated_fraction: float | None = None
 
   def to_json(self) -> dict[str, Any]:
     return dataclasses.asdict(self)

@@ -9,11 +9,13 @@ import json
 import re
 import shutil
 
+import numpy as np
 import pytest
 
 from orchestrator import recipe as recipe_lib
 from orchestrator.live import rollout_batches
-from orchestrator.live.rollout_batches import BatchSchedule
+from orchestrator.data.trajectory import Trajectory
+from orchestrator.live.rollout_batches import BatchRollouts, BatchSchedule
 from orchestrator.live.weight_versions import WeightVersions
 
 STEPS, MICRO, BATCH_STEPS, EPOCHS = 6, 2, 2, 2  # a batch serves 4 steps: the run ends inside its second batch
@@ -348,3 +350,26 @@ def test_a_run_ending_inside_a_batch_extends_by_resume_like_a_longer_run(tmp_pat
   five = _digest(capsys.readouterr().out)
   assert cli.main(["--resume", str(run), "--steps", str(STEPS)]) == 0
   assert _digest(capsys.readouterr().out) == six != five
+
+
+def _trajectory(completion_tokens: int, group: int) -> Trajectory:
+  return Trajectory(np.array([1], np.int32), np.arange(completion_tokens, dtype=np.int32), 0.0,
+                    np.zeros(completion_tokens, np.float32), group)
+
+
+@pytest.mark.spec
+def test_a_steps_stats_give_its_rewards_range_completion_lengths_and_the_share_cut_at_the_limit():
+  """Two steps of one micro-batch in one sampled batch: each step's figures are its own micro-batch's."""
+  schedule = BatchSchedule(micro_batches_per_step=1, generations_per_group=2, batch_steps=2)
+  rollouts = BatchRollouts(0, 0)
+  rollouts.add([_trajectory(3, 0), _trajectory(5, 0)], [0.0, 1.0], [False, True], 8, 0.5, [False, True])
+  rollouts.add([_trajectory(2, 1), _trajectory(2, 1)], [0.5, 0.5], [False, False], 4, 0.5, [False, False])
+  first, second = rollouts.stats(schedule, 0), rollouts.stats(schedule, 1)
+  assert (first.reward_min, first.reward_max, first.completion_tokens_mean, first.completion_tokens_max,
+          first.truncated_fraction) == (0.0, 1.0, 4.0, 5, 0.5)
+  assert (second.reward_min, second.reward_max, second.completion_tokens_mean, second.completion_tokens_max,
+          second.truncated_fraction) == (0.5, 0.5, 2.0, 2, 0.0)
+  fixed = BatchRollouts(0, 0)  # fixed-length answers have no end: no share is claimed
+  fixed.add([_trajectory(1, 0), _trajectory(1, 0)], [1.0, 0.0], [True, False], 2, 0.1)
+  assert fixed.stats(BatchSchedule(micro_batches_per_step=1, generations_per_group=2), 0).truncated_fraction is None
+  assert BatchRollouts.from_json(rollouts.to_json()).truncated == [[False, True], [False, False]]

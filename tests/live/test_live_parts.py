@@ -164,6 +164,11 @@ def test_sampling_is_a_function_of_the_seed_and_stays_in_the_alphabet(sampler):
   for ids, lp in zip(a.completion_ids, a.logprobs):
     assert len(ids) == len(lp) and np.all(lp <= 0) and np.all(ids >= 2) and np.all(ids < tok.vocab_size)
   assert a.weights_version == 0
+  # ended: a completion that stops before the limit ends with eos; one that does not was cut at the limit
+  many = sampler.sample(["3+4%7="] * 64, seed=5)
+  for ids, ended in zip(many.completion_ids, many.ended):
+    assert ended == (int(ids[-1]) == EOS) and (ended or len(ids) == 4)
+  assert any(many.ended) and not all(many.ended)
 
 
 @pytest.mark.engine
