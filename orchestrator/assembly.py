@@ -26,6 +26,7 @@ from orchestrator.live.tasks import max_generation_steps
 from orchestrator.loop.metrics_log import MetricsLog, open_metrics_log
 from orchestrator.loop.program import ProgramConfig, RLProgram
 from orchestrator.loop.recorder import BoundaryRecord
+from orchestrator.loop.sample_log import SAMPLES_FILE, SampleLog
 from orchestrator.loop.trainer_worker import TrainerWorker, WorkerCapabilities
 from orchestrator.recipe import RECIPES_DIR, Recipe, RecipeError
 from orchestrator.remote import protocol
@@ -393,5 +394,8 @@ def _build_program(recipe: Recipe, out: Path, worker, *, source, run_id: str, co
   metrics = open_metrics_log(recipe.metrics.backends, out, run_name=run_name, run_id=run_id) if primary else None
   if metrics is not None:
     steps_done.append(metrics)
+  if live and primary and recipe.metrics.samples_every:
+    steps_done.append(SampleLog(out / SAMPLES_FILE, source, recipe.metrics.samples_every,
+                                text=metrics.write_text if metrics is not None else None))
   return RunHandle(program, shown, program.live.eval_prompt_count(recipe.task.eval_prompts) if live else 0,
                    metrics=metrics)

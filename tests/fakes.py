@@ -199,6 +199,9 @@ class StuckLiveSource:
   def release(self):
     pass
 
+  def step_samples(self, step, count):
+    return []
+
   def ready(self, step, timeout_s):
     return self._arrives(step < self.stuck_at or (step == self.stuck_at and self.stuck_micro is not None),
                          timeout_s)

@@ -6,11 +6,13 @@ import contextlib
 import math
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+from orchestrator.loop.sample_log import SAMPLES_FILE, describe, last_sample
 from policies.saving import MIN_CONTROLS
 from policies.step_boundary import Mode, format_seconds
 
@@ -115,6 +117,9 @@ def format_summary(summary: RunSummary) -> str:
   if (e := summary.evaluation) is not None and e.eval_accuracy_end is not None:
     lines.append(f"held-out greedy accuracy ({e.eval_prompts} prompts):"
                  f" {e.eval_accuracy_start:.3f} at the start, {e.eval_accuracy_end:.3f} at the end")
+  if summary.records_path and (sample := last_sample(Path(summary.records_path).parent)) is not None:
+    lines.append(f"a sample, {describe(sample)}")
+    lines.append(f"samples: {Path(summary.records_path).parent / SAMPLES_FILE}")
   if summary.records_path:
     lines.append(f"records: {summary.records_path}")
   if summary.trace_path:

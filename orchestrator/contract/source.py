@@ -173,6 +173,11 @@ class LiveSource(Protocol):
     """Every step taken so far when the run records its rollouts; None when it does not."""
     ...
 
+  def step_samples(self, step: int, count: int) -> list[dict[str, Any]]:
+    """Up to ``count`` of the taken ``step``'s completions, to read (``loop/sample_log.py`` names the fields);
+    [] where the step has none."""
+    ...
+
   def release(self) -> None:
     """Frees what sampling holds beyond its thread (a sampler's own process exits): after ``close`` and the
     last ``evaluate``; nothing samples or evaluates after it. A second call does nothing."""

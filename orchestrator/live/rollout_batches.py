@@ -158,6 +158,17 @@ class BatchRollouts:
                         reward_max=float(rewards.max()), completion_tokens_mean=float(np.mean(lengths)),
                         completion_tokens_max=int(max(lengths)), truncated_fraction=truncated)
 
+  def samples(self, schedule: BatchSchedule, step: int, count: int, tokenizer) -> list[dict[str, Any]]:
+    """The first ``count`` completions ``step`` trains on, to read: the weights version that sampled them, each
+    one's prompt and completion (decoded with ``tokenizer``), reward, advantage, whether the task's check passed
+    and whether it was cut at the length limit (None: a fixed-length answer)."""
+    mini = zip(*(schedule.mini_batch(step, column) for column in (
+        self.payloads, self.rewards, self.correct, self.truncated or [[None] * len(m) for m in self.payloads])))
+    rows = [row for micro in mini for row in zip(*micro)][:count]
+    return [{"step": step, "weights_version": self.weights_version, "prompt": tokenizer.decode(t.prompt_ids),
+             "completion": tokenizer.decode(t.completion_ids), "reward": reward, "advantage": float(t.advantage),
+             "correct": correct, "truncated": truncated} for t, reward, correct, truncated in rows]
+
   def to_json(self) -> dict[str, Any]:
     payloads = [[{"prompt_ids": t.prompt_ids.tolist(), "completion_ids": t.completion_ids.tolist(),
                   "advantage": float(t.advantage), "old_logprobs": t.old_logprobs.tolist(), "group_id": t.group_id}

@@ -224,6 +224,12 @@ class LiveRollouts:
     """The steps this source samples (its shape's), up to ``limit``."""
     return min(limit, self.shape.steps)
 
+  def step_samples(self, step: int, count: int) -> list[dict[str, Any]]:
+    """Up to ``count`` of a taken ``step``'s completions to read (``BatchRollouts.samples``); [] if it has none."""
+    with self._cond:
+      rollouts = self._batches.batches.get(self._schedule.batch_of(step))
+      return [] if rollouts is None else rollouts.samples(self._schedule, step, count, self.sampler.tokenizer)
+
   def step_stats(self, step: int) -> RolloutStats | None:
     with self._cond:
       batch, waited = self._schedule.batch_of(step), self._batches.micro_batch_wait_s.get(step, 0.0)
@@ -310,15 +316,10 @@ class LiveRollouts:
     except ValueError as e:
       raise SourceStateError(f"the saved rollout position before step {self._next}: {e}") from None
     # Batches that need weights older than the checkpoint's cannot be sampled again: the state must carry them.
-    # It may carry more (batches past the end of the run that wrote it, which this run may never reach).
-    first = self._schedule.batch_of(self._next)
-    owed = [b for b in self._versions.carried(self._next) if b < self._run_batches]
-    if carried != list(range(first, first + len(carried))) or not set(owed) <= set(carried):
-      raise SourceStateError(f"the saved rollout position before step {self._next} carries sampled batches"
-                             f" {carried}, but max_staleness {self.shape.max_staleness} with"
-                             f" {self._schedule.steps_per_batch} steps per batch needs {owed}; the run cannot be"
-                             " resumed from this checkpoint")
-    self._produce_from = first + len(carried)
+    problem = self._versions.carried_problem(self._next, carried, self._run_batches)
+    if problem is not None:
+      raise SourceStateError(problem)
+    self._produce_from = self._schedule.batch_of(self._next) + len(carried)
     self._versions.restart_at(self._next)  # the checkpoint's weights; sync() delivers them
 
   def carried_payloads(self) -> list[tuple[str, int, list[Trajectory]]]:

@@ -41,6 +41,18 @@ class WeightVersions:
     batch = self.schedule.batch_of(first)
     return [b for b in range(batch, batch + self.schedule.max_staleness + 1) if self.schedule.batch_version(b) < first]
 
+  def carried_problem(self, first: int, carried: list[int], run_batches: int) -> str | None:
+    """Why a position before step ``first`` that carries the sampled batches ``carried`` cannot be resumed
+    (None: it can): they must be consecutive from ``first``'s batch and hold every batch of the run it owes
+    (``carried``); it may carry more (past the end of the run that wrote it, which this run may never reach)."""
+    start = self.schedule.batch_of(first)
+    owed = [b for b in self.carried(first) if b < run_batches]
+    if carried == list(range(start, start + len(carried))) and set(owed) <= set(carried):
+      return None
+    return (f"the saved rollout position before step {first} carries sampled batches {carried}, but"
+            f" max_staleness {self.schedule.max_staleness} with {self.schedule.steps_per_batch} steps per batch"
+            f" needs {owed}; the run cannot be resumed from this checkpoint")
+
   def blocked_on_sync(self, step: int) -> bool:
     """True when ``step``'s rollouts need weights that have not been synced yet."""
     return step < self._steps and self.version_for(step) > self.synced

@@ -18,6 +18,7 @@ driver starts no JAX. Both end in this same ``SummaryWriter``.
 
 from __future__ import annotations
 
+import html
 import statistics
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -99,6 +100,9 @@ class TensorBoardLog:
     for name, value in values.items():
       self._writer.add_scalar(name, value, step)
 
+  def write_text(self, step: int, tag: str, text: str) -> None:
+    self._writer.add_text(tag, text, step)
+
   def close(self) -> None:
     self._writer.close()  # waits for the writer thread to write every queued event, then flushes
 
@@ -115,6 +119,11 @@ class WandbLog:
   def write(self, step: int, values: dict[str, float]) -> None:
     self._run.log(values, step=step)
 
+  def write_text(self, step: int, tag: str, text: str) -> None:
+    import wandb  # import here: an optional package, imported when this log was made
+
+    self._run.log({tag: wandb.Html(f"<pre>{html.escape(text)}</pre>")}, step=step)
+
   def close(self) -> None:
     self._run.finish()
 
@@ -129,6 +138,11 @@ class MetricsLog:
     values = scalars(record)
     for sink in self.sinks:
       sink.write(record.step, values)
+
+  def write_text(self, step: int, tag: str, text: str) -> None:
+    """``text`` under ``tag`` at ``step`` in every backend (TensorBoard's text tab; a W&B HTML panel)."""
+    for sink in self.sinks:
+      sink.write_text(step, tag, text)
 
   def close(self) -> None:
     """Flushes and closes every backend (a second call does nothing); the first backend's error is raised

@@ -189,7 +189,8 @@ PLACEMENTS = ("shared", "split", "process")
 #: Keys only the live loop reads: set for a run that samples nothing, they are refused
 #: (``Recipe._refuse_live_only_keys``), or dropped where the command line replaces a live recipe's sampler.
 LIVE_ONLY_KEYS = ("task.reward", "task.reward_timeout_s", "model.chat_template", "rollouts.batch_steps",
-                  "rollouts.micro_batches_per_call", "rollouts.placement", "rollouts.devices", "engine.epochs")
+                  "rollouts.micro_batches_per_call", "rollouts.placement", "rollouts.devices", "engine.epochs",
+                  "metrics.samples_every")
 
 
 @dataclasses.dataclass
@@ -631,8 +632,12 @@ class MetricsSection:
   """Where each step's scalars go besides ``records.jsonl`` (``orchestrator/loop/metrics_log.py``)."""
 
   backends: list[str] = dataclasses.field(default_factory=lambda: ["tensorboard"])  # []: no logging
+  # A live run writes a few completions of every N-th step to samples.jsonl and the dashboards (0: none).
+  samples_every: int = 25
 
   def validate(self) -> None:
+    _at_least("metrics", self, ("samples_every",), 0)
+    _at_most("metrics", self, ("samples_every",), 10**9)
     given = f"metrics.backends={self.backends!r}"
     for name in self.backends:
       if name not in METRICS_BACKENDS:
