@@ -208,12 +208,14 @@ def text_field(where: str, record: dict, field: str, key: str) -> str:
 
 
 def read_rows(key: str, path: str, prompt_field: str, answer_field: str) -> list[Row]:
-  """The problems of the file ``key`` names, one per record."""
+  """The problems of the file ``key`` names, one per record; a record's other fields go with its problem
+  (``Problem.extra``: reward functions may take them)."""
   rows = []
   for where, record in read_records(key, path):
     prompt = text_field(where, record, prompt_field, "task.prompt_field")
     answer = text_field(where, record, answer_field, "task.answer_field")
-    rows.append(Row(where, Problem(prompt, answer)))
+    extra = {k: v for k, v in record.items() if k not in (prompt_field, answer_field)}
+    rows.append(Row(where, Problem(prompt, answer, extra or None)))
   return rows
 
 

@@ -7,7 +7,11 @@ Every reward has Tunix's reward-function signature (``tunix.rl.rl_learner``:
 
 It is called once per micro-batch over all its completions (a prompt repeats
 once per completion of its group, as Tunix repeats it), with the answers
-aligned to the completions and ``mode`` ``"train"``, and returns one finite
+aligned to the completions and ``mode`` ``"train"`` — and, for a dataset, each
+of the rows' other fields as a keyword argument of its own, a list aligned the
+same way (verl's ``extra_info``; a row without the field gives None; the
+names above are never replaced), passed to a function that takes that name
+or ``**kwargs`` — and returns one finite
 number per completion: a list, a tuple or a 1-D numpy array of ints or floats
 (a bool counts as 1.0 or 0.0, so ``[c == a for ...]`` works). Several entries
 are a weighted sum. A function that raises, returns anything else (a dict, a
@@ -228,11 +232,37 @@ class Reward:
     prompts, answers = [p.prompt for p in problems], [p.answer for p in problems]
     where = f"on the micro-batch of prompt indices {_span(indices)}" + (f" of step {step}" if step is not None else "")
     total = np.zeros(len(completions), np.float64)
+    columns = row_columns(problems)
     for term in self.terms:
       arguments = dict(prompts=list(prompts), completions=list(completions), answer=list(answers), mode=mode)
+      arguments.update({name: columns[name] for name in accepted_names(term.fn, columns)})
       values = term_values(term, arguments, where, timeout_s=self.timeout_s, cancelled=cancelled)
       total += term.weight * _checked(term, values, where, indices, prompts)
     return total.astype(np.float32)
+
+
+#: The arguments every reward function gets; a dataset field of one of these names is not passed.
+REWARD_ARGUMENTS = ("prompts", "completions", "answer", "mode")
+
+
+def row_columns(problems: Sequence[Problem]) -> dict[str, list[Any]]:
+  """The dataset rows' other fields (``Problem.extra``), each a list aligned with ``problems`` (None where a row
+  lacks it), but those named as ``REWARD_ARGUMENTS``."""
+  names = dict.fromkeys(name for p in problems for name in (p.extra or {}) if name not in REWARD_ARGUMENTS)
+  return {name: [(p.extra or {}).get(name) for p in problems] for name in names}
+
+
+def accepted_names(fn: RewardFn, names) -> list[str]:
+  """Which of ``names`` ``fn`` takes as keyword arguments: all, given ``**kwargs`` (or no readable signature);
+  else those it names."""
+  try:
+    parameters = inspect.signature(fn).parameters
+  except (TypeError, ValueError):
+    return list(names)
+  if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+    return list(names)
+  keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+  return [name for name in names if name in parameters and parameters[name].kind in keyword]
 
 
 def term_values(term: Term, arguments: dict[str, Any], where: str, *, timeout_s: float,
@@ -318,9 +348,10 @@ def make_reward(task, names: Sequence[str], weights: Sequence[float], pattern: s
   compiled = compile_pattern(pattern) if "format" in names or pattern is not None else None
   if "math" in names and task is not None:
     check_numeric_answers(task)
+  columns = list(row_columns([*getattr(task, "train_problems", ()), *getattr(task, "eval_problems", ())]))
   terms = []
   for i, name in enumerate(names):
-    terms.append(Term(name, resolve(i, name, compiled, timeout_s), float(weights[i]) if weights else 1.0))
+    terms.append(Term(name, resolve(i, name, compiled, timeout_s, columns), float(weights[i]) if weights else 1.0))
   return Reward(tuple(terms), timeout_s)
 
 
@@ -348,15 +379,17 @@ def compile_pattern(pattern: str | None) -> re.Pattern:
     raise RewardSpecError(f"task.format_pattern={pattern!r} is not a regular expression ({e}); fix it") from None
 
 
-def resolve(i: int, name: str, pattern: re.Pattern | None, timeout_s: float = DEFAULT_TIMEOUT_S) -> RewardFn:
-  """Entry ``i`` of ``task.reward``: a built-in by name, or a ``package.module:function``, checked callable."""
+def resolve(i: int, name: str, pattern: re.Pattern | None, timeout_s: float = DEFAULT_TIMEOUT_S,
+            columns: Sequence[str] = ()) -> RewardFn:
+  """Entry ``i`` of ``task.reward``: a built-in by name, or a ``package.module:function``, checked callable with
+  the reward arguments and the dataset's ``columns`` it takes."""
   if name in BUILT_INS:
     return BUILT_INS[name](pattern)
   if ":" not in name:
     raise RewardSpecError(f"task.reward[{i}]={name!r} is not a reward; use one of {', '.join(sorted(BUILT_INS))}, or"
                           " package.module:function for a function of your own")
   fn = import_function(i, name, timeout_s)
-  check_signature(i, name, fn)
+  check_signature(i, name, fn, columns)
   return fn
 
 
@@ -392,15 +425,18 @@ def import_function(i: int, name: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> 
   return target
 
 
-def check_signature(i: int, name: str, fn: RewardFn) -> None:
-  """``fn`` must take what the loop passes (Tunix's reward arguments), else every step would fail the same way."""
+def check_signature(i: int, name: str, fn: RewardFn, columns: Sequence[str] = ()) -> None:
+  """``fn`` must take what the loop passes (Tunix's reward arguments, and those of the dataset's ``columns`` it
+  names), else every step would fail the same way."""
   try:
     signature = inspect.signature(fn)
   except (TypeError, ValueError):  # a builtin without a signature: its first call tells
     return
+  rows = {column: [] for column in accepted_names(fn, columns)}
   try:
-    signature.bind(prompts=[], completions=[], answer=[], mode="train")
+    signature.bind(prompts=[], completions=[], answer=[], mode="train", **rows)
   except TypeError as e:
+    fields = f"; the dataset's rows also give {', '.join(columns)}" if columns else ""
     raise RewardSpecError(f"task.reward[{i}]={name!r} cannot be called as fn(prompts=..., completions=...,"
                           f" answer=..., mode=...) ({e}); give it Tunix's reward signature"
-                          " fn(prompts, completions, **kwargs)") from None
+                          f" fn(prompts, completions, **kwargs){fields}") from None

@@ -25,8 +25,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import itertools
-from collections.abc import Callable, Iterable, Iterator
-from typing import Protocol
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -36,10 +36,13 @@ MAX_PROMPT_LENGTH = 16
 
 @dataclasses.dataclass(frozen=True)
 class Problem:
-  """One prompt and the answer that earns the reward."""
+  """One prompt and the answer that earns the reward; ``extra``: a dataset row's other fields (column → value),
+  which reward functions may take as keyword arguments (``rewards.Reward``). Not compared: a problem is its
+  prompt and answer."""
 
   prompt: str
   answer: str
+  extra: Mapping[str, Any] | None = dataclasses.field(default=None, compare=False)
 
 
 class Task(Protocol):

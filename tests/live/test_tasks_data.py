@@ -285,6 +285,47 @@ def test_a_function_of_one_s_own_gets_the_micro_batch_with_the_answers_as_keywor
 
 
 @pytest.mark.spec
+def test_a_dataset_rows_other_fields_reach_the_functions_that_take_them(tmp_path, fresh_module):
+  """verl's extra_info: each other field as a keyword list aligned with the completions, to a function that names
+  it or takes **kwargs; one that does neither is called as before; the reward arguments are never replaced."""
+  rows = [dict(r, mode="not-train", level=len(r["prompt"])) for r in ROWS]
+  task = datasets.load_task(path=write_jsonl(tmp_path / "rows.jsonl", rows))
+  name = fresh_module("my_rewards_rows", """
+      calls = {}
+
+      def named(prompts, completions, answer, id, mode):
+        calls["named"] = dict(id=id, mode=mode)
+        return [0.0] * len(completions)
+
+      def anything(prompts, completions, **kwargs):
+        calls["anything"] = kwargs
+        return [0.0] * len(completions)
+
+      def plain(prompts, completions, answer, mode):
+        calls["plain"] = True
+        return [0.0] * len(completions)
+      """)
+  reward = make_reward(task, [f"{name}:named", f"{name}:anything", f"{name}:plain"], [], None)
+  problems = [task.train_problems[i] for i in (0, 0, 1, 1)]
+  reward(problems, ["1", "2", "3", "4"], indices=[0, 0, 1, 1])
+  calls, ids = sys.modules[name].calls, [p.extra["id"] for p in problems]
+  assert calls["named"] == {"id": ids, "mode": "train"}
+  assert calls["anything"]["id"] == ids and calls["anything"]["level"] == [len(p.prompt) for p in problems]
+  assert calls["anything"]["mode"] == "train" and calls["plain"]
+
+
+@pytest.mark.spec
+def test_a_function_asking_for_a_field_the_rows_lack_is_refused_naming_the_fields(jsonl, fresh_module):
+  name = fresh_module("my_rewards_missing", """
+      def score(prompts, completions, answer, difficulty):
+        return [0.0] * len(completions)
+      """)
+  with pytest.raises(rewards.RewardSpecError, match="missing a required argument: 'difficulty'.*the dataset's rows"
+                                                    " also give id"):
+    make_reward(datasets.load_task(path=jsonl), [f"{name}:score"], [], None)
+
+
+@pytest.mark.spec
 @pytest.mark.parametrize("body,message", [
     ("raise ValueError('no grader')", "task.reward entry '{name}:score' raised ValueError: no grader on the"
                                       " micro-batch of prompt indices 6..7; fix the function"),
