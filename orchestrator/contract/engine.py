@@ -89,6 +89,8 @@ class StepMetrics:
     skipped_update: the update was skipped (a non-finite gradient under the skip guard);
       skipped_updates_total: skipped so far in the run.
     learning_rate: the learning rate the update used (its schedule's value at the updates applied before it).
+    entropy: the policy's mean entropy over the step's completion tokens (nats, of the distribution sampled
+      from). clip_fraction: the share of those tokens whose ratio the clip bound.
     extra: anything else the engine reports, by name (JSON-able values).
   """
 
@@ -105,6 +107,8 @@ class StepMetrics:
   skipped_update: bool | None = None
   skipped_updates_total: int | None = None
   learning_rate: float | None = None
+  entropy: float | None = None
+  clip_fraction: float | None = None
   extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
   @classmethod

@@ -68,6 +68,10 @@ class LossConfig:
   norm_tokens: int = 1
 
 
+#: What ``policy_loss_sum``'s ``token_stats`` sums, in order.
+TOKEN_STATS = ("tokens", "entropy", "clipped")
+
+
 def attention_mask(segment_ids: jax.Array) -> jax.Array:
   """[B, T, T] causal mask that keeps each packed segment to itself and hides padding."""
   same = segment_ids[:, :, None] == segment_ids[:, None, :]
@@ -78,9 +82,13 @@ def attention_mask(segment_ids: jax.Array) -> jax.Array:
 
 
 def policy_loss_sum(logits: jax.Array, batch: dict, config: LossConfig):
-  """Returns ``(loss_sum, denominator, token_count)`` of the clipped surrogate l_st over completion tokens t of
+  """Returns ``(loss_sum, denominator, token_stats)`` of the clipped surrogate l_st over completion tokens t of
   sequences s; the step's loss is the micro-batches' summed ``loss_sum`` over their summed ``denominator``,
-  so micro-batches accumulate exactly. Per ``config.aggregation`` (``engine.loss_aggregation``):
+  so micro-batches accumulate exactly. ``token_stats`` sums three figures over the completion tokens (a
+  micro-batch's share of what practitioners watch, ``TOKEN_STATS``): 1 (the token count), the policy's
+  entropy (of the distribution sampled from, in nats) and whether the clip bound the token (its clipped term
+  was the smaller: the ratio left [1 − ε_low, 1 + ε_high] in the direction its advantage pushes, verl's
+  ``pg_clipfrac``). Per ``config.aggregation`` (``engine.loss_aggregation``):
 
   * ``token_mean``: Σ_st l_st / Σ_s L_s — every completion token weighs the same (L_s: s's completion tokens);
   * ``seq_mean_token_mean``: (1/N) Σ_s (1/L_s) Σ_t l_st — every sequence weighs the same (N: sequences);
@@ -99,13 +107,16 @@ def policy_loss_sum(logits: jax.Array, batch: dict, config: LossConfig):
   per_token = -jnp.minimum(unclipped, clipped)
   mask = batch["loss_mask"]
   tokens = jnp.sum(mask)
+  probabilities = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+  entropy = -jnp.sum(probabilities * jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), axis=-1)
+  stats = jnp.stack([tokens, jnp.sum(entropy * mask), jnp.sum((clipped < unclipped) * mask)])
   if config.aggregation == "token_mean":
-    return jnp.sum(per_token * mask), tokens, tokens
+    return jnp.sum(per_token * mask), tokens, stats
   lengths, sequences = sequence_lengths(mask, batch["segment_ids"])
   if config.aggregation == "seq_mean_token_mean":
-    return jnp.sum(per_token * mask / jnp.maximum(lengths, 1.0)), sequences, tokens
+    return jnp.sum(per_token * mask / jnp.maximum(lengths, 1.0)), sequences, stats
   if config.aggregation == "seq_mean_token_sum_norm":
-    return jnp.sum(per_token * mask), sequences * float(config.norm_tokens), tokens
+    return jnp.sum(per_token * mask), sequences * float(config.norm_tokens), stats
   raise ValueError(f"loss aggregation {config.aggregation!r}: use one of token_mean, seq_mean_token_mean,"
                    " seq_mean_token_sum_norm")
 

@@ -19,17 +19,17 @@ from orchestrator.engine.loss import LossConfig, attention_mask, policy_loss_sum
 
 
 def loss_sum_fn(graphdef: Any, loss_config: LossConfig) -> Callable:
-  """``(params, batch) -> (loss_sum, ([denominator, token_count], dropped_tokens))`` for one packed micro-batch
-  (``loss.policy_loss_sum``)."""
+  """``(params, batch) -> (loss_sum, ([denominator, token_count], token_stats, dropped_tokens))`` for one packed
+  micro-batch (``loss.policy_loss_sum``)."""
 
   def loss_sum(params, batch):
     model = nnx.merge(graphdef, params)
     with moe_lib.routing_scope(batch["segment_ids"] > 0) as dropped:
       logits, _ = model(batch["input_tokens"], batch["positions"], None,
                         attention_mask(batch["segment_ids"]))
-    total, denominator, tokens = policy_loss_sum(logits, batch, loss_config)
+    total, denominator, token_stats = policy_loss_sum(logits, batch, loss_config)
     dropped_tokens = sum(dropped) if dropped else jnp.float32(0)
-    return total, (jnp.stack([denominator, tokens]), dropped_tokens)
+    return total, (jnp.stack([denominator, token_stats[0]]), token_stats, dropped_tokens)
 
   return loss_sum
 
@@ -37,7 +37,8 @@ def loss_sum_fn(graphdef: Any, loss_config: LossConfig) -> Callable:
 def accumulate_fn(graphdef: Any, loss_config: LossConfig, *, mask_overflow: bool,
                   on_trace: Callable[[], None]) -> Callable:
   """``(params, grad_acc, loss_acc, denom_acc, batch)`` → accumulators plus this micro-batch's
-  loss sum, token count, dropped tokens and overflow flag. ``denom_acc`` is [the loss's denominator, tokens].
+  loss sum, token stats (``loss.TOKEN_STATS``), dropped tokens and overflow flag. ``denom_acc`` is [the loss's
+  denominator, tokens].
 
   With ``mask_overflow`` (dropless re-runs) a micro-batch that dropped tokens
   adds nothing; its re-run adds its gradients once. The mask runs on the
@@ -47,15 +48,16 @@ def accumulate_fn(graphdef: Any, loss_config: LossConfig, *, mask_overflow: bool
 
   def accumulate(params, grad_acc, loss_acc, denom_acc, batch):
     on_trace()
-    (total, (denominators, dropped)), grads = jax.value_and_grad(loss_sum, has_aux=True)(params, batch)
+    (total, (denominators, token_stats, dropped)), grads = jax.value_and_grad(loss_sum, has_aux=True)(params, batch)
     overflow = dropped > 0
     if mask_overflow:
       keep = jnp.logical_not(overflow)
       grads = jax.tree.map(lambda g: jnp.where(keep, g, jnp.zeros_like(g)), grads)
       total = jnp.where(keep, total, 0.0)
       denominators = jnp.where(keep, denominators, 0.0)
+      token_stats = jnp.where(keep, token_stats, 0.0)
     grad_acc = jax.tree.map(jnp.add, grad_acc, grads)
-    return grad_acc, loss_acc + total, denom_acc + denominators, total, denominators[1], dropped, overflow
+    return grad_acc, loss_acc + total, denom_acc + denominators, total, token_stats, dropped, overflow
 
   return accumulate
 

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+import numpy as np
 
 from orchestrator.contract import StepMetrics
 from orchestrator.engine.optimizer import LearningRates
@@ -34,7 +35,8 @@ class FinishedStep:
     step: the update's number (1 for the first).
     device: the update's metrics (``loss``, ``grad_norm``, ``tokens``).
     micro_batches: micro-batches accumulated into it.
-    micro_losses: (loss sum, tokens) per micro-batch. micro_dropped: dropped tokens per micro-batch.
+    micro_losses: (loss sum, token stats: ``loss.TOKEN_STATS``) per micro-batch. micro_dropped: dropped tokens
+      per micro-batch.
     reruns: the micro-batches re-run dropless. skipped: the update was skipped (a non-finite gradient).
   """
 
@@ -51,15 +53,17 @@ class FinishedStep:
     (``learning_rates``, at the updates the optimizer applied before it: a skipped one does not count)."""
     device, micro, dropped = jax.device_get((self.device, self.micro_losses, self.micro_dropped))
     applied_before = self.step - 1 - (skipped_updates_total - int(bool(self.skipped)))  # step: count after it
+    tokens, entropy, clipped = np.sum([np.asarray(stats, np.float64) for _, stats in micro], axis=0)
     return StepMetrics(
         step=self.step, loss=float(device["loss"]), grad_norm=float(device["grad_norm"]),
         tokens=int(device["tokens"]), micro_batches=self.micro_batches,
         micro_batch_loss_sums=[float(t) for t, _ in micro],
-        micro_batch_tokens=[int(c) for _, c in micro],
+        micro_batch_tokens=[int(stats[0]) for _, stats in micro],
         dropped_tokens=[int(d) for d in dropped],
         reruns=len(self.reruns), rerun_micro_batches=list(self.reruns),
         skipped_update=self.skipped, skipped_updates_total=skipped_updates_total,
         learning_rate=learning_rates.at(applied_before),
+        entropy=entropy / tokens if tokens else None, clip_fraction=clipped / tokens if tokens else None,
     )
 
 
@@ -68,19 +72,19 @@ class StepInProgress:
   """What belongs to the step in progress; ``reset()`` starts the next one."""
 
   micro: int = 0
-  micro_losses: list = dataclasses.field(default_factory=list)  # (loss sum, tokens) per micro-batch
+  micro_losses: list = dataclasses.field(default_factory=list)  # (loss sum, token stats) per micro-batch
   micro_dropped: list = dataclasses.field(default_factory=list)
   reruns: list = dataclasses.field(default_factory=list)  # micro-batch indices re-run dropless
   pending_check: PendingOverflowCheck | None = None
 
-  def record(self, micro_step: int, total: jax.Array, count: jax.Array, dropped: jax.Array) -> None:
-    """Micro-batch ``micro_step``'s loss sum, tokens and dropped tokens; a re-run's replace the discarded
-    run's (which was masked to 0)."""
+  def record(self, micro_step: int, total: jax.Array, stats: jax.Array, dropped: jax.Array) -> None:
+    """Micro-batch ``micro_step``'s loss sum, token stats (``loss.TOKEN_STATS``) and dropped tokens; a re-run's
+    replace the discarded run's (which was masked to 0)."""
     if micro_step == len(self.micro_losses):
-      self.micro_losses.append((total, count))
+      self.micro_losses.append((total, stats))
       self.micro_dropped.append(dropped)
     else:
-      self.micro_losses[micro_step] = (total, count)
+      self.micro_losses[micro_step] = (total, stats)
 
   def take_pending_check(self) -> PendingOverflowCheck | None:
     check, self.pending_check = self.pending_check, None

@@ -69,7 +69,7 @@ class TrainingState:
 
   def accumulate(self, program, batch) -> tuple:
     """Dispatches an accumulate program on ``batch``; keeps its accumulators and returns its
-    (loss sum, token count, dropped tokens, overflow flag)."""
+    (loss sum, token stats (``loss.TOKEN_STATS``), dropped tokens, overflow flag)."""
     self.grad_acc, self.loss_acc, self.denom_acc, total, count, dropped, overflow = program(
         self.params, self.grad_acc, self.loss_acc, self.denom_acc, batch)
     return total, count, dropped, overflow

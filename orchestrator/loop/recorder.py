@@ -124,8 +124,11 @@ class BoundaryRecord:
   # The measured step saving (control − staged, mean seconds) the policy judged by once this step was in; None
   # until enough controls since staging last turned on (policies.saving).
   saving_s: float | None = None
-  # The learning rate the step's update used (engine.lr_schedule); None where the engine does not say.
+  # The learning rate the step's update used (engine.lr_schedule), the policy's mean entropy over the step's
+  # completion tokens and the share of them the ratio's clip bound; None where the engine does not say.
   learning_rate: float | None = None
+  entropy: float | None = None
+  clip_fraction: float | None = None
   # A live source: the step's rewards' range, its completions' lengths and the share cut at the length limit
   # (RolloutStats; None for fixed-length answers).
   reward_min: float | None = None
@@ -301,6 +304,7 @@ class Recorder:
         weight_sync_s=spans.get("weight_sync_s"),
         staged_digest=boundary.stage.input_digest if boundary.stage else None,
         loss=metrics.loss, grad_norm=metrics.grad_norm, tokens=metrics.tokens, learning_rate=metrics.learning_rate,
+        entropy=metrics.entropy, clip_fraction=metrics.clip_fraction,
         reruns=metrics.reruns, rerun_micro_batches=metrics.rerun_micro_batches,
         dropped_tokens=metrics.dropped_tokens,
         t_update_ready=update_ready - self.run_start,

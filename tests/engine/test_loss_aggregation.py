@@ -1,6 +1,6 @@
-"""The loss's aggregations and clipping (``engine.loss_aggregation``, ``engine.clip_eps_low/high``) against a
-numpy computation on a fixed packed micro-batch, and the engine's step loss divided by the right denominator
-across micro-batches."""
+"""The loss's aggregations and clipping (``engine.loss_aggregation``, ``engine.clip_eps_low/high``), its entropy
+and clipped-token count, against a numpy computation on a fixed packed micro-batch, and the engine's step loss
+divided by the right denominator across micro-batches."""
 
 from __future__ import annotations
 
@@ -35,6 +35,20 @@ def _log_softmax(x):
   return x - np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1, keepdims=True)) - x.max(-1, keepdims=True)
 
 
+def _numpy_entropy(logits, batch) -> float:
+  """The mean entropy of the softmax over the completion tokens (nats)."""
+  logp = _log_softmax(logits)
+  per_token = -(np.exp(logp) * logp).sum(-1)
+  return float((per_token * batch["loss_mask"]).sum() / batch["loss_mask"].sum())
+
+
+def _numpy_clipped(logits, batch, low, high) -> int:
+  """Completion tokens whose clipped term is the smaller (the clip bound them)."""
+  logp = _log_softmax(logits)[np.arange(2)[:, None], np.arange(6)[None], batch["target_tokens"]]
+  ratio, adv = np.exp(logp - batch["old_logprobs"]), batch["advantages"]
+  return int(((np.clip(ratio, 1 - low, 1 + high) * adv < ratio * adv) * batch["loss_mask"]).sum())
+
+
 def _numpy_loss(logits, batch, aggregation, low, high) -> float:
   logp = _log_softmax(logits)[np.arange(2)[:, None], np.arange(6)[None], batch["target_tokens"]]
   ratio = np.exp(logp - batch["old_logprobs"])
@@ -53,9 +67,13 @@ def _numpy_loss(logits, batch, aggregation, low, high) -> float:
 def test_each_aggregation_and_clip_pair_matches_numpy(aggregation, low, high):
   logits, batch = _micro_batch()
   config = LossConfig(low, high, None, aggregation, NORM_TOKENS)
-  total, denominator, tokens = (float(x) for x in policy_loss_sum(logits, batch, config))
+  total, denominator, stats = policy_loss_sum(logits, batch, config)
+  assert float(total) / float(denominator) == pytest.approx(_numpy_loss(logits, batch, aggregation, low, high),
+                                                            rel=1e-5)
+  tokens, entropy, clipped = np.asarray(stats, np.float64)
   assert tokens == 6
-  assert total / denominator == pytest.approx(_numpy_loss(logits, batch, aggregation, low, high), rel=1e-5)
+  assert entropy / tokens == pytest.approx(_numpy_entropy(logits, batch), rel=1e-5)
+  assert clipped == _numpy_clipped(logits, batch, low, high)
 
 
 def test_the_aggregations_differ_on_this_micro_batch_negative_control():
@@ -66,6 +84,7 @@ def test_the_aggregations_differ_on_this_micro_batch_negative_control():
                                                                "seq_mean_token_sum_norm")}
   assert len(values) == 3
   assert _numpy_loss(logits, batch, "token_mean", 0.2, 0.28) != _numpy_loss(logits, batch, "token_mean", 0.1, 0.1)
+  assert 0 < _numpy_clipped(logits, batch, 0.3, 0.0) < _numpy_clipped(logits, batch, 0.2, 0.28) < 6
 
 
 def test_sequence_lengths_count_each_packed_sequence_in_its_row():
