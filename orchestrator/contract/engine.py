@@ -90,7 +90,8 @@ class StepMetrics:
       skipped_updates_total: skipped so far in the run.
     learning_rate: the learning rate the update used (its schedule's value at the updates applied before it).
     entropy: the policy's mean entropy over the step's completion tokens (nats, of the distribution sampled
-      from). clip_fraction: the share of those tokens whose ratio the clip bound.
+      from). clip_fraction: the share of those tokens whose ratio the clip bound. kl: their mean KL to the
+      reference model (``engine.kl_beta`` > 0; None without one).
     extra: anything else the engine reports, by name (JSON-able values).
   """
 
@@ -109,6 +110,7 @@ class StepMetrics:
   learning_rate: float | None = None
   entropy: float | None = None
   clip_fraction: float | None = None
+  kl: float | None = None
   extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
   @classmethod

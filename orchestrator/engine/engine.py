@@ -101,7 +101,8 @@ class JaxTrainingEngine:
     self._inputs = MicroBatchInputs(self.rows, self.tokens_per_row, self.preset.vocab_size, state.batch_shardings)
     self._programs = StepPrograms(
         state.graphdefs, LossConfig(self.options.clip_eps_low, self.options.clip_eps_high, sampled,
-                                    self.options.loss_aggregation, self.tokens_per_row),
+                                    self.options.loss_aggregation, self.tokens_per_row, self.options.kl_beta,
+                                    self.options.kl_estimator),
         optimizer, rerun_dropped=self.rerun_dropped, param_shardings=state.param_shardings,
         opt_shardings=state.opt_shardings, scalar_sharding=state.scalar_sharding,
         batch_shardings=state.batch_shardings, aot=aot)
@@ -118,7 +119,7 @@ class JaxTrainingEngine:
     host, state = self._inputs.pack(dummy_payload), self._training
     batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=state.batch_shardings[k])
              for k, v in host.items()}
-    return self._programs.compile(state.params, state.opt_state, state.accumulators, batch)
+    return self._programs.compile(state.params, state.opt_state, state.accumulators, batch, state.reference)
 
   def _program(self, name: str):
     if self.aot and not self._programs.compiled:  # built without build_engine: compile on first use
@@ -280,7 +281,7 @@ class JaxTrainingEngine:
     """Metrics of the last applied update, read to the host (blocks on that update); all None before one."""
     if self._finished is None:
       return StepMetrics()
-    return self._finished.host_metrics(self._skipped_updates, self._learning_rates)
+    return self._finished.host_metrics(self._skipped_updates, self._learning_rates, kl=bool(self.options.kl_beta))
 
   def state_digest(self) -> str:
     """A sha256 of params and optimizer state: equal digests mean bit-identical training state."""

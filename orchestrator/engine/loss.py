@@ -66,10 +66,23 @@ class LossConfig:
   sampled: SampledDistribution | None = None  # None: the model's own distribution
   aggregation: str = "token_mean"
   norm_tokens: int = 1
+  kl_beta: float = 0.0  # 0: no KL term (and no reference logits are asked for)
+  kl_estimator: str = "k3"
 
 
 #: What ``policy_loss_sum``'s ``token_stats`` sums, in order.
-TOKEN_STATS = ("tokens", "entropy", "clipped")
+TOKEN_STATS = ("tokens", "entropy", "clipped", "kl")
+
+
+def per_token_kl(logp: jax.Array, reference_logp: jax.Array, estimator: str) -> jax.Array:
+  """The KL estimate of each sampled token between the policy (``logp``) and the reference: ``k1`` = log π −
+  log π_ref; ``k3`` = π_ref/π − log(π_ref/π) − 1 (never negative, lower variance; Tunix's GRPO's)."""
+  if estimator == "k1":
+    return logp - reference_logp
+  if estimator == "k3":
+    delta = reference_logp - logp
+    return jnp.exp(delta) - delta - 1.0
+  raise ValueError(f"KL estimator {estimator!r}: use k1 or k3")
 
 
 def attention_mask(segment_ids: jax.Array) -> jax.Array:
@@ -81,21 +94,24 @@ def attention_mask(segment_ids: jax.Array) -> jax.Array:
   return same & real & causal
 
 
-def policy_loss_sum(logits: jax.Array, batch: dict, config: LossConfig):
+def policy_loss_sum(logits: jax.Array, batch: dict, config: LossConfig, reference_logits: jax.Array | None = None):
   """Returns ``(loss_sum, denominator, token_stats)`` of the clipped surrogate l_st over completion tokens t of
   sequences s; the step's loss is the micro-batches' summed ``loss_sum`` over their summed ``denominator``,
   so micro-batches accumulate exactly. ``token_stats`` sums three figures over the completion tokens (a
   micro-batch's share of what practitioners watch, ``TOKEN_STATS``): 1 (the token count), the policy's
-  entropy (of the distribution sampled from, in nats) and whether the clip bound the token (its clipped term
+  entropy (of the distribution sampled from, in nats), whether the clip bound the token (its clipped term
   was the smaller: the ratio left [1 − ε_low, 1 + ε_high] in the direction its advantage pushes, verl's
-  ``pg_clipfrac``). Per ``config.aggregation`` (``engine.loss_aggregation``):
+  ``pg_clipfrac``) and its KL to the reference (0 without one). With ``config.kl_beta`` > 0 each token's loss
+  adds β · ``per_token_kl`` against ``reference_logits`` (the reference model's, on the same batch; taken
+  through the same sampled distribution). Per ``config.aggregation`` (``engine.loss_aggregation``):
 
   * ``token_mean``: Σ_st l_st / Σ_s L_s — every completion token weighs the same (L_s: s's completion tokens);
   * ``seq_mean_token_mean``: (1/N) Σ_s (1/L_s) Σ_t l_st — every sequence weighs the same (N: sequences);
   * ``seq_mean_token_sum_norm``: Σ_st l_st / (N · norm_tokens) — Dr. GRPO's constant normaliser: no length
     bias in either direction.
   """
-  if config.sampled is not None and not config.sampled.is_plain(logits.shape[-1]):
+  transformed = config.sampled is not None and not config.sampled.is_plain(logits.shape[-1])
+  if transformed:
     logits = config.sampled.logits(logits)
   logp = rl_common.selective_log_softmax(logits, batch["target_tokens"])
   has_old = batch["old_logprobs_mask"] > 0
@@ -106,10 +122,18 @@ def policy_loss_sum(logits: jax.Array, batch: dict, config: LossConfig):
   clipped = jnp.clip(ratio, 1.0 - config.clip_eps_low, 1.0 + config.clip_eps_high) * adv
   per_token = -jnp.minimum(unclipped, clipped)
   mask = batch["loss_mask"]
+  kl = jnp.zeros_like(per_token)
+  if config.kl_beta:
+    if reference_logits is None:
+      raise ValueError("kl_beta > 0 needs the reference model's logits")
+    reference = config.sampled.logits(reference_logits) if transformed else reference_logits
+    reference_logp = rl_common.selective_log_softmax(reference, batch["target_tokens"])
+    kl = per_token_kl(logp, jax.lax.stop_gradient(reference_logp), config.kl_estimator)
+    per_token = per_token + config.kl_beta * kl
   tokens = jnp.sum(mask)
   probabilities = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
   entropy = -jnp.sum(probabilities * jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), axis=-1)
-  stats = jnp.stack([tokens, jnp.sum(entropy * mask), jnp.sum((clipped < unclipped) * mask)])
+  stats = jnp.stack([tokens, jnp.sum(entropy * mask), jnp.sum((clipped < unclipped) * mask), jnp.sum(kl * mask)])
   if config.aggregation == "token_mean":
     return jnp.sum(per_token * mask), tokens, stats
   lengths, sequences = sequence_lengths(mask, batch["segment_ids"])

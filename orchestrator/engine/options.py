@@ -31,6 +31,10 @@ LR_SCHEDULES = ("constant", "linear", "cosine")
 #: ``engine.loss_aggregation``'s values (``orchestrator.engine.loss.policy_loss_sum`` defines each).
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 
+#: ``engine.kl_estimator``'s values: the per-token KL estimators Tunix and verl name so
+#: (``orchestrator.engine.loss.per_token_kl`` defines each).
+KL_ESTIMATORS = ("k1", "k3")
+
 #: The largest finite float32: optimizer hyperparameters past it are inf on the devices.
 FLOAT32_MAX = 3.4028234663852886e38
 
@@ -48,6 +52,9 @@ class EngineOptions:
       ``orchestrator.engine.optimizer``): a linear warm-up over ``warmup_steps`` updates, then constant, or
       decaying to 0 over ``decay_steps`` updates (linear or cosine; they need it).
     clip_eps_low, clip_eps_high: the ratio clipping range of the loss: [1 - low, 1 + high] (DAPO's ε_low, ε_high).
+    kl_beta, kl_estimator: a KL penalty β · KL(policy ‖ reference) per completion token, the reference being
+      the run's starting weights (a frozen copy, on the trainer's devices beside the weights: twice their
+      memory); 0 builds no reference. The estimator is ``k1`` or ``k3`` (``KL_ESTIMATORS``).
     loss_aggregation: how token losses average into the step's loss (``LOSS_AGGREGATIONS``): per token, per
       sequence, or over a constant (Dr. GRPO); ``orchestrator.engine.loss.policy_loss_sum`` has the formulas.
     max_inflight: how many dispatched computations may be queued on the devices.
@@ -75,6 +82,8 @@ class EngineOptions:
   clip_eps_low: float = 0.2
   clip_eps_high: float = 0.28
   loss_aggregation: str = "token_mean"
+  kl_beta: float = 0.0
+  kl_estimator: str = "k3"
   max_inflight: int = 2
   seed: int = 0
   ragged_buffer_factor: float = -1.0
@@ -94,11 +103,14 @@ class EngineOptions:
       if value > FLOAT32_MAX:  # the optimizer holds it as a float32: it would be inf there
         raise ValueError(f"engine.{key}={value} is out of range: it must be <= {FLOAT32_MAX:.4g} (the largest"
                          " float32, which the optimizer computes in)")
-    for key in ("weight_decay", "clip_eps_low", "clip_eps_high"):
+    for key in ("weight_decay", "clip_eps_low", "clip_eps_high", "kl_beta"):
       value = getattr(self, key)
       if not (math.isfinite(value) and value >= 0):
         raise ValueError(f"engine.{key}={value} is out of range: it must be a finite number >= 0")
     self._validate_schedule()
+    if self.kl_estimator not in KL_ESTIMATORS:
+      raise ValueError(f"engine.kl_estimator={self.kl_estimator!r} is not an estimator; use one of"
+                       f" {', '.join(KL_ESTIMATORS)}")
     if self.loss_aggregation not in LOSS_AGGREGATIONS:
       raise ValueError(f"engine.loss_aggregation={self.loss_aggregation!r} is not an aggregation; use one of"
                        f" {', '.join(LOSS_AGGREGATIONS)}")

@@ -25,7 +25,9 @@ class StepPrograms:
     self.compile_s: dict[str, float] = {}
     self._compiled: dict[str, Any] = {}
     s, p = scalar_sharding, param_shardings
-    accumulate_kwargs = dict(in_shardings=(p, p, s, s, batch_shardings),
+    # With a KL term the reference's params come last (never donated: every micro-batch reads them).
+    reference = (p,) if loss_config.kl_beta else ()
+    accumulate_kwargs = dict(in_shardings=(p, p, s, s, batch_shardings, *reference),
                              out_shardings=(p, s, s, s, s, s, s), donate_argnums=(1, 2, 3))
     programs = {"accumulate": (graphdefs["capacity"], rerun_dropped)}
     if rerun_dropped:
@@ -49,10 +51,12 @@ class StepPrograms:
       self.trace_counts[name] += 1
     return count
 
-  def compile(self, params, opt_state, accumulators: tuple, batch: dict) -> dict[str, float]:
-    """Compiles every program for these argument shapes; a second call is a no-op."""
+  def compile(self, params, opt_state, accumulators: tuple, batch: dict, reference: tuple = ()) -> dict[str, float]:
+    """Compiles every program for these argument shapes (``reference``: the reference's params, with a KL term);
+    a second call is a no-op."""
     if not self._compiled:
-      args = {"accumulate": (params, *accumulators, batch), "accumulate_dropless": (params, *accumulators, batch),
+      args = {"accumulate": (params, *accumulators, batch, *reference),
+              "accumulate_dropless": (params, *accumulators, batch, *reference),
               "apply": (params, opt_state, *accumulators)}
       for name, jitted in self._jits.items():
         start = time.perf_counter()

@@ -19,15 +19,22 @@ from orchestrator.engine.loss import LossConfig, attention_mask, policy_loss_sum
 
 
 def loss_sum_fn(graphdef: Any, loss_config: LossConfig) -> Callable:
-  """``(params, batch) -> (loss_sum, ([denominator, token_count], token_stats, dropped_tokens))`` for one packed
-  micro-batch (``loss.policy_loss_sum``)."""
+  """``(params, batch, *reference) -> (loss_sum, ([denominator, token_count], token_stats, dropped_tokens))`` for
+  one packed micro-batch (``loss.policy_loss_sum``); ``reference``: the reference model's params, given when
+  the loss has a KL term (its forward pass is part of the micro-batch's work; its drops are not counted)."""
 
-  def loss_sum(params, batch):
+  def loss_sum(params, batch, *reference):
     model = nnx.merge(graphdef, params)
     with moe_lib.routing_scope(batch["segment_ids"] > 0) as dropped:
       logits, _ = model(batch["input_tokens"], batch["positions"], None,
                         attention_mask(batch["segment_ids"]))
-    total, denominator, token_stats = policy_loss_sum(logits, batch, loss_config)
+    reference_logits = None
+    if reference:
+      with moe_lib.routing_scope(batch["segment_ids"] > 0):
+        reference_logits, _ = nnx.merge(graphdef, reference[0])(batch["input_tokens"], batch["positions"], None,
+                                                                attention_mask(batch["segment_ids"]))
+      reference_logits = jax.lax.stop_gradient(reference_logits)
+    total, denominator, token_stats = policy_loss_sum(logits, batch, loss_config, reference_logits)
     dropped_tokens = sum(dropped) if dropped else jnp.float32(0)
     return total, (jnp.stack([denominator, token_stats[0]]), token_stats, dropped_tokens)
 
@@ -46,9 +53,10 @@ def accumulate_fn(graphdef: Any, loss_config: LossConfig, *, mask_overflow: bool
   """
   loss_sum = loss_sum_fn(graphdef, loss_config)
 
-  def accumulate(params, grad_acc, loss_acc, denom_acc, batch):
+  def accumulate(params, grad_acc, loss_acc, denom_acc, batch, *reference):
     on_trace()
-    (total, (denominators, token_stats, dropped)), grads = jax.value_and_grad(loss_sum, has_aux=True)(params, batch)
+    (total, (denominators, token_stats, dropped)), grads = jax.value_and_grad(loss_sum, has_aux=True)(
+        params, batch, *reference)
     overflow = dropped > 0
     if mask_overflow:
       keep = jnp.logical_not(overflow)

@@ -55,6 +55,9 @@ class TrainingState:
     self.batch_shardings = {name: mesh_lib.batch_sharding(mesh, 2) for name in packing.FIELDS}
     self.opt_state = jax.device_put(opt_state, self.opt_shardings)
     self._zeros_jit = jax.jit(lambda p: jax.tree.map(jnp.zeros_like, p), out_shardings=self.param_shardings)
+    # The KL term's reference: the starting weights (a checkpoint's, or the seed's), frozen; a resumed run builds
+    # the same start before it restores, so its reference is the run's, not the checkpoint's.
+    self.reference: tuple = (device_copy(self.params),) if options.kl_beta else ()
     self.zero_accumulators()
 
   @property
@@ -71,7 +74,7 @@ class TrainingState:
     """Dispatches an accumulate program on ``batch``; keeps its accumulators and returns its
     (loss sum, token stats (``loss.TOKEN_STATS``), dropped tokens, overflow flag)."""
     self.grad_acc, self.loss_acc, self.denom_acc, total, count, dropped, overflow = program(
-        self.params, self.grad_acc, self.loss_acc, self.denom_acc, batch)
+        self.params, self.grad_acc, self.loss_acc, self.denom_acc, batch, *self.reference)
     return total, count, dropped, overflow
 
   def apply(self, program) -> dict[str, jax.Array]:

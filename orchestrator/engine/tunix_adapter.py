@@ -208,7 +208,8 @@ def build_tunix_engine(preset: str | ModelPreset, *, mesh: Mapping[str, int] | N
     raise ValueError("engine.backend=tunix_peft does not write checkpoints; drop the checkpoint settings")
   unsupported = {k: v for k, v in options.items()
                  if k in ("ragged_buffer_factor", "retry_when_tokens_dropped", "skip_nonfinite_updates",
-                          "max_inflight", "lr_schedule", "warmup_steps", "decay_steps", "loss_aggregation")
+                          "max_inflight", "lr_schedule", "warmup_steps", "decay_steps", "loss_aggregation",
+                          "kl_beta", "kl_estimator")
                  and v != getattr(EngineOptions(), k)}
   if unsupported:
     raise ValueError(f"engine.backend=tunix_peft cannot honour {unsupported}; leave them at their defaults")

@@ -68,6 +68,7 @@ SCALARS: dict[str, Callable[[BoundaryRecord], float | int | None]] = {
     "train/learning_rate": lambda r: r.learning_rate,
     "train/entropy": lambda r: r.entropy,  # nats per completion token, of the distribution sampled from
     "train/clip_fraction": lambda r: r.clip_fraction,  # completion tokens whose ratio the clip bound
+    "train/kl": lambda r: r.kl,  # mean KL to the reference per completion token (engine.kl_beta > 0)
     "train/tokens_per_s": lambda r: _per_second(r.tokens, r.step_s),  # tokens that carried loss, per step second
     "rollout/reward_mean": lambda r: r.reward_mean,
     "rollout/reward_std": lambda r: r.reward_std,

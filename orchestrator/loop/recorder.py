@@ -129,6 +129,7 @@ class BoundaryRecord:
   learning_rate: float | None = None
   entropy: float | None = None
   clip_fraction: float | None = None
+  kl: float | None = None  # the mean KL to the reference (engine.kl_beta > 0)
   # A live source: the step's rewards' range, its completions' lengths and the share cut at the length limit
   # (RolloutStats; None for fixed-length answers).
   reward_min: float | None = None
@@ -304,7 +305,7 @@ class Recorder:
         weight_sync_s=spans.get("weight_sync_s"),
         staged_digest=boundary.stage.input_digest if boundary.stage else None,
         loss=metrics.loss, grad_norm=metrics.grad_norm, tokens=metrics.tokens, learning_rate=metrics.learning_rate,
-        entropy=metrics.entropy, clip_fraction=metrics.clip_fraction,
+        entropy=metrics.entropy, clip_fraction=metrics.clip_fraction, kl=metrics.kl,
         reruns=metrics.reruns, rerun_micro_batches=metrics.rerun_micro_batches,
         dropped_tokens=metrics.dropped_tokens,
         t_update_ready=update_ready - self.run_start,

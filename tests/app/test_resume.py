@@ -90,10 +90,12 @@ def test_a_resumed_run_trains_like_an_uninterrupted_one(model, mode, reference_d
 
 
 @pytest.mark.e2e
-def test_a_resumed_run_continues_its_learning_rate_schedule_exactly(tmp_path):
-  """The schedule's position is the optimizer's update count, in the checkpoint: a run resumed inside a warm-up
-  and decay trains what an uninterrupted one trains, and its records carry each update's rate."""
-  schedule = ["engine.lr_schedule=cosine", "engine.warmup_steps=2", "engine.decay_steps=2"]
+def test_a_resumed_run_continues_its_learning_rate_schedule_and_kl_reference_exactly(tmp_path):
+  """The schedule's position is the optimizer's update count, in the checkpoint, and the KL term's reference is
+  the run's starting weights, which a resumed run builds again before it restores (not the checkpoint's): a run
+  resumed inside a warm-up and decay trains what an uninterrupted one trains, and its records carry each
+  update's rate."""
+  schedule = ["engine.lr_schedule=cosine", "engine.warmup_steps=2", "engine.decay_steps=2", "engine.kl_beta=0.5"]
   whole, run = tmp_path / "whole", tmp_path / "run"
   assert cli.main(DENSE + PINNED + schedule + ["steps=4", "--out", str(whole)]) == 0
   assert cli.main(DENSE + PINNED + schedule + ["steps=3", "checkpoint.every=3", "--out", str(run)]) == 0

@@ -70,10 +70,10 @@ def test_each_aggregation_and_clip_pair_matches_numpy(aggregation, low, high):
   total, denominator, stats = policy_loss_sum(logits, batch, config)
   assert float(total) / float(denominator) == pytest.approx(_numpy_loss(logits, batch, aggregation, low, high),
                                                             rel=1e-5)
-  tokens, entropy, clipped = np.asarray(stats, np.float64)
+  tokens, entropy, clipped, kl = np.asarray(stats, np.float64)
   assert tokens == 6
   assert entropy / tokens == pytest.approx(_numpy_entropy(logits, batch), rel=1e-5)
-  assert clipped == _numpy_clipped(logits, batch, low, high)
+  assert clipped == _numpy_clipped(logits, batch, low, high) and kl == 0  # no reference without kl_beta
 
 
 def test_the_aggregations_differ_on_this_micro_batch_negative_control():
@@ -109,3 +109,37 @@ def test_the_engine_divides_the_step_by_the_aggregations_denominator_over_micro_
   denominator = m.tokens if aggregation == "token_mean" else sequences
   assert m.loss == pytest.approx(sum(m.micro_batch_loss_sums) / denominator, rel=1e-5)
   assert m.tokens == sum(m.micro_batch_tokens) and m.tokens > sequences
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k3"])
+def test_the_kl_term_adds_beta_times_the_estimator_to_each_tokens_loss(estimator):
+  logits, batch = _micro_batch()
+  reference_logits = logits + np.random.default_rng(9).normal(0, 0.5, logits.shape).astype(np.float32)
+  beta = 0.05
+  config = LossConfig(0.2, 0.28, None, "token_mean", NORM_TOKENS, beta, estimator)
+  total, denominator, stats = policy_loss_sum(logits, batch, config, reference_logits)
+  logp = _log_softmax(logits)[np.arange(2)[:, None], np.arange(6)[None], batch["target_tokens"]]
+  ref = _log_softmax(reference_logits)[np.arange(2)[:, None], np.arange(6)[None], batch["target_tokens"]]
+  kl = logp - ref if estimator == "k1" else np.exp(ref - logp) - (ref - logp) - 1
+  mask = batch["loss_mask"]
+  expected_kl = float((kl * mask).sum() / mask.sum())
+  assert float(stats[3]) / float(stats[0]) == pytest.approx(expected_kl, rel=1e-5)
+  assert float(total) / float(denominator) == pytest.approx(
+      _numpy_loss(logits, batch, "token_mean", 0.2, 0.28) + beta * expected_kl, rel=1e-5)
+  assert expected_kl != 0  # the reference differs: a term left out would show
+
+
+def test_with_the_reference_equal_to_the_policy_the_first_steps_kl_is_zero_and_then_grows(tiny_source):
+  from orchestrator.engine import build_engine
+
+  plain = build_engine("tiny", learning_rate=0.01)
+  assert plain._training.reference == ()  # β = 0 builds no reference (the default run is unchanged)
+  engine = build_engine("tiny", learning_rate=0.01, kl_beta=0.1)
+  kls, losses = [], []
+  for step in range(3):
+    for e in (engine, plain):
+      e.fwd_bwd(tiny_source.micro_batch(step, 0), apply_optimizer=True)
+    kls.append(engine.get_metrics().kl)
+    losses.append((engine.get_metrics().loss, plain.get_metrics().loss))
+  assert kls[0] == 0.0 and losses[0][0] == losses[0][1]  # the reference is the start: nothing to pay yet
+  assert kls[1] > 0 and kls[2] > 0 and plain.get_metrics().kl is None

@@ -175,7 +175,7 @@ def _record(**changed) -> BoundaryRecord:
                 dropped_tokens=None, t_update_ready=2.0, t_next_first_dispatch=2.0001, rollout_wait_s=0.058,
                 weights_version=3, staleness=1, reward_mean=0.172, reward_std=0.3, accuracy=0.125,
                 sampled_tokens_per_s=1234.0, micro_batch_wait_s=0.004, staged_bytes_per_device=[100, 200],
-                saving_s=0.0012, learning_rate=0.001, entropy=1.25, clip_fraction=0.125, reward_min=0.0, reward_max=1.0, completion_tokens_mean=3.5,
+                saving_s=0.0012, learning_rate=0.001, entropy=1.25, clip_fraction=0.125, kl=0.01, reward_min=0.0, reward_max=1.0, completion_tokens_mean=3.5,
                 completion_tokens_max=6, truncated_fraction=0.25)
   fields.update(changed)
   return BoundaryRecord(**fields)
@@ -186,7 +186,7 @@ def test_the_scalar_table_computes_each_name_from_the_record():
   assert metrics_log.scalars(_record()) == {
       "boundary/idle_s": 0.0001, "boundary/idle_strict_s": 0.002, "boundary/stage_s": 0.003,
       "boundary/device_wait_s": 0.5, "boundary/staged": 1.0, "boundary/saving_s": 0.0012, "timing/step_s": 0.25, "timing/update_s": 0.06,
-      "timing/micro_batch_s": 0.2, "train/loss": 0.47, "train/grad_norm": 1.5, "train/learning_rate": 0.001, "train/entropy": 1.25, "train/clip_fraction": 0.125,
+      "timing/micro_batch_s": 0.2, "train/loss": 0.47, "train/grad_norm": 1.5, "train/learning_rate": 0.001, "train/entropy": 1.25, "train/clip_fraction": 0.125, "train/kl": 0.01,
       "train/tokens_per_s": 4000.0, "rollout/reward_mean": 0.172, "rollout/reward_std": 0.3, "rollout/reward_min": 0.0,
       "rollout/reward_max": 1.0, "rollout/completion_tokens_mean": 3.5, "rollout/completion_tokens_max": 6.0,
       "rollout/truncated_fraction": 0.25, "rollout/accuracy": 0.125, "rollout/staleness": 1.0,
@@ -195,7 +195,7 @@ def test_the_scalar_table_computes_each_name_from_the_record():
   bare = _record(staged=False, stage_s=None, device_wait_s=None, boundary_idle_s=None, boundary_idle_strict_s=None,
                  grad_norm=None, tokens=None, rollout_wait_s=None, weights_version=None, staleness=None,
                  reward_mean=None, reward_std=None, accuracy=None, sampled_tokens_per_s=None,
-                 micro_batch_wait_s=None, staged_bytes_per_device=None, saving_s=None, learning_rate=None, entropy=None, clip_fraction=None,
+                 micro_batch_wait_s=None, staged_bytes_per_device=None, saving_s=None, learning_rate=None, entropy=None, clip_fraction=None, kl=None,
                  reward_min=None, reward_max=None, completion_tokens_mean=None, completion_tokens_max=None,
                  truncated_fraction=None)
   assert set(metrics_log.scalars(bare)) == {"boundary/staged", "timing/step_s", "timing/update_s",
