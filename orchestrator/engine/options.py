@@ -138,8 +138,9 @@ class EngineOptions:
     if self.lr_schedule not in LR_SCHEDULES:
       raise ValueError(f"engine.lr_schedule={self.lr_schedule!r} is not a schedule; use one of"
                        f" {', '.join(LR_SCHEDULES)}")
-    if not 0 <= self.warmup_steps <= 10**9:
-      raise ValueError(f"engine.warmup_steps={self.warmup_steps} is out of range: it must be in [0, 10**9]")
+    # The schedule's values are tabled once per engine (optimizer.LearningRates): a million updates is 8 MB.
+    if not 0 <= self.warmup_steps <= 10**6:
+      raise ValueError(f"engine.warmup_steps={self.warmup_steps} is out of range: it must be in [0, 10**6]")
     if self.lr_schedule == "constant":
       if self.decay_steps is not None:
         raise ValueError(f"engine.decay_steps={self.decay_steps} is for a decaying schedule, but"
@@ -147,8 +148,8 @@ class EngineOptions:
     elif self.decay_steps is None:
       raise ValueError(f"engine.lr_schedule={self.lr_schedule} needs engine.decay_steps: the updates over which"
                        " the rate decays to 0 after the warm-up (e.g. the run's steps)")
-    elif not 1 <= self.decay_steps <= 10**9:
-      raise ValueError(f"engine.decay_steps={self.decay_steps} is out of range: it must be in [1, 10**9]")
+    elif not 1 <= self.decay_steps <= 10**6:
+      raise ValueError(f"engine.decay_steps={self.decay_steps} is out of range: it must be in [1, 10**6]")
 
   def _validate_for(self, preset: ModelPreset) -> None:
     if self.retry_when_tokens_dropped and not preset.is_moe:

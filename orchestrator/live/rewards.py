@@ -217,6 +217,7 @@ class Reward:
 
   terms: tuple[Term, ...]
   timeout_s: float = DEFAULT_TIMEOUT_S
+  columns: tuple[str, ...] = ()  # a dataset's other fields: every call passes each (None where a row lacks it)
 
   def __call__(self, problems: Sequence[Problem], completions: Sequence[str], *, indices: Sequence[int],
                mode: str = "train", step: int | None = None,
@@ -232,7 +233,7 @@ class Reward:
     prompts, answers = [p.prompt for p in problems], [p.answer for p in problems]
     where = f"on the micro-batch of prompt indices {_span(indices)}" + (f" of step {step}" if step is not None else "")
     total = np.zeros(len(completions), np.float64)
-    columns = row_columns(problems)
+    columns = row_columns(problems, self.columns)
     for term in self.terms:
       arguments = dict(prompts=list(prompts), completions=list(completions), answer=list(answers), mode=mode)
       arguments.update({name: columns[name] for name in accepted_names(term.fn, columns)})
@@ -245,10 +246,11 @@ class Reward:
 REWARD_ARGUMENTS = ("prompts", "completions", "answer", "mode")
 
 
-def row_columns(problems: Sequence[Problem]) -> dict[str, list[Any]]:
-  """The dataset rows' other fields (``Problem.extra``), each a list aligned with ``problems`` (None where a row
-  lacks it), but those named as ``REWARD_ARGUMENTS``."""
-  names = dict.fromkeys(name for p in problems for name in (p.extra or {}) if name not in REWARD_ARGUMENTS)
+def row_columns(problems: Sequence[Problem], names: Sequence[str] = ()) -> dict[str, list[Any]]:
+  """The dataset rows' other fields (``Problem.extra``), ``names`` and any the rows hold, each a list aligned
+  with ``problems`` (None where a row lacks it), but those named as ``REWARD_ARGUMENTS``."""
+  found = (name for p in problems for name in (p.extra or {}))
+  names = dict.fromkeys(name for name in (*names, *found) if name not in REWARD_ARGUMENTS)
   return {name: [(p.extra or {}).get(name) for p in problems] for name in names}
 
 
@@ -352,7 +354,7 @@ def make_reward(task, names: Sequence[str], weights: Sequence[float], pattern: s
   terms = []
   for i, name in enumerate(names):
     terms.append(Term(name, resolve(i, name, compiled, timeout_s, columns), float(weights[i]) if weights else 1.0))
-  return Reward(tuple(terms), timeout_s)
+  return Reward(tuple(terms), timeout_s, tuple(columns))
 
 
 def check_numeric_answers(task, draws: int = 8) -> None:

@@ -164,6 +164,7 @@ def _serve(conn, spec: SamplerSpec) -> None:
   """The child: builds the sampler on its cores and answers requests until told to close or the pipe closes."""
   signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the parent stops us
   os.nice(SAMPLER_NICE)
+  os.environ["JAX_PLATFORMS"] = "cpu"  # the host's cores, never an accelerator the trainer holds
   if hasattr(os, "sched_getaffinity"):  # an XLA pool sized to the cores this process may run on
     os.environ["PJRT_NPROC"] = str(len(os.sched_getaffinity(0)))
   try:

@@ -312,6 +312,10 @@ def test_a_dataset_rows_other_fields_reach_the_functions_that_take_them(tmp_path
   assert calls["named"] == {"id": ids, "mode": "train"}
   assert calls["anything"]["id"] == ids and calls["anything"]["level"] == [len(p.prompt) for p in problems]
   assert calls["anything"]["mode"] == "train" and calls["plain"]
+  # a micro-batch whose rows all lack a field still passes it, as None for each completion
+  bare = [Problem(p.prompt, p.answer) for p in problems]
+  reward(bare, ["1", "2", "3", "4"], indices=[0, 0, 1, 1])
+  assert sys.modules[name].calls["named"] == {"id": [None] * 4, "mode": "train"}
 
 
 @pytest.mark.spec
