@@ -97,7 +97,7 @@ def attention_mask(segment_ids: jax.Array) -> jax.Array:
 def policy_loss_sum(logits: jax.Array, batch: dict, config: LossConfig, reference_logits: jax.Array | None = None):
   """Returns ``(loss_sum, denominator, token_stats)`` of the clipped surrogate l_st over completion tokens t of
   sequences s; the step's loss is the micro-batches' summed ``loss_sum`` over their summed ``denominator``,
-  so micro-batches accumulate exactly. ``token_stats`` sums three figures over the completion tokens (a
+  so micro-batches accumulate exactly. ``token_stats`` sums four figures over the completion tokens (a
   micro-batch's share of what practitioners watch, ``TOKEN_STATS``): 1 (the token count), the policy's
   entropy (of the distribution sampled from, in nats), whether the clip bound the token (its clipped term
   was the smaller: the ratio left [1 − ε_low, 1 + ε_high] in the direction its advantage pushes, verl's
