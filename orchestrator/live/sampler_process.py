@@ -168,7 +168,8 @@ def _serve(conn, spec: SamplerSpec) -> None:
   if hasattr(os, "sched_getaffinity"):  # an XLA pool sized to the cores this process may run on
     os.environ["PJRT_NPROC"] = str(len(os.sched_getaffinity(0)))
   try:
-    from orchestrator.engine.compilation_cache import use_compilation_cache  # import here: after PJRT_NPROC, which keys it
+    # import here: after PJRT_NPROC, which keys the cache and sizes the child's XLA pool
+    from orchestrator.engine.compilation_cache import use_compilation_cache
     from orchestrator.live.sampler import LiveSampler  # import here: the child's JAX starts with the pool above
 
     use_compilation_cache()
