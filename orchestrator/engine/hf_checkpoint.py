@@ -1,4 +1,9 @@
-"""Qwen3 checkpoints in Hugging Face layout: read ``config.json``, check the tensors, and write them back.
+"""Checkpoints in Hugging Face layout: read ``config.json``, check the tensors, and write them back.
+
+The families a checkpoint may be (Llama, Qwen2, Qwen3 dense and MoE) are
+``orchestrator.engine.families.FAMILIES``; ``config.json``'s ``model_type``
+chooses one, and everything below reads what differs from that table.
+
 
 A checkpoint directory holds ``config.json`` (the model's sizes), one or more
 ``*.safetensors`` files (the weights, named as ``transformers`` names them) and
@@ -28,6 +33,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from orchestrator.engine.families import BY_MODEL_TYPE, FAMILIES, Family
 from orchestrator.engine.presets import ModelPreset
 from orchestrator.user_files import MIB, UserFileError, open_regular, read_regular_text
 
@@ -39,8 +45,6 @@ INDEX_FILE = "model.safetensors.index.json"
 JSON_MAX_BYTES = 16 * MIB
 HEADER_MAX_BYTES = 100 * MIB
 WEIGHTS_MAX_BYTES = 1 << 50
-#: The ``model_type`` values of the Qwen3 family (dense and MoE) that Tunix's Qwen3 implements.
-QWEN3_MODEL_TYPES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 #: The tokenizer's files a checkpoint directory may carry; ``run_rl export`` copies the ones present.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                    "vocab.json", "merges.txt", "chat_template.jinja")
@@ -74,10 +78,10 @@ def read_json(path: Path, *, what: str) -> Any:
 
 
 def read_config(directory: str | Path, key: str = "model.checkpoint") -> dict[str, Any]:
-  """The ``config.json`` of a Qwen3 checkpoint directory, checked to be one.
+  """The ``config.json`` of a checkpoint directory, checked to be of a family the engine runs.
 
   Raises:
-    CheckpointDirError: no such directory, no or unreadable ``config.json``, or another model family.
+    CheckpointDirError: no such directory, no or unreadable ``config.json``, or a ``model_type`` no family has.
   """
   try:
     return _read_config(directory, key)
@@ -103,12 +107,18 @@ def _read_config(directory: str | Path, key: str) -> dict[str, Any]:
     raise CheckpointDirError(f"{key}: {config_path} holds a JSON {type(config).__name__}, not an object;"
                              f" restore the checkpoint's {CONFIG_FILE}")
   model_type = config.get("model_type")
-  if model_type not in QWEN3_MODEL_TYPES:
-    family = (f"a {model_type} model" if isinstance(model_type, str) and model_type
-              else f"no model_type (architectures: {config.get('architectures')})")
-    raise CheckpointDirError(f"{key}={directory}: its {CONFIG_FILE} names {family}; this trainer runs the Qwen3"
-                             f" family ({', '.join(QWEN3_MODEL_TYPES)}): use a Qwen3 checkpoint")
+  if not isinstance(model_type, str) or model_type not in BY_MODEL_TYPE:
+    named = (f"model_type={model_type!r}" if model_type is not None
+             else f"no model_type (architectures: {config.get('architectures')})")
+    raise CheckpointDirError(f"{key}={directory}: its {CONFIG_FILE} names {named}; this trainer runs the"
+                             f" model types {', '.join(BY_MODEL_TYPE)} (Tunix's {', '.join(FAMILIES)} models):"
+                             " use a checkpoint of one of them")
   return config
+
+
+def config_family(config: Mapping[str, Any]) -> Family:
+  """The family of a ``config.json`` ``read_config`` accepted."""
+  return BY_MODEL_TYPE[config["model_type"]]
 
 
 #: The largest size ``config.json`` may give (larger ones are damage, and would build huge name tables).
@@ -118,9 +128,6 @@ MAX_OTHER_SIZE = 1 << 24
 #: The numpy dtype of each tensor dtype (safetensors' names) the loader reads; others (FP8 and its scales,
 #: int8) are refused.
 TENSOR_DTYPES = {"F32": np.dtype(np.float32), "BF16": np.dtype(ml_dtypes.bfloat16), "F16": np.dtype(np.float16)}
-#: config.json settings Tunix's Qwen3 does not implement, with the value it does implement (absent is fine).
-UNSUPPORTED = {"rope_scaling": None, "attention_bias": False, "use_sliding_window": False, "hidden_act": "silu",
-               "quantization_config": None}
 
 
 def _int(config: Mapping[str, Any], name: str, where: str) -> int:
@@ -132,10 +139,6 @@ def _int(config: Mapping[str, Any], name: str, where: str) -> int:
   return value
 
 
-#: transformers' Qwen3 context length when ``config.json`` gives no ``max_position_embeddings``.
-DEFAULT_CONTEXT_TOKENS = 32_768
-
-
 def context_tokens(config: Mapping[str, Any], where: str) -> int:
   """The longest sequence the model was trained for: ``config.json``'s ``max_position_embeddings``.
 
@@ -143,18 +146,18 @@ def context_tokens(config: Mapping[str, Any], where: str) -> int:
     CheckpointDirError: it is not a whole number in range.
   """
   if "max_position_embeddings" not in config:
-    return DEFAULT_CONTEXT_TOKENS
+    return BY_MODEL_TYPE[config["model_type"]].default_context_tokens
   return _int(config, "max_position_embeddings", where)
 
 
 def _check_head_sizes(sizes: dict[str, int], where: str) -> None:
-  """The attention sizes Tunix's Qwen3 can shape its projections from (``head_dim`` defaulted in place)."""
+  """The attention sizes Tunix's models can shape their projections from (``head_dim`` defaulted in place)."""
   heads, kv_heads = sizes["num_heads"], sizes["num_kv_heads"]
   if heads % kv_heads:
     raise CheckpointDirError(f"{where}: num_attention_heads={heads} is not a multiple of num_key_value_heads="
                              f"{kv_heads} (each key/value head serves a whole group of query heads); restore the"
                              f" checkpoint's {CONFIG_FILE}")
-  if "head_dim" not in sizes:  # transformers' default for Qwen3
+  if "head_dim" not in sizes:  # transformers' default
     if sizes["embed_dim"] % heads:
       raise CheckpointDirError(f"{where}: hidden_size={sizes['embed_dim']} is not a multiple of"
                                f" num_attention_heads={heads} and no head_dim is given; add head_dim or restore"
@@ -170,14 +173,16 @@ def preset_from_config(directory: str | Path, config: Mapping[str, Any]) -> Mode
   """The model preset a checkpoint's ``config.json`` describes (``checkpoint`` set to the directory).
 
   Raises:
-    CheckpointDirError: a size missing or out of range, or a Qwen3 variant Tunix's model does not implement
-      (MoE with dense layers between, or unnormalised top-k routing).
+    CheckpointDirError: a size missing or out of range, or a setting the family's Tunix model does not
+      implement (MoE with dense layers between, unnormalised top-k routing, rotary scaling, biases, another
+      rotary base than Tunix's Qwen3 runs), named with the value it does implement.
   """
   where = f"model.checkpoint {Path(directory) / CONFIG_FILE}"
-  moe = config.get("model_type") == "qwen3_moe"
+  family = config_family(config)
+  moe = config["model_type"] == family.moe_model_type
   # An MoE checkpoint's experts are moe_intermediate_size wide (its intermediate_size is a dense MLP's it has not).
   names = dict(SIZE_KEYS, hidden_dim="moe_intermediate_size") if moe else SIZE_KEYS
-  if "head_dim" not in config:  # transformers' default for Qwen3
+  if "head_dim" not in config:  # transformers' default: hidden_size // num_attention_heads
     names = {field: name for field, name in names.items() if field != "head_dim"}
   sizes = {field: _int(config, name, where) for field, name in names.items()
            if not field.startswith("num_experts") or moe}
@@ -194,25 +199,31 @@ def preset_from_config(directory: str | Path, config: Mapping[str, Any]) -> Mode
     if config.get("norm_topk_prob", True) is not True:
       raise CheckpointDirError(f"{where}: norm_topk_prob={config.get('norm_topk_prob')}: Tunix's Qwen3 MoE"
                                " normalises the top-k routing weights; use a checkpoint that does")
-  for name, implemented in UNSUPPORTED.items():
+  for name, implemented in family.unsupported.items():
     if config.get(name, implemented) != implemented:
-      raise CheckpointDirError(f"{where}: {name}={config[name]!r}, which Tunix's Qwen3 does not implement (it runs"
-                               f" {name}={implemented!r}); use a checkpoint without it")
+      raise CheckpointDirError(f"{where}: {name}={config[name]!r}, which Tunix's {family.model_class} does not"
+                               f" implement (it runs {name}={implemented!r}); use a checkpoint without it")
   tied = config.get("tie_word_embeddings", False)
   if not isinstance(tied, bool):
     raise CheckpointDirError(f"{where}: tie_word_embeddings={tied!r} must be true or false")
-  rope = config.get("rope_theta", 1_000_000)
-  eps = config.get("rms_norm_eps", 1e-6)
+  rope = config.get("rope_theta", family.default_rope_theta)
+  eps = config.get("rms_norm_eps", family.default_norm_eps)
   for name, value in (("rope_theta", rope), ("rms_norm_eps", eps)):
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
       raise CheckpointDirError(f"{where}: {name}={value!r} must be a finite number > 0")
+  if family.rope_theta(rope) != rope:
+    raise CheckpointDirError(f"{where}: rope_theta={rope!r}{'' if 'rope_theta' in config else ' (the default)'},"
+                             f" but Tunix's {family.model_class} rotates with rope_theta={family.fixed_rope_theta:g}"
+                             " whatever its config says; use a checkpoint trained with that base")
   return ModelPreset(name=Path(directory).name or str(directory), **sizes, rope_theta=rope, norm_eps=float(eps),
-                     use_tied_embedding=tied,
+                     use_tied_embedding=tied, family=family.name,
                      checkpoint=str(Path(directory).expanduser().absolute()))
 
 
 def disagreement(preset: ModelPreset, loaded: ModelPreset) -> str | None:
   """The first size in which a named preset and a checkpoint differ (``"embed_dim: 64 vs 1024"``), else None."""
+  if preset.family != loaded.family:
+    return f"family={preset.family} but its {CONFIG_FILE} has model_type={loaded.family} (the {loaded.family} family)"
   for field in (*SIZE_KEYS, "use_tied_embedding"):
     mine, theirs = getattr(preset, field), getattr(loaded, field)
     if mine != theirs:
@@ -224,9 +235,10 @@ def disagreement(preset: ModelPreset, loaded: ModelPreset) -> str | None:
 
 
 def expected_tensors(preset: ModelPreset) -> dict[str, tuple[int, ...]]:
-  """Every tensor a Hugging Face Qwen3 checkpoint of ``preset``'s sizes holds, by name, with its shape."""
+  """Every tensor a Hugging Face checkpoint of ``preset``'s family and sizes holds, by name, with its shape."""
   d, v, n, k, h = preset.embed_dim, preset.vocab_size, preset.num_heads, preset.num_kv_heads, preset.head_dim
   f = preset.hidden_dim
+  family = FAMILIES[preset.family]
   out = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,)}
   if not preset.use_tied_embedding:
     out["lm_head.weight"] = (v, d)
@@ -234,8 +246,12 @@ def expected_tensors(preset: ModelPreset) -> dict[str, tuple[int, ...]]:
     p = f"model.layers.{layer}."
     out.update({p + "self_attn.q_proj.weight": (n * h, d), p + "self_attn.k_proj.weight": (k * h, d),
                 p + "self_attn.v_proj.weight": (k * h, d), p + "self_attn.o_proj.weight": (d, n * h),
-                p + "self_attn.q_norm.weight": (h,), p + "self_attn.k_norm.weight": (h,),
                 p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,)})
+    if family.qk_norm:
+      out.update({p + "self_attn.q_norm.weight": (h,), p + "self_attn.k_norm.weight": (h,)})
+    if family.qkv_bias:
+      out.update({p + "self_attn.q_proj.bias": (n * h,), p + "self_attn.k_proj.bias": (k * h,),
+                  p + "self_attn.v_proj.bias": (k * h,)})
     if preset.is_moe:
       out[p + "mlp.gate.weight"] = (preset.num_experts, d)
       for e in range(preset.num_experts):
@@ -467,13 +483,14 @@ _LAYER = re.compile(r"layers\.(\d+)\.(.*)")
 
 
 def export_tensors(params: Mapping[str, Any], preset: ModelPreset) -> dict[str, np.ndarray]:
-  """The Hugging Face tensors of a Qwen3's params (the nested dict ``nnx.to_pure_dict`` gives, on the host).
+  """The Hugging Face tensors of a model's params (the nested dict ``nnx.to_pure_dict`` gives, on the host).
 
-  The inverse of Tunix's Qwen3 key mapping: projections are transposed back to
+  The inverse of Tunix's key mappings (one layout for every family, the
+  tensors a family lacks never arising): projections are transposed back to
   ``(out, in)`` and attention heads flattened, MoE experts unstacked.
 
   Raises:
-    ValueError: a param this mapping does not know (the model is not a Qwen3 of ``preset``'s sizes).
+    ValueError: a param this mapping does not know (the model is not one of ``preset``'s family and sizes).
   """
   flat = _flatten(params)
   d = preset.embed_dim
@@ -489,7 +506,12 @@ def export_tensors(params: Mapping[str, Any], preset: ModelPreset) -> dict[str, 
     elif match := _LAYER.fullmatch(key):
       out.update(_layer_tensors(f"model.layers.{match[1]}.", match[2], x, d))
     else:
-      raise ValueError(f"export: param {key} is not a Qwen3 weight")
+      raise ValueError(f"export: param {key} is not a {preset.family} weight")
+  wanted = expected_tensors(preset)
+  if set(out) != set(wanted):
+    odd = sorted(set(out) ^ set(wanted))
+    raise ValueError(f"export: the params give {len(out)} tensors where a {preset.family} checkpoint of these"
+                     f" sizes has {len(wanted)} (first difference: {odd[0]})")
   return {name: np.ascontiguousarray(x) for name, x in out.items()}
 
 
@@ -500,6 +522,8 @@ def _layer_tensors(prefix: str, key: str, x: np.ndarray, d: int) -> dict[str, np
     return {prefix + "self_attn.o_proj.weight": x.reshape(-1, d).T}
   if key in ("attn.q_norm.w", "attn.k_norm.w"):
     return {prefix + f"self_attn.{key.split('.')[1]}.weight": x}
+  if key in ("attn.q_bias", "attn.k_bias", "attn.v_bias"):  # (heads*head_dim,), as Hugging Face's
+    return {prefix + f"self_attn.{key.split('.')[1][0]}_proj.bias": x}
   if key in ("input_layernorm.w", "post_attention_layernorm.w"):
     return {prefix + key.replace(".w", ".weight"): x}
   if key in ("mlp.gate_proj.kernel", "mlp.up_proj.kernel", "mlp.down_proj.kernel"):
@@ -509,7 +533,7 @@ def _layer_tensors(prefix: str, key: str, x: np.ndarray, d: int) -> dict[str, np
   if key in ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):  # stacked experts (e, in, out)
     name = key.split(".")[1]
     return {prefix + f"mlp.experts.{e}.{name}.weight": x[e].T for e in range(x.shape[0])}
-  raise ValueError(f"export: param {prefix}{key} is not a Qwen3 weight")
+  raise ValueError(f"export: param {prefix}{key} is not a weight of a family the engine runs")
 
 
 def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -524,14 +548,16 @@ def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def export_config(preset: ModelPreset, base: Mapping[str, Any] | None = None) -> dict[str, Any]:
-  """A ``config.json`` for ``preset``'s sizes: the source checkpoint's (``base``) with the sizes and dtype set,
-  or a new one for a preset's model."""
+  """A ``config.json`` for ``preset``'s family and sizes: the source checkpoint's (``base``) with the sizes and
+  dtype set, or a new one for a preset's model. Its ``rope_theta`` is the base the model computed with."""
   config = dict(base or {})
   config.pop("dtype", None)  # newer transformers' name for torch_dtype: the weights written are float32
   moe = preset.is_moe
-  config.update(model_type="qwen3_moe" if moe else "qwen3", architectures=[QWEN3_MODEL_TYPES[
-      "qwen3_moe" if moe else "qwen3"]], torch_dtype="float32", rope_theta=preset.rope_theta,
-                rms_norm_eps=preset.norm_eps, tie_word_embeddings=preset.use_tied_embedding)
+  family = FAMILIES[preset.family]
+  model_type = family.model_type(moe)
+  config.update(model_type=model_type, architectures=[family.model_types[model_type]], torch_dtype="float32",
+                rope_theta=family.rope_theta(preset.rope_theta), rms_norm_eps=preset.norm_eps,
+                tie_word_embeddings=preset.use_tied_embedding)
   for field, name in SIZE_KEYS.items():
     if field.startswith("num_experts") and not moe or field == "hidden_dim" and moe:
       continue

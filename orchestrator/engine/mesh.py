@@ -4,7 +4,7 @@ Rows of a micro-batch are split over ``fsdp`` × ``expert`` (both are data-paral
 for the dense parts of the model), tokens over ``context``. Weights are sharded
 over ``fsdp`` along the model dimension and expert weights over ``expert`` along
 the expert dimension. Tunix's Qwen3 names mesh axes per weight and activation
-dimension through a ``ShardingConfig``; ``qwen3_sharding`` builds one for these axes.
+dimension through a ``ShardingConfig``; ``model_sharding`` builds one for these axes.
 """
 
 from __future__ import annotations
@@ -15,11 +15,10 @@ from collections.abc import Sequence
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from tunix.models.qwen3 import model as qwen3_model
 
 from orchestrator.engine.mesh_shape import AXES, ROW_AXES, TOKEN_AXIS, MeshConfig
 
-__all__ = ["AXES", "ROW_AXES", "TOKEN_AXIS", "MeshConfig", "make_mesh", "qwen3_sharding", "batch_sharding",
+__all__ = ["AXES", "ROW_AXES", "TOKEN_AXIS", "MeshConfig", "make_mesh", "model_sharding", "batch_sharding",
            "replicated", "check_batch_shape", "check_devices", "describe_devices", "device_summary", "process_block"]
 
 
@@ -87,24 +86,40 @@ def missing_devices(config: MeshConfig, *, visible: int, processes: int) -> str 
           f" process: {config.num_devices} ÷ {processes}) before JAX is imported")
 
 
-def qwen3_sharding() -> qwen3_model.ShardingConfig:
-  """A Qwen3 ``ShardingConfig`` that names only this mesh's axes (no ``tp``/``sp``)."""
-  rows = ROW_AXES
-  return qwen3_model.ShardingConfig(
-      emb_vd=(None, "fsdp"),
-      emb_dv=("fsdp", None),
-      q_weight_dnh=("fsdp", None, None),
-      kv_weight_dnh=("fsdp", None, None),
-      o_weight_nhd=(None, None, "fsdp"),
-      ffw_weight_df=("fsdp", None),
-      ffw_weight_fd=(None, "fsdp"),
-      rms_norm_weight=(None,),
-      act_btd=(rows, TOKEN_AXIS, None),
-      act_btf=(rows, TOKEN_AXIS, None),
-      act_btnh=(rows, TOKEN_AXIS, None, None),
-      exp_weight_edf=("expert", "fsdp", None),
-      exp_weight_efd=("expert", None, "fsdp"),
-  )
+#: Each weight's and activation's axes on this mesh, by Tunix's ShardingConfig field names (every family's
+#: config takes the fields it declares; no ``tp``/``sp``).
+_SHARDING_AXES = dict(
+    emb_vd=(None, "fsdp"),
+    emb_dv=("fsdp", None),
+    q_weight_dnh=("fsdp", None, None),
+    kv_weight_dnh=("fsdp", None, None),
+    o_weight_nhd=(None, None, "fsdp"),
+    ffw_weight_df=("fsdp", None),
+    ffw_weight_fd=(None, "fsdp"),
+    rms_norm_weight=(None,),
+    qkv_bias=(None,),
+    act_btd=(ROW_AXES, TOKEN_AXIS, None),
+    act_btf=(ROW_AXES, TOKEN_AXIS, None),
+    act_btnh=(ROW_AXES, TOKEN_AXIS, None, None),
+    exp_weight_edf=("expert", "fsdp", None),
+    exp_weight_efd=("expert", None, "fsdp"),
+    exp_weight_cdf=("expert", "fsdp", None),
+    exp_weight_cfd=("expert", None, "fsdp"),
+)
+
+
+def model_sharding(sharding_config_class):
+  """A Tunix ``ShardingConfig`` (any family's class) that names only this mesh's axes.
+
+  Raises:
+    ValueError: the class declares a field this mesh gives no axes for (a Tunix model newer than this table).
+  """
+  fields = [field.name for field in dataclasses.fields(sharding_config_class)]
+  unknown = [name for name in fields if name not in _SHARDING_AXES]
+  if unknown:
+    raise ValueError(f"{sharding_config_class.__module__}.ShardingConfig has fields {unknown} the mesh gives no"
+                     " axes for; add them to orchestrator.engine.mesh._SHARDING_AXES")
+  return sharding_config_class(**{name: _SHARDING_AXES[name] for name in fields})
 
 
 def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:

@@ -1,21 +1,24 @@
-"""Build a Tunix Qwen3 from a preset (seeded random weights) or a checkpoint, split into graph and params."""
+"""Build a Tunix model of the preset's family from a preset (seeded random weights) or a checkpoint, split into
+graph and params."""
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import dataclasses
 import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from tunix.models.qwen3 import model as qwen3_model
-from tunix.models.qwen3 import params as qwen3_params
+from tunix.models.llama3 import model as llama3_model
 from tunix.utils import compat, torch_utils
 
 from orchestrator.engine import hf_checkpoint
 from orchestrator.engine import mesh as mesh_lib
 from orchestrator.engine import moe as moe_lib
+from orchestrator.engine.families import FAMILIES
 from orchestrator.engine.presets import ModelPreset
 
 
@@ -23,29 +26,69 @@ from orchestrator.engine.presets import ModelPreset
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
-def model_config(preset: ModelPreset, dtype: str = "float32") -> qwen3_model.ModelConfig:
-  return qwen3_model.ModelConfig(
-      num_layers=preset.num_layers,
-      vocab_size=preset.vocab_size,
-      embed_dim=preset.embed_dim,
-      hidden_dim=preset.hidden_dim,
-      num_heads=preset.num_heads,
-      head_dim=preset.head_dim,
-      num_kv_heads=preset.num_kv_heads,
-      rope_theta=preset.rope_theta,
-      norm_eps=preset.norm_eps,
-      use_tied_embedding=preset.use_tied_embedding,
-      num_experts=preset.num_experts,
-      num_experts_per_tok=preset.num_experts_per_tok,
-      shd_config=mesh_lib.qwen3_sharding(),
-      dtype=COMPUTE_DTYPES[dtype],
-      param_dtype=jnp.float32,
-  )
+# Tunix 0.1.7's Llama3 attention calls its rotary function without the config's base, so every Llama ran at
+# 1,000,000 (SmolLM2's is 100,000). The family's model below sets the base for the duration of its own call;
+# anyone else's Llama3 (the variable unset) rotates as Tunix's does.
+_LLAMA_ROPE_THETA: contextvars.ContextVar[float | None] = contextvars.ContextVar("llama_rope_theta", default=None)
+_tunix_llama_rope = llama3_model.apply_rope
+
+
+def _llama_rope(inputs, positions, head_dim, rope_theta=1_000_000):
+  theta = _LLAMA_ROPE_THETA.get()
+  return _tunix_llama_rope(inputs, positions, head_dim, rope_theta if theta is None else theta)
+
+
+llama3_model.apply_rope = _llama_rope
+
+
+class Llama3(llama3_model.Llama3):
+  """Tunix's Llama3, rotating with its config's ``rope_theta``."""
+
+  def __call__(self, *args, **kwargs):
+    token = _LLAMA_ROPE_THETA.set(self.config.rope_theta)
+    try:
+      return super().__call__(*args, **kwargs)
+    finally:
+      _LLAMA_ROPE_THETA.reset(token)
+
+
+#: The model class of each family whose Tunix class is not used as it is.
+_MODEL_CLASSES = {"llama": Llama3}
+
+
+def model_class(preset: ModelPreset):
+  family = FAMILIES[preset.family]
+  return _MODEL_CLASSES.get(family.name) or getattr(family.tunix_model(), family.model_class)
+
+
+def model_config(preset: ModelPreset, dtype: str = "float32"):
+  """The family's Tunix ``ModelConfig`` for ``preset`` (``dtype``: the compute dtype; weights are float32).
+
+  Raises:
+    ValueError: a compute dtype or an MoE the family's Tunix model does not take.
+  """
+  family = FAMILIES[preset.family]
+  module = family.tunix_model()
+  if dtype not in family.compute_dtypes:
+    raise ValueError(f"engine.dtype={dtype}: Tunix's {family.model_class} computes in"
+                     f" {' or '.join(family.compute_dtypes)}; use engine.dtype={family.compute_dtypes[0]}")
+  if preset.is_moe and family.moe_model_type is None:
+    raise ValueError(f"model {preset.name}: num_experts={preset.num_experts}, but the {family.name} family has no"
+                     " MoE model; drop num_experts or use the qwen3 family")
+  values = dict(num_layers=preset.num_layers, vocab_size=preset.vocab_size, embed_dim=preset.embed_dim,
+                hidden_dim=preset.hidden_dim, num_heads=preset.num_heads, head_dim=preset.head_dim,
+                num_kv_heads=preset.num_kv_heads, rope_theta=preset.rope_theta, norm_eps=preset.norm_eps,
+                use_tied_embedding=preset.use_tied_embedding, weight_tying=preset.use_tied_embedding,
+                num_experts=preset.num_experts, num_experts_per_tok=preset.num_experts_per_tok,
+                shd_config=mesh_lib.model_sharding(module.ShardingConfig), dtype=COMPUTE_DTYPES[dtype],
+                param_dtype=jnp.float32)
+  fields = {field.name for field in dataclasses.fields(module.ModelConfig)}
+  return module.ModelConfig(**{name: value for name, value in values.items() if name in fields})
 
 
 def build_model(preset: ModelPreset, seed: int, capacity_factor: float | None = None, *, mesh=None,
                 dtype: str = "float32"):
-  """Returns ``(graphdefs, params, partition_specs)`` for a Qwen3: randomly initialised with ``seed``, or,
+  """Returns ``(graphdefs, params, partition_specs)`` for a model of the preset's family: randomly initialised with ``seed``, or,
   when ``preset.checkpoint`` names a Hugging Face checkpoint, with its weights (``load_hf_checkpoint``: onto
   ``mesh``'s shardings when a mesh is given, else onto this process's first device, where random weights
   start; upcast to float32, the weights' dtype here). ``dtype`` is the compute dtype.
@@ -60,9 +103,9 @@ def build_model(preset: ModelPreset, seed: int, capacity_factor: float | None = 
   """
   config = model_config(preset, dtype)
   if preset.checkpoint:
-    model = load_hf_checkpoint(preset.checkpoint, config, mesh)
+    model = load_hf_checkpoint(preset, config, mesh)
   else:
-    model = qwen3_model.Qwen3(config, rngs=nnx.Rngs(seed))
+    model = model_class(preset)(config, rngs=nnx.Rngs(seed))
   graphdefs = {}
   if preset.is_moe:
     moe_lib.install(model, None)
@@ -91,8 +134,9 @@ def build_model(preset: ModelPreset, seed: int, capacity_factor: float | None = 
 _EXPERT_KEY = re.compile(r"(layers\.\d+\.mlp\.)experts\.(\d+)\.(gate|up|down)_proj\.kernel")
 
 
-def load_hf_checkpoint(directory: str, config: qwen3_model.ModelConfig, mesh=None) -> qwen3_model.Qwen3:
-  """A Qwen3 with a Hugging Face checkpoint's weights, read tensor by tensor as each header's own dtype.
+def load_hf_checkpoint(preset: ModelPreset, config, mesh=None):
+  """The preset's model with its Hugging Face checkpoint's weights, read tensor by tensor as each header's own
+  dtype.
 
   Tunix's loader maps every file as the dtype of its first tensor, so a file
   mixing dtypes would load reinterpreted bytes; here each tensor is read as
@@ -101,15 +145,17 @@ def load_hf_checkpoint(directory: str, config: qwen3_model.ModelConfig, mesh=Non
   its sharding (``mesh``'s, else this process's first local device: a sampler's in a job of several
   processes, which must be able to read every weight) one at a time.
   """
+  directory = preset.checkpoint
+  cls = model_class(preset)
   with compat.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
-    abstract = nnx.eval_shape(lambda: qwen3_model.Qwen3(config, rngs=nnx.Rngs(params=0)))
+    abstract = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(params=0)))
   graphdef, abstract_state = nnx.split(abstract)
   if mesh is not None:
     placements = nnx.get_named_sharding(abstract_state, mesh).to_pure_dict()
   else:  # this process's own first device: jax.devices()[0] is process 0's in a job of several processes
     placements = jax.tree.map(lambda _: jax.local_devices()[0], abstract_state.to_pure_dict())
   # Tunix's own name mapping (private, but the one its loader uses), so the names cannot drift from its model.
-  key_map = qwen3_params._get_key_and_transform_mapping(config)  # pylint: disable=protected-access
+  key_map = FAMILIES[preset.family].tunix_params()._get_key_and_transform_mapping(config)  # pylint: disable=protected-access
   values, experts = {}, {}
   for tensor, array in hf_checkpoint.tensor_arrays(hf_checkpoint.checkpoint_tensors(directory)):
     key, transform = torch_utils.torch_key_to_jax_key(key_map, tensor.name)

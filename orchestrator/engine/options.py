@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from orchestrator.engine.families import FAMILIES
 from orchestrator.engine.presets import ModelPreset
 
 #: Engine backends by recipe name (``engine.backend``): module and builder, imported on use.
@@ -23,7 +24,7 @@ CHECKPOINTING_BACKENDS = ("jax",)
 
 
 #: The compute dtypes ``engine.dtype`` may name (``orchestrator.engine.model`` maps them to JAX's).
-COMPUTE_DTYPES = ("float32", "bfloat16")
+COMPUTE_DTYPES = ("float32", "bfloat16")  # some families take fewer: families.Family.compute_dtypes
 
 #: ``engine.lr_schedule``'s values (``orchestrator.engine.optimizer`` defines each).
 LR_SCHEDULES = ("constant", "linear", "cosine")
@@ -162,6 +163,11 @@ class EngineOptions:
           f"engine.backend=tunix_peft trains dense models only, but {preset.name!r} is MoE;"
           " use engine.backend=jax or a dense preset"
       )
+    family = FAMILIES[preset.family]
+    if self.dtype not in family.compute_dtypes:
+      raise ValueError(f"engine.dtype={self.dtype}: {preset.name} is a {family.name} model, and Tunix's"
+                       f" {family.model_class} computes in {' or '.join(family.compute_dtypes)} only; set"
+                       f" engine.dtype={family.compute_dtypes[0]}")
 
   @property
   def capacity_factor(self) -> float | None:

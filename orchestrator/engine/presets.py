@@ -1,4 +1,5 @@
-"""Model presets: named Qwen3 configurations read from ``configs/model/*.yaml``."""
+"""Model presets: named model configurations (Qwen3 unless ``family`` says otherwise) read from
+``configs/model/*.yaml``."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from orchestrator.engine.families import DEFAULT_FAMILY, FAMILIES
 
 #: Where presets are looked up unless ``STEP_BOUNDARY_CONFIGS`` names another folder.
 DEFAULT_CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
@@ -23,7 +26,7 @@ def configs_dir() -> Path:
 
 @dataclasses.dataclass(frozen=True)
 class ModelPreset:
-  """One model preset: the Qwen3 shape plus the batch shape it is sized for."""
+  """One model preset: the model's family and shape plus the batch shape it is sized for."""
 
   name: str
   num_layers: int
@@ -33,11 +36,12 @@ class ModelPreset:
   num_heads: int
   head_dim: int
   num_kv_heads: int
-  rope_theta: int = 1_000_000
+  rope_theta: float = 1_000_000
   norm_eps: float = 1e-6
   use_tied_embedding: bool = False
   num_experts: int | None = None
   num_experts_per_tok: int | None = None
+  family: str = DEFAULT_FAMILY  # a key of orchestrator.engine.families.FAMILIES
   rows: int = 4
   tokens_per_row: int = 64
   # A Hugging Face checkpoint directory the weights are loaded from (None: seeded random weights). Set by
@@ -75,4 +79,7 @@ def load_preset(name: str, **overrides: Any) -> ModelPreset:
         f"model preset {path}: unknown keys {unknown}; known keys: {sorted(known - {'name'})}"
     )
   raw.setdefault("name", name)
+  if raw.get("family", DEFAULT_FAMILY) not in FAMILIES:
+    raise ValueError(f"model preset {path}: family={raw['family']!r} is not one the engine runs; families:"
+                     f" {', '.join(FAMILIES)}")
   return ModelPreset(**raw)

@@ -9,6 +9,7 @@ a wrong eos changes the digest).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -34,9 +35,9 @@ LIVE = ["steps=2", "rollouts.groups_per_micro_batch=2", "batch.rows=4", "task.ev
         "checkpoint.every=2", "run.reserve_host_core=false"]
 
 
-def write_checkpoint(directory, preset_name: str, *, seed: int = 0, tokenizer: bool = True):
-  """The preset's initial weights (seed ``seed``) as a Hugging Face checkpoint in ``directory``."""
-  preset = load_preset(preset_name)
+def write_checkpoint(directory, preset_name: str, *, seed: int = 0, tokenizer: bool = True, family: str = "qwen3"):
+  """The preset's initial weights (seed ``seed``) as a Hugging Face checkpoint of ``family`` in ``directory``."""
+  preset = dataclasses.replace(load_preset(preset_name), family=family)
   _, params, _ = model_lib.build_model(preset, seed)
   directory.mkdir(parents=True, exist_ok=True)
   save_file(hf_checkpoint.export_tensors(jax.device_get(params), preset), str(directory / "model.safetensors"))
@@ -181,10 +182,11 @@ def test_refusals_of_checkpoint_directories(tiny_checkpoint, tmp_path):
 
   assert "no such directory" in refused(**{"model.checkpoint": str(tmp_path / "missing")})
   assert "has no config.json" in refused(**{"model.checkpoint": str(tmp_path)})
-  llama = tmp_path / "llama"
-  shutil.copytree(tiny_checkpoint, llama)
-  (llama / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
-  assert "names a llama model" in refused(**{"model.checkpoint": str(llama)})
+  gpt2 = tmp_path / "gpt2"
+  shutil.copytree(tiny_checkpoint, gpt2)
+  (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2", "hidden_size": 64}))
+  assert "names model_type='gpt2'; this trainer runs the model types qwen3" in refused(
+      **{"model.checkpoint": str(gpt2)})
   message = refused(**{"model.preset": "small"})
   assert "model.preset=small and model.checkpoint=" in message and "disagree" in message
   no_tokenizer = tmp_path / "no_tokenizer"
@@ -486,3 +488,24 @@ def test_tokenizer_settings_that_would_be_skipped_are_refused(tmp_path, file, co
   with pytest.raises(TokenizerError) as e:
     HFTokenizer(tmp_path)
   assert words in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_a_checkpoint_of_another_family_trains_exports_and_loads_back(tmp_path, family):
+  """Each family's tiny checkpoint: a live run trains it, export writes the family's Hugging Face names back,
+  and the export loads to the digest export.json names."""
+  checkpoint = tmp_path / family
+  write_checkpoint(checkpoint, "tiny", family=family)
+  run, exported = tmp_path / "run", tmp_path / "exported"
+  assert cli.main(LIVE + [f"model.checkpoint={checkpoint}", "--out", str(run)]) == 0
+  assert cli.main(["export", str(run), "--out", str(exported)]) == 0
+  config = json.loads((exported / "config.json").read_text())
+  assert config["model_type"] == family and "rope_theta" in config
+  loaded = hf_checkpoint.load_preset_from_checkpoint(exported)
+  _, params, _ = model_lib.build_model(loaded, 0)
+  assert loaded.family == family
+  assert tree_digest(params) == json.loads((exported / "export.json").read_text())["weights_digest"]
+  names = set(load_file(str(exported / "model.safetensors")))
+  assert ("model.layers.0.self_attn.q_proj.bias" in names) == (family == "qwen2")
+  assert not any("q_norm" in name for name in names)
