@@ -7,6 +7,7 @@
     run_rl simulate --recipe R                              plan with the boundary model
     run_rl serve-trainer --recipe R --listen HOST:PORT      host the trainer for a remote driver
     run_rl export RUN_DIR --out DIR                         a run's weights as a Hugging Face checkpoint
+    run_rl import-gguf FILE --out DIR                       a GGUF model file as a Hugging Face checkpoint
 
 Exit codes: 0 success; 2 bad usage, an invalid recipe, recording or output
 directory (one message, no traceback, nothing started or written); 1 a failure
@@ -29,6 +30,7 @@ from orchestrator.app import launch, run_dir
 from orchestrator.app import simulate as simulate_lib
 from orchestrator.app.arguments import UsageError, UsageErrorParser, parse_subcommand, subcommand_parser
 from orchestrator.app.export import export_main
+from orchestrator.app.import_gguf import import_gguf_main
 from orchestrator.engine.compilation_cache import COMPILATION_CACHE_ENV, use_compilation_cache
 from orchestrator.app.run_dir import RunDirError, default_out
 from orchestrator.app.serve_trainer import serve_main
@@ -56,6 +58,7 @@ SUBCOMMAND_HELP = {
     "simulate": "predict boundary idle and step time per mode, from the recipe or fitted from a run",
     "serve-trainer": "host the recipe's trainer behind gRPC for a driver with trainer.location=remote",
     "export": "write a run's trained weights as a Hugging Face checkpoint directory",
+    "import-gguf": "write a GGUF model file (Llama, Qwen2, Qwen3) as a Hugging Face checkpoint directory",
 }
 #: One line per environment variable run_rl reads besides the recipe switches (``ENV_SWITCHES``).
 ENVIRONMENT_HELP = {
@@ -284,7 +287,8 @@ def serve_trainer_main(argv: list[str]) -> int:
 
 
 SUBCOMMANDS = {"record": record_main, "rig": rig_main, "simulate": simulate_main,
-               "serve-trainer": serve_trainer_main, "export": export_main}
+               "serve-trainer": serve_trainer_main, "export": export_main,
+               "import-gguf": import_gguf_main}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -109,6 +109,9 @@ class HFTokenizer:
     generation = _read_json(self.directory / "generation_config.json")
     model = _read_json(self.directory / "config.json")
     self._bos = self._special_id(_token_text(settings.get("bos_token")), "bos_token")
+    # add_bos_token false (SmolLM2's: its bos is <|im_start|>, which the chat template writes itself): prompts
+    # get no bos of the sampler's, as transformers' tokenizer adds none
+    self._add_bos = settings.get("add_bos_token", True) is not False
     self._eos = self._eos_ids(settings, {"generation_config.json": generation, "config.json": model})
     if not self._eos:
       raise TokenizerError(f"model.checkpoint={directory}: no end-of-sequence token (eos_token in"
@@ -238,7 +241,8 @@ class HFTokenizer:
     return self._tokenizer.decode(kept, skip_special_tokens=True)
 
   def bos_id(self) -> int | None:
-    return self._bos
+    """The id the sampler puts before each prompt: None where tokenizer_config.json says add_bos_token false."""
+    return self._bos if self._add_bos else None
 
   def eos_id(self) -> int:
     return self._eos[0]

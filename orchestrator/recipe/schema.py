@@ -22,7 +22,7 @@ from orchestrator.engine.presets import ModelPreset, available_presets, load_pre
 from orchestrator.live import datasets as datasets_lib
 from orchestrator.live import rewards as rewards_lib
 from orchestrator.live.hf_tokenizer import HFTokenizer, TokenizerError
-from orchestrator.live.tasks import TASKS, make_task, max_generation_steps, split_sizes
+from orchestrator.live.tasks import MAX_PROMPT_LENGTH, TASKS, make_task, max_generation_steps, split_sizes
 from orchestrator.live.tokenizer import CharTokenizer
 from policies import Mode
 from policies.saving import DEFAULT_CONTROL_EVERY
@@ -268,6 +268,11 @@ TASK_RANGES = {"modulus": (2, 999), "length": (1, 10), "letters": (2, 26), "eval
 #: ``task.name`` for a file of one's own prompts (``orchestrator.live.datasets``); the others are ``TASKS``.
 DATASET = "dataset"
 #: The ``task.*`` keys only a dataset reads, unset by default: a built-in task refuses them.
+#: The most ids a built-in task's answer alphabet may leave the sampler to forbid: Tunix's sampler masks
+#: each forbidden id as its own index (SmolLM2's 49,144 exhausted 16 GB at its first call).
+MAX_FORBIDDEN_IDS = 4096
+#: Tokens a chat template's text may gain where a built-in prompt joins it (its two joins, two each).
+TEMPLATE_JOIN_TOKENS = 4
 DATASET_ONLY_KEYS = ("path", "eval_path", "max_prompt_tokens", "max_completion_tokens")
 #: The range of ``task.max_prompt_tokens`` and ``task.max_completion_tokens`` (they size the sampler's cache).
 TOKEN_RANGES = {"max_prompt_tokens": (2, 4096), "max_completion_tokens": (1, 4096)}
@@ -354,7 +359,14 @@ class TaskSection:
     """The task (a ``tasks.Task``); a dataset is read and checked here, every time, with ``tokenizer`` (the
     sampler's; default the character tokenizer)."""
     if self.name != DATASET:
-      return make_task(self.name, **self._sizes())
+      task = make_task(self.name, **self._sizes())
+      if tokenizer is not None and getattr(tokenizer, "format_prompt", lambda prompt: prompt)(""):
+        # A chat template: a built-in prompt (at most MAX_PROMPT_LENGTH ASCII characters, so at most
+        # that many tokens) inside the chat template, plus room for the template's own tokens to split
+        # differently where the prompt joins them. The instance is this call's own, so nothing else sees it.
+        bound = datasets_lib.prompt_tokens(tokenizer, "") + MAX_PROMPT_LENGTH + TEMPLATE_JOIN_TOKENS
+        object.__setattr__(task, "max_prompt_tokens", bound)
+      return task
     try:
       return datasets_lib.load_task(path=self.path, eval_path=self.eval_path, prompt_field=self.prompt_field,
                                     answer_field=self.answer_field, eval_fraction=self.eval_fraction,
@@ -794,6 +806,14 @@ class Recipe:
     r = self.rollouts
     trajectories = r.groups_per_micro_batch * r.generations_per_group
     task = self.live_task()
+    if task.answer_alphabet is not None:
+      forbidden = preset.vocab_size - len(set(tokenizer.encode(task.answer_alphabet)))
+      if forbidden > MAX_FORBIDDEN_IDS:
+        raise RecipeError(f"task.name={self.task.name} samples answers from the {len(task.answer_alphabet)}"
+                          f" characters {task.answer_alphabet!r}, so the sampler would forbid {forbidden:,} of the"
+                          f" model's {preset.vocab_size:,} ids; Tunix's sampler masks each one as its own index,"
+                          f" which exhausts memory past {MAX_FORBIDDEN_IDS:,}: use task.name=dataset (free-text"
+                          " answers, any id) with this checkpoint")
     per_trajectory = task.max_prompt_tokens + max_generation_steps(task)
     context = self.model.context_tokens()
     if context is not None and per_trajectory > context:

@@ -1,0 +1,104 @@
+"""``run_rl import-gguf FILE --out DIR``: a Hugging Face checkpoint directory from a GGUF file.
+
+``DIR`` gets ``config.json`` (from the file's metadata), ``model.safetensors``
+(every tensor dequantized to float32 through the ``gguf`` package, a Llama's
+query/key rows put back in Hugging Face's order), ``tokenizer.json`` (the
+file's BPE vocabulary and merges through ``tokenizers``),
+``tokenizer_config.json`` (special tokens, chat template) and
+``generation_config.json``: what ``model.checkpoint: DIR`` loads. Everything
+is checked before anything is written (``gguf_file.GGUFCheckpoint``); the
+directory is written as a hidden sibling and renamed to ``DIR`` once complete,
+so ``DIR`` never holds a partial import, and an existing ``DIR`` is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import sys
+from pathlib import Path
+
+from orchestrator.app.arguments import UsageError, UsageErrorParser
+
+WEIGHTS_FILE = "model.safetensors"
+INSTALL_HINT = "pip install -e '.[gguf]' (or pip install gguf)"
+
+
+class ImportRefused(ValueError):
+  """An import that cannot be made as asked; the message names the file or the output."""
+
+
+def import_gguf_main(argv: list[str]) -> int:
+  """``run_rl import-gguf``: exit 0 naming the written directory, or 2 after one line saying why not."""
+  p = UsageErrorParser(prog="run_rl import-gguf",
+                       description="Write a GGUF model file as a Hugging Face checkpoint directory (float32).")
+  p.add_argument("file", metavar="FILE", help="a .gguf file of a Llama, Qwen2 or Qwen3 model")
+  p.add_argument("--out", required=True, help="a new directory for config.json, model.safetensors, tokenizer")
+  try:
+    args = p.parse_intermixed_args(argv)
+    out = _check_out(Path(args.out))
+    checkpoint = _read(Path(args.file))
+    count = write(checkpoint, out)
+  except (UsageError, ImportRefused, OSError) as e:
+    print(f"run_rl import-gguf: error: {e}", file=sys.stderr)
+    return 2
+  config = checkpoint.config
+  print(f"run_rl import-gguf: wrote {out} from {args.file}: a {config['model_type']} model,"
+        f" {config['num_hidden_layers']} layers, width {config['hidden_size']}, {count} tensors as float32,"
+        f" {config['vocab_size']:,}-token vocabulary{', chat template' if 'chat_template' in checkpoint.tokenizer_files['tokenizer_config.json'] else ''};"
+        f" train it with model.checkpoint={out}")
+  return 0
+
+
+def _read(path: Path):
+  try:
+    # import here: gguf_file imports the optional gguf package, so a missing one is named with its install
+    from orchestrator.engine import gguf_file
+    if not path.is_file():
+      raise ImportRefused(f"{path}: no such file; give a .gguf model file")
+    return gguf_file.GGUFCheckpoint(path)
+  except ModuleNotFoundError as e:
+    if e.name != "gguf":
+      raise
+    raise ImportRefused(f"reading GGUF files needs the gguf package, which is not installed: {INSTALL_HINT}"
+                        ) from None
+  except ValueError as e:  # GGUFError
+    raise ImportRefused(str(e)) from None
+
+
+def _check_out(out: Path) -> Path:
+  if out.exists() or out.is_symlink():
+    raise ImportRefused(f"--out {out} already exists; an import never writes into an existing path: choose a new"
+                        " one")
+  parent = out.absolute().parent
+  if not parent.is_dir() or not os.access(parent, os.W_OK):
+    raise ImportRefused(f"--out {out}: {parent} is not a writable directory; create it or choose a --out you can"
+                        " write")
+  return out
+
+
+def write(checkpoint, out: Path) -> int:
+  """Writes the checkpoint into the new directory ``out`` (via a hidden sibling, renamed once complete);
+  returns the number of tensors written."""
+  from safetensors.numpy import save_file  # import here: only an import that passed its checks writes one
+
+  partial = out.absolute().parent / f".{out.name}.{secrets.token_hex(4)}.partial"
+  partial.mkdir()
+  try:
+    tensors = dict(checkpoint.tensors())
+    save_file(tensors, str(partial / WEIGHTS_FILE), metadata={"format": "pt"})
+    (partial / "config.json").write_text(json.dumps(checkpoint.config, indent=1))
+    for name, text in checkpoint.tokenizer_files.items():
+      (partial / name).write_text(text)
+    if out.exists() or out.is_symlink():  # appeared since the check: never replaced, never written into
+      raise ImportRefused(f"--out {out} appeared while the import was written; choose a new --out")
+    os.rename(partial, out)
+  except BaseException as e:
+    shutil.rmtree(partial, ignore_errors=True)  # made here just now: nothing of anyone else's is in it
+    if isinstance(e, OSError):
+      raise ImportRefused(f"writing {out} failed ({e.strerror or e}); nothing is at --out: free space or choose a"
+                          " --out you can write") from None
+    raise
+  return len(tensors)
