@@ -85,6 +85,9 @@ class LiveSampler:
     self.placement = placement
     if placement is not None:  # Tunix's sampler keeps the first weights' shardings: every later sync must match
       params = placement.put(params)
+    else:  # placed as ``sync`` places every later version: a checkpoint's weights arrive committed to a device,
+      # a sync's do not, and jit keys on that, so prefill and decode would compile again at the first sync
+      params = jax.tree.map(jnp.asarray, jax.device_get(params))
     self._graphdef = graphdefs["dropless"]  # sampling never drops tokens
     #: The tree ``sync`` takes and each leaf's shape (a sampler in another process rebuilds the weights with it).
     self.weights_structure = jax.tree.structure(params)

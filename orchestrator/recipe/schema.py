@@ -268,8 +268,8 @@ TASK_RANGES = {"modulus": (2, 999), "length": (1, 10), "letters": (2, 26), "eval
 #: ``task.name`` for a file of one's own prompts (``orchestrator.live.datasets``); the others are ``TASKS``.
 DATASET = "dataset"
 #: The ``task.*`` keys only a dataset reads, unset by default: a built-in task refuses them.
-#: The most ids a built-in task's answer alphabet may leave the sampler to forbid: Tunix's sampler masks
-#: each forbidden id as its own index (SmolLM2's 49,144 exhausted 16 GB at its first call).
+#: The most ids a built-in task's answer alphabet may leave the sampler to forbid in a checkpoint's vocabulary:
+#: Tunix's sampler masks each forbidden id as its own index (SmolLM2's 49,149 exhausted 16 GB at its first call).
 MAX_FORBIDDEN_IDS = 4096
 #: Tokens a chat template's text may gain where a built-in prompt joins it (its two joins, two each).
 TEMPLATE_JOIN_TOKENS = 4
@@ -806,7 +806,7 @@ class Recipe:
     r = self.rollouts
     trajectories = r.groups_per_micro_batch * r.generations_per_group
     task = self.live_task()
-    if task.answer_alphabet is not None:
+    if task.answer_alphabet is not None and self.model.checkpoint:
       forbidden = preset.vocab_size - len(set(tokenizer.encode(task.answer_alphabet)))
       if forbidden > MAX_FORBIDDEN_IDS:
         raise RecipeError(f"task.name={self.task.name} samples answers from the {len(task.answer_alphabet)}"

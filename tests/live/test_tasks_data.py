@@ -549,8 +549,9 @@ def test_a_reward_that_fails_stops_the_run_naming_it_and_keeps_the_records_befor
                                                                                   fresh_module, capsys, failure,
                                                                                   message):
   """The example recipe has 2 micro-batches per step of 2 groups each, at staleness 1: the fifth call is step 2's
-  first micro-batch (prompt indices 8 and 9), sampled while step 1 trains. The run stops at boundary 1, which
-  waits for step 2's rollouts: step 1's update is applied and its record written before the run fails."""
+  first micro-batch (prompt indices 8 and 9), sampled once update 0 is published. The run stops at the first
+  boundary that sees the failure: boundary 1, which waits for step 2's rollouts, or boundary 0's later check
+  where the sampler got there first (a loaded machine); every record of a step trained before is kept."""
   name = fresh_module(f"my_rewards_step_two_{abs(hash(failure))}", f"""
       import time
 
@@ -571,8 +572,8 @@ def test_a_reward_that_fails_stops_the_run_naming_it_and_keeps_the_records_befor
           " on the micro-batch of prompt indices 8..9 of step 2" in err), err
   assert "Traceback" not in err
   records = _records(run)
-  assert [r["step"] for r in records] == [0, 1] and records[0]["reward_mean"] == 0.5  # the function's reward
-  assert records[1]["loss"] is not None and records[1]["checkpoint_path"] is None  # trained, not checkpointed
+  assert [r["step"] for r in records] in ([0], [0, 1]) and records[0]["reward_mean"] == 0.5  # the function's
+  assert records[-1]["loss"] is not None and records[-1]["checkpoint_path"] is None  # trained, not checkpointed
 
 
 @pytest.mark.spec
