@@ -240,6 +240,11 @@ class HFTokenizer:
       kept.append(i)
     return self._tokenizer.decode(kept, skip_special_tokens=True)
 
+  def decode_prompt(self, ids: Iterable[int]) -> str:
+    """The text of a prompt's ``ids`` as the model saw it, special tokens and all (a chat template's
+    end-of-message token is an eos, where ``decode`` would stop)."""
+    return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
+
   def bos_id(self) -> int | None:
     """The id the sampler puts before each prompt: None where tokenizer_config.json says add_bos_token false."""
     return self._bos if self._add_bos else None

@@ -160,12 +160,13 @@ class BatchRollouts:
 
   def samples(self, schedule: BatchSchedule, step: int, count: int, tokenizer) -> list[dict[str, Any]]:
     """The first ``count`` completions ``step`` trains on, to read: the weights version that sampled them, each
-    one's prompt and completion (decoded with ``tokenizer``), reward, advantage, whether the task's check passed
-    and whether it was cut at the length limit (None: a fixed-length answer)."""
+    one's prompt (as the model saw it) and completion (decoded with ``tokenizer``), reward, advantage, whether
+    the task's check passed and whether it was cut at the length limit (None: a fixed-length answer)."""
     mini = zip(*(schedule.mini_batch(step, column) for column in (
         self.payloads, self.rewards, self.correct, self.truncated or [[None] * len(m) for m in self.payloads])))
     rows = [row for micro in mini for row in zip(*micro)][:count]
-    return [{"step": step, "weights_version": self.weights_version, "prompt": tokenizer.decode(t.prompt_ids),
+    decode_prompt = getattr(tokenizer, "decode_prompt", tokenizer.decode)  # a chat template's text holds eos ids
+    return [{"step": step, "weights_version": self.weights_version, "prompt": decode_prompt(t.prompt_ids),
              "completion": tokenizer.decode(t.completion_ids), "reward": reward, "advantage": float(t.advantage),
              "correct": correct, "truncated": truncated} for t, reward, correct, truncated in rows]
 
