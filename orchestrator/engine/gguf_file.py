@@ -59,6 +59,11 @@ def unpermute_rotary_rows(weight: np.ndarray, heads: int) -> np.ndarray:
   return weight.reshape(heads, rows // heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
+def numpy_shape(tensor) -> tuple[int, ...]:
+  """A GGUF tensor's shape in numpy's (row-major) order: GGUF lists its dimensions innermost first."""
+  return tuple(int(n) for n in reversed(tensor.shape))
+
+
 class GGUFCheckpoint:
   """One GGUF file, checked to import: ``config``, ``tensors()``, ``tokenizer_files()``.
 
@@ -186,7 +191,7 @@ class GGUFCheckpoint:
     except hf_checkpoint.CheckpointDirError as e:
       raise GGUFError(f"{self.path}: its metadata gives a model the trainer cannot run: {e}") from None
     wanted = hf_checkpoint.expected_tensors(preset)
-    shapes = {self._names[t.name]: tuple(int(n) for n in reversed(t.shape)) for t in self._reader.tensors}
+    shapes = {self._names[t.name]: numpy_shape(t) for t in self._reader.tensors}
     if "model.embed_tokens.weight" in shapes and self.config["vocab_size"] != shapes["model.embed_tokens.weight"][0]:
       raise GGUFError(f"{self.path}: the tokenizer has {self.config['vocab_size']} tokens but token_embd.weight"
                       f" has {shapes['model.embed_tokens.weight'][0]} rows; the file is damaged")
@@ -204,7 +209,7 @@ class GGUFCheckpoint:
     permuted = self.architecture in PERMUTED_ROTARY
     for tensor in self._reader.tensors:
       name = self._names[tensor.name]
-      shape = tuple(int(n) for n in reversed(tensor.shape))
+      shape = numpy_shape(tensor)
       values = gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)
       values = np.asarray(values, np.float32).reshape(shape)
       if permuted and ".self_attn.q_proj." in name:
