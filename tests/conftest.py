@@ -8,6 +8,7 @@ collects only the files that hold spec tests and fails if anything imported JAX.
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import shutil
 import subprocess
@@ -72,6 +73,17 @@ def _spec_tests_run_without_jax(request):
       _jax_reported = True
       pytest.fail(f"the spec tier imported {', '.join(imported)} (this test, or a module collected with it): "
                   "a test marked spec needs JAX; mark it engine or e2e", pytrace=False)
+
+
+@pytest.fixture(autouse=True)
+def _root_logger_restored():
+  """A test that runs ``main`` configures logging onto its captured stderr (``force=True``), which closes when
+  the test ends: the next test in that worker that logs would print a logging error into its own stderr."""
+  root = logging.getLogger()
+  handlers, level = list(root.handlers), root.level
+  yield
+  root.handlers[:] = handlers
+  root.setLevel(level)
 
 
 @pytest.fixture(scope="session")
