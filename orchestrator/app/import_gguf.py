@@ -95,7 +95,9 @@ def _check_out(out: Path) -> Path:
 def write(checkpoint, out: Path) -> int:
   """Writes the checkpoint into the new directory ``out`` (via a hidden sibling, renamed once complete);
   returns the number of tensors written."""
-  from safetensors.numpy import save_file  # import here: only an import that passed its checks writes one
+  # import here: only an import that passed its checks writes one
+  from safetensors import SafetensorError
+  from safetensors.numpy import save_file
 
   partial = out.absolute().parent / f".{out.name}.{secrets.token_hex(4)}.partial"
   partial.mkdir()
@@ -110,8 +112,9 @@ def write(checkpoint, out: Path) -> int:
     os.rename(partial, out)
   except BaseException as e:
     shutil.rmtree(partial, ignore_errors=True)  # made here just now: nothing of anyone else's is in it
-    if isinstance(e, OSError):
-      raise ImportRefused(f"writing {out} failed ({e.strerror or e}); nothing is at --out: free space or choose a"
+    if isinstance(e, (OSError, SafetensorError)):  # safetensors reports a failed write (a full disk) as its own
+      reason = getattr(e, "strerror", None) or e
+      raise ImportRefused(f"writing {out} failed ({reason}); nothing is at --out: free space or choose a"
                           " --out you can write") from None
     raise
   return len(tensors)

@@ -11,6 +11,8 @@ import gguf
 import jax
 import numpy as np
 import pytest
+import safetensors
+import safetensors.numpy
 
 import orchestrator.engine
 from orchestrator.app import cli
@@ -119,6 +121,23 @@ def test_bad_files_and_outputs_are_refused_in_one_line_with_nothing_written(tmp_
   assert "general.architecture='gpt2'" in _refused(tmp_path, capsys, other)
   (tmp_path / "taken").mkdir()
   assert "already exists" in _refused(tmp_path, capsys, good, out_name="taken")
+
+
+@pytest.mark.parametrize("failure", [
+    safetensors.SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull })"),
+    OSError(28, "No space left on device"),
+], ids=["safetensors", "os"])
+def test_a_write_that_fails_is_refused_in_one_line_and_leaves_nothing(tmp_path, capsys, monkeypatch, failure):
+  """A full disk while the weights are written: safetensors reports it as its own error, not an OSError."""
+  _, _, tensors, config = _family_weights("llama")
+  good = write_gguf(tmp_path / "good.gguf", tensors, config)
+
+  def full_disk(*args, **kwargs):
+    raise failure
+
+  monkeypatch.setattr(safetensors.numpy, "save_file", full_disk)
+  line = _refused(tmp_path, capsys, good)
+  assert "writing" in line and "failed" in line and "nothing is at --out" in line
 
 
 def test_a_quantisation_gguf_cannot_dequantize_is_refused_naming_the_tensor(tmp_path, capsys):
