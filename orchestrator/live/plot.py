@@ -20,9 +20,10 @@ def plot_rewards(records: Sequence, path: Path, *, title: str) -> Path | None:
   steps, rewards, accuracy = zip(*points)
   fig, ax = plt.subplots(figsize=(8, 3.6))
   ax.plot(steps, rewards, label="mean reward", color="#4C78A8", linewidth=1)
-  ax.plot(steps, accuracy, label="accuracy (reward = 1)", color="#F58518", linewidth=1, linestyle="--")
+  ax.plot(steps, accuracy, label="accuracy (the task's own check)", color="#F58518", linewidth=1, linestyle="--")
   ax.set_xlabel("optimizer step")
-  ax.set_ylim(-0.02, 1.02)
+  # rewards lie in [0, 1] unless task.reward_weights (or a reward of the user's) scale them: the axis shows all
+  ax.set_ylim(min(0.0, *rewards) - 0.02, max(1.0, *rewards) + 0.02)
   ax.set_title(title, fontsize=10)
   ax.legend(loc="lower right", fontsize=8)
   ax.grid(alpha=0.3)
