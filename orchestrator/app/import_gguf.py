@@ -112,9 +112,9 @@ def write(checkpoint, out: Path) -> int:
     os.rename(partial, out)
   except BaseException as e:
     shutil.rmtree(partial, ignore_errors=True)  # made here just now: nothing of anyone else's is in it
-    if isinstance(e, (OSError, SafetensorError)):  # safetensors reports a failed write (a full disk) as its own
-      reason = getattr(e, "strerror", None) or e
-      raise ImportRefused(f"writing {out} failed ({reason}); nothing is at --out: free space or choose a"
-                          " --out you can write") from None
+    # safetensors reports a failed write (a full disk) as its own error, naming the IoError
+    if isinstance(e, OSError) or (isinstance(e, SafetensorError) and "IoError" in str(e)):
+      raise ImportRefused(f"writing {out} failed ({getattr(e, 'strerror', None) or e}); nothing is at --out: free"
+                          " space or choose a --out you can write") from None
     raise
   return len(tensors)
