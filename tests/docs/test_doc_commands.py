@@ -33,6 +33,7 @@ PLACEHOLDERS = {
     "R": "a recipe of the reader's",
     "recipes/bigger.yaml": "another job's recipe",
     "/models/Qwen3-0.6B": "a Hugging Face checkpoint directory",
+    "models/SmolLM2-135M-Instruct": "the directory run_rl import-gguf writes",
     "data/train.jsonl": "a prompt file",
     "/secure/trainer.token": "a token file",
 }
