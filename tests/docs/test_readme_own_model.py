@@ -31,9 +31,10 @@ PROMPTS_PLACEHOLDER = "data/train.jsonl"
 
 
 def own_model_commands() -> list[str]:
-  """The shell commands of the first ```bash block under "## Training your own model", continuations joined."""
-  section = README.read_text().split("## Training your own model", 1)[1]
-  block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
+  """The shell commands of the ```bash block under "## Training your own model" that trains a checkpoint of the
+  reader's (the one naming the placeholder; the section's first block imports SmolLM2), continuations joined."""
+  section = README.read_text().split("## Training your own model", 1)[1].split("\n## ", 1)[0]
+  block = next(b for b in re.findall(r"```bash\n(.*?)```", section, re.S) if CHECKPOINT_PLACEHOLDER in b)
   joined = block.replace("\\\n", " ")
   return [line.split("#", 1)[0].strip() for line in joined.splitlines() if line.split("#", 1)[0].strip()]
 
