@@ -67,8 +67,9 @@ def policy_from_recipe(recipe: Recipe, capabilities: WorkerCapabilities, *, mode
 def build_engine_from_recipe(recipe: Recipe, *, checkpoint_dir: str | None = None):
   """The engine ``engine.backend`` names, with the recipe's model, mesh, batch shape and options, and the
   distribution its rollouts are sampled from."""
+  rows, tokens_per_row = recipe.micro_batch_shape()
   return build_backend(recipe.model_preset(), recipe.engine, mesh=dataclasses.asdict(recipe.mesh),
-                       rows=recipe.batch.rows, tokens_per_row=recipe.batch.tokens_per_row,
+                       rows=rows, tokens_per_row=tokens_per_row,
                        checkpoint_dir=checkpoint_dir,
                        micro_batches_per_step=recipe.batch.micro_batches_per_step,
                        sampled=sampled_distribution(recipe))
@@ -90,7 +91,7 @@ def sampled_distribution(recipe: Recipe):
 def batch_shape(recipe: Recipe) -> tuple[int, int, int]:
   """(vocab size, rows, tokens per row) the recipe's model and batch section give (no JAX)."""
   preset = recipe.model_preset()
-  return preset.vocab_size, recipe.batch.rows or preset.rows, recipe.batch.tokens_per_row or preset.tokens_per_row
+  return (preset.vocab_size, *recipe.micro_batch_shape())
 
 
 def rollout_source(recipe: Recipe, *, steps: int | None = None):

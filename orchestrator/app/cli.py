@@ -167,7 +167,7 @@ def _record_generated(recipe, recipe_path, out: Path) -> int:
   shape = RolloutShape(
       groups=r.groups, generations_per_group=r.generations_per_group,
       prompt_len_median=r.prompt_len_median, completion_len_median=r.completion_len_median,
-      max_tokens=recipe.batch.tokens_per_row or preset.tokens_per_row,
+      max_tokens=recipe.micro_batch_shape()[1],
       vocab_size=preset.vocab_size, seed=r.seed,
   )
   manifest = write_recording(out, generate_groups(shape), vocab_size=preset.vocab_size,

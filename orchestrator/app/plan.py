@@ -127,16 +127,25 @@ def _derived_otherwise(config: dict, recipe) -> list[str]:
           if str(sources.get(key, "")).startswith(recipe_lib.DERIVED) and saved.get(key) != value]
 
 
+def _kept_as_run(key: str, source: str, values: dict) -> bool:
+  """Whether a resume keeps a size the run derived at the value it ran with: a live run's micro-batch shape that
+  came from the model's sizes ("derived: model.preset tiny's rows"), which a live run no longer derives."""
+  leaf = key.removeprefix("batch.")
+  return (key in ("batch.rows", "batch.tokens_per_row") and values.get("rollouts.source") == "sampler"
+          and source.endswith(f"'s {leaf}"))
+
+
 def resolved_from_saved(config: dict, steps: int | None, *, saved_steps: int | None = None
                         ) -> recipe_lib.ResolvedRecipe:
   """The recipe a run directory's config.json describes, run to ``steps`` if given, else to ``saved_steps``
   (the length the latest segment ran to). A size the run derived (config.json records its value) is left
-  unset, to be derived as the run derived it; a file the run read is the one it read, by the absolute path
+  unset, to be derived as the run derived it, but a live run's micro-batch shape taken from its model's sizes
+  (before live runs fitted theirs to their task) keeps the value it ran with; a file the run read is the one it read, by the absolute path
   config.json records (a relative one named the working directory's)."""
   values = recipe_lib.flatten(config["config"], where="config.json")
   sources = dict(config.get("sources") or {})
   for key, source in sources.items():
-    if str(source).startswith(recipe_lib.DERIVED) and key in values:
+    if str(source).startswith(recipe_lib.DERIVED) and key in values and not _kept_as_run(key, str(source), values):
       values[key] = None
   for key, path in inputs.recorded_paths(config.get("inputs")).items():
     if key in values and values[key] != path:

@@ -41,8 +41,8 @@ _SPELLINGS = {"map_s": ("map_s", "input_copy_s"), "update_overlap_share": ("upda
 def job_shape(recipe) -> JobShape:
   """The recipe's batch, mesh and model as the scaling rules read them."""
   preset = recipe.model_preset()
-  return JobShape(rows=recipe.batch.rows or preset.rows,
-                  tokens_per_row=recipe.batch.tokens_per_row or preset.tokens_per_row,
+  rows, tokens_per_row = recipe.micro_batch_shape()
+  return JobShape(rows=rows, tokens_per_row=tokens_per_row,
                   micro_batches_per_step=recipe.batch.micro_batches_per_step,
                   devices=recipe.mesh.fsdp * recipe.mesh.context * recipe.mesh.expert,
                   hosts=recipe.simulate.hosts or recipe.distributed.num_processes or 1,

@@ -39,6 +39,10 @@ def _at_least(section: str, obj: Any, keys: tuple[str, ...], minimum: float) -> 
       raise RecipeError(f"{section}{'.' if section else ''}{key}={value} is out of range: it must be >= {minimum}")
 
 
+def _round_up(value: int, multiple: int) -> int:
+  return -(-value // multiple) * multiple
+
+
 def _at_most(section: str, obj: Any, keys: tuple[str, ...], maximum: float) -> None:
   """Absurd sizes are refused up front rather than failing hours later (or exhausting memory)."""
   for key in keys:
@@ -172,7 +176,7 @@ class BatchSection:
   """The shape of one optimizer step."""
 
   micro_batches_per_step: int = 3
-  rows: int | None = None  # None: the model preset's
+  rows: int | None = None  # None: derived (Recipe.micro_batch_shape)
   tokens_per_row: int | None = None
 
   def validate(self) -> None:
@@ -707,15 +711,47 @@ class Recipe:
     """The live loop's task, read (a dataset: every row checked) with the tokenizer the sampler uses."""
     return self.task.make(self.model.tokenizer())
 
+  def micro_batch_shape(self) -> tuple[int, int]:
+    """(rows, tokens per row) of one micro-batch: ``batch.rows`` and ``batch.tokens_per_row`` where set.
+
+    Unset, a live run's fit its task, so no step computes rows of padding: a row holds one trajectory of the
+    longest prompt and completion (with ``batch.rows`` set, as many as the sampled trajectories need), and there
+    is a row per trajectory a micro-batch samples, each rounded up to split over the mesh. Any other run's are
+    the model's (its preset's sizes).
+    """
+    preset = self.model_preset()
+    rows, tokens = self.batch.rows, self.batch.tokens_per_row
+    if self.rollouts.source != "sampler" or (rows and tokens):
+      return rows or preset.rows, tokens or preset.tokens_per_row
+    trajectories, per_trajectory = self._live_trajectories()
+    if tokens is None:
+      tokens = _round_up(per_trajectory * (math.ceil(trajectories / rows) if rows else 1), self.mesh.context)
+    if rows is None:
+      rows = _round_up(math.ceil(trajectories / max(1, tokens // per_trajectory)), self.mesh.row_shards)
+    return rows, tokens
+
+  def _live_trajectories(self) -> tuple[int, int]:
+    """(trajectories a micro-batch samples, tokens of the longest one) of a live run."""
+    r, task = self.rollouts, self.live_task()
+    return r.groups_per_micro_batch * r.generations_per_group, task.max_prompt_tokens + max_generation_steps(task)
+
   def derived_sizes(self) -> dict[str, tuple[int, str]]:
     """Each size key left unset whose value the run derives: the key → (the value it runs with, where that
     comes from, as ``"derived: ..."``). config.json records these values as the run's."""
-    preset, derived = self.model_preset(), {}
-    origin = (f"model.preset {self.model.preset or DEFAULT_PRESET}" if self.model.preset or not self.model.checkpoint
-              else "a checkpoint's model (the default)")
-    for key in ("rows", "tokens_per_row"):
+    derived = {}
+    shape = dict(zip(("rows", "tokens_per_row"), self.micro_batch_shape()))
+    if self.rollouts.source == "sampler":
+      trajectories, per_trajectory = self._live_trajectories()
+      sources = {"rows": f"derived: rows for the {trajectories} trajectories a micro-batch samples",
+                 "tokens_per_row": f"derived: the task's longest trajectory ({per_trajectory} tokens) per trajectory"
+                                   " a row holds"}
+    else:
+      origin = (f"model.preset {self.model.preset or DEFAULT_PRESET}" if self.model.preset or not self.model.checkpoint
+                else "a checkpoint's model (the default)")
+      sources = {key: f"derived: {origin}'s {key}" for key in shape}
+    for key, value in shape.items():
       if getattr(self.batch, key) is None:
-        derived[f"batch.{key}"] = (getattr(preset, key), f"derived: {origin}'s {key}")
+        derived[f"batch.{key}"] = (value, sources[key])
     if self.rollouts.source == "sampler" and self.task.name == DATASET:
       task = self.live_task()
       if self.task.max_prompt_tokens is None:
@@ -763,7 +799,7 @@ class Recipe:
       self._check_sampler_calls()
       if self.task.name == DATASET:  # every row and every reward entry, before anything runs
         self.task.make_reward(self.live_task())
-    rows, tokens = self.batch.rows or preset.rows, self.batch.tokens_per_row or preset.tokens_per_row
+    rows, tokens = self.micro_batch_shape()
     try:
       self.engine.validate(preset)
       self.mesh.check_batch_shape(rows, tokens)
@@ -803,8 +839,7 @@ class Recipe:
                if self.model.checkpoint else f"the live loop's tokenizer has {tokenizer.vocab_size} ids")
       raise RecipeError(f"{where}, more than the model's vocabulary of {preset.vocab_size}; use the checkpoint's"
                         " own tokenizer, or a model with a larger vocabulary")
-    r = self.rollouts
-    trajectories = r.groups_per_micro_batch * r.generations_per_group
+    trajectories, per_trajectory = self._live_trajectories()
     task = self.live_task()
     if task.answer_alphabet is not None and self.model.checkpoint:
       forbidden = preset.vocab_size - len(set(tokenizer.encode(task.answer_alphabet)))
@@ -814,7 +849,6 @@ class Recipe:
                           f" model's {preset.vocab_size:,} ids; Tunix's sampler masks each one as its own index,"
                           f" which exhausts memory past {MAX_FORBIDDEN_IDS:,}: use task.name=dataset (free-text"
                           " answers, any id) with this checkpoint")
-    per_trajectory = task.max_prompt_tokens + max_generation_steps(task)
     context = self.model.context_tokens()
     if context is not None and per_trajectory > context:
       raise RecipeError(f"task.max_prompt_tokens + task.max_completion_tokens = {task.max_prompt_tokens} +"

@@ -43,6 +43,7 @@ class LocalRigTrainer:
     options = {f.name: getattr(recipe.engine, f.name) for f in dataclasses.fields(recipe.engine)
                if f.name != "backend"}
     self.recipe = recipe
+    # The rig replays recordings, so unset sizes are the model's, not a live task's (Recipe.micro_batch_shape).
     self.engine = build_engine(recipe.model_preset(), mesh=dataclasses.asdict(recipe.mesh), rows=recipe.batch.rows,
                                tokens_per_row=recipe.batch.tokens_per_row, **options)
     require_snapshots(self.engine)

@@ -235,8 +235,9 @@ def test_config_json_holds_each_derived_size_with_its_source(tmp_path, monkeypat
   assert (config["task"]["max_completion_tokens"], sources["task.max_completion_tokens"]) == (
       2, "derived: the longest answer")
   assert (config["batch"]["tokens_per_row"], sources["batch.tokens_per_row"]) == (
-      64, "derived: model.preset tiny's tokens_per_row")
-  assert (config["batch"]["rows"], sources["batch.rows"]) == (16, "recipe")
+      8, "derived: the task's longest trajectory (8 tokens) per trajectory a row holds")
+  assert (config["batch"]["rows"], sources["batch.rows"]) == (
+      32, "derived: rows for the 32 trajectories a micro-batch samples")
   assert config["checkpoint"]["directory"] == str(tmp_path / "ckpts")
   assert sources["checkpoint.directory"] == "override, ckpts made absolute"
   assert resolved.recipe.task.max_prompt_tokens is None and resolved.recipe.batch.tokens_per_row is None
@@ -244,6 +245,51 @@ def test_config_json_holds_each_derived_size_with_its_source(tmp_path, monkeypat
                                                      "task.max_prompt_tokens=9", "batch.tokens_per_row=32"]))
   assert (config["task"]["max_prompt_tokens"], sources["task.max_prompt_tokens"]) == (9, "override")
   assert (config["batch"]["tokens_per_row"], sources["batch.tokens_per_row"]) == (32, "override")
+
+
+@pytest.mark.spec
+@pytest.mark.parametrize("overrides, shape", [
+    ([], (32, 17)),  # default: 8 groups × 4 generations of up to 16 + 1 tokens, one a row
+    (["batch.rows=16"], (16, 34)),  # two trajectories a row
+    (["batch.rows=5"], (5, 119)),  # ceil(32 / 5) = 7 a row
+    (["batch.tokens_per_row=64"], (11, 64)),  # 3 a row: ceil(32 / 3) rows
+    (["batch.rows=7", "batch.tokens_per_row=100"], (7, 100)),  # both given: as given
+    (["task.name=reverse"], (32, 20)),  # a longer answer (4 tokens): longer rows
+    (["rollouts.groups_per_micro_batch=3"], (12, 17)),
+    (["rollouts.source=synthetic"], (4, 64)),  # not live: the preset's
+])
+def test_a_live_run_sizes_its_micro_batch_to_its_task(overrides, shape):
+  """Unset, a live run's rows and tokens per row hold a micro-batch's sampled trajectories with no row of padding
+  (the preset's 16 × 64 computed 1,024 positions for 32 trajectories of at most 17 tokens)."""
+  recipe = resolve(overrides).recipe
+  assert recipe.micro_batch_shape() == shape
+  rows, tokens = shape
+  if recipe.rollouts.source == "sampler":  # negative control: one row fewer would not hold them
+    trajectories, per_trajectory = recipe._live_trajectories()
+    assert trajectories <= rows * (tokens // per_trajectory)
+    assert trajectories > (rows - 1) * (tokens // per_trajectory) or rows == 1
+
+
+@pytest.mark.spec
+def test_a_derived_shape_splits_over_the_mesh():
+  """Rows round up to split over fsdp × expert, tokens over context (the mesh check refuses anything else)."""
+  recipe = resolve(["mesh.fsdp=3", "mesh.context=2", "rollouts.groups_per_micro_batch=3"]).recipe
+  assert recipe.micro_batch_shape() == (12, 18)
+
+
+@pytest.mark.spec
+def test_a_resume_keeps_the_shape_its_run_derived(tmp_path):
+  """A run whose micro-batch shape was derived otherwise at its start (the preset's 16 × 64, before live runs
+  fitted theirs to the task) resumes in that shape; negative control: a derived task size still derives anew."""
+  config, sources = recipe_lib.saved_config(resolve([]))
+  config["batch"]["rows"], config["batch"]["tokens_per_row"] = 16, 64
+  sources["batch.rows"], sources["batch.tokens_per_row"] = "recipe", "derived: model.preset tiny's tokens_per_row"
+  resumed = plan.resolved_from_saved({"config": config, "sources": sources, "recipe": "x"}, None).recipe
+  assert resumed.micro_batch_shape() == (16, 64)
+  assert plan._derived_otherwise({"config": config, "sources": sources}, resumed) == []
+  config["batch"]["tokens_per_row"], sources["batch.tokens_per_row"] = 99, "derived: the task's longest trajectory"
+  assert plan.resolved_from_saved({"config": config, "sources": sources, "recipe": "x"},
+                                  None).recipe.micro_batch_shape() == (16, 34)
 
 
 @pytest.mark.e2e
@@ -344,7 +390,7 @@ def _main(argv, capsys, env=None):
         (["--recipe", "no/such/recipe.yaml"], {}, "recipe no/such/recipe.yaml does not exist"),
         (["--no-stage_next_microbatch", "--require_staging"], {}, "require_staging=true but staging is off"),
         (["engine.retry_when_tokens_dropped=true"], {}, "needs an MoE model, but 'tiny' is dense"),
-        (["mesh.fsdp=3"], {}, "does not split over mesh.fsdp×mesh.expert=3"),
+        (["mesh.fsdp=3", "batch.rows=16"], {}, "does not split over mesh.fsdp×mesh.expert=3"),
         (["model=huge"], {}, "model.preset='huge' is not a preset; available:"),
         (["notakeyvalue"], {}, "override 'notakeyvalue' is not key=value"),
         (["--steps", "x"], {}, "argument --steps: invalid int value"),
