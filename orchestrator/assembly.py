@@ -16,12 +16,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+from orchestrator import phases
 from orchestrator import recipe as recipe_lib
 from orchestrator.contract import Evaluation, live_part
 from orchestrator.data.recording import open_recording
 from orchestrator.data.sources import ReplaySteps, SyntheticSteps
 from orchestrator.data.synthetic import SyntheticRollouts
-from orchestrator.engine import build_backend
+from orchestrator.engine import build_backend, host_threads
 from orchestrator.live.tasks import max_generation_steps
 from orchestrator.loop.metrics_log import MetricsLog, open_metrics_log
 from orchestrator.loop.program import ProgramConfig, RLProgram
@@ -136,7 +137,8 @@ def live_source(recipe: Recipe, *, steps: int | None = None):
       raise RecipeError(str(e)) from None
   spec = SamplerSpec(preset=recipe.model_preset(), model=recipe.model, seed=recipe.engine.seed,
                      max_prompt_length=task.max_prompt_tokens, max_generation_steps=max_generation_steps(task),
-                     alphabet=task.answer_alphabet, dtype=recipe.engine.dtype)
+                     alphabet=task.answer_alphabet, dtype=recipe.engine.dtype,
+                     xla_threads=host_threads.APPLIED["plan"].host_threads if "plan" in host_threads.APPLIED else None)
   if r.placement == "process":  # started first: it imports and builds while this process builds the trainer
     sampler = SamplerProcess(spec, recipe.model.tokenizer())
   else:
@@ -262,7 +264,12 @@ class RunHandle:
     if self.trainer_info:
       result.summary = result.summary.replace(trainer=self.trainer_info)
     # When the run started (Unix seconds): the origin of every record's t_* times and of trace.json's.
-    result.summary = result.summary.replace(run=dict(result.summary.run, run_started_at=self.program.recorder.wall_start))
+    started = self.program.recorder.wall_start
+    first = next((r for r in result.records if r.step == start), None)
+    if first is not None:
+      phases.mark("first_update", started + first.t_update_ready)
+    result.summary = result.summary.replace(run=dict(result.summary.run, run_started_at=started,
+                                                     startup_s=phases.seconds_from_start()))
     return result
 
   @property
@@ -347,6 +354,7 @@ def build_run(recipe: Recipe, out: Path, *, source, run_id: str, checkpoint_dir:
     if sampling is not None:
       sampling.ready(0, 0.0)
     worker, trainer_info = make_worker(recipe, closers, checkpoint_dir=checkpoint_dir, write_dir=write_dir)
+    phases.mark("trainer_built")
     handle = _build_program(recipe, write_dir, worker, source=source, run_id=run_id, config_sha256=config_sha256,
                             resume=resume, run_name=out.name, stop_requested=stop_requested,
                             progress=progress if job is None or job.is_primary else None, job=job)

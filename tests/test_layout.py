@@ -262,7 +262,7 @@ def test_the_circle_check_finds_a_circle():
 #: The layers, lowest first: a module imports from its own layer or below (docs/design.md §3).
 LAYERS = (
     ("policies",),
-    ("orchestrator.contract", "orchestrator.addresses", "orchestrator.user_files"),
+    ("orchestrator.contract", "orchestrator.addresses", "orchestrator.user_files", "orchestrator.phases"),
     ("orchestrator.data", "orchestrator.distributed"),
     ("orchestrator.engine", "orchestrator.live", "orchestrator.loop"),
     ("orchestrator.recipe", "orchestrator.remote"),

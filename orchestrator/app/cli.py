@@ -25,6 +25,7 @@ import logging
 import sys
 from pathlib import Path
 
+from orchestrator import phases
 from orchestrator import recipe as recipe_lib
 from orchestrator.app import launch, run_dir
 from orchestrator.app import simulate as simulate_lib
@@ -37,7 +38,8 @@ from orchestrator.app.serve_trainer import serve_main
 from orchestrator.data.recording import RecordingError, write_recording
 from orchestrator.data.synthetic import RolloutShape, generate_groups
 from orchestrator.distributed.launcher import LAUNCHED_ENV
-from orchestrator.engine.host_threads import reserve_host_core
+from orchestrator.engine.core_claims import CLAIMS_ENV
+from orchestrator.engine.host_threads import apply_core_plan
 from orchestrator.engine.presets import CONFIGS_ENV
 from orchestrator.remote import protocol
 
@@ -62,9 +64,10 @@ SUBCOMMAND_HELP = {
 }
 #: One line per environment variable run_rl reads besides the recipe switches (``ENV_SWITCHES``).
 ENVIRONMENT_HELP = {
-    COMPILATION_CACHE_ENV: "a directory for XLA's persistent compilation cache (compiled programs are reused)",
+    COMPILATION_CACHE_ENV: "XLA's persistent compilation cache (default ~/.cache/step-boundary/xla; off: none)",
     CONFIGS_ENV: "the folder holding the model presets, model/*.yaml (default: the repository's configs/)",
     protocol.TOKEN_ENV: "the token a remote trainer and its driver share, unless trainer.token_file names one",
+    CLAIMS_ENV: "where the runs on this machine claim CPU cores (default: <temp dir>/step-boundary-cores-<uid>)",
     LAUNCHED_ENV: "set by run_rl in the local processes it starts for distributed.num_processes (not for users)",
 }
 
@@ -219,8 +222,7 @@ def rig_main(argv: list[str]) -> int:
 
 def _run_rig(recipe, recording: str, args, out: str) -> int:
   """The rig's run, once its report directory is held."""
-  if recipe.run.reserve_host_core:
-    reserve_host_core()
+  apply_core_plan(recipe.run.reserve_host_core, among_runs=False)  # the cores as a run of this recipe plans them
   use_compilation_cache()
   logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr, force=True)
   # import here: gRPC and the engines load after the host core is reserved
@@ -292,6 +294,8 @@ SUBCOMMANDS = {"record": record_main, "rig": rig_main, "simulate": simulate_main
 
 
 def main(argv: list[str] | None = None) -> int:
+  phases.restart()
+  phases.mark("imports")
   try:
     return _main(sys.argv[1:] if argv is None else argv)
   except KeyboardInterrupt:  # outside a run's own handlers (start-up, imports, a subcommand)

@@ -31,7 +31,7 @@ import dataclasses
 import statistics
 import time
 
-from orchestrator.engine.host_threads import reserve_host_core
+from orchestrator.engine.host_threads import apply_core_plan
 from policies.boundary_model import Components, Estimate, JobShape, ScaledChange, consistent
 
 #: The components the probe scales, and the ``ShapeProbe`` measurement each one scales by.
@@ -155,15 +155,14 @@ def probe_both(source_recipe, source: JobShape, target_recipe, target: JobShape,
   """The run's shape and the other job's, timed in turn step by step in this process (medians over ``repeats``
   after one warm-up step each), so a change in the machine's load between them moves both alike.
 
-  With ``run.reserve_host_core`` in the run's recipe, one core is kept for the host first, as the run did (a
-  no-op once JAX has started in this process).
+  The cores are planned first as the run planned them (``run.reserve_host_core``; a no-op once JAX has started
+  in this process).
 
   Raises:
     ValueError: a shape the mesh does not divide, a model the first device cannot hold, or the runtime failed
       while probing (out of memory, most likely), in one line.
   """
-  if source_recipe.run.reserve_host_core:
-    reserve_host_core()
+  apply_core_plan(source_recipe.run.reserve_host_core, among_runs=False)
   check_fits(source_recipe, source, where="the run")
   check_fits(target_recipe, target, where="the other job")
   shapes: list[_ShapeUnderTest] = []

@@ -178,7 +178,7 @@ def _opening_line(plan: RunPlan, job: job_lib.Job, *, host: str, point, devices:
   processes = f"; {job.identity.num_processes} processes" if job.distributed else ""
   return (f"run_rl: recipe {plan.resolved.path} ({recipe.name}){_changed_phrase(plan.resolved)}, mode"
           f" {recipe.mode.name}, model {recipe.model.name}, {recipe.steps} steps ×"
-          f" {recipe.batch.micro_batches_per_step} micro-batches; out {plan.out}; host core reserved:"
+          f" {recipe.batch.micro_batches_per_step} micro-batches; out {plan.out}; cores:"
           f" {host}{processes}; {devices}")
 
 

@@ -26,11 +26,11 @@ from orchestrator.remote import protocol
 def checks(plan: RunPlan, job: job_lib.Job, held: contextlib.ExitStack):
   """Everything that may refuse the run, in order: a new run's directory (process 0), the host settings, a
   checkpoint directory of the recipe's own (locked by process 0, held in ``held``), the preflight, a resumed
-  run's checkpoint. Returns (host core reserved, resume point or None, rollout source, the devices found)."""
+  run's checkpoint. Returns (the core plan in words, resume point or None, rollout source, the devices found)."""
   recipe = plan.recipe
   if not plan.resumes and job.is_primary:  # process 0 owns the run directory
     _check_new_out(plan)
-  host = setup_host(recipe, distributed=job.distributed)
+  host = setup_host(recipe, distributed=job.distributed, held=held)
   if job.is_primary:
     _lock_checkpoint_directory(plan, held)
   source = preflight(plan, distributed=job.distributed, primary=job.is_primary)

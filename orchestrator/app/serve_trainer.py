@@ -92,7 +92,7 @@ def serve_main(argv: list[str]) -> int:
         os.sched_setaffinity(0, range(os.cpu_count() or 1))
       except OSError:
         pass
-    setup_host(recipe)
+    setup_host(recipe, among_runs=False)  # its driver's claim is its own run's: not a neighbour to yield to
     return _serve(recipe, args.listen, str(checkpoint_dir), token, plan.described,
                   exit_with_driver=args.exit_with_driver)
   finally:

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 #: A directory for XLA's persistent compilation cache: repeated runs of the same programs load them instead of
-#: compiling them again (minutes for a large model on an accelerator).
+#: compiling them again (minutes for a large model on an accelerator); ``off`` for none.
 COMPILATION_CACHE_ENV = "STEP_BOUNDARY_COMPILATION_CACHE"
 #: What XLA compiles for beside the program itself: the CPU thread pool's size (loops are split into as many
 #: partitions as it has threads, which changes the last bits of a sum), the forced devices, the platform.
@@ -27,15 +27,26 @@ def compilation_cache_dir(base: str | Path, environ=os.environ) -> Path:
   return Path(base) / hashlib.sha256(layout.encode()).hexdigest()[:16]
 
 
+def default_cache_base(environ=os.environ) -> Path:
+  """Where compiled programs are kept unless ``$STEP_BOUNDARY_COMPILATION_CACHE`` says otherwise: the user's
+  cache directory (``$XDG_CACHE_HOME``, else ``~/.cache``), ``step-boundary/xla``."""
+  return Path(environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "step-boundary" / "xla"
+
+
 def use_compilation_cache(environ=os.environ) -> Path | None:
-  """Turns on XLA's persistent compilation cache when ``$STEP_BOUNDARY_COMPILATION_CACHE`` names a directory
-  (``off`` or unset: none); returns the directory used, or None. Call after the thread settings, which key it,
-  and before the first compile (a cache chosen later is not used). Every program is cached, however quick its
-  compile."""
-  base = environ.get(COMPILATION_CACHE_ENV)
-  if not base or base == "off":
+  """Turns on XLA's persistent compilation cache in ``$STEP_BOUNDARY_COMPILATION_CACHE`` (unset:
+  ``default_cache_base``; ``off``: none); returns the directory used, or None (also where it cannot be made).
+  Call after the thread settings, which key it, and before the first compile (a cache chosen later is not
+  used). Every program is cached, however quick its compile: the default run's first update comes 7.0 s
+  after its start with its programs cached, 11.8 s without (docs/benchmarks.md, "Start-up")."""
+  base = environ.get(COMPILATION_CACHE_ENV) or default_cache_base(environ)
+  if base == "off":
     return None
   path = compilation_cache_dir(base, environ)
+  try:
+    path.mkdir(parents=True, exist_ok=True)
+  except OSError:  # an unwritable home: compile as without a cache
+    return None
   import jax  # import here: after the host's thread settings, which the cache's directory names
 
   jax.config.update("jax_compilation_cache_dir", str(path))

@@ -13,8 +13,19 @@ first computation):
   inherit that mask), then moves the calling thread — the host side — onto the
   reserved core.
 
-Benchmarks, the default run and the rig call it; tests that need overlap run it
-in a child process.
+Benchmarks call it; tests that need overlap run it in a child process.
+
+A run plans its cores with ``apply_core_plan`` instead (``run.reserve_host_core``:
+``auto``, ``true`` or ``false``). Two rules:
+
+* XLA's pool size fixes how its reductions split, so the run's floats: it
+  depends only on the cores this process may use and the setting, never on
+  other runs (a neighbour never changes a digest). ``auto`` keeps a host core
+  from ``AUTO_RESERVE_MIN_CORES`` cores on (measured: see there); ``false``
+  shares the pool's cores with the host.
+* Where the pool runs is chosen among the cores no other live run claimed
+  (``core_claims``); when every core is claimed, the run takes half of the
+  share of the run holding the most, which yields them while this run lives.
 """
 
 from __future__ import annotations
@@ -22,6 +33,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+
+from orchestrator.engine.core_claims import Claim, CoreClaims, CoreWatcher, layout, pin_process_tree, share
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +80,131 @@ def reserve_host_core(host_cores: int = 1, *, xla_threads: int | None = None) ->
   jax.devices()  # starts the CPU client: its thread pool inherits xla_cores
   os.sched_setaffinity(0, reserved)
   return HostCoreReservation(xla_cores, reserved, True, "ok")
+
+
+#: From this many cores on, ``run.reserve_host_core: auto`` keeps one for the host. Measured on 2 cores (the
+#: default run, docs/benchmarks.md "The core plan"): sharing both cores made each step 15 % slower and the first
+#: update 1.8 s later than reserving one, since the sampler's process and the trainer's pool then contend for both.
+AUTO_RESERVE_MIN_CORES = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class CorePlan:
+  """Where a run's threads go: XLA's pool (its size and cores) and the host side's cores.
+
+  ``host_threads`` sizes the XLA pool of a process that runs on the host's cores (the sampler's); like
+  ``xla_threads`` it depends only on this machine and the setting. ``pinned``: the cores were set (and claimed).
+  """
+
+  xla_cores: tuple[int, ...]
+  host_cores: tuple[int, ...]
+  xla_threads: int
+  host_threads: int
+  reserved: bool
+  pinned: bool
+  reason: str
+
+  def describe(self) -> str:
+    """The plan and why, for the run's first line."""
+    if not self.pinned:
+      return self.reason
+    if self.reserved:
+      where = f"XLA on cores {_span(self.xla_cores)}, the host on {_span(self.host_cores)}"
+    else:
+      where = f"XLA and the host share cores {_span(self.xla_cores)}"
+    return f"{where}, a pool of {self.xla_threads} XLA threads ({self.reason})"
+
+
+def plan_cores(available: tuple[int, ...], others: list[Claim], reserve: bool | str,
+               xla_threads: int | None = None) -> CorePlan:
+  """The plan for a run that may use ``available`` beside the live runs that claimed ``others``."""
+  available = tuple(sorted(available))
+  reserving = (reserve is True or (reserve == "auto" and len(available) >= AUTO_RESERVE_MIN_CORES)) \
+      and len(available) > 1
+  if len(available) == 1:
+    why = "only 1 core"
+  elif reserve == "auto":
+    why = f"{len(available)} cores: auto keeps one for the host from {AUTO_RESERVE_MIN_CORES}"
+  else:
+    why = f"run.reserve_host_core={str(reserve).lower()}"
+  threads = xla_threads or (len(available) - 1 if reserving else len(available))
+  host_threads = 1 if reserving else len(available)
+  taken = {core for claim in others for core in claim.cores}
+  cores = tuple(core for core in available if core not in taken)
+  if not cores:
+    shares = {claim.pid: share(claim, others) for claim in others}
+    donor = max(others, key=lambda claim: len(shares[claim.pid]), default=None)
+    if donor is None or len(shares[donor.pid]) < 2:
+      return CorePlan(available, available, threads, host_threads, False, False,
+                      f"every core is claimed by runs {sorted(shares)}, none holding two: sharing them all, unpinned")
+    cores = shares[donor.pid][len(shares[donor.pid]) // 2:]
+    why += f"; every core was claimed, so run {donor.pid} yields these while this run lives"
+  elif len(cores) < len(available):
+    why += f"; cores {_span(tuple(sorted(taken)))} are other runs'"
+  xla_cores, host_cores = layout(cores, reserving)
+  return CorePlan(xla_cores, host_cores, threads, host_threads, xla_cores != host_cores, True, why)
+
+
+#: The plan ``apply_core_plan`` made in this process (read when starting the sampler's process).
+APPLIED: dict[str, CorePlan] = {}
+
+
+def apply_core_plan(reserve: bool | str, *, xla_threads: int | None = None, among_runs: bool = True,
+                    claims: CoreClaims | None = None) -> CorePlan:
+  """Plans this run's cores beside the other runs (``plan_cores``), sizes XLA's pool, pins and claims.
+
+  Call before JAX starts its CPU backend; does nothing (``pinned=False``, with the reason) where affinity is
+  unsupported or the backend already started. A pinned run keeps to its share while it lives (``CoreWatcher``).
+  ``among_runs=False`` plans on this process's cores alone, claiming none (a trainer its driver spawned).
+  """
+  if not hasattr(os, "sched_getaffinity"):
+    return CorePlan((), (), 0, 0, False, False, "CPU affinity is not supported here")
+  available = tuple(sorted(os.sched_getaffinity(0)))
+  if _jax_backend_started():
+    return CorePlan(available, available, len(available), len(available), False, False,
+                    "JAX's CPU backend already started; the plan is made before using JAX")
+  claims = claims or CoreClaims()
+  if not among_runs:
+    plan = plan_cores(available, [], reserve, xla_threads)
+  else:
+    with claims.planning():
+      plan = plan_cores(available, claims.live_claims(), reserve, xla_threads)
+      if plan.pinned:
+        claims.claim(tuple(sorted({*plan.xla_cores, *plan.host_cores})))
+  PJRT_NPROC_BEFORE_RESERVING.setdefault("value", os.environ.get("PJRT_NPROC"))
+  os.environ["PJRT_NPROC"] = str(plan.xla_threads)
+  if plan.pinned:
+    os.sched_setaffinity(0, plan.xla_cores)
+  import jax  # import here: after PJRT_NPROC and the affinity are set; this module runs before JAX is imported
+
+  jax.devices()  # starts the CPU client: its thread pool inherits the XLA cores
+  if plan.pinned:
+    os.sched_setaffinity(0, plan.host_cores)
+  if plan.pinned and among_runs:
+    _HELD.update(claims=claims, watcher=CoreWatcher(claims, reserved=plan.reserved).start(), available=available)
+  APPLIED["plan"] = plan
+  return plan
+
+
+def release_core_plan() -> None:
+  """Ends this process's claim and puts its threads back on the cores it had before ``apply_core_plan`` (a run
+  inside a longer-lived process, as the tests run it, leaves it as it found it)."""
+  if not _HELD:
+    return
+  _HELD["watcher"].stop()
+  _HELD["claims"].release()
+  pin_process_tree(os.getpid(), _HELD["available"], _HELD["available"])
+  _HELD.clear()
+
+
+#: This process's live claim: its claims directory, its watcher, the cores it had before.
+_HELD: dict = {}
+
+
+def _span(cores: tuple[int, ...]) -> str:
+  if cores and list(cores) == list(range(cores[0], cores[-1] + 1)) and len(cores) > 2:
+    return f"{cores[0]}-{cores[-1]}"
+  return ",".join(str(c) for c in cores)
 
 
 def _jax_backend_started() -> bool:

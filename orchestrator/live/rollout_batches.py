@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from orchestrator import phases
 from orchestrator.contract import RolloutStats
 from orchestrator.data.trajectory import Trajectory
 
@@ -266,6 +267,7 @@ class SampledBatches:
     rollouts = self.batches.setdefault(batch, BatchRollouts(batch, version))
     payload, rewards, correct, tokens, truncated = sampled
     rollouts.add(payload, rewards, correct, tokens, seconds, truncated)
+    phases.mark("first_rollout")
     if batch in self.taken:
       self._record(batch)
 

@@ -16,8 +16,8 @@ and ``greedy`` are requests over a pipe to a child process that built the same
 what an in-process sampler on one thread samples. Weights cross as host arrays
 (the leaves in ``jax.tree.leaves`` order; the child keeps its own tree
 structure). The child runs on the cores its parent's calling thread may use
-(the host's, where ``run.reserve_host_core`` kept one) with an XLA pool sized
-to them, ignores Ctrl-C (its parent stops the run and then it), and exits when
+(the host's, where the run's core plan kept one) with an XLA pool the plan
+sized (``SamplerSpec.xla_threads``), ignores Ctrl-C (its parent stops the run and then it), and exits when
 its parent's end of the pipe closes, so a killed run leaves no sampler behind.
 """
 
@@ -66,6 +66,7 @@ class SamplerSpec:
   max_generation_steps: int
   alphabet: str | None
   dtype: str
+  xla_threads: int | None = None  # the child's XLA pool (the run's core plan fixes it); None: its cores'
 
 
 class SamplerProcess:
@@ -165,7 +166,9 @@ def _serve(conn, spec: SamplerSpec) -> None:
   signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the parent stops us
   os.nice(SAMPLER_NICE)
   os.environ["JAX_PLATFORMS"] = "cpu"  # the host's cores, never an accelerator the trainer holds
-  if hasattr(os, "sched_getaffinity"):  # an XLA pool sized to the cores this process may run on
+  if spec.xla_threads:  # sized by the run's plan, never by which cores other runs left it: it fixes the samples
+    os.environ["PJRT_NPROC"] = str(spec.xla_threads)
+  elif hasattr(os, "sched_getaffinity"):  # an XLA pool sized to the cores this process may run on
     os.environ["PJRT_NPROC"] = str(len(os.sched_getaffinity(0)))
   try:
     # import here: after PJRT_NPROC, which keys the cache and sizes the child's XLA pool

@@ -671,10 +671,11 @@ class RunSection:
   """Where outputs go and how the host is set up."""
 
   out: str | None = None  # None: runs/<recipe name>-<time>
-  reserve_host_core: bool = True
+  reserve_host_core: bool | str = "auto"  # auto: from host_threads.AUTO_RESERVE_MIN_CORES cores on (host_threads)
 
   def validate(self) -> None:
-    pass
+    if self.reserve_host_core not in (True, False, "auto"):
+      raise RecipeError(f"run.reserve_host_core={self.reserve_host_core!r}: use auto, true or false")
 
 
 @dataclasses.dataclass

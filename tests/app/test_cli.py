@@ -545,6 +545,11 @@ def test_run_rl_end_to_end_on_the_tiny_preset(tmp_path):
   assert [r["step"] for r in records] == [0, 1, 2, 3]
   summary = json.loads((out / "summary.json").read_text())
   assert summary["final_state_digest"] in proc.stdout
+  startup = summary["startup_s"]  # seconds from the process's start, phase by phase (live: first rollouts too)
+  assert list(startup) == ["imports", "jax_ready", "trainer_built", "first_rollout", "first_update"], startup
+  assert 0 < startup["imports"] <= startup["jax_ready"] <= startup["trainer_built"] <= startup["first_update"]
+  assert startup["first_rollout"] <= startup["first_update"]
+  assert "start-up, seconds from the process's start: imports " in proc.stdout
   assert json.loads((out / "trace.json").read_text())["traceEvents"]
   config = json.loads((out / "config.json").read_text())
   assert config["sources"]["model.preset"] == "override"
