@@ -149,14 +149,16 @@ class LiveSampler:
     return [self.tokenizer.decode(ids) for ids in out.tokens]
 
   def _samples(self, prompts: Sequence[str], out) -> Samples:
-    completions, logprobs, ended = [], [], []
+    # Plain Python per completion (a few ids each) and each distinct prompt tokenized once: numpy's per-call
+    # overhead here made the wrapper cost a sixth of Tunix's sampling time on the default batch.
+    completions, logprobs, ended, eos = [], [], [], set(self._eos_ids)
     for ids, lp in zip(out.tokens, out.logprobs):
       ids = np.asarray(ids, np.int32)
-      ends = np.isin(ids, self._eos_ids)
-      end = int(np.argmax(ends)) + 1 if np.any(ends) else len(ids)
+      end = next((k + 1 for k, token in enumerate(ids.tolist()) if token in eos), None)
       completions.append(ids[:end])
       logprobs.append(np.asarray(lp, np.float32)[:end])
-      ended.append(bool(np.any(ends)))
-    return Samples(list(prompts), [self.prompt_ids(p) for p in prompts],
+      ended.append(end is not None)
+    prompt_ids = {p: self.prompt_ids(p) for p in dict.fromkeys(prompts)}
+    return Samples(list(prompts), [prompt_ids[p].copy() for p in prompts],
                    completions, logprobs, [self.tokenizer.decode(c) for c in completions], self.weights_version,
                    None if self._fixed_length else ended)

@@ -7,6 +7,7 @@ import itertools
 import logging
 import threading
 import time
+import types
 
 import numpy as np
 import pytest
@@ -420,3 +421,26 @@ def test_an_evaluation_takes_the_sampler_in_its_turn_and_a_stop_ends_its_wait():
   thread.join(30)
   expected = np.mean([task.reward(task.problem(0, "eval", j), "4") for j in range(3)])
   assert shared.evaluate("w", 1, 3, stop=stopped.is_set) == expected and sampler.synced == [1]
+
+
+@pytest.mark.engine
+def test_a_completion_is_cut_after_its_first_eos_and_each_prompt_gets_its_own_ids():
+  """LiveSampler._samples on a sampler's output given here: a completion keeps its first eos and nothing after
+  (the log-probs alike); one without an eos is kept whole and not ended; repeated prompts get equal ids in
+  arrays of their own."""
+  from orchestrator.live.sampler import LiveSampler  # import here: JAX (this file's other tests run without it)
+
+  tokenizer = CharTokenizer()
+  sampler = LiveSampler.__new__(LiveSampler)
+  sampler._eos_ids, sampler._fixed_length, sampler.tokenizer, sampler.weights_version = [EOS], False, tokenizer, 3
+  sampler.prompt_ids = lambda prompt: np.asarray(tokenizer.encode(prompt), np.int32)
+  a, b = tokenizer.encode("ab")
+  out = types.SimpleNamespace(tokens=[[a, EOS, b], [a, b], [EOS, EOS]],
+                              logprobs=[[-0.1, -0.2, -0.3], [-0.4, -0.5], [-0.6, -0.7]])
+  samples = sampler._samples(["x", "y", "x"], out)
+  assert [c.tolist() for c in samples.completion_ids] == [[a, EOS], [a, b], [EOS]]
+  assert [len(lp) for lp in samples.logprobs] == [2, 2, 1]
+  assert np.concatenate(samples.logprobs).tolist() == pytest.approx([-0.1, -0.2, -0.4, -0.5, -0.6])
+  assert samples.ended == [True, False, True]
+  first, _, third = samples.prompt_ids
+  assert first.tolist() == third.tolist() and first is not third
