@@ -126,7 +126,7 @@ def seconds_per_step(step_s: list[float]) -> float | None:
 def figures(runs: list[dict]) -> dict:
   """Medians and ranges over the rounds of the time to the first step, per step and to the reward target."""
   first = [r["step_s"][0] for r in runs]
-  per_step = [seconds_per_step(r["step_s"]) for r in runs]
+  per_step = [s for r in runs if (s := seconds_per_step(r["step_s"])) is not None] or [float("nan")]
   reached = [first_reaching(r["step_s"], r["reward"]) for r in runs]
   out = {"first_step_s": statistics.median(first), "first_step_range_s": [min(first), max(first)],
          "per_step_s": statistics.median(per_step), "per_step_range_s": [min(per_step), max(per_step)],

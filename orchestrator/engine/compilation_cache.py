@@ -30,7 +30,7 @@ def compilation_cache_dir(base: str | Path, environ=os.environ) -> Path:
 def default_cache_base(environ=os.environ) -> Path:
   """Where compiled programs are kept unless ``$STEP_BOUNDARY_COMPILATION_CACHE`` says otherwise: the user's
   cache directory (``$XDG_CACHE_HOME``, else ``~/.cache``), ``step-boundary/xla``."""
-  return Path(environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "step-boundary" / "xla"
+  return Path(environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "step-boundary" / "xla"  # may raise
 
 
 def use_compilation_cache(environ=os.environ) -> Path | None:
@@ -39,13 +39,18 @@ def use_compilation_cache(environ=os.environ) -> Path | None:
   Call after the thread settings, which key it, and before the first compile (a cache chosen later is not
   used). Every program is cached, however quick its compile: the default run's first update comes 7.0 s
   after its start with its programs cached, 11.8 s without (docs/benchmarks.md, "Start-up")."""
-  base = environ.get(COMPILATION_CACHE_ENV) or default_cache_base(environ)
+  try:
+    base = environ.get(COMPILATION_CACHE_ENV) or default_cache_base(environ)
+  except (RuntimeError, KeyError):  # no home directory to find: compile as without a cache
+    return None
   if base == "off":
     return None
   path = compilation_cache_dir(base, environ)
   try:
     path.mkdir(parents=True, exist_ok=True)
   except OSError:  # an unwritable home: compile as without a cache
+    return None
+  if not os.access(path, os.W_OK | os.X_OK):  # there but not writable (XLA would warn at every program)
     return None
   import jax  # import here: after the host's thread settings, which the cache's directory names
 

@@ -34,7 +34,7 @@ import dataclasses
 import os
 import sys
 
-from orchestrator.engine.core_claims import Claim, CoreClaims, CoreWatcher, layout, pin_process_tree, share
+from orchestrator.engine.core_claims import Claim, ClaimsUnavailable, CoreClaims, CoreWatcher, layout, pin_threads, share
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,8 +131,8 @@ def plan_cores(available: tuple[int, ...], others: list[Claim], reserve: bool | 
   host_threads = 1 if reserving else len(available)
   taken = {core for claim in others for core in claim.cores}
   cores = tuple(core for core in available if core not in taken)
-  if not cores:
-    shares = {claim.pid: share(claim, others) for claim in others}
+  if not cores:  # the shares this process may run on (a taskset or cpuset may allow it fewer cores)
+    shares = {claim.pid: tuple(c for c in share(claim, others) if c in available) for claim in others}
     donor = max(others, key=lambda claim: len(shares[claim.pid]), default=None)
     if donor is None or len(shares[donor.pid]) < 2:
       return CorePlan(available, available, threads, host_threads, False, False,
@@ -155,7 +155,9 @@ def apply_core_plan(reserve: bool | str, *, xla_threads: int | None = None, amon
 
   Call before JAX starts its CPU backend; does nothing (``pinned=False``, with the reason) where affinity is
   unsupported or the backend already started. A pinned run keeps to its share while it lives (``CoreWatcher``).
-  ``among_runs=False`` plans on this process's cores alone, claiming none (a trainer its driver spawned).
+  ``among_runs=False`` plans on this process's cores alone, claiming none (a trainer its driver spawned); so
+  does a run whose claims directory cannot be used (the plan's reason says why). A ``$PJRT_NPROC`` the user set
+  sizes XLA's pool unless ``xla_threads`` does.
   """
   if not hasattr(os, "sched_getaffinity"):
     return CorePlan((), (), 0, 0, False, False, "CPU affinity is not supported here")
@@ -163,37 +165,56 @@ def apply_core_plan(reserve: bool | str, *, xla_threads: int | None = None, amon
   if _jax_backend_started():
     return CorePlan(available, available, len(available), len(available), False, False,
                     "JAX's CPU backend already started; the plan is made before using JAX")
-  claims = claims or CoreClaims()
-  if not among_runs:
-    plan = plan_cores(available, [], reserve, xla_threads)
-  else:
-    with claims.planning():
-      plan = plan_cores(available, claims.live_claims(), reserve, xla_threads)
-      if plan.pinned:
-        claims.claim(tuple(sorted({*plan.xla_cores, *plan.host_cores})))
   PJRT_NPROC_BEFORE_RESERVING.setdefault("value", os.environ.get("PJRT_NPROC"))
-  os.environ["PJRT_NPROC"] = str(plan.xla_threads)
-  if plan.pinned:
-    os.sched_setaffinity(0, plan.xla_cores)
-  import jax  # import here: after PJRT_NPROC and the affinity are set; this module runs before JAX is imported
+  xla_threads = xla_threads or _user_pool_size()
+  plan, claims, unavailable = None, claims if among_runs else None, None
+  try:
+    claims = claims or (CoreClaims() if among_runs else None)
+    if claims is not None:
+      with claims.planning():
+        plan = plan_cores(available, claims.live_claims(), reserve, xla_threads)
+        if plan.pinned:
+          claims.claim(tuple(sorted({*plan.xla_cores, *plan.host_cores})))
+  except ClaimsUnavailable as e:
+    plan, claims, unavailable = None, None, str(e)
+  if plan is None:
+    plan = plan_cores(available, [], reserve, xla_threads)
+    if unavailable:
+      plan = dataclasses.replace(plan, reason=f"{plan.reason}; without the other runs' claims: {unavailable}")
+  try:
+    os.environ["PJRT_NPROC"] = str(plan.xla_threads)
+    if plan.pinned:
+      os.sched_setaffinity(0, plan.xla_cores)
+    import jax  # import here: after PJRT_NPROC and the affinity are set; this module runs before JAX is imported
 
-  jax.devices()  # starts the CPU client: its thread pool inherits the XLA cores
-  if plan.pinned:
-    os.sched_setaffinity(0, plan.host_cores)
-  if plan.pinned and among_runs:
+    jax.devices()  # starts the CPU client: its thread pool inherits the XLA cores
+    if plan.pinned:
+      os.sched_setaffinity(0, plan.host_cores)
+  except BaseException:
+    if claims is not None:
+      claims.release()
+    raise
+  if plan.pinned and claims is not None and claims.own is not None:
     _HELD.update(claims=claims, watcher=CoreWatcher(claims, reserved=plan.reserved).start(), available=available)
   APPLIED["plan"] = plan
   return plan
 
 
+def _user_pool_size() -> int | None:
+  """The XLA pool size ``$PJRT_NPROC`` held before this process planned, if the user set a valid one."""
+  given = PJRT_NPROC_BEFORE_RESERVING.get("value")
+  return int(given) if given and given.isdigit() and int(given) > 0 else None
+
+
 def release_core_plan() -> None:
   """Ends this process's claim and puts its threads back on the cores it had before ``apply_core_plan`` (a run
   inside a longer-lived process, as the tests run it, leaves it as it found it)."""
+  APPLIED.pop("plan", None)
   if not _HELD:
     return
   _HELD["watcher"].stop()
   _HELD["claims"].release()
-  pin_process_tree(os.getpid(), _HELD["available"], _HELD["available"])
+  pin_threads(os.getpid(), _HELD["available"], _HELD["available"])
   _HELD.clear()
 
 

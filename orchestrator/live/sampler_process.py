@@ -36,6 +36,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from orchestrator.engine import core_claims
 from orchestrator.live.sampler import Samples
 
 #: The child's scheduling priority below its parent's. The host core is shared: the trainer's thread sleeps in
@@ -92,6 +93,7 @@ class SamplerProcess:
     self._process.start()
     child_conn.close()  # the child holds its end: an exit shows here as EOF
     self.pid = self._process.pid
+    core_claims.FOLLOWERS.add(self.pid)  # its threads follow the run's share of the cores
     self._ready = False
 
   def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
@@ -126,6 +128,7 @@ class SamplerProcess:
       self._process.kill()
       self._process.join()
     self._conn.close()
+    core_claims.FOLLOWERS.discard(self.pid)
 
   def _request(self, *message) -> Any:
     with self._lock:

@@ -674,6 +674,8 @@ class RunSection:
   reserve_host_core: bool | str = "auto"  # auto: from host_threads.AUTO_RESERVE_MIN_CORES cores on (host_threads)
 
   def validate(self) -> None:
+    if isinstance(self.reserve_host_core, str):
+      self.reserve_host_core = self.reserve_host_core.strip().lower()
     if self.reserve_host_core not in (True, False, "auto"):
       raise RecipeError(f"run.reserve_host_core={self.reserve_host_core!r}: use auto, true or false")
 
@@ -732,9 +734,17 @@ class Recipe:
     return rows, tokens
 
   def _live_trajectories(self) -> tuple[int, int]:
-    """(trajectories a micro-batch samples, tokens of the longest one) of a live run."""
-    r, task = self.rollouts, self.live_task()
-    return r.groups_per_micro_batch * r.generations_per_group, task.max_prompt_tokens + max_generation_steps(task)
+    """(trajectories a micro-batch samples, tokens of the longest one) of a live run; the task (a dataset: read
+    whole) is made once for the sections that decide them."""
+    r = self.rollouts
+    key = (repr(self.task), repr(self.model), r.groups_per_micro_batch, r.generations_per_group)
+    cached = self.__dict__.get("_trajectories")
+    if cached is None or cached[0] != key:
+      task = self.live_task()
+      cached = (key, (r.groups_per_micro_batch * r.generations_per_group,
+                      task.max_prompt_tokens + max_generation_steps(task)))
+      self.__dict__["_trajectories"] = cached
+    return cached[1]
 
   def derived_sizes(self) -> dict[str, tuple[int, str]]:
     """Each size key left unset whose value the run derives: the key → (the value it runs with, where that

@@ -43,6 +43,11 @@ def _xla_cores(pid: int, *, every_thread: bool = False) -> set[int]:
   return cores
 
 
+def _claim(claims: Path, pid: int) -> Path | None:
+  """The claim file of the run ``pid`` (None before it claims)."""
+  return next(claims.glob(f"{pid}-*.json"), None) if claims.is_dir() else None
+
+
 def _wait_for(condition, timeout_s: float, what: str):
   deadline = time.monotonic() + timeout_s
   while time.monotonic() < deadline:
@@ -67,10 +72,10 @@ def test_two_runs_side_by_side_each_take_their_own_cores(tmp_path):
   first = _start(tmp_path / "a", claims, "--steps", "100000")
   second = None
   try:
-    _wait_for(lambda: (claims / f"{first.pid}.json").exists() and _xla_cores(first.pid), 120, "the first run's pool")
-    claimed = set(json.loads((claims / f"{first.pid}.json").read_text())["cores"])
+    _wait_for(lambda: _claim(claims, first.pid) and _xla_cores(first.pid), 120, "the first run's pool")
+    claimed = set(json.loads(_claim(claims, first.pid).read_text())["cores"])
     second = _start(tmp_path / "b", claims, "--steps", "100000")
-    _wait_for(lambda: (claims / f"{second.pid}.json").exists() and _xla_cores(second.pid), 120,
+    _wait_for(lambda: _claim(claims, second.pid) and _xla_cores(second.pid), 120,
               "the second run's pool")
     theirs = _xla_cores(second.pid)
     mine = _wait_for(lambda: (lambda c: c if c and not c & theirs else None)(
