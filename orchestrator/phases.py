@@ -9,18 +9,22 @@ from __future__ import annotations
 import os
 import time
 
-#: The phases in the order a run reaches them: the command's imports done (validation starts), JAX's backend up
-#: on the run's cores, the trainer built and compiled, the first rollouts sampled, the first update done.
-PHASES = ("imports", "jax_ready", "trainer_built", "first_rollout", "first_update")
+#: The phases in the order a run reaches them, each with its words in the closing lines: the command's imports
+#: done (validation starts), JAX's backend up on the run's cores, the trainer built and compiled, the first
+#: rollouts sampled, the first update done.
+PHASES = {"imports": "imports", "jax_ready": "JAX up", "trainer_built": "trainer built",
+          "first_rollout": "first rollouts", "first_update": "first update"}
 
 _MARKS: dict[str, float] = {}
 
 
 def mark(phase: str, at: float | None = None) -> None:
   """Notes that this process reached ``phase`` now (or at the Unix time ``at``), unless it was noted before."""
+  if phase in _MARKS:  # the common case, once per sampled micro-batch: nothing to do
+    return
   if phase not in PHASES:
     raise ValueError(f"phase {phase!r} is not one of {', '.join(PHASES)}")
-  _MARKS.setdefault(phase, time.time() if at is None else at)
+  _MARKS[phase] = time.time() if at is None else at
 
 
 def restart() -> None:

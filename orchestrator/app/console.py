@@ -13,6 +13,7 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from orchestrator.loop.sample_log import SAMPLES_FILE, describe, last_sample
+from orchestrator.phases import PHASES
 from policies.saving import MIN_CONTROLS
 from policies.step_boundary import Mode, format_seconds
 
@@ -97,11 +98,6 @@ def saving_line(summary: RunSummary) -> str | None:
           f" {saving.staged_n} staged and {saving.control_n} control boundaries")
 
 
-#: ``phases.PHASES`` in the closing lines' words.
-STARTUP_WORDS = {"imports": "imports", "jax_ready": "JAX up", "trainer_built": "trainer built",
-                 "first_rollout": "first rollouts", "first_update": "first update"}
-
-
 def format_summary(summary: RunSummary) -> str:
   """The summary lines printed after the table."""
   s, timings, policy = format_seconds, summary.timings, summary.policy
@@ -118,7 +114,7 @@ def format_summary(summary: RunSummary) -> str:
   ]
   if startup := (summary.run or {}).get("startup_s"):
     lines.append("start-up, seconds from the process's start: "
-                 + ", ".join(f"{STARTUP_WORDS[phase]} {seconds:.1f}" for phase, seconds in startup.items()))
+                 + ", ".join(f"{PHASES[phase]} {seconds:.1f}" for phase, seconds in startup.items()))
   if (r := summary.rollouts) is not None:
     lines.append(f"reward: first step {r.reward_first_step:.3f}, last 10 steps"
                  f" {r.reward_last_10_steps:.3f}; median rollout wait {s(r.median_rollout_wait_s)}")

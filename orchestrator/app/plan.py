@@ -140,8 +140,8 @@ def resolved_from_saved(config: dict, steps: int | None, *, saved_steps: int | N
   """The recipe a run directory's config.json describes, run to ``steps`` if given, else to ``saved_steps``
   (the length the latest segment ran to). A size the run derived (config.json records its value) is left
   unset, to be derived as the run derived it, but a live run's micro-batch shape taken from its model's sizes
-  (before live runs fitted theirs to their task) keeps the value it ran with; a file the run read is the one it read, by the absolute path
-  config.json records (a relative one named the working directory's)."""
+  (before live runs fitted theirs to their task) keeps the value it ran with; a file the run read is the one it
+  read, by the absolute path config.json records (a relative one named the working directory's)."""
   values = recipe_lib.flatten(config["config"], where="config.json")
   sources = dict(config.get("sources") or {})
   for key, source in sources.items():

@@ -51,11 +51,12 @@ def _ways(recipe):
   formatted = [sampler.model_prompt(p) for p in prompts]
   reward = recipe.task.make_reward(task)
 
+  tunix_sampler, forbidden = sampler._sampler, sampler._forbidden  # pylint: disable=protected-access  # what it wraps
+
   def tunix():
-    return sampler._sampler(formatted, max_generation_steps=sampler.max_generation_steps,  # pylint: disable=protected-access
-                            max_prompt_length=sampler.max_prompt_length, temperature=r.temperature, top_p=1.0,
-                            seed=1, return_logprobs=True, forbidden_tokens=sampler._forbidden,  # pylint: disable=protected-access
-                            eos_tokens=[NEVER_SAMPLED])
+    return tunix_sampler(formatted, max_generation_steps=sampler.max_generation_steps,
+                         max_prompt_length=sampler.max_prompt_length, temperature=r.temperature, top_p=1.0, seed=1,
+                         return_logprobs=True, forbidden_tokens=forbidden, eos_tokens=[NEVER_SAMPLED])
 
   samples = sampler.sample(prompts, seed=1, temperature=r.temperature)
   tokens = {"completion": sum(len(c) for c in samples.completion_ids),

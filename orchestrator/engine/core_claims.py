@@ -251,7 +251,7 @@ class CoreWatcher:
       except (ClaimsUnavailable, OSError) as e:  # this poll is skipped; said once
         if not self._failed:
           _LOG.warning("[cores] could not look at the other runs' claims (%s); keeping cores %s", e,
-                       _span(self.cores))
+                       span(self.cores))
           self._failed = True
 
   def check(self) -> tuple[int, ...]:
@@ -265,12 +265,15 @@ class CoreWatcher:
       newer = sorted(c.pid for c in others if c.started_ns > self._claims.own.started_ns)
       _LOG.info("[cores] %s: this run now runs on cores %s (was %s)",
                 f"runs {newer} started after this one" if newer else "the runs started after this one ended",
-                _span(cores), _span(self.cores))
+                span(cores), span(self.cores))
       self.cores, self._pinned, self._moved = cores, frozenset(), True
     if self._moved:
       self._pinned = frozenset(pin_run(*layout(cores, self._reserved), skip=self._pinned))
     return cores
 
 
-def _span(cores: tuple[int, ...]) -> str:
+def span(cores: tuple[int, ...]) -> str:
+  """Cores in words: ``0-3`` for a run of three or more, else ``0,2``."""
+  if len(cores) > 2 and list(cores) == list(range(cores[0], cores[-1] + 1)):
+    return f"{cores[0]}-{cores[-1]}"
   return ",".join(str(c) for c in cores)

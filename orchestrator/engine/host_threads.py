@@ -34,7 +34,8 @@ import dataclasses
 import os
 import sys
 
-from orchestrator.engine.core_claims import Claim, ClaimsUnavailable, CoreClaims, CoreWatcher, layout, pin_threads, share
+from orchestrator.engine.core_claims import (Claim, ClaimsUnavailable, CoreClaims, CoreWatcher, layout, pin_threads,
+                                             share, span)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,14 +73,22 @@ def reserve_host_core(host_cores: int = 1, *, xla_threads: int | None = None) ->
     return HostCoreReservation(cores, cores, False, f"only {len(cores)} core(s) available")
   xla_cores, reserved = cores[:-host_cores], cores[-host_cores:]
   PJRT_NPROC_BEFORE_RESERVING.setdefault("value", os.environ.get("PJRT_NPROC"))
-  os.environ["PJRT_NPROC"] = str(xla_threads or len(xla_cores))
   os.environ.setdefault("XLA_FLAGS", "")
-  os.sched_setaffinity(0, xla_cores)
+  _start_backend(xla_threads or len(xla_cores), xla_cores, reserved)
+  return HostCoreReservation(xla_cores, reserved, True, "ok")
+
+
+def _start_backend(xla_threads: int, xla_cores: tuple[int, ...] | None, host_cores: tuple[int, ...] | None) -> None:
+  """Sizes XLA's pool, starts JAX's CPU client on ``xla_cores`` (its pool's threads inherit them), then moves
+  this thread onto ``host_cores`` (None: the affinity is left as it is)."""
+  os.environ["PJRT_NPROC"] = str(xla_threads)
+  if xla_cores is not None:
+    os.sched_setaffinity(0, xla_cores)
   import jax  # import here: after PJRT_NPROC and the affinity are set; this module runs before JAX is imported
 
-  jax.devices()  # starts the CPU client: its thread pool inherits xla_cores
-  os.sched_setaffinity(0, reserved)
-  return HostCoreReservation(xla_cores, reserved, True, "ok")
+  jax.devices()  # starts the CPU client
+  if host_cores is not None:
+    os.sched_setaffinity(0, host_cores)
 
 
 #: From this many cores on, ``run.reserve_host_core: auto`` keeps one for the host. Measured on 2 cores (the
@@ -109,9 +118,9 @@ class CorePlan:
     if not self.pinned:
       return self.reason
     if self.reserved:
-      where = f"XLA on cores {_span(self.xla_cores)}, the host on {_span(self.host_cores)}"
+      where = f"XLA on cores {span(self.xla_cores)}, the host on {span(self.host_cores)}"
     else:
-      where = f"XLA and the host share cores {_span(self.xla_cores)}"
+      where = f"XLA and the host share cores {span(self.xla_cores)}"
     return f"{where}, a pool of {self.xla_threads} XLA threads ({self.reason})"
 
 
@@ -140,7 +149,7 @@ def plan_cores(available: tuple[int, ...], others: list[Claim], reserve: bool | 
     cores = shares[donor.pid][len(shares[donor.pid]) // 2:]
     why += f"; every core was claimed, so run {donor.pid} yields these while this run lives"
   elif len(cores) < len(available):
-    why += f"; cores {_span(tuple(sorted(taken)))} are other runs'"
+    why += f"; cores {span(tuple(sorted(taken)))} are other runs'"
   xla_cores, host_cores = layout(cores, reserving)
   return CorePlan(xla_cores, host_cores, threads, host_threads, xla_cores != host_cores, True, why)
 
@@ -182,14 +191,8 @@ def apply_core_plan(reserve: bool | str, *, xla_threads: int | None = None, amon
     if unavailable:
       plan = dataclasses.replace(plan, reason=f"{plan.reason}; without the other runs' claims: {unavailable}")
   try:
-    os.environ["PJRT_NPROC"] = str(plan.xla_threads)
-    if plan.pinned:
-      os.sched_setaffinity(0, plan.xla_cores)
-    import jax  # import here: after PJRT_NPROC and the affinity are set; this module runs before JAX is imported
-
-    jax.devices()  # starts the CPU client: its thread pool inherits the XLA cores
-    if plan.pinned:
-      os.sched_setaffinity(0, plan.host_cores)
+    _start_backend(plan.xla_threads, plan.xla_cores if plan.pinned else None,
+                   plan.host_cores if plan.pinned else None)
   except BaseException:
     if claims is not None:
       claims.release()
@@ -220,12 +223,6 @@ def release_core_plan() -> None:
 
 #: This process's live claim: its claims directory, its watcher, the cores it had before.
 _HELD: dict = {}
-
-
-def _span(cores: tuple[int, ...]) -> str:
-  if cores and list(cores) == list(range(cores[0], cores[-1] + 1)) and len(cores) > 2:
-    return f"{cores[0]}-{cores[-1]}"
-  return ",".join(str(c) for c in cores)
 
 
 def _jax_backend_started() -> bool:

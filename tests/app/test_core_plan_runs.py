@@ -15,7 +15,8 @@ import pytest
 from orchestrator.engine.core_claims import CLAIMS_ENV, XLA_POOL_THREAD
 from tests.conftest import REPO
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores")]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow,
+              pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores")]
 
 
 #: Starts the rest of its command line pinned to the cores given first (no fork of this JAX-holding process).
