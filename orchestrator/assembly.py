@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -147,7 +148,8 @@ def live_source(recipe: Recipe, *, steps: int | None = None):
                           alphabet=spec.alphabet, dtype=spec.dtype, placement=placement)
   shape = LiveShape(steps or recipe.steps, recipe.batch.micro_batches_per_step, r.groups_per_micro_batch,
                     r.generations_per_group, r.max_staleness, r.temperature, r.seed, r.batch_steps,
-                    recipe.engine.epochs, recipe.micro_batches_per_call())
+                    recipe.engine.epochs, recipe.micro_batches_per_call(), top_p=r.top_p, top_k=r.top_k,
+                    stop=tuple(r.stop))
   # Only process 0 writes a recording (launch._run_program): the others of a job keep no steps for one.
   record = bool(r.record_to) and jax.process_index() == 0
   return LiveRollouts(sampler, task, shape, record=record, reward=recipe.task.make_reward(task))
@@ -207,6 +209,20 @@ def program_config(recipe: Recipe, out: Path | None, *, steps: int | None = None
   )
 
 
+def warn_small_held_out_split(live, asked: int) -> None:
+  """A warning, once, where the held-out split holds fewer prompts than ``task.eval_prompts`` asks for: a list
+  of prompts (a dataset's) is then evaluated whole, and a built-in task's draws repeat prompts."""
+  held = live.held_out_count(asked)
+  if held >= asked:
+    return
+  used = live.eval_prompt_count(asked)
+  what = (f"each evaluation uses those {used}" if used < asked
+          else f"each evaluation draws {asked} from those {held}, so prompts repeat")
+  logging.getLogger("step_boundary.run").warning(
+      "task.eval_prompts=%d, but the held-out split holds %d prompts: %s (hold out more prompts for a finer"
+      " figure)", asked, held, what)
+
+
 @runtime_checkable
 class StepProgress(Protocol):
   """What shows a run's progress as it goes (``run_rl``'s bar or plain lines, ``app.console.Progress``).
@@ -249,6 +265,8 @@ class RunHandle:
     worker, start, stop = self.program.worker, self.program.config.start_step, self.program.stop_requested
     try:
       start_weights = host_copy(worker.export_weights()) if live is not None else None
+      if live is not None and self.program.config.eval_every and start == 0:
+        live.keep_start_weights(start_weights)  # an evaluation during the run takes the sampler's own weights
       with self.progress.logging_redirected() if self.progress is not None else contextlib.nullcontext():
         result = self.program.run()
     finally:
@@ -260,7 +278,10 @@ class RunHandle:
       after = live.evaluate(worker.export_weights(), done, self.eval_prompts, stop=stop)
       if before is not None and after is not None:
         result.summary = result.summary.replace(evaluation=Evaluation(
-            eval_accuracy_start=before, eval_prompts=self.eval_prompts, eval_accuracy_end=after))
+            eval_accuracy_start=before.accuracy, eval_prompts=self.eval_prompts, eval_accuracy_end=after.accuracy,
+            during_run=[{"updates": r.step + 1, "accuracy": r.eval_accuracy,
+                         "pass_k": self.program.config.eval_pass_k if r.eval_pass_at_k is not None else 0,
+                         "pass_at_k": r.eval_pass_at_k} for r in result.records if r.eval_accuracy is not None]))
     if self.trainer_info:
       result.summary = result.summary.replace(trainer=self.trainer_info)
     # When the run started (Unix seconds): the origin of every record's t_* times and of trace.json's.
@@ -392,10 +413,15 @@ def _build_program(recipe: Recipe, out: Path, worker, *, source, run_id: str, co
     for see in steps_done:
       see(record)
 
+  live = recipe.rollouts.source == "sampler"
+  eval_prompts = live_part(source).eval_prompt_count(recipe.task.eval_prompts) if live else 0
+  if live and primary:
+    warn_small_held_out_split(live_part(source), recipe.task.eval_prompts)
   config = dataclasses.replace(program_config(recipe, out if primary else None, start_step=start_step,
                                               run_id=run_id, config_sha256=config_sha256),
-                               checkpoint_last_step=keeps_final_weights(recipe))
-  live = recipe.rollouts.source == "sampler"
+                               checkpoint_last_step=keeps_final_weights(recipe),
+                               eval_every=(recipe.task.eval_every or 0) if live else 0, eval_prompts=eval_prompts,
+                               eval_pass_k=(recipe.task.eval_pass_k or 0) if live else 0)
   program = RLProgram(worker, policy, source, config, on_step=on_step, stop_requested=stop_requested,
                       previous_records=previous, first_plan=first_plan, agreement=job.agreement if job else None)
   # Opened last, once nothing here can fail any more: the handle's close() is what flushes and closes it.
@@ -406,5 +432,4 @@ def _build_program(recipe: Recipe, out: Path, worker, *, source, run_id: str, co
   if live and primary and recipe.metrics.samples_every:
     steps_done.append(SampleLog(out / SAMPLES_FILE, source, recipe.metrics.samples_every,
                                 text=metrics.write_text if metrics is not None else None))
-  return RunHandle(program, shown, program.live.eval_prompt_count(recipe.task.eval_prompts) if live else 0,
-                   metrics=metrics)
+  return RunHandle(program, shown, eval_prompts, metrics=metrics)

@@ -126,8 +126,11 @@ def boundary_sample(before: Any, record: Any, after: Any) -> BoundarySample | No
 
 def boundary_span(before: Any, record: Any, after: Any) -> BoundarySample | None:
   """What the boundary after ``record``'s step measured, whatever it did (an A/B between runs compares these):
-  None where a time is not known or a step's times do not count from the update before it."""
+  None where a time is not known, a step's times do not count from the update before it, or a step of the span
+  waited for an evaluation (``eval_s``: one at the boundary before it), which staging does not change."""
   if not (_continues(before, record) and _continues(record, after)):
+    return None
+  if getattr(before, "eval_s", None) is not None or getattr(record, "eval_s", None) is not None:
     return None
   if record.boundary_idle_s is None:
     return None

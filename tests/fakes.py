@@ -7,6 +7,8 @@ import dataclasses
 import threading
 import time
 
+from orchestrator.contract import HeldOutScore
+
 
 @dataclasses.dataclass(frozen=True)
 class Prepared:
@@ -190,8 +192,17 @@ class StuckLiveSource:
   def check(self):
     pass
 
-  def evaluate(self, weights, version, prompts, *, stop=None):
-    return 0.0
+  def evaluate(self, weights, version, prompts, *, pass_k=0, stop=None):
+    return HeldOutScore(accuracy=0.0)
+
+  def keep_start_weights(self, weights):
+    pass
+
+  def eval_prompt_count(self, asked):
+    return asked
+
+  def held_out_count(self, limit):
+    return limit
 
   def recorded_steps(self):
     return None

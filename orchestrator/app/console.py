@@ -121,6 +121,8 @@ def format_summary(summary: RunSummary) -> str:
   if (e := summary.evaluation) is not None and e.eval_accuracy_end is not None:
     lines.append(f"held-out greedy accuracy ({e.eval_prompts} prompts):"
                  f" {e.eval_accuracy_start:.3f} at the start, {e.eval_accuracy_end:.3f} at the end")
+    if e.during_run:
+      lines.append(evaluations_line(e.during_run))
   if summary.records_path and (sample := last_sample(Path(summary.records_path).parent)) is not None:
     lines.append(f"a sample, {describe(sample)}")
     lines.append(f"samples: {Path(summary.records_path).parent / SAMPLES_FILE}")
@@ -129,6 +131,23 @@ def format_summary(summary: RunSummary) -> str:
   if summary.trace_path:
     lines.append(f"trace: {summary.trace_path} (open in ui.perfetto.dev)")
   return "\n".join(lines)
+
+
+#: The evaluations during the run a closing line shows in full; more are thinned to this many, evenly.
+EVALUATIONS_SHOWN = 8
+
+
+def evaluations_line(during_run: list[dict]) -> str:
+  """The evaluations during the run in a line: after how many updates, greedy accuracy (and pass@k)."""
+  shown = during_run
+  if len(shown) > EVALUATIONS_SHOWN:
+    last = len(shown) - 1
+    shown = [shown[round(i * last / (EVALUATIONS_SHOWN - 1))] for i in range(EVALUATIONS_SHOWN)]
+  def one(e):
+    passed = f" (pass@{e['pass_k']} {e['pass_at_k']:.3f})" if e.get("pass_at_k") is not None else ""
+    return f"{e['updates']}: {e['accuracy']:.3f}{passed}"
+  more = f" ({len(during_run)} in all; records.jsonl has each)" if len(shown) < len(during_run) else ""
+  return "held-out greedy accuracy during the run, after N updates: " + ", ".join(map(one, shown)) + more
 
 
 #: The progress bar's layout: tqdm's default without the rate (the postfix's step time says it), so that a live

@@ -35,15 +35,15 @@ from orchestrator.contract.outputs import (
     RunSummary,
     StepTimings,
 )
-from orchestrator.contract.source import (LiveSource, RolloutStats, SourceStateError, StepSource, WeightTransfer,
-                                         live_part)
+from orchestrator.contract.source import (HeldOutScore, LiveSource, RolloutStats, SourceStateError, StepSource,
+                                         WeightTransfer, live_part)
 from orchestrator.contract.worker import (DeferredUpdate, NoCheckpointError, StageReceipt, WeightsOverWire, Worker,
                                          WorkerCapabilities, WorkerUsageError)
 
 __all__ = [
-    "AgreementCost", "CheckpointingEngine", "DeferredUpdate", "DeviceMemory", "Evaluation", "LiveSource",
-    "MemoryReportingEngine", "NoCheckpointError", "PreparedInput",
-    "ProcessTimings", "Receipt", "RolloutStats", "RolloutSummary", "RunSummary", "STAGING_METHODS",
+    "AgreementCost", "CheckpointingEngine", "DeferredUpdate", "DeviceMemory", "Evaluation", "HeldOutScore",
+    "LiveSource", "MemoryReportingEngine", "NoCheckpointError", "PreparedInput", "ProcessTimings", "Receipt",
+    "RolloutStats", "RolloutSummary", "RunSummary", "STAGING_METHODS",
     "SnapshotEngine", "SourceStateError", "StageReceipt", "StagingEngine", "StepMetrics", "StepSource",
     "StepTimings", "TrainingEngine", "WeightSource", "WeightTransfer", "WeightsOverWire", "Worker",
     "WorkerCapabilities",

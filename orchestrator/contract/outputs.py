@@ -51,11 +51,14 @@ class RolloutSummary:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Evaluation:
-  """Greedy accuracy on held-out prompts before the first step and after the last."""
+  """Greedy accuracy on held-out prompts before the first step and after the last; ``during_run``: the
+  evaluations after every ``task.eval_every``-th step (this run's and a resumed run's earlier segments'), each
+  ``{"updates", "accuracy", "pass_k", "pass_at_k"}`` (``pass_at_k`` None without ``task.eval_pass_k``)."""
 
   eval_accuracy_start: float
   eval_prompts: int
   eval_accuracy_end: float
+  during_run: list[dict] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -31,6 +31,22 @@ class SourceStateError(ValueError):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class HeldOutScore:
+  """What one evaluation on held-out prompts measured (a live source's ``evaluate``).
+
+  Attributes:
+    accuracy: the share of prompts whose greedy completion passes the task's own check.
+    pass_k: completions sampled per prompt for pass@k (0: none sampled).
+    pass_at_k: the share of prompts with at least one of its ``pass_k`` sampled completions passing (None
+      without ``pass_k``). With exactly k samples per prompt this is the unbiased pass@k estimate's value.
+  """
+
+  accuracy: float
+  pass_k: int = 0
+  pass_at_k: float | None = None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class RolloutStats:
   """What sampling one step's rollouts measured (a live source).
 
@@ -160,13 +176,28 @@ class LiveSource(Protocol):
     """Raises the sampling thread's error, if it failed (the program calls it at every boundary)."""
     ...
 
-  def evaluate(self, weights: Any, version: int, prompts: int, *,
-               stop: Callable[[], Any] | None = None) -> float | None:
-    """Greedy accuracy of ``weights`` on ``prompts`` held-out prompts (seeded by ``version``).
+  def evaluate(self, weights: Any, version: int, prompts: int, *, pass_k: int = 0,
+               stop: Callable[[], Any] | None = None) -> HeldOutScore | None:
+    """Greedy accuracy of ``weights`` on ``prompts`` held-out prompts, and with ``pass_k`` pass@k over that many
+    completions sampled per prompt (with a seed drawn from ``version``).
 
     While it waits for the sampler it looks at ``stop()`` now and then; None when that turned true first. In a
     job of several processes every process calls it at the same point: the weights are gathered first.
     """
+    ...
+
+  def keep_start_weights(self, weights: Any) -> None:
+    """Keeps a host copy of the weights version 0 samples with, before the first step of a run that evaluates
+    during the run (an evaluation replaces the sampler's weights; a batch still sampled with version 0 syncs
+    them back from this copy)."""
+    ...
+
+  def eval_prompt_count(self, asked: int) -> int:
+    """``asked``, or fewer where the held-out split is a list of fewer prompts (none evaluated twice)."""
+    ...
+
+  def held_out_count(self, limit: int) -> int:
+    """The prompts the held-out split holds, counted up to ``limit``."""
     ...
 
   def recorded_steps(self) -> Sequence[Any] | None:

@@ -11,6 +11,12 @@ vocabulary (a task's answer alphabet), and ``SampledDistribution`` tells the
 loss to take its log-probs the same way, as Tunix's GRPO does for the
 temperature. Otherwise the ratio is off by the sampler's normaliser before any
 update, and the clipping then cuts the gradient of one sign of advantage.
+
+Truncated sampling (``rollouts.top_p``, ``rollouts.top_k``) only shapes which
+tokens are drawn: Tunix's sampler returns each sampled token's log-prob under
+the full tempered distribution (forbidden ids excluded), not under the top-p or
+top-k renormalised one, and ``SampledDistribution`` takes the trainer's the
+same way, so the ratio is still 1 before any update (as verl and Tunix train).
 """
 
 from __future__ import annotations
@@ -25,7 +31,9 @@ from tunix.rl import common as rl_common
 
 @dataclasses.dataclass(frozen=True)
 class SampledDistribution:
-  """The distribution the rollouts were sampled from, over the model's logits.
+  """The distribution the rollouts were sampled from, over the model's logits: the full tempered one over the
+  ids the sampler may emit. A top-p or top-k truncation is not part of it: the sampler's log-probs are the
+  untruncated distribution's too (see the module docstring).
 
   Attributes:
     temperature: the sampler's temperature (its logits are divided by it).

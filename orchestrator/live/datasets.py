@@ -291,6 +291,29 @@ def check_prompt_lengths(rows: Sequence[Row], tokenizer, max_prompt_tokens: int)
                          " the prompt")
 
 
+def with_completion_limits(rows: Sequence[Row], field: str, limit: int, given: int | None) -> list[Row]:
+  """``rows`` with each problem's own completion limit (``Problem.max_new_tokens``) read from its ``field``
+  (``task.max_tokens_field``): a whole number in [1, ``limit``], the task's (``task.max_completion_tokens``,
+  ``given``; None: the longest answer's), which sizes the sampler."""
+  bound = (f"task.max_completion_tokens={given}" if given is not None
+           else f"{limit}, the longest answer's tokens (task.max_completion_tokens unset)")
+  limited = []
+  for row in rows:
+    extra = row.problem.extra or {}
+    if field not in extra:
+      has = ", ".join(repr(name) for name in extra) or "no other"
+      raise DatasetError(f"{row.where} has no field {field!r} (its other fields: {has}), which"
+                         f" task.max_tokens_field={field} names; give every row one, or drop task.max_tokens_field")
+    value = extra[field]
+    whole = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+    if isinstance(value, bool) or not whole or not 1 <= value <= limit:
+      raise DatasetError(f"{row.where}: field {field!r} (task.max_tokens_field) is {value!r}; it must be a whole"
+                         f" number of tokens in [1, {limit}] (at most {bound}); fix the row (a longer limit"
+                         " needs a larger task.max_completion_tokens)")
+    limited.append(dataclasses.replace(row, problem=dataclasses.replace(row.problem, max_new_tokens=int(value))))
+  return limited
+
+
 # ---------------------------------------------------------------------------- the split
 
 
@@ -395,12 +418,14 @@ def answer_alphabet(rows: Sequence[Row], tokenizer) -> str | None:
 
 def load_task(*, path: str, eval_path: str | None = None, prompt_field: str = "prompt", answer_field: str = "answer",
               eval_fraction: float = 0.1, max_prompt_tokens: int | None = None,
-              max_completion_tokens: int | None = None, tokenizer=None, reward: Sequence[str] = ()) -> DatasetTask:
+              max_completion_tokens: int | None = None, tokenizer=None, reward: Sequence[str] = (),
+              max_tokens_field: str | None = None) -> DatasetTask:
   """The dataset task the ``task.*`` keys describe, every row checked (its answers against ``reward``, the
   ``task.reward`` entries).
 
   ``max_prompt_tokens`` None: the longest prompt's (bos included);
-  ``max_completion_tokens`` None: the longest answer's.
+  ``max_completion_tokens`` None: the longest answer's;
+  ``max_tokens_field``: the field that gives each row's own completion limit (``with_completion_limits``).
 
   Raises:
     DatasetError: see ``read_records``, ``read_rows``, the checks and the split; one line each.
@@ -428,7 +453,10 @@ def load_task(*, path: str, eval_path: str | None = None, prompt_field: str = "p
   # free text ends with an eos token (a checkpoint's tokenizer): room for it after the longest answer
   ends_with_eos = answer_alphabet(every, tokenizer) is None
   longest_answer = max(len(tokenizer.encode(row.problem.answer)) for row in every) + ends_with_eos
+  limit = max_completion_tokens if max_completion_tokens is not None else max(1, longest_answer)
+  if max_tokens_field is not None:
+    train, held_out = (with_completion_limits(part, max_tokens_field, limit, max_completion_tokens)
+                       for part in (train, held_out))
   return DatasetTask(tuple(row.problem for row in train), tuple(row.problem for row in held_out),
-                     answer_alphabet(every, tokenizer),
-                     max_completion_tokens if max_completion_tokens is not None else max(1, longest_answer),
+                     answer_alphabet(every, tokenizer), limit,
                      max_prompt_tokens if max_prompt_tokens is not None else longest_prompt)

@@ -53,7 +53,7 @@ from typing import Any
 
 import numpy as np
 
-from orchestrator.contract import RolloutStats, SourceStateError, WeightTransfer
+from orchestrator.contract import HeldOutScore, RolloutStats, SourceStateError, WeightTransfer
 from orchestrator.data.trajectory import Trajectory, TrajectoryGroup
 from orchestrator.live.placement import keep
 from orchestrator.live.rewards import CallCancelled, Reward, task_reward
@@ -83,6 +83,14 @@ class LiveShape:
   batch_steps: int = 1  # optimizer steps (mini-batches) per pass over a sampled batch
   epochs: int = 1  # passes over a sampled batch
   micro_batches_per_call: int = 1  # micro-batches the sampler generates in one call (divides a batch's)
+  top_p: float = 1.0  # nucleus sampling's mass (1.0: off)
+  top_k: int = 0  # the most likely ids sampled from (0: off)
+  stop: tuple[str, ...] = ()  # strings that end a completion (the token completing one is kept, its text cut)
+
+  def sampling_settings(self) -> dict[str, Any]:
+    """The sampler's keyword arguments for how each token is drawn and where a completion ends
+    (``LiveSampler.sample``), as every sampled completion of the run takes them."""
+    return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "stop": self.stop}
 
   @property
   def schedule(self) -> BatchSchedule:
@@ -94,7 +102,32 @@ class LiveShape:
     return self.batch_steps * self.micro_batches_per_step
 
 
-class LiveRollouts:
+class HeldOutEvaluations:
+  """A live source's evaluations on held-out prompts (``LiveSource``'s part of them): each on its sampler, in
+  the sampler's turn between two micro-batches (``SharedSampler``)."""
+
+  _shared: SharedSampler
+
+  def eval_prompt_count(self, asked: int) -> int:
+    """``asked``, or what a finite evaluation split holds (a dataset's) if fewer: no prompt counts twice."""
+    return self._shared.eval_prompt_count(asked)
+
+  def held_out_count(self, limit: int) -> int:
+    """The prompts the held-out split holds, counted up to ``limit``."""
+    return self._shared.held_out_count(limit)
+
+  def evaluate(self, weights: Any, version: int, prompts: int, *, pass_k: int = 0,
+               stop: Callable[[], Any] | None = None) -> HeldOutScore | None:
+    """Greedy accuracy (and pass@k with ``pass_k``) on ``prompts`` held-out problems with the given weights
+    (``SharedSampler.evaluate``: None when ``stop()`` came first)."""
+    return self._shared.evaluate(weights, version, prompts, pass_k=pass_k, stop=stop)
+
+  def keep_start_weights(self, weights: Any) -> None:
+    """A host copy of version 0's weights, for batches sampled after an evaluation took the sampler's own."""
+    self._shared.start_weights = weights
+
+
+class LiveRollouts(HeldOutEvaluations):
   """Samples batches on a background thread, each from its fixed weights version, and hands them out a step at
   a time; a ``StepSource`` and a ``LiveSource`` (``orchestrator.contract``) on a ``tasks.Task``, trained on
   ``reward`` (default: the task's own; ``shared_sampler.score_micro_batch``). With ``record``, every batch
@@ -375,15 +408,6 @@ class LiveRollouts:
     """Closes the sampler (``LiveSampler.close``: a sampler process exits); after ``close`` and the evaluations."""
     self._shared.sampler.close()
 
-  def eval_prompt_count(self, asked: int) -> int:
-    """``asked``, or what a finite evaluation split holds (a dataset's) if fewer: no prompt counts twice."""
-    return self._shared.eval_prompt_count(asked)
-
-  def evaluate(self, weights: Any, version: int, prompts: int, *,
-               stop: Callable[[], Any] | None = None) -> float | None:
-    """Greedy accuracy on ``prompts`` held-out problems with the given weights, in the sampler's turn between
-    two micro-batches (``SharedSampler.evaluate``: None when ``stop()`` came first)."""
-    return self._shared.evaluate(weights, version, prompts, stop=stop)
 
 
 class StreamedPayloads(Sequence):

@@ -33,8 +33,11 @@ class Samples:
   """Completions of ``prompts`` (one per prompt), with their per-token log-probs under the sampler.
 
   ``prompt_ids[i]`` are the ids the model was given (bos where the tokenizer has one, the prompt as
-  formatted); ``completion_ids[i]`` ends with the eos id when the model produced one. ``ended[i]``: whether it
-  did (False: cut at ``max_generation_steps``); None for a fixed-length answer alphabet, which has no end.
+  formatted); ``completion_ids[i]`` ends with the eos id when the model produced one, or with the token that
+  completed a stop string. ``texts[i]`` is the completion's text, cut before its stop string (what the reward
+  sees). ``ended[i]``: whether it ended with an eos or a stop string (False: cut at ``max_generation_steps`` or
+  at its prompt's own limit); None for a fixed-length answer alphabet sampled without stop strings, which has
+  no end.
   """
 
   prompts: list[str]
@@ -99,6 +102,7 @@ class LiveSampler:
                                     num_layers=preset.num_layers, num_kv_heads=preset.num_kv_heads,
                                     head_dim=preset.head_dim)
     self._sampler = sampler_lib.Sampler(nnx.merge(self._graphdef, params), tokenizer, cache)
+    self._vocab_size = preset.vocab_size  # the logits' width: a top_k at least this wide filters nothing
     allowed = set(sampled_token_ids(tokenizer, alphabet))
     self._forbidden = [i for i in range(preset.vocab_size) if i not in allowed]
     self._eos_ids = list(getattr(tokenizer, "eos_ids", [tokenizer.eos_id()]))
@@ -128,17 +132,34 @@ class LiveSampler:
     """The ids the model is given for ``prompt``: bos (when the tokenizer has one) and the formatted text."""
     return np.asarray(self._sampler.tokenize(self.model_prompt(prompt)), np.int32)
 
-  def sample(self, prompts: Sequence[str], *, seed: int, temperature: float = 1.0) -> Samples:
-    """One completion per prompt (repeat a prompt for a group), drawn with ``seed``."""
+  def sample(self, prompts: Sequence[str], *, seed: int, temperature: float = 1.0, top_p: float = 1.0,
+             top_k: int = 0, stop: Sequence[str] = (),
+             max_new_tokens: Sequence[int | None] | None = None) -> Samples:
+    """One completion per prompt (repeat a prompt for a group), drawn with ``seed``.
+
+    ``top_p`` (1.0: off) and ``top_k`` (0, or at least the vocabulary: off) truncate the distribution each token
+    is drawn from; the log-probs are still the full tempered distribution's (``engine.loss``'s module docstring
+    says why). ``stop``: strings that end a completion where one first occurs (``_samples``).
+    ``max_new_tokens[i]``: prompt i's own limit (None: ``max_generation_steps``), at most that.
+    """
     # Tunix cuts a completion before its eos, and the eos's log-prob with it; a completion that ends must
     # keep both (the policy learns when to stop, and a first-token eos would leave nothing). So its stop is
     # an id never sampled, and each completion is cut after its first eos here.
     with default_device(self.placement):
       out = self._sampler([self.model_prompt(p) for p in prompts], max_generation_steps=self.max_generation_steps,
-                          max_prompt_length=self.max_prompt_length, temperature=temperature, top_p=1.0,
+                          max_prompt_length=self.max_prompt_length, temperature=temperature,
                           seed=int(seed), return_logprobs=True, forbidden_tokens=self._forbidden,
-                          eos_tokens=[NEVER_SAMPLED])
-    return self._samples(prompts, out)
+                          eos_tokens=[NEVER_SAMPLED], **self._truncation(top_p, top_k))
+    return self._samples(prompts, out, stop=stop, max_new_tokens=max_new_tokens)
+
+  def _truncation(self, top_p: float, top_k: int) -> dict[str, Any]:
+    """Tunix's ``top_p``/``top_k`` arguments. Untruncated, exactly today's call (``top_p=1.0`` alone), so a run
+    without them samples what it always did; a ``top_k`` as wide as the logits is off (``jax.lax.top_k`` takes
+    no wider one, and it would filter nothing)."""
+    top_k = 0 if top_k >= self._vocab_size else int(top_k)
+    if top_p >= 1.0 and top_k == 0:
+      return {"top_p": 1.0}
+    return {"top_p": float(top_p), "top_k": top_k}  # Tunix reads top_k 0 as off
 
   def greedy(self, prompts: Sequence[str]) -> list[str]:
     """The most likely completion of each prompt (evaluation)."""
@@ -148,17 +169,52 @@ class LiveSampler:
                           eos_tokens=self._eos_ids)
     return [self.tokenizer.decode(ids) for ids in out.tokens]
 
-  def _samples(self, prompts: Sequence[str], out) -> Samples:
+  def _samples(self, prompts: Sequence[str], out, *, stop: Sequence[str] = (),
+               max_new_tokens: Sequence[int | None] | None = None) -> Samples:
     # Plain Python per completion (a few ids each) and each distinct prompt tokenized once: numpy's per-call
     # overhead here made the wrapper cost a sixth of Tunix's sampling time on the default batch.
     completions, logprobs, ended, eos = [], [], [], set(self._eos_ids)
-    for ids, lp in zip(out.tokens, out.logprobs):
+    for row, (ids, lp) in enumerate(zip(out.tokens, out.logprobs)):
       ids = np.asarray(ids, np.int32)
-      end = next((k + 1 for k, token in enumerate(ids.tolist()) if token in eos), None)
-      completions.append(ids[:end])
-      logprobs.append(np.asarray(lp, np.float32)[:end])
+      tokens = ids.tolist()
+      if max_new_tokens is not None and max_new_tokens[row] is not None:
+        # the draws before a limit do not depend on it (a key per decoding step): as if sampled with it
+        tokens = tokens[:max_new_tokens[row]]
+      end = next((k + 1 for k, token in enumerate(tokens) if token in eos), None)
+      length = end if end is not None else len(tokens)
+      completions.append(ids[:length])
+      logprobs.append(np.asarray(lp, np.float32)[:length])
       ended.append(end is not None)
+    texts = [self.tokenizer.decode(c) for c in completions]
+    if stop:
+      for row, completion in enumerate(completions):
+        found = first_stop(self.tokenizer, completion, texts[row], stop)
+        if found is not None:
+          length, texts[row] = found
+          completions[row], logprobs[row], ended[row] = completion[:length], logprobs[row][:length], True
     prompt_ids = {p: self.prompt_ids(p) for p in dict.fromkeys(prompts)}
     return Samples(list(prompts), [prompt_ids[p].copy() for p in prompts],
-                   completions, logprobs, [self.tokenizer.decode(c) for c in completions], self.weights_version,
-                   None if self._fixed_length else ended)
+                   completions, logprobs, texts, self.weights_version,
+                   None if self._fixed_length and not stop else ended)
+
+
+def first_stop(tokenizer, ids: np.ndarray, text: str, stop: Sequence[str]) -> tuple[int, str] | None:
+  """Where the first of the ``stop`` strings ends the completion ``ids`` (decoded: ``text``): (the tokens kept,
+  through the one whose decoding first holds a stop string; the text before that stop string), or None.
+
+  As vLLM stops (``include_stop_str_in_output=False``): the policy is trained on the token that completed the
+  stop string, as on an eos, and the reward sees the text before it. The token is found by bisection over
+  prefixes (a few decodes, not one per token), a longer prefix decoding to text that extends a shorter one's.
+  """
+  if not any(s in text for s in stop):
+    return None
+  low, high = 1, len(ids)  # the shortest prefix whose text holds a stop string is in [low, high]
+  while low < high:
+    middle = (low + high) // 2
+    if any(s in tokenizer.decode(ids[:middle]) for s in stop):
+      high = middle
+    else:
+      low = middle + 1
+  prefix = tokenizer.decode(ids[:low])
+  cut = min((prefix.find(s) for s in stop if s in prefix), default=len(prefix))
+  return low, prefix[:cut]

@@ -107,9 +107,12 @@ class SamplerProcess:
     self._request("sync", leaves)
     self.weights_version = int(version)
 
-  def sample(self, prompts: Sequence[str], *, seed: int, temperature: float = 1.0) -> Samples:
+  def sample(self, prompts: Sequence[str], *, seed: int, temperature: float = 1.0, top_p: float = 1.0,
+             top_k: int = 0, stop: Sequence[str] = (),
+             max_new_tokens: Sequence[int | None] | None = None) -> Samples:
     """``LiveSampler.sample`` in the child; the samples carry this side's ``weights_version``."""
-    samples = self._request("sample", list(prompts), int(seed), float(temperature))
+    samples = self._request("sample", list(prompts), int(seed), float(temperature), float(top_p), int(top_k),
+                            tuple(stop), None if max_new_tokens is None else list(max_new_tokens))
     return dataclasses.replace(samples, weights_version=self.weights_version)
 
   def greedy(self, prompts: Sequence[str]) -> list[str]:
@@ -205,7 +208,9 @@ def _serve(conn, spec: SamplerSpec) -> None:
         sampler.sync(jax.tree.unflatten(treedef, leaves), 0)
         answer = None
       elif kind == "sample":
-        answer = sampler.sample(message[1], seed=message[2], temperature=message[3])
+        prompts, seed, temperature, top_p, top_k, stop, max_new_tokens = message[1:]
+        answer = sampler.sample(prompts, seed=seed, temperature=temperature, top_p=top_p, top_k=top_k, stop=stop,
+                                max_new_tokens=max_new_tokens)
       elif kind == "greedy":
         answer = sampler.greedy(message[1])
       else:

@@ -14,14 +14,17 @@ from typing import Any
 
 import numpy as np
 
+from orchestrator.contract.source import HeldOutScore
 from orchestrator.data.trajectory import Trajectory
 from orchestrator.live.placement import gather_across_processes
 from orchestrator.live.rewards import Reward
 from orchestrator.live.sampler import LiveSampler
-from orchestrator.live.tasks import group_advantages
+from orchestrator.live.tasks import group_advantages, split_sizes
 
 #: How long one wait for the sampler lasts before the waiter looks at its stop flag again.
 WAIT_POLL_S = 0.1
+#: Mixed into the seed of an evaluation's sampled completions: never the seed of a training batch's.
+EVAL_SEED_STREAM = 0x5EED_E7A1
 
 
 class SharedSampler:
@@ -38,12 +41,20 @@ class SharedSampler:
   def __init__(self, sampler: LiveSampler, task, reward: Reward, shape):
     self.sampler, self._task, self._reward, self._shape = sampler, task, reward, shape
     self._turn = threading.Lock()
+    #: A copy of version 0's weights, which a batch is given as None ("the sampler's own"): an evaluation during
+    #: the run replaces the sampler's weights, and a batch still sampled with version 0 syncs them back from here.
+    self.start_weights: Any = None
 
   def sample_micro_batches(self, batch: int, first: int, count: int, version: int, weights: Any, *,
                            cancelled: Callable[[], bool] | None = None) -> list:
     """Micro-batches ``first`` … ``first + count - 1`` of sampled ``batch`` with weights ``version`` (``weights``;
     None: the sampler's own), in one sampler call in this caller's turn: ``sample_micro_batches``'s result."""
     with self._turn:  # per call: an evaluation may take the sampler (and its weights) between
+      if weights is None and self.sampler.weights_version != version:  # an evaluation took the sampler's own
+        weights = self.start_weights
+        if weights is None:
+          raise RuntimeError(f"sampled batch {batch} samples with the sampler's own weights (version {version}),"
+                             f" but it holds version {self.sampler.weights_version} and no copy of them was kept")
       if weights is not None and self.sampler.weights_version != version:
         self.sampler.sync(weights, version)
       return sample_micro_batches(self.sampler, self._task, self._reward, self._shape, batch, first, count,
@@ -53,9 +64,18 @@ class SharedSampler:
     """``asked``, or what a finite evaluation split holds (a dataset's) if fewer: no prompt counts twice."""
     return min(asked, len(getattr(self._task, "eval_problems", None) or range(asked)))
 
-  def evaluate(self, weights: Any, version: int, prompts: int, *,
-               stop: Callable[[], Any] | None = None) -> float | None:
-    """Greedy accuracy on ``prompts`` held-out problems with the given weights.
+  def held_out_count(self, limit: int) -> int:
+    """The prompts the held-out split holds, counted up to ``limit`` (a built-in task's space may be vast)."""
+    listed = getattr(self._task, "eval_problems", None)
+    if listed is not None:
+      return min(limit, len(listed))
+    return min(limit, split_sizes(self._task, enough=limit).eval)
+
+  def evaluate(self, weights: Any, version: int, prompts: int, *, pass_k: int = 0,
+               stop: Callable[[], Any] | None = None) -> HeldOutScore | None:
+    """Greedy accuracy on ``prompts`` held-out problems with the given weights; with ``pass_k``, also pass@k:
+    ``pass_k`` completions sampled per problem (the run's sampling settings, a seed drawn from the run's seed and
+    ``version``), a problem passing when one of them passes the task's own check.
 
     The sampling thread may hold the sampler: with ``stop`` the wait for it looks at ``stop()`` every
     ``WAIT_POLL_S`` and gives up (None) once it is true. In a job of several processes the weights are
@@ -69,9 +89,19 @@ class SharedSampler:
       if weights is not None:
         self.sampler.sync(weights, version)
       answers = self.sampler.greedy([p.prompt for p in problems])
+      sampled = None
+      if pass_k:
+        seed = int(np.random.default_rng((self._shape.seed, EVAL_SEED_STREAM, version)).integers(2**31 - 1))
+        sampled = self.sampler.sample([p.prompt for p in problems for _ in range(pass_k)], seed=seed,
+                                      **self._shape.sampling_settings()).texts
     finally:
       self._turn.release()
-    return float(np.mean([self._task.reward(p, a) for p, a in zip(problems, answers)]))
+    accuracy = float(np.mean([self._task.reward(p, a) for p, a in zip(problems, answers)]))
+    if sampled is None:
+      return HeldOutScore(accuracy=accuracy)
+    passed = [any(self._task.reward(p, text) == 1.0 for text in sampled[j * pass_k:(j + 1) * pass_k])
+              for j, p in enumerate(problems)]
+    return HeldOutScore(accuracy=accuracy, pass_k=pass_k, pass_at_k=float(np.mean(passed)))
 
 
 def acquire_unless(lock: threading.Lock, stop: Callable[[], Any] | None) -> bool:
@@ -95,7 +125,9 @@ def sample_micro_batches(sampler: LiveSampler, task, reward: Reward, shape, batc
   problems = [task.problem(shape.seed, "train", first_group + j) for j in range(count * groups)]
   prompts = [p.prompt for p in problems for _ in range(g)]
   seed = int(np.random.default_rng((shape.seed, batch, first)).integers(2**31 - 1))
-  samples = sampler.sample(prompts, seed=seed, temperature=shape.temperature)
+  limits = [p.max_new_tokens for p in problems for _ in range(g)]  # a dataset row's own (task.max_tokens_field)
+  samples = sampler.sample(prompts, seed=seed, max_new_tokens=None if all(n is None for n in limits) else limits,
+                           **shape.sampling_settings())
   if any(len(c) == 0 for c in samples.completion_ids):
     raise RuntimeError(f"the sampler returned an empty completion at {shape.schedule.describe(batch)},"
                        f" micro-batches {first}–{first + count - 1}")

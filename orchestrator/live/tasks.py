@@ -37,12 +37,14 @@ MAX_PROMPT_LENGTH = 16
 @dataclasses.dataclass(frozen=True)
 class Problem:
   """One prompt and the answer that earns the reward; ``extra``: a dataset row's other fields (column → value),
-  which reward functions may take as keyword arguments (``rewards.Reward``). Not compared: a problem is its
-  prompt and answer."""
+  which reward functions may take as keyword arguments (``rewards.Reward``); ``max_new_tokens``: the most tokens
+  a completion of it may take (a dataset row's ``task.max_tokens_field``; None: the task's
+  ``max_answer_length``). Neither is compared: a problem is its prompt and answer."""
 
   prompt: str
   answer: str
   extra: Mapping[str, Any] | None = dataclasses.field(default=None, compare=False)
+  max_new_tokens: int | None = dataclasses.field(default=None, compare=False)
 
 
 class Task(Protocol):

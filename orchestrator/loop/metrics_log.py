@@ -83,6 +83,10 @@ SCALARS: dict[str, Callable[[BoundaryRecord], float | int | None]] = {
     "rollout/sampled_tokens_per_s": lambda r: r.sampled_tokens_per_s,
     "rollout/micro_batch_wait_s": lambda r: r.micro_batch_wait_s,  # inside the step, after its first micro-batch
     "memory/staged_bytes": lambda r: _total(r.staged_bytes_per_device),  # summed over this process's devices
+    # task.eval_every: held-out prompts, of the weights after this step's update
+    "eval/accuracy": lambda r: r.eval_accuracy,  # greedy
+    "eval/pass_at_k": lambda r: r.eval_pass_at_k,  # one of task.eval_pass_k sampled completions passes
+    "eval/seconds": lambda r: r.eval_s,  # how long the step loop waited for the evaluation
 }
 
 

@@ -44,7 +44,7 @@ from orchestrator.loop.live_waits import (SourceFailed, StoppedWithoutCheckpoint
 from orchestrator.loop.policy_inputs import PolicyInputs
 from orchestrator.loop.recorder import BoundaryRecord, Lane, Recorder, Span, fwd_bwd_key, update_key
 from orchestrator.loop.watcher import Watched
-from orchestrator.loop.weight_sync import HostWeightStore, timed_sync
+from orchestrator.loop.weight_sync import HostWeightStore, timed_evaluation, timed_sync
 from policies import BoundaryPlan, StepBoundaryPolicy
 from policies.call_order import Action, boundary_actions
 
@@ -99,6 +99,10 @@ class ProgramConfig:
       must carry (a live source at staleness >= 1) before the run ends without it.
     checkpoint_last_step: a run that completes writes a checkpoint after its last step (when the engine can),
       whatever the cadence, so its final weights are kept; once, where the cadence wrote it already.
+    eval_every: a live source evaluates held-out prompts after every N-th step (0: never during the run), as
+      boundary work after the weight sync: ``eval_prompts`` prompts greedily, and pass@k with ``eval_pass_k``
+      completions sampled per prompt (0: none). The step loop waits for it (the device still computes the
+      next step's first micro-batch, dispatched before it in the pipelined modes).
   """
 
   steps: int
@@ -113,6 +117,9 @@ class ProgramConfig:
   config_sha256: str | None = None
   stop_grace_s: float = 5.0
   checkpoint_last_step: bool = False
+  eval_every: int = 0
+  eval_prompts: int = 0
+  eval_pass_k: int = 0
 
   def __post_init__(self):
     if self.steps < 1:
@@ -276,8 +283,7 @@ class RLProgram:
         return
 
   def _observe_saving(self, record: BoundaryRecord) -> None:
-    """Feeds the policy the sample ``record`` completes (the boundary before it), and notes in ``record`` the
-    saving the policy now judges by."""
+    """Feeds the policy the sample ``record`` completes (the boundary before it); notes the saving it judges by."""
     self.policy_inputs.observe_saving([*self.records[-2:], record])
     saving = self.policy.measured_saving
     record.saving_s = saving.step_s.mean if saving.enough else None
@@ -438,4 +444,6 @@ class RLProgram:
       self._result.checkpoint_path, self._last_checkpoint_steps = boundary.checkpoint_path, done
       boundary.spans["checkpoint_s"] = self.clock() - start
       self.recorder.span(f"checkpoint {done}", start, self.clock(), Lane.BOUNDARY_WORK)
-    timed_sync(self.weight_sync, self.worker, self.recorder, self.clock, boundary.spans, done)
+    weights = timed_sync(self.weight_sync, self.worker, self.recorder, self.clock, boundary.spans, done)
+    timed_evaluation(self.live, weights, done, self.config, self.recorder, self.clock, boundary.spans,
+                     stop=self.stop_requested)

@@ -137,6 +137,12 @@ class BoundaryRecord:
   completion_tokens_mean: float | None = None
   completion_tokens_max: int | None = None
   truncated_fraction: float | None = None
+  # An evaluation after this step (task.eval_every): the weights after step + 1 updates on held-out prompts,
+  # greedy, and pass@k over eval_pass_k sampled completions per prompt; eval_s: how long the step loop waited
+  # for it. None where the step had none.
+  eval_accuracy: float | None = None
+  eval_pass_at_k: float | None = None
+  eval_s: float | None = None
 
   def to_json(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
@@ -316,6 +322,8 @@ class Recorder:
         weight_sync_bytes=spans.get("weight_sync_bytes"), weight_transfer_s=spans.get("weight_transfer_s"),
         weight_sync_wire_bytes=spans.get("weight_sync_wire_bytes"), weight_sync_wire_s=spans.get("weight_sync_wire_s"),
         control=bool(plan and plan.control),
+        eval_accuracy=spans.get("eval_accuracy"), eval_pass_at_k=spans.get("eval_pass_at_k"),
+        eval_s=spans.get("eval_s"),
     )
 
   def sync_records(self) -> None:

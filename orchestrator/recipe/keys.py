@@ -109,6 +109,11 @@ WORD_OR_NUMBER_KEYS = {
 }
 
 
+#: List keys whose items are text exactly as written: a stop string may hold spaces or commas, and a lone string
+#: is not split into several; a list is kept as given for the section's check (which refuses non-strings).
+EXACT_TEXT_LIST_KEYS = ("rollouts.stop",)
+
+
 def coerce(key: str, value: Any) -> Any:
   """``value`` (from YAML, an env var or the command line) as the schema's type for ``key``."""
   t = _leaf_type(key)
@@ -151,6 +156,11 @@ def _coerce_plain(key: str, t: Any, value: Any) -> Any:
     return str(value)
   if typing.get_origin(t) is list:
     (item,) = typing.get_args(t)
+    if key in EXACT_TEXT_LIST_KEYS:
+      if not isinstance(value, list):
+        raise RecipeError(f"{key}={value!r} is not a list of strings; give one, e.g. {key}=['</answer>'], or []"
+                          " for none")
+      return list(value)
     if isinstance(value, str):
       value = [v for v in value.replace(",", " ").split() if v]
     if not isinstance(value, list):

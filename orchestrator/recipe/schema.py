@@ -190,11 +190,15 @@ ROLLOUT_SOURCES = ("synthetic", "recording", "sampler")
 PLACEMENTS = ("shared", "split", "process")
 
 
+#: The most ``rollouts.stop`` strings, and the longest (a completion is searched for each after it is sampled).
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
 #: Keys only the live loop reads: set for a run that samples nothing, they are refused
 #: (``Recipe._refuse_live_only_keys``), or dropped where the command line replaces a live recipe's sampler.
 LIVE_ONLY_KEYS = ("task.reward", "task.reward_timeout_s", "model.chat_template", "rollouts.batch_steps",
                   "rollouts.micro_batches_per_call", "rollouts.placement", "rollouts.devices", "engine.epochs",
-                  "metrics.samples_every")
+                  "metrics.samples_every", "task.eval_every", "task.eval_pass_k", "rollouts.top_p", "rollouts.top_k",
+                  "rollouts.stop")
 
 
 @dataclasses.dataclass
@@ -217,6 +221,14 @@ class RolloutsSection:
   micro_batches_per_call: int | str = 1
   groups_per_micro_batch: int = 4
   temperature: float = 1.0
+  # Truncation of each token's distribution (as vLLM's and Tunix's): top_p, the smallest set of ids holding that
+  # much probability (1.0: off); top_k, the most likely ids (0: off; more than the vocabulary: off). The
+  # log-probs trained on stay the full tempered distribution's (orchestrator.engine.loss).
+  top_p: float = 1.0
+  top_k: int = 0
+  # Strings that end a completion where one first occurs: its tokens are kept through the one that completed it
+  # (trained on, as an eos), and the reward sees the text before it (vLLM's include_stop_str_in_output=False).
+  stop: list[str] = dataclasses.field(default_factory=list)
   record_to: str | None = None  # a live run writes the rollouts it trained on as a recording there
   # shared: the sampler runs on the trainer's devices; split: on rollouts.devices local devices of its own
   # (those after the mesh's), with its own copy of the weights, which the weight sync copies device to device;
@@ -245,6 +257,7 @@ class RolloutsSection:
                         " live loop: GRPO compares a group's completions, use >= 2")
     if not (self.temperature > 0 and math.isfinite(self.temperature)):
       raise RecipeError(f"rollouts.temperature={self.temperature} is out of range: it must be a finite number > 0")
+    self._check_sampling()
     if not 0 < self.fill <= 1:
       raise RecipeError(f"rollouts.fill={self.fill} is out of range: it must be in (0, 1]")
     if self.source not in ROLLOUT_SOURCES:
@@ -260,6 +273,28 @@ class RolloutsSection:
         raise RecipeError(f"rollouts.devices={self.devices} is for rollouts.placement=split (a sampler on devices"
                           " of its own); the shared sampler runs on the trainer's devices, so drop it or set"
                           " rollouts.placement=split")
+
+  def _check_sampling(self) -> None:
+    """``top_p``, ``top_k`` and ``stop``: each refused in one line naming its range."""
+    top_p = self.top_p
+    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not (math.isfinite(top_p)
+                                                                              and 0 < top_p <= 1):
+      raise RecipeError(f"rollouts.top_p={top_p} is out of range: it must be a finite number in (0, 1], the"
+                        " probability mass each token is drawn from (1.0: off)")
+    top_k = self.top_k
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+      raise RecipeError(f"rollouts.top_k={top_k} is out of range: it must be a whole number >= 0, the most likely"
+                        " ids each token is drawn from (0: off)")
+    stop = self.stop
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+      raise RecipeError(f"rollouts.stop={stop!r} is not a list of strings; give one, e.g. rollouts.stop=['</answer>'],"
+                        " or [] for none")
+    if len(stop) > MAX_STOP_STRINGS:
+      raise RecipeError(f"rollouts.stop lists {len(stop)} strings; it must list at most {MAX_STOP_STRINGS}")
+    for i, text in enumerate(stop):
+      if not 1 <= len(text) <= MAX_STOP_STRING_CHARS:
+        raise RecipeError(f"rollouts.stop[{i}]={text[:40]!r}{'...' if len(text) > 40 else ''} is {len(text)}"
+                          f" characters long: each stop string must be 1 to {MAX_STOP_STRING_CHARS} characters")
 
 
 #: Each task's size keys (``task.*``); ``TaskSection.make`` passes these to the task.
@@ -277,9 +312,11 @@ DATASET = "dataset"
 MAX_FORBIDDEN_IDS = 4096
 #: Tokens a chat template's text may gain where a built-in prompt joins it (its two joins, two each).
 TEMPLATE_JOIN_TOKENS = 4
-DATASET_ONLY_KEYS = ("path", "eval_path", "max_prompt_tokens", "max_completion_tokens")
+DATASET_ONLY_KEYS = ("path", "eval_path", "max_prompt_tokens", "max_completion_tokens", "max_tokens_field")
 #: The range of ``task.max_prompt_tokens`` and ``task.max_completion_tokens`` (they size the sampler's cache).
 TOKEN_RANGES = {"max_prompt_tokens": (2, 4096), "max_completion_tokens": (1, 4096)}
+#: The range of ``task.eval_pass_k``: completions sampled per held-out prompt at an evaluation during the run.
+EVAL_PASS_K_RANGE = (1, 64)
 #: The longest ``task.reward_timeout_s`` (a day): a limit is a limit.
 MAX_REWARD_TIMEOUT_S = 86_400
 
@@ -293,6 +330,10 @@ class TaskSection:
   length: int = 3  # reverse, first_letter: the word's length
   letters: int = 4  # reverse, first_letter: the alphabet's size
   eval_prompts: int = 64  # held-out prompts for the greedy evaluation at the start and the end
+  # Evaluations during the run: after every eval_every-th optimizer step (None: only at the start and the end),
+  # greedy and, with eval_pass_k, pass@k over k sampled completions per prompt.
+  eval_every: int | None = None
+  eval_pass_k: int | None = None
   # name: dataset — prompts and answers read from a file (orchestrator.live.datasets).
   path: str | None = None  # a JSONL (.jsonl) or Parquet (.parquet) file, one prompt per row
   prompt_field: str = "prompt"
@@ -301,6 +342,8 @@ class TaskSection:
   eval_path: str | None = None  # the evaluation prompts; then nothing of path is held out
   max_prompt_tokens: int | None = None  # None: the longest prompt's (bos included)
   max_completion_tokens: int | None = None  # None: the longest answer's
+  # A row field giving that row's own completion limit, in [1, max_completion_tokens]; None: every row's is that.
+  max_tokens_field: str | None = None
   # The training reward (orchestrator.live.rewards): built-ins (exact, math, format) or package.module:function,
   # summed with reward_weights (default all 1.0). None listed: the task's own (a dataset's: exact).
   reward: list[str] = dataclasses.field(default_factory=list)
@@ -317,6 +360,7 @@ class TaskSection:
       value = getattr(self, key)
       if not low <= value <= high:
         raise RecipeError(f"task.{key}={value} is out of range: it must be in [{low}, {high}]")
+    self._check_evaluations()
     if not (math.isfinite(self.reward_timeout_s) and 0 < self.reward_timeout_s <= MAX_REWARD_TIMEOUT_S):
       raise RecipeError(f"task.reward_timeout_s={self.reward_timeout_s} is out of range: it must be a number of"
                         f" seconds in (0, {MAX_REWARD_TIMEOUT_S:,}], how long one reward call may take")
@@ -329,6 +373,20 @@ class TaskSection:
       self.make_reward(self.make())
     elif self.reward or self.reward_weights:  # the entries now; the rows are read with the model's tokenizer,
       self.make_reward(None)                  # which Recipe.validate knows
+
+  def _check_evaluations(self) -> None:
+    if self.eval_every is not None and not 1 <= self.eval_every <= 10**9:
+      raise RecipeError(f"task.eval_every={self.eval_every} is out of range: it must be a whole number of optimizer"
+                        " steps >= 1 (evaluate after every N-th step), or leave it unset to evaluate only at the"
+                        " start and the end")
+    if self.eval_pass_k is not None:
+      low, high = EVAL_PASS_K_RANGE
+      if not low <= self.eval_pass_k <= high:
+        raise RecipeError(f"task.eval_pass_k={self.eval_pass_k} is out of range: it must be in [{low}, {high}],"
+                          " the completions sampled per held-out prompt for pass@k")
+      if self.eval_every is None:
+        raise RecipeError(f"task.eval_pass_k={self.eval_pass_k} is measured at the evaluations during the run,"
+                          " and task.eval_every is unset; set task.eval_every=N, or drop task.eval_pass_k")
 
   def _check_dataset_keys(self) -> None:
     if not self.path:
@@ -376,7 +434,8 @@ class TaskSection:
                                     answer_field=self.answer_field, eval_fraction=self.eval_fraction,
                                     max_prompt_tokens=self.max_prompt_tokens,
                                     max_completion_tokens=self.max_completion_tokens,
-                                    tokenizer=tokenizer or CharTokenizer(), reward=self.reward)
+                                    tokenizer=tokenizer or CharTokenizer(), reward=self.reward,
+                                    max_tokens_field=self.max_tokens_field)
     except datasets_lib.DatasetError as e:
       raise RecipeError(str(e)) from None
 

@@ -80,6 +80,12 @@ def _sums(count: int) -> str:
   return "".join(f'{{"prompt": "{i}+1=", "answer": "{i + 1}"}}\n' for i in range(count))
 
 
+def _limited_sums(count: int, last_limit: int) -> str:
+  """``_sums`` with a completion limit of 1 per row (field ``limit``), the last row's ``last_limit``."""
+  return "".join(f'{{"prompt": "{i}+1=", "answer": "{i + 1}", "limit": {1 if i < count - 1 else last_limit}}}\n'
+                 for i in range(count))
+
+
 def _checkpoint(tmp_path, *keys: str, tensors=None, **config_changes):
   """A run on a tiny checkpoint written with ``tensors`` and ``config_changes`` (``checkpoint_files``)."""
   directory = write_directory(tmp_path / "model", tensors, **config_changes)
@@ -302,6 +308,34 @@ CASES = [
      "task.max_completion_tokens=0 is out of range: it must be in [1, 4096]"),
     ("dataset-keys-on-a-built-in-task", ["task.name=reverse", "task.path=prompts.jsonl"], {},
      "task.path is set but task.name=reverse is a built-in task"),
+    ("dataset-row-limit-zero", lambda t, g: _dataset(t, _limited_sums(20, 0), "task.max_tokens_field=limit",
+                                                     "task.max_completion_tokens=2"), {},
+     "prompts.jsonl line 20: field 'limit' (task.max_tokens_field) is 0; it must be a whole number of tokens in"
+     " [1, 2] (at most task.max_completion_tokens=2)"),
+    ("dataset-row-limit-above-the-task-s", lambda t, g: _dataset(t, _limited_sums(20, 3),
+                                                                 "task.max_tokens_field=limit",
+                                                                 "task.max_completion_tokens=2"), {},
+     "prompts.jsonl line 20: field 'limit' (task.max_tokens_field) is 3; it must be a whole number of tokens in"
+     " [1, 2]"),
+    ("dataset-row-limit-field-on-a-built-in-task", ["task.name=reverse", "task.max_tokens_field=limit"], {},
+     "task.max_tokens_field is set but task.name=reverse is a built-in task"),
+    # How the live sampler draws each token and where a completion ends (rollouts.top_p, top_k, stop).
+    ("top-p-zero", ["rollouts.top_p=0"], {}, "rollouts.top_p=0.0 is out of range: it must be a finite number in"
+                                             " (0, 1]"),
+    ("top-p-above-one", ["rollouts.top_p=1.5"], {}, "rollouts.top_p=1.5 is out of range: it must be a finite number"
+                                                    " in (0, 1]"),
+    ("top-p-nan", ["rollouts.top_p=nan"], {}, "rollouts.top_p: expected a finite number"),
+    ("top-k-negative", ["rollouts.top_k=-1"], {}, "rollouts.top_k=-1 is out of range: it must be a whole number"
+                                                  " >= 0"),
+    ("top-k-fraction", ["rollouts.top_k=1.5"], {}, "rollouts.top_k: expected a whole number, got 1.5"),
+    ("top-p-synthetic", ["rollouts.source=synthetic", "model=tiny", "rollouts.top_p=0.9"], {},
+     "rollouts.top_p=0.9 is read by the live loop only, but rollouts.source=synthetic"),
+    ("stop-empty-string", ["rollouts.stop=['']"], {}, "rollouts.stop[0]='' is 0 characters long: each stop string"
+                                                      " must be 1 to 256 characters"),
+    ("stop-not-a-list", ["rollouts.stop=</answer>"], {}, "rollouts.stop='</answer>' is not a list of strings"),
+    ("stop-not-strings", ["rollouts.stop=[1, 2]"], {}, "rollouts.stop=[1, 2] is not a list of strings"),
+    ("stop-too-many", [f"rollouts.stop=[{', '.join(f'x{i}' for i in range(17))}]"], {},
+     "rollouts.stop lists 17 strings; it must list at most 16"),
     # The rewards a recipe chooses (task.reward): each entry is found and checked up front.
     ("reward-unknown", ["task.reward=[exactly]"], {},
      "task.reward[0]='exactly' is not a reward; use one of exact, format, math, or package.module:function"),
@@ -403,6 +437,16 @@ CASES = [
     ("samples-every-negative", ["metrics.samples_every=-1"], {}, "metrics.samples_every=-1"),
     ("samples-every-not-live", ["rollouts.source=synthetic", "metrics.samples_every=5"], {},
      "metrics.samples_every=5 is read by the live loop only"),
+    ("eval-every-zero", ["task.eval_every=0"], {}, "task.eval_every=0 is out of range: it must be a whole number"),
+    ("eval-every-negative", ["task.eval_every=-3"], {}, "task.eval_every=-3 is out of range"),
+    ("eval-every-not-an-integer", ["task.eval_every=2.5"], {}, "task.eval_every"),
+    ("eval-every-not-a-number", ["task.eval_every=often"], {}, "task.eval_every"),
+    ("eval-every-not-live", ["rollouts.source=synthetic", "task.eval_every=5"], {},
+     "task.eval_every=5 is read by the live loop only"),
+    ("eval-pass-k-zero", ["task.eval_every=5", "task.eval_pass_k=0"], {}, "task.eval_pass_k=0 is out of range"),
+    ("eval-pass-k-too-many", ["task.eval_every=5", "task.eval_pass_k=65"], {}, "task.eval_pass_k=65 is out of range"),
+    ("eval-pass-k-without-evaluations", ["task.eval_pass_k=4"], {},
+     "task.eval_pass_k=4 is measured at the evaluations during the run, and task.eval_every is unset"),
     ("kl-beta-negative", ["engine.kl_beta=-0.1"], {}, "engine.kl_beta=-0.1 is out of range"),
     ("kl-beta-not-finite", ["engine.kl_beta=inf"], {}, "engine.kl_beta: expected a finite number, got 'inf'"),
     ("kl-estimator-unknown", ["engine.kl_estimator=k2"], {}, "engine.kl_estimator='k2' is not an estimator"),

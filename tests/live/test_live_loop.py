@@ -273,9 +273,9 @@ def test_a_new_live_run_samples_while_its_trainer_is_built_and_evaluates_its_sta
   expected = source.evaluate(initial, 0, 16)  # before any step (the sampler then holds version 0)
   evaluate, evaluated, handle = source.evaluate, [], None
 
-  def noted(weights, version, prompts, *, stop=None):
+  def noted(weights, version, prompts, *, pass_k=0, stop=None):
     evaluated.append((version, tree_digest(weights), len(handle.program.records)))
-    return evaluate(weights, version, prompts, stop=stop)
+    return evaluate(weights, version, prompts, pass_k=pass_k, stop=stop)
 
   def make_worker(recipe, closers, *, checkpoint_dir, write_dir):
     assert source._thread is not None and source._thread.is_alive()  # sampling already
@@ -291,7 +291,7 @@ def test_a_new_live_run_samples_while_its_trainer_is_built_and_evaluates_its_sta
     handle.close()
   assert result.summary.final_state_digest == later
   assert evaluated == [(0, tree_digest(initial), STEPS), (STEPS, tree_digest(engine.export_weights()), STEPS)]
-  assert result.summary.evaluation.eval_accuracy_start == expected
+  assert result.summary.evaluation.eval_accuracy_start == expected.accuracy
 
 
 @pytest.mark.engine

@@ -3,6 +3,7 @@ loop's waits for rollouts (a stop ends them)."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import threading
@@ -287,7 +288,7 @@ class _TextSampler:
 
   weights_version, placement = 0, None
 
-  def sample(self, prompts, *, seed, temperature=1.0):
+  def sample(self, prompts, *, seed, temperature=1.0, **_):
     from orchestrator.live.sampler import Samples  # import here: it loads JAX, which this file's other tests skip
 
     ids = [np.array([1, 2], np.int32) for _ in prompts]
@@ -390,7 +391,7 @@ class _BlockingSampler:
   def __init__(self):
     self.sampling, self.release, self.synced = threading.Event(), threading.Event(), []
 
-  def sample(self, prompts, seed, temperature):
+  def sample(self, prompts, seed, temperature, **_):
     self.sampling.set()
     self.release.wait(30)
     raise RuntimeError("not needed by the test")
@@ -420,7 +421,7 @@ def test_an_evaluation_takes_the_sampler_in_its_turn_and_a_stop_ends_its_wait():
   sampler.release.set()
   thread.join(30)
   expected = np.mean([task.reward(task.problem(0, "eval", j), "4") for j in range(3)])
-  assert shared.evaluate("w", 1, 3, stop=stopped.is_set) == expected and sampler.synced == [1]
+  assert shared.evaluate("w", 1, 3, stop=stopped.is_set).accuracy == expected and sampler.synced == [1]
 
 
 @pytest.mark.engine
@@ -444,3 +445,113 @@ def test_a_completion_is_cut_after_its_first_eos_and_each_prompt_gets_its_own_id
   assert samples.ended == [True, False, True]
   first, _, third = samples.prompt_ids
   assert first.tolist() == third.tolist() and first is not third
+
+
+# ---------------------------------------------------------------------------- sampling controls
+
+
+@pytest.mark.engine
+def test_top_k_one_and_a_tiny_top_p_sample_the_greedy_completion_and_a_top_k_past_the_vocabulary_filters_nothing(
+    sampler):
+  """top_k=1 at temperature 1 keeps only the most likely id at every step, and so does a top_p smaller than any
+  probability: both sample what ``greedy`` decodes. The negative control: untruncated sampling does not. A top_k
+  wider than the vocabulary is off: the very samples of the untruncated call. The log-probs stay the full
+  distribution's (below 0 for a tiny random model's most likely id), not the truncated one's (0)."""
+  prompts = ["3+4%7=", "rev:abc>", "1+1%3=", "rev:dcb>"] * 2
+  greedy = sampler.greedy(prompts)
+  top_k = sampler.sample(prompts, seed=9, temperature=1.0, top_k=1)
+  assert top_k.texts == greedy
+  assert sampler.sample(prompts, seed=9, top_p=1e-6).texts == greedy
+  assert all(np.all(lp < 0) for lp in top_k.logprobs)
+  plain = sampler.sample(prompts, seed=9)
+  assert plain.texts != greedy
+  wide = sampler.sample(prompts, seed=9, top_k=10**6)
+  assert [c.tolist() for c in wide.completion_ids] == [c.tolist() for c in plain.completion_ids]
+
+
+def _sampler_on(outputs, *, fixed_length=False):
+  """A LiveSampler whose ``_samples`` reads ``outputs`` (rows of ids, log-probs of -0.1 each) as Tunix's output."""
+  from orchestrator.live.sampler import LiveSampler  # import here: JAX (this file's spec tests run without it)
+
+  tokenizer = CharTokenizer()
+  sampler = LiveSampler.__new__(LiveSampler)
+  sampler._eos_ids, sampler._fixed_length, sampler.tokenizer, sampler.weights_version = [EOS], fixed_length, \
+      tokenizer, 0
+  sampler.prompt_ids = lambda prompt: np.asarray(tokenizer.encode(prompt), np.int32)
+  tokens = [tokenizer.encode(text) if isinstance(text, str) else text for text in outputs]
+  return sampler, types.SimpleNamespace(tokens=tokens, logprobs=[[-0.1] * len(ids) for ids in tokens])
+
+
+@pytest.mark.engine
+def test_a_stop_string_ends_a_completion_through_the_token_that_completed_it_and_the_text_before_it():
+  tok = CharTokenizer()
+  a, b = tok.encode("ab")
+  sampler, out = _sampler_on(["ab=>cd", "x|y=>z", "abcd", [a, EOS, *tok.encode("=>")], "=>ab"])
+  samples = sampler._samples(["p"] * 5, out, stop=["=>", "|"])
+  assert [tok.decode(c) for c in samples.completion_ids] == ["ab=>", "x|", "abcd", "a", "=>"]
+  assert samples.completion_ids[3].tolist() == [a, EOS]  # the eos came first: the stop string after it is not seen
+  assert samples.texts == ["ab", "x", "abcd", "a", ""]  # cut before the stop string (the first one to occur)
+  assert samples.ended == [True, True, False, True, True]
+  assert [len(lp) for lp in samples.logprobs] == [4, 2, 4, 2, 2]
+  # The negative control: a stop string that never occurs leaves every completion as it was without one.
+  plain = sampler._samples(["p"] * 5, out)
+  never = sampler._samples(["p"] * 5, out, stop=["zz"])
+  assert never.texts == plain.texts == ["ab=>cd", "x|y=>z", "abcd", "a", "=>ab"]
+  assert [c.tolist() for c in never.completion_ids] == [c.tolist() for c in plain.completion_ids]
+  assert never.ended == plain.ended == [False, False, False, True, False]
+  # A fixed-length answer alphabet has no end (None) until stop strings give it one.
+  sampler, out = _sampler_on(["ab|c", "abcd"], fixed_length=True)
+  assert sampler._samples(["p"] * 2, out).ended is None
+  stopped = sampler._samples(["p"] * 2, out, stop=["|"])
+  assert stopped.texts == ["ab", "abcd"] and stopped.ended == [True, False]
+
+
+@pytest.mark.engine
+def test_a_prompt_s_own_limit_cuts_its_completion_and_marks_it_truncated():
+  tok = CharTokenizer()
+  a, b = tok.encode("ab")
+  sampler, out = _sampler_on(["abcd", [a, EOS, b, b], "abcd", [a, b, EOS, b]])
+  samples = sampler._samples(["p"] * 4, out, max_new_tokens=[2, 2, None, 3])
+  assert samples.texts == ["ab", "a", "abcd", "ab"]
+  assert [c.tolist() for c in samples.completion_ids] == [[a, b], [a, EOS], tok.encode("abcd"), [a, b, EOS]]
+  assert [len(lp) for lp in samples.logprobs] == [2, 2, 4, 3]
+  assert samples.ended == [False, True, False, True]  # cut at its limit: truncated; an eos within it: ended
+  # A stop string inside the limit still ends it; one past the limit was never sampled.
+  sampler, out = _sampler_on(["a|bc", "abc|"])
+  limited = sampler._samples(["p"] * 2, out, stop=["|"], max_new_tokens=[3, 3])
+  assert limited.texts == ["a", "abc"] and limited.ended == [True, False]
+
+
+class _RecordingSampler:
+  """A sampler that answers every prompt with "a" and keeps the keyword arguments of each ``sample`` call."""
+
+  weights_version = 0
+
+  def __init__(self):
+    self.calls = []
+
+  def sample(self, prompts, **settings):
+    from orchestrator.live.sampler import Samples  # import here: it loads JAX
+
+    self.calls.append(settings)
+    ids = [np.array([3], np.int32) for _ in prompts]
+    return Samples(list(prompts), ids, ids, [np.zeros(1, np.float32) for _ in prompts], ["a"] * len(prompts), 0)
+
+
+@pytest.mark.engine
+def test_a_micro_batch_is_sampled_with_the_run_s_settings_and_each_problem_s_own_limit():
+  from orchestrator.live.rollouts import LiveShape  # import here: it loads JAX (the sampler's)
+  from orchestrator.live.shared_sampler import sample_micro_batches
+
+  class Limited(ReverseString):
+    def problem(self, seed, split, index):
+      return dataclasses.replace(super().problem(seed, split, index), max_new_tokens=1 + index % 3)
+
+  sampler, reward = _RecordingSampler(), lambda problems, texts, **_: np.zeros(len(texts))
+  shape = LiveShape(1, 1, 2, 2, 0, top_p=0.9, top_k=5, stop=("|",))
+  sample_micro_batches(sampler, Limited(), reward, shape, 0, 0, 1)
+  sample_micro_batches(sampler, ReverseString(), reward, LiveShape(1, 1, 2, 2, 0), 0, 0, 1)
+  limited, plain = sampler.calls
+  assert limited == dict(seed=limited["seed"], temperature=1.0, top_p=0.9, top_k=5, stop=("|",),
+                         max_new_tokens=[1, 1, 2, 2])  # per prompt of two groups of two
+  assert plain == dict(seed=plain["seed"], temperature=1.0, top_p=1.0, top_k=0, stop=(), max_new_tokens=None)

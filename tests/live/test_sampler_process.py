@@ -78,6 +78,19 @@ def test_a_sync_reaches_the_child_negative_control(pair):
   there.sync(trained, 5)
 
 
+def test_the_sampling_settings_reach_the_child(pair):
+  """Truncation, stop strings and per-prompt limits cross the pipe: the child samples what the in-process sampler
+  samples with them; the negative control, without them it samples otherwise (no stop string ends a completion)."""
+  here, there, trained = pair
+  here.sync(trained, 5)
+  there.sync(trained, 5)
+  settings = dict(top_p=0.9, top_k=3, stop=("a",), max_new_tokens=[1] * len(PROMPTS))
+  stopped = there.sample(PROMPTS, seed=7, **settings)
+  _same(here.sample(PROMPTS, seed=7, **settings), stopped)
+  assert stopped.ended == here.sample(PROMPTS, seed=7, **settings).ended and any(stopped.ended)
+  assert there.sample(PROMPTS, seed=7).ended is None  # a fixed-length alphabet without stop strings has no end
+
+
 def jax_zeros_like(tree):
   import jax
 

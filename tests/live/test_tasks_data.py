@@ -87,6 +87,21 @@ def test_other_fields_and_given_sizes_are_used(tmp_path):
   assert {p.prompt for p in task.train_problems} <= {r["question"] for r in rows}
 
 
+@pytest.mark.spec
+def test_a_row_s_own_completion_limit_is_read_from_the_field_named(tmp_path):
+  rows = [dict(row, limit=1 + i % 2) for i, row in enumerate(ROWS)]
+  path = write_jsonl(tmp_path / "limits.jsonl", rows)
+  task = datasets.load_task(path=path, max_completion_tokens=4, max_tokens_field="limit")
+  limits = {row["prompt"]: row["limit"] for row in rows}
+  assert all(p.max_new_tokens == limits[p.prompt] for p in (*task.train_problems, *task.eval_problems))
+  assert task.max_answer_length == 4  # the sampler's size is still the task's
+  assert all(p.max_new_tokens is None for p in datasets.load_task(path=path).train_problems)  # unnamed: unread
+  assert Problem("1+1=", "2", max_new_tokens=1) == Problem("1+1=", "2")  # a problem is its prompt and answer
+  with pytest.raises(datasets.DatasetError, match=r"limits.jsonl line 1 has no field 'budget' \(its other fields:"
+                                                  r" 'id', 'limit'\), which task.max_tokens_field=budget names"):
+    datasets.load_task(path=path, max_tokens_field="budget")
+
+
 @pytest.mark.engine
 def test_draws_are_a_pure_function_of_seed_split_and_index(jsonl):
   task, again = datasets.load_task(path=jsonl), datasets.load_task(path=jsonl)  # a resumed run: a new process

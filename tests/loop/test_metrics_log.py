@@ -176,7 +176,8 @@ def _record(**changed) -> BoundaryRecord:
                 weights_version=3, staleness=1, reward_mean=0.172, reward_std=0.3, accuracy=0.125,
                 sampled_tokens_per_s=1234.0, micro_batch_wait_s=0.004, staged_bytes_per_device=[100, 200],
                 saving_s=0.0012, learning_rate=0.001, entropy=1.25, clip_fraction=0.125, kl=0.01, reward_min=0.0, reward_max=1.0, completion_tokens_mean=3.5,
-                completion_tokens_max=6, truncated_fraction=0.25)
+                completion_tokens_max=6, truncated_fraction=0.25, eval_accuracy=0.75, eval_pass_at_k=0.875,
+                eval_s=0.04)
   fields.update(changed)
   return BoundaryRecord(**fields)
 
@@ -191,8 +192,8 @@ def test_the_scalar_table_computes_each_name_from_the_record():
       "rollout/reward_max": 1.0, "rollout/completion_tokens_mean": 3.5, "rollout/completion_tokens_max": 6.0,
       "rollout/truncated_fraction": 0.25, "rollout/accuracy": 0.125, "rollout/staleness": 1.0,
       "rollout/wait_s": 0.058, "rollout/sampled_tokens_per_s": 1234.0, "rollout/micro_batch_wait_s": 0.004,
-      "memory/staged_bytes": 300.0}
-  bare = _record(staged=False, stage_s=None, device_wait_s=None, boundary_idle_s=None, boundary_idle_strict_s=None,
+      "memory/staged_bytes": 300.0, "eval/accuracy": 0.75, "eval/pass_at_k": 0.875, "eval/seconds": 0.04}
+  bare = _record(eval_accuracy=None, eval_pass_at_k=None, eval_s=None, staged=False, stage_s=None, device_wait_s=None, boundary_idle_s=None, boundary_idle_strict_s=None,
                  grad_norm=None, tokens=None, rollout_wait_s=None, weights_version=None, staleness=None,
                  reward_mean=None, reward_std=None, accuracy=None, sampled_tokens_per_s=None,
                  micro_batch_wait_s=None, staged_bytes_per_device=None, saving_s=None, learning_rate=None, entropy=None, clip_fraction=None, kl=None,

@@ -68,6 +68,15 @@ def test_a_sample_is_the_boundarys_idle_and_the_seconds_of_the_two_steps_around_
   assert boundary_sample(_record(0, staged=True, t=5.0), record, after) is None
 
 
+def test_a_span_that_waited_for_an_evaluation_gives_no_sample():
+  """An evaluation during the run (record k's ``eval_s``) delays step k + 1: neither boundary k's sample nor k +
+  1's counts it; the negative control, the same records without it, give both."""
+  records = [_record(k, staged=True) for k in range(4)]
+  assert [boundary_sample(*records[k - 1:k + 2]) for k in (1, 2)] == [BoundarySample(0.1, 2.0)] * 2
+  records[1].eval_s = 0.3
+  assert [boundary_sample(*records[k - 1:k + 2]) for k in (1, 2)] == [None, None]
+
+
 def test_the_records_of_a_run_give_control_and_staged_samples():
   records = [_record(k, staged=k % 3 != 2, control=k % 3 == 2, idle=0.1 + 0.01 * k) for k in range(20)]
   saving = estimate_from_records(records)
