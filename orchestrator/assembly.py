@@ -426,7 +426,8 @@ def _build_program(recipe: Recipe, out: Path, worker, *, source, run_id: str, co
                       previous_records=previous, first_plan=first_plan, agreement=job.agreement if job else None)
   # Opened last, once nothing here can fail any more: the handle's close() is what flushes and closes it.
   # the dashboard's run is the run directory's (a resumed segment writes into its own directory, out)
-  metrics = open_metrics_log(recipe.metrics.backends, out, run_name=run_name, run_id=run_id) if primary else None
+  metrics = open_metrics_log(recipe.metrics.backends, out, run_name=run_name, run_id=run_id,
+                             moe=recipe.model_preset().is_moe) if primary else None
   if metrics is not None:
     steps_done.append(metrics)
   if live and primary and recipe.metrics.samples_every:

@@ -90,9 +90,18 @@ SCALARS: dict[str, Callable[[BoundaryRecord], float | int | None]] = {
 }
 
 
-def scalars(record: BoundaryRecord) -> dict[str, float]:
-  """The step's scalars (``SCALARS``), leaving out those its record does not have."""
-  values = {name: compute(record) for name, compute in SCALARS.items()}
+#: What an MoE model's steps add (a dense model's records say 0 dropped and no re-runs, which mean nothing there).
+MOE_SCALARS: dict[str, Callable[[BoundaryRecord], float | int | None]] = {
+    "moe/dropped_tokens": lambda r: _total(r.dropped_tokens),  # in the kept computation, over the step's micro-batches
+    "moe/reruns": lambda r: r.reruns,  # micro-batches re-run dropless (engine.retry_when_tokens_dropped)
+}
+
+
+def scalars(record: BoundaryRecord, *, moe: bool = False) -> dict[str, float]:
+  """The step's scalars (``SCALARS``, and ``MOE_SCALARS`` for an MoE model), leaving out those its record does
+  not have."""
+  table = {**SCALARS, **MOE_SCALARS} if moe else SCALARS
+  values = {name: compute(record) for name, compute in table.items()}
   return {name: float(value) for name, value in values.items() if value is not None}
 
 
@@ -138,11 +147,11 @@ class WandbLog:
 class MetricsLog:
   """The program's ``on_step``: each finished record's scalars, at its global step, to every backend."""
 
-  def __init__(self, sinks: Sequence[TensorBoardLog | WandbLog]):
-    self.sinks = list(sinks)
+  def __init__(self, sinks: Sequence[TensorBoardLog | WandbLog], *, moe: bool = False):
+    self.sinks, self.moe = list(sinks), moe
 
   def __call__(self, record: BoundaryRecord) -> None:
-    values = scalars(record)
+    values = scalars(record, moe=self.moe)
     for sink in self.sinks:
       sink.write(record.step, values)
 
@@ -166,9 +175,9 @@ class MetricsLog:
 
 
 def open_metrics_log(backends: Sequence[str], write_dir: Path, *, run_name: str,
-                     run_id: str | None = None) -> MetricsLog | None:
-  """The backends ``metrics.backends`` names, writing into ``write_dir`` (this segment's directory); None
-  when it names none."""
+                     run_id: str | None = None, moe: bool = False) -> MetricsLog | None:
+  """The backends ``metrics.backends`` names, writing into ``write_dir`` (this segment's directory), with
+  ``MOE_SCALARS`` for an MoE model (``moe``); None when it names none."""
   if not backends:
     return None
   sinks: list[TensorBoardLog | WandbLog] = []
@@ -183,4 +192,4 @@ def open_metrics_log(backends: Sequence[str], write_dir: Path, *, run_name: str,
   except BaseException:
     MetricsLog(sinks).close()
     raise
-  return MetricsLog(sinks)
+  return MetricsLog(sinks, moe=moe)

@@ -204,6 +204,24 @@ def test_the_scalar_table_computes_each_name_from_the_record():
   assert set(metrics_log.scalars(_record())) == set(SCALARS)
 
 
+@pytest.mark.spec
+def test_an_moe_models_steps_add_dropped_tokens_and_reruns_and_a_dense_models_do_not():
+  record = _record(dropped_tokens=[3, 0], reruns=1, rerun_micro_batches=[0])
+  assert {k: v for k, v in metrics_log.scalars(record, moe=True).items() if k.startswith("moe/")} == {
+      "moe/dropped_tokens": 3.0, "moe/reruns": 1.0}
+  assert not [name for name in metrics_log.scalars(record) if name.startswith("moe/")]  # a dense model's
+
+
+@pytest.mark.e2e
+def test_an_moe_run_logs_dropped_tokens_and_reruns_per_step(tmp_path):
+  run = tmp_path / "run"
+  assert cli.main(["model=tiny_moe", *SYNTHETIC[1:], "steps=2", "engine.ragged_buffer_factor=0.9",
+                   "engine.retry_when_tokens_dropped=true", "--out", str(run)]) == 0
+  logged, records = read_scalars(run / TENSORBOARD_DIR), _records(run)
+  assert logged["moe/reruns"] == {r.step: float(r.reruns) for r in records}
+  assert logged["moe/dropped_tokens"] == {r.step: float(sum(r.dropped_tokens)) for r in records}
+
+
 @pytest.mark.engine
 def test_closing_the_log_twice_writes_the_events_once(tmp_path):
   log = metrics_log.open_metrics_log(["tensorboard"], tmp_path, run_name="r")
