@@ -47,6 +47,9 @@ class ModelPreset:
   # A Hugging Face checkpoint directory the weights are loaded from (None: seeded random weights). Set by
   # ``hf_checkpoint.preset_from_config`` from the recipe's ``model.checkpoint``, never by a preset file.
   checkpoint: str | None = None
+  # The KL term's reference weights (engine.kl_beta > 0), a checkpoint of the same family and sizes; None: the
+  # weights the run starts from. Set from the recipe's ``model.reference_checkpoint``.
+  reference_checkpoint: str | None = None
 
   @property
   def is_moe(self) -> bool:

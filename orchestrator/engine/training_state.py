@@ -9,6 +9,7 @@ donated, so they stay readable after step k+1's first micro-batch.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -55,9 +56,18 @@ class TrainingState:
     self.batch_shardings = {name: mesh_lib.batch_sharding(mesh, 2) for name in packing.FIELDS}
     self.opt_state = jax.device_put(opt_state, self.opt_shardings)
     self._zeros_jit = jax.jit(lambda p: jax.tree.map(jnp.zeros_like, p), out_shardings=self.param_shardings)
-    # The KL term's reference: the starting weights (a checkpoint's, or the seed's), frozen; a resumed run builds
-    # the same start before it restores, so its reference is the run's, not the checkpoint's.
-    self.reference: tuple = (device_copy(self.params),) if options.kl_beta else ()
+    # The KL term's reference, frozen: model.reference_checkpoint's weights, or else the starting weights (a
+    # checkpoint's, or the seed's); a resumed run builds the same start before it restores, so its reference is
+    # the run's, not the checkpoint's. Its weights take device memory as the policy's do, so the memory gate's
+    # measured free bytes count them.
+    self.reference: tuple = ()
+    if options.kl_beta and preset.reference_checkpoint:
+      reference = dataclasses.replace(preset, checkpoint=preset.reference_checkpoint)
+      _, reference_params, _ = model_lib.build_model(reference, options.seed, options.capacity_factor, mesh=mesh,
+                                                     dtype=options.dtype)
+      self.reference = (jax.device_put(reference_params, self.param_shardings),)
+    elif options.kl_beta:
+      self.reference = (device_copy(self.params),)
     self.zero_accumulators()
 
   @property

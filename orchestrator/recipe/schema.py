@@ -99,6 +99,9 @@ class ModelSection:
   preset: str | None = None  # None: the checkpoint's sizes, or DEFAULT_PRESET
   checkpoint: str | None = None  # a directory: config.json, *.safetensors (and tokenizer.json for the live loop)
   chat_template: bool = False  # live loop: prompts go through the checkpoint's chat template
+  # engine.kl_beta > 0: the KL term's frozen reference (None: the weights the run starts from), a checkpoint of
+  # the same family and sizes as the model trained
+  reference_checkpoint: str | None = None
 
   @property
   def name(self) -> str:
@@ -111,10 +114,26 @@ class ModelSection:
     Raises:
       RecipeError: an unknown preset, a checkpoint directory that cannot be used, or the two disagreeing.
     """
-    key = (self.preset, self.checkpoint)
+    key = (self.preset, self.checkpoint, self.reference_checkpoint)
     if key not in _LOADED_MODELS:
-      _LOADED_MODELS[key] = self._load()
+      _LOADED_MODELS[key] = dataclasses.replace(self._load(), reference_checkpoint=self._reference())
     return _LOADED_MODELS[key]
+
+  def _reference(self) -> str | None:
+    """``reference_checkpoint``, checked against the model trained: a usable checkpoint of its family and sizes."""
+    if self.reference_checkpoint is None:
+      return None
+    given = f"model.reference_checkpoint={self.reference_checkpoint}"
+    try:
+      reference = hf_checkpoint.load_preset_from_checkpoint(self.reference_checkpoint)
+    except hf_checkpoint.CheckpointDirError as e:
+      raise RecipeError(f"{given}: {e}") from None
+    differs = hf_checkpoint.disagreement(self._load(), reference)
+    if differs:
+      raise RecipeError(f"{given} is not a checkpoint of the model trained ({self.name}): the model has {differs};"
+                        " give a checkpoint of the same family and sizes, or drop it (the reference is then the"
+                        " weights the run starts from)")
+    return self.reference_checkpoint
 
   def _load(self) -> ModelPreset:
     if self.preset is not None and self.preset not in available_presets():
@@ -167,8 +186,9 @@ class ModelSection:
     self.load()
 
 
-#: Checked models by (preset, checkpoint): a recipe is validated, then read by every part that builds.
-_LOADED_MODELS: dict[tuple[str | None, str | None], ModelPreset] = {}
+#: Checked models by (preset, checkpoint, reference checkpoint): a recipe is validated, then read by every part
+#: that builds.
+_LOADED_MODELS: dict[tuple[str | None, str | None, str | None], ModelPreset] = {}
 
 
 @dataclasses.dataclass
@@ -869,6 +889,10 @@ class Recipe:
       self._check_sampler_calls()
       if self.task.name == DATASET:  # every row and every reward entry, before anything runs
         self.task.make_reward(self.live_task())
+    if self.model.reference_checkpoint is not None and not self.engine.kl_beta:
+      raise RecipeError(f"model.reference_checkpoint={self.model.reference_checkpoint} is the KL term's reference,"
+                        " but engine.kl_beta is 0 (no KL term, so no reference is built); set engine.kl_beta > 0,"
+                        " or drop model.reference_checkpoint")
     rows, tokens = self.micro_batch_shape()
     try:
       self.engine.validate(preset)
