@@ -108,6 +108,10 @@ class EngineOptions:
       value = getattr(self, key)
       if not (math.isfinite(value) and value >= 0):
         raise ValueError(f"engine.{key}={value} is out of range: it must be a finite number >= 0")
+    if self.clip_eps_low >= 1:  # the ratio's lower bound 1 - low must stay above 0 for [low, high] to bracket 1
+      raise ValueError(f"engine.clip_eps_low={self.clip_eps_low} is out of range: the clip range"
+                       f" [1 - clip_eps_low, 1 + clip_eps_high] = [{1 - self.clip_eps_low:g},"
+                       f" {1 + self.clip_eps_high:g}] must bracket 1 with a lower bound above 0; use a value in [0, 1)")
     self._validate_schedule()
     if self.kl_estimator not in KL_ESTIMATORS:
       raise ValueError(f"engine.kl_estimator={self.kl_estimator!r} is not an estimator; use one of"
