@@ -152,8 +152,9 @@ def routed_expert_mlp(tokens: jax.Array, expert_of: jax.Array, weight_of: jax.Ar
   padded = -(-counts // rows) * rows
   padded_end = jnp.cumsum(padded)
   row = jnp.where(kept, padded_end[expert_of] - padded[expert_of] + place, capacity)  # each assignment's row
-  source = jnp.full((capacity,), n, jnp.int32).at[row].set(jnp.arange(a, dtype=jnp.int32) % n, mode="drop")
-  buffer = jnp.concatenate([tokens, jnp.zeros((1, d), tokens.dtype)])[source]  # padding rows read a zero row
+  # each row's assignment (a: none); the one scatter, of indices
+  slot = jnp.full((capacity,), a, jnp.int32).at[row].set(jnp.arange(a, dtype=jnp.int32), mode="drop")
+  buffer = _gather_rows(tokens, jnp.where(slot < a, slot % n, n), row.reshape(a // n, n))
   blocks = capacity // rows
   # each block's expert: the group whose padded range holds the block's first row (blocks past the last group's
   # hold zeros and are never read)
@@ -174,9 +175,31 @@ def routed_expert_mlp(tokens: jax.Array, expert_of: jax.Array, weight_of: jax.Ar
       jax.lax.cond(first * rows < used_rows, expert_blocks, lambda x, _: jnp.zeros_like(x),
                    x[first:first + chunk], block_expert[first:first + chunk])
       for first in range(0, blocks, chunk)]).reshape(capacity, d)
-  picked = out.at[row].get(mode="fill", fill_value=0) * weight_of[:, None]  # [A, D]
+  picked = _gather_rows(out, row, slot[None, :]) * weight_of[:, None]  # [A, D]
   # choice by choice: XLA's CPU backend fuses a gather into a reduction over choices 60× slower than this sum
   return functools.reduce(operator.add, (picked[c * n:(c + 1) * n] for c in range(a // n)))
+
+
+@jax.custom_vjp
+def _gather_rows(x: jax.Array, index: jax.Array, inverse: jax.Array) -> jax.Array:
+  """``x``'s rows at ``index`` (``len(x)``: a zero row), where each row of ``x`` goes to the rows ``inverse``
+  lists for it (its columns; ``len(index)``: none). Its gradient gathers too — the cotangent's rows at
+  ``inverse``, summed over its columns — where a plain gather's is a scatter-add, slow on XLA's CPU backend."""
+  return jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)])[index]
+
+
+def _gather_rows_fwd(x, index, inverse):
+  return _gather_rows(x, index, inverse), (index, inverse)
+
+
+def _gather_rows_bwd(saved, cotangent):
+  index, inverse = saved
+  padded = jnp.concatenate([cotangent, jnp.zeros((1, cotangent.shape[1]), cotangent.dtype)])
+  gathered = functools.reduce(operator.add, (padded[inverse[c]] for c in range(inverse.shape[0])))
+  return gathered, None, None
+
+
+_gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
 
 
 def install(model, capacity_factor: float | None) -> None:
