@@ -15,6 +15,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from orchestrator.loop.sample_log import SAMPLES_FILE, describe, last_sample
 from orchestrator.phases import PHASES
 from policies.saving import MIN_CONTROLS
+from policies.units import format_bytes
 from policies.step_boundary import Mode, format_seconds
 
 if TYPE_CHECKING:  # annotations only: launch prints with this module before anything JAX-side is loaded
@@ -107,6 +108,7 @@ def format_summary(summary: RunSummary) -> str:
       f" (strict: {s(timings.median_boundary_idle_strict_s, zero='none')})",
       f"median step: {s(timings.median_step_s)} over {timings.steps} steps",
       f"staged boundaries: {timings.staged_boundaries}; auto-disables: {policy.auto_disables}",
+      *filter(None, [staged_bytes_line(timings)]),
       scheduler_line(summary),
       *filter(None, [saving_line(summary)]),
       f"low-wait threshold: {s(policy.threshold_s)} (wait floor max {s(policy.wait_floor_max_s)})",
@@ -131,6 +133,17 @@ def format_summary(summary: RunSummary) -> str:
   if summary.trace_path:
     lines.append(f"trace: {summary.trace_path} (open in ui.perfetto.dev)")
   return "\n".join(lines)
+
+
+def staged_bytes_line(timings) -> str | None:
+  """What a staged input held: per micro-batch, by field (largest first), and on the fullest device."""
+  by_field = timings.staged_bytes_by_field
+  if not by_field:
+    return None
+  fields = ", ".join(f"{name} {format_bytes(n)}" for name, n in sorted(by_field.items(), key=lambda kv: -kv[1]))
+  per_device = timings.peak_staged_bytes_per_device
+  device = f"; at most {format_bytes(per_device)} on one device" if per_device is not None else ""
+  return f"staged input: {format_bytes(sum(by_field.values()))} per micro-batch ({fields}){device}"
 
 
 #: The evaluations during the run a closing line shows in full; more are thinned to this many, evenly.

@@ -181,7 +181,8 @@ class PreparedInput(Protocol):
   """A micro-batch mapped to model inputs and placed on the devices, not yet dispatched.
 
   It may also say what it holds on the devices: ``bytes_per_device``, a tuple of bytes per device in
-  device-id order (this process's devices); the worker records it with each stage (None where absent).
+  device-id order (this process's devices), and ``bytes_by_field``, each input field's bytes over those
+  devices (they sum to the same total); the worker records both with each stage (None where absent).
   """
 
   @property

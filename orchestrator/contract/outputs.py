@@ -21,7 +21,8 @@ from policies.saving import SavingEstimate
 class StepTimings:
   """Medians over every record of the run (a resumed run's earlier records included).
 
-  ``peak_staged_bytes_per_device`` is the most a staged input held on one device, and
+  ``peak_staged_bytes_per_device`` is the most a staged input held on one device, ``staged_bytes_by_field`` a
+  staged input's bytes by field (the largest's, over this process's devices; their sum is a micro-batch's), and
   ``peak_device_bytes_in_use`` the most a device had in use right after a stage (None: not reported;
   records of versions before these fields count as not reported). ``staged_before_update`` counts the staged
   boundaries that staged before the update (the rest staged after it); ``measured_saving`` is what staging
@@ -35,6 +36,7 @@ class StepTimings:
   staged_boundaries: int
   peak_staged_bytes_per_device: int | None = None
   peak_device_bytes_in_use: int | None = None
+  staged_bytes_by_field: dict[str, int] | None = None
   staged_before_update: int = 0
   measured_saving: SavingEstimate | None = None
 
@@ -122,7 +124,8 @@ class RunSummary:
   def to_json(self) -> dict[str, Any]:
     """``summary.json``: one flat dict, each part's fields at the top level (processes as a list)."""
     timings, policy = dataclasses.asdict(self.timings), self.policy.to_json()
-    memory = {key: timings.pop(key) for key in ("peak_staged_bytes_per_device", "peak_device_bytes_in_use")}
+    memory = {key: timings.pop(key) for key in ("peak_staged_bytes_per_device", "peak_device_bytes_in_use",
+                                                "staged_bytes_by_field")}
     saving = self.timings.measured_saving
     newest = {"staged_before_update": timings.pop("staged_before_update"),
               "measured_saving": saving.to_json() if saving is not None else None}

@@ -181,6 +181,8 @@ class StageReceipt:
     prepared: the staged input (anything with a ``digest``), hashed only when asked.
     staged_bytes_per_device: bytes the staged input holds on each device, in device-id order (this
       process's devices); None when the engine does not say.
+    staged_bytes_by_field: the same bytes by input field (tokens, masks, advantages, log-probs, …), each
+      over this process's devices; None when the engine does not say.
     memory: the devices' memory right after the stage (``DeviceMemory``); None when the engine cannot tell.
   """
 
@@ -190,6 +192,7 @@ class StageReceipt:
   prepared: Any = dataclasses.field(repr=False)
   staged_bytes_per_device: tuple[int, ...] | None = None
   memory: DeviceMemory | None = None
+  staged_bytes_by_field: dict[str, int] | None = None
 
   @property
   def input_digest(self) -> str | None:

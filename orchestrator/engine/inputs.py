@@ -51,6 +51,8 @@ class PreparedFwdBwdInput:
       those); None when this process holds every row.
     bytes_per_device: (a property) what the placed arrays hold on each of this
       process's devices, in device-id order.
+    bytes_by_field: (a property) what each field's placed array holds over this process's devices; the
+      fields' bytes sum to ``bytes_per_device``'s.
   """
 
   arrays: Mapping[str, jax.Array]
@@ -71,6 +73,11 @@ class PreparedFwdBwdInput:
   def bytes_per_device(self) -> tuple[int, ...]:
     """Bytes the placed arrays hold on each of this process's devices (device-id order), from their shardings."""
     return bytes_per_device(self.arrays.values())
+
+  @functools.cached_property
+  def bytes_by_field(self) -> dict[str, int]:
+    """Bytes each field's placed array holds over this process's devices, by field name (``packing.FIELDS``)."""
+    return {name: sum(bytes_per_device([array])) for name, array in self.arrays.items()}
 
 
 class MicroBatchInputs:

@@ -369,7 +369,7 @@ class RLProgram:
         self._dispatch_micro(k, m - 1, self.feed.micro_batch(k, m - 1))
     elif action is Action.STAGE_FIRST:
       boundary.stage = self.worker.stage_fwd_bwd(self._next_step_first(boundary))
-      self.recorder.span("stage", boundary.stage.started_at, boundary.stage.ended_at)
+      self.recorder.stage_span(boundary.stage)
     elif action is Action.WAIT_AND_UPDATE:
       applied = self.worker.apply_deferred_update()
       boundary.device_wait_s = applied.device_wait_s

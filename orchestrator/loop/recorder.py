@@ -42,6 +42,7 @@ class Span:
   start: float
   end: float
   lane: Lane = Lane.STEP_LOOP
+  args: dict | None = None  # shown with the span in the trace (a stage's bytes by field)
 
 
 @dataclasses.dataclass
@@ -55,7 +56,8 @@ class BoundaryRecord:
   None after the last step.
 
   Device memory, per device of this process in device-id order (lists), where a boundary staged:
-  ``staged_bytes_per_device`` is what the staged input holds (None: the engine does not say),
+  ``staged_bytes_per_device`` is what the staged input holds (None: the engine does not say), and
+  ``staged_bytes_by_field`` the same by input field, over this process's devices,
   ``device_bytes_in_use`` and ``device_bytes_limit`` what the allocator reported right after the stage
   (None: the backend does not report it, e.g. CPU). ``device_free_bytes`` is the free memory of the
   fullest device (over every process) the plan was given, on any boundary the memory gate looked at.
@@ -107,6 +109,7 @@ class BoundaryRecord:
   # when the checkpoint was saved; the checkpoint's and weight sync's own times, and what came after, are None.
   restored_from_checkpoint: int | None = None
   staged_bytes_per_device: list[int] | None = None
+  staged_bytes_by_field: dict[str, int] | None = None  # the same bytes by input field (their sum over devices)
   device_bytes_in_use: list[int] | None = None
   device_bytes_limit: list[int] | None = None
   device_free_bytes: int | None = None
@@ -158,10 +161,18 @@ def _memory_fields(boundary) -> dict[str, Any]:
   stage, headroom = boundary.stage, boundary.headroom
   memory = stage.memory if stage is not None else None
   held = stage.staged_bytes_per_device if stage is not None else None
+  by_field = stage.staged_bytes_by_field if stage is not None else None
   return {"staged_bytes_per_device": None if held is None else list(held),
+          "staged_bytes_by_field": None if by_field is None else dict(by_field),
           "device_bytes_in_use": None if memory is None else list(memory.bytes_in_use),
           "device_bytes_limit": None if memory is None else list(memory.bytes_limit),
           "device_free_bytes": None if headroom is None else headroom.free_bytes}
+
+
+def _largest_by_field(values) -> dict[str, int] | None:
+  """The largest staged input's bytes by field (inputs of one run have one shape: any staged one's), or None."""
+  present = [v for v in values if v]
+  return max(present, key=lambda v: sum(v.values())) if present else None
 
 
 def _peak(values) -> int | None:
@@ -241,8 +252,15 @@ class Recorder:
     self._watcher.watch(key, receipt.ready, kind=kind, step=step, micro_step=micro_step,
                         dispatched_at=receipt.dispatched_at)
 
-  def span(self, name: str, start: float, end: float, lane: Lane = Lane.STEP_LOOP) -> None:
-    self.spans.append(Span(name, start, end, lane))
+  def span(self, name: str, start: float, end: float, lane: Lane = Lane.STEP_LOOP, args: dict | None = None) -> None:
+    self.spans.append(Span(name, start, end, lane, args))
+
+  def stage_span(self, stage) -> None:
+    """A stage's span (a ``StageReceipt``), carrying what the staged input holds by field where it is known."""
+    by_field = stage.staged_bytes_by_field
+    args = None if by_field is None else {"bytes": sum(by_field.values()),
+                                          **{f"bytes {name}": n for name, n in by_field.items()}}
+    self.span("stage", stage.started_at, stage.ended_at, args=args)
 
   def dispatch_spans(self, start: float, end: float, receipt: Receipt) -> None:
     """Splits a ``fwd_bwd`` call into prepare / host wait / dispatch, as far as its receipt says."""
@@ -359,6 +377,7 @@ class Recorder:
                           median_step_s=statistics.median(steps) if steps else None,
                           staged_boundaries=sum(1 for r in self.records if r.staged),
                           peak_staged_bytes_per_device=_peak(r.staged_bytes_per_device for r in self.records),
+                          staged_bytes_by_field=_largest_by_field(r.staged_bytes_by_field for r in self.records),
                           peak_device_bytes_in_use=_peak(r.device_bytes_in_use for r in self.records),
                           staged_before_update=sum(1 for r in self.records if r.staged and r.stage_before_update),
                           measured_saving=estimate_from_records(self.records))

@@ -53,6 +53,7 @@ def chrome_trace(watched: Sequence[Any], host_spans: Sequence[Any], records: Seq
     events.append({
         "ph": "X", "pid": HOST_PID, "tid": int(span.lane), "name": span.name, "cat": "host",
         "ts": _us(span.start, origin), "dur": max(0.0, (span.end - span.start) * 1e6),
+        **({"args": span.args} if getattr(span, "args", None) else {}),
     })
   return {"traceEvents": events, "displayTimeUnit": "ms"}
 

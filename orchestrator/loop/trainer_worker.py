@@ -119,9 +119,11 @@ class TrainerWorker:
     end = time.perf_counter()
     self._call_state = after
     held = getattr(self._staged, "bytes_per_device", None)
+    by_field = getattr(self._staged, "bytes_by_field", None)
     return StageReceipt(stage_s=end - start, started_at=start, ended_at=end, prepared=self._staged,
                         staged_bytes_per_device=None if held is None else tuple(int(n) for n in held),
-                        memory=self.device_memory())
+                        memory=self.device_memory(),
+                        staged_bytes_by_field=None if by_field is None else {k: int(v) for k, v in by_field.items()})
 
   def fwd_bwd_staged(self, apply_optimizer: bool = False, defer_update: bool = False) -> Receipt:
     """Dispatches the staged input as the next micro-batch (same options as ``fwd_bwd``).

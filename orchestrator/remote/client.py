@@ -130,7 +130,8 @@ class RemoteTrainerWorker:
     self._call_state = after
     return StageReceipt(stage_s=end - start, started_at=start, ended_at=end, prepared=staged,
                         staged_bytes_per_device=staged.bytes_per_device,
-                        memory=DeviceMemory.from_json(header.get("memory")))
+                        memory=DeviceMemory.from_json(header.get("memory")),
+                        staged_bytes_by_field=header.get("staged_bytes_by_field"))  # absent: an older trainer
 
   def fwd_bwd_staged(self, apply_optimizer: bool = False, defer_update: bool = False) -> Receipt:
     after = next_call_state(self._call_state, Call.dispatch(staged=True, apply_optimizer=apply_optimizer,

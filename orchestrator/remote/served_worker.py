@@ -44,6 +44,7 @@ def _stage_json(stage) -> dict:
   held, memory = stage.staged_bytes_per_device, stage.memory
   return {"stage_s": stage.stage_s, "input_digest": stage.input_digest,
           "staged_bytes_per_device": None if held is None else list(held),
+          "staged_bytes_by_field": stage.staged_bytes_by_field,
           "memory": None if memory is None else memory.to_json()}
 
 

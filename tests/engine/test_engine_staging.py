@@ -232,6 +232,9 @@ for array in prepared.arrays.values():
   for shard in array.addressable_shards:
     held[shard.device.id] = held.get(shard.device.id, 0) + shard.data.nbytes
 assert len(held) == {devices} and prepared.bytes_per_device == tuple(held[i] for i in sorted(held)), held
+# by field: each field's shards, summed over the devices; together the placed arrays' bytes
+by_field = {{name: sum(s.data.nbytes for s in array.addressable_shards) for name, array in prepared.arrays.items()}}
+assert prepared.bytes_by_field == by_field and sum(by_field.values()) == sum(held.values()), by_field
 assert e.device_memory() is None  # CPU devices report no allocator statistics
 leaf = e.export_weights()["layers"][0]["attn"]["q_proj"]["w"]
 print("sharding", leaf.sharding.spec, "devices", len(leaf.sharding.device_set))

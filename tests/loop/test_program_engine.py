@@ -72,9 +72,18 @@ def test_records_trace_and_summary_are_written(tiny_engine, tiny_source, tmp_pat
     assert len(r["micro_batch_s"]) == MICRO and r["step_s"] > 0
     assert r["staged_digest"]
   assert records[-1]["boundary_idle_s"] is None  # no next step
+  # what a staged input holds, by field: the placed arrays' bytes, in the record, the stage's span and the summary
+  by_field = tiny_engine.prepare_fwd_bwd_input(tiny_source.micro_batch(1, 0)).bytes_by_field
+  assert sum(by_field.values()) == sum(records[0]["staged_bytes_per_device"])
+  assert all(r["staged_bytes_by_field"] == by_field for r in records[:-1])
+  assert records[-1]["staged_bytes_by_field"] is None
   trace = json.loads((tmp_path / "trace.json").read_text())
   events = trace["traceEvents"]
   assert {"fwd_bwd", "update", "stage"} <= {e["name"] for e in events}
+  stages = [e for e in events if e["name"] == "stage"]
+  assert len(stages) == STEPS - 1 and all(e["args"]["bytes"] == sum(by_field.values()) for e in stages)
+  assert stages[0]["args"]["bytes input_tokens"] == by_field["input_tokens"]
+  assert result.summary.timings.staged_bytes_by_field == by_field
   slices = {(e["name"], e["args"]["step"], e["args"]["micro_step"]) for e in events
             if e.get("cat") in ("fwd_bwd", "update")}
   assert {("fwd_bwd", 0, 0), ("update", 0, -1), ("fwd_bwd", 3, 1)} <= slices
@@ -262,8 +271,8 @@ def test_every_staged_boundary_records_what_its_input_holds_on_the_devices(tiny_
   assert timings.peak_staged_bytes_per_device == max(max(r.staged_bytes_per_device) for r in staged)
   assert timings.peak_device_bytes_in_use is None
   summary = result.summary.to_json()
-  assert list(summary)[-4:] == ["peak_staged_bytes_per_device", "peak_device_bytes_in_use", "staged_before_update",
-                                "measured_saving"]
+  assert list(summary)[-5:] == ["peak_staged_bytes_per_device", "peak_device_bytes_in_use", "staged_bytes_by_field",
+                                "staged_before_update", "measured_saving"]
 
 
 GiB = 1 << 30

@@ -216,12 +216,14 @@ def test_a_stage_over_the_wire_says_what_its_input_holds_on_the_devices(server, 
     assert not worker.capabilities.can_report_memory and worker.device_memory() is None  # a CPU trainer
     receipt = worker.stage_fwd_bwd(_payload())
     assert receipt.staged_bytes_per_device == (sum(a.nbytes for a in packed.values()),)  # one device
+    assert receipt.staged_bytes_by_field == {name: a.nbytes for name, a in packed.items()}
     assert receipt.memory is None and receipt.input_digest
     worker.fwd_bwd_staged()
     # A trainer of a version before memory reports answers a stage with its seconds and digest alone.
     monkeypatch.setattr(worker, "_call", lambda header, parts=None: ({"stage_s": 0.01, "input_digest": "d"}, {}))
     old = worker.stage_fwd_bwd(_payload())
     assert (old.staged_bytes_per_device, old.memory, old.input_digest) == (None, None, "d")
+    assert old.staged_bytes_by_field is None
   finally:
     monkeypatch.undo()
     worker.close()
