@@ -73,7 +73,7 @@ def test_a_wrong_expert_or_a_kept_assignment_left_out_is_seen_negative_controls(
   assert not _close(_routed(tokens, experts, weights, keep.at[5, 0].set(1 - keep[5, 0]), gate, up, down), want)
 
 
-@pytest.mark.spec
+@pytest.mark.engine
 def test_blocks_keep_the_padding_within_a_quarter_of_the_assignments():
   for assignments, experts in ((4096, 4), (4096, 16), (640, 128), (16, 4)):
     rows = block_rows(assignments, experts)
