@@ -136,14 +136,16 @@ def format_summary(summary: RunSummary) -> str:
 
 
 def staged_bytes_line(timings) -> str | None:
-  """What a staged input held: per micro-batch, by field (largest first), and on the fullest device."""
+  """What a staged input held on this process's devices (a job's other processes hold their own rows): per
+  micro-batch, by field (largest first), and on the fullest device."""
   by_field = timings.staged_bytes_by_field
   if not by_field:
     return None
   fields = ", ".join(f"{name} {format_bytes(n)}" for name, n in sorted(by_field.items(), key=lambda kv: -kv[1]))
   per_device = timings.peak_staged_bytes_per_device
   device = f"; at most {format_bytes(per_device)} on one device" if per_device is not None else ""
-  return f"staged input: {format_bytes(sum(by_field.values()))} per micro-batch ({fields}){device}"
+  return (f"staged input: {format_bytes(sum(by_field.values()))} per micro-batch on this process's devices"
+          f" ({fields}){device}")
 
 
 #: The evaluations during the run a closing line shows in full; more are thinned to this many, evenly.

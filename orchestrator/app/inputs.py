@@ -2,8 +2,10 @@
 
 A recipe names its prompt files (``task.path``, ``task.eval_path``), a model
 checkpoint's directory (``model.checkpoint``: its ``config.json`` and tokenizer
-files; the weights are restored from the run's own checkpoint on resume) and a
-recording (``rollouts.recording``: its manifest). A resume that found any of
+files; the weights are restored from the run's own checkpoint on resume), the KL
+reference's (``model.reference_checkpoint``: its ``config.json`` and weights,
+which no checkpoint of the run holds) and a recording (``rollouts.recording``:
+its manifest). A resume that found any of
 them changed would train on other prompts, another tokenizer or other rollouts
 while claiming to continue the run, so it is refused, naming the file.
 """
@@ -38,6 +40,12 @@ def _files(recipe) -> dict[str, tuple[Path, list[Path]]]:
     directory = Path(recipe.model.checkpoint).expanduser()
     files["model.checkpoint"] = (directory, [directory / name for name in (CONFIG_FILE, *TOKENIZER_FILES)
                                              if (directory / name).is_file()])
+  if recipe.model.reference_checkpoint:  # its weights too: no checkpoint of the run holds them
+    directory = Path(recipe.model.reference_checkpoint).expanduser()
+    listed = sorted(directory.iterdir()) if directory.is_dir() else []  # gone: a resume says so
+    files["model.reference_checkpoint"] = (directory, [
+        path for path in listed if path.is_file() and (path.name == CONFIG_FILE or path.name.endswith(
+            (".safetensors", ".safetensors.index.json")))])
   if recipe.rollouts.source == "recording" and recipe.rollouts.recording:
     manifest = resolve_path(recipe.rollouts.recording) / FINGERPRINTED_INSIDE["rollouts.recording"]
     files["rollouts.recording"] = (manifest, [manifest])

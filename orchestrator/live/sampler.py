@@ -161,13 +161,23 @@ class LiveSampler:
       return {"top_p": 1.0}
     return {"top_p": float(top_p), "top_k": top_k}  # Tunix reads top_k 0 as off
 
-  def greedy(self, prompts: Sequence[str]) -> list[str]:
-    """The most likely completion of each prompt (evaluation)."""
+  def greedy(self, prompts: Sequence[str], *, stop: Sequence[str] = (),
+             max_new_tokens: Sequence[int | None] | None = None) -> list[str]:
+    """The most likely completion of each prompt (evaluation), ended as a sampled one is: at its eos, at its
+    prompt's own limit (``max_new_tokens[i]``) and before a ``stop`` string."""
     with default_device(self.placement):
       out = self._sampler([self.model_prompt(p) for p in prompts], max_generation_steps=self.max_generation_steps,
                           max_prompt_length=self.max_prompt_length, forbidden_tokens=self._forbidden,
                           eos_tokens=self._eos_ids)
-    return [self.tokenizer.decode(ids) for ids in out.tokens]
+    texts = []
+    for row, ids in enumerate(out.tokens):
+      ids = np.asarray(ids, np.int32)
+      if max_new_tokens is not None and max_new_tokens[row] is not None:
+        ids = ids[:max_new_tokens[row]]
+      text = self.tokenizer.decode(ids)
+      found = first_stop(self.tokenizer, ids, text, stop) if stop else None
+      texts.append(text if found is None else found[1])
+    return texts
 
   def _samples(self, prompts: Sequence[str], out, *, stop: Sequence[str] = (),
                max_new_tokens: Sequence[int | None] | None = None) -> Samples:

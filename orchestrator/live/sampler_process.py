@@ -115,9 +115,10 @@ class SamplerProcess:
                             tuple(stop), None if max_new_tokens is None else list(max_new_tokens))
     return dataclasses.replace(samples, weights_version=self.weights_version)
 
-  def greedy(self, prompts: Sequence[str]) -> list[str]:
+  def greedy(self, prompts: Sequence[str], *, stop: Sequence[str] = (),
+             max_new_tokens: Sequence[int | None] | None = None) -> list[str]:
     """``LiveSampler.greedy`` in the child."""
-    return self._request("greedy", list(prompts))
+    return self._request("greedy", list(prompts), list(stop), None if max_new_tokens is None else list(max_new_tokens))
 
   def close(self) -> None:
     """Asks the child to exit and waits for it (killing it after ``CLOSE_TIMEOUT_S``); idempotent."""
@@ -212,7 +213,7 @@ def _serve(conn, spec: SamplerSpec) -> None:
         answer = sampler.sample(prompts, seed=seed, temperature=temperature, top_p=top_p, top_k=top_k, stop=stop,
                                 max_new_tokens=max_new_tokens)
       elif kind == "greedy":
-        answer = sampler.greedy(message[1])
+        answer = sampler.greedy(message[1], stop=message[2], max_new_tokens=message[3])
       else:
         raise ValueError(f"unknown request {kind!r}")
       conn.send(("ok", answer))

@@ -64,6 +64,29 @@ class SharedSampler:
     """``asked``, or what a finite evaluation split holds (a dataset's) if fewer: no prompt counts twice."""
     return min(asked, len(getattr(self._task, "eval_problems", None) or range(asked)))
 
+  def _call_rows(self) -> int:
+    """Completions one sampler call makes in training: an evaluation calls no larger (its memory is the same)."""
+    s = self._shape
+    return s.groups_per_micro_batch * s.generations_per_group * s.micro_batches_per_call
+
+  def _greedy(self, problems) -> list[str]:
+    """Greedy completions of ``problems``, in calls of a training call's size, ended as sampled ones are."""
+    rows, stop = self._call_rows(), self._shape.sampling_settings()["stop"]
+    return [text for first in range(0, len(problems), rows) for text in self.sampler.greedy(
+        [p.prompt for p in problems[first:first + rows]], stop=stop,
+        max_new_tokens=_limits(problems[first:first + rows]))]
+
+  def _sampled(self, problems, version: int) -> list[str]:
+    """Sampled completions of ``problems`` with the run's settings, in calls of a training call's size, each
+    with a seed drawn from the run's seed, the weights version and the call's index."""
+    rows, texts = self._call_rows(), []
+    for call, first in enumerate(range(0, len(problems), rows)):
+      part = problems[first:first + rows]
+      seed = int(np.random.default_rng((self._shape.seed, EVAL_SEED_STREAM, version, call)).integers(2**31 - 1))
+      texts += self.sampler.sample([p.prompt for p in part], seed=seed, max_new_tokens=_limits(part),
+                                   **self._shape.sampling_settings()).texts
+    return texts
+
   def held_out_count(self, limit: int) -> int:
     """The prompts the held-out split holds, counted up to ``limit`` (a built-in task's space may be vast)."""
     listed = getattr(self._task, "eval_problems", None)
@@ -88,12 +111,9 @@ class SharedSampler:
     try:
       if weights is not None:
         self.sampler.sync(weights, version)
-      answers = self.sampler.greedy([p.prompt for p in problems])
-      sampled = None
+      answers, sampled = self._greedy(problems), None
       if pass_k:
-        seed = int(np.random.default_rng((self._shape.seed, EVAL_SEED_STREAM, version)).integers(2**31 - 1))
-        sampled = self.sampler.sample([p.prompt for p in problems for _ in range(pass_k)], seed=seed,
-                                      **self._shape.sampling_settings()).texts
+        sampled = self._sampled([p for p in problems for _ in range(pass_k)], version)
     finally:
       self._turn.release()
     accuracy = float(np.mean([self._task.reward(p, a) for p, a in zip(problems, answers)]))
@@ -102,6 +122,12 @@ class SharedSampler:
     passed = [any(self._task.reward(p, text) == 1.0 for text in sampled[j * pass_k:(j + 1) * pass_k])
               for j, p in enumerate(problems)]
     return HeldOutScore(accuracy=accuracy, pass_k=pass_k, pass_at_k=float(np.mean(passed)))
+
+
+def _limits(problems) -> list[int | None] | None:
+  """Each problem's own token limit (a dataset row's ``task.max_tokens_field``), or None where none has one."""
+  limits = [getattr(p, "max_new_tokens", None) for p in problems]
+  return None if all(limit is None for limit in limits) else limits
 
 
 def acquire_unless(lock: threading.Lock, stop: Callable[[], Any] | None) -> bool:

@@ -109,26 +109,29 @@ class ModelSection:
     return self.checkpoint or self.preset or DEFAULT_PRESET
 
   def load(self) -> ModelPreset:
-    """The model's sizes (and, from a checkpoint, where its weights are), checked; no weights are read.
+    """The model's sizes (and, from a checkpoint, where its weights are; and the KL reference's checkpoint),
+    checked.
 
     Raises:
       RecipeError: an unknown preset, a checkpoint directory that cannot be used, or the two disagreeing.
     """
     key = (self.preset, self.checkpoint, self.reference_checkpoint)
     if key not in _LOADED_MODELS:
-      _LOADED_MODELS[key] = dataclasses.replace(self._load(), reference_checkpoint=self._reference())
+      loaded = self._load()
+      _LOADED_MODELS[key] = dataclasses.replace(loaded, reference_checkpoint=self._reference(loaded))
     return _LOADED_MODELS[key]
 
-  def _reference(self) -> str | None:
-    """``reference_checkpoint``, checked against the model trained: a usable checkpoint of its family and sizes."""
+  def _reference(self, trained: ModelPreset) -> str | None:
+    """``reference_checkpoint``, checked against the model trained (``trained``): a usable checkpoint of its
+    family and sizes."""
     if self.reference_checkpoint is None:
       return None
     given = f"model.reference_checkpoint={self.reference_checkpoint}"
     try:
       reference = hf_checkpoint.load_preset_from_checkpoint(self.reference_checkpoint)
-    except hf_checkpoint.CheckpointDirError as e:
-      raise RecipeError(f"{given}: {e}") from None
-    differs = hf_checkpoint.disagreement(self._load(), reference)
+    except hf_checkpoint.CheckpointDirError as e:  # its message names model.checkpoint, which this is not
+      raise RecipeError(f"{given}: {str(e).removeprefix(f'model.checkpoint={self.reference_checkpoint}: ')}") from None
+    differs = hf_checkpoint.disagreement(trained, reference)
     if differs:
       raise RecipeError(f"{given} is not a checkpoint of the model trained ({self.name}): the model has {differs};"
                         " give a checkpoint of the same family and sizes, or drop it (the reference is then the"
@@ -889,6 +892,10 @@ class Recipe:
       self._check_sampler_calls()
       if self.task.name == DATASET:  # every row and every reward entry, before anything runs
         self.task.make_reward(self.live_task())
+    if self.rollouts.stop and self.rollouts.source == "sampler" and self.task.name != DATASET:
+      raise RecipeError(f"rollouts.stop={self.rollouts.stop!r} ends free-text completions, but task.name="
+                        f"{self.task.name} is a built-in task whose answers have a fixed length (no end is"
+                        " sampled); drop rollouts.stop, or train on a dataset (task.name=dataset)")
     if self.model.reference_checkpoint is not None and not self.engine.kl_beta:
       raise RecipeError(f"model.reference_checkpoint={self.model.reference_checkpoint} is the KL term's reference,"
                         " but engine.kl_beta is 0 (no KL term, so no reference is built); set engine.kl_beta > 0,"

@@ -39,7 +39,7 @@ def test_the_reference_is_the_checkpoint_named_and_by_default_the_start(tmp_path
 @pytest.mark.parametrize("case,expected", [
     ("no-kl", "is the KL term's reference, but engine.kl_beta is 0"),
     ("other-sizes", "is not a checkpoint of the model trained"),
-    ("missing", "model.reference_checkpoint="),
+    ("missing", "/nowhere"),
 ])
 def test_a_reference_that_cannot_serve_is_refused_in_one_line_before_anything_is_written(tmp_path, capsys, case,
                                                                                          expected):
@@ -53,3 +53,20 @@ def test_a_reference_that_cannot_serve_is_refused_in_one_line_before_anything_is
   err = capsys.readouterr().err.strip().splitlines()
   assert code == 2 and len(err) == 1 and expected in err[0] and "Traceback" not in err[0]
   assert not out.exists()
+
+
+@pytest.mark.e2e
+def test_a_resume_whose_reference_changed_is_refused_and_one_whose_did_not_continues(tmp_path, capsys):
+  """No checkpoint of the run holds the reference's weights: a resume reads them again, so it must find what the
+  run read at its start."""
+  model = write_directory(tmp_path / "model")
+  reference = write_directory(tmp_path / "reference", preset_tensors(seed=7))
+  run = tmp_path / "run"
+  argv = [*RUN, "steps=2", f"model.checkpoint={model}", f"model.reference_checkpoint={reference}"]
+  assert cli.main([*argv, "--out", str(run)]) == 0
+  assert cli.main(["--resume", str(run), "--steps", "3"]) == 0  # the negative control: unchanged, it continues
+  write_directory(reference, preset_tensors(seed=8))
+  capsys.readouterr()
+  assert cli.main(["--resume", str(run), "--steps", "4"]) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and f"model.reference_checkpoint: {reference} changed since the run started" in err[0]

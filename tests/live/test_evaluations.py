@@ -29,12 +29,14 @@ class _VersionedSampler:
 
   def __init__(self, group: int = 4):
     self.weights_version, self.weights, self.synced, self.sampled, self.group = 0, "own", [], [], group
+    self.greedy_calls: list[int] = []
 
   def sync(self, weights, version):
     self.weights, self.weights_version = weights, version
     self.synced.append((weights, version))
 
-  def greedy(self, prompts):
+  def greedy(self, prompts, **_):
+    self.greedy_calls.append(len(prompts))
     return ["0" for _ in prompts]
 
   def sample(self, prompts, *, seed, temperature=1.0, **_):
@@ -53,18 +55,23 @@ def test_pass_at_k_counts_a_prompt_once_one_of_its_k_samples_passes_and_greedy_i
   from orchestrator.live.shared_sampler import SharedSampler
 
   task, sampler = ModularAddition(), _VersionedSampler()
-  shared = SharedSampler(sampler, task, lambda *a, **k: None, LiveShape(1, 1, 1, 4, 0))
+  # a training call makes 2 groups of 4: an evaluation calls the sampler with at most 8 prompts at a time
+  shared = SharedSampler(sampler, task, lambda *a, **k: None, LiveShape(1, 1, 2, 4, 0))
   problems = [task.problem(0, "eval", j) for j in range(6)]
   greedy = np.mean([task.reward(p, "0") for p in problems])
   score = shared.evaluate("w", 5, 6, pass_k=4)
   assert score.accuracy == greedy and score.pass_k == 4 and score.pass_at_k == 1.0  # each prompt's 4th passes
+  assert sampler.greedy_calls == [6] and len(sampler.sampled) == 3  # 24 completions in calls of 8
+  seeds = [seed for _, seed in sampler.sampled]
+  assert len(set(seeds)) == 3 and all(weights == "w" for weights, _ in sampler.sampled)
   sampler.group = 3
   assert shared.evaluate("w", 5, 6, pass_k=3).pass_at_k == 0.0  # negative control: the passing 4th not drawn
   sampler.group = 4
-  assert shared.evaluate("w", 5, 6).pass_at_k is None and len(sampler.sampled) == 2
-  assert sampler.sampled[0] == ("w", sampler.sampled[1][1])  # the evaluated weights; the seed is the version's
-  shared.evaluate("w", 6, 6, pass_k=3)
-  assert sampler.sampled[2][1] != sampler.sampled[1][1]
+  assert shared.evaluate("w", 5, 6).pass_at_k is None and len(sampler.sampled) == 6  # no sampling without k
+  shared.evaluate("w", 6, 6, pass_k=4)
+  assert sampler.sampled[6][1] != seeds[0]  # another version, another seed
+  shared.evaluate("w", 5, 6, pass_k=4)
+  assert [seed for _, seed in sampler.sampled[9:]] == seeds  # the same version, the same seeds
 
 
 @pytest.mark.engine

@@ -399,7 +399,7 @@ class _BlockingSampler:
   def sync(self, weights, version):
     self.synced.append(version)
 
-  def greedy(self, prompts):
+  def greedy(self, prompts, **_):
     return ["4"] * len(prompts)
 
 
