@@ -149,10 +149,9 @@ def sample_micro_batches(sampler: LiveSampler, task, reward: Reward, shape, batc
   g, groups = shape.generations_per_group, shape.groups_per_micro_batch
   first_group = (batch * shape.micro_batches_per_batch + first) * groups
   problems = [task.problem(shape.seed, "train", first_group + j) for j in range(count * groups)]
-  prompts = [p.prompt for p in problems for _ in range(g)]
+  repeated = [p for p in problems for _ in range(g)]
   seed = int(np.random.default_rng((shape.seed, batch, first)).integers(2**31 - 1))
-  limits = [p.max_new_tokens for p in problems for _ in range(g)]  # a dataset row's own (task.max_tokens_field)
-  samples = sampler.sample(prompts, seed=seed, max_new_tokens=None if all(n is None for n in limits) else limits,
+  samples = sampler.sample([p.prompt for p in repeated], seed=seed, max_new_tokens=_limits(repeated),
                            **shape.sampling_settings())
   if any(len(c) == 0 for c in samples.completion_ids):
     raise RuntimeError(f"the sampler returned an empty completion at {shape.schedule.describe(batch)},"
