@@ -35,6 +35,7 @@ from orchestrator.app.import_gguf import import_gguf_main
 from orchestrator.engine.compilation_cache import COMPILATION_CACHE_ENV, use_compilation_cache
 from orchestrator.app.run_dir import RunDirError, default_out
 from orchestrator.app.serve_trainer import serve_main
+from orchestrator.app.signals import startup_interrupts
 from orchestrator.data.recording import RecordingError, write_recording
 from orchestrator.data.synthetic import RolloutShape, generate_groups
 from orchestrator.distributed.launcher import LAUNCHED_ENV
@@ -297,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
   phases.restart()
   phases.mark("imports")
   try:
-    return _main(sys.argv[1:] if argv is None else argv)
+    with startup_interrupts():
+      return _main(sys.argv[1:] if argv is None else argv)
   except KeyboardInterrupt:  # outside a run's own handlers (start-up, imports, a subcommand)
     print("run_rl: interrupted", file=sys.stderr)
     return 130

@@ -5,10 +5,18 @@ flight finishes, its update is applied, a checkpoint is written,
 ``summary.json`` says ``"ended": "signal"``, and the exit code is 130 or 143. Signals within ``SIGNAL_WINDOW_S`` of the first are the
 same stop (a wrapper that forwards the terminal's signal delivers it twice); a
 later one stops at once.
+
+Before the run installs its handlers (start-up: imports, checks, the JAX
+backend), SIGINT raises ``KeyboardInterrupt`` as Python's own handler does, and
+is also remembered (``startup_interrupts``): an interrupt raised inside a
+finalizer or a garbage-collector callback is printed and dropped by Python, and
+the run would otherwise go on as if no Ctrl-C had come. ``StopSignals`` takes a
+remembered one as its first signal.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -22,6 +30,26 @@ EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
 # Signals this soon after the first are that one stop: `timeout` at a terminal, or any wrapper that forwards
 # the terminal's SIGINT, delivers one Ctrl-C to the process group and again to its child.
 SIGNAL_WINDOW_S = 1.0
+# When the SIGINT that came during start-up arrived (monotonic seconds), until a run's StopSignals takes it.
+_startup_sigint_at: list[float] = []
+
+
+def _startup_sigint(signum: int, frame) -> None:
+  _startup_sigint_at.append(time.monotonic())
+  signal.default_int_handler(signum, frame)
+
+
+@contextlib.contextmanager
+def startup_interrupts():
+  """SIGINT during start-up raises ``KeyboardInterrupt`` and is remembered for the run's ``StopSignals``
+  (see the module's docstring); the previous handler is restored on exit."""
+  _startup_sigint_at.clear()
+  previous = signal.signal(signal.SIGINT, _startup_sigint)
+  try:
+    yield
+  finally:
+    signal.signal(signal.SIGINT, previous)
+    _startup_sigint_at.clear()
 
 
 class StopSignals:
@@ -37,6 +65,9 @@ class StopSignals:
   def __enter__(self) -> "StopSignals":
     for sig in EXIT_CODES:
       self._previous[sig] = signal.signal(sig, self._handle)
+    if _startup_sigint_at and self.received is None:  # a Ctrl-C whose KeyboardInterrupt Python dropped
+      self._request(signal.SIGINT, _startup_sigint_at[0])
+      _startup_sigint_at.clear()
     return self
 
   def __exit__(self, *exc) -> None:
@@ -50,14 +81,17 @@ class StopSignals:
     if self.received is not None and now - self._first_at < SIGNAL_WINDOW_S:
       return  # the same stop delivered twice (to the process group and again to this process)
     if self.received is None:
-      self.received, self._first_at = sig, now
-      if self.quiet:  # another process of the job tells the terminal
-        return
-      print(f"\nrun_rl: {sig.name} received: stopping after the step in flight (its update applied and"
-            f" checkpointed); {sig.name} again stops at once", file=sys.stderr, flush=True)
+      self._request(sig, now)
       return
     print(f"run_rl: second {sig.name}: stopped at once; {resume_hint(self.out)}", file=sys.stderr, flush=True)
     os._exit(EXIT_CODES.get(sig, 130))
+
+  def _request(self, sig: signal.Signals, at_s: float) -> None:
+    self.received, self._first_at = sig, at_s
+    if self.quiet:  # another process of the job tells the terminal
+      return
+    print(f"\nrun_rl: {sig.name} received: stopping after the step in flight (its update applied and"
+          f" checkpointed); {sig.name} again stops at once", file=sys.stderr, flush=True)
 
   def requested(self) -> str | None:
     """The signal's name once one came (truthy), else None; the program stops at the next boundary."""

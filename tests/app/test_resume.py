@@ -259,6 +259,39 @@ def test_signals_within_the_window_are_one_stop_and_a_later_one_stops_at_once(tm
 
 
 @pytest.mark.e2e
+@pytest.mark.parametrize("remembered", [True, False], ids=["startup-handler", "python-default"])
+def test_a_ctrl_c_python_drops_during_start_up_still_stops_the_run(remembered, tmp_path, capsys, monkeypatch):
+  """A SIGINT that lands in a finalizer raises there, and Python prints and drops the KeyboardInterrupt; the
+  run's StopSignals still takes it as a stop. Negative control: with Python's own handler it is lost."""
+
+  class Finalized:
+    def __del__(self):
+      os.kill(os.getpid(), signal.SIGINT)  # the handler runs inside __del__, as in a gc callback
+
+  dropped = []
+  monkeypatch.setattr(sys, "unraisablehook", lambda unraisable: dropped.append(unraisable.exc_type))
+
+  def start_up():
+    Finalized()  # dropped at once: its __del__ takes the interrupt
+    with signals.StopSignals(tmp_path) as stop:
+      return stop.requested()
+
+  if remembered:
+    with signals.startup_interrupts():
+      requested = start_up()
+  else:
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+      requested = start_up()
+    finally:
+      signal.signal(signal.SIGINT, previous)
+  err = capsys.readouterr().err
+  assert dropped == [KeyboardInterrupt]  # Python dropped the interrupt rather than raise it
+  assert requested == ("SIGINT" if remembered else None)
+  assert ("SIGINT received: stopping after the step in flight" in err) == remembered
+
+
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_a_killed_run_resumes_from_its_last_complete_checkpoint(tmp_path):
   """SIGKILL at several points (early, mid, around checkpoints): every resume trains like no kill."""
