@@ -6,7 +6,11 @@ component's unit, meaning, how a run identifies it and how it scales.
 
 Model. One device runs its work in dispatch order; one host thread issues it.
 Time 0 is the dispatch of step k's last micro-batch, which starts computing at
-once (the device was busy with the micro-batch before it). Host costs:
+once (the device was busy with the micro-batch before it) — or, with
+``host_runs_ahead`` (asynchronous dispatch with each input mapped while the
+earlier micro-batches compute), after the step's earlier micro-batches, still
+queued less the host's mapping and dispatch between them
+(``queued_compute_s``). Host costs:
 ``dispatch_s`` per dispatch call, ``map_s`` to map one micro-batch's rollouts
 into arrays and issue their copy, and the boundary work — ``metrics_s`` and
 ``logging_s`` (the METRICS action), ``checkpoint_s`` and ``weight_sync_s``
@@ -51,8 +55,8 @@ where one dispatch call falls.
 Known biases: boundary work never contends with compute (optimistic on a
 2-core CPU, where host work and XLA share the memory bus), and a wait floor
 is paid once per deferred update (pessimistic for runtimes whose floor
-overlaps the wait). Time 0 has only the last micro-batch left to compute;
-where the previous boundary waited for rollouts, the step's micro-batches
+overlaps the wait). Without ``host_runs_ahead`` time 0 has only the last
+micro-batch left to compute; where the previous boundary waited for rollouts, the step's micro-batches
 were dispatched back to back and up to M - 1 more are still queued, so a
 rollout wait that runs beside the compute (STAGE_BEFORE_UPDATE's) hides more
 than the timeline lets it: the update delay is over-predicted by up to that
@@ -82,6 +86,9 @@ class Components:
   map_s: float = 0.0  # host: map one micro-batch's rollouts into arrays and issue their copy
   copy_s: float = 0.0  # device: one micro-batch's inputs reaching the device after the host issued them
   sync_copy: bool = False  # an unstaged fwd_bwd's copy queues on the compute stream, behind the update
+  # the host dispatches a step's micro-batches without waiting for the device (asynchronous dispatch, each input
+  # mapped while the earlier ones compute), so their compute is still queued when it dispatches the last one
+  host_runs_ahead: bool = False
   metrics_s: float = 0.0  # host: read step k's metrics once the update is done
   logging_s: float = 0.0  # host: the step's record, dashboards and the policy's bookkeeping
   checkpoint_s: float = 0.0  # host: a checkpoint's save, per boundary (median over the steps)
@@ -122,6 +129,16 @@ class Components:
   def in_step_gaps_s(self, mode: Mode) -> float:
     """Device time inside a step outside any computation: one gap per micro-batch after the first."""
     return max(self.micro_batches_per_step - 1, 0) * self.gap_for(mode)
+
+  @property
+  def queued_compute_s(self) -> float:
+    """Device compute still queued when the host dispatches a step's last micro-batch: that micro-batch's, and
+    where the host runs ahead the earlier ones' too, less the host's mapping and dispatch between them."""
+    if not self.host_runs_ahead:
+      return self.micro_batch_s
+    m = self.micro_batches_per_step
+    ahead = m * self.micro_batch_s + self.first_micro_batch_extra_s - (m - 1) * (self.map_s + self.dispatch_s)
+    return max(self.micro_batch_s, ahead)
 
   @property
   def last_rerun_s(self) -> float:
@@ -171,7 +188,7 @@ class _Timeline:
 
   @property
   def last_done(self) -> float:
-    return self.c.micro_batch_s
+    return self.c.queued_compute_s
 
   def host_segment(self, name: str, seconds: float) -> None:
     self.segments.append(Segment("host", name, self.host, self.host + seconds))
@@ -227,9 +244,11 @@ def _step(t: _Timeline, action: Action, mode: Mode) -> None:
 def predict(c: Components, mode: Mode, *, sync_before_next_step: bool = False) -> Prediction:
   """The timeline of one boundary in ``mode`` and what it implies for idle and step time.
 
-  Time 0 is the dispatch of step k's last micro-batch; the host has just issued it.
+  Time 0 is the dispatch of step k's last micro-batch; the host has just issued it, and the device has
+  ``queued_compute_s`` left to compute.
   """
-  t = _Timeline(c, c.dispatch_s, [Segment("device", "last micro-batch", 0.0, c.micro_batch_s)])
+  t = _Timeline(c, c.dispatch_s, [Segment("device", "last micro-batch" if c.queued_compute_s == c.micro_batch_s
+                                           else "queued micro-batches", 0.0, c.queued_compute_s)])
   # A wait for rollouts means the next micro-batch is not sampled when the boundary is planned: the policy then
   # stages after the update (``stage_order``), and so does the model.
   plan = BoundaryPlan.for_mode(0, mode, staged_as=stage_order(mode, c.rollout_wait_for(mode) == 0), reason="modelled")
@@ -268,6 +287,10 @@ class JobShape:
   hosts: int
   model: str
   context: int = 1  # of the devices, how many split each row's tokens (the rest split the rows)
+  bytes_per_token: float = 32.0  # the staged input's bytes per token, every field (routing included)
+  #: Hosts that map and copy the inputs: every host where each feeds its own devices, one under a
+  #: single-controller runtime that sends every device its inputs (None: ``hosts``).
+  feeding_hosts: int | None = None
 
   @property
   def rows_per_device(self) -> float:
@@ -282,12 +305,27 @@ class JobShape:
     return self.rows * self.tokens_per_row / self.devices
 
   @property
-  def tokens_per_host(self) -> float:
-    return self.rows * self.tokens_per_row / self.hosts
+  def input_bytes(self) -> float:
+    """One micro-batch's staged input: rows × tokens per row × bytes per token."""
+    return self.rows * self.tokens_per_row * self.bytes_per_token
+
+  @property
+  def input_bytes_per_device(self) -> float:
+    return self.input_bytes / self.devices
+
+  @property
+  def input_hosts(self) -> int:
+    return self.feeding_hosts or self.hosts
+
+  @property
+  def input_bytes_per_feeding_host(self) -> float:
+    """What each host that feeds the inputs maps and sends through its link, per micro-batch."""
+    return self.input_bytes / self.input_hosts
 
   def quantity(self, name: str) -> float:
     """The quantity a scaling rule is proportional to (``SCALING``'s first column)."""
-    return {"tokens_per_device": self.tokens_per_device, "tokens_per_host": self.tokens_per_host,
+    return {"tokens_per_device": self.tokens_per_device,
+            "input_bytes_per_feeding_host": self.input_bytes_per_feeding_host,
             "weights_per_device": 1.0 / self.devices, "weights_per_host": 1.0 / self.hosts,
             "micro_batches": float(self.micro_batches_per_step)}[name]
 
@@ -299,9 +337,10 @@ SCALING: dict[str, tuple[str | None, str]] = {
                                            " (rows x tokens per row / devices)"),
     "rerun_s": ("tokens_per_device", "a re-run is a micro-batch's compute again"),
     "update_s": ("weights_per_device", "the optimizer touches each device's shard of the weights (1 / devices)"),
-    "map_s": ("tokens_per_host", "each host maps its share of a micro-batch (rows x tokens per row / hosts)"),
-    "copy_s": ("tokens_per_host", "each host's link carries its share of the inputs"
-                                  " (rows x tokens per row / hosts)"),
+    "map_s": ("input_bytes_per_feeding_host", "each feeding host maps its share of a micro-batch's bytes"
+                                              " (rows x tokens per row x bytes per token / feeding hosts)"),
+    "copy_s": ("input_bytes_per_feeding_host", "each feeding host's link carries its share of the inputs' bytes"
+                                               " (rows x tokens per row x bytes per token / feeding hosts)"),
     "checkpoint_s": ("weights_per_host", "each host saves its shard of the state (1 / hosts)"),
     "weight_sync_s": ("weights_per_host", "each host exports its shard of the weights (1 / hosts)"),
     "reruns_per_step": ("micro_batches", "re-runs are a share of the micro-batches"),
@@ -316,6 +355,7 @@ SCALING: dict[str, tuple[str | None, str]] = {
     "rollout_wait_by_mode": (None, "set by the samplers and where each mode asks for the rollouts"),
     "update_overlap_share": (None, "a share of the last micro-batch (whether update() reads its flag)"),
     "sync_copy": (None, "how the runtime queues a copy"),
+    "host_runs_ahead": (None, "how the runtime queues dispatches"),
 }
 _MODEL_BOUND = ("tokens_per_device", "weights_per_device", "weights_per_host")  # depend on the model
 

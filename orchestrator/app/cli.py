@@ -278,7 +278,9 @@ def simulate_main(argv: list[str]) -> int:
   else:
     estimate, changes = simulate_lib.estimate_from_recipe(resolved)
     rows = simulate_lib.mode_rows(estimate, simulate_lib.tokens_per_device_per_step(resolved.recipe))
-    out = (simulate_lib.simulation_json(resolved.recipe.name, estimate, changes, rows) if args.json
+    out = (simulate_lib.simulation_json(resolved.recipe.name, estimate, changes, rows,
+                                        input_bytes_shown=simulate_lib.input_bytes(resolved.recipe, estimate))
+           if args.json
            else simulate_lib.format_simulation(resolved.recipe, estimate, changes, rows))
   print(json.dumps(out, indent=2) if args.json else out)
   return 0

@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 from orchestrator.app import compute_probe, run_dir
+from orchestrator.data import packing
 from orchestrator.recipe import keys as recipe_keys
 from orchestrator.recipe.schema import Recipe
 from policies import Mode
@@ -40,22 +41,32 @@ _SPELLINGS = {"map_s": ("map_s", "input_copy_s"), "update_overlap_share": ("upda
 
 def job_shape(recipe) -> JobShape:
   """The recipe's batch, mesh and model as the scaling rules read them."""
-  preset = recipe.model_preset()
   rows, tokens_per_row = recipe.micro_batch_shape()
+  s = recipe.simulate
   return JobShape(rows=rows, tokens_per_row=tokens_per_row,
                   micro_batches_per_step=recipe.batch.micro_batches_per_step,
                   devices=recipe.mesh.fsdp * recipe.mesh.context * recipe.mesh.expert,
-                  hosts=recipe.simulate.hosts or recipe.distributed.num_processes or 1,
-                  model=recipe.model.name, context=recipe.mesh.context)
+                  hosts=s.hosts or recipe.distributed.num_processes or 1,
+                  model=recipe.model.name, context=recipe.mesh.context,
+                  bytes_per_token=s.bytes_per_token or sum(packing.bytes_per_token_by_field().values()),
+                  feeding_hosts=1 if s.single_controller else None)
 
 
 def estimate_from_recipe(resolved) -> tuple[Estimate, list[ScaledChange]]:
   """The recipe's ``simulate`` components, with each one's source, scaled from ``simulate.reference_*``."""
   recipe, s = resolved.recipe, resolved.recipe.simulate
+  target = job_shape(recipe)
+  reference = dataclasses.replace(target, rows=s.reference_rows or target.rows,
+                                  tokens_per_row=s.reference_tokens_per_row or target.tokens_per_row,
+                                  devices=s.reference_devices or target.devices,
+                                  hosts=s.reference_hosts or target.hosts)
+  # A link's copy is the reference job's bytes through it; the copy rule then takes it to this job, as a given
+  # copy_s.
+  copy_s = reference.input_bytes_per_feeding_host / (s.host_link_gb_s * 1e9) if s.host_link_gb_s else s.copy_s
   c = Components(
       micro_batch_s=s.micro_batch_s, first_micro_batch_extra_s=s.first_micro_batch_extra_s, update_s=s.update_s,
-      map_s=s.resolved_map_s, copy_s=s.copy_s,
-      sync_copy=s.sync_copy, metrics_s=s.metrics_s, logging_s=s.logging_s, checkpoint_s=s.checkpoint_s,
+      map_s=s.resolved_map_s, copy_s=copy_s,
+      sync_copy=s.sync_copy, host_runs_ahead=s.host_runs_ahead, metrics_s=s.metrics_s, logging_s=s.logging_s, checkpoint_s=s.checkpoint_s,
       weight_sync_s=s.weight_sync_s, update_overlap_share=s.resolved_update_overlap_share,
       dispatch_s=s.dispatch_s, gap_per_dispatch_s=s.gap_per_dispatch_s, wait_floor_s=s.wait_floor_s,
       rollout_wait_s=s.rollout_wait_s, micro_batches_per_step=recipe.batch.micro_batches_per_step,
@@ -68,11 +79,8 @@ def estimate_from_recipe(resolved) -> tuple[Estimate, list[ScaledChange]]:
     sources[f.name] = (set_[0][1] if set_[0][0] == f.name else f"{set_[0][1]} (as simulate.{set_[0][0]})"
                        ) if set_ else "default"
   sources["micro_batches_per_step"] = "recipe batch"
-  target = job_shape(recipe)
-  reference = dataclasses.replace(target, rows=s.reference_rows or target.rows,
-                                  tokens_per_row=s.reference_tokens_per_row or target.tokens_per_row,
-                                  devices=s.reference_devices or target.devices,
-                                  hosts=s.reference_hosts or target.hosts)
+  if s.host_link_gb_s:
+    sources["copy_s"] = f"{resolved.sources.get('simulate.host_link_gb_s', 'recipe')} (as simulate.host_link_gb_s)"
   return Estimate(c, sources).scaled(reference, target)
 
 
@@ -82,13 +90,16 @@ def tokens_per_device_per_step(recipe) -> float:
 
 
 def mode_rows(estimate: Estimate, tokens_per_step: float | None = None) -> list[dict]:
-  """Per mode: the bounded prediction, and what it saves against OFF."""
-  off = predict_bounded(estimate, Mode.OFF).point
+  """Per mode: the bounded prediction, and what it saves against OFF and against PIPELINED (the staging
+  switches' own saving: the boundary's other work overlaps the next step either way)."""
+  off, pipelined = (predict_bounded(estimate, m).point for m in (Mode.OFF, Mode.PIPELINED))
   rows = []
   for mode in Mode:
     p = predict_bounded(estimate, mode)
     row = {**p.as_dict(), "saves_vs_off_s": off.step_s - p.point.step_s,
            "saves_vs_off_share": (off.step_s - p.point.step_s) / off.step_s,
+           "saves_vs_pipelined_s": pipelined.step_s - p.point.step_s,
+           "saves_vs_pipelined_share": (pipelined.step_s - p.point.step_s) / pipelined.step_s,
            "idle_share_of_step": p.point.boundary_idle_s / p.point.step_s}
     if tokens_per_step:
       row["tokens_per_s_per_device"] = tokens_per_step / p.point.step_s
@@ -130,24 +141,58 @@ def _components_lines(estimate: Estimate, changes=()) -> list[str]:
   return lines
 
 
+def input_bytes(recipe, estimate: Estimate) -> dict:
+  """What a micro-batch's mapping and copy carry: bytes per token (by field, or as the recipe states them), per
+  micro-batch, per device and per feeding host, and the link speed the copy's seconds imply."""
+  shape = job_shape(recipe)
+  by_field = None if recipe.simulate.bytes_per_token else packing.bytes_per_token_by_field()
+  copy_s = estimate.components.copy_s
+  return {"bytes_per_token": shape.bytes_per_token, "bytes_per_token_by_field": by_field,
+          "micro_batch_bytes": shape.input_bytes, "bytes_per_device": shape.input_bytes_per_device,
+          "feeding_hosts": shape.input_hosts, "bytes_per_feeding_host": shape.input_bytes_per_feeding_host,
+          "link_gb_s": shape.input_bytes_per_feeding_host / copy_s / 1e9 if copy_s else None}
+
+
+def _bytes(n: float) -> str:
+  return next(f"{n / scale:.1f} {unit}" for scale, unit in ((1e9, "GB"), (1e6, "MB"), (1e3, "kB"), (1, "B"))
+              if n >= scale or unit == "B")
+
+
+def _input_lines(shown: dict) -> list[str]:
+  by_field = shown["bytes_per_token_by_field"]
+  fields = (" (" + ", ".join(f"{name} {n}" for name, n in by_field.items()) + ")" if by_field
+            else " (simulate.bytes_per_token)")
+  hosts = shown["feeding_hosts"]
+  lines = ["staged input per micro-batch:",
+           f"  {shown['bytes_per_token']:g} B per token{fields}",
+           f"  {_bytes(shown['micro_batch_bytes'])}; {_bytes(shown['bytes_per_device'])} per device;"
+           f" {_bytes(shown['bytes_per_feeding_host'])} through each of {hosts} feeding host{'s' * (hosts > 1)}"]
+  if shown["link_gb_s"]:
+    lines.append(f"  copy_s carries it at {shown['link_gb_s']:.3g} GB/s per feeding host")
+  return lines
+
+
 def format_simulation(recipe, estimate: Estimate, changes, rows) -> str:
   c = estimate.components
   lines = [f"simulate: {recipe.name} — {c.micro_batches_per_step} micro-batches per step",
-           *_components_lines(estimate, changes),
+           *_components_lines(estimate, changes), *_input_lines(input_bytes(recipe, estimate)),
            f"compute-only bound per step: {c.compute_bound_s:.3f} s", "",
            f"{'mode':<20} {'boundary idle':>14} {'idle/step':>10} {'step':>10} {'tokens/s/device':>16}"
-           f" {'saves vs OFF':>14}"]
+           f" {'saves vs OFF':>13} {'vs PIPELINED':>13}"]
   for r in rows:
     lines.append(f"{r['mode']:<20} {_range(r['boundary_idle_s'], r['boundary_idle_range_s']):>14}"
                  f" {r['idle_share_of_step']:>10.1%} {_range(r['step_s'], r['step_range_s'], _step_fmt):>10}"
-                 f" {r.get('tokens_per_s_per_device', 0):>16,.0f} {r['saves_vs_off_share']:>13.1%}")
+                 f" {r.get('tokens_per_s_per_device', 0):>16,.0f} {r['saves_vs_off_share']:>13.1%}"
+                 f" {r['saves_vs_pipelined_share']:>13.1%}")
   return "\n".join(lines)
 
 
-def simulation_json(name: str, estimate: Estimate, changes, rows, measured=None, used=(), probe=None) -> dict:
+def simulation_json(name: str, estimate: Estimate, changes, rows, measured=None, used=(), probe=None,
+                    input_bytes_shown=None) -> dict:
   c = estimate.components
   return {
       **({"probe": probe} if probe else {}),
+      **({"input": input_bytes_shown} if input_bytes_shown else {}),
       "job": name,
       "components": {f.name: {"value": _json_value(getattr(c, f.name)),
                               "source": estimate.sources.get(f.name, "default")}

@@ -34,6 +34,12 @@ FIELDS: dict[str, np.dtype] = {
 }
 
 
+
+def bytes_per_token_by_field() -> dict[str, int]:
+  """Each packed field's bytes per token of a micro-batch (every field holds one value per token)."""
+  return {name: dtype.itemsize for name, dtype in FIELDS.items()}
+
+
 #: Group-normalised advantages are a few units; past this a float32 loss sum over a long step overflows.
 MAX_ABS_ADVANTAGE = 1e6
 

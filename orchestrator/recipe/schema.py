@@ -573,6 +573,7 @@ class SimulateSection:
   input_copy_s: float | None = None  # the earlier spelling of map_s (a host cost, serial with the dispatch)
   copy_s: float = 0.0  # device-side transfer of one micro-batch's inputs
   sync_copy: bool = False  # an unstaged copy queues behind the update on the compute stream
+  host_runs_ahead: bool = False  # a step's micro-batches are dispatched without waiting for the device
   metrics_s: float = 0.2  # the metrics read (before: all boundary work; the other terms default to 0)
   logging_s: float = 0.0
   checkpoint_s: float = 0.0  # per boundary (a checkpoint every N steps: its seconds / N)
@@ -587,6 +588,10 @@ class SimulateSection:
   rerun_s: float | None = None  # None: one micro-batch
   tokens_per_device: int | None = None  # None: rows × tokens_per_row ÷ devices
   hosts: int | None = None  # None: distributed.num_processes, else 1
+  # One host maps and sends every device its inputs (a single-controller runtime), rather than each its own.
+  single_controller: bool = False
+  bytes_per_token: float | None = None  # the staged input's (None: the packed fields')
+  host_link_gb_s: float | None = None  # the feeding host's link: copy_s from the bytes it sends (instead of copy_s)
   # The job the times above were measured on (None: this recipe's own); the scaling rules take them to this one.
   reference_rows: int | None = None
   reference_tokens_per_row: int | None = None
@@ -605,7 +610,13 @@ class SimulateSection:
                         f" first micro-batch cannot take less than nothing, so it must be >= -simulate.micro_batch_s"
                         f" ({-self.micro_batch_s})")
     _at_least("simulate", self, ("tokens_per_device", "hosts", "reference_rows", "reference_tokens_per_row",
-                                 "reference_devices", "reference_hosts"), 1)
+                                 "reference_devices", "reference_hosts", "bytes_per_token"), 1)
+    if self.host_link_gb_s is not None and not self.host_link_gb_s > 0:
+      raise RecipeError(f"simulate.host_link_gb_s={self.host_link_gb_s} is out of range: a link carries"
+                        " more than nothing, so it must be > 0")
+    if self.host_link_gb_s is not None and self.copy_s:
+      raise RecipeError(f"simulate.copy_s={self.copy_s} and simulate.host_link_gb_s={self.host_link_gb_s} are"
+                        " both set; the link gives the copy's seconds from its bytes: keep only one of them")
     for new, old in (("map_s", "input_copy_s"), ("update_overlap_share", "update_waits_for_last")):
       if getattr(self, new) is not None and getattr(self, old) is not None:
         raise RecipeError(f"simulate.{old}={getattr(self, old)} and simulate.{new}={getattr(self, new)} are both"

@@ -232,6 +232,11 @@ CASES = [
     ("min-free-absurd", ["step_boundary.min_free_device_bytes=1e18"], {},
      "step_boundary.min_free_device_bytes=1000000000000000000 is out of range"),
     # Two keys that name one thing, given in one layer (across layers the higher one's wins: tests/app/test_cli.py).
+    ("link-of-nothing", ["simulate.host_link_gb_s=0"], {},
+     "simulate.host_link_gb_s=0.0 is out of range: a link carries more than nothing, so it must be > 0"),
+    ("link-beside-copy", ["simulate.host_link_gb_s=1", "simulate.copy_s=2"], {},
+     "simulate.copy_s=2.0 and simulate.host_link_gb_s=1.0 are both set"),
+    ("no-bytes-per-token", ["simulate.bytes_per_token=0"], {}, "simulate.bytes_per_token=0.0 is out of range"),
     ("earlier-spelling-beside-its-successor", ["simulate.map_s=0.2", "simulate.input_copy_s=0.3"], {},
      "simulate.input_copy_s=0.3 and simulate.map_s=0.2 are both set; input_copy_s is the earlier spelling of"
      " map_s: keep only simulate.map_s"),
