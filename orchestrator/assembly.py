@@ -107,12 +107,13 @@ def rollout_source(recipe: Recipe, *, steps: int | None = None):
   """
   vocab_size, rows, tokens_per_row = batch_shape(recipe)
   r, m = recipe.rollouts, recipe.batch.micro_batches_per_step
+  routing = recipe.engine.routing_shape(recipe.model_preset())
   if r.source == "sampler":
     return live_source(recipe, steps=steps)
   if r.source == "synthetic":
     return SyntheticSteps(SyntheticRollouts(vocab_size, rows, tokens_per_row, generations_per_group=r.generations_per_group,
-                                            fill=r.fill, seed=r.seed), m)
-  recording = open_recording(resolve_path(r.recording), vocab_size=vocab_size)
+                                            fill=r.fill, seed=r.seed, routing=routing), m)
+  recording = open_recording(resolve_path(r.recording), vocab_size=vocab_size, routing=routing)
   source = ReplaySteps(recording, rows=rows, tokens_per_row=tokens_per_row, micro_batches_per_step=m)
   source.require_steps(steps or recipe.steps)
   return source
@@ -139,13 +140,14 @@ def live_source(recipe: Recipe, *, steps: int | None = None):
   spec = SamplerSpec(preset=recipe.model_preset(), model=recipe.model, seed=recipe.engine.seed,
                      max_prompt_length=task.max_prompt_tokens, max_generation_steps=max_generation_steps(task),
                      alphabet=task.answer_alphabet, dtype=recipe.engine.dtype,
-                     xla_threads=host_threads.APPLIED["plan"].host_threads if "plan" in host_threads.APPLIED else None)
+                     xla_threads=host_threads.APPLIED["plan"].host_threads if "plan" in host_threads.APPLIED else None,
+                     routing=recipe.engine.routing_shape(recipe.model_preset()))
   if r.placement == "process":  # started first: it imports and builds while this process builds the trainer
     sampler = SamplerProcess(spec, recipe.model.tokenizer())
   else:
     sampler = LiveSampler(spec.preset, spec.model.tokenizer(), seed=spec.seed,
                           max_prompt_length=spec.max_prompt_length, max_generation_steps=spec.max_generation_steps,
-                          alphabet=spec.alphabet, dtype=spec.dtype, placement=placement)
+                          alphabet=spec.alphabet, dtype=spec.dtype, placement=placement, routing=spec.routing)
   shape = LiveShape(steps or recipe.steps, recipe.batch.micro_batches_per_step, r.groups_per_micro_batch,
                     r.generations_per_group, r.max_staleness, r.temperature, r.seed, r.batch_steps,
                     recipe.engine.epochs, recipe.micro_batches_per_call(), top_p=r.top_p, top_k=r.top_k,

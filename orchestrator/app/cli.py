@@ -172,7 +172,7 @@ def _record_generated(recipe, recipe_path, out: Path) -> int:
       groups=r.groups, generations_per_group=r.generations_per_group,
       prompt_len_median=r.prompt_len_median, completion_len_median=r.completion_len_median,
       max_tokens=recipe.micro_batch_shape()[1],
-      vocab_size=preset.vocab_size, seed=r.seed,
+      vocab_size=preset.vocab_size, seed=r.seed, routing=recipe.engine.routing_shape(preset),
   )
   manifest = write_recording(out, generate_groups(shape), vocab_size=preset.vocab_size,
                              produced_by={"tool": "run_rl record", "recipe": recipe_path,

@@ -129,7 +129,8 @@ class _ShapeUnderTest:
     options = {f.name: getattr(recipe.engine, f.name) for f in dataclasses.fields(recipe.engine)
                if f.name != "backend"}
     self.engine = build_engine(self.preset, rows=self.rows, tokens_per_row=self.tokens_per_row, **options)
-    self.source = SyntheticRollouts(self.preset.vocab_size, self.rows, self.tokens_per_row, seed=1)
+    self.source = SyntheticRollouts(self.preset.vocab_size, self.rows, self.tokens_per_row, seed=1,
+                                    routing=recipe.engine.routing_shape(self.preset))
     self.micro_batch_s: list[float] = []
     self.update_s: list[float] = []
 

@@ -48,8 +48,13 @@ def job_shape(recipe) -> JobShape:
                   devices=recipe.mesh.fsdp * recipe.mesh.context * recipe.mesh.expert,
                   hosts=s.hosts or recipe.distributed.num_processes or 1,
                   model=recipe.model.name, context=recipe.mesh.context,
-                  bytes_per_token=s.bytes_per_token or sum(packing.bytes_per_token_by_field().values()),
+                  bytes_per_token=s.bytes_per_token or sum(_bytes_by_field(recipe).values()),
                   feeding_hosts=1 if s.single_controller else None)
+
+
+def _bytes_by_field(recipe) -> dict[str, int]:
+  """The packed fields' bytes per token, routing included where the engine replays it."""
+  return packing.bytes_per_token_by_field(recipe.engine.routing_shape(recipe.model_preset()))
 
 
 def estimate_from_recipe(resolved) -> tuple[Estimate, list[ScaledChange]]:
@@ -145,7 +150,7 @@ def input_bytes(recipe, estimate: Estimate) -> dict:
   """What a micro-batch's mapping and copy carry: bytes per token (by field, or as the recipe states them), per
   micro-batch, per device and per feeding host, and the link speed the copy's seconds imply."""
   shape = job_shape(recipe)
-  by_field = None if recipe.simulate.bytes_per_token else packing.bytes_per_token_by_field()
+  by_field = None if recipe.simulate.bytes_per_token else _bytes_by_field(recipe)
   copy_s = estimate.components.copy_s
   return {"bytes_per_token": shape.bytes_per_token, "bytes_per_token_by_field": by_field,
           "micro_batch_bytes": shape.input_bytes, "bytes_per_device": shape.input_bytes_per_device,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -34,10 +35,27 @@ FIELDS: dict[str, np.dtype] = {
 }
 
 
+#: Rollout routing replay's field, packed only when the engine replays routing: [rows, tokens_per_row, layers,
+#: top_k] expert ids (int16 holds any expert count a model has; padding positions hold 0 and are not routed).
+ROUTING = "routing"
+ROUTING_DTYPE = np.dtype(np.int16)
 
-def bytes_per_token_by_field() -> dict[str, int]:
-  """Each packed field's bytes per token of a micro-batch (every field holds one value per token)."""
-  return {name: dtype.itemsize for name, dtype in FIELDS.items()}
+
+@dataclasses.dataclass(frozen=True)
+class RoutingShape:
+  """What a replayed routing array holds per token: ``layers`` × ``top_k`` ids in [0, ``num_experts``)."""
+
+  layers: int
+  top_k: int
+  num_experts: int
+
+
+def bytes_per_token_by_field(routing: RoutingShape | None = None) -> dict[str, int]:
+  """Each packed field's bytes per token of a micro-batch (every field holds its values per token)."""
+  out = {name: dtype.itemsize for name, dtype in FIELDS.items()}
+  if routing is not None:
+    out[ROUTING] = routing.layers * routing.top_k * ROUTING_DTYPE.itemsize
+  return out
 
 
 #: Group-normalised advantages are a few units; past this a float32 loss sum over a long step overflows.
@@ -48,10 +66,30 @@ MAX_ABS_ADVANTAGE = 1e6
 LOGPROB_TOLERANCE = 1e-3
 
 
+def validate_routing(routing: Any, tokens: int, shape: RoutingShape, where: str) -> None:
+  """Raises ValueError naming ``where`` unless ``routing`` is [tokens, layers, top_k] integer expert ids in
+  [0, num_experts)."""
+  expected = (tokens, shape.layers, shape.top_k)
+  if routing is None:
+    raise ValueError(f"{where} carries no routing, but the engine replays the sampler's routing"
+                     " (engine.router_replay): record the rollouts with routing, or turn the replay off")
+  if not isinstance(routing, np.ndarray) or routing.shape != expected:
+    got = getattr(routing, "shape", type(routing).__name__)
+    raise ValueError(f"{where} routing has shape {got}; it must be {expected} (tokens, MoE layers, experts per"
+                     " token)")
+  if not np.issubdtype(routing.dtype, np.integer):
+    raise ValueError(f"{where} routing has dtype {routing.dtype}; expert ids must be integers")
+  lo, hi = int(routing.min()), int(routing.max())
+  if lo < 0 or hi >= shape.num_experts:
+    raise ValueError(f"{where} routing holds expert id {lo if lo < 0 else hi}, outside the model's"
+                     f" {shape.num_experts} experts [0, {shape.num_experts})")
+
+
 def validate_payload(
-    payload: Sequence[Trajectory], *, tokens_per_row: int, vocab_size: int
+    payload: Sequence[Trajectory], *, tokens_per_row: int, vocab_size: int, routing: RoutingShape | None = None
 ) -> None:
-  """Raises ValueError naming the trajectory and the limit for anything that cannot be packed."""
+  """Raises ValueError naming the trajectory and the limit for anything that cannot be packed; with
+  ``routing``, each trajectory's routing is checked against it."""
   if isinstance(payload, (Trajectory, str, bytes)) or not isinstance(payload, Sequence):
     raise ValueError(
         f"payload must be a list of Trajectory, got {type(payload).__name__}"
@@ -105,6 +143,8 @@ def validate_payload(
         raise ValueError(f"payload[{i}].old_logprobs holds non-finite values; log-probs must be finite")
       if np.any(old > LOGPROB_TOLERANCE):
         raise ValueError(f"payload[{i}].old_logprobs holds {float(old.max()):g}; a log-probability is <= 0")
+    if routing is not None:
+      validate_routing(traj.routing, traj.num_tokens, routing, f"payload[{i}]")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,16 +187,17 @@ def fits(trajectories: Sequence[Trajectory], *, rows: int, tokens_per_row: int) 
 
 def pack_payload(
     payload: Sequence[Trajectory], *, rows: int, tokens_per_row: int, vocab_size: int,
-    row_range: tuple[int, int] | None = None,
+    row_range: tuple[int, int] | None = None, routing: RoutingShape | None = None,
 ) -> dict[str, np.ndarray]:
-  """Validates ``payload`` and packs it into new ``[rows, tokens_per_row]`` arrays (see FIELDS).
+  """Validates ``payload`` and packs it into new ``[rows, tokens_per_row]`` arrays (see FIELDS), and with
+  ``routing`` each trajectory's routing into ``[rows, tokens_per_row, layers, top_k]`` (``ROUTING``).
 
   With ``row_range=(start, stop)`` only those rows are written (arrays of
   ``stop - start`` rows): the rows one process of several holds. Which row each
   trajectory goes to is decided over the whole payload first, so a process's
   rows are exactly those rows of the whole micro-batch.
   """
-  validate_payload(payload, tokens_per_row=tokens_per_row, vocab_size=vocab_size)
+  validate_payload(payload, tokens_per_row=tokens_per_row, vocab_size=vocab_size, routing=routing)
   lengths = [t.num_tokens for t in payload]
   assignment = first_fit_rows(lengths, rows=rows, tokens_per_row=tokens_per_row)
   if not assignment.fits:
@@ -172,6 +213,8 @@ def pack_payload(
   if not 0 <= first < stop <= rows:
     raise ValueError(f"row_range {row_range} is not within the micro-batch's {rows} rows")
   out = {name: np.zeros((stop - first, tokens_per_row), dtype) for name, dtype in FIELDS.items()}
+  if routing is not None:
+    out[ROUTING] = np.zeros((stop - first, tokens_per_row, routing.layers, routing.top_k), ROUTING_DTYPE)
   segments_in_row = [0] * rows
   for traj, (row, off) in zip(payload, placement):
     if not first <= row < stop:
@@ -193,6 +236,8 @@ def pack_payload(
     if traj.old_logprobs is not None:
       out["old_logprobs"][r, targets] = traj.old_logprobs.astype(np.float32)
       out["old_logprobs_mask"][r, targets] = 1.0
+    if routing is not None:
+      out[ROUTING][r, span] = traj.routing
   return out
 
 
@@ -202,9 +247,10 @@ def count_loss_tokens(payload: Sequence[Trajectory]) -> int:
 
 
 def content_digest(host_arrays: Mapping[str, np.ndarray]) -> str:
-  """A digest of packed arrays (every field, in ``FIELDS`` order): same payload → same digest."""
+  """A digest of packed arrays (every field, in ``FIELDS`` order, then the routing where packed): same payload →
+  same digest."""
   h = hashlib.blake2b(digest_size=16)
-  for name in FIELDS:
+  for name in [*FIELDS, *([ROUTING] if ROUTING in host_arrays else [])]:
     h.update(name.encode())
     h.update(np.ascontiguousarray(host_arrays[name]).tobytes())
   return h.hexdigest()

@@ -9,7 +9,10 @@ A record is an uncompressed ``.npz`` of the group's arrays (no pickled objects):
 ``prompt_ids``, ``completion_ids`` (all generations concatenated),
 ``completion_lengths``, ``rewards``, ``advantages``, ``old_logprobs`` (optional,
 concatenated like the completions), ``generation_ids``, ``group_id``,
-``policy_version``.
+``policy_version``, and for rollout routing replay ``routing`` (optional): each
+generation's ``[prompt + completion tokens, layers, top_k]`` int16 expert ids,
+concatenated along the tokens (the manifest's ``routing`` gives layers and
+top_k; null without).
 
 Recordings are read-only inputs: replay opens them for reading only. Every
 problem with one raises ``RecordingError`` naming the file and the record.
@@ -29,6 +32,7 @@ from typing import Any
 import numpy as np
 from array_record.python.array_record_module import ArrayRecordWriter
 
+from orchestrator.data import packing
 from orchestrator.data.trajectory import TrajectoryGroup
 
 SCHEMA_VERSION = 1
@@ -54,6 +58,8 @@ def encode_group(group: TrajectoryGroup) -> bytes:
   }
   if group.old_logprobs is not None:
     arrays["old_logprobs"] = np.concatenate(group.old_logprobs).astype(np.float32)
+  if group.routing is not None:
+    arrays["routing"] = np.concatenate(group.routing).astype(packing.ROUTING_DTYPE)
   buf = io.BytesIO()
   np.savez(buf, **arrays)
   return buf.getvalue()
@@ -65,6 +71,9 @@ def decode_group(data: bytes) -> TrajectoryGroup:
     splits = np.cumsum(lengths)[:-1]
     completions = np.split(z["completion_ids"], splits)
     old = np.split(z["old_logprobs"], splits) if "old_logprobs" in z.files else None
+    routing = None
+    if "routing" in z.files:  # each generation's prompt and completion tokens
+      routing = np.split(z["routing"], np.cumsum(lengths + len(z["prompt_ids"]))[:-1])
     return TrajectoryGroup(
         group_id=int(z["group_id"]),
         prompt_ids=z["prompt_ids"],
@@ -74,6 +83,7 @@ def decode_group(data: bytes) -> TrajectoryGroup:
         old_logprobs=old,
         generation_ids=z["generation_ids"],
         policy_version=int(z["policy_version"]),
+        routing=routing,
     )
 
 
@@ -89,8 +99,10 @@ def write_recording(out_dir: str | Path, groups: Iterator[TrajectoryGroup], *,
   writer = ArrayRecordWriter(str(out / DATA_FILE), "group_size:1")
   digests, prompt_lens, completion_lens, generations = [], [], [], set()
   has_old = None
+  routing_shapes = set()
   try:
     for group in groups:
+      routing_shapes |= {r.shape[1:] for r in group.routing or ()} or {None}
       data = encode_group(group)
       writer.write(data)
       digests.append(digest(data))
@@ -100,6 +112,11 @@ def write_recording(out_dir: str | Path, groups: Iterator[TrajectoryGroup], *,
       has_old = group.old_logprobs is not None if has_old is None else has_old
   finally:
     writer.close()
+
+  if len(routing_shapes) > 1:
+    raise ValueError(f"the groups' routing differs in shape ({sorted(map(str, routing_shapes))}): a recording"
+                     " carries routing for every trajectory or none, of one model")
+  routing = next(iter(routing_shapes), None)
 
   def stats(xs):
     return {"min": int(min(xs)), "max": int(max(xs)), "mean": float(np.mean(xs))} if xs else None
@@ -115,6 +132,7 @@ def write_recording(out_dir: str | Path, groups: Iterator[TrajectoryGroup], *,
       "prompt_len": stats(prompt_lens),
       "completion_len": stats(completion_lens),
       "has_old_logprobs": bool(has_old),
+      "routing": None if routing is None else {"layers": int(routing[0]), "top_k": int(routing[1])},
       "record_digests": digests,
       "produced_by": produced_by,
       "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -170,8 +188,36 @@ def _manifest_problem(manifest: Any, root: Path) -> str | None:
   return None
 
 
-def _verify_records(source, manifest: dict, data_path: Path, vocab_size: int | None) -> None:
-  """Every record's digest and token ids, and the trajectory count the manifest claims."""
+def _routing_problem(manifest: dict, routing: packing.RoutingShape) -> str | None:
+  """Why a recording cannot be replayed with ``routing`` (None: it can)."""
+  recorded = manifest.get("routing")
+  if recorded is None:
+    return ("was recorded without routing, but engine.router_replay is on: record it again with"
+            " engine.router_replay=true, or turn the replay off")
+  if recorded != {"layers": routing.layers, "top_k": routing.top_k}:
+    return (f"carries routing for {recorded} (layers, experts per token), but the model has"
+            f" {routing.layers} MoE layers of top-{routing.top_k}: record it with this model")
+  return None
+
+
+def _check_routing(group: TrajectoryGroup, routing: packing.RoutingShape, where: str) -> None:
+  if group.routing is None or len(group.routing) != len(group.completions):
+    raise RecordingError(f"{where}: carries no routing for its trajectories; the manifest says it does")
+  for g, (completion, ids) in enumerate(zip(group.completions, group.routing)):
+    try:
+      packing.validate_routing(ids, len(group.prompt_ids) + len(completion), routing, f"generation {g}")
+    except ValueError as e:
+      raise RecordingError(f"{where} {e}") from None
+    ordered = np.sort(ids, axis=-1)
+    if np.any(ordered[..., 1:] == ordered[..., :-1]):
+      raise RecordingError(f"{where} generation {g} routing gives one token the same expert twice in a layer;"
+                           " a token's experts in a layer are distinct")
+
+
+def _verify_records(source, manifest: dict, data_path: Path, vocab_size: int | None,
+                    routing: packing.RoutingShape | None = None) -> None:
+  """Every record's digest, token ids and (with ``routing``) routing, and the trajectory count the manifest
+  claims."""
   digests = manifest["record_digests"]
   trajectories = 0
   for i in range(len(digests)):
@@ -187,6 +233,8 @@ def _verify_records(source, manifest: dict, data_path: Path, vocab_size: int | N
     except Exception as e:  # pylint: disable=broad-except
       raise RecordingError(f"{data_path} record {i}: not a trajectory group ({type(e).__name__}: {e})") from None
     trajectories += len(group.completions)
+    if routing is not None:
+      _check_routing(group, routing, f"{data_path} record {i} (group {group.group_id})")
     if vocab_size is None:
       continue
     for name, ids in [("prompt_ids", group.prompt_ids)] + [
@@ -200,12 +248,15 @@ def _verify_records(source, manifest: dict, data_path: Path, vocab_size: int | N
                          f" {manifest['num_trajectories']}")
 
 
-def open_recording(path: str | Path, *, vocab_size: int | None = None, verify: bool = True) -> Recording:
-  """Reads and checks the manifest (and, with ``verify``, every record's digest and token ids).
+def open_recording(path: str | Path, *, vocab_size: int | None = None, verify: bool = True,
+                   routing: packing.RoutingShape | None = None) -> Recording:
+  """Reads and checks the manifest (and, with ``verify``, every record's digest and token ids, and with
+  ``routing`` — the engine replays routing — that every trajectory carries routing of that shape).
 
   Raises:
     RecordingError: missing manifest, unknown schema version, missing or
-      truncated data file, digest mismatch, token ids outside ``vocab_size``.
+      truncated data file, digest mismatch, token ids outside ``vocab_size``,
+      routing missing, of another shape or naming experts the model lacks.
   """
   root = Path(path)
   manifest_path = root / MANIFEST
@@ -216,6 +267,7 @@ def open_recording(path: str | Path, *, vocab_size: int | None = None, verify: b
   except (json.JSONDecodeError, UnicodeDecodeError) as e:
     raise RecordingError(f"{manifest_path}: not valid JSON ({e})") from None
   problem = _manifest_problem(manifest, root)
+  problem = problem or (_routing_problem(manifest, routing) if routing is not None else None)
   if problem:
     raise RecordingError(f"{manifest_path}: {problem}")
   recording = Recording(root, manifest)
@@ -236,5 +288,5 @@ def open_recording(path: str | Path, *, vocab_size: int | None = None, verify: b
         f"{data_path}: holds {count} records but the manifest says {expected} (truncated?)"
     )
   if verify:
-    _verify_records(source, manifest, data_path, vocab_size)
+    _verify_records(source, manifest, data_path, vocab_size, routing)
   return recording

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from orchestrator.data.packing import fits
+from orchestrator.data.packing import ROUTING_DTYPE, RoutingShape, fits
 from orchestrator.data.trajectory import Trajectory, TrajectoryGroup
 
 
@@ -38,6 +38,13 @@ class RolloutShape:
   with_old_logprobs: bool = True
   old_logprob_scale: float = 1.5
   seed: int = 0
+  routing: RoutingShape | None = None  # each token's experts per MoE layer, drawn uniformly (routing replay)
+
+
+def _routing(rng: np.random.Generator, tokens: int, routing: RoutingShape) -> np.ndarray:
+  """[tokens, layers, top_k] distinct experts per token and layer, uniformly drawn."""
+  return np.argsort(rng.random((tokens, routing.layers, routing.num_experts)), axis=-1)[
+      ..., :routing.top_k].astype(ROUTING_DTYPE)
 
 
 def sample_group(rng: np.random.Generator, group_id: int, shape: RolloutShape) -> TrajectoryGroup:
@@ -56,8 +63,10 @@ def sample_group(rng: np.random.Generator, group_id: int, shape: RolloutShape) -
     completions.append(rng.integers(1, shape.vocab_size, int(n), dtype=np.int32))
     if shape.with_old_logprobs:
       old.append(-rng.exponential(shape.old_logprob_scale, int(n)).astype(np.float32))
+  # drawn after everything else, so a shape without routing draws what it always drew
+  routing = None if shape.routing is None else [_routing(rng, p + len(c), shape.routing) for c in completions]
   return TrajectoryGroup(group_id, prompt, completions, rewards, advantages,
-                         old if shape.with_old_logprobs else None, np.arange(g, dtype=np.int32), 0)
+                         old if shape.with_old_logprobs else None, np.arange(g, dtype=np.int32), 0, routing)
 
 
 def generate_groups(shape: RolloutShape) -> Iterator[TrajectoryGroup]:
@@ -78,6 +87,7 @@ class SyntheticRollouts:
   fill: float = 0.85
   with_old_logprobs: bool = True
   seed: int = 0
+  routing: RoutingShape | None = None
 
   def __post_init__(self):
     if self.tokens_per_row < 4:
@@ -92,6 +102,7 @@ class SyntheticRollouts:
         generations_per_group=self.generations_per_group, prompt_len_median=max(t / 8, 2),
         min_prompt_len=2, completion_len_median=None, completion_len_sigma=0.6, max_tokens=t,
         vocab_size=self.vocab_size, with_old_logprobs=self.with_old_logprobs, old_logprob_scale=2.0,
+        routing=self.routing,
     )
 
   def micro_batch(self, step: int, index: int) -> list[Trajectory]:

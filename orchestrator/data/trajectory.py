@@ -20,6 +20,9 @@ class Trajectory:
       the sampling policy, shape [C]; without them the ratio is taken against
       the current policy (on-policy, ratio 1).
     group_id: which prompt group the completion belongs to.
+    routing: optional experts each MoE layer of the sampling policy chose for each token of the prompt and the
+      completion, shape [P + C, layers, top_k], integer (rollout routing replay: the trainer routes each token
+      to these experts; ``orchestrator.engine.moe``).
   """
 
   prompt_ids: np.ndarray
@@ -27,6 +30,7 @@ class Trajectory:
   advantage: float
   old_logprobs: np.ndarray | None = None
   group_id: int = 0
+  routing: np.ndarray | None = None
 
   @property
   def num_tokens(self) -> int:
@@ -45,12 +49,14 @@ class TrajectoryGroup:
   old_logprobs: list[np.ndarray] | None
   generation_ids: np.ndarray
   policy_version: int = 0
+  routing: list[np.ndarray] | None = None  # per completion: [P + C, layers, top_k] (``Trajectory.routing``)
 
   def trajectories(self) -> list[Trajectory]:
     return [
         Trajectory(
             self.prompt_ids, c, float(self.advantages[g]),
             None if self.old_logprobs is None else self.old_logprobs[g], self.group_id,
+            None if self.routing is None else self.routing[g],
         )
         for g, c in enumerate(self.completions)
     ]

@@ -98,7 +98,8 @@ class JaxTrainingEngine:
     self._step = self._total_micro = self._skipped_updates = 0
     self._finished: FinishedStep | None = None
     self._training = state = TrainingState(self.preset, self.options, self.mesh, optimizer)
-    self._inputs = MicroBatchInputs(self.rows, self.tokens_per_row, self.preset.vocab_size, state.batch_shardings)
+    self._inputs = MicroBatchInputs(self.rows, self.tokens_per_row, self.preset.vocab_size, state.batch_shardings,
+                                    self.options.routing_shape(self.preset))
     self._programs = StepPrograms(
         state.graphdefs, LossConfig(self.options.clip_eps_low, self.options.clip_eps_high, sampled,
                                     self.options.loss_aggregation, self.tokens_per_row, self.options.kl_beta,
@@ -115,7 +116,7 @@ class JaxTrainingEngine:
     Uses ``dummy_payload`` (or a one-trajectory payload) only for its shapes;
     nothing runs and no state changes. Calling it again is a no-op.
     """
-    dummy_payload = dummy_payload or [Trajectory(np.array([1], np.int32), np.array([2], np.int32), 0.0)]
+    dummy_payload = dummy_payload or self._inputs.placeholder()
     host, state = self._inputs.pack(dummy_payload), self._training
     batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=state.batch_shardings[k])
              for k, v in host.items()}

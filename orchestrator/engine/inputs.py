@@ -88,8 +88,9 @@ class MicroBatchInputs:
   an accelerator, None on CPU).
   """
 
-  def __init__(self, rows: int, tokens_per_row: int, vocab_size: int, shardings: Mapping[str, jax.sharding.Sharding]):
-    self.rows, self.tokens_per_row, self.vocab_size = rows, tokens_per_row, vocab_size
+  def __init__(self, rows: int, tokens_per_row: int, vocab_size: int, shardings: Mapping[str, jax.sharding.Sharding],
+               routing: packing.RoutingShape | None = None):
+    self.rows, self.tokens_per_row, self.vocab_size, self.routing = rows, tokens_per_row, vocab_size, routing
     self.shardings = dict(shardings)
     self.devices = sorted(self.shardings["input_tokens"].addressable_devices, key=lambda d: d.id)
     self.host_memory_kind = staging_memory_kind(self.devices)
@@ -99,14 +100,19 @@ class MicroBatchInputs:
   @functools.cached_property
   def input_bytes(self) -> tuple[int, ...]:
     """What one micro-batch's input holds on each of ``devices`` once placed (every input has the same shapes)."""
-    host = self.pack([Trajectory(np.array([1], np.int32), np.array([2], np.int32), 0.0)])
+    host = self.pack(self.placeholder())
     return bytes_per_device(jax.ShapeDtypeStruct(host[name].shape, host[name].dtype, sharding=self.shardings[name])
                             for name in host)
+
+  def placeholder(self) -> list[Trajectory]:
+    """A one-trajectory payload of the inputs' shapes (for compiling and sizing; its values mean nothing)."""
+    routing = None if self.routing is None else np.zeros((2, self.routing.layers, self.routing.top_k), np.int16)
+    return [Trajectory(np.array([1], np.int32), np.array([2], np.int32), 0.0, routing=routing)]
 
   def pack(self, payload: Sequence[Trajectory]) -> dict[str, np.ndarray]:
     """The whole micro-batch, packed (its shapes are the compiled step's)."""
     return packing.pack_payload(payload, rows=self.rows, tokens_per_row=self.tokens_per_row,
-                                vocab_size=self.vocab_size)
+                                vocab_size=self.vocab_size, routing=self.routing)
 
   def prepare(self, payload: Sequence[Trajectory], engine_id: int) -> PreparedFwdBwdInput:
     """Packs this process's block of ``payload`` and starts its copy; raises ValueError for a bad payload."""
@@ -123,7 +129,7 @@ class MicroBatchInputs:
   def _pack_local(self, payload: Sequence[Trajectory]) -> dict[str, np.ndarray]:
     rows, tokens = self.local_block
     host = packing.pack_payload(payload, rows=self.rows, tokens_per_row=self.tokens_per_row,
-                                vocab_size=self.vocab_size, row_range=(rows.start, rows.stop))
+                                vocab_size=self.vocab_size, row_range=(rows.start, rows.stop), routing=self.routing)
     if (tokens.start, tokens.stop) != (0, self.tokens_per_row):
       host = {name: np.ascontiguousarray(array[:, tokens]) for name, array in host.items()}
     return host
@@ -132,5 +138,5 @@ class MicroBatchInputs:
     if self.local_block is None:
       return place_tree(host, self.shardings, via=self.host_memory_kind)
     shape = (self.rows, self.tokens_per_row)
-    return {name: jax.make_array_from_process_local_data(self.shardings[name], array, shape)
+    return {name: jax.make_array_from_process_local_data(self.shardings[name], array, shape + array.shape[2:])
             for name, array in host.items()}

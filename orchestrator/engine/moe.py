@@ -10,10 +10,23 @@ expert output. Padding positions are not routed and take no capacity.
 ``factor=None`` is fully dropless.
 
 The layer keeps Tunix's parameter names (``router``, ``gate_proj``,
-``up_proj``, ``down_proj``), so weights and shardings are unchanged. Two
+``up_proj``, ``down_proj``), so weights and shardings are unchanged. Three
 things reach it from the loss function without changing Tunix's decoder
-signatures, both through ``routing_scope``: the mask of real tokens, and a list
-that collects each layer's dropped-assignment count inside the same trace.
+signatures, all through ``routing_scope``: the mask of real tokens, a list
+that collects each layer's dropped-assignment count inside the same trace, and
+under rollout routing replay the experts the sampler chose.
+
+Rollout routing replay (``engine.router_replay``): each token goes to the
+experts the sampling policy's layer chose for it (``[rows, tokens, layers,
+top_k]``, the layer found by its place in the forward pass), in the recorded
+order, instead of the trainer's own top-k; capacity, priority and drops apply
+to them as to a top-k. The routing weights are the trainer's router
+probabilities at the replayed experts, renormalised over them — a softmax of
+the trainer's router logits over the replayed experts, as Rollout Routing
+Replay (R3; Ma et al., 2025) defines it — so the router still gets the
+gradient of the loss through those weights. Without replay the same formula
+holds with the trainer's own top-k, so a replay of the trainer's own choices
+changes nothing.
 
 Each expert computes only the assignments it kept (``routed_expert_mlp``): the
 kept assignments are sorted by expert (stably, so in priority order), each
@@ -32,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import functools
 import math
 import operator
@@ -43,18 +57,42 @@ from flax import nnx
 _SCOPE: contextvars.ContextVar = contextvars.ContextVar("moe_routing_scope", default=None)
 
 
-@contextlib.contextmanager
-def routing_scope(token_mask: jax.Array | None):
-  """While tracing the model: routes only ``token_mask`` positions and collects drop counts.
+@dataclasses.dataclass
+class _Scope:
+  token_mask: jax.Array | None
+  replay: jax.Array | None
+  dropped: list = dataclasses.field(default_factory=list)  # per layer, in forward order
+  chosen: list = dataclasses.field(default_factory=list)  # per layer: its [N, K] experts
 
-  Yields the list each MoE layer appends its dropped-assignment count to.
+
+@contextlib.contextmanager
+def routing_scope(token_mask: jax.Array | None, replay: jax.Array | None = None):
+  """While tracing the model: routes only ``token_mask`` positions and collects drop counts; with ``replay``
+  ([rows, tokens, layers, top_k] expert ids) the n-th MoE layer of the forward pass routes by ``replay[:, :, n]``.
+
+  Yields the list each MoE layer appends its dropped-assignment count to (one entry per layer, in order).
   """
-  dropped: list[jax.Array] = []
-  token = _SCOPE.set((token_mask, dropped))
+  scope = _Scope(token_mask, replay)
+  token = _SCOPE.set(scope)
   try:
-    yield dropped
+    yield scope.dropped
   finally:
     _SCOPE.reset(token)
+
+
+def routing_of(model, tokens: jax.Array, positions: jax.Array, attention_mask: jax.Array,
+               token_mask: jax.Array, replay: jax.Array | None = None) -> jax.Array:
+  """The experts each MoE layer of ``model`` chooses for each token of a forward pass, [rows, tokens, layers,
+  top_k] int16, in each token's choice order (what routing replay carries); with ``replay``, the experts the
+  layers routed to under that replay."""
+  scope = _Scope(token_mask, replay)
+  token = _SCOPE.set(scope)
+  try:
+    model(tokens, positions, None, attention_mask)
+  finally:
+    _SCOPE.reset(token)
+  b, t = tokens.shape
+  return jnp.stack([experts.reshape(b, t, -1) for experts in scope.chosen], axis=2).astype(jnp.int16)
 
 
 class CapacityMoELayer(nnx.Module):
@@ -78,12 +116,18 @@ class CapacityMoELayer(nnx.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     b, t, d = x.shape
     n, k, e = b * t, self.experts_per_tok, self.num_experts
-    scope = _SCOPE.get()
-    token_mask = None if scope is None else scope[0]
-    real = jnp.ones((n,), jnp.float32) if token_mask is None else token_mask.reshape(n).astype(jnp.float32)
+    scope = _SCOPE.get() or _Scope(None, None)
+    real = (jnp.ones((n,), jnp.float32) if scope.token_mask is None
+            else scope.token_mask.reshape(n).astype(jnp.float32))
 
     scores = self.router(x).astype(jnp.float32).reshape(n, e)
-    weights, experts = jax.lax.top_k(jax.nn.softmax(scores, axis=-1), k)  # [N, K]
+    probabilities = jax.nn.softmax(scores, axis=-1)
+    if scope.replay is None:
+      weights, experts = jax.lax.top_k(probabilities, k)  # [N, K]
+    else:  # this layer's recorded choices: the layers before it each appended their drop count
+      experts = scope.replay[:, :, len(scope.dropped)].reshape(n, k).astype(jnp.int32)
+      weights = jnp.take_along_axis(probabilities, experts, axis=-1)
+    scope.chosen.append(experts)
     weights = (weights / jnp.sum(weights, axis=-1, keepdims=True)).astype(self.dtype)
 
     # [K, N, E]: choice-major, so all first choices queue before any second choice.
@@ -97,8 +141,7 @@ class CapacityMoELayer(nnx.Module):
       kept = (queue * (position < capacity)).reshape(k, n, e)
     keep = jnp.sum(kept, axis=-1).T  # [N, K]: 1 where the assignment got a slot
     dropped = jnp.sum(assigned) - jnp.sum(kept)
-    if scope is not None:
-      scope[1].append(dropped)
+    scope.dropped.append(dropped)
 
     flat = x.reshape(n, d).astype(self.dtype)
     gate, up, down = (jnp.astype(w[...], self.dtype) for w in (self.gate_proj, self.up_proj, self.down_proj))

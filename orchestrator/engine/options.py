@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from orchestrator.data import packing
 from orchestrator.engine.families import FAMILIES
 from orchestrator.engine.presets import ModelPreset
 
@@ -64,6 +65,9 @@ class EngineOptions:
       fully dropless. No effect on a dense model.
     retry_when_tokens_dropped: a micro-batch whose experts dropped tokens is
       discarded and re-run with a program that drops nothing (dropless re-run).
+    router_replay: rollout routing replay (MoE only): every trajectory carries the experts the sampler's MoE
+      layers chose for each of its tokens, they travel in the micro-batch (``packing.ROUTING``), and the
+      trainer's forward routes each token to them instead of its own top-k (``moe``).
     skip_nonfinite_updates: ``update()`` reads the gradient norm on the host and
       skips the optimizer step when it is not finite.
     dtype: the compute dtype of the forward and backward passes (``COMPUTE_DTYPES``);
@@ -89,6 +93,7 @@ class EngineOptions:
   seed: int = 0
   ragged_buffer_factor: float = -1.0
   retry_when_tokens_dropped: bool = False
+  router_replay: bool = False
   skip_nonfinite_updates: bool = False
   dtype: str = "float32"
   epochs: int = 1
@@ -162,6 +167,10 @@ class EngineOptions:
           f"engine.retry_when_tokens_dropped=true needs an MoE model, but {preset.name!r} is"
           " dense; pick an MoE preset (e.g. tiny_moe) or turn the retry off"
       )
+    if self.router_replay and not preset.is_moe:
+      raise ValueError(f"engine.router_replay=true replays the experts an MoE model's sampler chose, but"
+                       f" {preset.name!r} is dense (it has no experts to route to); pick an MoE model or turn"
+                       " the replay off")
     if self.backend == "tunix_peft" and preset.is_moe:
       raise ValueError(
           f"engine.backend=tunix_peft trains dense models only, but {preset.name!r} is MoE;"
@@ -172,6 +181,13 @@ class EngineOptions:
       raise ValueError(f"engine.dtype={self.dtype}: {preset.name} is a {family.name} model, and Tunix's"
                        f" {family.model_class} computes in {' or '.join(family.compute_dtypes)} only; set"
                        f" engine.dtype={family.compute_dtypes[0]}")
+
+  def routing_shape(self, preset: ModelPreset) -> packing.RoutingShape | None:
+    """What each token's replayed routing holds (None: no replay)."""
+    if not self.router_replay:
+      return None
+    return packing.RoutingShape(layers=preset.num_layers, top_k=preset.num_experts_per_tok,
+                                num_experts=preset.num_experts)
 
   @property
   def capacity_factor(self) -> float | None:

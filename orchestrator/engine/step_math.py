@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from orchestrator.data import packing
 from orchestrator.engine import moe as moe_lib
 from orchestrator.engine.loss import LossConfig, attention_mask, policy_loss_sum
 
@@ -25,7 +26,8 @@ def loss_sum_fn(graphdef: Any, loss_config: LossConfig) -> Callable:
 
   def loss_sum(params, batch, *reference):
     model = nnx.merge(graphdef, params)
-    with moe_lib.routing_scope(batch["segment_ids"] > 0) as dropped:
+    # Under routing replay the policy routes by the sampler's choices; the frozen reference routes itself.
+    with moe_lib.routing_scope(batch["segment_ids"] > 0, batch.get(packing.ROUTING)) as dropped:
       logits, _ = model(batch["input_tokens"], batch["positions"], None,
                         attention_mask(batch["segment_ids"]))
     reference_logits = None

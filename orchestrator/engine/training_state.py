@@ -54,6 +54,8 @@ class TrainingState:
         opt_state,
     )
     self.batch_shardings = {name: mesh_lib.batch_sharding(mesh, 2) for name in packing.FIELDS}
+    if options.router_replay:  # [rows, tokens, layers, top_k]: split as the tokens are
+      self.batch_shardings[packing.ROUTING] = mesh_lib.batch_sharding(mesh, 4)
     self.opt_state = jax.device_put(opt_state, self.opt_shardings)
     self._zeros_jit = jax.jit(lambda p: jax.tree.map(jnp.zeros_like, p), out_shardings=self.param_shardings)
     # The KL term's reference, frozen: model.reference_checkpoint's weights, or else the starting weights (a

@@ -26,6 +26,7 @@ import numpy as np
 
 from orchestrator import phases
 from orchestrator.contract import RolloutStats
+from orchestrator.data.packing import ROUTING_DTYPE
 from orchestrator.data.trajectory import Trajectory
 
 #: The last entry of a reshuffle's seed, so its stream is never a sampling seed's ((seed, batch, micro-batch)).
@@ -173,14 +174,16 @@ class BatchRollouts:
 
   def to_json(self) -> dict[str, Any]:
     payloads = [[{"prompt_ids": t.prompt_ids.tolist(), "completion_ids": t.completion_ids.tolist(),
-                  "advantage": float(t.advantage), "old_logprobs": t.old_logprobs.tolist(), "group_id": t.group_id}
+                  "advantage": float(t.advantage), "old_logprobs": t.old_logprobs.tolist(), "group_id": t.group_id,
+                  **({} if t.routing is None else {"routing": t.routing.tolist()})}
                  for t in payload] for payload in self.payloads]
     return dict(dataclasses.asdict(self), payloads=payloads)
 
   @classmethod
   def from_json(cls, data: dict[str, Any]) -> "BatchRollouts":
     payloads = [[Trajectory(np.asarray(t["prompt_ids"], np.int32), np.asarray(t["completion_ids"], np.int32),
-                            float(t["advantage"]), np.asarray(t["old_logprobs"], np.float32), int(t["group_id"]))
+                            float(t["advantage"]), np.asarray(t["old_logprobs"], np.float32), int(t["group_id"]),
+                            np.asarray(t["routing"], ROUTING_DTYPE) if "routing" in t else None)
                  for t in payload] for payload in data["payloads"]]
     return cls(**dict(data, payloads=payloads))
 

@@ -440,4 +440,5 @@ def recorded_groups(batches: list[BatchRollouts], generations: int):
                               np.asarray(rewards[first:first + generations], np.float32),
                               np.asarray([t.advantage for t in group], np.float32),
                               [t.old_logprobs for t in group], np.arange(len(group), dtype=np.int32),
-                              rollouts.weights_version)
+                              rollouts.weights_version,
+                              None if group[0].routing is None else [t.routing for t in group])

@@ -10,6 +10,7 @@ key gives the same completions in any process and in any boundary mode.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,7 +20,10 @@ import numpy as np
 from flax import nnx
 from tunix.generate import sampler as sampler_lib
 
+from orchestrator.data.packing import RoutingShape
 from orchestrator.engine import model as model_lib
+from orchestrator.engine import moe as moe_lib
+from orchestrator.engine.loss import attention_mask
 from orchestrator.engine.presets import ModelPreset
 from orchestrator.live.placement import SamplerPlacement, default_device
 
@@ -37,7 +41,8 @@ class Samples:
   completed a stop string. ``texts[i]`` is the completion's text, cut before its stop string (what the reward
   sees). ``ended[i]``: whether it ended with an eos or a stop string (False: cut at ``max_generation_steps`` or
   at its prompt's own limit); None for a fixed-length answer alphabet sampled without stop strings, which has
-  no end.
+  no end. ``routing[i]`` (a sampler that records routing): the experts each MoE layer of the sampling weights
+  chose for each token of prompt and completion (``LiveSampler``'s docstring says how they are found).
   """
 
   prompts: list[str]
@@ -47,6 +52,7 @@ class Samples:
   texts: list[str]
   weights_version: int
   ended: list[bool] | None = None
+  routing: list[np.ndarray] | None = None  # per completion: [prompt + completion tokens, layers, top_k] int16
 
 
 def sampled_token_ids(tokenizer, alphabet: str | None) -> list[int]:
@@ -74,13 +80,18 @@ class LiveSampler:
     alphabet: the only characters completions may use (a toy task's answers: fixed length, no eos); None
       samples any id the tokenizer has, and a completion ends at an end-of-sequence id.
     dtype: the compute dtype (``engine.dtype``), as the engine trains.
+    routing: record each sampled sequence's MoE routing (rollout routing replay; None: none). Tunix's sampler
+      does not return the experts its decoding steps chose, so they are found by one forward pass of the
+      sampling weights over each prompt and completion (``engine.moe.routing_of``): the routing those weights
+      give the sequence. A decoding step computes the same scores through its cache, so a token whose top-k
+      is close to a tie may have been decoded with the other choice; what the trainer replays is this pass's.
     placement: the devices it samples on and holds its weights on (``live.placement``); None: the default
       device.
   """
 
   def __init__(self, preset: ModelPreset, tokenizer, *, seed: int, max_prompt_length: int,
                max_generation_steps: int, alphabet: str | None = None, dtype: str = "float32",
-               placement: SamplerPlacement | None = None):
+               placement: SamplerPlacement | None = None, routing: RoutingShape | None = None):
     if tokenizer.vocab_size > preset.vocab_size:
       raise ValueError(f"the tokenizer's {tokenizer.vocab_size} ids do not fit {preset.name}'s vocabulary"
                        f" of {preset.vocab_size}")
@@ -92,6 +103,9 @@ class LiveSampler:
       # a sync's do not, and jit keys on that, so prefill and decode would compile again at the first sync
       params = jax.tree.map(jnp.asarray, jax.device_get(params))
     self._graphdef = graphdefs["dropless"]  # sampling never drops tokens
+    self._params = params  # the weights sampling now: routing is recorded with them
+    self.routing = routing
+    self._routing_jit = jax.jit(functools.partial(_routing_of, self._graphdef)) if routing is not None else None
     #: The tree ``sync`` takes and each leaf's shape (a sampler in another process rebuilds the weights with it).
     self.weights_structure = jax.tree.structure(params)
     self.weight_shapes = [tuple(leaf.shape) for leaf in jax.tree.leaves(params)]
@@ -119,6 +133,7 @@ class LiveSampler:
       placed = jax.tree.map(jnp.asarray, jax.device_get(weights))
     model = nnx.merge(self._graphdef, placed)
     self._sampler.transformer_state = nnx.variables(model)
+    self._params = placed
     self.weights_version = int(version)
 
   def close(self) -> None:
@@ -150,7 +165,26 @@ class LiveSampler:
                           max_prompt_length=self.max_prompt_length, temperature=temperature,
                           seed=int(seed), return_logprobs=True, forbidden_tokens=self._forbidden,
                           eos_tokens=[NEVER_SAMPLED], **self._truncation(top_p, top_k))
-    return self._samples(prompts, out, stop=stop, max_new_tokens=max_new_tokens)
+    samples = self._samples(prompts, out, stop=stop, max_new_tokens=max_new_tokens)
+    if self.routing is None:
+      return samples
+    return dataclasses.replace(samples, routing=self._record_routing(samples.prompt_ids, samples.completion_ids))
+
+  def _record_routing(self, prompt_ids: Sequence[np.ndarray], completion_ids: Sequence[np.ndarray]
+                      ) -> list[np.ndarray]:
+    """Each sequence's routing under the weights that sampled it: one forward pass over the prompts and
+    completions, rows padded to a multiple of ``ROUTING_WIDTH_STEP`` tokens (few shapes, few compiles)."""
+    lengths = [len(p) + len(c) for p, c in zip(prompt_ids, completion_ids)]
+    width = -(-max(lengths) // ROUTING_WIDTH_STEP) * ROUTING_WIDTH_STEP
+    tokens = np.zeros((len(lengths), width), np.int32)
+    segments = np.zeros((len(lengths), width), np.int32)
+    for row, (p, c) in enumerate(zip(prompt_ids, completion_ids)):
+      tokens[row, :lengths[row]] = np.concatenate([p, c])
+      segments[row, :lengths[row]] = 1
+    positions = np.broadcast_to(np.arange(width, dtype=np.int32), tokens.shape)
+    with default_device(self.placement):
+      routing = np.asarray(self._routing_jit(self._params, tokens, positions, segments))
+    return [routing[row, :n] for row, n in enumerate(lengths)]
 
   def _truncation(self, top_p: float, top_k: int) -> dict[str, Any]:
     """Tunix's ``top_p``/``top_k`` arguments. Untruncated, exactly today's call (``top_p=1.0`` alone), so a run
@@ -206,6 +240,15 @@ class LiveSampler:
     return Samples(list(prompts), [prompt_ids[p].copy() for p in prompts],
                    completions, logprobs, texts, self.weights_version,
                    None if self._fixed_length and not stop else ended)
+
+
+#: Rows of a routing pass are padded to a multiple of this many tokens.
+ROUTING_WIDTH_STEP = 64
+
+
+def _routing_of(graphdef, params, tokens, positions, segment_ids):
+  return moe_lib.routing_of(nnx.merge(graphdef, params), tokens, positions, attention_mask(segment_ids),
+                            segment_ids > 0)
 
 
 def first_stop(tokenizer, ids: np.ndarray, text: str, stop: Sequence[str]) -> tuple[int, str] | None:

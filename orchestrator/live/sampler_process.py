@@ -68,6 +68,7 @@ class SamplerSpec:
   alphabet: str | None
   dtype: str
   xla_threads: int | None = None  # the child's XLA pool (the run's core plan fixes it); None: its cores'
+  routing: Any = None  # a ``packing.RoutingShape``: record each sample's routing (rollout routing replay)
 
 
 class SamplerProcess:
@@ -186,7 +187,7 @@ def _serve(conn, spec: SamplerSpec) -> None:
     sampler = LiveSampler(spec.preset, spec.model.tokenizer(), seed=spec.seed,
                           max_prompt_length=spec.max_prompt_length,
                           max_generation_steps=spec.max_generation_steps, alphabet=spec.alphabet,
-                          dtype=spec.dtype)
+                          dtype=spec.dtype, routing=spec.routing)
     treedef, shapes = sampler.weights_structure, sampler.weight_shapes
     conn.send(("ok", None))
   except BaseException:

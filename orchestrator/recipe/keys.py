@@ -169,8 +169,9 @@ def _coerce_plain(key: str, t: Any, value: Any) -> Any:
   raise RecipeError(f"{key}: unsupported type {t}")  # pragma: no cover
 
 
-#: Short forms a recipe, an override or a saved run may use for a key: ``model: tiny`` is ``model.preset: tiny``.
-ALIASES = {"model": "model.preset"}
+#: Short forms a recipe, an override or a saved run may use for a key: ``model: tiny`` is ``model.preset: tiny``;
+#: ``moe: {router_replay: true}`` is ``engine.router_replay`` (beside the engine's other MoE keys).
+ALIASES = {"model": "model.preset", "moe.router_replay": "engine.router_replay"}
 
 
 def canonical(key: str) -> str:
@@ -195,7 +196,7 @@ def flatten(tree: Mapping[str, Any], prefix: str = "", where: str = "recipe") ->
     key = f"{prefix}{name}"
     if key in ALIASES and not isinstance(value, Mapping):
       out[ALIASES[key]] = value
-    elif isinstance(value, Mapping) and key in _section_paths():
+    elif isinstance(value, Mapping) and (key in _section_paths() or any(a.startswith(f"{key}.") for a in ALIASES)):
       out.update(flatten(value, f"{key}.", where))
     elif key in known:
       out[key] = value

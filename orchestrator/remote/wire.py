@@ -282,6 +282,8 @@ def encode_payload(method: str, payload: list, **header) -> list:
     arrays[f"t{i}.completion_ids"] = t.completion_ids
     if t.old_logprobs is not None:
       arrays[f"t{i}.old_logprobs"] = t.old_logprobs
+    if t.routing is not None:
+      arrays[f"t{i}.routing"] = t.routing
     rows.append({"advantage": float(t.advantage), "group_id": int(t.group_id)})
   return encode_parts({"method": method, "trajectories": rows, **header}, arrays)
 
@@ -309,7 +311,11 @@ def _trajectory(i: int, row: Any, arrays: Mapping[str, np.ndarray]) -> Trajector
   if old_logprobs is not None and (old_logprobs.shape != completion.shape or old_logprobs.dtype.kind not in "fV"):
     raise WireError(f"array 't{i}.old_logprobs' is {old_logprobs.dtype.name}{list(old_logprobs.shape)}; it needs"
                     f" one float per completion token ({len(completion)})")
-  return Trajectory(prompt, completion, float(advantage), old_logprobs, group_id)
+  routing = arrays.get(f"t{i}.routing")  # its shape and ids are the engine's to check (packing.validate_routing)
+  if routing is not None and (routing.ndim != 3 or routing.dtype.kind not in "iu"):
+    raise WireError(f"array 't{i}.routing' is {routing.dtype.name}{list(routing.shape)}; routing is integer"
+                    " expert ids [tokens, layers, top_k]")
+  return Trajectory(prompt, completion, float(advantage), old_logprobs, group_id, routing)
 
 
 def decode_payload(header: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> list:

@@ -36,7 +36,8 @@ class RigHost:
 
   def _payload_digest(self, payload) -> str:
     e = self._engine
-    return payload_digest(payload, rows=e.rows, tokens_per_row=e.tokens_per_row, vocab_size=e.preset.vocab_size)
+    return payload_digest(payload, rows=e.rows, tokens_per_row=e.tokens_per_row, vocab_size=e.preset.vocab_size,
+                          routing=e.options.routing_shape(e.preset) if hasattr(e, "options") else None)
 
   def begin_arm(self, fault: str | None):
     """Restores the first arm's starting state and returns the recording proxy to drive.

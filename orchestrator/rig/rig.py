@@ -153,10 +153,12 @@ def run_rig(recipe, recording_dir: str | Path, arm_names: Sequence[str], out_dir
     raise RigError(f"the rig drives the JAX engine (it snapshots and times its parts);"
                    f" engine.backend={recipe.engine.backend!r} is not supported here")
   m = recipe.batch.micro_batches_per_step
+  preset = recipe.model_preset()  # the recording is checked before a trainer is built
+  recording = open_recording(recording_dir, vocab_size=preset.vocab_size,
+                             routing=recipe.engine.routing_shape(preset))
   trainer = RemoteRigTrainer(recipe, out) if recipe.trainer.location == "remote" else LocalRigTrainer(recipe)
   try:
-    return _run_arms(recipe, trainer, open_recording(recording_dir, vocab_size=trainer.shape.vocab_size),
-                     arms, out, steps, m, warmup_steps, progress)
+    return _run_arms(recipe, trainer, recording, arms, out, steps, m, warmup_steps, progress)
   finally:
     trainer.close()
 

@@ -15,6 +15,7 @@ import dataclasses
 from pathlib import Path
 
 from orchestrator.assembly import make_worker, policy_from_recipe, program_config
+from orchestrator.data.packing import RoutingShape
 from orchestrator.engine import backend_compile_count, build_engine
 from orchestrator.engine.options import CHECKPOINTING_BACKENDS
 from orchestrator.loop.program import RLProgram
@@ -29,6 +30,7 @@ class BatchShape:
   tokens_per_row: int
   vocab_size: int
   rerun_dropped: bool
+  routing: RoutingShape | None = None  # the engine replays routing: payload digests count it
 
 
 def _arm_config(recipe, n_steps):
@@ -48,7 +50,7 @@ class LocalRigTrainer:
                                tokens_per_row=recipe.batch.tokens_per_row, **options)
     require_snapshots(self.engine)
     self.shape = BatchShape(self.engine.rows, self.engine.tokens_per_row, self.engine.preset.vocab_size,
-                            self.engine.rerun_dropped)
+                            self.engine.rerun_dropped, recipe.engine.routing_shape(self.engine.preset))
     self.snapshot = self.engine.snapshot()
 
   def run_arm(self, arm, arm_steps, n_steps, digests: dict):
@@ -79,7 +81,8 @@ class RemoteRigTrainer:
                                                  write_dir=out)
     info = self.worker.rig_begin_arm(None)  # the state every arm starts from is this one
     self.worker.rig_end_arm()
-    self.shape = BatchShape(info["rows"], info["tokens_per_row"], info["vocab_size"], info["rerun_dropped"])
+    self.shape = BatchShape(info["rows"], info["tokens_per_row"], info["vocab_size"], info["rerun_dropped"],
+                            recipe.engine.routing_shape(recipe.model_preset()))
 
   def run_arm(self, arm, arm_steps, n_steps, digests: dict):
     del digests  # the trainer digests what it was given by content

@@ -552,6 +552,14 @@ CASES = [
      "rollouts.batch_steps=2 is read by the live loop only, but rollouts.source=synthetic"),
     ("epochs-replayed", lambda t, g: ON_RECORDING + [f"rollouts.recording={g}", "engine.epochs=2"], {},
      "engine.epochs=2 is read by the live loop only, but rollouts.source=recording"),
+    ("router-replay-on-dense", ["model=tiny", "engine.router_replay=true"], {},
+     "engine.router_replay=true replays the experts an MoE model's sampler chose, but 'tiny' is dense"),
+    ("router-replay-short-form-on-dense", ["model=tiny", "moe.router_replay=true"], {},
+     "engine.router_replay=true replays the experts an MoE model's sampler chose"),
+    ("router-replay-of-a-recording-without-routing", lambda t, g: [
+        "model=tiny_moe", "batch.rows=16", "steps=2", "rollouts.source=recording", f"rollouts.recording={g}",
+        "engine.router_replay=true"], {},
+     "was recorded without routing, but engine.router_replay is on: record it again with"),
     ("recording-too-short", lambda t, g: ON_RECORDING[:-2] + ["steps=500", "rollouts.source=recording",
                                                              f"rollouts.recording={g}"], {}, "500 were asked for"),
 ]

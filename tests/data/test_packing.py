@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+import re
+
 import numpy as np
 import pytest
 
 from orchestrator.data.trajectory import Trajectory
-from orchestrator.data.packing import FIELDS, pack_payload
+from orchestrator.data.packing import (FIELDS, ROUTING as ROUTING_FIELD, RoutingShape, bytes_per_token_by_field,
+                                       content_digest, pack_payload)
 
 
 def _traj(prompt, completion, adv=1.0, old=None, group=0):
@@ -78,3 +82,43 @@ def test_bad_payload_is_refused_and_changes_nothing(tiny_engine, payload, messag
     tiny_engine.prepare_fwd_bwd_input(payload)
   assert (tiny_engine.train_step, tiny_engine.micro_step_count, tiny_engine.total_micro_steps) == before
   assert tiny_engine.state_digest() == digest
+
+
+ROUTING = RoutingShape(layers=2, top_k=2, num_experts=4)
+
+
+def _routed(prompt, completion, adv=1.0):
+  n = len(prompt) + len(completion)
+  ids = np.stack([np.arange(n) % 4, (np.arange(n) + 1) % 4], axis=-1)  # two distinct experts per token
+  return dataclasses.replace(_traj(prompt, completion, adv), routing=np.stack([ids, ids[:, ::-1]], 1).astype(np.int16))
+
+
+@pytest.mark.spec
+def test_routing_is_packed_where_its_tokens_are_and_counted_in_the_digest():
+  a, b = _routed([1, 2], [3, 4, 5]), _routed([6], [7, 8])
+  out = pack_payload([a, b], rows=2, tokens_per_row=6, vocab_size=16, routing=ROUTING)
+  assert out[ROUTING_FIELD].shape == (2, 6, 2, 2) and out[ROUTING_FIELD].dtype == np.int16
+  assert np.array_equal(out[ROUTING_FIELD][0, :5], a.routing) and np.array_equal(out[ROUTING_FIELD][1, :3], b.routing)
+  assert not out[ROUTING_FIELD][0, 5:].any()  # padding routes nowhere (the mask keeps it out)
+  other = dataclasses.replace(a, routing=a.routing.copy())
+  other.routing[4, 1, 0] = 3 - other.routing[4, 1, 0]
+  changed = pack_payload([other, b], rows=2, tokens_per_row=6, vocab_size=16, routing=ROUTING)
+  assert content_digest(changed) != content_digest(out)
+  plain = pack_payload([a, b], rows=2, tokens_per_row=6, vocab_size=16)
+  assert ROUTING_FIELD not in plain and content_digest(plain) != content_digest(out)
+  assert bytes_per_token_by_field(ROUTING)[ROUTING_FIELD] == 2 * 2 * 2
+  assert sum(bytes_per_token_by_field().values()) == sum(dtype.itemsize for dtype in FIELDS.values())
+
+
+@pytest.mark.spec
+@pytest.mark.parametrize("routing, message", [
+    (None, "payload[0] carries no routing, but the engine replays"),
+    (np.zeros((4, 2, 2), np.int16), "payload[0] routing has shape (4, 2, 2); it must be (5, 2, 2)"),
+    (np.zeros((5, 2, 2), np.float32), "routing has dtype float32; expert ids must be integers"),
+    (np.full((5, 2, 2), 4, np.int16), "routing holds expert id 4, outside the model's 4 experts [0, 4)"),
+    (np.full((5, 2, 2), -1, np.int16), "routing holds expert id -1"),
+])
+def test_a_payload_whose_routing_does_not_fit_the_model_is_refused(routing, message):
+  with pytest.raises(ValueError, match=re.escape(message)):
+    pack_payload([dataclasses.replace(_traj([1, 2], [3, 4, 5]), routing=routing)], rows=2, tokens_per_row=8,
+                 vocab_size=16, routing=ROUTING)

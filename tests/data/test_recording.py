@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from orchestrator.data.packing import content_digest, pack_payload
+from orchestrator.data.packing import RoutingShape, content_digest, pack_payload
 from orchestrator.data.recording import (
     DATA_FILE, MANIFEST, RecordingError, decode_group, encode_group, open_recording, write_recording,
 )
@@ -61,6 +63,47 @@ def test_recording_round_trip_and_manifest(recording_dir):
       pack_payload(payload, rows=4, tokens_per_row=64, vocab_size=512)
       groups = [t.group_id for t in payload]
       assert all(groups.count(g) == 4 for g in set(groups))
+
+
+ROUTING = RoutingShape(layers=3, top_k=2, num_experts=6)
+
+
+@pytest.mark.engine
+def test_routing_rides_in_the_recording_and_replays_with_each_trajectory(tmp_path):
+  shape = dataclasses.replace(SHAPE, routing=ROUTING)
+  manifest = write_recording(tmp_path / "rec", generate_groups(shape), vocab_size=512, produced_by={})
+  assert manifest["routing"] == {"layers": 3, "top_k": 2}
+  originals = list(generate_groups(shape))
+  # routing is drawn after a group's other draws: the first group is the same as without it
+  np.testing.assert_array_equal(originals[0].completions[-1], next(generate_groups(SHAPE)).completions[-1])
+  rec = open_recording(tmp_path / "rec", vocab_size=512, routing=ROUTING)
+  first = replay_steps(rec, steps=1, **BATCH)[0][0][0]
+  np.testing.assert_array_equal(first.routing, originals[0].routing[0])
+  assert first.routing.shape == (first.num_tokens, 3, 2) and first.routing.dtype == np.int16
+  other = RoutingShape(layers=4, top_k=2, num_experts=6)
+  with pytest.raises(RecordingError, match=re.escape("carries routing for {'layers': 3, 'top_k': 2} (layers,"
+                                                     " experts per token), but the model has 4 MoE layers of top-2")):
+    open_recording(tmp_path / "rec", vocab_size=512, routing=other)
+
+
+@pytest.mark.engine
+def test_replaying_routing_from_a_recording_without_it_is_refused(recording_dir):
+  with pytest.raises(RecordingError, match="was recorded without routing, but engine.router_replay is on"):
+    open_recording(recording_dir, vocab_size=512, routing=ROUTING)
+  open_recording(recording_dir, vocab_size=512)  # without replay it is a good recording
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("corrupt, message", [
+    (lambda r: r.__setitem__((2, 1, 0), 6), "routing holds expert id 6, outside the model's 6 experts [0, 6)"),
+    (lambda r: r.__setitem__((2, 1, 1), r[2, 1, 0]), "routing gives one token the same expert twice in a layer"),
+])
+def test_routing_ids_the_model_cannot_take_are_refused_with_the_record(tmp_path, corrupt, message):
+  groups = list(generate_groups(dataclasses.replace(SHAPE, groups=3, routing=ROUTING)))
+  corrupt(groups[1].routing[2])
+  write_recording(tmp_path / "rec", iter(groups), vocab_size=512, produced_by={})
+  with pytest.raises(RecordingError, match=re.escape("record 1 (group 1) generation 2 ") + ".*" + re.escape(message)):
+    open_recording(tmp_path / "rec", vocab_size=512, routing=ROUTING)
 
 
 REPLAY_CHILD = """

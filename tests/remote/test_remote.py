@@ -25,7 +25,8 @@ BASE = ["model=tiny", "rollouts.source=synthetic", "steps=3", "batch.micro_batch
 def _payload():
   return [Trajectory(np.arange(5, dtype=np.int32), np.arange(3, dtype=np.int32), 0.1 + 0.2,
                      np.array([-0.5, -1.25, -2.0], np.float32), 3),
-          Trajectory(np.arange(2, dtype=np.int64), np.arange(4, dtype=np.int32), -1e-300, None, 1)]
+          Trajectory(np.arange(2, dtype=np.int64), np.arange(4, dtype=np.int32), -1e-300, None, 1,
+                     np.arange(24, dtype=np.int16).reshape(6, 2, 2))]  # routing replay's expert ids
 
 
 @pytest.mark.spec
@@ -36,7 +37,7 @@ def test_a_payload_round_trips_bit_for_bit_through_chunks():
   assert header["method"] == "fwd_bwd" and header["defer_update"] is True
   for sent, got in zip(_payload(), wire.decode_payload(header, arrays)):
     assert sent.advantage == got.advantage and sent.group_id == got.group_id
-    for field in ("prompt_ids", "completion_ids", "old_logprobs"):
+    for field in ("prompt_ids", "completion_ids", "old_logprobs", "routing"):
       a, b = getattr(sent, field), getattr(got, field)
       assert (a is None and b is None) or (a.dtype == b.dtype and np.array_equal(a, b))
 
