@@ -12,6 +12,12 @@ boundary alone missed what a stage costs its micro-batch's neighbours). The savi
 control − staged, with a 95 % Welch interval (``welch_interval``); ``MeasuredSaving`` holds the samples the
 policy judges by, and says when staging costs time (docs/design.md §6).
 
+The policy does not act on the 95 % interval each time a control arrives: over a run's many controls some
+interval would lie below zero by chance. It looks at fixed counts of controls — ``MIN_CONTROLS``, then each
+doubling (5, 10, 20, 40, …), once, as the control that completes the count arrives — and at look j asks for the interval at a level that spends half the error the
+looks before it left: a one-sided error of 2.5 % / 2^(j + 1) (1.25 %, 0.625 %, …), so over the whole run the
+chance that staging which saves nothing is turned off stays within 2.5 % (``decision_level``).
+
 The t quantile comes from a table (df 1–30, 40, 60, 120, ∞) with the Welch–Satterthwaite degrees of freedom
 rounded down to the nearest entry: the interval is never narrower than the exact one.
 """
@@ -40,6 +46,45 @@ _T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 
          2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042,
          2.021, 2.000, 1.980)
 _Z975 = 1.960
+
+
+#: The one-sided error every look of the policy together may spend (``decision_level``).
+DECISION_ERROR = 0.025
+
+
+def decision_level(control_n: int) -> float | None:
+  """The two-sided level of the interval the policy judges by at ``control_n`` controls: at the j-th look
+  (``MIN_CONTROLS`` × 2^j controls) one that leaves a one-sided error of ``DECISION_ERROR`` / 2^(j + 1); None
+  between looks."""
+  if control_n < MIN_CONTROLS or control_n % MIN_CONTROLS:
+    return None
+  doublings = control_n // MIN_CONTROLS
+  if doublings & (doublings - 1):
+    return None
+  return 1.0 - 2.0 * DECISION_ERROR / (2 * doublings)
+
+
+def t_quantile(p: float, df: float) -> float:
+  """Student's t quantile ``p`` (> 0.5) at ``df`` degrees of freedom rounded down (a larger quantile:
+  conservative): exact at 1 and 2, else the Cornish–Fisher expansion in the normal quantile to its fourth term
+  (within 0.5 % at 3 degrees of freedom and 0.99; it matches the 0.975 table to 0.01 from 3 on).
+
+  Raises:
+    ValueError: ``df`` below 1 or ``p`` outside (0.5, 1).
+  """
+  if not df >= 1 or not 0.5 < p < 1:
+    raise ValueError(f"a t quantile needs df >= 1 and 0.5 < p < 1, got df={df}, p={p}")
+  if df == math.inf:
+    return statistics.NormalDist().inv_cdf(p)
+  n = math.floor(df)
+  if n == 1:
+    return math.tan(math.pi * (p - 0.5))
+  if n == 2:
+    return (2 * p - 1) / math.sqrt(2 * p * (1 - p))
+  z = statistics.NormalDist().inv_cdf(p)
+  return (z + (z ** 3 + z) / (4 * n) + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * n ** 2)
+          + (3 * z ** 7 + 19 * z ** 5 + 17 * z ** 3 - 15 * z) / (384 * n ** 3)
+          + (79 * z ** 9 + 776 * z ** 7 + 1482 * z ** 5 - 1920 * z ** 3 - 945 * z) / (92160 * n ** 4))
 
 
 def t_quantile_975(df: float) -> float:
@@ -73,8 +118,9 @@ class Interval:
     return {"mean": self.mean, "low": self.low, "high": self.high}
 
 
-def welch_interval(control: Sequence[float], staged: Sequence[float]) -> Interval:
-  """mean(control) − mean(staged), with Welch's 95 % interval (unequal variances).
+def welch_interval(control: Sequence[float], staged: Sequence[float], *, level: float = 0.95) -> Interval:
+  """mean(control) − mean(staged), with Welch's interval at ``level`` (unequal variances; 95 %: the table's
+  quantile, else ``t_quantile``'s).
 
   Raises:
     ValueError: fewer than two values on a side.
@@ -87,7 +133,8 @@ def welch_interval(control: Sequence[float], staged: Sequence[float]) -> Interva
   if se == 0:
     return Interval(diff, diff, diff)
   df = (var_c + var_s) ** 2 / (var_c ** 2 / (len(control) - 1) + var_s ** 2 / (len(staged) - 1))
-  half = t_quantile_975(max(1.0, df)) * se
+  df = max(1.0, df)
+  half = (t_quantile_975(df) if level == 0.95 else t_quantile(0.5 + level / 2, df)) * se
   return Interval(diff, diff - half, diff + half)
 
 
@@ -142,13 +189,16 @@ class SavingEstimate:
   """The measured saving: control − staged, per boundary (idle) and per step (the boundary's span).
 
   ``boundary_idle_s`` and ``step_s`` are None until there are ``MIN_CONTROLS`` controls and ``MIN_STAGED``
-  staged samples (``enough``).
+  staged samples (``enough``). ``decision`` is the step saving's interval at this look's ``decision_level``
+  (None between looks): what the policy acts on.
   """
 
   boundary_idle_s: Interval | None
   step_s: Interval | None
   staged_n: int
   control_n: int
+  decision: Interval | None = None
+  decision_level: float | None = None
 
   @property
   def enough(self) -> bool:
@@ -156,29 +206,36 @@ class SavingEstimate:
 
   @property
   def costs_time(self) -> bool:
-    """Enough controls show staging costs time: the step saving's whole interval lies below zero."""
-    return self.enough and self.step_s.below_zero
+    """At a look, the controls show staging costs time: the step saving's whole interval at the look's level
+    lies below zero."""
+    return self.decision is not None and self.decision.below_zero
 
   def to_json(self) -> dict[str, Any]:
     return {"boundary_idle_s": self.boundary_idle_s and self.boundary_idle_s.to_json(),
             "step_s": self.step_s and self.step_s.to_json(), "staged_n": self.staged_n,
-            "control_n": self.control_n, "min_controls": MIN_CONTROLS}
+            "control_n": self.control_n, "min_controls": MIN_CONTROLS,
+            "decision": self.decision and self.decision.to_json(), "decision_level": self.decision_level}
 
   @classmethod
   def from_json(cls, data: dict[str, Any]) -> "SavingEstimate":
     def interval(d):
       return None if d is None else Interval(d["mean"], d["low"], d["high"])
     return cls(interval(data["boundary_idle_s"]), interval(data["step_s"]), int(data["staged_n"]),
-               int(data["control_n"]))
+               int(data["control_n"]), interval(data.get("decision")), data.get("decision_level"))
 
 
-def estimate(staged: Sequence[BoundarySample], control: Sequence[BoundarySample]) -> SavingEstimate:
-  """The saving the samples show (no figure with fewer than ``MIN_CONTROLS`` controls)."""
+def estimate(staged: Sequence[BoundarySample], control: Sequence[BoundarySample], *,
+             look: bool = False) -> SavingEstimate:
+  """The saving the samples show (no figure with fewer than ``MIN_CONTROLS`` controls); with ``look``, and where
+  the control count is a look's, the interval the policy judges by too."""
   if len(control) < MIN_CONTROLS or len(staged) < MIN_STAGED:
     return SavingEstimate(None, None, len(staged), len(control))
+  control_steps, staged_steps = [c.step_s for c in control], [s.step_s for s in staged]
+  level = decision_level(len(control)) if look else None
   return SavingEstimate(
       welch_interval([c.boundary_idle_s for c in control], [s.boundary_idle_s for s in staged]),
-      welch_interval([c.step_s for c in control], [s.step_s for s in staged]), len(staged), len(control))
+      welch_interval(control_steps, staged_steps), len(staged), len(control),
+      None if level is None else welch_interval(control_steps, staged_steps, level=level), level)
 
 
 def estimate_from_records(records: Sequence[Any]) -> SavingEstimate:
@@ -238,9 +295,11 @@ class MeasuredSaving:
     self.control: list[BoundarySample] = []
 
   def add(self, sample: BoundarySample, *, control: bool) -> SavingEstimate:
-    """Adds one boundary's sample; returns the estimate the window now shows."""
+    """Adds one boundary's sample; returns the estimate the window now shows, judged (``decision``) when this
+    control brings the count to a look (each look is taken once: staged samples that arrive after it do not
+    take it again)."""
     (self.control if control else self.staged).append(sample)
-    return self.estimate()
+    return estimate(self.staged, self.control, look=control)
 
   def estimate(self) -> SavingEstimate:
     return estimate(self.staged, self.control)

@@ -538,7 +538,8 @@ class StepBoundaryPolicy:
     return self._apply(
         step, Mode.PIPELINED, "saving_disable",
         f"staging cost time: a step took {s(-saving.step_s.mean)} longer staged than unstaged (saving"
-        f" {s(saving.step_s.mean)}, 95 % interval {s(saving.step_s.low)} to {s(saving.step_s.high)}; boundary idle"
+        f" {s(saving.step_s.mean)}, 95 % interval {s(saving.step_s.low)} to {s(saving.step_s.high)}; at this look's"
+        f" {saving.decision_level:.2%} interval, {s(saving.decision.low)} to {s(saving.decision.high)}; boundary idle"
         f" saving {s(saving.boundary_idle_s.mean, zero='none')}) over {saving.staged_n} staged and {saving.control_n} control"
         " boundaries, so staging is off" + (f"; re-probed {self._streak.reprobe_every} boundaries later"
                                             if self._streak.reprobe_every else " for the run"))

@@ -42,6 +42,8 @@ from pathlib import Path
 
 import numpy as np
 
+from orchestrator.data.packing import RoutingShape
+from orchestrator.data.trajectory import Trajectory
 from orchestrator.engine.host_threads import reserve_host_core
 
 ARMS = ("plain", "routing")
@@ -56,8 +58,6 @@ RIG_OVERRIDES = ("model=tiny_moe", "batch.rows=8", "batch.tokens_per_row=512", "
 
 def payload(rows: int, tokens_per_row: int, routing, *, vocab_size: int = 32_000, seed: int = 0):
   """Two trajectories a row, each half a row (prompt a quarter of it), with routing when ``routing`` is given."""
-  from orchestrator.data.trajectory import Trajectory
-
   rng = np.random.default_rng(seed)
   half, out = tokens_per_row // 2, []
   for _ in range(2 * rows):
@@ -143,8 +143,6 @@ def main(argv=None) -> int:
   parser.add_argument("--out", type=Path, default=None, help="where the rig writes (default: a temporary directory)")
   args = parser.parse_args(argv)
   reserve_host_core()  # one XLA core, the host the other: before JAX starts
-  from orchestrator.data.packing import RoutingShape  # import here: numpy only, kept beside the others
-
   routing = RoutingShape(layers=args.layers, top_k=args.top_k, num_experts=args.experts)
   result = {"rows": args.rows, "tokens_per_row": args.tokens_per_row, "routing": dataclasses.asdict(routing), "arms": {}}
   for name, shape in (("plain", None), ("routing", routing)):

@@ -4,12 +4,14 @@ boundaries give a sample, and when there are too few controls for a figure."""
 from __future__ import annotations
 
 import math
+import random
 import types
 
 import pytest
 
-from policies.saving import (MIN_CONTROLS, BoundarySample, ControlSchedule, Interval, SavingEstimate, boundary_sample,
-                             estimate, estimate_from_records, t_quantile_975, welch_interval)
+from policies.saving import (DECISION_ERROR, MIN_CONTROLS, BoundarySample, ControlSchedule, Interval, MeasuredSaving,
+                             SavingEstimate, boundary_sample, decision_level, estimate, estimate_from_records,
+                             t_quantile, t_quantile_975, welch_interval)
 
 pytestmark = pytest.mark.spec
 
@@ -111,3 +113,51 @@ def test_controls_fall_at_every_phase_of_a_period_k_is_a_multiple_of(every):
 def test_the_control_schedule_refuses_what_is_not_a_whole_number(bad):
   with pytest.raises(ValueError, match="control_every must be a whole number >= 0"):
     ControlSchedule(bad)
+
+
+@pytest.mark.parametrize("df", [3, 4, 6, 10, 20, 30, 60, 120])
+def test_the_general_t_quantile_matches_the_table_and_is_exact_at_one_and_two_degrees(df):
+  assert abs(t_quantile(0.975, df) - t_quantile_975(df)) < 0.01
+  assert t_quantile(0.975, 1) == pytest.approx(12.706, abs=1e-3) and t_quantile(0.975, 2) == pytest.approx(4.303, abs=1e-3)
+  assert t_quantile(0.99, 3) == pytest.approx(4.541, rel=0.005) and t_quantile(0.995, 5) == pytest.approx(4.032, rel=0.005)
+  with pytest.raises(ValueError, match="0.5 < p < 1"):
+    t_quantile(0.4, 3)
+
+
+def test_the_policy_looks_at_doubling_control_counts_and_spends_at_most_its_error():
+  looks = {n: decision_level(n) for n in range(1, 700) if decision_level(n) is not None}
+  assert list(looks) == [MIN_CONTROLS * 2 ** j for j in range(len(looks))]
+  assert sum((1 - level) / 2 for level in looks.values()) < DECISION_ERROR
+  assert looks[MIN_CONTROLS] < 0.99 and all(a < b for a, b in zip(list(looks.values()), list(looks.values())[1:]))
+
+
+def test_an_interval_below_zero_between_looks_or_only_at_95_percent_does_not_turn_staging_off():
+  staged = [BoundarySample(0.0, 1.0 + 0.01 * (i % 3)) for i in range(20)]
+  slower = [BoundarySample(0.0, 0.98 + 0.02 * (i % 2)) for i in range(6)]  # staged costs about 1.5 % a step
+  between = estimate(staged, slower, look=True)  # 6 controls: not a look
+  assert between.step_s.below_zero and between.decision is None and not between.costs_time
+  at_look = estimate(staged, slower[:MIN_CONTROLS], look=True)
+  assert at_look.decision_level == decision_level(MIN_CONTROLS) and at_look.costs_time
+  assert not estimate(staged, slower[:MIN_CONTROLS]).costs_time  # a staged sample's arrival takes no look
+  marginal = [BoundarySample(0.0, x) for x in (0.998, 1.008, 0.993, 1.003, 0.988)]
+  near = estimate(staged, marginal, look=True)
+  assert near.step_s.below_zero and not near.decision.below_zero and not near.costs_time  # 95 % says so; the look not
+
+
+def test_staging_that_saves_nothing_is_rarely_turned_off_where_judging_every_control_would_often():
+  """Negative control: the same noise judged at the 95 % interval after every control turns staging off
+  several times as often."""
+  rng = random.Random(7)
+  runs, controls_per_run, turned_off, every_control = 300, 40, 0, 0
+  for _ in range(runs):
+    saving = MeasuredSaving()
+    decided = naive = False
+    for k in range(controls_per_run * 4):
+      control = k % 4 == 0
+      estimate_now = saving.add(BoundarySample(0.0, rng.gauss(1.0, 0.05)), control=control)
+      decided = decided or estimate_now.costs_time
+      naive = naive or (control and estimate_now.enough and estimate_now.step_s.below_zero)
+    turned_off += decided
+    every_control += naive
+  assert turned_off / runs <= DECISION_ERROR + 0.015, turned_off
+  assert every_control >= 3 * max(turned_off, 1), (every_control, turned_off)
