@@ -15,8 +15,9 @@ policy judges by, and says when staging costs time (docs/design.md §6).
 The policy does not act on the 95 % interval each time a control arrives: over a run's many controls some
 interval would lie below zero by chance. It looks at fixed counts of controls — ``MIN_CONTROLS``, then each
 doubling (5, 10, 20, 40, …), once, as the control that completes the count arrives — and at look j asks for the interval at a level that spends half the error the
-looks before it left: a one-sided error of 2.5 % / 2^(j + 1) (1.25 %, 0.625 %, …), so over the whole run the
-chance that staging which saves nothing is turned off stays within 2.5 % (``decision_level``).
+looks before it left: a one-sided error of 2.5 % / 2^(j + 1) (1.25 %, 0.625 %, …), so within a window of
+samples (since staging last turned on) the chance that staging which saves nothing is turned off stays within
+2.5 % (``decision_level``); a re-probe that turns it on again opens a new window with a new budget.
 
 The t quantile comes from a table (df 1–30, 40, 60, 120, ∞) with the Welch–Satterthwaite degrees of freedom
 rounded down to the nearest entry: the interval is never narrower than the exact one.
@@ -64,27 +65,41 @@ def decision_level(control_n: int) -> float | None:
   return 1.0 - 2.0 * DECISION_ERROR / (2 * doublings)
 
 
+def t_two_sided_mass(t: float, n: int) -> float:
+  """P(|T| < t) for Student's t with ``n`` (whole) degrees of freedom: the closed forms of Abramowitz and Stegun
+  26.7.3–4, sums in cos θ with θ = atan(t / √n)."""
+  theta = math.atan(t / math.sqrt(n))
+  c2, term, total = math.cos(theta) ** 2, 1.0, 1.0
+  if n % 2:  # odd: (2/π)(θ + sin θ cos θ (1 + 2/3 cos²θ + …))
+    for k in range(1, (n - 1) // 2):
+      term *= c2 * (2 * k) / (2 * k + 1)
+      total += term
+    return 2 / math.pi * (theta + (math.sin(theta) * math.cos(theta) * total if n > 1 else 0.0))
+  for k in range(1, n // 2):  # even: sin θ (1 + 1/2 cos²θ + 1·3/(2·4) cos⁴θ + …)
+    term *= c2 * (2 * k - 1) / (2 * k)
+    total += term
+  return math.sin(theta) * total
+
+
 def t_quantile(p: float, df: float) -> float:
   """Student's t quantile ``p`` (> 0.5) at ``df`` degrees of freedom rounded down (a larger quantile:
-  conservative): exact at 1 and 2, else the Cornish–Fisher expansion in the normal quantile to its fourth term
-  (within 0.5 % at 3 degrees of freedom and 0.99; it matches the 0.975 table to 0.01 from 3 on).
+  conservative), by bisection on ``t_two_sided_mass`` to 1e-9; the normal's at ∞.
 
   Raises:
     ValueError: ``df`` below 1 or ``p`` outside (0.5, 1).
   """
   if not df >= 1 or not 0.5 < p < 1:
     raise ValueError(f"a t quantile needs df >= 1 and 0.5 < p < 1, got df={df}, p={p}")
-  if df == math.inf:
+  if df == math.inf or df > 1e6:
     return statistics.NormalDist().inv_cdf(p)
-  n = math.floor(df)
-  if n == 1:
-    return math.tan(math.pi * (p - 0.5))
-  if n == 2:
-    return (2 * p - 1) / math.sqrt(2 * p * (1 - p))
-  z = statistics.NormalDist().inv_cdf(p)
-  return (z + (z ** 3 + z) / (4 * n) + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * n ** 2)
-          + (3 * z ** 7 + 19 * z ** 5 + 17 * z ** 3 - 15 * z) / (384 * n ** 3)
-          + (79 * z ** 9 + 776 * z ** 7 + 1482 * z ** 5 - 1920 * z ** 3 - 945 * z) / (92160 * n ** 4))
+  n, mass = math.floor(df), 2 * p - 1
+  low, high = 0.0, 1.0
+  while t_two_sided_mass(high, n) < mass:
+    high *= 2
+  while high - low > 1e-9 * high:
+    middle = (low + high) / 2
+    low, high = (middle, high) if t_two_sided_mass(middle, n) < mass else (low, middle)
+  return high
 
 
 def t_quantile_975(df: float) -> float:

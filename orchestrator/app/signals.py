@@ -44,6 +44,9 @@ def startup_interrupts():
   """SIGINT during start-up raises ``KeyboardInterrupt`` and is remembered for the run's ``StopSignals``
   (see the module's docstring); the previous handler is restored on exit."""
   _startup_sigint_at.clear()
+  if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:  # ignored by whoever started us: stays so
+    yield
+    return
   previous = signal.signal(signal.SIGINT, _startup_sigint)
   try:
     yield

@@ -61,10 +61,13 @@ def estimate_from_recipe(resolved) -> tuple[Estimate, list[ScaledChange]]:
   """The recipe's ``simulate`` components, with each one's source, scaled from ``simulate.reference_*``."""
   recipe, s = resolved.recipe, resolved.recipe.simulate
   target = job_shape(recipe)
+  single = s.single_controller if s.reference_single_controller is None else s.reference_single_controller
   reference = dataclasses.replace(target, rows=s.reference_rows or target.rows,
                                   tokens_per_row=s.reference_tokens_per_row or target.tokens_per_row,
                                   devices=s.reference_devices or target.devices,
-                                  hosts=s.reference_hosts or target.hosts)
+                                  hosts=s.reference_hosts or target.hosts,
+                                  bytes_per_token=s.reference_bytes_per_token or target.bytes_per_token,
+                                  feeding_hosts=1 if single else None)
   # A link's copy is the reference job's bytes through it; the copy rule then takes it to this job, as a given
   # copy_s.
   copy_s = reference.input_bytes_per_feeding_host / (s.host_link_gb_s * 1e9) if s.host_link_gb_s else s.copy_s

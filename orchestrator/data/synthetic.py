@@ -41,10 +41,19 @@ class RolloutShape:
   routing: RoutingShape | None = None  # each token's experts per MoE layer, drawn uniformly (routing replay)
 
 
+#: Tokens whose routing is drawn at once (bounds the draw's memory: chunk × layers × experts floats).
+ROUTING_CHUNK_TOKENS = 1024
+
+
 def _routing(rng: np.random.Generator, tokens: int, routing: RoutingShape) -> np.ndarray:
-  """[tokens, layers, top_k] distinct experts per token and layer, uniformly drawn."""
-  return np.argsort(rng.random((tokens, routing.layers, routing.num_experts)), axis=-1)[
-      ..., :routing.top_k].astype(ROUTING_DTYPE)
+  """[tokens, layers, top_k] distinct experts per token and layer, uniformly drawn (the top_k of uniform keys),
+  a chunk of tokens at a time."""
+  out = np.empty((tokens, routing.layers, routing.top_k), ROUTING_DTYPE)
+  for first in range(0, tokens, ROUTING_CHUNK_TOKENS):
+    keys = rng.random((min(ROUTING_CHUNK_TOKENS, tokens - first), routing.layers, routing.num_experts),
+                      dtype=np.float32)
+    out[first:first + len(keys)] = np.argpartition(keys, routing.top_k - 1, axis=-1)[..., :routing.top_k]
+  return out
 
 
 def sample_group(rng: np.random.Generator, group_id: int, shape: RolloutShape) -> TrajectoryGroup:

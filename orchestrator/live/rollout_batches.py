@@ -17,6 +17,7 @@ schedule it always was.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import math
 from collections.abc import Sequence
@@ -175,7 +176,7 @@ class BatchRollouts:
   def to_json(self) -> dict[str, Any]:
     payloads = [[{"prompt_ids": t.prompt_ids.tolist(), "completion_ids": t.completion_ids.tolist(),
                   "advantage": float(t.advantage), "old_logprobs": t.old_logprobs.tolist(), "group_id": t.group_id,
-                  **({} if t.routing is None else {"routing": t.routing.tolist()})}
+                  **({} if t.routing is None else {"routing": _encoded(t.routing)})}
                  for t in payload] for payload in self.payloads]
     return dict(dataclasses.asdict(self), payloads=payloads)
 
@@ -183,9 +184,19 @@ class BatchRollouts:
   def from_json(cls, data: dict[str, Any]) -> "BatchRollouts":
     payloads = [[Trajectory(np.asarray(t["prompt_ids"], np.int32), np.asarray(t["completion_ids"], np.int32),
                             float(t["advantage"]), np.asarray(t["old_logprobs"], np.float32), int(t["group_id"]),
-                            np.asarray(t["routing"], ROUTING_DTYPE) if "routing" in t else None)
+                            _decoded(t["routing"]) if "routing" in t else None)
                  for t in payload] for payload in data["payloads"]]
     return cls(**dict(data, payloads=payloads))
+
+
+def _encoded(routing: np.ndarray) -> dict[str, Any]:
+  """A routing array as JSON: its shape and its int16 bytes in base64 (a list of ints would be ~4× larger)."""
+  return {"shape": list(routing.shape),
+          "int16_base64": base64.b64encode(np.ascontiguousarray(routing, ROUTING_DTYPE).tobytes()).decode()}
+
+
+def _decoded(data: dict[str, Any]) -> np.ndarray:
+  return np.frombuffer(base64.b64decode(data["int16_base64"]), ROUTING_DTYPE).reshape(data["shape"]).copy()
 
 
 class SampledBatches:

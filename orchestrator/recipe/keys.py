@@ -197,7 +197,13 @@ def flatten(tree: Mapping[str, Any], prefix: str = "", where: str = "recipe") ->
     if key in ALIASES and not isinstance(value, Mapping):
       out[ALIASES[key]] = value
     elif isinstance(value, Mapping) and (key in _section_paths() or any(a.startswith(f"{key}.") for a in ALIASES)):
-      out.update(flatten(value, f"{key}.", where))
+      section = flatten(value, f"{key}.", where)
+      twice = sorted(set(section) & set(out))  # a key and its short form, in two sections
+      if twice:
+        short = {v: k for k, v in ALIASES.items()}
+        raise RecipeError(f"{where}: {twice[0]} is given twice ({short.get(twice[0], twice[0])} is its short form);"
+                          " keep one")
+      out.update(section)
     elif key in known:
       out[key] = value
     else:

@@ -597,6 +597,8 @@ class SimulateSection:
   reference_tokens_per_row: int | None = None
   reference_devices: int | None = None
   reference_hosts: int | None = None
+  reference_bytes_per_token: float | None = None  # None: this recipe's bytes per token
+  reference_single_controller: bool | None = None  # None: as this recipe's
 
   def validate(self) -> None:
     _at_least("simulate", self, ("micro_batch_s", "update_s", "map_s", "input_copy_s", "copy_s", "metrics_s",
@@ -610,7 +612,8 @@ class SimulateSection:
                         f" first micro-batch cannot take less than nothing, so it must be >= -simulate.micro_batch_s"
                         f" ({-self.micro_batch_s})")
     _at_least("simulate", self, ("tokens_per_device", "hosts", "reference_rows", "reference_tokens_per_row",
-                                 "reference_devices", "reference_hosts", "bytes_per_token"), 1)
+                                 "reference_devices", "reference_hosts", "bytes_per_token",
+                                 "reference_bytes_per_token"), 1)
     if self.host_link_gb_s is not None and not self.host_link_gb_s > 0:
       raise RecipeError(f"simulate.host_link_gb_s={self.host_link_gb_s} is out of range: a link carries"
                         " more than nothing, so it must be > 0")

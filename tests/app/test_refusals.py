@@ -502,6 +502,9 @@ CASES = [
      "key 'engine' appears twice"),
     ("recipe-a-list", lambda t, g: _recipe_file(t, "- model\n- tiny\n"), {}, "must be a mapping of keys"),
     ("recipe-unknown-section", lambda t, g: _recipe_file(t, "engines:\n  seed: 1\n"), {}, "unknown key 'engines'"),
+    ("recipe-key-and-its-short-form", lambda t, g: _recipe_file(
+        t, "model: tiny_moe\nengine:\n  router_replay: false\nmoe:\n  router_replay: true\n"), {},
+     "engine.router_replay is given twice (moe.router_replay is its short form); keep one"),
     ("recording-no-manifest", lambda t, g: ON_RECORDING + [f"rollouts.recording={t}"], {}, "no manifest"),
     ("manifest-a-list", lambda t, g: _recording(t, g, lambda m: [m]), {}, "must be a JSON object, got list"),
     ("manifest-missing-key", lambda t, g: _recording(t, g, _drop("record_digests")), {},

@@ -292,6 +292,16 @@ def test_a_ctrl_c_python_drops_during_start_up_still_stops_the_run(remembered, t
 
 
 @pytest.mark.e2e
+def test_a_sigint_ignored_by_whoever_started_the_run_stays_ignored_in_start_up():
+  previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+  try:
+    with signals.startup_interrupts():
+      assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+  finally:
+    signal.signal(signal.SIGINT, previous)
+
+
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_a_killed_run_resumes_from_its_last_complete_checkpoint(tmp_path):
   """SIGKILL at several points (early, mid, around checkpoints): every resume trains like no kill."""

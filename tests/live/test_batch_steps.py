@@ -373,3 +373,10 @@ def test_a_steps_stats_give_its_rewards_range_completion_lengths_and_the_share_c
   fixed.add([_trajectory(1, 0), _trajectory(1, 0)], [1.0, 0.0], [True, False], 2, 0.1)
   assert fixed.stats(BatchSchedule(micro_batches_per_step=1, generations_per_group=2), 0).truncated_fraction is None
   assert BatchRollouts.from_json(rollouts.to_json()).truncated == [[False, True], [False, False]]
+  routed = BatchRollouts(0, 0)  # routing replay's ids survive a checkpoint, compactly
+  routing = np.arange(4 * 3 * 2, dtype=np.int16).reshape(4, 3, 2)
+  routed.add([dataclasses.replace(_trajectory(3, 0), routing=routing)], [1.0], [True], 3, 0.1)
+  saved = routed.to_json()
+  assert "int16_base64" in json.dumps(saved)
+  back = BatchRollouts.from_json(json.loads(json.dumps(saved))).payloads[0][0].routing
+  assert back.dtype == np.int16 and np.array_equal(back, routing)
