@@ -142,6 +142,7 @@ def test_a_recording_with_routing_trains_to_one_digest_in_every_mode(tmp_path):
   code = cli.main(["rig", *recipe, "steps=3", "--recording", str(tmp_path / "rec"), "--out", str(out), "--arms",
                    "off", "pipelined", "stage_after_update", "stage_before_update"])
   report = json.loads((out / "report.json").read_text())
-  failed = [c for c in report["checks"] if c["status"] == "fail"]
+  # predictions depend on this machine's timing: the correctness checks must all pass
+  failed = [c for c in report["checks"] if c["status"] == "fail" and c["kind"] == "correctness"]
   assert code == 0 and not failed, failed
   assert len({arm["final_state_digest"] for arm in report["arms"]}) == 1
