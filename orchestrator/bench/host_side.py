@@ -74,15 +74,12 @@ def payload(rows: int, tokens_per_row: int, routing, *, vocab_size: int = 32_000
 
 
 def _inputs(rows: int, tokens_per_row: int, routing, vocab_size: int):
-  from orchestrator.data import packing  # import here: after the core plan (see main)
-  from orchestrator.engine import mesh as mesh_lib
-  from orchestrator.engine.inputs import MicroBatchInputs
+  from orchestrator.engine import mesh as mesh_lib  # import here: after the core plan (see main)
+  from orchestrator.engine.inputs import MicroBatchInputs, input_shardings
 
   mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig.parse(None))
-  shardings = {name: mesh_lib.batch_sharding(mesh, 2) for name in packing.FIELDS}
-  if routing is not None:
-    shardings[packing.ROUTING] = mesh_lib.batch_sharding(mesh, 4)
-  return MicroBatchInputs(rows, tokens_per_row, vocab_size, shardings, routing)
+  return MicroBatchInputs(rows, tokens_per_row, vocab_size, input_shardings(mesh, routing=routing is not None),
+                          routing)
 
 
 def stage_arm(rows: int, tokens_per_row: int, routing, repeats: int, vocab_size: int = 32_000) -> dict:

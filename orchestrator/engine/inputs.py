@@ -80,6 +80,15 @@ class PreparedFwdBwdInput:
     return {name: sum(bytes_per_device([array])) for name, array in self.arrays.items()}
 
 
+def input_shardings(mesh, *, routing: bool = False) -> dict[str, jax.sharding.Sharding]:
+  """Each packed field's sharding on ``mesh`` (rows and tokens split as ``mesh.batch_sharding`` says), with
+  routing replay's ``[rows, tokens, layers, top_k]`` field split as the tokens are."""
+  shardings = {name: mesh_lib.batch_sharding(mesh, 2) for name in packing.FIELDS}
+  if routing:
+    shardings[packing.ROUTING] = mesh_lib.batch_sharding(mesh, 4)
+  return shardings
+
+
 class MicroBatchInputs:
   """Packs payloads into ``[rows, tokens_per_row]`` arrays and places them on ``shardings``.
 

@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from orchestrator.data import packing
 from orchestrator.engine import mesh as mesh_lib
+from orchestrator.engine.inputs import input_shardings
 from orchestrator.engine import model as model_lib
 from orchestrator.engine.diagnostics import tree_digest
 from orchestrator.engine.options import EngineOptions
@@ -53,9 +53,7 @@ class TrainingState:
         else self.scalar_sharding,
         opt_state,
     )
-    self.batch_shardings = {name: mesh_lib.batch_sharding(mesh, 2) for name in packing.FIELDS}
-    if options.router_replay:  # [rows, tokens, layers, top_k]: split as the tokens are
-      self.batch_shardings[packing.ROUTING] = mesh_lib.batch_sharding(mesh, 4)
+    self.batch_shardings = input_shardings(mesh, routing=options.router_replay)
     self.opt_state = jax.device_put(opt_state, self.opt_shardings)
     self._zeros_jit = jax.jit(lambda p: jax.tree.map(jnp.zeros_like, p), out_shardings=self.param_shardings)
     # The KL term's reference, frozen: model.reference_checkpoint's weights, or else the starting weights (a
