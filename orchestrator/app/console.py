@@ -119,7 +119,8 @@ def format_summary(summary: RunSummary) -> str:
                  + ", ".join(f"{PHASES[phase]} {seconds:.1f}" for phase, seconds in startup.items()))
   if (r := summary.rollouts) is not None:
     lines.append(f"reward: first step {r.reward_first_step:.3f}, last 10 steps"
-                 f" {r.reward_last_10_steps:.3f}; median rollout wait {s(r.median_rollout_wait_s)}")
+                 f" {r.reward_last_10_steps:.3f}; median rollout wait"
+                 f" {s(r.median_rollout_wait_s, zero='none, the rollouts were ready')}")
   if (e := summary.evaluation) is not None and e.eval_accuracy_end is not None:
     lines.append(f"held-out greedy accuracy ({e.eval_prompts} prompts):"
                  f" {e.eval_accuracy_start:.3f} at the start, {e.eval_accuracy_end:.3f} at the end")
