@@ -37,6 +37,15 @@ class Family:
   #: query, key and value projections (Qwen2).
   qk_norm: bool = False
   qkv_bias: bool = False
+  #: Per-layer norms around the MLP as well as before attention and the MLP (Gemma 3: four a layer).
+  sandwich_norms: bool = False
+  #: Sliding-window layers between global ones, each with its own rotary base, and the query scaled by a
+  #: configured ``query_pre_attn_scalar`` (Gemma 3); their settings are read by ``engine/local_global.py``.
+  local_global_attention: bool = False
+  #: The module under the Tunix package holding its Hugging Face name mapping.
+  params_module: str = "params"
+  #: The value of ``tie_word_embeddings`` where config.json gives none.
+  default_tied_embedding: bool = False
   #: The ``model_type`` of the family's MoE variant (None: dense only).
   moe_model_type: str | None = None
   #: config.json settings the Tunix model does not implement, with the value it does implement (absent is fine).
@@ -55,8 +64,8 @@ class Family:
     return importlib.import_module(f"tunix.models.{self.tunix_package}.model")
 
   def tunix_params(self) -> ModuleType:
-    """``tunix.models.<package>.params``: the family's Hugging Face name mapping."""
-    return importlib.import_module(f"tunix.models.{self.tunix_package}.params")
+    """``tunix.models.<package>.<params_module>``: the family's Hugging Face name mapping."""
+    return importlib.import_module(f"tunix.models.{self.tunix_package}.{self.params_module}")
 
   def model_type(self, moe: bool) -> str:
     return self.moe_model_type if moe else next(iter(self.model_types))
@@ -70,7 +79,9 @@ _SHARED_UNSUPPORTED = {"rope_scaling": None, "hidden_act": "silu", "quantization
 
 #: Every family, by name. Llama's Tunix attention is given the config's rotary base by ``model._llama_rope``
 #: (Tunix 0.1.7 calls its rotary function without it); Tunix's Qwen3 rotates with 1,000,000 whatever the
-#: config says, so a Qwen3 checkpoint with another base is refused rather than run wrong.
+#: config says, so a Qwen3 checkpoint with another base is refused rather than run wrong. Tunix's Gemma3 (text
+#: only: ``gemma3_text``; the multimodal ``gemma3`` checkpoint holds a vision tower) ties its embeddings, has no
+#: soft-capping and normalises with a fixed epsilon of 1e-6, so each of those is refused otherwise.
 FAMILIES: dict[str, Family] = {
     "qwen3": Family(
         name="qwen3", model_types={"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"},
@@ -84,6 +95,15 @@ FAMILIES: dict[str, Family] = {
         name="llama", model_types={"llama": "LlamaForCausalLM"}, tunix_package="llama3", model_class="Llama3",
         unsupported=dict(_SHARED_UNSUPPORTED, attention_bias=False, mlp_bias=False, pretraining_tp=1),
         compute_dtypes=("float32",), default_norm_eps=1e-6, default_context_tokens=2048),
+    "gemma3": Family(
+        name="gemma3", model_types={"gemma3_text": "Gemma3ForCausalLM"}, tunix_package="gemma3",
+        model_class="Gemma3", qk_norm=True, sandwich_norms=True, local_global_attention=True,
+        params_module="params_safetensors", default_tied_embedding=True,
+        unsupported={"hidden_activation": "gelu_pytorch_tanh", "hidden_act": "gelu_pytorch_tanh",
+                     "quantization_config": None, "attention_bias": False, "attn_logit_softcapping": None,
+                     "final_logit_softcapping": None, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+                     "use_bidirectional_attention": False},
+        compute_dtypes=("float32",), default_rope_theta=1_000_000.0, default_context_tokens=131_072),
 }
 
 #: Each model_type any family runs, with its family.

@@ -1,6 +1,6 @@
 """Checkpoints in Hugging Face layout: read ``config.json``, check the tensors, and write them back.
 
-The families a checkpoint may be (Llama, Qwen2, Qwen3 dense and MoE) are
+The families a checkpoint may be (Llama, Qwen2, Qwen3 dense and MoE, Gemma 3) are
 ``orchestrator.engine.families.FAMILIES``; ``config.json``'s ``model_type``
 chooses one, and everything below reads what differs from that table.
 
@@ -33,6 +33,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from orchestrator.engine import local_global
 from orchestrator.engine.families import BY_MODEL_TYPE, FAMILIES, Family
 from orchestrator.engine.presets import ModelPreset
 from orchestrator.user_files import MIB, UserFileError, open_regular, read_regular_text
@@ -110,6 +111,8 @@ def _read_config(directory: str | Path, key: str) -> dict[str, Any]:
   if not isinstance(model_type, str) or model_type not in BY_MODEL_TYPE:
     named = (f"model_type={model_type!r}" if model_type is not None
              else f"no model_type (architectures: {config.get('architectures')})")
+    if model_type == "gemma3":
+      named += " (Gemma 3 with its vision tower; the engine trains the text-only gemma3_text)"
     raise CheckpointDirError(f"{key}={directory}: its {CONFIG_FILE} names {named}; this trainer runs the"
                              f" model types {', '.join(BY_MODEL_TYPE)} (Tunix's {', '.join(FAMILIES)} models):"
                              " use a checkpoint of one of them")
@@ -203,7 +206,7 @@ def preset_from_config(directory: str | Path, config: Mapping[str, Any]) -> Mode
     if config.get(name, implemented) != implemented:
       raise CheckpointDirError(f"{where}: {name}={config[name]!r}, which Tunix's {family.model_class} does not"
                                f" implement (it runs {name}={implemented!r}); use a checkpoint without it")
-  tied = config.get("tie_word_embeddings", False)
+  tied = config.get("tie_word_embeddings", family.default_tied_embedding)
   if not isinstance(tied, bool):
     raise CheckpointDirError(f"{where}: tie_word_embeddings={tied!r} must be true or false")
   rope = config.get("rope_theta", family.default_rope_theta)
@@ -215,8 +218,12 @@ def preset_from_config(directory: str | Path, config: Mapping[str, Any]) -> Mode
     raise CheckpointDirError(f"{where}: rope_theta={rope!r}{'' if 'rope_theta' in config else ' (the default)'},"
                              f" but Tunix's {family.model_class} rotates with rope_theta={family.fixed_rope_theta:g}"
                              " whatever its config says; use a checkpoint trained with that base")
-  return ModelPreset(name=Path(directory).name or str(directory), **sizes, rope_theta=rope, norm_eps=float(eps),
-                     use_tied_embedding=tied, family=family.name,
+  try:
+    settings = local_global.settings_from_config(config, sizes, where) if family.local_global_attention else {}
+  except ValueError as e:
+    raise CheckpointDirError(str(e)) from None
+  return ModelPreset(name=Path(directory).name or str(directory), **sizes, **settings, rope_theta=rope,
+                     norm_eps=float(eps), use_tied_embedding=tied, family=family.name,
                      checkpoint=str(Path(directory).expanduser().absolute()))
 
 
@@ -231,6 +238,11 @@ def disagreement(preset: ModelPreset, loaded: ModelPreset) -> str | None:
       if field == "hidden_dim" and loaded.is_moe:
         name = "moe_intermediate_size"
       return f"{field}={mine} but its {CONFIG_FILE} has {name}={theirs}"
+  if FAMILIES[loaded.family].local_global_attention:
+    mine, theirs = local_global.settings(preset), local_global.settings(loaded)
+    for field in mine:
+      if mine[field] != theirs[field]:
+        return f"{field}={mine[field]} but its {CONFIG_FILE} gives {theirs[field]}"
   return None
 
 
@@ -249,6 +261,8 @@ def expected_tensors(preset: ModelPreset) -> dict[str, tuple[int, ...]]:
                 p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,)})
     if family.qk_norm:
       out.update({p + "self_attn.q_norm.weight": (h,), p + "self_attn.k_norm.weight": (h,)})
+    if family.sandwich_norms:
+      out.update({p + "pre_feedforward_layernorm.weight": (d,), p + "post_feedforward_layernorm.weight": (d,)})
     if family.qkv_bias:
       out.update({p + "self_attn.q_proj.bias": (n * h,), p + "self_attn.k_proj.bias": (k * h,),
                   p + "self_attn.v_proj.bias": (k * h,)})
@@ -499,7 +513,7 @@ def export_tensors(params: Mapping[str, Any], preset: ModelPreset) -> dict[str, 
     x = np.asarray(value)
     if key == "embedder.input_embedding":
       out["model.embed_tokens.weight"] = x
-    elif key == "final_norm.w":
+    elif key in ("final_norm.w", "final_norm.scale"):
       out["model.norm.weight"] = x
     elif key == "lm_head.w":
       out["lm_head.weight"] = x.T
@@ -515,7 +529,29 @@ def export_tensors(params: Mapping[str, Any], preset: ModelPreset) -> dict[str, 
   return {name: np.ascontiguousarray(x) for name, x in out.items()}
 
 
+#: Tunix's Gemma3 names of a layer's norms, with Hugging Face's.
+_GEMMA_NORMS = {"pre_attention_norm.scale": "input_layernorm.weight",
+                "post_attention_norm.scale": "post_attention_layernorm.weight",
+                "pre_ffw_norm.scale": "pre_feedforward_layernorm.weight",
+                "post_ffw_norm.scale": "post_feedforward_layernorm.weight",
+                "attn._query_norm.scale": "self_attn.q_norm.weight", "attn._key_norm.scale": "self_attn.k_norm.weight"}
+
+
+def _heads_to_rows(x: np.ndarray) -> np.ndarray:
+  """A Gemma3 projection ``(heads, d, head_dim)`` as Hugging Face's ``(heads*head_dim, d)``."""
+  return x.transpose(0, 2, 1).reshape(-1, x.shape[1])
+
+
 def _layer_tensors(prefix: str, key: str, x: np.ndarray, d: int) -> dict[str, np.ndarray]:
+  if key in _GEMMA_NORMS:
+    return {prefix + _GEMMA_NORMS[key]: x}
+  if key == "attn.q_einsum.w":
+    return {prefix + "self_attn.q_proj.weight": _heads_to_rows(x)}
+  if key in ("attn.kv_einsum.w", "attn.qkv_einsum.w"):  # (2 or 3, heads, d, head_dim): k, v (q, k, v) stacked
+    names = ("k", "v") if key == "attn.kv_einsum.w" else ("q", "k", "v")
+    return {prefix + f"self_attn.{name}_proj.weight": _heads_to_rows(part) for name, part in zip(names, x)}
+  if key == "attn.attn_vec_einsum.w":  # (heads, head_dim, d) -> (d, heads*head_dim)
+    return {prefix + "self_attn.o_proj.weight": x.reshape(-1, d).T}
   if key in ("attn.q_proj.w", "attn.k_proj.w", "attn.v_proj.w"):  # (d, heads, head_dim) -> (heads*head_dim, d)
     return {prefix + f"self_attn.{key.split('.')[1]}.weight": x.reshape(d, -1).T}
   if key == "attn.o_proj.w":  # (heads, head_dim, d) -> (d, heads*head_dim)
@@ -562,6 +598,8 @@ def export_config(preset: ModelPreset, base: Mapping[str, Any] | None = None) ->
     if field.startswith("num_experts") and not moe or field == "hidden_dim" and moe:
       continue
     config[name] = getattr(preset, field)
+  if family.local_global_attention:
+    config.update(local_global.config_entries(preset))
   if moe:
     config["moe_intermediate_size"] = preset.hidden_dim
     config.setdefault("decoder_sparse_step", 1)

@@ -15,7 +15,7 @@ from flax import nnx
 from tunix.models.llama3 import model as llama3_model
 from tunix.utils import compat, torch_utils
 
-from orchestrator.engine import hf_checkpoint
+from orchestrator.engine import hf_checkpoint, local_global
 from orchestrator.engine import mesh as mesh_lib
 from orchestrator.engine import moe as moe_lib
 from orchestrator.engine.families import FAMILIES
@@ -82,6 +82,8 @@ def model_config(preset: ModelPreset, dtype: str = "float32"):
                 num_experts=preset.num_experts, num_experts_per_tok=preset.num_experts_per_tok,
                 shd_config=mesh_lib.model_sharding(module.ShardingConfig), dtype=COMPUTE_DTYPES[dtype],
                 param_dtype=jnp.float32)
+  if family.local_global_attention:
+    values.update(local_global.tunix_config_values(preset, module))
   fields = {field.name for field in dataclasses.fields(module.ModelConfig)}
   return module.ModelConfig(**{name: value for name, value in values.items() if name in fields})
 
@@ -155,7 +157,8 @@ def load_hf_checkpoint(preset: ModelPreset, config, mesh=None):
   else:  # this process's own first device: jax.devices()[0] is process 0's in a job of several processes
     placements = jax.tree.map(lambda _: jax.local_devices()[0], abstract_state.to_pure_dict())
   # Tunix's own name mapping (private, but the one its loader uses), so the names cannot drift from its model.
-  key_map = FAMILIES[preset.family].tunix_params()._get_key_and_transform_mapping(config)  # pylint: disable=protected-access
+  names = FAMILIES[preset.family].tunix_params()
+  key_map = names._get_key_and_transform_mapping(config)  # pylint: disable=protected-access
   values, experts = {}, {}
   for tensor, array in hf_checkpoint.tensor_arrays(hf_checkpoint.checkpoint_tensors(directory)):
     key, transform = torch_utils.torch_key_to_jax_key(key_map, tensor.name)
@@ -169,6 +172,8 @@ def load_hf_checkpoint(preset: ModelPreset, config, mesh=None):
       values[key] = array
   for key, by_expert in experts.items():
     values[key] = np.stack([np.asarray(by_expert[e], np.float32) for e in sorted(by_expert)])
+  if hasattr(names, "_make_preprocess_fn"):  # Gemma3 joins each layer's q/k/v into its einsum weights, as Tunix's
+    values = names._make_preprocess_fn(config)(values)  # pylint: disable=protected-access  # loader does
 
   def place(path, placement, shape):
     key = ".".join(str(getattr(part, "key", getattr(part, "idx", part))) for part in path)

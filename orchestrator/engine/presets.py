@@ -42,6 +42,13 @@ class ModelPreset:
   num_experts: int | None = None
   num_experts_per_tok: int | None = None
   family: str = DEFAULT_FAMILY  # a key of orchestrator.engine.families.FAMILIES
+  # Families with sliding-window layers between global ones (Gemma 3; ``families.Family.local_global_attention``):
+  # the window in tokens, the local layers' rotary base, the global layers' linear rotary scaling and the
+  # number the query is scaled by the inverse square root of. Unused by other families.
+  sliding_window: int | None = None
+  local_rope_theta: float = 10_000.0
+  global_rope_scale: float = 1.0
+  query_pre_attn_scalar: int | None = None
   rows: int = 4
   tokens_per_row: int = 64
   # A Hugging Face checkpoint directory the weights are loaded from (None: seeded random weights). Set by

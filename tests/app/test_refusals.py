@@ -92,6 +92,12 @@ def _checkpoint(tmp_path, *keys: str, tensors=None, **config_changes):
   return [f"model.checkpoint={directory}", *keys]
 
 
+def _gemma3_checkpoint(tmp_path, **config_changes):
+  """A run on a tiny Gemma 3 checkpoint whose ``config.json`` is changed by ``config_changes``."""
+  directory = write_directory(tmp_path / "model", preset_name="tiny_gemma3", **config_changes)
+  return [f"model.checkpoint={directory}"]
+
+
 def _nan_in(name: str):
   tensors = preset_tensors()
   tensors[name] = tensors[name].copy()
@@ -529,6 +535,16 @@ CASES = [
     ("checkpoint-weights-a-fifo", lambda t, g: _fifo_weights(t), {}, "model.safetensors is a FIFO (named pipe)"),
     ("checkpoint-context", lambda t, g: _checkpoint(t, max_position_embeddings=8), {},
      "tokens is longer than the model's context of 8 (max_position_embeddings"),
+    ("gemma3-soft-capping", lambda t, g: _gemma3_checkpoint(t, final_logit_softcapping=30.0), {},
+     "final_logit_softcapping=30.0, which Tunix's Gemma3 does not implement (it runs final_logit_softcapping=None)"),
+    ("gemma3-untied", lambda t, g: _gemma3_checkpoint(t, tie_word_embeddings=False), {},
+     "tie_word_embeddings=False, which Tunix's Gemma3 does not implement"),
+    ("gemma3-multimodal", lambda t, g: _gemma3_checkpoint(t, model_type="gemma3"), {},
+     "names model_type='gemma3' (Gemma 3 with its vision tower; the engine trains the text-only gemma3_text)"),
+    ("gemma3-query-scale", lambda t, g: _gemma3_checkpoint(t, query_pre_attn_scalar=100), {},
+     "query_pre_attn_scalar=100; Tunix's Gemma3 scales queries by the head size or the width per head (16 here)"),
+    ("gemma3-pattern", lambda t, g: _gemma3_checkpoint(t, layer_types=["full_attention"] * 6), {},
+     "layer_types gives layer 0 full_attention where Tunix's Gemma3 runs sliding_attention"),
     ("chat-template-raises", lambda t, g: _chat_template(t, "{{ raise_exception('no tools') }}"), {},
      "fails on a prompt (TemplateError: no tools)"),
     ("batch-steps-zero", ["rollouts.batch_steps=0"], {}, "rollouts.batch_steps=0 is out of range: it must be >= 1"),

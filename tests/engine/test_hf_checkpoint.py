@@ -36,9 +36,14 @@ LIVE = ["steps=2", "rollouts.groups_per_micro_batch=2", "batch.rows=4", "task.ev
         "checkpoint.every=2", "run.reserve_host_core=false"]
 
 
-def write_checkpoint(directory, preset_name: str, *, seed: int = 0, tokenizer: bool = True, family: str = "qwen3"):
-  """The preset's initial weights (seed ``seed``) as a Hugging Face checkpoint of ``family`` in ``directory``."""
-  preset = dataclasses.replace(load_preset(preset_name), family=family)
+def write_checkpoint(directory, preset_name: str, *, seed: int = 0, tokenizer: bool = True,
+                     family: str | None = None):
+  """The preset's initial weights (seed ``seed``) as a Hugging Face checkpoint in ``directory``, of the preset's
+  family or of ``family`` (a Gemma 3 is the ``tiny_gemma3`` preset: its settings are the family's own)."""
+  if family == "gemma3" and not preset_name.endswith("_gemma3"):
+    preset_name = f"{preset_name}_gemma3"
+  preset = load_preset(preset_name)
+  preset = dataclasses.replace(preset, family=family) if family else preset
   _, params, _ = model_lib.build_model(preset, seed)
   directory.mkdir(parents=True, exist_ok=True)
   save_file(hf_checkpoint.export_tensors(jax.device_get(params), preset), str(directory / "model.safetensors"))
@@ -66,7 +71,7 @@ def _summary(run):
 
 
 @pytest.mark.engine
-@pytest.mark.parametrize("preset_name", ["tiny", "tiny_moe"])
+@pytest.mark.parametrize("preset_name", ["tiny", "tiny_moe", "tiny_gemma3"])
 def test_a_checkpoint_loads_to_the_weights_it_was_written_from(tmp_path, preset_name):
   params = write_checkpoint(tmp_path, preset_name, seed=3, tokenizer=False)
   loaded = hf_checkpoint.load_preset_from_checkpoint(tmp_path)
@@ -492,7 +497,7 @@ def test_tokenizer_settings_that_would_be_skipped_are_refused(tmp_path, file, co
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3"])
 def test_a_checkpoint_of_another_family_trains_exports_and_loads_back(tmp_path, family):
   """Each family's tiny checkpoint: a live run trains it, export writes the family's Hugging Face names back,
   and the export loads to the digest export.json names."""
@@ -502,14 +507,17 @@ def test_a_checkpoint_of_another_family_trains_exports_and_loads_back(tmp_path, 
   assert cli.main(LIVE + [f"model.checkpoint={checkpoint}", "--out", str(run)]) == 0
   assert cli.main(["export", str(run), "--out", str(exported)]) == 0
   config = json.loads((exported / "config.json").read_text())
-  assert config["model_type"] == family and "rope_theta" in config
+  assert config["model_type"] == {"gemma3": "gemma3_text"}.get(family, family) and "rope_theta" in config
   loaded = hf_checkpoint.load_preset_from_checkpoint(exported)
   _, params, _ = model_lib.build_model(loaded, 0)
   assert loaded.family == family
   assert tree_digest(params) == json.loads((exported / "export.json").read_text())["weights_digest"]
   names = set(load_file(str(exported / "model.safetensors")))
   assert ("model.layers.0.self_attn.q_proj.bias" in names) == (family == "qwen2")
-  assert not any("q_norm" in name for name in names)
+  assert any("q_norm" in name for name in names) == (family == "gemma3")
+  assert ("model.layers.0.pre_feedforward_layernorm.weight" in names) == (family == "gemma3")
+  if family == "gemma3":
+    assert config["sliding_window"] == 8 and config["layer_types"][5] == "full_attention"
 
 
 @pytest.mark.engine

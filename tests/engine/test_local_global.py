@@ -1,0 +1,54 @@
+"""Sliding-window settings (Gemma 3's ``config.json``): read into the preset, refused by name where Tunix's Gemma3
+runs something else, written back as they were read. Without JAX."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from orchestrator.engine import hf_checkpoint, local_global
+from orchestrator.engine.presets import load_preset
+
+SIZES = {"num_layers": 7, "head_dim": 16, "embed_dim": 64, "num_heads": 4}
+
+
+def gemma3_config(**changes):
+  preset = dataclasses.replace(load_preset("tiny_gemma3"), num_layers=7, sliding_window=5)
+  return dict(hf_checkpoint.export_config(preset), **changes)
+
+
+@pytest.mark.spec
+def test_the_settings_read_back_as_written():
+  preset = dataclasses.replace(load_preset("tiny_gemma3"), global_rope_scale=8.0, local_rope_theta=5_000.0)
+  config = hf_checkpoint.export_config(preset)
+  assert config["rope_scaling"] == {"rope_type": "linear", "factor": 8.0}
+  read = local_global.settings_from_config(config, dataclasses.asdict(preset), "here")
+  assert read == local_global.settings(preset) == {"sliding_window": 8, "local_rope_theta": 5_000.0,
+                                                   "global_rope_scale": 8.0, "query_pre_attn_scalar": 16}
+  assert local_global.layer_types(7) == ["sliding_attention"] * 5 + ["full_attention", "sliding_attention"]
+  # transformers' defaults where config.json gives none
+  bare = {k: v for k, v in config.items() if k not in ("sliding_window", "rope_local_base_freq", "rope_scaling",
+                                                        "layer_types", "query_pre_attn_scalar")}
+  assert local_global.settings_from_config(bare, dict(SIZES, head_dim=256), "here") == {
+      "sliding_window": 4096, "local_rope_theta": 10_000.0, "global_rope_scale": 1.0, "query_pre_attn_scalar": 256}
+
+
+@pytest.mark.spec
+@pytest.mark.parametrize("change, words", [
+    ({"layer_types": ["full_attention"] * 7}, "layer_types gives layer 0 full_attention where Tunix's Gemma3 runs"
+                                              " sliding_attention"),
+    ({"layer_types": ["sliding_attention"] * 5 + ["full_attention"]}, "layer_types gives layer 6 nothing"),
+    ({"layer_types": "sliding"}, "layer_types='sliding' must be a list"),
+    ({"sliding_window_pattern": 4}, "sliding_window_pattern=4"),
+    ({"sliding_window": 0}, "sliding_window=0 must be a whole number"),
+    ({"sliding_window": 4.5}, "sliding_window=4.5 must be a whole number"),
+    ({"query_pre_attn_scalar": 100}, "query_pre_attn_scalar=100; Tunix's Gemma3 scales queries by the head size"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 8}}, "rope_scaling={'rope_type': 'yarn', 'factor': 8}"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": 0.5}}, "use {\"rope_type\": \"linear\""),
+    ({"rope_local_base_freq": -1}, "rope_local_base_freq=-1 must be a finite number > 0"),
+])
+def test_settings_tunix_does_not_run_are_refused_by_name(change, words):
+  with pytest.raises(ValueError) as e:
+    local_global.settings_from_config(gemma3_config(**change), SIZES, "here")
+  assert str(e.value).startswith("here: ") and words in str(e.value) and "\n" not in str(e.value)
