@@ -83,8 +83,10 @@ class GGUFCheckpoint:
                       " truncated or damaged: download or copy it again") from None
     self.architecture = self._string("general.architecture")
     if self.architecture not in ARCHITECTURES:
+      other = (" (a Gemma 3 GGUF holds a SentencePiece vocabulary, which the import does not rebuild: train its"
+               " Hugging Face directory with model.checkpoint=DIR)" if self.architecture.startswith("gemma") else "")
       raise GGUFError(f"{self.path}: general.architecture={self.architecture!r}; the import reads"
-                      f" {', '.join(ARCHITECTURES)} models (the families the trainer runs): use a GGUF of one")
+                      f" {', '.join(ARCHITECTURES)} models{other}: use a GGUF of one")
     self.family = FAMILIES[ARCHITECTURES[self.architecture]]
     self._names = self._hf_names()
     self._check_types()

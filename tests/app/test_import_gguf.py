@@ -119,6 +119,8 @@ def test_bad_files_and_outputs_are_refused_in_one_line_with_nothing_written(tmp_
   assert "truncated or damaged" in _refused(tmp_path, capsys, truncated)
   other = write_gguf(tmp_path / "gpt2.gguf", tensors, config, architecture="gpt2")
   assert "general.architecture='gpt2'" in _refused(tmp_path, capsys, other)
+  gemma = write_gguf(tmp_path / "gemma3.gguf", tensors, config, architecture="gemma3")
+  assert "train its Hugging Face directory with model.checkpoint=DIR" in _refused(tmp_path, capsys, gemma)
   (tmp_path / "taken").mkdir()
   assert "already exists" in _refused(tmp_path, capsys, good, out_name="taken")
 
