@@ -311,8 +311,10 @@ def _resume_main(args: argparse.Namespace) -> int:
   given = [f"--{name}" for name in FLAG_KEYS if name not in ("steps",) and getattr(args, name) is not None]
   given += ["--recipe"] * bool(args.recipe) + ["--print-config"] * bool(args.print_config) + list(args.overrides)
   if given:
+    steps = next((item.split("=", 1)[1] for item in args.overrides if item.startswith("steps=")), None)
+    hint = f"; to run it to step {steps}, give --steps {steps}" if steps is not None else ""
     print(f"run_rl: error: --resume continues a run as it was configured; only --steps may be given with it"
-          f" (got {' '.join(given)})", file=sys.stderr)
+          f" (got {' '.join(given)}){hint}", file=sys.stderr)
     return 2
   if args.steps is not None and args.steps < 1:
     print(f"run_rl: error: --steps {args.steps} is out of range: it must be >= 1", file=sys.stderr)

@@ -489,6 +489,8 @@ CASES = [
                                     "distributed.num_processes=2"], {},
      "distributed.num_processes=2 does not split the mesh's 3 devices evenly"),
     ("resume-with-recipe", ["--resume", "somewhere", "--recipe", "recipes/default.yaml"], {}, "only --steps may be given"),
+    ("resume-steps-as-a-key", ["--resume", "somewhere", "steps=8"], {},
+     "only --steps may be given with it (got steps=8); to run it to step 8, give --steps 8"),
     ("resume-missing", lambda t, g: ["--resume", str(t / "no-such-run")], {}, "no such run directory"),
     ("resume-not-a-run", lambda t, g: ["--resume", str(t)], {}, "holds no run"),
     ("from-checkpoint-alone", ["--from-checkpoint", "2"], {}, "--from-checkpoint N goes with --resume DIR"),
