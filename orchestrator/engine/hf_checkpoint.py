@@ -33,7 +33,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from orchestrator.engine import local_global
+from orchestrator.engine import local_global, rope_parameters
 from orchestrator.engine.families import BY_MODEL_TYPE, FAMILIES, Family
 from orchestrator.engine.presets import ModelPreset
 from orchestrator.user_files import MIB, UserFileError, open_regular, read_regular_text
@@ -116,7 +116,10 @@ def _read_config(directory: str | Path, key: str) -> dict[str, Any]:
     raise CheckpointDirError(f"{key}={directory}: its {CONFIG_FILE} names {named}; this trainer runs the"
                              f" model types {', '.join(BY_MODEL_TYPE)} (Tunix's {', '.join(FAMILIES)} models):"
                              " use a checkpoint of one of them")
-  return config
+  try:
+    return rope_parameters.as_legacy_keys(config, f"{key} {config_path}")
+  except ValueError as e:
+    raise CheckpointDirError(str(e)) from None
 
 
 def config_family(config: Mapping[str, Any]) -> Family:
@@ -189,6 +192,8 @@ def preset_from_config(directory: str | Path, config: Mapping[str, Any]) -> Mode
     names = {field: name for field, name in names.items() if field != "head_dim"}
   sizes = {field: _int(config, name, where) for field, name in names.items()
            if not field.startswith("num_experts") or moe}
+  if "head_dim" not in config and family.default_head_dim is not None:
+    sizes["head_dim"] = family.default_head_dim
   _check_head_sizes(sizes, where)
   context_tokens(config, where)
   if moe:
@@ -203,9 +208,14 @@ def preset_from_config(directory: str | Path, config: Mapping[str, Any]) -> Mode
       raise CheckpointDirError(f"{where}: norm_topk_prob={config.get('norm_topk_prob')}: Tunix's Qwen3 MoE"
                                " normalises the top-k routing weights; use a checkpoint that does")
   for name, implemented in family.unsupported.items():
-    if config.get(name, implemented) != implemented:
-      raise CheckpointDirError(f"{where}: {name}={config[name]!r}, which Tunix's {family.model_class} does not"
-                               f" implement (it runs {name}={implemented!r}); use a checkpoint without it")
+    value = config.get(name, implemented)
+    if isinstance(implemented, float) and (isinstance(value, bool) or not isinstance(value, (int, float))):
+      raise CheckpointDirError(f"{where}: {name}={value!r} must be a number; restore the checkpoint's"
+                               f" {CONFIG_FILE}")
+    if value != implemented:
+      raise CheckpointDirError(f"{where}: {name}={value!r}, which Tunix's {family.model_class} does not"
+                               f" implement (it runs {name}={implemented!r}), so this model cannot be trained as"
+                               f" it was made; use a checkpoint of a model with {name}={implemented!r}")
   tied = config.get("tie_word_embeddings", family.default_tied_embedding)
   if not isinstance(tied, bool):
     raise CheckpointDirError(f"{where}: tie_word_embeddings={tied!r} must be true or false")
@@ -242,7 +252,7 @@ def disagreement(preset: ModelPreset, loaded: ModelPreset) -> str | None:
     mine, theirs = local_global.settings(preset), local_global.settings(loaded)
     for field in mine:
       if mine[field] != theirs[field]:
-        return f"{field}={mine[field]} but its {CONFIG_FILE} gives {theirs[field]}"
+        return f"{field}={mine[field]} but its {CONFIG_FILE} has {local_global.CONFIG_KEYS[field]}={theirs[field]}"
   return None
 
 
@@ -588,6 +598,7 @@ def export_config(preset: ModelPreset, base: Mapping[str, Any] | None = None) ->
   dtype set, or a new one for a preset's model. Its ``rope_theta`` is the base the model computed with."""
   config = dict(base or {})
   config.pop("dtype", None)  # newer transformers' name for torch_dtype: the weights written are float32
+  config.pop(rope_parameters.KEY, None)  # written as the older keys below, which transformers 5 reads too
   moe = preset.is_moe
   family = FAMILIES[preset.family]
   model_type = family.model_type(moe)
