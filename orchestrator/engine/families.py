@@ -44,6 +44,8 @@ class Family:
   local_global_attention: bool = False
   #: The module under the Tunix package holding its Hugging Face name mapping.
   params_module: str = "params"
+  #: transformers' ``head_dim`` where config.json gives none (None: ``hidden_size // num_attention_heads``).
+  default_head_dim: int | None = None
   #: The value of ``tie_word_embeddings`` where config.json gives none.
   default_tied_embedding: bool = False
   #: The ``model_type`` of the family's MoE variant (None: dense only).
@@ -98,7 +100,7 @@ FAMILIES: dict[str, Family] = {
     "gemma3": Family(
         name="gemma3", model_types={"gemma3_text": "Gemma3ForCausalLM"}, tunix_package="gemma3",
         model_class="Gemma3", qk_norm=True, sandwich_norms=True, local_global_attention=True,
-        params_module="params_safetensors", default_tied_embedding=True,
+        params_module="params_safetensors", default_tied_embedding=True, default_head_dim=256,
         unsupported={"hidden_activation": "gelu_pytorch_tanh", "hidden_act": "gelu_pytorch_tanh",
                      "quantization_config": None, "attention_bias": False, "attn_logit_softcapping": None,
                      "final_logit_softcapping": None, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,

@@ -48,7 +48,8 @@ def _rope_scale(config: Mapping[str, Any], where: str) -> float:
     return 1.0
   kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
   factor = scaling.get("factor") if isinstance(scaling, dict) else None
-  if kind != "linear" or isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor >= 1:
+  if (kind != "linear" or isinstance(factor, bool) or not isinstance(factor, (int, float))
+      or not math.isfinite(factor) or factor < 1):
     raise ValueError(f"{where}: rope_scaling={scaling!r}; Tunix's Gemma3 scales its global layers' rotary"
                      " positions linearly only: use {\"rope_type\": \"linear\", \"factor\": F} with F >= 1, or none")
   return float(factor)
@@ -69,10 +70,13 @@ def settings_from_config(config: Mapping[str, Any], sizes: Mapping[str, int], wh
   given = config.get("layer_types")
   if given is not None and not (isinstance(given, list) and all(isinstance(kind, str) for kind in given)):
     raise ValueError(f"{where}: layer_types={given!r} must be a list of {LOCAL!r} and {GLOBAL!r}, one a layer")
+  if given is not None and len(given) != len(expected):
+    raise ValueError(f"{where}: layer_types gives {len(given)} entries for num_hidden_layers={len(expected)}"
+                     " layers; restore the checkpoint's config.json")
   if given is not None and given != expected:
-    first = next((i for i, (a, b) in enumerate(zip(given, expected)) if a != b), min(len(given), len(expected)))
-    raise ValueError(f"{where}: layer_types gives layer {first} {given[first] if first < len(given) else 'nothing'}"
-                     f" where Tunix's Gemma3 runs {expected[first] if first < len(expected) else 'no layer'}"
+    first = next(i for i, (a, b) in enumerate(zip(given, expected)) if a != b)
+    raise ValueError(f"{where}: layer_types gives layer {first} {given[first]} where Tunix's Gemma3 runs"
+                     f" {expected[first]}"
                      f" (every {LAYERS_PER_GLOBAL}th layer global, the rest sliding); use a checkpoint of that"
                      " pattern")
   pattern = config.get("sliding_window_pattern", LAYERS_PER_GLOBAL)
@@ -82,8 +86,10 @@ def settings_from_config(config: Mapping[str, Any], sizes: Mapping[str, int], wh
                      f"{LAYERS_PER_GLOBAL}")
   scalar = config.get("query_pre_attn_scalar", DEFAULT_QUERY_PRE_ATTN_SCALAR)
   runs = {sizes["head_dim"], sizes["embed_dim"] // sizes["num_heads"]}
-  if scalar not in runs or isinstance(scalar, bool):
-    raise ValueError(f"{where}: query_pre_attn_scalar={scalar!r}; Tunix's Gemma3 scales queries by the head size"
+  if isinstance(scalar, bool) or not isinstance(scalar, (int, float)) or scalar not in runs:
+    default = "" if "query_pre_attn_scalar" in config else " (transformers' default: config.json gives none)"
+    raise ValueError(f"{where}: query_pre_attn_scalar={scalar!r}{default}; Tunix's Gemma3 scales queries by the"
+                     " head size"
                      f" or the width per head ({' or '.join(str(n) for n in sorted(runs))} here): use a"
                      " checkpoint with one of those")
   return {"sliding_window": window, "global_rope_scale": _rope_scale(config, where),
@@ -97,6 +103,11 @@ def window(preset: ModelPreset) -> int:
 
 def query_pre_attn_scalar(preset: ModelPreset) -> int:
   return preset.head_dim if preset.query_pre_attn_scalar is None else preset.query_pre_attn_scalar
+
+
+#: The config.json key of each setting's preset field.
+CONFIG_KEYS = {"sliding_window": "sliding_window", "local_rope_theta": "rope_local_base_freq",
+               "global_rope_scale": "rope_scaling.factor", "query_pre_attn_scalar": "query_pre_attn_scalar"}
 
 
 def settings(preset: ModelPreset) -> dict[str, Any]:
@@ -128,7 +139,8 @@ def tunix_config_values(preset: ModelPreset, module: ModuleType) -> dict[str, An
     norm = scale.BY_ONE_OVER_SQRT_EMBED_DIM_DIV_NUM_HEADS
   else:
     raise ValueError(f"model {preset.name}: query_pre_attn_scalar={scalar}; Tunix's Gemma3 scales queries by"
-                     f" head_dim={preset.head_dim} or embed_dim/num_heads={preset.embed_dim // preset.num_heads}")
+                     f" head_dim={preset.head_dim} or embed_dim/num_heads={preset.embed_dim // preset.num_heads}:"
+                     " set query_pre_attn_scalar to one of those in the preset")
   return {"num_embed": preset.vocab_size, "sliding_window_size": window(preset),
           "local_base_frequency": preset.local_rope_theta, "global_base_frequency": preset.rope_theta,
           "global_scale_factor": preset.global_rope_scale, "query_pre_attn_norm": norm}

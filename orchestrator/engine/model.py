@@ -173,7 +173,9 @@ def load_hf_checkpoint(preset: ModelPreset, config, mesh=None):
   for key, by_expert in experts.items():
     values[key] = np.stack([np.asarray(by_expert[e], np.float32) for e in sorted(by_expert)])
   if hasattr(names, "_make_preprocess_fn"):  # Gemma3 joins each layer's q/k/v into its einsum weights, as Tunix's
-    values = names._make_preprocess_fn(config)(values)  # pylint: disable=protected-access  # loader does
+    # loader does; on the host's CPU, so the joined weights never gather on one accelerator before placement
+    with jax.default_device(jax.devices("cpu")[0]):
+      values = names._make_preprocess_fn(config)(values)  # pylint: disable=protected-access
 
   def place(path, placement, shape):
     key = ".".join(str(getattr(part, "key", getattr(part, "idx", part))) for part in path)

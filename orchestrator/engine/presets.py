@@ -92,4 +92,30 @@ def load_preset(name: str, **overrides: Any) -> ModelPreset:
   if raw.get("family", DEFAULT_FAMILY) not in FAMILIES:
     raise ValueError(f"model preset {path}: family={raw['family']!r} is not one the engine runs; families:"
                      f" {', '.join(FAMILIES)}")
-  return ModelPreset(**raw)
+  preset = ModelPreset(**raw)
+  _check_family_settings(preset, path)
+  return preset
+
+
+#: The preset field of each config.json setting a family may run one value of only.
+_FIELDS_OF_CONFIG_KEYS = {"tie_word_embeddings": "use_tied_embedding", "rms_norm_eps": "norm_eps"}
+
+
+def _check_family_settings(preset: ModelPreset, path: Path) -> None:
+  """The preset's settings are ones its family's Tunix model runs (a preset file's, as a checkpoint's are).
+
+  Raises:
+    ValueError: naming the field, its value and the one the model runs.
+  """
+  family = FAMILIES[preset.family]
+  for key, field in _FIELDS_OF_CONFIG_KEYS.items():
+    if key in family.unsupported and getattr(preset, field) != family.unsupported[key]:
+      raise ValueError(f"model preset {path}: {field}={getattr(preset, field)!r}, but Tunix's {family.model_class}"
+                       f" runs {field}={family.unsupported[key]!r}; set it so")
+  if family.local_global_attention:
+    window, scale = preset.sliding_window, preset.global_rope_scale
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+      raise ValueError(f"model preset {path}: sliding_window={window!r} must be a whole number of tokens >= 1")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale >= 1:
+      raise ValueError(f"model preset {path}: global_rope_scale={preset.global_rope_scale!r} must be >= 1 (a"
+                       " linear scaling divides positions by it)")

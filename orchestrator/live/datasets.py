@@ -270,15 +270,20 @@ def prompt_tokens(tokenizer, prompt: str) -> int:
 def check_no_pad_in_prompts(rows: Sequence[Row], tokenizer) -> None:
   """No prompt, as the model sees it, holds the pad id: Tunix's sampler masks that id out of a prompt, and
   training would not, so the two would score another sequence (a checkpoint without a pad token pads with
-  its eos, which a chat template may put in every prompt)."""
+  its eos, which a chat template may put in every prompt). Nor an id past the model's (``HFTokenizer``'s
+  ``vocab_size``), which would read an embedding row it does not have."""
   if not hasattr(tokenizer, "format_prompt"):  # the character tokenizer: no character encodes to pad
     return
   pad = tokenizer.pad_id()
   for row in rows:
-    if pad in tokenizer.encode(tokenizer.format_prompt(row.problem.prompt)):
+    ids = tokenizer.encode(tokenizer.format_prompt(row.problem.prompt))
+    if pad in ids:
       raise DatasetError(f"{row.where}: the prompt as the model sees it holds the pad token (id {pad}), which the"
                          " sampler would mask out of it but training would not; give the checkpoint a pad_token"
                          " (tokenizer_config.json) that no prompt uses")
+    if ids and max(ids) >= tokenizer.vocab_size:  # a special token the model has no row for (Gemma 3's image)
+      raise DatasetError(f"{row.where}: the prompt as the model sees it holds token id {max(ids)}, which the"
+                         f" model's {tokenizer.vocab_size} ids do not include; remove that token from the prompt")
 
 
 def check_prompt_lengths(rows: Sequence[Row], tokenizer, max_prompt_tokens: int) -> None:

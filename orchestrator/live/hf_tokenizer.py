@@ -108,6 +108,7 @@ class HFTokenizer:
     settings = _read_json(self.directory / "tokenizer_config.json")
     generation = _read_json(self.directory / "generation_config.json")
     model = _read_json(self.directory / "config.json")
+    self._vocab_size = self._ids_the_model_takes(model.get("vocab_size"))
     self._bos = self._special_id(_token_text(settings.get("bos_token")), "bos_token")
     # add_bos_token false (SmolLM2's: its bos is <|im_start|>, which the chat template writes itself): prompts
     # get no bos of the sampler's, as transformers' tokenizer adds none
@@ -138,6 +139,18 @@ class HFTokenizer:
         eos.append(token_id)
     return list(dict.fromkeys(i for i in eos if i is not None))
 
+  def _ids_the_model_takes(self, model_vocab_size: Any) -> int:
+    """One more than the largest id the sampler may emit or a prompt may hold: the tokenizer's, or fewer where
+    every id past ``config.json``'s ``vocab_size`` is a special token the model has no row for (Gemma 3's image
+    token, 262144, past its text model's 262,144 ids), which nothing samples and no prompt may hold. A plain
+    token past it is left counted, so the recipe refuses the tokenizer as too large for the model."""
+    ids = max(self._tokenizer.get_vocab(with_added_tokens=True).values()) + 1
+    if isinstance(model_vocab_size, bool) or not isinstance(model_vocab_size, int) or ids <= model_vocab_size:
+      return ids
+    specials = {i for i, token in self._tokenizer.get_added_tokens_decoder().items() if token.special}
+    past = set(self._tokenizer.get_vocab(with_added_tokens=True).values()) - set(range(max(0, model_vocab_size)))
+    return model_vocab_size if past <= specials else ids
+
   def _special_id(self, text: str | None, name: str) -> int | None:
     if text is None:
       return None
@@ -145,6 +158,9 @@ class HFTokenizer:
     if token_id is None:
       raise TokenizerError(f"model.checkpoint={self.directory}: {name} {text!r} (tokenizer_config.json) is not in"
                            f" {TOKENIZER_FILE}'s vocabulary; fix tokenizer_config.json")
+    if token_id >= self.vocab_size:
+      raise TokenizerError(f"model.checkpoint={self.directory}: {name} {text!r} is id {token_id}, past the model's"
+                           f" {self.vocab_size} ids (config.json's vocab_size); use a {name} the model has")
     return token_id
 
   def _chat_template(self, settings: Mapping[str, Any]) -> tuple[jinja2.Template, Path]:
@@ -200,8 +216,9 @@ class HFTokenizer:
   # ---------------------------------------------------------------- what the sampler asks of a tokenizer
   @property
   def vocab_size(self) -> int:
-    """One more than the largest id (ids may leave gaps: the count of tokens could be fewer)."""
-    return max(self._tokenizer.get_vocab(with_added_tokens=True).values()) + 1
+    """One more than the largest id the model takes (``_ids_the_model_takes``; ids may leave gaps: the count of
+    tokens could be fewer)."""
+    return self._vocab_size
 
   def format_prompt(self, prompt: str) -> str:
     """``prompt`` as the model sees it: through the chat template when one is used, else as is."""

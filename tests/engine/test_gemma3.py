@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -158,3 +159,20 @@ def test_sampling_through_the_cache_gives_the_full_forward_s_log_probs(tmp_path)
     full = logits - top - np.log(np.sum(np.exp(logits - top), -1, keepdims=True))
     expected = [full[len(prompt) - 1 + i, token] for i, token in enumerate(completion)]
     np.testing.assert_allclose(logprobs, expected, atol=1e-4)
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_export_writes_back_the_tensors_a_checkpoint_was_loaded_from(tmp_path, layout):
+  """Both of Tunix's attention layouts (query and joined key/value weights; one joined q/k/v weight when there
+  are as many key/value heads as query heads) unjoin into Hugging Face's tensors, bit for bit."""
+  directory = write_gemma3(tmp_path / layout, gemma3_preset(**LAYOUTS[layout]))
+  preset = hf_checkpoint.load_preset_from_checkpoint(directory)
+  _, params, _ = model_lib.build_model(preset, seed=0)
+  layer = params["layers"][0]["attn"]
+  assert ("qkv_einsum" in layer) == (layout == "fused")
+  written = load_file(str(directory / "model.safetensors"))
+  exported = hf_checkpoint.export_tensors(jax.device_get(params), preset)
+  assert set(exported) == set(written)
+  for name, value in written.items():
+    np.testing.assert_array_equal(exported[name], value, err_msg=name)

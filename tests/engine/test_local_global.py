@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from orchestrator.engine import hf_checkpoint, local_global
-from orchestrator.engine.presets import load_preset
+from orchestrator.engine.presets import CONFIGS_ENV, DEFAULT_CONFIGS_DIR, load_preset
 
 SIZES = {"num_layers": 7, "head_dim": 16, "embed_dim": 64, "num_heads": 4}
 
@@ -38,17 +38,43 @@ def test_the_settings_read_back_as_written():
 @pytest.mark.parametrize("change, words", [
     ({"layer_types": ["full_attention"] * 7}, "layer_types gives layer 0 full_attention where Tunix's Gemma3 runs"
                                               " sliding_attention"),
-    ({"layer_types": ["sliding_attention"] * 5 + ["full_attention"]}, "layer_types gives layer 6 nothing"),
+    ({"layer_types": ["sliding_attention"] * 5 + ["full_attention"]},
+     "layer_types gives 6 entries for num_hidden_layers=7 layers"),
     ({"layer_types": "sliding"}, "layer_types='sliding' must be a list"),
     ({"sliding_window_pattern": 4}, "sliding_window_pattern=4"),
     ({"sliding_window": 0}, "sliding_window=0 must be a whole number"),
     ({"sliding_window": 4.5}, "sliding_window=4.5 must be a whole number"),
     ({"query_pre_attn_scalar": 100}, "query_pre_attn_scalar=100; Tunix's Gemma3 scales queries by the head size"),
+    ({"query_pre_attn_scalar": ...}, "query_pre_attn_scalar=256 (transformers' default: config.json gives none)"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 8}}, "rope_scaling={'rope_type': 'yarn', 'factor': 8}"),
     ({"rope_scaling": {"rope_type": "linear", "factor": 0.5}}, "use {\"rope_type\": \"linear\""),
     ({"rope_local_base_freq": -1}, "rope_local_base_freq=-1 must be a finite number > 0"),
+    ({"query_pre_attn_scalar": [16]}, "query_pre_attn_scalar=[16]; Tunix's Gemma3 scales queries"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": float("inf")}}, "rope_scaling={'rope_type': 'linear',"
+                                                                        " 'factor': inf}"),
 ])
 def test_settings_tunix_does_not_run_are_refused_by_name(change, words):
+  config = {key: value for key, value in gemma3_config(**change).items() if value is not ...}
   with pytest.raises(ValueError) as e:
-    local_global.settings_from_config(gemma3_config(**change), SIZES, "here")
+    local_global.settings_from_config(config, SIZES, "here")
   assert str(e.value).startswith("here: ") and words in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.spec
+@pytest.mark.parametrize("line, words", [
+    ("use_tied_embedding: false", "use_tied_embedding=False, but Tunix's Gemma3 runs use_tied_embedding=True"),
+    ("norm_eps: 1.0e-5", "norm_eps=1e-05, but Tunix's Gemma3 runs norm_eps=1e-06"),
+    ("global_rope_scale: 0.5", "global_rope_scale=0.5 must be >= 1"),
+    ("sliding_window: 0", "sliding_window=0 must be a whole number of tokens >= 1"),
+])
+def test_a_gemma3_preset_file_with_a_setting_tunix_does_not_run_is_refused(tmp_path, monkeypatch, line, words):
+  """A preset file is checked as a checkpoint's config.json is: Tunix's Gemma3 would ignore these silently."""
+  (tmp_path / "model").mkdir()
+  base = (DEFAULT_CONFIGS_DIR / "model" / "tiny_gemma3.yaml").read_text()
+  key = line.split(":")[0]
+  kept = [kept for kept in base.splitlines() if not kept.startswith(f"{key}:")]
+  (tmp_path / "model" / "bad.yaml").write_text("\n".join([*kept, line]) + "\n")
+  monkeypatch.setenv(CONFIGS_ENV, str(tmp_path))
+  with pytest.raises(ValueError) as e:
+    load_preset("bad")
+  assert words in str(e.value) and "\n" not in str(e.value)

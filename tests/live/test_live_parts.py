@@ -156,6 +156,22 @@ def sampler():
 
 
 @pytest.mark.engine
+def test_the_pad_id_is_never_sampled_unless_it_ends_a_sequence():
+  """Tunix's sampler hides every pad id in a sequence from the tokens decoded after it; the trainer does not."""
+  from orchestrator.live.sampler import sampled_token_ids  # import here: the module imports JAX (the fixture's reason)
+
+  class PadIsEos(CharTokenizer):
+    def pad_id(self) -> int:
+      return self.eos_id()
+
+  tok = CharTokenizer()
+  assert tok.pad_id() not in sampled_token_ids(tok, None)
+  assert sampled_token_ids(tok, None) == sorted(set(range(tok.vocab_size)) - {tok.pad_id()})
+  assert sampled_token_ids(tok, "abc") == sorted(tok.encode("abc"))
+  assert sampled_token_ids(PadIsEos(), None) == list(range(tok.vocab_size))  # its eos ends the completion
+
+
+@pytest.mark.engine
 def test_sampling_is_a_function_of_the_seed_and_stays_in_the_alphabet(sampler):
   tok = sampler.tokenizer
   a = sampler.sample(["3+4%7="] * 4, seed=11)

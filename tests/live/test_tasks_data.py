@@ -22,6 +22,7 @@ import pytest
 from orchestrator import recipe as recipe_lib
 from orchestrator.app import cli
 from orchestrator.live import datasets, rewards
+from orchestrator.live.hf_tokenizer import HFTokenizer, char_tokenizer_json
 from orchestrator.live.rewards import RewardError, make_reward
 from orchestrator.live.tasks import FirstLetter, ModularAddition, Problem, split_sizes
 from orchestrator.recipe.schema import TaskSection
@@ -601,3 +602,32 @@ def test_a_reward_that_fails_stops_the_run_naming_it_and_keeps_the_records_befor
 ])
 def test_math_reads_latex_fractions_and_the_number_after_the_hashes(completion, answer, score):
   assert rewards.math_answer([""], [completion], answer=[answer]) == [score]
+
+
+def _with_special_token_past(directory, model_vocab_size: int, *, special: bool = True):
+  """The character tokenizer with one more token, ``<image>`` (special or not), and a config.json whose model
+  has ``model_vocab_size`` ids."""
+  directory.mkdir()
+  char_tokenizer_json(directory)
+  tokenizer = json.loads((directory / "tokenizer.json").read_text())
+  tokenizer["added_tokens"].append({"id": 51, "content": "<image>", "single_word": False, "lstrip": False,
+                                    "rstrip": False, "normalized": False, "special": special})
+  (directory / "tokenizer.json").write_text(json.dumps(tokenizer))
+  (directory / "config.json").write_text(json.dumps({"vocab_size": model_vocab_size}))
+  return directory
+
+
+@pytest.mark.spec
+def test_a_special_token_past_the_model_s_ids_is_left_out_and_refused_in_a_prompt(tmp_path):
+  """Gemma 3's tokenizer holds its image token at 262144, past its text model's 262,144 ids: the model takes
+  the ids before it (nothing samples it), and a prompt that holds it is refused. A plain token past the
+  model's ids still counts, so the recipe refuses that tokenizer as too large."""
+  tokenizer = HFTokenizer(_with_special_token_past(tmp_path / "special", 51))
+  assert tokenizer.encode("ab<image>")[-1] == 51 and tokenizer.vocab_size == 51
+  assert HFTokenizer(_with_special_token_past(tmp_path / "plain", 51, special=False)).vocab_size == 52
+  assert HFTokenizer(_with_special_token_past(tmp_path / "fits", 52)).vocab_size == 52
+  data = tmp_path / "prompts.jsonl"
+  data.write_text(json.dumps({"prompt": "look: <image>", "answer": "a"}) + "\n"
+                  + "".join(json.dumps({"prompt": f"p{i}", "answer": "b"}) + "\n" for i in range(20)))
+  with pytest.raises(datasets.DatasetError, match="holds token id 51, which the model's 51 ids do not include"):
+    datasets.load_task(path=str(data), tokenizer=tokenizer)
