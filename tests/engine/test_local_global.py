@@ -78,3 +78,12 @@ def test_a_gemma3_preset_file_with_a_setting_tunix_does_not_run_is_refused(tmp_p
   with pytest.raises(ValueError) as e:
     load_preset("bad")
   assert words in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.spec
+def test_a_gemma3_config_without_head_dim_takes_transformers_default(tmp_path):
+  """transformers' Gemma3TextConfig defaults head_dim to 256, not hidden_size / num_attention_heads."""
+  config = {key: value for key, value in gemma3_config().items() if key != "head_dim"}
+  assert hf_checkpoint.preset_from_config(tmp_path, config).head_dim == 256
+  qwen3 = {key: value for key, value in hf_checkpoint.export_config(load_preset("tiny")).items() if key != "head_dim"}
+  assert hf_checkpoint.preset_from_config(tmp_path, qwen3).head_dim == 64 // 4
