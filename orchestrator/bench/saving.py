@@ -45,8 +45,10 @@ MODE_FLAGS = {
     "stage_after_update": ["--pipeline_step_boundary", "--stage_next_microbatch", "--no-stage_before_update"],
     "stage_before_update": ["--pipeline_step_boundary", "--stage_next_microbatch", "--stage_before_update"],
 }
-#: The sampler-paced variant: one optimizer step per sampled batch, one micro-batch per sampler call.
-SAMPLER_PACED = ["rollouts.batch_steps=1", "rollouts.micro_batches_per_call=1", "engine.learning_rate=3e-3"]
+#: The sampler-paced variant: one optimizer step per sampled batch (one pass over it), one micro-batch per sampler
+#: call.
+SAMPLER_PACED = ["rollouts.batch_steps=1", "engine.epochs=1", "rollouts.micro_batches_per_call=1",
+                 "engine.learning_rate=3e-3"]
 VARIANTS = {"default": [], "sampler_paced": SAMPLER_PACED}
 
 

@@ -44,8 +44,9 @@ class Family:
   local_global_attention: bool = False
   #: The module under the Tunix package holding its Hugging Face name mapping.
   params_module: str = "params"
-  #: transformers' ``head_dim`` where config.json gives none (None: ``hidden_size // num_attention_heads``).
-  default_head_dim: int | None = None
+  #: transformers' ``head_dim`` where config.json gives none, by ``model_type`` (a model_type not here derives it:
+  #: ``hidden_size // num_attention_heads``, as Llama's, Qwen2's and Qwen3 MoE's configs do).
+  default_head_dims: Mapping[str, int] = dataclasses.field(default_factory=dict)
   #: The value of ``tie_word_embeddings`` where config.json gives none.
   default_tied_embedding: bool = False
   #: The ``model_type`` of the family's MoE variant (None: dense only).
@@ -88,6 +89,7 @@ FAMILIES: dict[str, Family] = {
     "qwen3": Family(
         name="qwen3", model_types={"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"},
         tunix_package="qwen3", model_class="Qwen3", qk_norm=True, moe_model_type="qwen3_moe",
+        default_head_dims={"qwen3": 128},
         unsupported=dict(_SHARED_UNSUPPORTED, attention_bias=False, use_sliding_window=False),
         fixed_rope_theta=1_000_000.0),
     "qwen2": Family(
@@ -100,7 +102,8 @@ FAMILIES: dict[str, Family] = {
     "gemma3": Family(
         name="gemma3", model_types={"gemma3_text": "Gemma3ForCausalLM"}, tunix_package="gemma3",
         model_class="Gemma3", qk_norm=True, sandwich_norms=True, local_global_attention=True,
-        params_module="params_safetensors", default_tied_embedding=True, default_head_dim=256,
+        params_module="params_safetensors", default_tied_embedding=True,
+        default_head_dims={"gemma3_text": 256},
         unsupported={"hidden_activation": "gelu_pytorch_tanh", "hidden_act": "gelu_pytorch_tanh",
                      "quantization_config": None, "attention_bias": False, "attn_logit_softcapping": None,
                      "final_logit_softcapping": None, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,

@@ -192,8 +192,8 @@ def preset_from_config(directory: str | Path, config: Mapping[str, Any]) -> Mode
     names = {field: name for field, name in names.items() if field != "head_dim"}
   sizes = {field: _int(config, name, where) for field, name in names.items()
            if not field.startswith("num_experts") or moe}
-  if "head_dim" not in config and family.default_head_dim is not None:
-    sizes["head_dim"] = family.default_head_dim
+  if "head_dim" not in config and config["model_type"] in family.default_head_dims:
+    sizes["head_dim"] = family.default_head_dims[config["model_type"]]
   _check_head_sizes(sizes, where)
   context_tokens(config, where)
   if moe:

@@ -48,7 +48,8 @@ def _rope_scale(config: Mapping[str, Any], where: str) -> float:
     return 1.0
   kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
   factor = scaling.get("factor") if isinstance(scaling, dict) else None
-  if (kind != "linear" or isinstance(factor, bool) or not isinstance(factor, (int, float))
+  others = set(scaling) - {"rope_type", "type", "factor"} if isinstance(scaling, dict) else set()
+  if (kind != "linear" or others or isinstance(factor, bool) or not isinstance(factor, (int, float))
       or not math.isfinite(factor) or factor < 1):
     raise ValueError(f"{where}: rope_scaling={scaling!r}; Tunix's Gemma3 scales its global layers' rotary"
                      " positions linearly only: use {\"rope_type\": \"linear\", \"factor\": F} with F >= 1, or none")

@@ -174,7 +174,7 @@ def load_hf_checkpoint(preset: ModelPreset, config, mesh=None):
     values[key] = np.stack([np.asarray(by_expert[e], np.float32) for e in sorted(by_expert)])
   if hasattr(names, "_make_preprocess_fn"):  # Gemma3 joins each layer's q/k/v into its einsum weights, as Tunix's
     # loader does; on the host's CPU, so the joined weights never gather on one accelerator before placement
-    with jax.default_device(jax.devices("cpu")[0]):
+    with jax.default_device(_host_device()):
       values = names._make_preprocess_fn(config)(values)  # pylint: disable=protected-access
 
   def place(path, placement, shape):
@@ -186,6 +186,14 @@ def load_hf_checkpoint(preset: ModelPreset, config, mesh=None):
 
   state = jax.tree_util.tree_map_with_path(place, placements, abstract_state.to_pure_dict())
   return nnx.merge(graphdef, state)
+
+
+def _host_device():
+  """The host's CPU device, or the default device where JAX_PLATFORMS leaves the CPU out."""
+  try:
+    return jax.devices("cpu")[0]
+  except RuntimeError:
+    return None
 
 
 def param_shardings(mesh, specs):

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -89,12 +90,29 @@ def load_preset(name: str, **overrides: Any) -> ModelPreset:
         f"model preset {path}: unknown keys {unknown}; known keys: {sorted(known - {'name'})}"
     )
   raw.setdefault("name", name)
+  for field in _NUMBER_FIELDS & set(raw):
+    raw[field] = _number(raw[field], field, path)
   if raw.get("family", DEFAULT_FAMILY) not in FAMILIES:
     raise ValueError(f"model preset {path}: family={raw['family']!r} is not one the engine runs; families:"
                      f" {', '.join(FAMILIES)}")
   preset = ModelPreset(**raw)
   _check_family_settings(preset, path)
   return preset
+
+
+#: Fields given as numbers with a fraction; YAML reads ``1e-6`` (no dot) as a string, so one is read as a number.
+_NUMBER_FIELDS = {"rope_theta", "norm_eps", "local_rope_theta", "global_rope_scale"}
+
+
+def _number(value: Any, field: str, path: Path) -> float:
+  if isinstance(value, str):
+    try:
+      value = float(value)
+    except ValueError:
+      pass
+  if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    raise ValueError(f"model preset {path}: {field}={value!r} must be a finite number")
+  return float(value)
 
 
 #: The preset field of each config.json setting a family may run one value of only.
@@ -116,6 +134,6 @@ def _check_family_settings(preset: ModelPreset, path: Path) -> None:
     window, scale = preset.sliding_window, preset.global_rope_scale
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
       raise ValueError(f"model preset {path}: sliding_window={window!r} must be a whole number of tokens >= 1")
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale >= 1:
+    if not scale >= 1:
       raise ValueError(f"model preset {path}: global_rope_scale={preset.global_rope_scale!r} must be >= 1 (a"
                        " linear scaling divides positions by it)")

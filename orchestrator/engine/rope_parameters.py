@@ -21,12 +21,16 @@ KEY = "rope_parameters"
 LAYER_KIND_BASES = {"full_attention": "rope_theta", "sliding_attention": "rope_local_base_freq"}
 #: Entries of one kind's parameters that are neither its base nor its scaling's kind.
 _BASE_AND_KIND = ("rope_theta", "rope_type", "type")
+#: Entries that change nothing at their value here: transformers 5 copies a model's ``partial_rotary_factor``
+#: into its rotary parameters, and a factor of 1 rotates the whole head, as every model here does.
+_NEUTRAL = {"partial_rotary_factor": 1.0}
 
 
 def _scaling(parameters: Mapping[str, Any]) -> dict[str, Any] | None:
   """The older ``rope_scaling`` of one kind's parameters: None for plain rotary with nothing else set."""
   kind = parameters.get("rope_type", parameters.get("type", "default"))
-  rest = {name: value for name, value in parameters.items() if name not in _BASE_AND_KIND}
+  rest = {name: value for name, value in parameters.items()
+          if name not in _BASE_AND_KIND and not (name in _NEUTRAL and value == _NEUTRAL[name])}
   if kind == "default" and not rest:
     return None
   return {"rope_type": kind, **rest}

@@ -196,10 +196,15 @@ class HFTokenizer:
     ``raise_exception``) or writes text the vocabulary cannot encode is refused now, by what it is."""
     text = self.format_prompt(PROBE_PROMPT).replace(PROBE_PROMPT, "", 1)  # the template's own text
     try:
-      self._tokenizer.encode(text, add_special_tokens=False)
-      return
+      ids = self._tokenizer.encode(text, add_special_tokens=False).ids
     except Exception as e:  # tokenizers raises a bare Exception (a word-level vocabulary without [UNK])
       error = e
+    else:
+      if ids and max(ids) >= self.vocab_size:
+        raise TokenizerError(f"model.chat_template=true: the chat template in {self._template_file} writes token"
+                             f" id {max(ids)}, which the model's {self.vocab_size} ids do not include; fix the"
+                             " template or set model.chat_template=false")
+      return
     bad = next((c for c in text if not self._encodes(c)), None)
     what = f"the character {bad!r}" if bad is not None else f"text ({_one_line(error)})"
     raise TokenizerError(f"model.chat_template=true: the chat template in {self._template_file} writes {what},"

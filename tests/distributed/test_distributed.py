@@ -186,9 +186,10 @@ def test_input_refused_in_every_process_is_one_line_and_nothing_is_written(tmp_p
 # (a plain run sums its collectives in another order: docs/distributed.md). The job stages before every update
 # (STAGE_BEFORE_UPDATE), the one process runs OFF: every process samples the same rollouts from the same weights,
 # so both must reach one digest.
+# One step per sampled batch, one pass: per-step weight versions.
 LIVE = ["steps=3", "rollouts.groups_per_micro_batch=2", "batch.rows=4", "task.eval_prompts=4", "checkpoint.every=2",
         "run.reserve_host_core=false", "mesh.fsdp=2", "distributed.timeout_s=60",
-        "rollouts.batch_steps=1", "rollouts.micro_batches_per_call=1"]  # a step per sampled batch: per-step versions
+        "rollouts.batch_steps=1", "engine.epochs=1", "rollouts.micro_batches_per_call=1"]
 
 
 @pytest.fixture(scope="module")

@@ -49,6 +49,8 @@ def test_the_settings_read_back_as_written():
     ({"rope_scaling": {"rope_type": "yarn", "factor": 8}}, "rope_scaling={'rope_type': 'yarn', 'factor': 8}"),
     ({"rope_scaling": {"rope_type": "linear", "factor": 0.5}}, "use {\"rope_type\": \"linear\""),
     ({"rope_local_base_freq": -1}, "rope_local_base_freq=-1 must be a finite number > 0"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": 8.0, "partial_rotary_factor": 0.5}},
+     "'partial_rotary_factor': 0.5}; Tunix's Gemma3 scales"),
     ({"query_pre_attn_scalar": [16]}, "query_pre_attn_scalar=[16]; Tunix's Gemma3 scales queries"),
     ({"rope_scaling": {"rope_type": "linear", "factor": float("inf")}}, "rope_scaling={'rope_type': 'linear',"
                                                                         " 'factor': inf}"),
@@ -66,6 +68,8 @@ def test_settings_tunix_does_not_run_are_refused_by_name(change, words):
     ("norm_eps: 1.0e-5", "norm_eps=1e-05, but Tunix's Gemma3 runs norm_eps=1e-06"),
     ("global_rope_scale: 0.5", "global_rope_scale=0.5 must be >= 1"),
     ("sliding_window: 0", "sliding_window=0 must be a whole number of tokens >= 1"),
+    ("global_rope_scale: .inf", "global_rope_scale=inf must be a finite number"),
+    ("norm_eps: one", "norm_eps='one' must be a finite number"),
 ])
 def test_a_gemma3_preset_file_with_a_setting_tunix_does_not_run_is_refused(tmp_path, monkeypatch, line, words):
   """A preset file is checked as a checkpoint's config.json is: Tunix's Gemma3 would ignore these silently."""
@@ -81,9 +85,24 @@ def test_a_gemma3_preset_file_with_a_setting_tunix_does_not_run_is_refused(tmp_p
 
 
 @pytest.mark.spec
+def test_a_preset_s_number_yaml_reads_as_a_string_is_a_number(tmp_path, monkeypatch):
+  """YAML reads ``1e-6`` (no dot) as a string: a preset saying norm_eps: 1e-6 means the number."""
+  (tmp_path / "model").mkdir()
+  base = (DEFAULT_CONFIGS_DIR / "model" / "tiny_gemma3.yaml").read_text()
+  (tmp_path / "model" / "eps.yaml").write_text(base.replace("norm_eps: 1.0e-6", "norm_eps: 1e-6"))
+  monkeypatch.setenv(CONFIGS_ENV, str(tmp_path))
+  assert load_preset("eps").norm_eps == 1e-6
+
+
+@pytest.mark.spec
 def test_a_gemma3_config_without_head_dim_takes_transformers_default(tmp_path):
-  """transformers' Gemma3TextConfig defaults head_dim to 256, not hidden_size / num_attention_heads."""
-  config = {key: value for key, value in gemma3_config().items() if key != "head_dim"}
-  assert hf_checkpoint.preset_from_config(tmp_path, config).head_dim == 256
-  qwen3 = {key: value for key, value in hf_checkpoint.export_config(load_preset("tiny")).items() if key != "head_dim"}
-  assert hf_checkpoint.preset_from_config(tmp_path, qwen3).head_dim == 64 // 4
+  """transformers' Gemma3TextConfig defaults head_dim to 256 and Qwen3Config to 128; Qwen2's, Llama's and Qwen3
+  MoE's derive it as hidden_size / num_attention_heads."""
+  def without_head_dim(config):
+    return {key: value for key, value in config.items() if key != "head_dim"}
+
+  assert hf_checkpoint.preset_from_config(tmp_path, without_head_dim(gemma3_config())).head_dim == 256
+  for preset, family, head_dim in (("tiny", "qwen3", 128), ("tiny", "qwen2", 16), ("tiny", "llama", 16),
+                                   ("tiny_moe", "qwen3", 16)):
+    config = without_head_dim(hf_checkpoint.export_config(dataclasses.replace(load_preset(preset), family=family)))
+    assert hf_checkpoint.preset_from_config(tmp_path, config).head_dim == head_dim, (preset, family)

@@ -78,6 +78,12 @@ def test_rope_parameters_that_cannot_be_read_or_disagree_are_refused(config, wor
 @pytest.mark.spec
 def test_agreeing_forms_and_configs_without_it_read_as_they_are():
   assert rope_parameters.as_legacy_keys({"rope_theta": 5.0}, "here") == {"rope_theta": 5.0}
+  # transformers 5 copies a partial_rotary_factor into the parameters; 1 rotates the whole head, as here
+  neutral = {"rope_parameters": {"rope_type": "default", "rope_theta": 5.0, "partial_rotary_factor": 1.0}}
+  assert rope_parameters.as_legacy_keys(neutral, "here") == {"rope_theta": 5.0, "rope_scaling": None}
+  half = {"rope_parameters": {"rope_type": "default", "rope_theta": 5.0, "partial_rotary_factor": 0.5}}
+  assert rope_parameters.as_legacy_keys(half, "here")["rope_scaling"] == {"rope_type": "default",
+                                                                          "partial_rotary_factor": 0.5}
   both = {"rope_theta": 5.0, "rope_scaling": {"type": "linear", "factor": 2.0},
           "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 5.0}}
   assert rope_parameters.as_legacy_keys(both, "here") == {"rope_theta": 5.0,

@@ -312,7 +312,7 @@ def test_a_new_live_run_whose_trainer_cannot_be_built_stops_its_sampling(rig, tm
 
 #: The step schedule these runs pin (step s trains on rollouts of weights version s - 1): one optimizer step per
 #: sampled batch, one micro-batch per sampler call, where the default recipe samples a batch of four steps at once.
-PER_STEP = ["rollouts.batch_steps=1", "rollouts.micro_batches_per_call=1"]
+PER_STEP = ["rollouts.batch_steps=1", "engine.epochs=1", "rollouts.micro_batches_per_call=1"]
 
 
 def _digest(stdout: str) -> str:

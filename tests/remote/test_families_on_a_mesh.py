@@ -17,7 +17,7 @@ import pytest
 from tests.conftest import run_child
 
 FAMILIES = ("llama", "qwen2", "gemma3")
-MESH = ["mesh.fsdp=2", "mesh.context=2", "steps=3", "rollouts.batch_steps=1"]
+MESH = ["mesh.fsdp=2", "mesh.context=2", "steps=3", "rollouts.batch_steps=1", "engine.epochs=1"]
 
 _CHILD = '''
 import contextlib, io, json, os
