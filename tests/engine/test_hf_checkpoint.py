@@ -345,8 +345,8 @@ CHECKPOINT_REFUSALS = [
     ("vocab-missing", lambda d: write_directory(d, vocab_size=...), "vocab_size=None must be a whole number"),
     ("hidden-zero", lambda d: write_directory(d, hidden_size=0), "hidden_size=0 must be a whole number in [1,"),
     ("head-dim-odd", lambda d: write_directory(d, head_dim=15), "head_dim=15 is odd"),
-    ("hidden-not-whole-heads", lambda d: write_directory(d, head_dim=..., hidden_size=66),
-     "hidden_size=66 is not a multiple of num_attention_heads=4 and no head_dim is given"),
+    ("hidden-not-whole-heads", lambda d: write_directory(d, model_type="llama", head_dim=..., hidden_size=66),
+     "hidden_size=66 is not a multiple of num_attention_heads=4 and no head_dim is given"),  # Qwen3's defaults to 128
     ("context-zero", lambda d: write_directory(d, max_position_embeddings=0), "max_position_embeddings=0 must be"),
     ("context-float", lambda d: write_directory(d, max_position_embeddings=4096.0),
      "max_position_embeddings=4096.0 must be"),
