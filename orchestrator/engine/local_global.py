@@ -119,9 +119,10 @@ def settings(preset: ModelPreset) -> dict[str, Any]:
 
 def config_entries(preset: ModelPreset) -> dict[str, Any]:
   """The ``config.json`` entries of the preset's sliding-window settings (``settings_from_config``'s inverse)."""
-  scale = preset.global_rope_scale
-  return {"sliding_window": window(preset), "layer_types": layer_types(preset.num_layers),
-          "rope_local_base_freq": preset.local_rope_theta, "query_pre_attn_scalar": query_pre_attn_scalar(preset),
+  runs = settings(preset)
+  scale = runs["global_rope_scale"]
+  return {"sliding_window": runs["sliding_window"], "layer_types": layer_types(preset.num_layers),
+          "rope_local_base_freq": runs["local_rope_theta"], "query_pre_attn_scalar": runs["query_pre_attn_scalar"],
           "rope_scaling": None if scale == 1.0 else {"rope_type": "linear", "factor": scale},
           "hidden_activation": "gelu_pytorch_tanh"}
 

@@ -144,11 +144,12 @@ class HFTokenizer:
     every id past ``config.json``'s ``vocab_size`` is a special token the model has no row for (Gemma 3's image
     token, 262144, past its text model's 262,144 ids), which nothing samples and no prompt may hold. A plain
     token past it is left counted, so the recipe refuses the tokenizer as too large for the model."""
-    ids = max(self._tokenizer.get_vocab(with_added_tokens=True).values()) + 1
+    every_id = set(self._tokenizer.get_vocab(with_added_tokens=True).values())
+    ids = max(every_id) + 1
     if isinstance(model_vocab_size, bool) or not isinstance(model_vocab_size, int) or ids <= model_vocab_size:
       return ids
     specials = {i for i, token in self._tokenizer.get_added_tokens_decoder().items() if token.special}
-    past = set(self._tokenizer.get_vocab(with_added_tokens=True).values()) - set(range(max(0, model_vocab_size)))
+    past = {i for i in every_id if i >= model_vocab_size}
     return model_vocab_size if past <= specials else ids
 
   def _special_id(self, text: str | None, name: str) -> int | None:
