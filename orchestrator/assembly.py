@@ -125,16 +125,20 @@ def live_source(recipe: Recipe, *, steps: int | None = None):
   # import this module before them
   import jax
   from orchestrator.live.placement import sampler_placement
+  from orchestrator.live.placement_rule import choose_placement
   from orchestrator.live.rollouts import LiveRollouts, LiveShape
   from orchestrator.live.sampler import LiveSampler
 
   from orchestrator.live.sampler_process import SamplerProcess, SamplerSpec
 
   task, r = recipe.live_task(), recipe.rollouts
+  local = recipe.trainer.location == "local"
+  kind, where = choose_placement(r.placement, platform=jax.default_backend(), processes=jax.process_count(),
+                                 trainer_local=local)
   placement = None
-  if recipe.trainer.location == "local":  # a remote trainer's driver samples on its own default device
+  if local:  # a remote trainer's driver samples on its own default device
     try:
-      placement = sampler_placement("shared" if r.placement == "process" else r.placement, recipe.mesh, r.devices)
+      placement = sampler_placement("shared" if kind == "process" else kind, recipe.mesh, r.devices)
     except ValueError as e:  # too few devices: refused before anything is built or written
       raise RecipeError(str(e)) from None
   spec = SamplerSpec(preset=recipe.model_preset(), model=recipe.model, seed=recipe.engine.seed,
@@ -142,7 +146,7 @@ def live_source(recipe: Recipe, *, steps: int | None = None):
                      alphabet=task.answer_alphabet, dtype=recipe.engine.dtype,
                      xla_threads=host_threads.APPLIED["plan"].host_threads if "plan" in host_threads.APPLIED else None,
                      routing=recipe.engine.routing_shape(recipe.model_preset()))
-  if r.placement == "process":  # started first: it imports and builds while this process builds the trainer
+  if kind == "process":  # started first: it imports and builds while this process builds the trainer
     sampler = SamplerProcess(spec, recipe.model.tokenizer())
   else:
     sampler = LiveSampler(spec.preset, spec.model.tokenizer(), seed=spec.seed,
@@ -154,7 +158,7 @@ def live_source(recipe: Recipe, *, steps: int | None = None):
                     stop=tuple(r.stop))
   # Only process 0 writes a recording (launch._run_program): the others of a job keep no steps for one.
   record = bool(r.record_to) and jax.process_index() == 0
-  return LiveRollouts(sampler, task, shape, record=record, reward=recipe.task.make_reward(task))
+  return LiveRollouts(sampler, task, shape, record=record, reward=recipe.task.make_reward(task), sampler_where=where)
 
 
 def resolve_path(path: str) -> Path:

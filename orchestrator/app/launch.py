@@ -120,7 +120,8 @@ def _in_job(plan: RunPlan, job: job_lib.Job, held: contextlib.ExitStack, writes_
     return outcome.refuse(refusal, job=job)
   writes_to[0] = plan.write_dir
   if job.is_primary:
-    print(_opening_line(plan, job, host=host, point=point, devices=devices), file=sys.stderr)
+    print(_opening_line(plan, job, host=host, point=point, devices=devices,
+                        sampler=getattr(source, "sampler_where", None)), file=sys.stderr)
   return _run_program(plan, source=source, resume=point, job=job)
 
 
@@ -168,10 +169,13 @@ def _claim(plan: RunPlan, job: job_lib.Job, held: contextlib.ExitStack) -> tuple
           claimed["refusal"])
 
 
-def _opening_line(plan: RunPlan, job: job_lib.Job, *, host: str, point, devices: str) -> str:
-  """What process 0 says before the run: the recipe and where it writes, or where a resumed run continues; and
-  the devices JAX found."""
+def _opening_line(plan: RunPlan, job: job_lib.Job, *, host: str, point, devices: str,
+                  sampler: str | None = None) -> str:
+  """What process 0 says before the run: the recipe and where it writes, or where a resumed run continues; the
+  devices JAX found; and for a live run where its sampler runs and why."""
   recipe = plan.recipe
+  if sampler:
+    devices = f"{devices}; sampler: {sampler}"
   if plan.resumes:
     return (f"run_rl: resuming {plan.out} ({recipe.name}, mode {recipe.mode.name}) after step {point.steps_done - 1}"
             f" from checkpoint {point.checkpoint_step}; {recipe.steps - point.steps_done} steps to go; {devices}")

@@ -85,15 +85,20 @@ def default_device(placement: SamplerPlacement | None):
   return contextlib.nullcontext() if placement is None else placement.default_device()
 
 
-def keep(placement: SamplerPlacement | None, weights: Any) -> tuple[Any, WeightTransfer | None]:
-  """What a weight sync keeps of ``weights`` for the sampler, and what it moved: a host copy (no placement, or a
-  shared one: the sampling thread places it when it takes that version), the copy on a split sampler's devices
-  and its ``WeightTransfer``, or, in a job of several processes, the whole weights gathered onto this process's
-  sampler device (``gather_across_processes``, not waited for) and what the gather moved."""
+def keep(placement: SamplerPlacement | None, weights: Any, *, on_device: bool = False
+         ) -> tuple[Any, WeightTransfer | None]:
+  """What a weight sync keeps of ``weights`` for the sampler, and what it moved: the copy on a split sampler's
+  devices and its ``WeightTransfer``; in a job of several processes, the whole weights gathered onto this
+  process's sampler device (``gather_across_processes``, not waited for) and what the gather moved; else, for a
+  sampler in this process that shares the trainer's devices (``on_device``), the trainer's arrays themselves
+  (never donated, so they stay valid: no copy and no round trip through the host; the sampling thread places
+  them on its sharding when it takes that version), or a host copy (a sampler in a process of its own)."""
   if placement is not None and placement.moves_at_sync:
     return placement.transfer(weights)
   gathered, moved = gather_across_processes(weights)
-  return (jax.device_get(gathered) if moved is None else gathered), moved
+  if moved is not None or on_device:
+    return gathered, moved
+  return jax.device_get(gathered), None
 
 
 def _identity(tree: Any) -> Any:

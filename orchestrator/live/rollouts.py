@@ -138,8 +138,9 @@ class LiveRollouts(HeldOutEvaluations):
   kind = "live"
 
   def __init__(self, sampler: LiveSampler, task, shape: LiveShape, *, record: bool = False,
-               reward: Reward | None = None):
+               reward: Reward | None = None, sampler_where: str | None = None):
     self._shared = SharedSampler(sampler, task, reward if reward is not None else task_reward(task), shape)
+    self.sampler_where = sampler_where  # where the sampler runs and why, in words (the run's opening line)
     self.shape = shape
     self._cond = threading.Condition()
     self._schedule = shape.schedule
@@ -179,7 +180,8 @@ class LiveRollouts(HeldOutEvaluations):
       return None
     kept, moved = None, None
     if self._versions.samples_with(int(version)):
-      kept, moved = keep(self._shared.sampler.placement, weights)
+      kept, moved = keep(self._shared.sampler.placement, weights,
+                         on_device=getattr(self._shared.sampler, "takes_device_arrays", False))
     with self._cond:
       self._versions.keep(int(version), kept)
       self._cond.notify_all()

@@ -15,7 +15,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from tunix.generate import sampler as sampler_lib
@@ -101,11 +100,13 @@ class LiveSampler:
                        f" of {preset.vocab_size}")
     graphdefs, params, _ = model_lib.build_model(preset, seed, dtype=dtype)
     self.placement = placement
+    self._own_sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])  # without a placement
     if placement is not None:  # Tunix's sampler keeps the first weights' shardings: every later sync must match
       params = placement.put(params)
-    else:  # placed as ``sync`` places every later version: a checkpoint's weights arrive committed to a device,
-      # a sync's do not, and jit keys on that, so prefill and decode would compile again at the first sync
-      params = jax.tree.map(jnp.asarray, jax.device_get(params))
+    else:  # placed as ``sync`` places every later version, on one sharding: a checkpoint's weights arrive
+      # committed to a device, the trainer's on its mesh's sharding, and jit keys on that, so prefill and decode
+      # would compile again at the first sync
+      params = jax.device_put(jax.device_get(params), self._own_sharding)
     self._graphdef = graphdefs["dropless"]  # sampling never drops tokens
     self._params = params  # the weights sampling now: routing is recorded with them
     self.routing = routing
@@ -128,13 +129,17 @@ class LiveSampler:
     self._format = getattr(tokenizer, "format_prompt", None)
     self.weights_version = 0
 
+  #: A weight sync may hand this sampler the trainer's device arrays (``placement.keep``'s ``on_device``).
+  takes_device_arrays = True
+
   def sync(self, weights: Any, version: int) -> None:
-    """Takes the trainer's weights (any placement; copied to host, then to the sampler's device; with a
-    placement, device to device onto its devices, where ``placement.transfer`` did not put them already)."""
+    """Takes the trainer's weights (host or device arrays, any placement): onto the sampler's device, device to
+    device for arrays already on a device (the trainer's, when it shares them: no round trip through the host);
+    with a placement, onto its devices, where ``placement.transfer`` did not put them already)."""
     if self.placement is not None:
       placed = self.placement.put(weights)  # no copy for weights already there
-    else:
-      placed = jax.tree.map(jnp.asarray, jax.device_get(weights))
+    else:  # device arrays (the trainer's, shared) stay on the device; host arrays are copied there
+      placed = jax.device_put(weights, jax.tree.map(lambda _: self._own_sharding, weights))
     model = nnx.merge(self._graphdef, placed)
     self._sampler.transformer_state = nnx.variables(model)
     self._params = placed

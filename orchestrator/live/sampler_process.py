@@ -23,6 +23,7 @@ its parent's end of the pipe closes, so a killed run leaves no sampler behind.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import multiprocessing
 import os
@@ -49,6 +50,29 @@ SAMPLER_NICE = 10
 START_TIMEOUT_S = 600.0
 #: How long ``close`` waits for the child to exit before it is killed.
 CLOSE_TIMEOUT_S = 10.0
+
+
+#: What the child's environment holds beyond its parent's. JAX reads ``JAX_PLATFORMS`` when it is imported, and
+#: the child imports it before any of its code runs (unpickling its target imports this module): set later, the
+#: child would open the accelerator its parent's trainer holds (a TPU's runtime refuses a second process).
+CHILD_ENVIRONMENT = {"JAX_PLATFORMS": "cpu"}
+_ENVIRONMENT_LOCK = threading.Lock()  # two samplers started at once must not restore each other's environment
+
+
+@contextlib.contextmanager
+def _child_environment(values: dict[str, str]):
+  """``os.environ`` with ``values`` set while a child starts (a spawned child copies its parent's)."""
+  with _ENVIRONMENT_LOCK:
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+      yield
+    finally:
+      for name, value in saved.items():
+        if value is None:
+          os.environ.pop(name, None)
+        else:
+          os.environ[name] = value
 
 
 class SamplerProcessError(RuntimeError):
@@ -91,11 +115,14 @@ class SamplerProcess:
     self._conn, child_conn = context.Pipe()
     self._process = context.Process(target=_serve, args=(child_conn, spec), name="step-boundary-sampler",
                                     daemon=True)
-    self._process.start()
+    with _child_environment(CHILD_ENVIRONMENT):
+      self._process.start()
     child_conn.close()  # the child holds its end: an exit shows here as EOF
     self.pid = self._process.pid
     core_claims.FOLLOWERS.add(self.pid)  # its threads follow the run's share of the cores
     self._ready = False
+    #: The JAX platform the child computes on and its ``jax_platforms`` setting, once it is ready.
+    self.child_platform: dict[str, str] | None = None
 
   def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
     """Waits until the child has built its sampler (the first request waits for it anyway)."""
@@ -146,7 +173,7 @@ class SamplerProcess:
 
   def _wait_ready(self, timeout_s: float) -> None:
     if not self._ready:
-      self._answer("start", timeout_s)
+      self.child_platform = self._answer("start", timeout_s)
       self._ready = True
 
   def _answer(self, what: str, timeout_s: float | None) -> Any:
@@ -173,7 +200,6 @@ def _serve(conn, spec: SamplerSpec) -> None:
   """The child: builds the sampler on its cores and answers requests until told to close or the pipe closes."""
   signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the parent stops us
   os.nice(SAMPLER_NICE)
-  os.environ["JAX_PLATFORMS"] = "cpu"  # the host's cores, never an accelerator the trainer holds
   if spec.xla_threads:  # sized by the run's plan, never by which cores other runs left it: it fixes the samples
     os.environ["PJRT_NPROC"] = str(spec.xla_threads)
   elif hasattr(os, "sched_getaffinity"):  # an XLA pool sized to the cores this process may run on
@@ -189,7 +215,7 @@ def _serve(conn, spec: SamplerSpec) -> None:
                           max_generation_steps=spec.max_generation_steps, alphabet=spec.alphabet,
                           dtype=spec.dtype, routing=spec.routing)
     treedef, shapes = sampler.weights_structure, sampler.weight_shapes
-    conn.send(("ok", None))
+    conn.send(("ok", {"platform": jax.default_backend(), "jax_platforms": str(jax.config.jax_platforms)}))
   except BaseException:
     conn.send(("error", traceback.format_exc()))
     return

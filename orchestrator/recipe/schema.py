@@ -20,6 +20,7 @@ from orchestrator.engine.options import EngineOptions
 from orchestrator.engine import hf_checkpoint
 from orchestrator.engine.presets import ModelPreset, available_presets, load_preset
 from orchestrator.live import datasets as datasets_lib
+from orchestrator.live import placement_rule
 from orchestrator.live import rewards as rewards_lib
 from orchestrator.live.hf_tokenizer import HFTokenizer, TokenizerError
 from orchestrator.live.tasks import MAX_PROMPT_LENGTH, TASKS, make_task, max_generation_steps, split_sizes
@@ -209,8 +210,8 @@ class BatchSection:
 
 
 ROLLOUT_SOURCES = ("synthetic", "recording", "sampler")
-#: Where the live loop's sampler runs (``rollouts.placement``; ``orchestrator.live.placement``).
-PLACEMENTS = ("shared", "split", "process")
+#: Where the live loop's sampler runs (``rollouts.placement``; ``orchestrator.live.placement_rule``).
+PLACEMENTS = placement_rule.PLACEMENTS
 
 
 #: The most ``rollouts.stop`` strings, and the longest (a completion is searched for each after it is sampled).
@@ -255,8 +256,9 @@ class RolloutsSection:
   record_to: str | None = None  # a live run writes the rollouts it trained on as a recording there
   # shared: the sampler runs on the trainer's devices; split: on rollouts.devices local devices of its own
   # (those after the mesh's), with its own copy of the weights, which the weight sync copies device to device;
-  # process: in a process of its own on the host's cores (its own interpreter and XLA client), sent each
-  # version's weights as host arrays.
+  # process: in a process of its own on the host's cores (its own interpreter and XLA client, never an
+  # accelerator), sent each version's weights as host arrays; auto: process on a CPU host, shared where the
+  # trainer holds an accelerator in one process (orchestrator.live.placement_rule).
   placement: str = "shared"
   devices: int | None = None  # split: the sampler's devices (default 1)
   # Shape of recordings made by `run_rl record` (log-normal lengths, medians in tokens).

@@ -441,7 +441,7 @@ CASES = [
      "rollouts.placement=split puts the sampler on local devices beside the trainer's, but with distributed.* set"),
     ("distributed-live-remote-trainer", ["distributed.num_processes=2", "trainer.location=remote",
                                          "trainer.spawn=true"], {}, "trainer.location=remote drives one trainer"),
-    ("live-placement-unknown", ["rollouts.placement=apart"], {}, "rollouts.placement='apart': use one of shared, split"),
+    ("live-placement-unknown", ["rollouts.placement=apart"], {}, "rollouts.placement='apart': use one of auto, shared, split, process"),
     ("live-devices-when-shared", ["rollouts.devices=2"], {}, "rollouts.devices=2 is for rollouts.placement=split"),
     ("loss-aggregation-unknown", ["engine.loss_aggregation=sum"], {},
      "engine.loss_aggregation='sum' is not an aggregation; use one of token_mean"),
