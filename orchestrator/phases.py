@@ -10,10 +10,11 @@ import os
 import time
 
 #: The phases in the order a run reaches them, each with its words in the closing lines: the command's imports
-#: done (validation starts), JAX's backend up on the run's cores, the trainer built and compiled, the first
-#: rollouts sampled, the first update done.
-PHASES = {"imports": "imports", "jax_ready": "JAX up", "trainer_built": "trainer built",
-          "first_rollout": "first rollouts", "first_update": "first update"}
+#: done (validation starts), JAX's backend up on the run's cores, the model built and its weights placed on the
+#: devices, the trainer's programs compiled (or loaded from the persistent cache: from weights placed to
+#: trainer built is compilation alone), the first rollouts sampled, the first update done.
+PHASES = {"imports": "imports", "jax_ready": "JAX up", "weights_placed": "weights placed",
+          "trainer_built": "trainer built", "first_rollout": "first rollouts", "first_update": "first update"}
 
 _MARKS: dict[str, float] = {}
 

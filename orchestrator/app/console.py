@@ -108,7 +108,7 @@ def format_summary(summary: RunSummary) -> str:
       f" (strict: {s(timings.median_boundary_idle_strict_s, zero='none')})",
       f"median step: {s(timings.median_step_s)} over {timings.steps} steps",
       f"staged boundaries: {timings.staged_boundaries}; auto-disables: {policy.auto_disables}",
-      *filter(None, [staged_bytes_line(timings)]),
+      *filter(None, [staged_bytes_line(timings), device_line(timings)]),
       scheduler_line(summary),
       *filter(None, [saving_line(summary)]),
       f"low-wait threshold: {s(policy.threshold_s)} (wait floor max {s(policy.wait_floor_max_s)})",
@@ -147,6 +147,24 @@ def staged_bytes_line(timings) -> str | None:
   device = f"; at most {format_bytes(per_device)} on one device" if per_device is not None else ""
   return (f"staged input: {format_bytes(sum(by_field.values()))} per micro-batch on this process's devices"
           f" ({fields}){device}")
+
+
+def device_line(timings) -> str | None:
+  """What the run took of its devices, where the backend says: the fullest device's peak memory, the median
+  step's model FLOP utilisation, and any program compiled after the first step (a recompile: a shape or
+  sharding changed). None where there is nothing to say (a CPU run that recompiled nothing)."""
+  parts = []
+  if timings.peak_device_bytes is not None:
+    parts.append(f"peak memory {format_bytes(timings.peak_device_bytes)} on the fullest device")
+  if timings.median_mfu is not None:
+    parts.append(f"model FLOP utilisation {100 * timings.median_mfu:.1f} % (median step; 6 x parameters x tokens"
+                 " + attention, over the chips' bf16 peak)")
+  compiles = timings.compiles_after_first_step
+  if compiles:
+    parts.append(f"{compiles} programs compiled after the first step (records.jsonl's compiles says when)")
+  elif compiles == 0 and parts:
+    parts.append("nothing compiled after the first step")
+  return "devices: " + "; ".join(parts) if parts else None
 
 
 #: The evaluations during the run a closing line shows in full; more are thinned to this many, evenly.

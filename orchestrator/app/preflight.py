@@ -80,6 +80,8 @@ def preflight(plan: RunPlan, *, distributed: bool = False, primary: bool = True)
 
   recipe, run_id = plan.recipe, plan.run_id
   steps = recipe.steps if plan.resumes else None
+  if recipe.trainer.location == "local":
+    _check_attention(recipe)
   source = rollout_source(recipe, steps=steps)
   remote = recipe.trainer.location == "remote"
   if not remote or (recipe.trainer.spawn and recipe.rollouts.source == "sampler"):
@@ -123,6 +125,24 @@ def _check_devices(recipe, distributed: bool) -> None:
           f"the mesh {recipe.mesh.fsdp}×{recipe.mesh.context}×{recipe.mesh.expert} (fsdp×context×expert) has"
           f" {recipe.mesh.num_devices} devices but the job has {total} ({jax.process_count()} processes ×"
           f" {local}); size the mesh to the job's devices")
+
+
+def _check_attention(recipe) -> None:
+  """``engine.attention=splash`` is a TPU kernel: refused where the trainer's devices are not a TPU's."""
+  if recipe.engine.attention != "splash":
+    return
+  import jax  # import here: JAX-side (after setup_host)
+
+  from orchestrator.assembly import batch_shape  # import here: beside the engine's modules
+
+  if jax.default_backend() != "tpu":
+    raise recipe_lib.RecipeError(f"engine.attention=splash runs Tunix's Pallas splash kernel, on a TPU only; this"
+                                 f" run's devices are {jax.default_backend()}: set engine.attention=xla")
+  tokens_per_row = batch_shape(recipe)[2]
+  if tokens_per_row % 128:
+    raise recipe_lib.RecipeError(f"engine.attention=splash computes rows in blocks of 128 tokens, but"
+                                 f" batch.tokens_per_row is {tokens_per_row}; set a multiple of 128 or"
+                                 " engine.attention=xla")
 
 
 def _check_trainer_token(recipe) -> None:

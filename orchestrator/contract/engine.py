@@ -92,6 +92,11 @@ class StepMetrics:
     entropy: the policy's mean entropy over the step's completion tokens (nats, of the distribution sampled
       from). clip_fraction: the share of those tokens whose ratio the clip bound. kl: their mean KL to the
       reference model (``engine.kl_beta`` > 0; None without one).
+    device_peak_bytes: the most memory the fullest device of this process has held so far (the allocator's
+      peak; None where the backend reports none, as a CPU's).
+    compiles: programs this process compiled (or loaded from the persistent cache) since the last metrics.
+    model_flops: the step's model FLOPs (``orchestrator.engine.flops``); peak_flops_per_s: the devices' summed
+      peak (None where unknown), so MFU = model_flops / (step seconds · peak_flops_per_s).
     extra: anything else the engine reports, by name (JSON-able values).
   """
 
@@ -111,6 +116,10 @@ class StepMetrics:
   entropy: float | None = None
   clip_fraction: float | None = None
   kl: float | None = None
+  device_peak_bytes: int | None = None
+  compiles: int | None = None
+  model_flops: float | None = None
+  peak_flops_per_s: float | None = None
   extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
   @classmethod

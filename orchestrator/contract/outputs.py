@@ -39,6 +39,12 @@ class StepTimings:
   staged_bytes_by_field: dict[str, int] | None = None
   staged_before_update: int = 0
   measured_saving: SavingEstimate | None = None
+  #: The most memory a device held during the run (the allocator's peak, None where not reported), the median
+  #: step's model FLOP utilisation (None where the devices' peak is unknown) and the programs compiled after
+  #: the first step's metrics (0: nothing recompiled; None: not counted).
+  peak_device_bytes: int | None = None
+  median_mfu: float | None = None
+  compiles_after_first_step: int | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

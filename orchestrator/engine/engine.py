@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from orchestrator import phases
 from orchestrator.contract import DeviceMemory, NoCheckpointError, Receipt, StepMetrics
 from orchestrator.data.trajectory import Trajectory
 from orchestrator.engine import mesh as mesh_lib
@@ -43,6 +44,7 @@ from orchestrator.engine.placement import allocator_stats
 from orchestrator.engine.programs import StepPrograms
 from orchestrator.engine.checkpointing import Checkpointer
 from orchestrator.engine.diagnostics import backend_compile_count
+from orchestrator.engine.flops import peak_flops_per_s, step_model_flops
 from orchestrator.engine.loss import LossConfig, SampledDistribution
 from orchestrator.engine.optimizer import LearningRates, make_optimizer
 from orchestrator.engine.options import EngineOptions
@@ -97,16 +99,23 @@ class JaxTrainingEngine:
     self._in_progress = StepInProgress()
     self._step = self._total_micro = self._skipped_updates = 0
     self._finished: FinishedStep | None = None
-    self._training = state = TrainingState(self.preset, self.options, self.mesh, optimizer)
+    if self.options.attention == "splash" and jax.default_backend() != "tpu":
+      raise ValueError(f"engine.attention=splash runs Tunix's Pallas splash kernel, on a TPU only; this run's"
+                       f" devices are {jax.default_backend()}: set engine.attention=xla")
+    self._training = state = TrainingState(self.preset, self.options, self.mesh, optimizer,
+                                           tokens_per_row=self.tokens_per_row)
     self._inputs = MicroBatchInputs(self.rows, self.tokens_per_row, self.preset.vocab_size, state.batch_shardings,
                                     self.options.routing_shape(self.preset))
     self._programs = StepPrograms(
         state.graphdefs, LossConfig(self.options.clip_eps_low, self.options.clip_eps_high, sampled,
                                     self.options.loss_aggregation, self.tokens_per_row, self.options.kl_beta,
-                                    self.options.kl_estimator),
+                                    self.options.kl_estimator, self.options.logprob_chunk_tokens),
         optimizer, rerun_dropped=self.rerun_dropped, param_shardings=state.param_shardings,
         opt_shardings=state.opt_shardings, scalar_sharding=state.scalar_sharding,
-        batch_shardings=state.batch_shardings, aot=aot)
+        batch_shardings=state.batch_shardings, aot=aot, remat=self.options.remat,
+        splash_mesh=self.mesh if self.options.attention == "splash" else None)
+    self._compiles_seen = backend_compile_count()  # a step's metrics count the compiles since the last's
+    self._peak_flops = peak_flops_per_s([d.device_kind for d in self._inputs.devices])
     self.trace_counts = self._programs.trace_counts  # traces per program (a retrace shows up here)
     self.compile_s = self._programs.compile_s
 
@@ -248,11 +257,17 @@ class JaxTrainingEngine:
     return self._throttler.block_until_ready()
 
   def device_memory(self) -> DeviceMemory | None:
-    """This process's devices' memory now, and what an input holds on each (see ``MemoryReportingEngine``);
-    None where the backend reports no allocator statistics (CPU)."""
+    """This process's devices' memory, and what an input holds on each (see ``MemoryReportingEngine``): in use
+    counted at the allocator's peak where it reports one (the step's activations included); None where the
+    backend reports no allocator statistics (CPU)."""
     stats = allocator_stats(self._inputs.devices)
-    return None if stats is None else DeviceMemory(bytes_in_use=stats[0], bytes_limit=stats[1],
-                                                   input_bytes=self._inputs.input_bytes)
+    if stats is None:
+      return None
+    # A stage lives through the last micro-batch's compute, when a step's memory is at its peak: where the
+    # allocator keeps one, the gate counts the staged input against the peak, not what is in use between steps.
+    peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in self._inputs.devices]
+    in_use = tuple(max(now, peak or 0) for now, peak in zip(stats[0], peaks))
+    return DeviceMemory(bytes_in_use=in_use, bytes_limit=stats[1], input_bytes=self._inputs.input_bytes)
 
   @property
   def train_step(self) -> int:
@@ -282,7 +297,15 @@ class JaxTrainingEngine:
     """Metrics of the last applied update, read to the host (blocks on that update); all None before one."""
     if self._finished is None:
       return StepMetrics()
-    return self._finished.host_metrics(self._skipped_updates, self._learning_rates, kl=bool(self.options.kl_beta))
+    metrics = self._finished.host_metrics(self._skipped_updates, self._learning_rates,
+                                          kl=bool(self.options.kl_beta))
+    compiles = backend_compile_count()
+    counted, self._compiles_seen = compiles - self._compiles_seen, compiles
+    peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in self._inputs.devices]
+    flops = step_model_flops(self.preset, rows=self.rows, tokens_per_row=self.tokens_per_row,
+                             micro_batches=metrics.micro_batches or 0)
+    return dataclasses.replace(metrics, compiles=counted, model_flops=flops, peak_flops_per_s=self._peak_flops,
+                               device_peak_bytes=None if None in peaks or not peaks else max(peaks))
 
   def state_digest(self) -> str:
     """A sha256 of params and optimizer state: equal digests mean bit-identical training state."""
@@ -362,6 +385,7 @@ def build_engine(preset: str | ModelPreset = "tiny",
     preset = load_preset(preset)
   engine = JaxTrainingEngine(preset, mesh_lib.MeshConfig.parse(mesh), EngineOptions(**options), rows=rows,
                              tokens_per_row=tokens_per_row, checkpoint_dir=checkpoint_dir, aot=aot, sampled=sampled)
+  phases.mark("weights_placed")  # what follows, to the trainer built, is compilation
   if aot:
     engine.compile()
   return engine

@@ -42,6 +42,9 @@ class Family:
   #: Sliding-window layers between global ones, each with its own rotary base, and the query scaled by a
   #: configured ``query_pre_attn_scalar`` (Gemma 3); their settings are read by ``engine/local_global.py``.
   local_global_attention: bool = False
+  #: Tunix's model can run attention as the Pallas splash kernel on a TPU (``use_flash_attention``, with segment
+  #: ids), which never holds a [rows, heads, T, T] probability tensor (``engine.attention=splash``).
+  flash_attention: bool = False
   #: The module under the Tunix package holding its Hugging Face name mapping.
   params_module: str = "params"
   #: transformers' ``head_dim`` where config.json gives none, by ``model_type`` (a model_type not here derives it:
@@ -89,12 +92,12 @@ FAMILIES: dict[str, Family] = {
     "qwen3": Family(
         name="qwen3", model_types={"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"},
         tunix_package="qwen3", model_class="Qwen3", qk_norm=True, moe_model_type="qwen3_moe",
-        default_head_dims={"qwen3": 128},
+        default_head_dims={"qwen3": 128}, flash_attention=True,
         unsupported=dict(_SHARED_UNSUPPORTED, attention_bias=False, use_sliding_window=False),
         fixed_rope_theta=1_000_000.0),
     "qwen2": Family(
         name="qwen2", model_types={"qwen2": "Qwen2ForCausalLM"}, tunix_package="qwen2", model_class="Qwen2",
-        qkv_bias=True, unsupported=dict(_SHARED_UNSUPPORTED, use_sliding_window=False)),
+        qkv_bias=True, flash_attention=True, unsupported=dict(_SHARED_UNSUPPORTED, use_sliding_window=False)),
     "llama": Family(
         name="llama", model_types={"llama": "LlamaForCausalLM"}, tunix_package="llama3", model_class="Llama3",
         unsupported=dict(_SHARED_UNSUPPORTED, attention_bias=False, mlp_bias=False, pretraining_tp=1),

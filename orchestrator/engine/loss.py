@@ -50,14 +50,14 @@ class SampledDistribution:
   def logits(self, logits: jax.Array) -> jax.Array:
     """``logits`` as the sampler turns them into probabilities (float32)."""
     out = logits.astype(jnp.float32)
+    if self.temperature != 1.0:  # before the mask: the mask's fill divided by a small temperature overflows
+      out = out / self.temperature
     if self.token_ids is not None:
       allowed = np.zeros(logits.shape[-1], dtype=bool)
       allowed[np.asarray(self.token_ids, dtype=np.int64)] = True
       # finite, not -inf: a prompt position's target may be an id the sampler never emits, and its
       # (masked-out) term must stay finite
       out = jnp.where(allowed, out, jnp.finfo(jnp.float32).min / 2)
-    if self.temperature != 1.0:
-      out = out / self.temperature
     return out
 
 
@@ -76,6 +76,7 @@ class LossConfig:
   norm_tokens: int = 1
   kl_beta: float = 0.0  # 0: no KL term (and no reference logits are asked for)
   kl_estimator: str = "k3"
+  logprob_chunk_tokens: int = 1024  # the engine's chunked log-probs (orchestrator.engine.logprobs)
 
 
 #: What ``policy_loss_sum``'s ``token_stats`` sums, in order.
@@ -102,26 +103,46 @@ def attention_mask(segment_ids: jax.Array) -> jax.Array:
   return same & real & causal
 
 
+def token_logprobs(logits: jax.Array, targets: jax.Array, sampled: SampledDistribution | None):
+  """Each position's log-prob of its target and its distribution's entropy (nats; no gradient) from the whole
+  vocabulary's ``logits`` at once, under the sampled distribution (None or plain: the model's own).
+  ``orchestrator.engine.logprobs.token_logprobs`` computes the same in chunks of tokens."""
+  if sampled is not None and not sampled.is_plain(logits.shape[-1]):
+    logits = sampled.logits(logits)
+  logp = rl_common.selective_log_softmax(logits, targets)
+  stopped = jax.lax.stop_gradient(logits.astype(jnp.float32))
+  entropy = -jnp.sum(jax.nn.softmax(stopped, axis=-1) * jax.nn.log_softmax(stopped, axis=-1), axis=-1)
+  return logp, entropy
+
+
 def policy_loss_sum(logits: jax.Array, batch: dict, config: LossConfig, reference_logits: jax.Array | None = None):
+  """``policy_loss_sum_from_logprobs`` with the log-probs taken from the whole vocabulary's ``logits`` at once
+  (and the reference's from ``reference_logits``): the reference computation the engine's chunked one equals."""
+  logp, entropy = token_logprobs(logits, batch["target_tokens"], config.sampled)
+  reference_logp = None
+  if reference_logits is not None:
+    reference_logp, _ = token_logprobs(reference_logits, batch["target_tokens"], config.sampled)
+  return policy_loss_sum_from_logprobs(logp, entropy, batch, config, reference_logp)
+
+
+def policy_loss_sum_from_logprobs(logp: jax.Array, entropy: jax.Array, batch: dict, config: LossConfig,
+                                  reference_logp: jax.Array | None = None):
   """Returns ``(loss_sum, denominator, token_stats)`` of the clipped surrogate l_st over completion tokens t of
-  sequences s; the step's loss is the micro-batches' summed ``loss_sum`` over their summed ``denominator``,
-  so micro-batches accumulate exactly. ``token_stats`` sums four figures over the completion tokens (a
-  micro-batch's share of what practitioners watch, ``TOKEN_STATS``): 1 (the token count), the policy's
-  entropy (of the distribution sampled from, in nats), whether the clip bound the token (its clipped term
-  was the smaller: the ratio left [1 − ε_low, 1 + ε_high] in the direction its advantage pushes, verl's
+  sequences s, from each position's log-prob of its target (``logp``, [rows, tokens], under the sampled
+  distribution) and its entropy; the step's loss is the micro-batches' summed ``loss_sum`` over their summed
+  ``denominator``, so micro-batches accumulate exactly. ``token_stats`` sums four figures over the completion
+  tokens (a micro-batch's share of what practitioners watch, ``TOKEN_STATS``): 1 (the token count), the
+  policy's entropy (of the distribution sampled from, in nats), whether the clip bound the token (its clipped
+  term was the smaller: the ratio left [1 − ε_low, 1 + ε_high] in the direction its advantage pushes, verl's
   ``pg_clipfrac``) and its KL to the reference (0 without one). With ``config.kl_beta`` > 0 each token's loss
-  adds β · ``per_token_kl`` against ``reference_logits`` (the reference model's, on the same batch; taken
-  through the same sampled distribution). Per ``config.aggregation`` (``engine.loss_aggregation``):
+  adds β · ``per_token_kl`` against ``reference_logp`` (the reference model's log-probs of the same targets,
+  under the same sampled distribution). Per ``config.aggregation`` (``engine.loss_aggregation``):
 
   * ``token_mean``: Σ_st l_st / Σ_s L_s — every completion token weighs the same (L_s: s's completion tokens);
   * ``seq_mean_token_mean``: (1/N) Σ_s (1/L_s) Σ_t l_st — every sequence weighs the same (N: sequences);
   * ``seq_mean_token_sum_norm``: Σ_st l_st / (N · norm_tokens) — Dr. GRPO's constant normaliser: no length
     bias in either direction.
   """
-  transformed = config.sampled is not None and not config.sampled.is_plain(logits.shape[-1])
-  if transformed:
-    logits = config.sampled.logits(logits)
-  logp = rl_common.selective_log_softmax(logits, batch["target_tokens"])
   has_old = batch["old_logprobs_mask"] > 0
   old = jnp.where(has_old, batch["old_logprobs"], jax.lax.stop_gradient(logp))
   ratio = jnp.exp(logp - old)
@@ -132,15 +153,11 @@ def policy_loss_sum(logits: jax.Array, batch: dict, config: LossConfig, referenc
   mask = batch["loss_mask"]
   kl = jnp.zeros_like(per_token)
   if config.kl_beta:
-    if reference_logits is None:
-      raise ValueError("kl_beta > 0 needs the reference model's logits")
-    reference = config.sampled.logits(reference_logits) if transformed else reference_logits
-    reference_logp = rl_common.selective_log_softmax(reference, batch["target_tokens"])
+    if reference_logp is None:
+      raise ValueError("kl_beta > 0 needs the reference model's log-probs")
     kl = per_token_kl(logp, jax.lax.stop_gradient(reference_logp), config.kl_estimator)
     per_token = per_token + config.kl_beta * kl
   tokens = jnp.sum(mask)
-  probabilities = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-  entropy = -jnp.sum(probabilities * jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), axis=-1)
   stats = jnp.stack([tokens, jnp.sum(entropy * mask), jnp.sum((clipped < unclipped) * mask), jnp.sum(kl * mask)])
   if config.aggregation == "token_mean":
     return jnp.sum(per_token * mask), tokens, stats

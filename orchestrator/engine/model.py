@@ -52,6 +52,45 @@ class Llama3(llama3_model.Llama3):
       _LLAMA_ROPE_THETA.reset(token)
 
 
+#: What ``engine.remat=dots`` keeps of a rematerialised layer: the outputs of its weight matmuls (dots without
+#: batch dimensions), not attention's score and probability tensors (batched dots and what follows them).
+REMAT_SAVE_POLICIES = {"dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+
+# Tunix's layers rematerialise with ``nnx.remat(block)`` and no policy, so every remat recomputes the whole
+# block. The families' modules see ``nnx`` through the proxy below, whose ``remat`` adds the policy of the
+# engine being traced (``remat_policy``); outside one (a sampler, anyone else's model) it is Tunix's own call.
+_REMAT_POLICY: contextvars.ContextVar = contextvars.ContextVar("remat_policy", default=None)
+
+
+class _NnxWithRematPolicy:
+  """``flax.nnx`` as a Tunix model module sees it, ``remat`` taking the policy in force."""
+
+  def __getattr__(self, name):
+    return getattr(nnx, name)
+
+  @staticmethod
+  def remat(f, **kwargs):
+    policy = _REMAT_POLICY.get()
+    if policy is not None and "policy" not in kwargs:
+      kwargs["policy"] = policy
+    return nnx.remat(f, **kwargs)
+
+
+@contextlib.contextmanager
+def remat_policy(remat: str):
+  """While tracing a model built with ``engine.remat=remat``: its layers keep what the policy saves."""
+  token = _REMAT_POLICY.set(REMAT_SAVE_POLICIES.get(remat))
+  try:
+    yield
+  finally:
+    _REMAT_POLICY.reset(token)
+
+
+def _install_remat_policy(module) -> None:
+  if getattr(module, "nnx", None) is nnx:
+    module.nnx = _NnxWithRematPolicy()
+
+
 #: The model class of each family whose Tunix class is not used as it is.
 _MODEL_CLASSES = {"llama": Llama3}
 
@@ -61,8 +100,30 @@ def model_class(preset: ModelPreset):
   return _MODEL_CLASSES.get(family.name) or getattr(family.tunix_model(), family.model_class)
 
 
-def model_config(preset: ModelPreset, dtype: str = "float32"):
-  """The family's Tunix ``ModelConfig`` for ``preset`` (``dtype``: the compute dtype; weights are float32).
+#: The splash kernel's blocks, largest first: a multiple of 128 tokens (its lanes) that divides the row.
+SPLASH_BLOCKS = (512, 256, 128)
+
+
+def splash_block_tokens(tokens_per_row: int) -> int:
+  """The splash kernel's block: the largest of ``SPLASH_BLOCKS`` that divides a row.
+
+  Raises:
+    ValueError: the row is no multiple of 128 tokens (the recipe refuses such a row first).
+  """
+  for block in SPLASH_BLOCKS:
+    if tokens_per_row % block == 0:
+      return block
+  raise ValueError(f"engine.attention=splash needs rows of a multiple of 128 tokens; batch.tokens_per_row is"
+                   f" {tokens_per_row}")
+
+
+def model_config(preset: ModelPreset, dtype: str = "float32", remat: str = "none", splash_block: int | None = None):
+  """The family's Tunix ``ModelConfig`` for ``preset`` (``dtype``: the compute dtype; weights are float32;
+  ``remat``: ``engine.remat``, each decoder layer rematerialised unless ``none``: the whole layer for a dense
+  model; for an MoE the attention block, and inside each expert layer its experts' computation, whose drop
+  counts must leave the layer outside any rematerialised trace;
+  ``splash_block``: attention as Tunix's Pallas splash kernel in blocks of this many tokens, None: Tunix's
+  einsum attention).
 
   Raises:
     ValueError: a compute dtype or an MoE the family's Tunix model does not take.
@@ -84,16 +145,22 @@ def model_config(preset: ModelPreset, dtype: str = "float32"):
                 param_dtype=jnp.float32)
   if family.local_global_attention:
     values.update(local_global.tunix_config_values(preset, module))
+  if splash_block is not None:
+    values.update(use_flash_attention=True, flash_attention_block_size=splash_block)
+  if remat != "none":
+    _install_remat_policy(module)
+    values["remat_config"] = module.RematConfig.BLOCK if preset.is_moe else module.RematConfig.DECODER
   fields = {field.name for field in dataclasses.fields(module.ModelConfig)}
   return module.ModelConfig(**{name: value for name, value in values.items() if name in fields})
 
 
 def build_model(preset: ModelPreset, seed: int, capacity_factor: float | None = None, *, mesh=None,
-                dtype: str = "float32"):
+                dtype: str = "float32", remat: str = "none", splash_block: int | None = None):
   """Returns ``(graphdefs, params, partition_specs)`` for a model of the preset's family: randomly initialised with ``seed``, or,
   when ``preset.checkpoint`` names a Hugging Face checkpoint, with its weights (``load_hf_checkpoint``: onto
   ``mesh``'s shardings when a mesh is given, else onto this process's first device, where random weights
-  start; upcast to float32, the weights' dtype here). ``dtype`` is the compute dtype.
+  start; upcast to float32, the weights' dtype here). ``dtype`` is the compute dtype, ``remat`` the
+  layers' rematerialisation, ``splash_block`` the splash attention's block (``model_config``).
 
   ``graphdefs`` has two entries over the same params: ``"capacity"`` routes MoE
   tokens with ``capacity_factor`` (None: dropless) and ``"dropless"`` never
@@ -103,14 +170,14 @@ def build_model(preset: ModelPreset, seed: int, capacity_factor: float | None = 
   sides give zero gradients); those are re-drawn from a scaled normal here,
   seeded, so every weight learns.
   """
-  config = model_config(preset, dtype)
+  config = model_config(preset, dtype, remat, splash_block)
   if preset.checkpoint:
     model = load_hf_checkpoint(preset, config, mesh)
   else:
     model = model_class(preset)(config, rngs=nnx.Rngs(seed))
   graphdefs = {}
   if preset.is_moe:
-    moe_lib.install(model, None)
+    moe_lib.install(model, None, remat=remat != "none")
     graphdefs["dropless"], _ = nnx.split(model)
     moe_lib.set_capacity_factor(model, capacity_factor)
   graphdef, state = nnx.split(model)

@@ -98,7 +98,8 @@ def routing_of(model, tokens: jax.Array, positions: jax.Array, attention_mask: j
 class CapacityMoELayer(nnx.Module):
   """Top-k MoE with per-expert capacity; see the module docstring."""
 
-  def __init__(self, tunix_layer, capacity_factor: float | None):
+  def __init__(self, tunix_layer, capacity_factor: float | None, remat: bool = False):
+    self.remat = remat  # the experts' computation is recomputed in the backward pass (engine.remat)
     self.router = tunix_layer.router
     self.gate_proj = tunix_layer.gate_proj
     self.up_proj = tunix_layer.up_proj
@@ -147,8 +148,10 @@ class CapacityMoELayer(nnx.Module):
     gate, up, down = (jnp.astype(w[...], self.dtype) for w in (self.gate_proj, self.up_proj, self.down_proj))
     # choice-major, as the queue: assignment a = choice × N + token
     kept_flat = keep.T.reshape(k * n) > 0
-    combined = routed_expert_mlp(flat, experts.T.reshape(k * n), weights.T.reshape(k * n), kept_flat,
-                                 gate, up, down)
+    # Under engine.remat the experts' buffers and hidden activations are recomputed in the backward pass, not
+    # kept (a checkpoint inside the layer: the drop counts above stay outside it, in the model's own trace).
+    expert_mlp = jax.checkpoint(routed_expert_mlp) if self.remat else routed_expert_mlp
+    combined = expert_mlp(flat, experts.T.reshape(k * n), weights.T.reshape(k * n), kept_flat, gate, up, down)
     return combined.reshape(b, t, d)
 
 
@@ -245,11 +248,12 @@ def _gather_rows_bwd(saved, cotangent):
 _gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
 
 
-def install(model, capacity_factor: float | None) -> None:
-  """Replaces every Tunix MoE layer of ``model`` with a CapacityMoELayer (same params)."""
+def install(model, capacity_factor: float | None, remat: bool = False) -> None:
+  """Replaces every Tunix MoE layer of ``model`` with a CapacityMoELayer (same params); ``remat``: its experts'
+  computation is recomputed in the backward pass."""
   for layer in model.layers:
     if hasattr(layer.mlp, "router"):
-      layer.mlp = CapacityMoELayer(layer.mlp, capacity_factor)
+      layer.mlp = CapacityMoELayer(layer.mlp, capacity_factor, remat)
 
 
 def set_capacity_factor(model, capacity_factor: float | None) -> None:

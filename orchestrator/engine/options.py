@@ -37,6 +37,19 @@ LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_no
 #: (``orchestrator.engine.loss.per_token_kl`` defines each).
 KL_ESTIMATORS = ("k1", "k3")
 
+#: ``engine.remat``'s values: what each decoder layer keeps for the backward pass (``orchestrator.engine.model``):
+#: ``none`` everything, ``dots`` only its weight matmuls' outputs (the rest, attention's probabilities
+#: included, is recomputed layer by layer), ``full`` only its input (the whole layer is recomputed).
+REMAT_POLICIES = ("none", "dots", "full")
+
+#: ``engine.attention``'s values: ``xla``, the family's attention as Tunix writes it (scores and probabilities
+#: [rows, heads, T, T] per layer); ``splash``, Tunix's Pallas splash kernel (TPU only; families with
+#: ``Family.flash_attention``), blockwise, holding no probability tensor.
+ATTENTIONS = ("xla", "splash")
+
+#: The most tokens ``engine.logprob_chunk_tokens`` may name (a chunk's [tokens, vocabulary] logits exist at once).
+MAX_LOGPROB_CHUNK_TOKENS = 1 << 20
+
 #: The largest finite float32: optimizer hyperparameters past it are inf on the devices.
 FLOAT32_MAX = 3.4028234663852886e38
 
@@ -72,6 +85,18 @@ class EngineOptions:
       skips the optimizer step when it is not finite.
     dtype: the compute dtype of the forward and backward passes (``COMPUTE_DTYPES``);
       weights, gradients' accumulation and the optimizer state stay float32.
+    remat: what the backward pass keeps of each decoder layer's forward (``REMAT_POLICIES``): ``none`` keeps
+      every activation (fastest, most memory), ``dots`` keeps the weight matmuls' outputs and recomputes the
+      rest (attention's [rows, heads, T, T] probabilities among it), ``full`` recomputes the whole layer from
+      its input. An MoE layer recomputes its experts' computation but keeps its routing (the drop counts leave
+      the layer).
+    attention: how attention computes (``ATTENTIONS``): ``xla`` as the family's Tunix model writes it, or
+      ``splash``, Tunix's Pallas splash kernel on a TPU (Qwen2 and Qwen3 families), blockwise over the packed
+      rows' segments, holding no [rows, heads, T, T] probabilities.
+    logprob_chunk_tokens: the tokens whose logits over the whole vocabulary exist at once: log-probs, entropy
+      and the loss are computed over the micro-batch's tokens in chunks of this many, each chunk's logits
+      recomputed in the backward pass, so no [tokens, vocabulary] array is ever whole (at 1,024 tokens and
+      Qwen3's 151,936 ids a chunk's float32 logits take 0.6 GB, the whole of 32 × 1,024 tokens 20 GB).
     epochs: passes over each sampled batch of the live loop (GRPO's μ, Tunix's ``num_iterations``): a batch
       serves ``rollouts.batch_steps`` × ``epochs`` optimizer steps. The live source schedules them; the engine
       trains each step as any other.
@@ -96,6 +121,9 @@ class EngineOptions:
   router_replay: bool = False
   skip_nonfinite_updates: bool = False
   dtype: str = "float32"
+  remat: str = "none"
+  attention: str = "xla"
+  logprob_chunk_tokens: int = 1024
   epochs: int = 1
 
   def validate(self, preset: ModelPreset | None = None) -> None:
@@ -126,6 +154,16 @@ class EngineOptions:
                        f" {', '.join(LOSS_AGGREGATIONS)}")
     if self.dtype not in COMPUTE_DTYPES:
       raise ValueError(f"engine.dtype={self.dtype!r} is not a compute dtype; use one of {', '.join(COMPUTE_DTYPES)}")
+    if self.remat not in REMAT_POLICIES:
+      raise ValueError(f"engine.remat={self.remat!r} is not a remat policy; use one of {', '.join(REMAT_POLICIES)}"
+                       " (none: keep every activation, dots: keep the matmuls' outputs, full: recompute each layer)")
+    if self.attention not in ATTENTIONS:
+      raise ValueError(f"engine.attention={self.attention!r} is not an attention; use one of {', '.join(ATTENTIONS)}")
+    chunk = self.logprob_chunk_tokens
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or not 1 <= chunk <= MAX_LOGPROB_CHUNK_TOKENS:
+      raise ValueError(f"engine.logprob_chunk_tokens={chunk!r} is out of range: it must be a whole number in"
+                       f" [1, {MAX_LOGPROB_CHUNK_TOKENS}], the tokens whose logits over the vocabulary exist at once"
+                       " (e.g. 1024)")
     if not 1 <= self.max_inflight <= 1024:
       raise ValueError(f"engine.max_inflight={self.max_inflight} is out of range: it must be in [1, 1024]")
     if not 1 <= self.epochs <= 1024:
@@ -177,6 +215,9 @@ class EngineOptions:
           " use engine.backend=jax or a dense preset"
       )
     family = FAMILIES[preset.family]
+    if self.attention == "splash" and not family.flash_attention:
+      raise ValueError(f"engine.attention=splash: {preset.name} is a {family.name} model, whose Tunix model has no"
+                       " splash attention (the qwen2 and qwen3 families do); set engine.attention=xla")
     if self.dtype not in family.compute_dtypes:
       raise ValueError(f"engine.dtype={self.dtype}: {preset.name} is a {family.name} model, and Tunix's"
                        f" {family.model_class} computes in {' or '.join(family.compute_dtypes)} only; set"

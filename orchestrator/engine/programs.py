@@ -19,7 +19,8 @@ class StepPrograms:
   """Jits the step math with the engine's shardings and keeps the compiled executables."""
 
   def __init__(self, graphdefs: dict[str, Any], loss_config, optimizer, *, rerun_dropped: bool,
-               param_shardings, opt_shardings, scalar_sharding, batch_shardings, aot: bool):
+               param_shardings, opt_shardings, scalar_sharding, batch_shardings, aot: bool, remat: str = "none",
+               splash_mesh=None):
     self.aot = aot
     self.trace_counts = {"accumulate": 0, "accumulate_dropless": 0, "apply": 0}
     self.compile_s: dict[str, float] = {}
@@ -34,7 +35,8 @@ class StepPrograms:
       programs["accumulate_dropless"] = (graphdefs["dropless"], False)
     self._jits = {
         name: jax.jit(step_math.accumulate_fn(graphdef, loss_config, mask_overflow=mask,
-                                              on_trace=self._counter(name)), **accumulate_kwargs)
+                                              on_trace=self._counter(name), remat=remat,
+                                              splash_mesh=splash_mesh), **accumulate_kwargs)
         for name, (graphdef, mask) in programs.items()
     }
     self._jits["apply"] = jax.jit(

@@ -15,28 +15,46 @@ import optax
 from flax import nnx
 
 from orchestrator.data import packing
+from orchestrator.engine import logprobs
+from orchestrator.engine import model as model_lib
 from orchestrator.engine import moe as moe_lib
-from orchestrator.engine.loss import LossConfig, attention_mask, policy_loss_sum
+from orchestrator.engine.loss import LossConfig, attention_mask, policy_loss_sum_from_logprobs
 
 
-def loss_sum_fn(graphdef: Any, loss_config: LossConfig) -> Callable:
+def loss_sum_fn(graphdef: Any, loss_config: LossConfig, remat: str = "none", splash_mesh=None) -> Callable:
   """``(params, batch, *reference) -> (loss_sum, ([denominator, token_count], token_stats, dropped_tokens))`` for
-  one packed micro-batch (``loss.policy_loss_sum``); ``reference``: the reference model's params, given when
-  the loss has a KL term (its forward pass is part of the micro-batch's work; its drops are not counted)."""
+  one packed micro-batch (``loss.policy_loss_sum_from_logprobs``, its log-probs taken in chunks of
+  ``loss_config.logprob_chunk_tokens`` tokens: ``logprobs``); ``reference``: the reference model's params, given
+  when the loss has a KL term (its forward pass is part of the micro-batch's work; its drops are not counted).
+  ``remat``: the model's ``engine.remat``, whose save policy is in force while the model is traced;
+  ``splash_mesh``: the mesh a model built with splash attention traces in (its kernel is sharded over it; the
+  packed rows' segment ids keep each sequence to itself), None for Tunix's einsum attention."""
+  chunk, sampled = loss_config.logprob_chunk_tokens, loss_config.sampled
+
+  def forward(model, batch, mask):
+    if splash_mesh is None:
+      return logprobs.forward_hidden(model, batch["input_tokens"], batch["positions"], None, mask)
+    with splash_mesh:  # Tunix's splash path reads the mesh of this (legacy) context, not jax.set_mesh's
+      return logprobs.forward_hidden(model, batch["input_tokens"], batch["positions"], None, mask,
+                                     segment_ids=batch["segment_ids"])
 
   def loss_sum(params, batch, *reference):
     model = nnx.merge(graphdef, params)
+    mask = attention_mask(batch["segment_ids"])
     # Under routing replay the policy routes by the sampler's choices; the frozen reference routes itself.
-    with moe_lib.routing_scope(batch["segment_ids"] > 0, batch.get(packing.ROUTING)) as dropped:
-      logits, _ = model(batch["input_tokens"], batch["positions"], None,
-                        attention_mask(batch["segment_ids"]))
-    reference_logits = None
+    with model_lib.remat_policy(remat), moe_lib.routing_scope(batch["segment_ids"] > 0,
+                                                              batch.get(packing.ROUTING)) as dropped:
+      hidden, head = forward(model, batch, mask)
+    logp, entropy = logprobs.token_logprobs(hidden, head, batch["target_tokens"], sampled, chunk)
+    reference_logp = None
     if reference:
-      with moe_lib.routing_scope(batch["segment_ids"] > 0):
-        reference_logits, _ = nnx.merge(graphdef, reference[0])(batch["input_tokens"], batch["positions"], None,
-                                                                attention_mask(batch["segment_ids"]))
-      reference_logits = jax.lax.stop_gradient(reference_logits)
-    total, denominator, token_stats = policy_loss_sum(logits, batch, loss_config, reference_logits)
+      with model_lib.remat_policy(remat), moe_lib.routing_scope(batch["segment_ids"] > 0):
+        ref_hidden, ref_head = forward(nnx.merge(graphdef, reference[0]), batch, mask)
+      reference_logp, _ = logprobs.token_logprobs(jax.lax.stop_gradient(ref_hidden), ref_head,
+                                                  batch["target_tokens"], sampled, chunk)
+      reference_logp = jax.lax.stop_gradient(reference_logp)
+    total, denominator, token_stats = policy_loss_sum_from_logprobs(logp, entropy, batch, loss_config,
+                                                                    reference_logp)
     dropped_tokens = sum(dropped) if dropped else jnp.float32(0)
     return total, (jnp.stack([denominator, token_stats[0]]), token_stats, dropped_tokens)
 
@@ -44,7 +62,7 @@ def loss_sum_fn(graphdef: Any, loss_config: LossConfig) -> Callable:
 
 
 def accumulate_fn(graphdef: Any, loss_config: LossConfig, *, mask_overflow: bool,
-                  on_trace: Callable[[], None]) -> Callable:
+                  on_trace: Callable[[], None], remat: str = "none", splash_mesh=None) -> Callable:
   """``(params, grad_acc, loss_acc, denom_acc, batch)`` → accumulators plus this micro-batch's
   loss sum, token stats (``loss.TOKEN_STATS``), dropped tokens and overflow flag. ``denom_acc`` is [the loss's
   denominator, tokens].
@@ -53,7 +71,7 @@ def accumulate_fn(graphdef: Any, loss_config: LossConfig, *, mask_overflow: bool
   adds nothing; its re-run adds its gradients once. The mask runs on the
   device, so nothing syncs (and ``x + 0 == x``, so a discarded run leaves no trace).
   """
-  loss_sum = loss_sum_fn(graphdef, loss_config)
+  loss_sum = loss_sum_fn(graphdef, loss_config, remat, splash_mesh)
 
   def accumulate(params, grad_acc, loss_acc, denom_acc, batch, *reference):
     on_trace()

@@ -38,9 +38,11 @@ class TrainingState:
     grad_acc, loss_acc, denom_acc: the step's gradient, loss and [loss denominator, token count] accumulators.
   """
 
-  def __init__(self, preset: ModelPreset, options: EngineOptions, mesh, optimizer):
+  def __init__(self, preset: ModelPreset, options: EngineOptions, mesh, optimizer, *, tokens_per_row: int = 0):
+    splash_block = model_lib.splash_block_tokens(tokens_per_row) if options.attention == "splash" else None
     self.graphdefs, host_params, specs = model_lib.build_model(preset, options.seed, options.capacity_factor,
-                                                               mesh=mesh, dtype=options.dtype)
+                                                               mesh=mesh, dtype=options.dtype,
+                                                               remat=options.remat, splash_block=splash_block)
     self.param_shardings = model_lib.param_shardings(mesh, specs)
     self.scalar_sharding = mesh_lib.replicated(mesh)
     self.params = jax.device_put(host_params, self.param_shardings)
@@ -64,7 +66,8 @@ class TrainingState:
     if options.kl_beta and preset.reference_checkpoint:
       reference = dataclasses.replace(preset, checkpoint=preset.reference_checkpoint)
       _, reference_params, _ = model_lib.build_model(reference, options.seed, options.capacity_factor, mesh=mesh,
-                                                     dtype=options.dtype)
+                                                     dtype=options.dtype, remat=options.remat,
+                                                     splash_block=splash_block)
       self.reference = (jax.device_put(reference_params, self.param_shardings),)
     elif options.kl_beta:
       self.reference = (device_copy(self.params),)

@@ -146,6 +146,13 @@ class BoundaryRecord:
   eval_accuracy: float | None = None
   eval_pass_at_k: float | None = None
   eval_s: float | None = None
+  # What the step took of the devices (``StepMetrics``): the fullest device's peak memory so far (None: not
+  # reported, as on a CPU), the programs compiled since the last step's metrics, the step's model FLOPs and
+  # their share of the devices' peak over step_s (MFU; None where the peak is unknown).
+  device_peak_bytes: int | None = None
+  compiles: int | None = None
+  model_flops: float | None = None
+  mfu: float | None = None
 
   def to_json(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
@@ -169,10 +176,27 @@ def _memory_fields(boundary) -> dict[str, Any]:
           "device_free_bytes": None if headroom is None else headroom.free_bytes}
 
 
+def _median_present(values) -> float | None:
+  present = [v for v in values if v is not None]
+  return statistics.median(present) if present else None
+
+
+def _sum_present(values) -> int | None:
+  present = [v for v in values if v is not None]
+  return sum(present) if present else None
+
+
 def _largest_by_field(values) -> dict[str, int] | None:
   """The largest staged input's bytes by field (inputs of one run have one shape: any staged one's), or None."""
   present = [v for v in values if v]
   return max(present, key=lambda v: sum(v.values())) if present else None
+
+
+def _mfu(metrics: StepMetrics, step_s: float) -> float | None:
+  """The step's model FLOPs over what the devices could compute in ``step_s`` (None: a figure unknown)."""
+  if not metrics.model_flops or not metrics.peak_flops_per_s or step_s <= 0:
+    return None
+  return metrics.model_flops / (step_s * metrics.peak_flops_per_s)
 
 
 def _peak(values) -> int | None:
@@ -341,7 +365,8 @@ class Recorder:
         weight_sync_wire_bytes=spans.get("weight_sync_wire_bytes"), weight_sync_wire_s=spans.get("weight_sync_wire_s"),
         control=bool(plan and plan.control),
         eval_accuracy=spans.get("eval_accuracy"), eval_pass_at_k=spans.get("eval_pass_at_k"),
-        eval_s=spans.get("eval_s"),
+        eval_s=spans.get("eval_s"), device_peak_bytes=metrics.device_peak_bytes, compiles=metrics.compiles,
+        model_flops=metrics.model_flops, mfu=_mfu(metrics, update_ready - step_start),
     )
 
   def sync_records(self) -> None:
@@ -380,7 +405,11 @@ class Recorder:
                           staged_bytes_by_field=_largest_by_field(r.staged_bytes_by_field for r in self.records),
                           peak_device_bytes_in_use=_peak(r.device_bytes_in_use for r in self.records),
                           staged_before_update=sum(1 for r in self.records if r.staged and r.stage_before_update),
-                          measured_saving=estimate_from_records(self.records))
+                          measured_saving=estimate_from_records(self.records),
+                          peak_device_bytes=max((r.device_peak_bytes for r in self.records
+                                                 if r.device_peak_bytes is not None), default=None),
+                          median_mfu=_median_present(r.mfu for r in self.records),
+                          compiles_after_first_step=_sum_present(r.compiles for r in self.records[1:]))
     return RunSummary(timings=timings, policy=policy, final_state_digest=final_state_digest,
                       records_path=str(self.out_dir / "records.jsonl") if self.out_dir else None,
                       rollouts=self._rollout_summary())

@@ -546,7 +546,8 @@ def test_run_rl_end_to_end_on_the_tiny_preset(tmp_path):
   summary = json.loads((out / "summary.json").read_text())
   assert summary["final_state_digest"] in proc.stdout
   startup = summary["startup_s"]  # seconds from the process's start, phase by phase (live: first rollouts too)
-  assert list(startup) == ["imports", "jax_ready", "trainer_built", "first_rollout", "first_update"], startup
+  assert list(startup) == ["imports", "jax_ready", "weights_placed", "trainer_built", "first_rollout",
+                           "first_update"], startup
   assert 0 < startup["imports"] <= startup["jax_ready"] <= startup["trainer_built"] <= startup["first_update"]
   assert startup["first_rollout"] <= startup["first_update"]
   assert "start-up, seconds from the process's start: imports " in proc.stdout

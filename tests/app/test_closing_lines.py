@@ -84,3 +84,23 @@ def _record(**fields):
 ])
 def test_each_progress_line_says_what_its_boundary_did(fields, word):
   assert console.boundary_word(_record(**fields)) == word
+
+
+def _device_timings(**fields) -> StepTimings:
+  return StepTimings(steps=20, median_boundary_idle_s=0.0, median_boundary_idle_strict_s=0.0, median_step_s=3.3,
+                     staged_boundaries=18, **fields)
+
+
+def test_the_device_line_gives_peak_memory_mfu_and_recompiles_where_known():
+  line = console.device_line(_device_timings(peak_device_bytes=12_540_957_696, median_mfu=0.433,
+                                             compiles_after_first_step=0))
+  assert line == ("devices: peak memory 11.68 GiB on the fullest device; model FLOP utilisation 43.3 % (median"
+                  " step; 6 x parameters x tokens + attention, over the chips' bf16 peak); nothing compiled after"
+                  " the first step")
+  recompiled = console.device_line(_device_timings(compiles_after_first_step=2))
+  assert recompiled == "devices: 2 programs compiled after the first step (records.jsonl's compiles says when)"
+
+
+def test_a_cpu_run_that_recompiled_nothing_has_no_device_line():
+  assert console.device_line(_device_timings(compiles_after_first_step=0)) is None
+  assert console.device_line(_device_timings()) is None
