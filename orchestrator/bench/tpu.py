@@ -1,0 +1,136 @@
+"""The accelerator checks, one process at a time, into one JSON: what a user of one TPU (or GPU) host runs first.
+
+    python -m orchestrator.bench.tpu [--out DIR] [--only NAME ...] [--minutes 10]
+
+Each check is a command of its own (an accelerator takes one process at a time,
+so they run in turn, never side by side), with a share of the time budget:
+
+* ``default``: the default ``run_rl`` (the live loop; ``rollouts.placement=auto``
+  shares the trainer's accelerator), and ``default_again``, the same shapes
+  again for 20 steps, whose start shows the persistent compilation cache;
+* ``smollm2_shape`` and ``qwen3_shape``: ``recipes/tpu_smollm2_shape.yaml`` and
+  ``recipes/tpu_qwen3_0p6b_shape.yaml``, real models' shapes at 32 × 1,024 tokens
+  a micro-batch, 20 steps;
+* ``moe24_rig``: a recording made for ``recipes/tpu_moe24_rig.yaml`` (24 layers,
+  top-8, routing replay, dropless re-runs) and the rig's four arms over it;
+* ``accelerator``: ``python -m orchestrator.bench.accelerator`` at its small preset.
+
+For each: the command, its exit code and seconds, the last lines it printed, and
+from the run's ``summary.json`` and records the figures docs/benchmarks.md quotes
+(median step, peak device memory, MFU, compiles after the first step, start-up
+phases, reward and held-out accuracy, the weight sync's seconds). Writes
+``DIR/tpu.json`` (default ``runs/tpu-<time>``); exit 0 when every check exited 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+#: The checks in the order they run: name → (the command's arguments after the Python interpreter, budget share).
+CHECKS = {
+    "default": (["-m", "orchestrator.app.cli", "--out", "{dir}/default"], 0.16),
+    "default_again": (["-m", "orchestrator.app.cli", "steps=20", "--out", "{dir}/default_again"], 0.08),
+    "smollm2_shape": (["-m", "orchestrator.app.cli", "--recipe", "recipes/tpu_smollm2_shape.yaml",
+                       "--out", "{dir}/smollm2_shape"], 0.2),
+    "qwen3_shape": (["-m", "orchestrator.app.cli", "--recipe", "recipes/tpu_qwen3_0p6b_shape.yaml",
+                     "--out", "{dir}/qwen3_shape"], 0.2),
+    "moe24_record": (["-m", "orchestrator.app.cli", "record", "--recipe", "recipes/tpu_moe24_rig.yaml",
+                      "--out", "{dir}/moe24_recording", "rollouts.groups=512"], 0.04),
+    "moe24_rig": (["-m", "orchestrator.app.cli", "rig", "--recipe", "recipes/tpu_moe24_rig.yaml",
+                   "--recording", "{dir}/moe24_recording", "--out", "{dir}/moe24_rig"], 0.2),
+    "accelerator": (["-m", "orchestrator.bench.accelerator", "--minutes", "{minutes}",
+                     "--out", "{dir}/accelerator.json"], 0.12),
+}
+#: Lines of each command's output kept in the JSON.
+TAIL_LINES = 25
+
+
+def figures(run_dir: Path) -> dict:
+  """What docs/benchmarks.md quotes from a finished run's directory (an empty dict where it wrote none)."""
+  out: dict = {}
+  summary_path = run_dir / "summary.json"
+  if summary_path.is_file():
+    summary = json.loads(summary_path.read_text())
+    keys = ("steps", "final_state_digest", "median_step_s", "median_boundary_idle_s", "peak_device_bytes",
+            "median_mfu", "compiles_after_first_step", "startup_s", "reward_first_step", "reward_last_10_steps",
+            "eval_accuracy_start", "eval_accuracy_end", "ended_mode", "staged_before_update", "measured_saving")
+    out.update({key: summary.get(key) for key in keys if key in summary})
+  records_path = run_dir / "records.jsonl"
+  if records_path.is_file():
+    records = [json.loads(line) for line in records_path.read_text().splitlines() if line.strip()]
+    syncs = [r["weight_sync_s"] for r in records if r.get("weight_sync_s") is not None]
+    out["median_weight_sync_s"] = statistics.median(syncs) if syncs else None
+    out["compiles_by_step"] = [r.get("compiles") for r in records]
+    out["first_step_s"] = records[0]["step_s"] if records else None
+  return out
+
+
+def run_check(name: str, args: list[str], timeout_s: float, out_dir: Path) -> dict:
+  """Runs one check's command (its own process) within ``timeout_s``, its output streamed to ``DIR/NAME.log`` (a
+  check cut short still leaves what it printed); returns what the JSON keeps of it."""
+  command = [sys.executable, *args]
+  log_path = out_dir / f"{name}.log"
+  start = time.perf_counter()
+  env = dict(os.environ, PYTHONUNBUFFERED="1")
+  with open(log_path, "w") as log:
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+      code = process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+      process.kill()
+      process.wait()
+      code = None
+  seconds = time.perf_counter() - start
+  output = log_path.read_text(errors="replace")
+  result = {"command": " ".join(["python", *args]), "exit_code": code, "seconds": round(seconds, 1),
+            "timed_out": code is None, "tail": output.splitlines()[-TAIL_LINES:]}
+  target = next((a for a in args if a.startswith(str(out_dir))), None)
+  if target is not None and Path(target).is_dir():
+    result["figures"] = figures(Path(target))
+  print(f"[tpu] {name}: exit {code} in {seconds:.0f} s", file=sys.stderr, flush=True)
+  return result
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(prog="python -m orchestrator.bench.tpu", description=__doc__.split("\n\n")[0])
+  parser.add_argument("--out", default=None, help="the directory to write (default runs/tpu-<time>)")
+  parser.add_argument("--only", nargs="+", choices=sorted(CHECKS), default=None, help="these checks alone")
+  parser.add_argument("--minutes", type=float, default=10.0, help="the whole budget (default 10)")
+  args = parser.parse_args(argv)
+  if not args.minutes > 0:
+    parser.error(f"--minutes {args.minutes}: give a number of minutes > 0")
+  out_dir = Path(args.out or f"runs/tpu-{datetime.datetime.now():%Y%m%d-%H%M%S}")
+  if out_dir.exists() and any(out_dir.iterdir()):
+    parser.error(f"--out {out_dir} already holds files; choose a new directory")
+  out_dir.mkdir(parents=True, exist_ok=True)
+  chosen = args.only or list(CHECKS)
+  budget_s = args.minutes * 60
+  shares = sum(CHECKS[name][1] for name in chosen)
+  deadline = time.monotonic() + budget_s
+  results: dict = {"started": datetime.datetime.now().isoformat(timespec="seconds"), "checks": {}}
+  for name in chosen:
+    template, share = CHECKS[name]
+    timeout_s = min(budget_s * share / shares, deadline - time.monotonic())
+    if timeout_s < 10:
+      results["checks"][name] = {"skipped": "the budget ran out"}
+      continue
+    minutes = f"{max(1.0, timeout_s / 60 - 0.5):.1f}"
+    command = [a.format(dir=out_dir, minutes=minutes) for a in template]
+    results["checks"][name] = run_check(name, command, timeout_s, out_dir)
+    (out_dir / "tpu.json").write_text(json.dumps(results, indent=1))
+  failed = [n for n, r in results["checks"].items() if r.get("exit_code") != 0]
+  print(f"[tpu] {len(chosen) - len(failed)} of {len(chosen)} checks exited 0; {out_dir / 'tpu.json'}",
+        file=sys.stderr)
+  return 1 if failed else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
