@@ -40,6 +40,7 @@ from orchestrator import recipe as recipe_lib
 from orchestrator.app import checkpoint_state, inputs, run_dir
 from orchestrator.app.plan import checkpoint_dir_for
 from orchestrator.app.arguments import UsageError, UsageErrorParser
+from orchestrator.app.new_directory import missing_parents, remove_empty, writable_above
 from orchestrator.app.run_dir import RunDirError
 from orchestrator.engine import hf_checkpoint
 from orchestrator.engine.presets import ModelPreset, load_preset
@@ -251,22 +252,10 @@ def _check_out(out: Path, run: Path, checkpoints: Path) -> Path:
     if where.is_relative_to(inside.resolve()):
       raise ExportError(f"--out {out} is inside {what} {inside}; the run's files are its own: choose a --out"
                         " outside it")
-  existing = out.absolute().parent  # missing parents are made at the write, as `mkdir -p` would
-  while not existing.exists() and not existing.is_symlink():
-    existing = existing.parent
-  if not existing.is_dir() or not os.access(existing, os.W_OK):
+  existing = writable_above(out)  # missing parents are made at the write, as `mkdir -p` would
+  if existing is not None:
     raise ExportError(f"--out {out}: {existing} is not a writable directory; choose a --out you can write")
   return out
-
-
-def _missing_parents(out: Path) -> list[Path]:
-  """The directories above ``out`` that do not exist yet, outermost first."""
-  missing = []
-  parent = out.absolute().parent
-  while not parent.exists() and not parent.is_symlink():
-    missing.append(parent)
-    parent = parent.parent
-  return missing[::-1]
 
 
 def export(source: dict[str, Any], out: Path) -> dict[str, Any]:
@@ -279,13 +268,13 @@ def export(source: dict[str, Any], out: Path) -> dict[str, Any]:
   params = _restore_params(source)
   _check_finite(params, source)
   partial = out.absolute().parent / f".{out.name}.{secrets.token_hex(4)}.partial"
-  made_parents = _missing_parents(out)
+  made_parents = missing_parents(out)
   try:
     for directory in made_parents:
       _write(directory, directory.mkdir)
     _write(out, partial.mkdir)  # exclusive, with the user's umask (as DIR gets it)
   except BaseException:
-    _remove_empty(made_parents)
+    remove_empty(made_parents)
     raise
   try:
     summary = {"run_dir": source["run_dir"], "run_id": source["run_id"], "checkpoint": source["checkpoint_path"],
@@ -297,18 +286,9 @@ def export(source: dict[str, Any], out: Path) -> dict[str, Any]:
     _write(out, lambda: os.rename(partial, out))
   except BaseException:
     shutil.rmtree(partial, ignore_errors=True)  # made here just now: nothing of anyone else's is in it
-    _remove_empty(made_parents)
+    remove_empty(made_parents)
     raise
   return summary
-
-
-def _remove_empty(made_parents: list[Path]) -> None:
-  """Removes the parents this export made, innermost first, where nothing else was put in them meanwhile."""
-  for directory in reversed(made_parents):
-    try:
-      directory.rmdir()
-    except OSError:
-      return
 
 
 def _write_files(source: dict[str, Any], params: dict[str, Any], into: Path, out: Path) -> str | None:

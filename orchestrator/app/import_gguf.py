@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 from orchestrator.app.arguments import UsageError, UsageErrorParser
+from orchestrator.app.new_directory import missing_parents, remove_empty, writable_above
 
 WEIGHTS_FILE = "model.safetensors"
 INSTALL_HINT = "pip install -e '.[gguf]' (or pip install gguf)"
@@ -85,10 +86,9 @@ def _check_out(out: Path) -> Path:
   if out.exists() or out.is_symlink():
     raise ImportRefused(f"--out {out} already exists; an import never writes into an existing path: choose a new"
                         " one")
-  parent = out.absolute().parent
-  if not parent.is_dir() or not os.access(parent, os.W_OK):
-    raise ImportRefused(f"--out {out}: {parent} is not a writable directory; create it or choose a --out you can"
-                        " write")
+  existing = writable_above(out)  # missing parents are made at the write, as `mkdir -p` would
+  if existing is not None:
+    raise ImportRefused(f"--out {out}: {existing} is not a writable directory; choose a --out you can write")
   return out
 
 
@@ -100,7 +100,15 @@ def write(checkpoint, out: Path) -> int:
   from safetensors.numpy import save_file
 
   partial = out.absolute().parent / f".{out.name}.{secrets.token_hex(4)}.partial"
-  partial.mkdir()
+  made_parents = missing_parents(out)
+  try:
+    for directory in made_parents:
+      directory.mkdir()
+    partial.mkdir()
+  except OSError as e:
+    remove_empty(made_parents)
+    raise ImportRefused(f"making {out}'s directory failed ({e.strerror or e}); nothing is at --out: choose a --out"
+                        " you can write") from None
   try:
     tensors = dict(checkpoint.tensors())
     save_file(tensors, str(partial / WEIGHTS_FILE), metadata={"format": "pt"})
@@ -112,6 +120,7 @@ def write(checkpoint, out: Path) -> int:
     os.rename(partial, out)
   except BaseException as e:
     shutil.rmtree(partial, ignore_errors=True)  # made here just now: nothing of anyone else's is in it
+    remove_empty(made_parents)
     # safetensors reports a failed write (a full disk) as its own error, naming the IoError
     if isinstance(e, OSError) or (isinstance(e, SafetensorError) and "IoError" in str(e)):
       raise ImportRefused(f"writing {out} failed ({getattr(e, 'strerror', None) or e}); nothing is at --out: free"

@@ -142,6 +142,25 @@ def test_a_write_that_fails_is_refused_in_one_line_and_leaves_nothing(tmp_path, 
   assert "writing" in line and "failed" in line and "nothing is at --out" in line
 
 
+def test_missing_parents_of_out_are_made_and_removed_again_when_the_write_fails(tmp_path, capsys, monkeypatch):
+  """As the README runs it on a fresh clone: `--out models/NAME` where models/ does not exist yet."""
+  _, _, tensors, config = _family_weights("llama")
+  good = write_gguf(tmp_path / "good.gguf", tensors, config)
+  code, out, captured = _import(tmp_path, good, capsys, out_name="models/deeper/imported")
+  assert code == 0, captured.err
+  assert (out / "config.json").is_file()
+
+  def full_disk(*args, **kwargs):
+    raise OSError(28, "No space left on device")
+
+  monkeypatch.setattr(safetensors.numpy, "save_file", full_disk)
+  line = _refused(tmp_path, capsys, good, out_name="made/for/it")
+  assert "nothing is at --out" in line
+  assert not (tmp_path / "made").exists()  # the parents it made are gone with the failed write
+  (tmp_path / "file").write_text("not a directory")
+  assert "is not a writable directory" in _refused(tmp_path, capsys, good, out_name="file/below/it")
+
+
 def test_a_quantisation_gguf_cannot_dequantize_is_refused_naming_the_tensor(tmp_path, capsys):
   _, _, tensors, config = _family_weights("llama")
   source = write_gguf(tmp_path / "q.gguf", tensors, config)
