@@ -546,6 +546,10 @@ class StepBoundarySection:
     _at_least("step_boundary", self, ("disable_after", "calibration_samples", "reprobe_every"), 1)
     _at_most("step_boundary", self, ("calibration_samples",), 10_000)
     _at_least("step_boundary", self, ("control_every",), 0)
+    if self.control_every == 1:  # every boundary a control: nothing would stage, and nothing measure against
+      raise RecipeError("step_boundary.control_every=1 makes every boundary that would stage a control, so nothing"
+                        " stages and there is no staged step to measure against; use 0 (no controls) or a number"
+                        f" >= 2 (the default, {DEFAULT_CONTROL_EVERY}: one boundary in {DEFAULT_CONTROL_EVERY})")
     t = self.wait_threshold_s
     if t != "auto" and t < 0:
       raise RecipeError(f"step_boundary.wait_threshold_s={t} is out of range: use 'auto' or a number >= 0")

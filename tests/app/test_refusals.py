@@ -224,6 +224,8 @@ CASES = [
     ("reprobe-zero", ["step_boundary.reprobe_every=0"], {}, "step_boundary.reprobe_every=0 is out of range"),
     ("control-every-negative", ["step_boundary.control_every=-1"], {},
      "step_boundary.control_every=-1 is out of range: it must be >= 0"),
+    ("control-every-one", ["step_boundary.control_every=1"], {},
+     "step_boundary.control_every=1 makes every boundary that would stage a control, so nothing stages"),
     ("control-every-fraction", ["step_boundary.control_every=1.5"], {},
      "step_boundary.control_every: expected a whole number, got 1.5"),
     ("control-every-word", ["step_boundary.control_every=x"], {}, "step_boundary.control_every: expected int, got 'x'"),
