@@ -157,7 +157,7 @@ def device_line(timings) -> str | None:
   if timings.peak_device_bytes is not None:
     parts.append(f"peak memory {format_bytes(timings.peak_device_bytes)} on the fullest device")
   if timings.median_mfu is not None:
-    parts.append(f"model FLOP utilisation {100 * timings.median_mfu:.1f} % (median step; 6 x parameters x tokens"
+    parts.append(f"model FLOP utilisation {100 * timings.median_mfu:.1f} % (median step; 6 x parameters x positions"
                  " + attention, over the chips' bf16 peak)")
   compiles = timings.compiles_after_first_step
   if compiles:

@@ -28,6 +28,7 @@ import argparse
 import datetime
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -83,18 +84,19 @@ def run_check(name: str, args: list[str], timeout_s: float, out_dir: Path) -> di
   start = time.perf_counter()
   env = dict(os.environ, PYTHONUNBUFFERED="1")
   with open(log_path, "w") as log:
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    # a session of its own: a check cut short is ended with every process it started (a sampler, a trainer)
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
       code = process.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-      process.kill()
+      os.killpg(process.pid, signal.SIGKILL)
       process.wait()
       code = None
   seconds = time.perf_counter() - start
   output = log_path.read_text(errors="replace")
   result = {"command": " ".join(["python", *args]), "exit_code": code, "seconds": round(seconds, 1),
             "timed_out": code is None, "tail": output.splitlines()[-TAIL_LINES:]}
-  target = next((a for a in args if a.startswith(str(out_dir))), None)
+  target = args[args.index("--out") + 1] if "--out" in args else None  # the run's directory (not its inputs)
   if target is not None and Path(target).is_dir():
     result["figures"] = figures(Path(target))
   print(f"[tpu] {name}: exit {code} in {seconds:.0f} s", file=sys.stderr, flush=True)

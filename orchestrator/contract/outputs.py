@@ -136,6 +136,7 @@ class RunSummary:
     newest = {"staged_before_update": timings.pop("staged_before_update"),
               "measured_saving": saving.to_json() if saving is not None else None}
     timings.pop("measured_saving")
+    devices = {key: timings.pop(key) for key in ("peak_device_bytes", "median_mfu", "compiles_after_first_step")}
     # The order summary.json has always had: the step count and the modes first.
     out: dict[str, Any] = {"steps": timings.pop("steps"), "requested_mode": policy.pop("requested_mode"),
                            "final_mode": policy.pop("final_mode")}
@@ -157,4 +158,5 @@ class RunSummary:
     out.update(self.run)
     out.update(memory)  # newer keys go last: the order of every earlier key stays as it was
     out.update(newest)
+    out.update(devices)
     return out

@@ -115,7 +115,8 @@ class JaxTrainingEngine:
         batch_shardings=state.batch_shardings, aot=aot, remat=self.options.remat,
         splash_mesh=self.mesh if self.options.attention == "splash" else None)
     self._compiles_seen = backend_compile_count()  # a step's metrics count the compiles since the last's
-    self._peak_flops = peak_flops_per_s([d.device_kind for d in self._inputs.devices])
+    # over the whole mesh: a step's model FLOPs are the global batch's, in a job of several processes too
+    self._peak_flops = peak_flops_per_s([d.device_kind for d in self.mesh.devices.flat])
     self.trace_counts = self._programs.trace_counts  # traces per program (a retrace shows up here)
     self.compile_s = self._programs.compile_s
 
@@ -257,17 +258,11 @@ class JaxTrainingEngine:
     return self._throttler.block_until_ready()
 
   def device_memory(self) -> DeviceMemory | None:
-    """This process's devices' memory, and what an input holds on each (see ``MemoryReportingEngine``): in use
-    counted at the allocator's peak where it reports one (the step's activations included); None where the
-    backend reports no allocator statistics (CPU)."""
+    """This process's devices' memory now, and what an input holds on each (see ``MemoryReportingEngine``);
+    None where the backend reports no allocator statistics (CPU)."""
     stats = allocator_stats(self._inputs.devices)
-    if stats is None:
-      return None
-    # A stage lives through the last micro-batch's compute, when a step's memory is at its peak: where the
-    # allocator keeps one, the gate counts the staged input against the peak, not what is in use between steps.
-    peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in self._inputs.devices]
-    in_use = tuple(max(now, peak or 0) for now, peak in zip(stats[0], peaks))
-    return DeviceMemory(bytes_in_use=in_use, bytes_limit=stats[1], input_bytes=self._inputs.input_bytes)
+    return None if stats is None else DeviceMemory(bytes_in_use=stats[0], bytes_limit=stats[1],
+                                                   input_bytes=self._inputs.input_bytes)
 
   @property
   def train_step(self) -> int:

@@ -1,12 +1,15 @@
 """Model FLOPs of a training step and the peak a chip computes at: model FLOP utilisation (MFU).
 
 MFU is the share of the devices' peak that the model's own arithmetic would
-take at the measured step time: 6 FLOPs per trained parameter and token (2 forward,
-4 backward; an MoE counts its router and the experts each token is routed to),
-plus attention's score and value products, 12 · layers · T · heads · head_dim per
-token (the full T × T square the dense attention computes). Recomputation
-(``engine.remat``), dropless re-runs and padding are not model FLOPs: they lower MFU,
-as they should. No JAX here: the peak is looked up by the device's kind.
+take at the measured step time: 6 FLOPs per trained parameter and position (2
+forward, 4 backward; an MoE counts its router and the experts each token is routed
+to), plus attention's score and value products, 12 · layers · T · heads · head_dim
+per position (the full T × T square the dense attention computes). Every position of
+a micro-batch's rows counts, its padding included (the shape the devices compute, as
+MaxText counts a packed row): a micro-batch filled to 85 % reads 1/0.85 above its
+real tokens' share. Recomputation (``engine.remat``) and dropless re-runs are not
+model FLOPs: they lower MFU, as they should. No JAX here: the peak is looked up by
+the device's kind.
 """
 
 from __future__ import annotations

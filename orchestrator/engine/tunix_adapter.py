@@ -209,7 +209,7 @@ def build_tunix_engine(preset: str | ModelPreset, *, mesh: Mapping[str, int] | N
   unsupported = {k: v for k, v in options.items()
                  if k in ("ragged_buffer_factor", "retry_when_tokens_dropped", "skip_nonfinite_updates",
                           "max_inflight", "lr_schedule", "warmup_steps", "decay_steps", "loss_aggregation",
-                          "kl_beta", "kl_estimator")
+                          "kl_beta", "kl_estimator", "remat", "attention", "logprob_chunk_tokens")
                  and v != getattr(EngineOptions(), k)}
   if unsupported:
     raise ValueError(f"engine.backend=tunix_peft cannot honour {unsupported}; leave them at their defaults")

@@ -34,9 +34,9 @@ def choose_placement(requested: str, *, platform: str, processes: int, trainer_l
       return "shared", (f"on the trainer's {platform.upper()} devices (rollouts.placement=auto: one process holds"
                         " the accelerator, so the sampler shares it and takes each update's weights there)")
     if accelerator:
-      why = "a job of several processes" if processes > 1 else "the trainer runs elsewhere"
-      return "process", (f"in a process of its own on the host's cores (rollouts.placement=auto: {why}; the"
-                         f" {platform.upper()} stays the trainer's)")
+      why = ("a job of several processes, each holding its share of the accelerators" if processes > 1
+             else "the trainer runs in another process")
+      return "process", f"in a process of its own on the host's cores (rollouts.placement=auto: {why})"
     return "process", ("in a process of its own on the host's cores (rollouts.placement=auto on a CPU host: its"
                        " programs never queue between the trainer's)")
   if requested == "process":

@@ -18,19 +18,17 @@ what an in-process sampler on one thread samples. Weights cross as host arrays
 structure). The child runs on the cores its parent's calling thread may use
 (the host's, where the run's core plan kept one) with an XLA pool the plan
 sized (``SamplerSpec.xla_threads``), ignores Ctrl-C (its parent stops the run and then it), and exits when
-its parent's end of the pipe closes, so a killed run leaves no sampler behind.
+its parent's end of the pipe closes, so a killed run leaves no sampler behind. The child's side is
+``sampler_boot``: it sets the child's environment (JAX on the host's cores) before JAX is imported there.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import multiprocessing
-import os
-import signal
+import pickle
 import threading
 import time
-import traceback
 from collections.abc import Sequence
 from typing import Any
 
@@ -38,41 +36,19 @@ import jax
 import numpy as np
 
 from orchestrator.engine import core_claims
+from orchestrator.live import sampler_boot
 from orchestrator.live.sampler import Samples
 
-#: The child's scheduling priority below its parent's. The host core is shared: the trainer's thread sleeps in
-#: ``wait_for_device`` while its last micro-batch computes, and a staged boundary's update is dispatched only
-#: once that thread runs again. At its parent's priority the sampler held the core for milliseconds after the
-#: wait ended (staged steps measured 7 ms slower than controls); below it, the waking thread takes the core at
-#: once, and the sampler keeps every moment the trainer's thread does not use.
-SAMPLER_NICE = 10
 #: How long the child may take to import, build its model and answer that it is ready.
 START_TIMEOUT_S = 600.0
 #: How long ``close`` waits for the child to exit before it is killed.
 CLOSE_TIMEOUT_S = 10.0
 
 
-#: What the child's environment holds beyond its parent's. JAX reads ``JAX_PLATFORMS`` when it is imported, and
-#: the child imports it before any of its code runs (unpickling its target imports this module): set later, the
-#: child would open the accelerator its parent's trainer holds (a TPU's runtime refuses a second process).
+#: What the child's environment holds beyond its parent's, set by ``sampler_boot`` before the child imports JAX
+#: (which reads ``JAX_PLATFORMS`` at import): without it the child would open the accelerator its parent's
+#: trainer holds (a TPU's runtime refuses a second process).
 CHILD_ENVIRONMENT = {"JAX_PLATFORMS": "cpu"}
-_ENVIRONMENT_LOCK = threading.Lock()  # two samplers started at once must not restore each other's environment
-
-
-@contextlib.contextmanager
-def _child_environment(values: dict[str, str]):
-  """``os.environ`` with ``values`` set while a child starts (a spawned child copies its parent's)."""
-  with _ENVIRONMENT_LOCK:
-    saved = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-      yield
-    finally:
-      for name, value in saved.items():
-        if value is None:
-          os.environ.pop(name, None)
-        else:
-          os.environ[name] = value
 
 
 class SamplerProcessError(RuntimeError):
@@ -113,10 +89,14 @@ class SamplerProcess:
     self._lock = threading.Lock()
     context = multiprocessing.get_context("spawn")  # a fork of a process whose XLA client runs is unsafe
     self._conn, child_conn = context.Pipe()
-    self._process = context.Process(target=_serve, args=(child_conn, spec), name="step-boundary-sampler",
-                                    daemon=True)
-    with _child_environment(CHILD_ENVIRONMENT):
-      self._process.start()
+    # the child's target imports no JAX, and its specification travels pickled: the child loads it (and JAX
+    # with it) once sampler_boot has set its environment
+    environment = dict(CHILD_ENVIRONMENT)
+    if spec.xla_threads:  # sized by the run's plan, never by which cores other runs left it: it fixes the samples
+      environment["PJRT_NPROC"] = str(spec.xla_threads)
+    self._process = context.Process(target=sampler_boot.serve, args=(child_conn, pickle.dumps(spec), environment),
+                                    name="step-boundary-sampler", daemon=True)
+    self._process.start()
     child_conn.close()  # the child holds its end: an exit shows here as EOF
     self.pid = self._process.pid
     core_claims.FOLLOWERS.add(self.pid)  # its threads follow the run's share of the cores
@@ -194,55 +174,3 @@ class SamplerProcess:
   def _exited(self, what: str) -> SamplerProcessError:
     self._process.join(1.0)
     return SamplerProcessError(f"the sampler process exited (code {self._process.exitcode}) during {what!r}")
-
-
-def _serve(conn, spec: SamplerSpec) -> None:
-  """The child: builds the sampler on its cores and answers requests until told to close or the pipe closes."""
-  signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the parent stops us
-  os.nice(SAMPLER_NICE)
-  if spec.xla_threads:  # sized by the run's plan, never by which cores other runs left it: it fixes the samples
-    os.environ["PJRT_NPROC"] = str(spec.xla_threads)
-  elif hasattr(os, "sched_getaffinity"):  # an XLA pool sized to the cores this process may run on
-    os.environ["PJRT_NPROC"] = str(len(os.sched_getaffinity(0)))
-  try:
-    # import here: after PJRT_NPROC, which keys the cache and sizes the child's XLA pool
-    from orchestrator.engine.compilation_cache import use_compilation_cache
-    from orchestrator.live.sampler import LiveSampler  # import here: the child's JAX starts with the pool above
-
-    use_compilation_cache()
-    sampler = LiveSampler(spec.preset, spec.model.tokenizer(), seed=spec.seed,
-                          max_prompt_length=spec.max_prompt_length,
-                          max_generation_steps=spec.max_generation_steps, alphabet=spec.alphabet,
-                          dtype=spec.dtype, routing=spec.routing)
-    treedef, shapes = sampler.weights_structure, sampler.weight_shapes
-    conn.send(("ok", {"platform": jax.default_backend(), "jax_platforms": str(jax.config.jax_platforms)}))
-  except BaseException:
-    conn.send(("error", traceback.format_exc()))
-    return
-  while True:
-    try:
-      message = conn.recv()
-    except (EOFError, OSError):  # the parent is gone
-      return
-    kind = message[0]
-    if kind == "close":
-      return
-    try:
-      if kind == "sync":
-        leaves = message[1]
-        sent = [tuple(leaf.shape) for leaf in leaves]
-        if sent != shapes:
-          raise ValueError(f"sync sent weights of shapes {sent}; the sampler's model has {shapes}")
-        sampler.sync(jax.tree.unflatten(treedef, leaves), 0)
-        answer = None
-      elif kind == "sample":
-        prompts, seed, temperature, top_p, top_k, stop, max_new_tokens = message[1:]
-        answer = sampler.sample(prompts, seed=seed, temperature=temperature, top_p=top_p, top_k=top_k, stop=stop,
-                                max_new_tokens=max_new_tokens)
-      elif kind == "greedy":
-        answer = sampler.greedy(message[1], stop=message[2], max_new_tokens=message[3])
-      else:
-        raise ValueError(f"unknown request {kind!r}")
-      conn.send(("ok", answer))
-    except BaseException:
-      conn.send(("error", traceback.format_exc()))

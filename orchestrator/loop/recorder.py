@@ -231,6 +231,7 @@ class Recorder:
     self.out_dir = Path(out_dir) if out_dir else None
     self.on_record = on_record
     self.records: list[BoundaryRecord] = list(previous_records)
+    self._carried = len(self.records)  # a resumed run's earlier segments' records: this segment starts after
     self._append = bool(previous_records)
     self._first_own = len(self.records)  # records before it are an earlier segment's (their own clock and trace)
     self.spans: list[Span] = []
@@ -409,10 +410,15 @@ class Recorder:
                           peak_device_bytes=max((r.device_peak_bytes for r in self.records
                                                  if r.device_peak_bytes is not None), default=None),
                           median_mfu=_median_present(r.mfu for r in self.records),
-                          compiles_after_first_step=_sum_present(r.compiles for r in self.records[1:]))
+                          compiles_after_first_step=self._compiles_after_first_steps())
     return RunSummary(timings=timings, policy=policy, final_state_digest=final_state_digest,
                       records_path=str(self.out_dir / "records.jsonl") if self.out_dir else None,
                       rollouts=self._rollout_summary())
+
+  def _compiles_after_first_steps(self) -> int | None:
+    """Compiles counted after each segment's first step (each process compiles its programs at its first)."""
+    starts = {0, self._carried}
+    return _sum_present(r.compiles for i, r in enumerate(self.records) if i not in starts)
 
   def process_timings(self) -> dict[str, Any]:
     """This process's own timings (a job of several processes merges every process's into the summary)."""

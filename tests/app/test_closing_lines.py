@@ -95,7 +95,7 @@ def test_the_device_line_gives_peak_memory_mfu_and_recompiles_where_known():
   line = console.device_line(_device_timings(peak_device_bytes=12_540_957_696, median_mfu=0.433,
                                              compiles_after_first_step=0))
   assert line == ("devices: peak memory 11.68 GiB on the fullest device; model FLOP utilisation 43.3 % (median"
-                  " step; 6 x parameters x tokens + attention, over the chips' bf16 peak); nothing compiled after"
+                  " step; 6 x parameters x positions + attention, over the chips' bf16 peak); nothing compiled after"
                   " the first step")
   recompiled = console.device_line(_device_timings(compiles_after_first_step=2))
   assert recompiled == "devices: 2 programs compiled after the first step (records.jsonl's compiles says when)"

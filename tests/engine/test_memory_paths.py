@@ -118,6 +118,26 @@ def _assert_same_grads(got, want, tolerance=1e-3):
     np.testing.assert_allclose(g, w, rtol=0, atol=tolerance * max(np.abs(w).max(), 1e-12))
 
 
+def _remat_policies(preset, remat):
+  """The save policy of each rematerialised region the loss's trace holds at its top level (None: save nothing)."""
+  graphdefs, params, _ = model_lib.build_model(preset, 0, remat=remat)
+  batch = _micro_batch(preset)
+  fn = step_math.loss_sum_fn(graphdefs["capacity"], LossConfig(logprob_chunk_tokens=1 << 20), remat)
+  eqns = jax.make_jaxpr(fn)(params, batch).jaxpr.eqns
+  return [e.params.get("policy") for e in eqns if "remat" in e.primitive.name or "checkpoint" in e.primitive.name]
+
+
+def test_each_remat_policy_rematerialises_every_layer_with_its_save_policy():
+  preset = load_preset("tiny")
+  assert _remat_policies(preset, "none") == []  # the negative control: nothing recomputed
+  full = _remat_policies(preset, "full")
+  assert len(full) == preset.num_layers and all(policy is None for policy in full)
+  dots = _remat_policies(preset, "dots")
+  assert len(dots) == preset.num_layers and all("DotsSaveable" in str(policy) for policy in dots)
+  # an MoE: each layer's attention block, and its experts' computation inside the expert layer
+  assert len(_remat_policies(load_preset("tiny_moe"), "full")) >= load_preset("tiny_moe").num_layers
+
+
 @pytest.mark.parametrize("preset_name", ["tiny", "tiny_moe"])
 def test_rematerialised_layers_give_the_unrematerialised_gradients(preset_name):
   preset = load_preset(preset_name)

@@ -12,7 +12,8 @@ import time
 import numpy as np
 import pytest
 
-from orchestrator.live.sampler_process import SAMPLER_NICE, SamplerProcess, SamplerProcessError, SamplerSpec
+from orchestrator.live.sampler_boot import SAMPLER_NICE
+from orchestrator.live.sampler_process import SamplerProcess, SamplerProcessError, SamplerSpec
 from orchestrator.live.tasks import FirstLetter
 from tests.conftest import REPO
 
