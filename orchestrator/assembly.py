@@ -303,6 +303,11 @@ class RunHandle:
   def current_step(self):
     return self.program.current_step
 
+  @property
+  def steps_done(self) -> int:
+    """The steps the run has finished, a resumed run's earlier ones included."""
+    return self.program.steps_done
+
   def close(self):
     """Closes the progress, the metrics log (its events flushed), then the remote trainer (and a spawned
     one's process), if any; a second call does nothing."""

@@ -25,6 +25,7 @@ class RecordingEngine:
     self.micro = 0
     self.wait_s = wait_s
     self.params = {"step": 0}
+    self.checkpoints: list[dict] = []  # each save's metadata
 
   def fwd_bwd(self, x, apply_optimizer=False):
     name = f"prepared:{x.name}" if isinstance(x, Prepared) else x
@@ -46,6 +47,7 @@ class RecordingEngine:
 
   def save_checkpoint(self, metadata=None):
     self.calls.append(f"checkpoint:{self.step}")
+    self.checkpoints.append(dict(metadata or {}))
     return f"ckpt/{self.step}"
 
   def restore_checkpoint(self, step=None):
@@ -150,6 +152,7 @@ class StuckLiveSource:
     self.stuck_at, self.staleness, self.stuck_micro = stuck_at, staleness, stuck_micro
     self.next_step = 0
     self.waited = 0
+    self.left_s: float | None = None  # what sampling_left_s says while the rollouts have not come
     self.synced: list[int] = []
 
   # StepSource
@@ -214,20 +217,29 @@ class StuckLiveSource:
     return []
 
   def ready(self, step, timeout_s):
-    return self._arrives(step < self.stuck_at or (step == self.stuck_at and self.stuck_micro is not None),
+    return self._arrives(lambda: step < self.stuck_at or (step == self.stuck_at and self.stuck_micro is not None),
                          timeout_s)
 
   def micro_batch_ready(self, step, index, timeout_s):
-    return self._arrives(step != self.stuck_at or index < self.stuck_micro, timeout_s)
+    return self._arrives(lambda: step != self.stuck_at or index < self.stuck_micro, timeout_s)
 
   def ready_to_checkpoint(self, position, timeout_s, *, extendable=True):
-    return self._arrives(self.staleness == 0 or position < self.stuck_at, timeout_s)
+    return self._arrives(lambda: self.staleness == 0 or position < self.stuck_at, timeout_s)
 
-  def _arrives(self, there: bool, timeout_s: float) -> bool:
-    if not there:
-      self.waited += 1
-      time.sleep(timeout_s)  # the whole timeout, as a source whose sampler is stuck
-    return there
+  def sampling_left_s(self, position):
+    return 0.0 if self.staleness == 0 or position < self.stuck_at else self.left_s
+
+  def _arrives(self, there, timeout_s: float) -> bool:
+    """Whether ``there()`` turns true within ``timeout_s`` (a test may let stuck rollouts come: ``stuck_at``)."""
+    if there():
+      return True
+    self.waited += 1
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:  # the whole timeout, as a source whose sampler is stuck
+      time.sleep(min(0.02, max(0.0, deadline - time.monotonic())))
+      if there():
+        return True
+    return False
 
 
 def run_in_thread(program):

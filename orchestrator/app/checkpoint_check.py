@@ -1,7 +1,7 @@
 """A checkpoint's metadata, checked as the input it is before a resume trusts it.
 
 A checkpoint holds, beside the engine's state, the whole run's state as JSON
-(``RLProgram.checkpoint_metadata``): the step, the run's id, the policy's
+(``BoundaryWork.metadata``): the step, the run's id, the policy's
 state, the rollout source's position, the next boundary's plan and step
 ``step - 1``'s record as known at the save. Anything in a file can be damaged
 or edited, so each field is typed, range-checked and cross-checked here: the

@@ -36,7 +36,7 @@ from orchestrator.app.plan import RunPlan, plan_new_run, plan_resume
 from orchestrator.app.preflight import checks
 from orchestrator.app.resume import open_segment, withdraw_segment
 from orchestrator.app.run_dir import RunDirError
-from orchestrator.app.signals import EXIT_CODES, StopSignals
+from orchestrator.app.signals import EXIT_CODES, EXIT_NOTHING_TO_RESUME, StopSignals
 from orchestrator.contract import SourceStateError
 from orchestrator.data.recording import RecordingError
 from orchestrator.distributed import job as job_lib
@@ -220,6 +220,7 @@ def _run_program(plan: RunPlan, *, source, resume, job: job_lib.Job) -> int:
   recipe, out, run_id, write_dir = plan.recipe, plan.out, plan.run_id, plan.write_dir
   with StopSignals(out, quiet=not job.is_primary) as stop:  # held to the end: a late Ctrl-C gets no traceback
     handle, code = None, None
+    stop.steps_finished = lambda: resume.steps_done if resume is not None else 0  # until the run is built
     try:
       # import here: gRPC and the engines load after setup_host (a refusal loads neither)
       from orchestrator.assembly import build_run
@@ -230,6 +231,7 @@ def _run_program(plan: RunPlan, *, source, resume, job: job_lib.Job) -> int:
                          progress=functools.partial(Progress, recipe.name, total=recipe.steps), job=job,
                          write_dir=write_dir, config_sha256=plan.config_sha256)
       job.current_step = lambda: handle.current_step  # the step a lost peer's line names
+      stop.steps_finished = lambda: handle.steps_done
       result = handle.run()
     except recipe_lib.RecipeError as e:
       code = outcome.refuse(e)
@@ -253,7 +255,9 @@ def _run_program(plan: RunPlan, *, source, resume, job: job_lib.Job) -> int:
       return job.leave_failed(code)
     if not job.is_primary:
       job.finish(succeeded=True)
-      return EXIT_CODES[stop.stopped_by(result.stop_reason)] if result.ended == "stopped" else 0
+      if result.ended != "stopped":
+        return 0
+      return EXIT_CODES[stop.stopped_by(result.stop_reason)] if result.checkpoint_path else EXIT_NOTHING_TO_RESUME
     if previous_trace:
       run_dir.merge_trace(write_dir, previous_trace, resumed_at=resume.steps_done)
     recorded = True

@@ -3,8 +3,9 @@
 Each ending prints what it says once (process 0 on the run's terminal, the
 other processes of a job in their logs), writes ``summary.json`` (and
 ``error.log`` for a failure) into this segment's directory, and returns the
-exit code: 0 done, 130/143 stopped by a signal, 2 refused, 1 failed, 3 a
-lost peer (``Job.end_for_peer``).
+exit code: 0 done, 130/143 stopped by a signal with a checkpoint to resume
+from, 4 stopped by one with nothing to resume (``signals.EXIT_NOTHING_TO_RESUME``),
+2 refused, 1 failed, 3 a lost peer (``Job.end_for_peer``).
 """
 
 from __future__ import annotations
@@ -20,13 +21,13 @@ from typing import Any
 from orchestrator.app import run_dir
 from orchestrator.app.console import format_summary, format_table
 from orchestrator.app.plan import RunPlan
-from orchestrator.app.signals import EXIT_CODES, StopSignals
+from orchestrator.app.signals import EXIT_CODES, EXIT_NOTHING_TO_RESUME, StopSignals
 from orchestrator.data.recording import write_recording
 from orchestrator.contract import live_part
 from orchestrator.distributed import job as job_lib
 from orchestrator.distributed.launcher import LAUNCHED_ENV
 from orchestrator.live.plot import plot_rewards
-from orchestrator.loop.program import NonFiniteStepError
+from orchestrator.loop.program import NonFiniteStepError, StoppedWithoutCheckpointError
 
 
 def end_run_on_lost_peer(writes_to: list, job: job_lib.Job, line: str) -> None:
@@ -126,18 +127,20 @@ def report(plan: RunPlan, result, stop: StopSignals) -> int:
   where = (f"checkpoint {result.checkpoint_path}; continue with `run_rl --resume {out}`"
            if result.checkpoint_path else "no checkpoint (this engine cannot write one); it cannot be resumed")
   print(f"run_rl: stopped by {received.name} after step {result.last_step}: {where}", file=sys.stderr)
-  return EXIT_CODES[received]
+  return EXIT_CODES[received] if result.checkpoint_path else EXIT_NOTHING_TO_RESUME
 
 
-def stopped_without_checkpoint(write_dir: Path, error: Exception, stop: StopSignals, job) -> int:
-  """A stop while the loop waited for rollouts it could not checkpoint without: the signal's exit code, one
-  line naming the checkpoint to resume from; the summary says so."""
+def stopped_without_checkpoint(write_dir: Path, error: StoppedWithoutCheckpointError, stop: StopSignals,
+                               job) -> int:
+  """A stop while the loop waited for rollouts it could not checkpoint without: one line naming the checkpoint
+  to resume from, and the signal's exit code; ``EXIT_NOTHING_TO_RESUME`` where there is none. The summary
+  says so."""
   received = stop.received or signal.SIGTERM
   if job.is_primary and write_dir is not None:
     run_dir.write_summary(write_dir, {"ended": "signal", "signal": received.name, "checkpoint_path": None,
                                       "error": f"{type(error).__name__}: {error}"})
   print(f"run_rl: {job.label}{error}", file=sys.stderr)  # the error says what stopped it, where, and what is left
-  return EXIT_CODES[received]
+  return EXIT_CODES[received] if error.resumable else EXIT_NOTHING_TO_RESUME
 
 
 def stopped_non_finite(out: Path, write_dir: Path, error: NonFiniteStepError, job) -> int:

@@ -2,16 +2,22 @@
 
 The first signal asks the program to stop at the next boundary: the step in
 flight finishes, its update is applied, a checkpoint is written,
-``summary.json`` says ``"ended": "signal"``, and the exit code is 130 or 143. Signals within ``SIGNAL_WINDOW_S`` of the first are the
-same stop (a wrapper that forwards the terminal's signal delivers it twice); a
-later one stops at once.
+``summary.json`` says ``"ended": "signal"``, and the exit code is 130 or 143.
+A stop that finds the run waiting for rollouts ends it after the last finished
+step, checkpointed the same way (docs/resume.md). A stop that leaves nothing to
+resume from (before the run's first update, with no checkpoint to resume, or
+with an engine that writes none) exits ``EXIT_NOTHING_TO_RESUME`` instead, so a
+script can tell the two apart. Signals within ``SIGNAL_WINDOW_S`` of the first
+are the same stop (a wrapper that forwards the terminal's signal delivers it
+twice); a later one stops at once.
 
 Before the run installs its handlers (start-up: imports, checks, the JAX
 backend), SIGINT raises ``KeyboardInterrupt`` as Python's own handler does, and
 is also remembered (``startup_interrupts``): an interrupt raised inside a
 finalizer or a garbage-collector callback is printed and dropped by Python, and
 the run would otherwise go on as if no Ctrl-C had come. ``StopSignals`` takes a
-remembered one as its first signal.
+remembered one as its first signal. A signal ignored when the process started
+(``nohup``, a shell's background job) stays ignored to the end.
 """
 
 from __future__ import annotations
@@ -21,12 +27,17 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from orchestrator.distributed.launcher import resume_hint
 
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
+#: A stop after which there is nothing to resume (no checkpoint of this run or of the one it resumed).
+EXIT_NOTHING_TO_RESUME = 4
+#: The stop signals whoever started run_rl set to be ignored (read as start-up begins: ``startup_interrupts``).
+_ignored_at_start: set[signal.Signals] = set()
 # Signals this soon after the first are that one stop: `timeout` at a terminal, or any wrapper that forwards
 # the terminal's SIGINT, delivers one Ctrl-C to the process group and again to its child.
 SIGNAL_WINDOW_S = 1.0
@@ -42,8 +53,11 @@ def _startup_sigint(signum: int, frame) -> None:
 @contextlib.contextmanager
 def startup_interrupts():
   """SIGINT during start-up raises ``KeyboardInterrupt`` and is remembered for the run's ``StopSignals``
-  (see the module's docstring); the previous handler is restored on exit."""
+  (see the module's docstring); the previous handler is restored on exit. A stop signal ignored now stays
+  ignored, here and in the run's ``StopSignals``."""
   _startup_sigint_at.clear()
+  _ignored_at_start.clear()
+  _ignored_at_start.update(sig for sig in EXIT_CODES if signal.getsignal(sig) is signal.SIG_IGN)
   if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:  # ignored by whoever started us: stays so
     yield
     return
@@ -57,17 +71,24 @@ def startup_interrupts():
 
 class StopSignals:
   """First SIGINT/SIGTERM: stop at the next boundary. Another within ``SIGNAL_WINDOW_S``: the same stop.
-  One after that: stop at once, with one line."""
+  One after that: stop at once, with one line. A signal ignored at the process's start is left ignored.
+
+  Attributes:
+    steps_finished: set by the run once it is built: how many steps the run has done, a resumed run's earlier
+      ones included (the first line promises a checkpoint only once there is one to keep or to resume from).
+  """
 
   def __init__(self, out: Path, *, quiet: bool = False):
     self.out, self.quiet = out, quiet
     self.received: signal.Signals | None = None
+    self.steps_finished: Callable[[], int] | None = None
     self._first_at = 0.0
     self._previous: dict[int, Any] = {}
 
   def __enter__(self) -> "StopSignals":
     for sig in EXIT_CODES:
-      self._previous[sig] = signal.signal(sig, self._handle)
+      if sig not in _ignored_at_start:
+        self._previous[sig] = signal.signal(sig, self._handle)
     if _startup_sigint_at and self.received is None:  # a Ctrl-C whose KeyboardInterrupt Python dropped
       self._request(signal.SIGINT, _startup_sigint_at[0])
       _startup_sigint_at.clear()
@@ -93,8 +114,12 @@ class StopSignals:
     self.received, self._first_at = sig, at_s
     if self.quiet:  # another process of the job tells the terminal
       return
-    print(f"\nrun_rl: {sig.name} received: stopping after the step in flight (its update applied and"
-          f" checkpointed); {sig.name} again stops at once", file=sys.stderr, flush=True)
+    finished = self.steps_finished() if self.steps_finished is not None else 0
+    what = ("stopping after the step in flight, or after the last finished step if the next one still waits for"
+            " its rollouts, checkpointed" if finished else
+            "stopping after the first step if it finishes (checkpointed); a stop while it waits for its rollouts"
+            " ends with nothing to resume")
+    print(f"\nrun_rl: {sig.name} received: {what}; {sig.name} again stops at once", file=sys.stderr, flush=True)
 
   def requested(self) -> str | None:
     """The signal's name once one came (truthy), else None; the program stops at the next boundary."""

@@ -238,6 +238,12 @@ class LiveSource(Protocol):
     """
     ...
 
+  def sampling_left_s(self, position: int) -> float | None:
+    """Seconds, at the sampler's measured pace, until a checkpoint at ``position`` has the sampled steps of the
+    run it must carry (``ready_to_checkpoint`` without ``extendable``): 0.0 when it has them; None before the
+    sampler's pace was measured. It waits for nothing: a stop uses it to bound its wait for them."""
+    ...
+
 
 def live_part(source: Any) -> LiveSource | None:
   """``source`` as a ``LiveSource``, or None when it has none of that part (judged by ``missing_methods``).

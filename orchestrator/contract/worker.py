@@ -295,7 +295,7 @@ class Worker(Protocol):
 @runtime_checkable
 class WeightsOverWire(Protocol):
   """The part of a worker whose trainer runs in another process: ``export_weights`` moves the weights over a
-  wire, and the weight sync records what that moved (``loop.weight_sync.timed_sync``)."""
+  wire, and the weight sync records what that moved (``loop.boundary_work.BoundaryWork.sync``)."""
 
   @property
   def last_export(self) -> WeightTransfer | None:

@@ -18,6 +18,7 @@ schedule it always was.
 from __future__ import annotations
 
 import base64
+import collections
 import dataclasses
 import math
 from collections.abc import Sequence
@@ -32,6 +33,8 @@ from orchestrator.data.trajectory import Trajectory
 
 #: The last entry of a reshuffle's seed, so its stream is never a sampling seed's ((seed, batch, micro-batch)).
 SHUFFLE_STREAM = 1
+#: The sampler's pace (``SampledBatches.seconds_left``) is its slowest of this many latest micro-batches.
+PACE_MICRO_BATCHES = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,11 +218,20 @@ class SampledBatches:
     self.taken: set[int] = set()
     self.micro_batch_wait_s: dict[int, float] = {}
     self.recorded: list[BatchRollouts] | None = [] if record else None
+    self._pace_s: collections.deque[float] = collections.deque(maxlen=PACE_MICRO_BATCHES)  # the latest ones'
 
   def complete(self, batch: int) -> BatchRollouts | None:
     """``batch`` when all its micro-batches are sampled (taken or not); else None."""
     rollouts = self.batches.get(batch)
     return rollouts if rollouts is not None and len(rollouts.payloads) == self._per_batch else None
+
+  def seconds_left(self, batches: list[int]) -> float | None:
+    """Seconds until ``batches`` are all sampled, at the sampler's recent pace (its slowest micro-batch of the
+    last ``PACE_MICRO_BATCHES``): 0.0 when they are; None before any micro-batch was sampled."""
+    left = sum(self._per_batch - len(self.micro_batches_of(b)) for b in batches)
+    if left == 0:
+      return 0.0
+    return left * max(self._pace_s) if self._pace_s else None
 
   def micro_batches_of(self, batch: int) -> list[list[Trajectory]]:
     """The micro-batches of ``batch`` sampled so far."""
@@ -279,6 +291,7 @@ class SampledBatches:
     """The next micro-batch of ``batch`` (one of ``sample_micro_batches``' results), sampled with ``version`` in
     ``seconds``; a batch taken before it was complete is recorded once it is."""
     rollouts = self.batches.setdefault(batch, BatchRollouts(batch, version))
+    self._pace_s.append(seconds)
     payload, rewards, correct, tokens, truncated = sampled
     rollouts.add(payload, rewards, correct, tokens, seconds, truncated)
     phases.mark("first_rollout")

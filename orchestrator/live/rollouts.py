@@ -330,6 +330,12 @@ class LiveRollouts(HeldOutEvaluations):
           self._cond.notify_all()
       return self._wait_until(lambda: all(self._batches.complete(b) for b in needed), timeout_s)[0]
 
+  def sampling_left_s(self, position: int) -> float | None:
+    """Seconds, at the sampler's recent pace, until a checkpoint at ``position`` has the run's own sampled
+    batches it must carry (``SampledBatches.seconds_left``)."""
+    with self._cond:
+      return self._batches.seconds_left([b for b in self._versions.carried(position) if b < self._run_batches])
+
   def _wait_until(self, sampled: Callable[[], bool], timeout_s: float) -> tuple[bool, float]:
     """Under the condition: waits at most ``timeout_s`` until ``sampled()``; whether it is, and the seconds
     waited (0.0 when nothing was missing). Raises the sampling thread's error."""

@@ -37,14 +37,15 @@ from orchestrator.contract import RunSummary, StepMetrics, StepSource, Worker
 from orchestrator.data.sources import as_step_source
 from orchestrator.distributed.agreement import KeyValueAgreement, SingleProcess, agree_on_stop
 from orchestrator.loop.boundary import BoundaryState
+from orchestrator.loop.boundary_work import BoundaryWork
 from orchestrator.loop.feed import StepFeed
 from orchestrator.loop.job_timings import merge_process_timings
-from orchestrator.loop.live_waits import (SourceFailed, StoppedWithoutCheckpointError, StopWhileWaiting,
-                                          latest_checkpoint)
+from orchestrator.loop.live_waits import (SourceFailed, StopInsideStep, StoppedWithoutCheckpointError,
+                                          StopWhileWaiting, latest_checkpoint)
 from orchestrator.loop.policy_inputs import PolicyInputs
-from orchestrator.loop.recorder import BoundaryRecord, Lane, Recorder, Span, fwd_bwd_key, update_key
+from orchestrator.loop.recorder import BoundaryRecord, Recorder, Span, fwd_bwd_key, update_key
 from orchestrator.loop.watcher import Watched
-from orchestrator.loop.weight_sync import HostWeightStore, timed_evaluation, timed_sync
+from orchestrator.loop.weight_sync import HostWeightStore
 from policies import BoundaryPlan, StepBoundaryPolicy
 from policies.call_order import Action, boundary_actions
 
@@ -204,18 +205,18 @@ class RLProgram:
     self.source, self.live = self.feed.source, self.feed.live
     if weight_sync is None:
       weight_sync = self.live.sync if self.live is not None else HostWeightStore()
-    self.weight_sync = weight_sync
     self.clock = clock
     self.recorder = Recorder(clock, config.micro_batches_per_step, config.out_dir, on_step,
                              previous_records=previous_records)
     self.policy_inputs = PolicyInputs(policy, worker, self.recorder, self.agreement,
                                       micro_batches_per_step=config.micro_batches_per_step)
+    self.work = BoundaryWork(worker=worker, recorder=self.recorder, clock=clock, weight_sync=weight_sync,
+                             feed=self.feed, policy=policy, policy_inputs=self.policy_inputs, config=config,
+                             stop_requested=self.stop_requested)
     self.current_step: int | None = None  # the step being run (for error messages)
     self._first_plan = first_plan
     self._boundaries: dict[int, BoundaryState] = {}
     self._result = ProgramResult([], None, None, None)
-    # The steps the last checkpoint covers: a resumed run starts from one after start_step steps.
-    self._last_checkpoint_steps: int | None = config.start_step or None
     if (config.checkpoint_every or config.scored_checkpoint_steps) and not worker.capabilities.can_checkpoint:
       raise ValueError("checkpoints are asked for (checkpoint_every / scored_checkpoint_steps) but the engine"
                        " has no save_checkpoint / restore_checkpoint; turn checkpoints off or use an engine"
@@ -224,6 +225,12 @@ class RLProgram:
   @property
   def records(self) -> list[BoundaryRecord]:
     return self.recorder.records
+
+  @property
+  def steps_done(self) -> int:
+    """The steps finished so far, a resumed run's earlier ones included (its records, at their boundaries)."""
+    last = self._result.last_step
+    return self.config.start_step if last is None else last + 1
 
   def calibrate(self) -> float | None:
     """Samples the wait floor (nothing in flight) and calibrates the policy; returns the threshold."""
@@ -240,6 +247,7 @@ class RLProgram:
     finally:
       trace_path = self.recorder.close()
     result = self._result
+    result.checkpoint_path = self.work.checkpoint_path
     summary = self.recorder.summary(self.policy.report(), self.worker.state_digest()).replace(
         trace_path=trace_path, ended=result.ended, last_step=result.last_step, checkpoint_path=result.checkpoint_path)
     if isinstance(self.agreement, KeyValueAgreement):  # a job's: what agreeing cost, every process's timings
@@ -253,34 +261,58 @@ class RLProgram:
   def _loop(self) -> None:
     m, first = self.config.micro_batches_per_step, self.config.start_step
     self.current_step = first
-    self._dispatch_micro(first, 0, self.feed.micro_batch(first, 0))
-    for k in range(first, self.config.steps):
-      self.current_step = k
-      for i in range(1, m - 1):
-        self._dispatch_micro(k, i, self.feed.micro_batch(k, i))
-      boundary = self._boundaries.get(k) or self._open_boundary(k)
-      for done, action in enumerate(boundary.actions):
-        try:
-          self._execute(action, boundary)
-        except (StopWhileWaiting, SourceFailed) as stop:  # for step k+1's rollouts: it was never dispatched
-          self._end_after(boundary, stop, boundary.actions[:done])
-          break
-        if boundary.non_finite:  # nothing more of this run: no checkpoint, no sync, no next step
-          break
-      boundary.rollout = self.live.step_stats(k) if self.live is not None else None
-      ended = boundary.failed is not None or boundary.non_finite or boundary.stop
-      self.recorder.finish_record(boundary, boundary.first_dispatch,
-                                  before_keeping=None if ended else self._observe_saving)
-      del self._boundaries[k]
-      self.feed.forget(k)
-      self._result.last_step = k
-      if boundary.failed is not None:  # step k's record is written; the failure names the step it sampled
-        raise boundary.failed.error
-      if boundary.non_finite:
-        raise NonFiniteStepError(k, boundary.metrics, self._last_checkpoint_steps, self._result.checkpoint_path)
-      if boundary.stop:
-        self._result.ended = "stopped"
-        return
+    try:
+      self._dispatch_micro(first, 0, self.feed.micro_batch(first, 0))
+      for k in range(first, self.config.steps):
+        if not self._step(k, m):
+          return
+    except StopInsideStep as stop:  # step k waited for a later micro-batch: the run ends after step k - 1
+      self._end_inside(stop)
+
+  def _step(self, k: int, m: int) -> bool:
+    """Runs step k's middle micro-batches and its boundary; whether the run goes on."""
+    self.current_step = k
+    for i in range(1, m - 1):
+      self._dispatch_micro(k, i, self.feed.micro_batch(k, i))
+    boundary = self._boundaries.get(k) or self._open_boundary(k)
+    for done, action in enumerate(boundary.actions):
+      try:
+        self._execute(action, boundary)
+      except (StopWhileWaiting, SourceFailed) as stop:  # for step k+1's rollouts: it was never dispatched
+        self._end_after(boundary, stop, boundary.actions[:done])
+        break
+      if boundary.non_finite:  # nothing more of this run: no checkpoint, no sync, no next step
+        break
+    boundary.rollout = self.live.step_stats(k) if self.live is not None else None
+    ended = boundary.failed is not None or boundary.non_finite or boundary.stop
+    self.recorder.finish_record(boundary, boundary.first_dispatch,
+                                before_keeping=None if ended else self._observe_saving)
+    del self._boundaries[k]
+    self.feed.forget(k)
+    self._result.last_step = k
+    if boundary.failed is not None:  # step k's record is written; the failure names the step it sampled
+      raise boundary.failed.error
+    if boundary.non_finite:
+      raise NonFiniteStepError(k, boundary.metrics, self.work.checkpoint_steps, self.work.checkpoint_path)
+    if boundary.stop:
+      self._result.ended = "stopped"
+      return False
+    return True
+
+  def _end_inside(self, stop: StopInsideStep) -> None:
+    """A stop while step k waited for one of its later micro-batches: the run ends after step k - 1, as a stop
+    at that boundary would have (checkpointed where the engine can); step k's dispatched micro-batches are
+    dropped, never applied (no checkpoint holds a half-trained step). Before this run finished a step there is
+    nothing of it to checkpoint: ``StoppedWithoutCheckpointError`` names the latest checkpoint."""
+    k, reason = stop.step, stop.reason
+    self._result.stop_reason, self.current_step = reason, k - 1
+    if k == self.config.start_step:
+      line, resumable = latest_checkpoint(self.records)
+      raise StoppedWithoutCheckpointError(f"stopped by {reason} while step {k} waited for its rollouts, before"
+                                          f" this run finished a step; {line}", resumable=resumable)
+    self._result.ended = "stopped"
+    planned = self._boundaries.get(k)  # planned before its last micro-batch: a resume must not plan it again
+    self.work.checkpoint_finished(k, reason, self.records[-1].to_json(), planned.plan if planned else None)
 
   def _observe_saving(self, record: BoundaryRecord) -> None:
     """Feeds the policy the sample ``record`` completes (the boundary before it); notes the saving it judges by."""
@@ -396,54 +428,11 @@ class RLProgram:
         self.policy_inputs.observe(boundary)
     elif action is Action.METRICS:
       if boundary.metrics is None:  # read already where a checkpoint came first (sync_before_next_step)
-        self._read_metrics(boundary)
+        self.work.read_metrics(boundary)
     elif action is Action.CHECKPOINT_AND_SYNC:
-      self._checkpoint_and_sync(boundary)
+      planned = self._boundaries.get(k + 1)  # one micro-batch per step: planned before this checkpoint
+      self.work.checkpoint_and_sync(boundary, stop_reason=self._result.stop_reason,
+                                    next_plan=planned.plan if planned else None)
 
   def _watch_update(self, k: int, receipt) -> None:
     self.recorder.watch(update_key(k), receipt, kind="update", step=k, micro_step=-1)
-
-  def _read_metrics(self, boundary: BoundaryState) -> None:
-    """Reads step k's metrics (blocks until update k is done); a stage after the update is judged here."""
-    start = self.clock()
-    metrics = self.worker.get_metrics()
-    end = self.clock()
-    key = update_key(boundary.step)
-    self.recorder.observe_ready(key, end)
-    update_ready = self.recorder.ready_at(key)
-    self.recorder.span(f"metrics {boundary.step}", start, end, Lane.BOUNDARY_WORK)
-    if boundary.metrics_read(metrics, started_at=start, ended_at=end, update_ready_at=update_ready):
-      self.policy_inputs.observe(boundary)
-
-  def checkpoint_metadata(self, done: int, pending_record: dict[str, Any] | None = None) -> dict[str, Any]:
-    """What a checkpoint after ``done`` steps holds beside the engine state: the whole run's state (the step,
-    the run's id, the policy's state, the source's position before step ``done``, the next boundary's plan
-    when it was made before the checkpoint) and ``pending_record``: step ``done - 1``'s record as known at the
-    save (a resume restores it if a kill came between the checkpoint and that record's line)."""
-    config, policy = self.config, self.policy
-    planned = self._boundaries.get(done)  # one micro-batch per step: planned before this checkpoint
-    next_plan = planned.plan if planned else None
-    return {"step": done, "run_id": config.run_id, "config_sha256": config.config_sha256, "mode": policy.mode.value,
-            "scored": done in config.scored_checkpoint_steps, "records_count": done,
-            "source_state": self.feed.position_before(done), "policy_state": policy.state_dict(),
-            "next_plan": next_plan.to_json() if next_plan else None, "pending_record": pending_record}
-
-  def _checkpoint_and_sync(self, boundary: BoundaryState) -> None:
-    done = boundary.step + 1
-    if self.config.checkpoint_wanted(done, boundary.stop, self.worker.capabilities.can_checkpoint):
-      if boundary.metrics is None:  # sync_before_next_step: read them first (the save waits for the update too)
-        self._read_metrics(boundary)
-        if boundary.non_finite:  # never saved
-          return
-      if self.feed.waits is not None:  # the rollouts it carries (docs/resume.md)
-        self.feed.waits.checkpoint(boundary.step, self._result.stop_reason if boundary.stop else None)
-      start = self.clock()
-      self.recorder.sync_records()  # every record before this step is on disk before the checkpoint is
-      metadata = self.checkpoint_metadata(done, self.recorder.provisional_record(boundary))
-      boundary.checkpoint_path = self.worker.save_checkpoint(metadata)
-      self._result.checkpoint_path, self._last_checkpoint_steps = boundary.checkpoint_path, done
-      boundary.spans["checkpoint_s"] = self.clock() - start
-      self.recorder.span(f"checkpoint {done}", start, self.clock(), Lane.BOUNDARY_WORK)
-    weights = timed_sync(self.weight_sync, self.worker, self.recorder, self.clock, boundary.spans, done)
-    timed_evaluation(self.live, weights, done, self.config, self.recorder, self.clock, boundary.spans,
-                     stop=self.stop_requested)

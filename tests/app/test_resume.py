@@ -167,8 +167,9 @@ def test_a_save_the_checkpoint_library_skips_is_an_error(tmp_path):
 
 
 # ---------------------------------------------------------------------------- child processes
-def _child(argv) -> subprocess.Popen:
-  env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+def _child(argv, pythonpath: Path | None = None) -> subprocess.Popen:
+  path = str(REPO) if pythonpath is None else os.pathsep.join([str(REPO), str(pythonpath)])
+  env = dict(os.environ, PYTHONPATH=path, PYTHONUNBUFFERED="1")
   for name in recipe_lib.ENV_SWITCHES:
     env.pop(name, None)
   return subprocess.Popen([sys.executable, "-m", "orchestrator.app.cli", *argv], cwd=REPO, env=env,
@@ -213,6 +214,62 @@ def test_a_signal_stops_at_the_next_boundary_with_a_checkpoint_and_resumes(sig, 
   assert [r["step"] for r in _records(run)] == list(range(last + 1))
   assert cli.main(["--resume", str(run), "--steps", str(last + 4)]) == 0
   assert _summary(run)["final_state_digest"] == _reference(tmp_path, last + 4)
+
+
+# The live loop paced by its sampler: a reward that takes 0.6 s a micro-batch (one per call, two a step) while a
+# step of the tiny trainer takes a few tens of ms, so a stop nearly always finds the loop waiting for rollouts,
+# and at staleness 1 the checkpoint of the last finished step must carry the next step's, still being sampled.
+SLOW_REWARD = """
+import time
+
+def score(prompts, completions, answer, **kwargs):
+  time.sleep(0.6)
+  return [float(c[:1] == a[:1]) for c, a in zip(completions, answer)]
+"""
+PACED = ["rollouts.max_staleness=1", "rollouts.batch_steps=1", "engine.epochs=1",
+         "rollouts.micro_batches_per_call=1", "rollouts.groups_per_micro_batch=2", "batch.rows=4",
+         "task.eval_prompts=4", "task.reward=[slow_reward:score]", "checkpoint.every=0",
+         "run.reserve_host_core=false"]
+
+
+@pytest.fixture(scope="module")
+def paced(tmp_path_factory):
+  """The slow reward's module (on the children's path) and the uninterrupted paced run's digest."""
+  where = tmp_path_factory.mktemp("paced")
+  (where / "slow_reward.py").write_text(SLOW_REWARD)
+  run = where / "uninterrupted"
+  proc = _child(PACED + ["steps=6", "--out", str(run)], pythonpath=where)
+  _, err = proc.communicate(timeout=600)
+  assert proc.returncode == 0, err[-2000:]
+  return where, _summary(run)["final_state_digest"]
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+@pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"])
+def test_a_stop_while_the_run_waits_for_rollouts_keeps_every_finished_step(sig, code, paced, tmp_path):
+  """Sampler-paced at staleness 1, a signal after two finished steps: the run ends after its last finished step
+  with that step's checkpoint (carrying the next step's rollouts, which the stop waited for), and the resume
+  reaches the uninterrupted run's digest (after SIGINT; SIGTERM's stop takes the same path)."""
+  where, digest = paced
+  run = tmp_path / "run"
+  proc = _child(PACED + ["steps=6", "--out", str(run)], pythonpath=where)
+  _wait_for_records(proc, run, 2)
+  proc.send_signal(sig)
+  _, err = proc.communicate(timeout=300)
+  assert proc.returncode == code, err[-2000:]
+  assert "Traceback" not in err and "[stop] the checkpoint of step" in err  # it waited for the rollouts
+  summary = _summary(run)
+  last = summary["last_step"]
+  assert summary["ended"] == "signal" and summary["checkpoint_path"].endswith(f"checkpoints/{last + 1}")
+  assert f"stopped by {sig.name} after step {last}: checkpoint" in err
+  assert [r["step"] for r in _records(run)] == list(range(last + 1))
+  if sig is signal.SIGTERM:
+    return
+  resumed = _child(["--resume", str(run)], pythonpath=where)
+  _, err = resumed.communicate(timeout=600)
+  assert resumed.returncode == 0, err[-2000:]
+  assert _summary(run)["final_state_digest"] == digest
 
 
 @pytest.mark.e2e
@@ -290,7 +347,23 @@ def test_a_ctrl_c_python_drops_during_start_up_still_stops_the_run(remembered, t
   err = capsys.readouterr().err
   assert dropped == [KeyboardInterrupt]  # Python dropped the interrupt rather than raise it
   assert requested == ("SIGINT" if remembered else None)
-  assert ("SIGINT received: stopping after the step in flight" in err) == remembered
+  assert ("SIGINT received: stopping after the first step if it finishes (checkpointed)" in err) == remembered
+
+
+@pytest.mark.e2e
+def test_a_stop_signal_ignored_when_run_rl_started_stays_ignored_in_the_run():
+  """Under ``nohup`` (or a shell's background job) SIGINT is ignored: start-up and the run's own handlers leave
+  it so, while SIGTERM still stops the run. The negative control: not ignored at start, the run handles it."""
+  previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+  try:
+    with signals.startup_interrupts(), signals.StopSignals(Path(".")):
+      assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+      assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    with signals.startup_interrupts(), signals.StopSignals(Path(".")) as stop:
+      assert signal.getsignal(signal.SIGINT) == stop._handle
+  finally:
+    signal.signal(signal.SIGINT, previous)
 
 
 @pytest.mark.e2e

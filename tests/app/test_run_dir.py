@@ -17,7 +17,7 @@ import pytest
 
 from orchestrator import recipe as recipe_lib
 from orchestrator.app import checkpoint_check, cli, run_dir
-from orchestrator.loop.program import RLProgram
+from orchestrator.loop.boundary_work import BoundaryWork
 from tests.conftest import REPO
 
 BASE = ["model=tiny", "rollouts.source=synthetic", "batch.micro_batches_per_step=2", "run.reserve_host_core=false",
@@ -194,14 +194,14 @@ def test_a_failed_resume_leaves_every_file_of_the_finished_run_byte_identical(fi
                                                                              capsys):
   run = _copy(finished, tmp_path)
   before = _files(run)
-  read_metrics = RLProgram._read_metrics
+  read_metrics = BoundaryWork.read_metrics
 
   def fail_at_step_5(self, boundary):
     if boundary.step == 5:
       raise RuntimeError("the device fell over")
     return read_metrics(self, boundary)
 
-  monkeypatch.setattr(RLProgram, "_read_metrics", fail_at_step_5)
+  monkeypatch.setattr(BoundaryWork, "read_metrics", fail_at_step_5)
   assert cli.main(["--resume", str(run), "--steps", "8"]) == 1
   assert "the device fell over" in capsys.readouterr().err
   after = _files(run)

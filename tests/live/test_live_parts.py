@@ -258,12 +258,12 @@ def test_a_stop_ends_the_wait_for_rollouts_that_never_come(mode, staleness, micr
     assert "checkpoint:3" not in engine.calls
 
 
-@pytest.mark.spec
-def test_a_stop_while_a_taken_step_waits_for_a_later_micro_batch_ends_the_run_after_the_grace():
-  """Step 3 streams in: its first micro-batch is taken and dispatched, its second never comes. The loop keeps
-  waiting until a stop, then at most stop_grace_s more, and ends naming the latest checkpoint; step 3 is not
-  half-trained into a checkpoint."""
+def _stop_inside_step_3(*, left_s=None, arrive_after_s=None):
+  """Step 3 streams in: its first micro-batch is taken and dispatched (staged), its second does not come until a
+  stop (staleness 1: the checkpoint of step 2 must carry step 3's batch). With ``arrive_after_s`` the rollouts
+  come that long after the stop (a slow sampler, ``left_s`` its pace says is left); else never (stuck)."""
   source = StuckLiveSource(6, 3, stuck_at=3, stuck_micro=1)
+  source.left_s = left_s
   engine, stop = RecordingEngine(), threading.Event()
   program = RLProgram(TrainerWorker(engine), StepBoundaryPolicy(Mode.STAGE_BEFORE_UPDATE, wait_threshold_s=0.0),
                       source, ProgramConfig(steps=6, micro_batches_per_step=3, checkpoint_every=2, stop_grace_s=0.2),
@@ -273,14 +273,37 @@ def test_a_stop_while_a_taken_step_waits_for_a_later_micro_batch_ends_the_run_af
   thread.join(timeout=0.5)
   assert thread.is_alive() and not outcome, outcome  # no stop: still waiting for step 3's micro-batch 1
   stop.set()
+  if arrive_after_s is not None:
+    time.sleep(arrive_after_s)
+    source.stuck_at = 99
   thread.join(timeout=30)
   assert not thread.is_alive(), "the loop did not end after the stop"
-  error = outcome["error"]
-  assert isinstance(error, StoppedWithoutCheckpointError)
-  assert str(error) == ("stopped by SIGTERM while step 3 waited for its micro-batch 1, which was not sampled within"
-                        " 0.2 s; the latest checkpoint is ckpt/2 (after step 1); `run_rl --resume` continues from it")
   assert "fwd_bwd:prepared:s3m0" in engine.calls and "fwd_bwd:s3m1" not in engine.calls  # the first: staged
-  assert "checkpoint:4" not in engine.calls
+  assert engine.calls.count("update") == 3  # steps 0..2: step 3's dispatched micro-batch is never applied
+  return outcome, engine
+
+
+@pytest.mark.spec
+def test_a_stop_inside_a_step_that_waits_for_a_later_micro_batch_checkpoints_the_step_before():
+  """The stop ends the run after step 2, the last finished step: its checkpoint (position 3) carries step 3's
+  batch, which the slow sampler delivers within the grace plus its measured pace; step 3's first micro-batch
+  is dropped. The negative control: a sampler that never delivers ends without that checkpoint, naming the
+  latest one (2), and no checkpoint holds a half-trained step."""
+  outcome, engine = _stop_inside_step_3(left_s=2.0, arrive_after_s=0.5)
+  result = outcome["result"]
+  assert result.ended == "stopped" and result.stop_reason == "SIGTERM" and result.last_step == 2
+  assert result.checkpoint_path == "ckpt/3" and engine.calls[-1] == "checkpoint:3"
+  assert [r.step for r in result.records] == [0, 1, 2]
+  assert engine.checkpoints[-1]["pending_record"]["step"] == 2 and engine.checkpoints[-1]["step"] == 3
+
+  outcome, engine = _stop_inside_step_3()
+  error = outcome["error"]
+  assert isinstance(error, StoppedWithoutCheckpointError) and error.resumable
+  assert str(error) == ("stopped by SIGTERM after step 2, but no checkpoint of it could be written: it must carry"
+                        " rollouts sampled ahead with older weights (rollouts.max_staleness), and the sampler did"
+                        " not deliver them within 0 s; the latest checkpoint is ckpt/2 (after step 1); `run_rl"
+                        " --resume` continues from it")
+  assert "checkpoint:3" not in engine.calls and "checkpoint:4" not in engine.calls
 
 
 @pytest.mark.spec

@@ -14,7 +14,7 @@ import pytest
 
 from orchestrator.contract import WeightTransfer
 from orchestrator.loop.recorder import Lane
-from orchestrator.loop.weight_sync import timed_sync
+from orchestrator.loop.boundary_work import BoundaryWork
 from orchestrator.remote import wire
 from tests.conftest import run_child
 
@@ -23,7 +23,7 @@ LIVE = ["steps=6", "rollouts.groups_per_micro_batch=2", "batch.rows=4", "task.ev
 
 
 class _Spans:
-  """What ``timed_sync`` hands the recorder: its spans."""
+  """What ``BoundaryWork.sync`` hands the recorder: its spans."""
 
   def __init__(self):
     self.spans = []
@@ -63,7 +63,8 @@ def test_the_weight_sync_records_a_remote_export_as_its_wire_part(wired):
   sync's; a worker in this process (the negative control) gets none of them."""
   clock, recorder, spans, synced = _Clock(), _Spans(), {}, []
   worker = _Worker(clock, wired)
-  timed_sync(lambda version, weights: synced.append((version, weights)), worker, recorder, clock, spans, 3)
+  BoundaryWork(worker=worker, recorder=recorder, clock=clock,
+               weight_sync=lambda version, weights: synced.append((version, weights))).sync(spans, 3)
   assert synced == [(3, {"w": 1})] and spans["weight_sync_s"] == 3.0
   if not wired:
     assert "weight_sync_wire_bytes" not in spans and [s[0] for s in recorder.spans] == ["weight sync 3"]

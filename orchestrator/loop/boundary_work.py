@@ -1,0 +1,156 @@
+"""BoundaryWork: what a step boundary does besides dispatching — step k's metrics, its checkpoint, the weight
+sync and the held-out evaluation after it.
+
+This is the work PIPELINED moves behind step k+1's first dispatch (``policies.call_order``): the program runs
+the boundary's actions in their order and hands these to ``BoundaryWork``, which reads and writes through the
+worker, the recorder (spans, records on disk before a checkpoint) and the feed (the source's position, a live
+source's waits for the rollouts a checkpoint carries). It keeps what the run's checkpoints were: the last one's
+path and the steps it covers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from orchestrator.contract import WeightsOverWire, WeightTransfer, Worker
+from orchestrator.loop.boundary import BoundaryState
+from orchestrator.loop.recorder import Lane, Recorder, update_key
+from policies import BoundaryPlan
+
+
+class BoundaryWork:
+  """The boundary work of one run.
+
+  Args:
+    worker: the trainer. recorder: the run's measurements. clock: seconds, monotonic.
+    weight_sync: called as ``weight_sync(done, weights)`` after each step.
+    feed: the run's ``StepFeed`` (positions; a live source's waits and evaluations).
+    policy, policy_inputs: the policy (its state goes in a checkpoint) and what feeds it (a stage judged when
+      the metrics are read).
+    config: the loop's ``ProgramConfig``.
+    stop_requested: the program's stop flag (an evaluation gives up on a stop).
+
+  Attributes:
+    checkpoint_path: the last checkpoint this run wrote (None: none yet).
+    checkpoint_steps: the steps the last checkpoint covers (a resumed run's: the one it started from; None:
+      none).
+  """
+
+  def __init__(self, *, worker: Worker, recorder: Recorder, clock: Callable[[], float],
+               weight_sync: Callable[[int, Any], Any], feed=None, policy=None, policy_inputs=None, config=None,
+               stop_requested: Callable[[], Any] = lambda: None):
+    self.worker, self.recorder, self.clock, self.weight_sync = worker, recorder, clock, weight_sync
+    self.feed, self.policy, self.policy_inputs, self.config = feed, policy, policy_inputs, config
+    self.stop_requested = stop_requested
+    self.checkpoint_path: str | None = None
+    self.checkpoint_steps: int | None = (config.start_step or None) if config is not None else None
+
+  def read_metrics(self, boundary: BoundaryState) -> None:
+    """Reads step k's metrics (blocks until update k is done); a stage after the update is judged here."""
+    start = self.clock()
+    metrics = self.worker.get_metrics()
+    end = self.clock()
+    key = update_key(boundary.step)
+    self.recorder.observe_ready(key, end)
+    update_ready = self.recorder.ready_at(key)
+    self.recorder.span(f"metrics {boundary.step}", start, end, Lane.BOUNDARY_WORK)
+    if boundary.metrics_read(metrics, started_at=start, ended_at=end, update_ready_at=update_ready):
+      self.policy_inputs.observe(boundary)
+
+  def metadata(self, done: int, pending_record: dict[str, Any] | None = None,
+               next_plan: BoundaryPlan | None = None) -> dict[str, Any]:
+    """What a checkpoint after ``done`` steps holds beside the engine state: the whole run's state (the step,
+    the run's id, the policy's state, the source's position before step ``done``, ``next_plan``: the next
+    boundary's plan when it was made before the checkpoint) and ``pending_record``: step ``done - 1``'s record
+    as known at the save (a resume restores it if a kill came between the checkpoint and that record's line)."""
+    config, policy = self.config, self.policy
+    return {"step": done, "run_id": config.run_id, "config_sha256": config.config_sha256, "mode": policy.mode.value,
+            "scored": done in config.scored_checkpoint_steps, "records_count": done,
+            "source_state": self.feed.position_before(done), "policy_state": policy.state_dict(),
+            "next_plan": next_plan.to_json() if next_plan else None, "pending_record": pending_record}
+
+  def checkpoint_and_sync(self, boundary: BoundaryState, *, stop_reason: str | None,
+                          next_plan: BoundaryPlan | None) -> None:
+    """Step k's checkpoint where one is wanted (``ProgramConfig.checkpoint_wanted``; a live source's rollouts
+    it carries waited for first), then its weight sync and the evaluation after it. ``stop_reason``: what asked
+    for the stop that makes this the run's last boundary (None: no stop)."""
+    done = boundary.step + 1
+    if self.config.checkpoint_wanted(done, boundary.stop, self.worker.capabilities.can_checkpoint):
+      if boundary.metrics is None:  # sync_before_next_step: read them first (the save waits for the update too)
+        self.read_metrics(boundary)
+        if boundary.non_finite:  # never saved
+          return
+      boundary.checkpoint_path = self._save(done, boundary.step, stop_reason if boundary.stop else None,
+                                            lambda: self.recorder.provisional_record(boundary), next_plan,
+                                            spans=boundary.spans)
+    weights = self.sync(boundary.spans, done)
+    self.evaluate(weights, done, boundary.spans)
+
+  def checkpoint_finished(self, done: int, stop_reason: str, last_record: dict[str, Any],
+                          next_plan: BoundaryPlan | None) -> None:
+    """A stop inside step ``done``: the checkpoint after the ``done`` steps finished (whose last record is
+    ``last_record``, on disk already), unless the last checkpoint is that one or the engine writes none."""
+    if self.checkpoint_steps == done or not self.worker.capabilities.can_checkpoint:
+      return
+    self._save(done, done - 1, stop_reason, lambda: last_record, next_plan)
+
+  def _save(self, done: int, step: int, stopping: str | None, pending_record: Callable[[], dict[str, Any]],
+            next_plan: BoundaryPlan | None, *, spans: dict | None = None) -> str:
+    """Writes the checkpoint after ``done`` steps (``step``: the last of them) once a live source has the
+    rollouts it carries; every record before it is on disk first. Its seconds, the wait not counted, go in
+    ``spans["checkpoint_s"]``. Returns its path."""
+    if self.feed.waits is not None:  # the rollouts it carries (docs/resume.md)
+      self.feed.waits.checkpoint(step, stopping)
+    start = self.clock()
+    self.recorder.sync_records()
+    path = self.worker.save_checkpoint(self.metadata(done, pending_record(), next_plan))
+    self.checkpoint_path, self.checkpoint_steps = path, done
+    end = self.clock()
+    if spans is not None:
+      spans["checkpoint_s"] = end - start
+    self.recorder.span(f"checkpoint {done}", start, end, Lane.BOUNDARY_WORK)
+    return path
+
+  def sync(self, spans: dict, done: int) -> Any:
+    """Step ``done - 1``'s weight sync: the weights exported and handed to ``weight_sync``.
+
+    Its seconds go in ``spans["weight_sync_s"]``. A sync that copies the weights onto a sampler's own devices
+    says what it moved (a ``WeightTransfer``): its bytes and seconds go in the record too, and the transfer
+    gets a span of its own inside the sync's. So does the export of a trainer in another process
+    (``WeightsOverWire``), which is the weights crossing the wire: the reply's bytes and the call's seconds.
+    Returns the weights exported.
+    """
+    clock, recorder = self.clock, self.recorder
+    start = clock()
+    weights = self.worker.export_weights()
+    wired = self.worker.last_export if isinstance(self.worker, WeightsOverWire) else None
+    moved = self.weight_sync(done, weights)
+    end = clock()
+    spans["weight_sync_s"] = end - start
+    recorder.span(f"weight sync {done}", start, end, Lane.BOUNDARY_WORK)
+    if isinstance(wired, WeightTransfer):
+      spans["weight_sync_wire_bytes"] = wired.bytes
+      spans["weight_sync_wire_s"] = wired.seconds
+      recorder.span(f"weight wire transfer {done}", wired.started_at, wired.ended_at, Lane.BOUNDARY_WORK)
+    if isinstance(moved, WeightTransfer):
+      spans["weight_sync_bytes"] = moved.bytes
+      spans["weight_transfer_s"] = moved.seconds
+      recorder.span(f"weight transfer {done}", moved.started_at, moved.ended_at, Lane.BOUNDARY_WORK)
+    return weights
+
+  def evaluate(self, weights: Any, done: int, spans: dict) -> None:
+    """The held-out evaluation of the weights after ``done`` steps, where ``config.eval_every`` asks for one
+    then (and the source is live), after the weight sync: on the live source's sampler in its turn (a stop
+    asked for while it waits skips it). Its figures and seconds go in ``spans`` (step ``done - 1``'s record)
+    and a span of the trace."""
+    live, config = self.feed.live, self.config
+    if live is None or not (config.eval_every and config.eval_prompts and done % config.eval_every == 0):
+      return
+    start = self.clock()
+    score = live.evaluate(weights, done, config.eval_prompts, pass_k=config.eval_pass_k, stop=self.stop_requested)
+    end = self.clock()
+    if score is None:
+      return
+    spans.update(eval_s=end - start, eval_accuracy=score.accuracy, eval_pass_at_k=score.pass_at_k)
+    self.recorder.span(f"evaluation {done}", start, end, Lane.BOUNDARY_WORK)
