@@ -97,6 +97,9 @@ class StepMetrics:
     compiles: programs this process compiled (or loaded from the persistent cache) since the last metrics.
     model_flops: the step's model FLOPs (``orchestrator.engine.flops``); peak_flops_per_s: the devices' summed
       peak (None where unknown), so MFU = model_flops / (step seconds · peak_flops_per_s).
+    ppo_kl: the mean, over the completion tokens that carry the sampler's log-prob, of the sampler's log-prob
+      minus the trainer's (verl's ``ppo_kl``, an estimate of KL(sampler ‖ trainer)): 0 on the sampler's own
+      weights; it grows with staleness and with any mismatch between the two (None: no such token).
     extra: anything else the engine reports, by name (JSON-able values).
   """
 
@@ -120,6 +123,7 @@ class StepMetrics:
   compiles: int | None = None
   model_flops: float | None = None
   peak_flops_per_s: float | None = None
+  ppo_kl: float | None = None
   extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
   @classmethod

@@ -63,6 +63,10 @@ class RolloutStats:
     completion_tokens_mean, completion_tokens_max: the step's completions' lengths, in tokens.
     truncated_fraction: the share of the step's completions cut at the length limit (no end token sampled);
       None for fixed-length answers, which have no end.
+    reward_group_std: the mean over the step's groups of each group's reward std (TRL's ``reward_std``; the
+      spread the advantages see, where ``reward_std`` pools every completion).
+    frac_reward_zero_std: the share of the step's groups whose rewards are all equal: their advantages are 0,
+      so they give no gradient (TRL's ``frac_reward_zero_std``).
   """
 
   weights_version: int
@@ -77,6 +81,8 @@ class RolloutStats:
   completion_tokens_mean: float | None = None
   completion_tokens_max: int | None = None
   truncated_fraction: float | None = None
+  reward_group_std: float | None = None
+  frac_reward_zero_std: float | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

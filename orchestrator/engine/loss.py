@@ -80,12 +80,14 @@ class LossConfig:
 
 
 #: What ``policy_loss_sum``'s ``token_stats`` sums, in order.
-TOKEN_STATS = ("tokens", "entropy", "clipped", "kl")
+TOKEN_STATS = ("tokens", "entropy", "clipped", "kl", "drift", "tokens_with_old")
 
 
 def per_token_kl(logp: jax.Array, reference_logp: jax.Array, estimator: str) -> jax.Array:
   """The KL estimate of each sampled token between the policy (``logp``) and the reference: ``k1`` = log π −
-  log π_ref; ``k3`` = π_ref/π − log(π_ref/π) − 1 (never negative, lower variance; Tunix's GRPO's)."""
+  log π_ref; ``k3`` = π_ref/π − log(π_ref/π) − 1 (never negative, lower variance; Tunix's ``low_var_kl``).
+  As a loss on tokens drawn from π, ``k1``'s expected gradient is 0 and ``k3``'s is that of KL(π_ref ‖ π)
+  (docs/engine.md)."""
   if estimator == "k1":
     return logp - reference_logp
   if estimator == "k3":
@@ -130,11 +132,12 @@ def policy_loss_sum_from_logprobs(logp: jax.Array, entropy: jax.Array, batch: di
   """Returns ``(loss_sum, denominator, token_stats)`` of the clipped surrogate l_st over completion tokens t of
   sequences s, from each position's log-prob of its target (``logp``, [rows, tokens], under the sampled
   distribution) and its entropy; the step's loss is the micro-batches' summed ``loss_sum`` over their summed
-  ``denominator``, so micro-batches accumulate exactly. ``token_stats`` sums four figures over the completion
+  ``denominator``, so micro-batches accumulate exactly. ``token_stats`` sums six figures over the completion
   tokens (a micro-batch's share of what practitioners watch, ``TOKEN_STATS``): 1 (the token count), the
   policy's entropy (of the distribution sampled from, in nats), whether the clip bound the token (its clipped
   term was the smaller: the ratio left [1 − ε_low, 1 + ε_high] in the direction its advantage pushes, verl's
-  ``pg_clipfrac``) and its KL to the reference (0 without one). With ``config.kl_beta`` > 0 each token's loss
+  ``pg_clipfrac``), its KL to the reference (0 without one), and over the tokens that carry the sampler's
+  log-prob, the sampler's log-prob minus the trainer's and 1 (their mean is verl's ``ppo_kl``). With ``config.kl_beta`` > 0 each token's loss
   adds β · ``per_token_kl`` against ``reference_logp`` (the reference model's log-probs of the same targets,
   under the same sampled distribution). Per ``config.aggregation`` (``engine.loss_aggregation``):
 
@@ -158,7 +161,10 @@ def policy_loss_sum_from_logprobs(logp: jax.Array, entropy: jax.Array, batch: di
     kl = per_token_kl(logp, jax.lax.stop_gradient(reference_logp), config.kl_estimator)
     per_token = per_token + config.kl_beta * kl
   tokens = jnp.sum(mask)
-  stats = jnp.stack([tokens, jnp.sum(entropy * mask), jnp.sum((clipped < unclipped) * mask), jnp.sum(kl * mask)])
+  with_old = mask * has_old
+  drift = jnp.sum((old - jax.lax.stop_gradient(logp)) * with_old)
+  stats = jnp.stack([tokens, jnp.sum(entropy * mask), jnp.sum((clipped < unclipped) * mask), jnp.sum(kl * mask),
+                     drift, jnp.sum(with_old)])
   if config.aggregation == "token_mean":
     return jnp.sum(per_token * mask), tokens, stats
   lengths, sequences = sequence_lengths(mask, batch["segment_ids"])

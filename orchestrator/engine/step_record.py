@@ -55,7 +55,8 @@ class FinishedStep:
     where the loss has a KL term (``kl``), the mean KL to the reference."""
     device, micro, dropped = jax.device_get((self.device, self.micro_losses, self.micro_dropped))
     applied_before = self.step - 1 - (skipped_updates_total - int(bool(self.skipped)))  # step: count after it
-    tokens, entropy, clipped, kl_sum = np.sum([np.asarray(stats, np.float64) for _, stats in micro], axis=0)
+    tokens, entropy, clipped, kl_sum, drift, with_old = np.sum(
+        [np.asarray(stats, np.float64) for _, stats in micro], axis=0)
     return StepMetrics(
         step=self.step, loss=float(device["loss"]), grad_norm=float(device["grad_norm"]),
         tokens=int(device["tokens"]), micro_batches=self.micro_batches,
@@ -66,7 +67,7 @@ class FinishedStep:
         skipped_update=self.skipped, skipped_updates_total=skipped_updates_total,
         learning_rate=learning_rates.at(applied_before),
         entropy=entropy / tokens if tokens else None, clip_fraction=clipped / tokens if tokens else None,
-        kl=kl_sum / tokens if kl and tokens else None,
+        kl=kl_sum / tokens if kl and tokens else None, ppo_kl=drift / with_old if with_old else None,
     )
 
 

@@ -86,6 +86,7 @@ class LiveShape:
   top_p: float = 1.0  # nucleus sampling's mass (1.0: off)
   top_k: int = 0  # the most likely ids sampled from (0: off)
   stop: tuple[str, ...] = ()  # strings that end a completion (the token completing one is kept, its text cut)
+  advantage_scaling: str = "group"  # a group's advantages over its reward std, or not ("none": Dr. GRPO)
 
   def sampling_settings(self) -> dict[str, Any]:
     """The sampler's keyword arguments for how each token is drawn and where a completion ends

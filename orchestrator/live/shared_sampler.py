@@ -162,7 +162,7 @@ def sample_micro_batches(sampler: LiveSampler, task, reward: Reward, shape, batc
     part, rows_m = problems[m * groups:(m + 1) * groups], slice(m * rows, (m + 1) * rows)
     rewards, correct = score_micro_batch(task, reward, part, samples.texts[rows_m], first_group + m * groups, g,
                                          step=shape.schedule.first_step(batch), cancelled=cancelled)
-    advantages = group_advantages(rewards, g)
+    advantages = group_advantages(rewards, g, shape.advantage_scaling)
     payload = [Trajectory(samples.prompt_ids[k], samples.completion_ids[k], float(advantages[k - m * rows]),
                           samples.logprobs[k], first_group + k // g,
                           None if samples.routing is None else samples.routing[k])

@@ -287,11 +287,16 @@ def make_task(name: str, **sizes):
   return task
 
 
-def group_advantages(rewards: np.ndarray, generations: int) -> np.ndarray:
-  """GRPO advantages: each reward minus its group's mean, over the group's std (Tunix's estimator)."""
+def group_advantages(rewards: np.ndarray, generations: int, scaling: str = "group") -> np.ndarray:
+  """GRPO advantages: each reward minus its group's mean, over the group's std (``scaling`` "group": Tunix's
+  estimator) or not (``scaling`` "none": Dr. GRPO's, Tunix's ``compute_drgrpo_advantages``)."""
   from tunix.rl import algo_core  # import here: the recipe reads this module before JAX (Tunix imports it)
 
   rewards = np.asarray(rewards, np.float32)
   if rewards.ndim != 1 or len(rewards) % generations:
     raise ValueError(f"{len(rewards)} rewards do not split into groups of {generations}")
+  if scaling == "none":
+    return np.asarray(algo_core.compute_drgrpo_advantages(rewards, generations), np.float32)
+  if scaling != "group":
+    raise ValueError(f"advantage scaling {scaling!r}: use group or none")
   return np.asarray(algo_core.compute_advantages(rewards, generations), np.float32)

@@ -69,9 +69,12 @@ SCALARS: dict[str, Callable[[BoundaryRecord], float | int | None]] = {
     "train/entropy": lambda r: r.entropy,  # nats per completion token, of the distribution sampled from
     "train/clip_fraction": lambda r: r.clip_fraction,  # completion tokens whose ratio the clip bound
     "train/kl": lambda r: r.kl,  # mean KL to the reference per completion token (engine.kl_beta > 0)
+    "train/ppo_kl": lambda r: r.ppo_kl,  # sampler's log-prob − trainer's, per completion token (verl's ppo_kl)
     "train/tokens_per_s": lambda r: _per_second(r.tokens, r.step_s),  # tokens that carried loss, per step second
     "rollout/reward_mean": lambda r: r.reward_mean,
-    "rollout/reward_std": lambda r: r.reward_std,
+    "rollout/reward_std": lambda r: r.reward_std,  # over the step's completions, pooled
+    "rollout/reward_group_std": lambda r: r.reward_group_std,  # the mean of its groups' stds (TRL's reward_std)
+    "rollout/frac_reward_zero_std": lambda r: r.frac_reward_zero_std,  # groups with equal rewards: no gradient
     "rollout/reward_min": lambda r: r.reward_min,
     "rollout/reward_max": lambda r: r.reward_max,
     "rollout/completion_tokens_mean": lambda r: r.completion_tokens_mean,

@@ -153,6 +153,12 @@ class BoundaryRecord:
   compiles: int | None = None
   model_flops: float | None = None
   mfu: float | None = None
+  # The sampler's log-probs against the trainer's (``StepMetrics.ppo_kl``, verl's): 0 on the sampler's weights.
+  ppo_kl: float | None = None
+  # A live source: the mean of the step's per-group reward stds, and the share of its groups whose rewards are
+  # all equal (no gradient) (RolloutStats).
+  reward_group_std: float | None = None
+  frac_reward_zero_std: float | None = None
 
   def to_json(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
@@ -367,7 +373,7 @@ class Recorder:
         control=bool(plan and plan.control),
         eval_accuracy=spans.get("eval_accuracy"), eval_pass_at_k=spans.get("eval_pass_at_k"),
         eval_s=spans.get("eval_s"), device_peak_bytes=metrics.device_peak_bytes, compiles=metrics.compiles,
-        model_flops=metrics.model_flops, mfu=_mfu(metrics, update_ready - step_start),
+        model_flops=metrics.model_flops, mfu=_mfu(metrics, update_ready - step_start), ppo_kl=metrics.ppo_kl,
     )
 
   def sync_records(self) -> None:

@@ -222,7 +222,10 @@ MAX_STOP_STRING_CHARS = 256
 LIVE_ONLY_KEYS = ("task.reward", "task.reward_timeout_s", "model.chat_template", "rollouts.batch_steps",
                   "rollouts.micro_batches_per_call", "rollouts.placement", "rollouts.devices", "engine.epochs",
                   "metrics.samples_every", "task.eval_every", "task.eval_pass_k", "rollouts.top_p", "rollouts.top_k",
-                  "rollouts.stop")
+                  "rollouts.stop", "rollouts.advantage_scaling")
+#: How a group's advantages are scaled (``rollouts.advantage_scaling``): over the group's reward std (GRPO's, as
+#: Tunix computes them), or not at all (Dr. GRPO's: the std's division weighs groups by how little they differ).
+ADVANTAGE_SCALINGS = ("group", "none")
 
 
 @dataclasses.dataclass
@@ -253,6 +256,9 @@ class RolloutsSection:
   # Strings that end a completion where one first occurs: its tokens are kept through the one that completed it
   # (trained on, as an eos), and the reward sees the text before it (vLLM's include_stop_str_in_output=False).
   stop: list[str] = dataclasses.field(default_factory=list)
+  # Each completion's advantage is its reward minus its group's mean, divided by the group's std (group) or not
+  # (none: Dr. GRPO, with engine.loss_aggregation=seq_mean_token_sum_norm).
+  advantage_scaling: str = "group"
   record_to: str | None = None  # a live run writes the rollouts it trained on as a recording there
   # shared: the sampler runs on the trainer's devices; split: on rollouts.devices local devices of its own
   # (those after the mesh's), with its own copy of the weights, which the weight sync copies device to device;
@@ -291,6 +297,9 @@ class RolloutsSection:
       raise RecipeError("rollouts.source=recording needs rollouts.recording=DIR")
     if self.placement not in PLACEMENTS:
       raise RecipeError(f"rollouts.placement={self.placement!r}: use one of {', '.join(PLACEMENTS)}")
+    if self.advantage_scaling not in ADVANTAGE_SCALINGS:
+      raise RecipeError(f"rollouts.advantage_scaling={self.advantage_scaling!r}: use group (divide by the group's"
+                        " reward std, GRPO's) or none (Dr. GRPO's)")
     if self.devices is not None:
       _at_least("rollouts", self, ("devices",), 1)
       _at_most("rollouts", self, ("devices",), 65_536)

@@ -444,6 +444,8 @@ CASES = [
     ("distributed-live-remote-trainer", ["distributed.num_processes=2", "trainer.location=remote",
                                          "trainer.spawn=true"], {}, "trainer.location=remote drives one trainer"),
     ("live-placement-unknown", ["rollouts.placement=apart"], {}, "rollouts.placement='apart': use one of auto, shared, split, process"),
+    ("advantage-scaling-unknown", ["rollouts.advantage_scaling=std"], {},
+     "rollouts.advantage_scaling='std': use group (divide by the group's reward std, GRPO's) or none"),
     ("live-devices-when-shared", ["rollouts.devices=2"], {}, "rollouts.devices=2 is for rollouts.placement=split"),
     ("loss-aggregation-unknown", ["engine.loss_aggregation=sum"], {},
      "engine.loss_aggregation='sum' is not an aggregation; use one of token_mean"),

@@ -142,19 +142,20 @@ def test_the_step_in_progress_records_each_micro_batch_once_and_a_finished_step_
   """A dropless re-run replaces its micro-batch's loss, not its dropped tokens; a finished step is not changed by
   the next one."""
   step = StepInProgress()
-  step.record(0, np.float32(1.0), np.array([4, 4.0, 1, 0]), np.int32(2))
-  step.record(1, np.float32(3.0), np.array([4, 2.0, 0, 0]), np.int32(0))
-  step.record(0, np.float32(5.0), np.array([4, 6.0, 2, 0]), np.int32(0))  # micro-batch 0 re-run dropless
+  step.record(0, np.float32(1.0), np.array([4, 4.0, 1, 0, 0, 4]), np.int32(2))
+  step.record(1, np.float32(3.0), np.array([4, 2.0, 0, 0, 0.4, 4]), np.int32(0))
+  step.record(0, np.float32(5.0), np.array([4, 6.0, 2, 0, 0.8, 4]), np.int32(0))  # micro-batch 0 re-run dropless
   step.micro, step.reruns = 2, [0]
   finished = step.finish(7, {"loss": np.float32(2.0), "grad_norm": np.float32(0.5), "tokens": np.float32(8)},
                          skipped=False)
   step.reset()
-  step.record(0, np.float32(9.0), np.array([1, 1.0, 1, 0]), np.int32(1))
+  step.record(0, np.float32(9.0), np.array([1, 1.0, 1, 0, 9.0, 1]), np.int32(1))
   rates = LearningRates(EngineOptions(learning_rate=0.5, warmup_steps=10))
   metrics = finished.host_metrics(skipped_updates_total=1, learning_rates=rates)
   assert metrics.learning_rate == 0.5 * 5 / 10  # update 7 after one skipped: the optimizer applied 5 before it
   assert metrics.step == 7 and metrics.micro_batches == 2 and metrics.micro_batch_loss_sums == [5.0, 3.0]
   assert metrics.micro_batch_tokens == [4, 4] and metrics.entropy == 1.0 and metrics.clip_fraction == 0.25
+  assert metrics.ppo_kl == pytest.approx(1.2 / 8)  # the re-run's drift, not the discarded run's
   assert metrics.dropped_tokens == [2, 0] and metrics.rerun_micro_batches == [0] and metrics.reruns == 1
   assert metrics.loss == 2.0 and not metrics.skipped_update and metrics.skipped_updates_total == 1
   assert step.micro == 0 and len(step.micro_losses) == 1 and step.micro_losses[0][0] == 9.0

@@ -147,6 +147,17 @@ def test_group_advantages_center_each_group():
     group_advantages(np.ones(4), 3)
 
 
+@pytest.mark.engine
+def test_advantage_scaling_none_leaves_out_the_group_std_as_dr_grpo_does():
+  rewards = np.array([1, 0, 0, 0, 3, 1, 1, 1], np.float32)
+  scaled, centred = group_advantages(rewards, 4), group_advantages(rewards, 4, "none")
+  np.testing.assert_allclose(centred, [0.75, -0.25, -0.25, -0.25, 1.5, -0.5, -0.5, -0.5], atol=1e-6)
+  np.testing.assert_allclose(scaled[:4], centred[:4] / (np.std(rewards[:4], ddof=1) + 1e-6), rtol=1e-5)
+  assert not np.allclose(scaled, centred)  # the control: the default divides
+  with pytest.raises(ValueError, match="advantage scaling 'std': use group or none"):
+    group_advantages(rewards, 4, "std")
+
+
 @pytest.fixture(scope="module")
 def sampler():
   from orchestrator.engine.presets import load_preset
