@@ -15,12 +15,13 @@ import dataclasses
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from orchestrator import phases
 from orchestrator import recipe as recipe_lib
 from orchestrator.contract import Evaluation, live_part
-from orchestrator.data.recording import open_recording
+from orchestrator.data.recording import (RecordingError, live_recording_without_distribution, open_recording,
+                                         read_manifest)
 from orchestrator.data.sources import ReplaySteps, SyntheticSteps
 from orchestrator.data.synthetic import SyntheticRollouts
 from orchestrator.engine import build_backend, host_threads
@@ -78,16 +79,34 @@ def build_engine_from_recipe(recipe: Recipe, *, checkpoint_dir: str | None = Non
 
 
 def sampled_distribution(recipe: Recipe):
-  """What the live sampler samples from (its temperature, the ids it may emit), for the trainer's loss to take
-  its log-probs the same way; None for recorded or synthetic rollouts."""
+  """What the rollouts were sampled from (a temperature, the ids the sampler may emit), for the trainer's loss
+  to take its log-probs the same way: the live sampler's, or what a recording says its sampler's was; None for
+  synthetic rollouts and recordings of the model's own distribution."""
+  # import here: it imports JAX, which starts after the host settings (see live_source)
+  from orchestrator.engine.loss import SampledDistribution
+
+  if recipe.rollouts.source == "recording":
+    stored = read_manifest(resolve_path(recipe.rollouts.recording)).get("sampled_distribution")
+    if stored is None:
+      return None
+    ids = stored["token_ids"]
+    return SampledDistribution(float(stored["temperature"]), None if ids is None else tuple(ids))
   if recipe.rollouts.source != "sampler":
     return None
-  # import here: both import JAX, which starts after the host settings (see live_source)
-  from orchestrator.engine.loss import SampledDistribution
-  from orchestrator.live.sampler import sampled_token_ids
+  from orchestrator.live.sampler import sampled_token_ids  # import here: JAX-side, as above
 
   return SampledDistribution(float(recipe.rollouts.temperature),
                              tuple(sampled_token_ids(recipe.model.tokenizer(), recipe.live_task().answer_alphabet)))
+
+
+def recorded_distribution(recipe: Recipe) -> dict[str, Any]:
+  """The live sampler's distribution as a recording stores it (``data.recording``'s ``sampled_distribution``):
+  its ids listed only where they are not the whole vocabulary."""
+  sampled = sampled_distribution(recipe)
+  ids = sorted(set(sampled.token_ids))
+  whole = len(ids) >= recipe.model_preset().vocab_size
+  return {"temperature": sampled.temperature, "token_ids": None if whole else ids,
+          "top_p": float(recipe.rollouts.top_p), "top_k": int(recipe.rollouts.top_k)}
 
 
 def batch_shape(recipe: Recipe) -> tuple[int, int, int]:
@@ -114,6 +133,12 @@ def rollout_source(recipe: Recipe, *, steps: int | None = None):
     return SyntheticSteps(SyntheticRollouts(vocab_size, rows, tokens_per_row, generations_per_group=r.generations_per_group,
                                             fill=r.fill, seed=r.seed, routing=routing), m)
   recording = open_recording(resolve_path(r.recording), vocab_size=vocab_size, routing=routing)
+  if live_recording_without_distribution(recording.manifest):
+    raise RecordingError(
+        f"rollouts.recording={r.recording}: the live loop recorded it before recordings kept the distribution"
+        " their rollouts were sampled from (manifest key sampled_distribution: the temperature and the ids the"
+        " sampler could emit), so the loss cannot take the trainer's log-probs the same way; record it again"
+        " (rollouts.record_to)")
   source = ReplaySteps(recording, rows=rows, tokens_per_row=tokens_per_row, micro_batches_per_step=m)
   source.require_steps(steps or recipe.steps)
   return source

@@ -22,7 +22,7 @@ from orchestrator.app import run_dir
 from orchestrator.app.console import format_summary, format_table
 from orchestrator.app.plan import RunPlan
 from orchestrator.app.signals import EXIT_CODES, EXIT_NOTHING_TO_RESUME, StopSignals
-from orchestrator.data.recording import write_recording
+from orchestrator.data.recording import LIVE_LOOP_TOOL, write_recording
 from orchestrator.contract import live_part
 from orchestrator.distributed import job as job_lib
 from orchestrator.distributed.launcher import LAUNCHED_ENV
@@ -62,7 +62,9 @@ def record_rollouts(recipe, source, result, write_dir: Path) -> None:
   recorded = live.recorded_steps() if live is not None else None
   if not record_to or recorded is None:
     return
-  from orchestrator.live.rollouts import recorded_groups  # import here: JAX-side (after setup_host)
+  # import here: JAX-side (after setup_host)
+  from orchestrator.assembly import recorded_distribution
+  from orchestrator.live.rollouts import recorded_groups
 
   target = Path(record_to)
   if (target / "manifest.json").exists():
@@ -70,8 +72,9 @@ def record_rollouts(recipe, source, result, write_dir: Path) -> None:
   with run_dir.lock(target, flag="rollouts.record_to", create=True):
     manifest = write_recording(target, recorded_groups(recorded, recipe.rollouts.generations_per_group),
                                vocab_size=recipe.model_preset().vocab_size,
-                               produced_by={"tool": "run_rl (live loop)", "recipe": recipe.name,
-                                            "task": dataclasses.asdict(recipe.task), "steps": result.last_step + 1})
+                               produced_by={"tool": LIVE_LOOP_TOOL, "recipe": recipe.name,
+                                            "task": dataclasses.asdict(recipe.task), "steps": result.last_step + 1},
+                               sampled=recorded_distribution(recipe))
   record_to = str(target)
   result.summary = result.summary.replace(
       run=dict(result.summary.run, recording={"path": record_to, "groups": manifest["num_groups"]}))

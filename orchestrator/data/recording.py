@@ -2,7 +2,8 @@
 
 Layout of a recording directory::
 
-    manifest.json            schema version, counts, shapes, per-record digests, producer
+    manifest.json            schema version, counts, shapes, per-record digests, producer, and the
+                             distribution the rollouts were sampled from (``sampled_distribution``)
     groups.array_record      one record per trajectory group (prompt × generations)
 
 A record is an uncompressed ``.npz`` of the group's arrays (no pickled objects):
@@ -13,6 +14,13 @@ concatenated like the completions), ``generation_ids``, ``group_id``,
 generation's ``[prompt + completion tokens, layers, top_k]`` int16 expert ids,
 concatenated along the tokens (the manifest's ``routing`` gives layers and
 top_k; null without).
+
+The manifest's ``sampled_distribution`` — ``{"temperature": T, "token_ids": [...] or null, "top_p": p,
+"top_k": k}`` — is the distribution the sampler drew from, whose log-probs are the ``old_logprobs``; replay
+takes the trainer's log-probs the same way (``engine.loss.SampledDistribution``), so a replayed step's ratio
+is 1 on the sampler's weights. null: the rollouts' log-probs are the model's own distribution's (synthetic
+ones). A recording of the live loop written before the key existed is refused where its log-probs are used
+(``live_recording_without_distribution``).
 
 Recordings are read-only inputs: replay opens them for reading only. Every
 problem with one raises ``RecordingError`` naming the file and the record.
@@ -38,6 +46,8 @@ from orchestrator.data.trajectory import TrajectoryGroup
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
 DATA_FILE = "groups.array_record"
+#: What a live run's recording names as its producer (``produced_by.tool``).
+LIVE_LOOP_TOOL = "run_rl (live loop)"
 
 
 class RecordingError(ValueError):
@@ -92,8 +102,9 @@ def digest(data: bytes) -> str:
 
 
 def write_recording(out_dir: str | Path, groups: Iterator[TrajectoryGroup], *,
-                    vocab_size: int, produced_by: dict[str, Any]) -> dict:
-  """Writes groups to ``out_dir`` (ArrayRecord + manifest); returns the manifest."""
+                    vocab_size: int, produced_by: dict[str, Any], sampled: dict[str, Any] | None = None) -> dict:
+  """Writes groups to ``out_dir`` (ArrayRecord + manifest); returns the manifest. ``sampled``: the distribution
+  the rollouts were sampled from (the module docstring's ``sampled_distribution``; None: the model's own)."""
   out = Path(out_dir)
   out.mkdir(parents=True, exist_ok=True)
   writer = ArrayRecordWriter(str(out / DATA_FILE), "group_size:1")
@@ -135,6 +146,7 @@ def write_recording(out_dir: str | Path, groups: Iterator[TrajectoryGroup], *,
       "routing": None if routing is None else {"layers": int(routing[0]), "top_k": int(routing[1])},
       "record_digests": digests,
       "produced_by": produced_by,
+      "sampled_distribution": sampled,
       "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
   }
   (out / MANIFEST).write_text(json.dumps(manifest, indent=1))
@@ -156,6 +168,37 @@ class Recording:
   @property
   def num_groups(self) -> int:
     return self.manifest["num_groups"]
+
+  @property
+  def sampled_distribution(self) -> dict[str, Any] | None:
+    """The distribution the rollouts were sampled from (the module docstring's); None: the model's own."""
+    return self.manifest.get("sampled_distribution")
+
+
+def live_recording_without_distribution(manifest: dict) -> bool:
+  """Whether the live loop wrote this recording before recordings stored ``sampled_distribution``: its
+  ``old_logprobs`` are of a distribution (a temperature, the ids the sampler could emit) no one can know now."""
+  produced_by = manifest.get("produced_by")
+  tool = produced_by.get("tool") if isinstance(produced_by, dict) else None
+  return tool == LIVE_LOOP_TOOL and manifest.get("has_old_logprobs") and "sampled_distribution" not in manifest
+
+
+def _distribution_problem(sampled: Any, vocab_size: Any) -> str | None:
+  """What is wrong with a manifest's ``sampled_distribution`` (None when nothing is)."""
+  if sampled is None:
+    return None
+  if not isinstance(sampled, dict) or set(sampled) != {"temperature", "token_ids", "top_p", "top_k"}:
+    return "sampled_distribution must be null or {\"temperature\", \"token_ids\", \"top_p\", \"top_k\"}"
+  temperature, ids = sampled["temperature"], sampled["token_ids"]
+  if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 < temperature < 1e6:
+    return f"sampled_distribution.temperature must be a number above 0, got {temperature!r}"
+  if ids is not None:
+    limit = vocab_size if isinstance(vocab_size, int) else None
+    if not isinstance(ids, list) or not ids or not all(
+        isinstance(i, int) and not isinstance(i, bool) and 0 <= i and (limit is None or i < limit) for i in ids):
+      return (f"sampled_distribution.token_ids must be null or a non-empty list of token ids below the"
+              f" vocab_size {vocab_size}")
+  return None
 
 
 def _manifest_problem(manifest: Any, root: Path) -> str | None:
@@ -185,7 +228,7 @@ def _manifest_problem(manifest: Any, root: Path) -> str | None:
   digests = manifest["record_digests"]
   if len(digests) != records or not all(isinstance(d, str) and len(d) == 64 for d in digests):
     return f"record_digests must hold {records} sha256 hex digests, one per record (it holds {len(digests)})"
-  return None
+  return _distribution_problem(manifest.get("sampled_distribution"), manifest.get("vocab_size"))
 
 
 def _routing_problem(manifest: dict, routing: packing.RoutingShape) -> str | None:
@@ -248,6 +291,22 @@ def _verify_records(source, manifest: dict, data_path: Path, vocab_size: int | N
                          f" {manifest['num_trajectories']}")
 
 
+def read_manifest(path: str | Path) -> Any:
+  """The recording directory ``path``'s manifest as parsed JSON, unchecked (``open_recording`` checks it).
+
+  Raises:
+    RecordingError: no manifest, or not JSON.
+  """
+  root = Path(path)
+  manifest_path = root / MANIFEST
+  if not manifest_path.is_file():
+    raise RecordingError(f"{manifest_path}: no manifest; record one with `run_rl record --out {root}`")
+  try:
+    return json.loads(manifest_path.read_text(encoding="utf-8"))
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise RecordingError(f"{manifest_path}: not valid JSON ({e})") from None
+
+
 def open_recording(path: str | Path, *, vocab_size: int | None = None, verify: bool = True,
                    routing: packing.RoutingShape | None = None) -> Recording:
   """Reads and checks the manifest (and, with ``verify``, every record's digest and token ids, and with
@@ -260,12 +319,7 @@ def open_recording(path: str | Path, *, vocab_size: int | None = None, verify: b
   """
   root = Path(path)
   manifest_path = root / MANIFEST
-  if not manifest_path.is_file():
-    raise RecordingError(f"{manifest_path}: no manifest; record one with `run_rl record --out {root}`")
-  try:
-    manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-  except (json.JSONDecodeError, UnicodeDecodeError) as e:
-    raise RecordingError(f"{manifest_path}: not valid JSON ({e})") from None
+  manifest = read_manifest(root)
   problem = _manifest_problem(manifest, root)
   problem = problem or (_routing_problem(manifest, routing) if routing is not None else None)
   if problem:

@@ -361,16 +361,37 @@ def test_run_rl_runs_the_live_loop_and_resumes_it_exactly(tmp_path, monkeypatch)
 
 
 @pytest.mark.e2e
-def test_a_live_run_records_the_rollouts_it_trained_on_and_they_replay(tmp_path, monkeypatch):
+def test_a_live_run_records_the_rollouts_it_trained_on_and_they_replay(tmp_path, monkeypatch, capsys):
+  """The recording keeps the distribution its rollouts were sampled from (temperature 0.7 over the task's
+  answer alphabet), and the replay's loss takes the trainer's log-probs the same way: on the sampler's own
+  weights (step 0, the run's start) the ratio is 1 — no drift, nothing clipped. Negative controls: told the
+  rollouts are the model's own distribution, the replay drifts at step 0; a live recording written without
+  the key is refused in one line naming it."""
   for name in recipe_lib.ENV_SWITCHES:
     monkeypatch.delenv(name, raising=False)
   recording = tmp_path / "recording"
   shape = ["rollouts.groups_per_micro_batch=2", "batch.rows=4", "task.eval_prompts=4", "run.reserve_host_core=false",
-           *PER_STEP]
+           "rollouts.temperature=0.7", *PER_STEP]
   assert cli.main(["record", "steps=3", *shape, f"run.out={tmp_path / 'run'}", "--out", str(recording)]) == 0
-  manifest = json.loads((recording / "manifest.json").read_text())
+  manifest_path = recording / "manifest.json"
+  manifest = json.loads(manifest_path.read_text())
   assert manifest["num_groups"] == 3 * MICRO * 2 and manifest["produced_by"]["tool"] == "run_rl (live loop)"
-  replay = ["steps=1", "rollouts.source=recording", f"rollouts.recording={recording}", *shape,
-            "--out", str(tmp_path / "replay")]
-  assert cli.main(replay) == 0
+  assert manifest["sampled_distribution"]["temperature"] == 0.7
+  assert len(manifest["sampled_distribution"]["token_ids"]) == TASK.letters  # the answer alphabet's ids
+
+  def replay_step_0(out):
+    code = cli.main(["steps=1", "rollouts.source=recording", f"rollouts.recording={recording}", *shape,
+                     "--out", str(tmp_path / out)])
+    return code, (json.loads((tmp_path / out / "records.jsonl").read_text().splitlines()[0]) if code == 0 else None)
+
+  code, first = replay_step_0("replay")
+  assert code == 0 and abs(first["ppo_kl"]) < 1e-5 and first["clip_fraction"] == 0.0
+  manifest_path.write_text(json.dumps(dict(manifest, sampled_distribution=None)))
+  code, plain = replay_step_0("replay-plain")
+  assert code == 0 and abs(plain["ppo_kl"]) > 1e-2
+  manifest_path.write_text(json.dumps({k: v for k, v in manifest.items() if k != "sampled_distribution"}))
+  capsys.readouterr()
+  assert replay_step_0("replay-old") == (2, None)
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and "manifest key sampled_distribution" in err[0] and not (tmp_path / "replay-old").exists()
   assert cli.main(["record", "steps=3", *shape, f"run.out={tmp_path / 'run2'}", "--out", str(recording)]) == 2
