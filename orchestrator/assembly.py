@@ -288,6 +288,7 @@ class RunHandle:
   progress: StepProgress | None
   eval_prompts: int = 0
   metrics: MetricsLog | None = None
+  samples: SampleLog | None = None
   closers: list = dataclasses.field(default_factory=list)
   trainer_info: dict | None = None
 
@@ -302,6 +303,8 @@ class RunHandle:
         result = self.program.run()
     finally:
       self.program.source.close()
+    if self.samples is not None:  # a stop's last step too: the closing sample is the last step's
+      self.samples.finish(result.last_step)
     if live is not None:  # both, also where one gives up (a stop): in a job each gathers the weights, a collective
       # An evaluation waits for the sampler, which a stuck sampling thread holds: a stop skips it (None).
       before = live.evaluate(start_weights, start, self.eval_prompts, stop=stop)
@@ -466,7 +469,9 @@ def _build_program(recipe: Recipe, out: Path, worker, *, source, run_id: str, co
                              moe=recipe.model_preset().is_moe) if primary else None
   if metrics is not None:
     steps_done.append(metrics)
+  samples = None
   if live and primary and recipe.metrics.samples_every:
-    steps_done.append(SampleLog(out / SAMPLES_FILE, source, recipe.metrics.samples_every,
-                                text=metrics.write_text if metrics is not None else None))
-  return RunHandle(program, shown, eval_prompts, metrics=metrics)
+    samples = SampleLog(out / SAMPLES_FILE, source, recipe.metrics.samples_every, first_step=start_step,
+                        last_step=recipe.steps - 1, text=metrics.write_text if metrics is not None else None)
+    steps_done.append(samples)
+  return RunHandle(program, shown, eval_prompts, metrics=metrics, samples=samples)

@@ -1,5 +1,6 @@
-"""Completions a user can read: every ``metrics.samples_every`` steps, a few of the step's rollouts to
-``samples.jsonl`` in the directory the segment writes, and to the dashboards' text tab.
+"""Completions a user can read: every ``metrics.samples_every`` steps, and the segment's first and last steps
+whatever the cadence, a few of the step's rollouts to ``samples.jsonl`` in the directory the segment writes,
+and to the dashboards' text tab (the run's closing lines quote the last one written: the last step's).
 
 Each line is one completion the step trained on (``LiveSource.step_samples``):
 its step, the weights version that sampled it, the prompt and completion as
@@ -24,29 +25,44 @@ SAMPLES_PER_STEP = 4
 
 
 class SampleLog:
-  """Writes ``SAMPLES_PER_STEP`` completions of every ``every``-th step (steps 0, every, 2·every, …).
+  """Writes ``SAMPLES_PER_STEP`` completions of every ``every``-th step (steps 0, every, 2·every, …), of the
+  segment's first step and of its last (``last_step``, or, a run that stopped early, the step ``finish``
+  names).
 
   Args:
     path: the JSON-lines file (appended to; the segment's directory is its own).
     source: the live source (``step_samples``).
     every: steps between two writes (> 0).
+    first_step, last_step: the segment's first step and the run's last.
     text: ``(step, tag, text)``, the dashboards' text tab (``MetricsLog.write_text``), or None.
   """
 
-  def __init__(self, path: Path, source, every: int, *, text: Callable[[int, str, str], None] | None = None):
+  def __init__(self, path: Path, source, every: int, *, first_step: int = 0, last_step: int | None = None,
+               text: Callable[[int, str, str], None] | None = None):
     self.path, self._source, self._every, self._text = Path(path), source, every, text
+    self._first, self._last = first_step, last_step
+    self._written: int | None = None  # the last step written
 
   def __call__(self, record) -> None:
-    if record.step % self._every:
+    if record.step % self._every and record.step not in (self._first, self._last):
       return
-    samples = self._source.step_samples(record.step, SAMPLES_PER_STEP)
+    self._write(record.step)
+
+  def finish(self, last_step: int | None) -> None:
+    """The run ended after ``last_step`` (a stop may end it early): its samples close the file."""
+    if last_step is not None and self._written != last_step:
+      self._write(last_step)
+
+  def _write(self, step: int) -> None:
+    samples = self._source.step_samples(step, SAMPLES_PER_STEP)
+    self._written = step
     if not samples:
       return
     with self.path.open("a", encoding="utf-8") as f:
       for sample in samples:
         f.write(json.dumps(sample, ensure_ascii=False) + "\n")
     if self._text is not None:
-      self._text(record.step, "samples", "\n\n".join(describe(s) for s in samples))
+      self._text(step, "samples", "\n\n".join(describe(s) for s in samples))
 
 
 def describe(sample: dict[str, Any]) -> str:

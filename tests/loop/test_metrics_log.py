@@ -94,23 +94,25 @@ def test_a_run_writes_every_steps_scalars_to_tensorboard_in_its_directory(tmp_pa
 
 @pytest.mark.e2e
 def test_a_live_run_logs_its_rewards(tmp_path):
-  """The default recipe (the live loop), cut to three steps."""
+  """The default recipe (the live loop), cut to four steps."""
   run = tmp_path / "run"
-  assert cli.main(["steps=3", "task.eval_prompts=4", "run.reserve_host_core=false", "metrics.samples_every=2",
+  assert cli.main(["steps=4", "task.eval_prompts=4", "run.reserve_host_core=false", "metrics.samples_every=2",
                    "--out", str(run)]) == 0
   logged = _assert_events_match_records(run, _records(run))
-  # a few completions of steps 0 and 2, to read, in samples.jsonl and in TensorBoard's text tab
+  # a few completions of steps 0 and 2 (the cadence) and 3 (the last, whatever the cadence), to read, in
+  # samples.jsonl and in TensorBoard's text tab
   samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
-  assert [s["step"] for s in samples] == [0] * 4 + [2] * 4
+  assert [s["step"] for s in samples] == [0] * 4 + [2] * 4 + [3] * 4
   assert all(s["prompt"].startswith("1st:") and len(s["completion"]) == 1 and s["truncated"] is None
              for s in samples)
   texts = [v.tensor.string_val[0].decode() for path in event_files(run / TENSORBOARD_DIR)
            for event in read_events(path) for v in event.summary.value if v.tag.startswith("samples")]
-  assert len(texts) == 2 and json.dumps(samples[0]["prompt"]) in texts[0]
+  assert len(texts) == 3 and json.dumps(samples[0]["prompt"]) in texts[0]
   for name in ("rollout/reward_mean", "rollout/reward_std", "rollout/accuracy", "rollout/staleness",
-               "rollout/sampled_tokens_per_s", "train/loss", "timing/step_s"):
-    assert sorted(logged[name]) == [0, 1, 2], name
-  assert sorted(logged["boundary/idle_s"]) == [0, 1]
+               "rollout/sampled_tokens_per_s", "train/loss", "timing/step_s", "train/ppo_kl",
+               "rollout/reward_group_std", "rollout/frac_reward_zero_std"):
+    assert sorted(logged[name]) == [0, 1, 2, 3], name
+  assert sorted(logged["boundary/idle_s"]) == [0, 1, 2]
   trace = json.loads((run / "trace.json").read_text())["traceEvents"]
   rewards = [e["args"]["reward"] for e in trace if e["ph"] == "C" and e["name"] == "reward"]
   assert rewards == [r.reward_mean for r in _records(run)]
