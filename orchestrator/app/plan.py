@@ -129,7 +129,10 @@ def _derived_otherwise(config: dict, recipe) -> list[str]:
 
 def _kept_as_run(key: str, source: str, values: dict) -> bool:
   """Whether a resume keeps a size the run derived at the value it ran with: a live run's micro-batch shape that
-  came from the model's sizes ("derived: model.preset tiny's rows"), which a live run no longer derives."""
+  came from the model's sizes ("derived: model.preset tiny's rows"), which a live run no longer derives, and the
+  learning rate's decay (the schedule the run's start derived from its length: an extended run keeps it)."""
+  if key == "engine.decay_steps":
+    return True
   leaf = key.removeprefix("batch.")
   return (key in ("batch.rows", "batch.tokens_per_row") and values.get("rollouts.source") == "sampler"
           and source.endswith(f"'s {leaf}"))

@@ -195,7 +195,8 @@ class EngineOptions:
                          " engine.lr_schedule=constant; set engine.lr_schedule=linear or cosine, or drop it")
     elif self.decay_steps is None:
       raise ValueError(f"engine.lr_schedule={self.lr_schedule} needs engine.decay_steps: the updates over which"
-                       " the rate decays to 0 after the warm-up (e.g. the run's steps)")
+                       " the rate decays to 0 after the warm-up (a recipe run by run_rl derives the run's steps"
+                       " after the warm-up)")
     elif not 1 <= self.decay_steps <= 10**6:
       raise ValueError(f"engine.decay_steps={self.decay_steps} is out of range: it must be in [1, 10**6]")
 

@@ -188,11 +188,22 @@ def resolve(
   changes = _changes(values, sources)
   _mark_description(values, sources, changes)
   recipe = build(values)
+  _derive_decay(recipe, sources)
   for key in all_keys():
     sources.setdefault(key, "default")
   validate(recipe)
   _refuse_ignored_switches(recipe, sources)
   return ResolvedRecipe(recipe, sources, str(path), changes=changes, dropped=dropped)
+
+
+def _derive_decay(recipe: Recipe, sources: dict[str, str]) -> None:
+  """A decaying learning rate without ``engine.decay_steps`` decays over the run's steps after the warm-up (at
+  least one); config.json records the value as derived, and a resume keeps it (an extended run's schedule is the
+  one its start ran)."""
+  engine = recipe.engine
+  if engine.lr_schedule != "constant" and engine.decay_steps is None:
+    engine.decay_steps = max(1, recipe.steps - engine.warmup_steps)
+    sources["engine.decay_steps"] = f"{DERIVED} the run's {recipe.steps} steps after its warm-up"
 
 
 def _shown(value: Any) -> str:

@@ -935,10 +935,10 @@ class Recipe:
       self.mesh.check_batch_shape(rows, tokens)
     except ValueError as e:
       raise RecipeError(str(e)) from None
-    if self.engine.warmup_steps > self.steps:
-      raise RecipeError(f"engine.warmup_steps={self.engine.warmup_steps} is longer than the run's {self.steps} steps"
-                        " (the learning rate would never reach engine.learning_rate); use at most"
-                        f" {self.steps} or run more steps")
+    if self.engine.warmup_steps and self.engine.warmup_steps >= self.steps:
+      raise RecipeError(f"engine.warmup_steps={self.engine.warmup_steps} leaves none of the run's {self.steps} steps"
+                        " at the peak rate (engine.learning_rate is reached after the warm-up's last update); use"
+                        f" at most {self.steps - 1}, or run more steps")
     if rows * tokens > 1 << 28:
       raise RecipeError(f"batch.rows × batch.tokens_per_row = {rows * tokens:,} tokens per micro-batch is out of"
                         f" range: it must be <= {1 << 28:,}")

@@ -292,6 +292,22 @@ def test_a_resume_keeps_the_shape_its_run_derived(tmp_path):
                                   None).recipe.micro_batch_shape() == (16, 34)
 
 
+@pytest.mark.spec
+def test_a_decaying_rate_without_decay_steps_decays_over_the_run_and_an_extension_keeps_it():
+  """engine.lr_schedule=cosine alone decays over the run's steps after the warm-up (config.json records it as
+  derived); a resume extended to 20 steps keeps the schedule its start ran. Negative control: a value given is
+  the value run."""
+  resolved = resolve(["steps=10", "engine.lr_schedule=cosine", "engine.warmup_steps=2"])
+  assert resolved.recipe.engine.decay_steps == 8
+  config, sources = recipe_lib.saved_config(resolved)
+  assert (config["engine"]["decay_steps"], sources["engine.decay_steps"]) == (
+      8, "derived: the run's 10 steps after its warm-up")
+  extended = plan.resolved_from_saved({"config": config, "sources": sources, "recipe": "x"}, 20).recipe
+  assert (extended.steps, extended.engine.decay_steps) == (20, 8)
+  assert resolve(["steps=10", "engine.lr_schedule=linear", "engine.decay_steps=3"]).recipe.engine.decay_steps == 3
+  assert resolve(["steps=10"]).recipe.engine.decay_steps is None  # constant: nothing decays
+
+
 @pytest.mark.e2e
 def test_a_resume_refuses_a_size_that_derives_otherwise_now(tmp_path, monkeypatch):
   """A size saved as derived must derive to the saved value again (else the resume would train another
