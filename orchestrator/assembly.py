@@ -289,6 +289,9 @@ class RunHandle:
   eval_prompts: int = 0
   metrics: MetricsLog | None = None
   samples: SampleLog | None = None
+  # model.checkpoint's weights as the trainer loaded them: the directory and their digest (an export's
+  # weights_digest: export.json), before any step; None without model.checkpoint, or a remote trainer
+  loaded_weights: dict | None = None
   closers: list = dataclasses.field(default_factory=list)
   trainer_info: dict | None = None
 
@@ -318,6 +321,8 @@ class RunHandle:
                          "pass_at_k": r.eval_pass_at_k} for r in result.records if r.eval_accuracy is not None]))
     if self.trainer_info:
       result.summary = result.summary.replace(trainer=self.trainer_info)
+    if self.loaded_weights:
+      result.summary = result.summary.replace(run=dict(result.summary.run, loaded_weights=self.loaded_weights))
     # When the run started (Unix seconds): the origin of every record's t_* times and of trace.json's.
     started = self.program.recorder.wall_start
     first = next((r for r in result.records if r.step == start), None)
@@ -385,6 +390,25 @@ def make_worker(recipe: Recipe, closers: list, *, checkpoint_dir: str | None, wr
                   "clock_offset_s": worker.offset_s, "clock_offset_error_s": worker.offset_error_s}
 
 
+def _loaded_weights(recipe: Recipe, worker) -> dict | None:
+  """The checkpoints' weights as a trainer of this process loaded them, before any step: model.checkpoint's
+  directory and digest (``diagnostics.tree_digest``, an export's ``weights_digest``), and beside it
+  model.reference_checkpoint's, the KL term's reference; None without either. Every process of a job calls it
+  (the digest gathers the weights)."""
+  reference = recipe.model.reference_checkpoint if recipe.engine.kl_beta else None
+  if not (recipe.model.checkpoint or reference) or recipe.trainer.location != "local":
+    return None
+  from orchestrator.engine.diagnostics import tree_digest  # import here: JAX-side (after setup_host)
+
+  loaded = {}
+  if recipe.model.checkpoint:
+    loaded.update({"model.checkpoint": str(recipe.model.checkpoint),
+                   "weights_digest": tree_digest(worker.export_weights())})
+  if reference and (weights := worker.reference_weights()) is not None:
+    loaded.update({"model.reference_checkpoint": str(reference), "reference_weights_digest": tree_digest(weights)})
+  return loaded
+
+
 def build_run(recipe: Recipe, out: Path, *, source, run_id: str, checkpoint_dir: str | None,
               resume: ResumePoint | None = None, stop_requested=None,
               progress: Callable[..., StepProgress] | None = None, job=None, write_dir: Path | None = None,
@@ -415,6 +439,7 @@ def build_run(recipe: Recipe, out: Path, *, source, run_id: str, checkpoint_dir:
       sampling.ready(0, 0.0)
     worker, trainer_info = make_worker(recipe, closers, checkpoint_dir=checkpoint_dir, write_dir=write_dir)
     phases.mark("trainer_built")
+    loaded = _loaded_weights(recipe, worker) if resume is None else None
     handle = _build_program(recipe, write_dir, worker, source=source, run_id=run_id, config_sha256=config_sha256,
                             resume=resume, run_name=out.name, stop_requested=stop_requested,
                             progress=progress if job is None or job.is_primary else None, job=job)
@@ -424,7 +449,7 @@ def build_run(recipe: Recipe, out: Path, *, source, run_id: str, checkpoint_dir:
     while closers:
       closers.pop()()
     raise
-  handle.closers, handle.trainer_info = closers, trainer_info
+  handle.closers, handle.trainer_info, handle.loaded_weights = closers, trainer_info, loaded
   return handle
 
 

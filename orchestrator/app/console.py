@@ -114,6 +114,13 @@ def format_summary(summary: RunSummary) -> str:
       f"low-wait threshold: {s(policy.threshold_s)} (wait floor max {s(policy.wait_floor_max_s)})",
       f"final state digest: {summary.final_state_digest}",
   ]
+  loaded = (summary.run or {}).get("loaded_weights") or {}
+  if "weights_digest" in loaded:
+    lines.append(f"loaded weights: {loaded['model.checkpoint']}, digest {loaded['weights_digest']} (an export's"
+                 " export.json names it for the same weights)")
+  if "reference_weights_digest" in loaded:
+    lines.append(f"KL reference: {loaded['model.reference_checkpoint']}, digest"
+                 f" {loaded['reference_weights_digest']}")
   if startup := (summary.run or {}).get("startup_s"):
     lines.append("start-up, seconds from the process's start: "
                  + ", ".join(f"{PHASES[phase]} {seconds:.1f}" for phase, seconds in startup.items()))

@@ -232,6 +232,8 @@ def _run_program(plan: RunPlan, *, source, resume, job: job_lib.Job) -> int:
                          write_dir=write_dir, config_sha256=plan.config_sha256)
       job.current_step = lambda: handle.current_step  # the step a lost peer's line names
       stop.steps_finished = lambda: handle.steps_done
+      if handle.loaded_weights is not None and job.is_primary:  # the closing lines print it
+        run_dir.record_in_config(out, "loaded_weights", handle.loaded_weights)
       result = handle.run()
     except recipe_lib.RecipeError as e:
       code = outcome.refuse(e)

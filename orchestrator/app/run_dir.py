@@ -218,6 +218,17 @@ def claim_new(path: Path, config: dict[str, Any]) -> None:
                       " choose a new --out") from None
 
 
+def record_in_config(path: Path, key: str, value: Any) -> None:
+  """Adds ``key`` (beside the recipe, which its digest covers: never inside it) to the run's ``config.json``,
+  written whole to a sibling and renamed over it, so a kill leaves the old file or the new one."""
+  config_path = path / CONFIG
+  config = json.loads(config_path.read_text(encoding="utf-8"))
+  config[key] = value
+  partial = path / f".{CONFIG}.{uuid.uuid4().hex[:8]}.partial"
+  partial.write_text(json.dumps(config, indent=2, default=str), encoding="utf-8")
+  os.replace(partial, config_path)
+
+
 # ---------------------------------------------------------------------------- the lock
 class DirLock:
   """An exclusive lock on a directory (``DIR/run.lock``); the OS releases it when the process ends.

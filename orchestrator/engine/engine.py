@@ -288,6 +288,11 @@ class JaxTrainingEngine:
     """The current weights (a nested dict of jax.Array); the engine never donates them."""
     return self._training.params
 
+  def reference_weights(self):
+    """The KL term's frozen reference (``model.reference_checkpoint``'s weights, or the start's), or None
+    without a KL term."""
+    return self._training.reference[0] if self._training.reference else None
+
   def get_metrics(self) -> StepMetrics:
     """Metrics of the last applied update, read to the host (blocks on that update); all None before one."""
     if self._finished is None:

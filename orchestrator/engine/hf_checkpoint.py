@@ -256,6 +256,20 @@ def disagreement(preset: ModelPreset, loaded: ModelPreset) -> str | None:
   return None
 
 
+#: The settings of a model's forward pass beyond its sizes, by preset field → config.json key: the KL reference
+#: runs with the trained model's (``reference_differences``).
+FORWARD_SETTINGS = {"norm_eps": "rms_norm_eps", "rope_theta": "rope_theta"}
+
+
+def reference_differences(trained: ModelPreset, reference: ModelPreset) -> list[str]:
+  """Each setting in which a KL reference's checkpoint (``reference``) would run otherwise than the trained model
+  (the reference's forward pass is the trained model's program with the reference's weights): its
+  ``FORWARD_SETTINGS``, in words; [] when none (sizes and family: ``disagreement``; the context: the recipe
+  bounds the rows by both models')."""
+  return [f"{key}={getattr(reference, field)!r} (the trained model's {getattr(trained, field)!r})"
+          for field, key in FORWARD_SETTINGS.items() if getattr(reference, field) != getattr(trained, field)]
+
+
 def expected_tensors(preset: ModelPreset) -> dict[str, tuple[int, ...]]:
   """Every tensor a Hugging Face checkpoint of ``preset``'s family and sizes holds, by name, with its shape."""
   d, v, n, k, h = preset.embed_dim, preset.vocab_size, preset.num_heads, preset.num_kv_heads, preset.head_dim

@@ -204,6 +204,12 @@ class TrainerWorker:
     """The weights for the sync (device arrays, valid after the next dispatch); None if the engine has none."""
     return self._engine.export_weights() if self.capabilities.can_export_weights else None
 
+  def reference_weights(self) -> Any:
+    """The KL term's frozen reference weights (``engine.kl_beta`` > 0), where the engine holds them apart from
+    the weights it trains; None otherwise (no KL term, or an engine that does not say)."""
+    held = getattr(self._engine, "reference_weights", None)
+    return held() if callable(held) else None
+
   def state_digest(self) -> str | None:
     """The engine's state digest; None if it cannot fingerprint its state."""
     digest = getattr(self._engine, "state_digest", None)

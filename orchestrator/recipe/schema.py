@@ -137,6 +137,12 @@ class ModelSection:
       raise RecipeError(f"{given} is not a checkpoint of the model trained ({self.name}): the model has {differs};"
                         " give a checkpoint of the same family and sizes, or drop it (the reference is then the"
                         " weights the run starts from)")
+    settings = hf_checkpoint.reference_differences(trained, reference)
+    if settings:
+      raise RecipeError(f"{given} runs with other settings than the model trained ({self.name}): its"
+                        f" {hf_checkpoint.CONFIG_FILE} has {', '.join(settings)}; the KL term computes the reference"
+                        " with the trained model's settings, so its KL would be to another model: give a checkpoint"
+                        " whose settings match, or drop it (the reference is then the weights the run starts from)")
     return self.reference_checkpoint
 
   def _load(self) -> ModelPreset:
@@ -160,13 +166,25 @@ class ModelSection:
     return loaded
 
   def context_tokens(self) -> int | None:
-    """The longest sequence a checkpoint's model was trained for (``max_position_embeddings``); None for a
-    preset's (its positions are not limited)."""
-    if self.checkpoint is None:
-      return None
+    """The longest sequence the checkpoints' models were trained for (``max_position_embeddings``): the trained
+    model's, or the KL reference's where that is shorter (``context_source`` says which); None for a preset
+    without a reference (its positions are not limited)."""
+    limits = [(tokens, key) for key, path in (("model.checkpoint", self.checkpoint),
+                                              ("model.reference_checkpoint", self.reference_checkpoint))
+              if path is not None and (tokens := self._context_of(key, path)) is not None]
+    return min(limits)[0] if limits else None
+
+  def context_source(self) -> str:
+    """Whose ``max_position_embeddings`` ``context_tokens`` is, as the refusals name it."""
+    limits = [(self._context_of(key, path), key) for key, path in (
+        ("model.checkpoint", self.checkpoint), ("model.reference_checkpoint", self.reference_checkpoint))
+              if path is not None]
+    return f"max_position_embeddings in {min(limits)[1]}'s {hf_checkpoint.CONFIG_FILE}" if limits else "none"
+
+  @staticmethod
+  def _context_of(key: str, path: str) -> int:
     try:
-      return hf_checkpoint.context_tokens(hf_checkpoint.read_config(self.checkpoint),
-                                          f"model.checkpoint {self.checkpoint}/{hf_checkpoint.CONFIG_FILE}")
+      return hf_checkpoint.context_tokens(hf_checkpoint.read_config(path), f"{key} {path}/{hf_checkpoint.CONFIG_FILE}")
     except hf_checkpoint.CheckpointDirError as e:
       raise RecipeError(str(e)) from None
 
@@ -947,7 +965,7 @@ class Recipe:
     context = self.model.context_tokens()
     if self.rollouts.source != "sampler" and context is not None and tokens > context:
       raise RecipeError(f"batch.tokens_per_row={tokens} is longer than the model's context of {context} tokens"
-                        f" (max_position_embeddings in model.checkpoint's {hf_checkpoint.CONFIG_FILE}), and one"
+                        f" ({self.model.context_source()}), and one"
                         f" trajectory may fill a row; lower batch.tokens_per_row to at most {context}")
     if self.rollouts.source == "sampler":
       self._validate_live(preset, rows, tokens)
@@ -983,7 +1001,7 @@ class Recipe:
     if context is not None and per_trajectory > context:
       raise RecipeError(f"task.max_prompt_tokens + task.max_completion_tokens = {task.max_prompt_tokens} +"
                         f" {max_generation_steps(task)} = {per_trajectory} tokens is longer than the model's context"
-                        f" of {context} (max_position_embeddings in model.checkpoint's {hf_checkpoint.CONFIG_FILE});"
+                        f" of {context} ({self.model.context_source()});"
                         " lower task.max_prompt_tokens or task.max_completion_tokens")
     if tokens < per_trajectory or trajectories > rows * (tokens // per_trajectory):
       raise RecipeError(

@@ -33,19 +33,32 @@ def test_the_reference_is_the_checkpoint_named_and_by_default_the_start(tmp_path
   other_digest, other_kl = _run(tmp_path, "other", *start, f"model.reference_checkpoint={other}")
   assert default_kl[0] == pytest.approx(0, abs=1e-6) and same_kl == default_kl and same_digest == default_digest
   assert other_kl[0] > 1e-3 and other_digest != default_digest
+  # each run names the digests of the weights it loaded, the reference's beside the policy's
+  same, other = (json.loads((tmp_path / f"run-{n}" / "config.json").read_text())["loaded_weights"]
+                 for n in ("same", "other"))
+  assert same["reference_weights_digest"] == same["weights_digest"] == other["weights_digest"]
+  assert other["reference_weights_digest"] != other["weights_digest"]
 
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("case,expected", [
     ("no-kl", "is the KL term's reference, but engine.kl_beta is 0"),
     ("other-sizes", "is not a checkpoint of the model trained"),
+    ("other-norm-eps", "runs with other settings than the model trained (tiny): its config.json has"
+                       " rms_norm_eps=1e-05 (the trained model's 1e-06); the KL term computes the reference with"
+                       " the trained model's settings"),
+    ("shorter-context", "is longer than the model's context of 8 tokens (max_position_embeddings in"
+                        " model.reference_checkpoint's config.json)"),
     ("missing", "/nowhere"),
 ])
 def test_a_reference_that_cannot_serve_is_refused_in_one_line_before_anything_is_written(tmp_path, capsys, case,
                                                                                          expected):
   model = write_directory(tmp_path / "model")
   reference = {"no-kl": model, "missing": tmp_path / "nowhere",
-               "other-sizes": write_directory(tmp_path / "wide", preset_name="small")}[case]
+               "other-sizes": lambda: write_directory(tmp_path / "wide", preset_name="small"),
+               "other-norm-eps": lambda: write_directory(tmp_path / "eps", rms_norm_eps=1e-5),
+               "shorter-context": lambda: write_directory(tmp_path / "short", max_position_embeddings=8)}[case]
+  reference = reference() if callable(reference) else reference
   kl = ["engine.kl_beta=0"] if case == "no-kl" else []
   out = tmp_path / "out"
   code = cli.main([*RUN, *kl, f"model.checkpoint={model}", f"model.reference_checkpoint={reference}",
