@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import re
 import secrets
@@ -367,18 +368,31 @@ def _restore_params(source: dict[str, Any]) -> dict[str, Any]:
                       f" {source['candidates'].earlier(source['step'])}") from None
 
 
+def _no_missing_metadata_note(record: logging.LogRecord) -> bool:
+  """Drops orbax's "Metadata file does not exist" warning: reading a state directory on its own (not through the
+  checkpoint manager that wrote it) never finds the step's optional metadata file, which says nothing to a user
+  whose export goes on to succeed."""
+  return not record.getMessage().startswith("Metadata file does not exist")
+
+
 def _read_params(state_dir: Path) -> dict[str, Any]:
   """The params under a checkpoint's ``state_dir``, read by orbax (see ``_restore_params``)."""
   import orbax.checkpoint as ocp  # import here: an export that fails its checks never loads orbax
 
   checkpointer = ocp.PyTreeCheckpointer()
-  metadata = checkpointer.metadata(state_dir)
-  tree = getattr(metadata, "item_metadata", metadata)
-  tree = dict(getattr(tree, "tree", tree))
-  keys = [key for key in tree if key[5:].startswith("['params']")]  # key: 5-digit position, then the path
-  item = {key: np.zeros(tree[key].shape, tree[key].dtype) for key in keys}
-  flat = checkpointer.restore(state_dir, args=ocp.args.PyTreeRestore(
-      item=item, restore_args={key: ocp.RestoreArgs(restore_type=np.ndarray) for key in keys}, partial_restore=True))
+  absl_log = logging.getLogger("absl")  # orbax logs through absl
+  absl_log.addFilter(_no_missing_metadata_note)
+  try:
+    metadata = checkpointer.metadata(state_dir)
+    tree = getattr(metadata, "item_metadata", metadata)
+    tree = dict(getattr(tree, "tree", tree))
+    keys = [key for key in tree if key[5:].startswith("['params']")]  # key: 5-digit position, then the path
+    item = {key: np.zeros(tree[key].shape, tree[key].dtype) for key in keys}
+    flat = checkpointer.restore(state_dir, args=ocp.args.PyTreeRestore(
+        item=item, restore_args={key: ocp.RestoreArgs(restore_type=np.ndarray) for key in keys},
+        partial_restore=True))
+  finally:
+    absl_log.removeFilter(_no_missing_metadata_note)
   params: dict[str, Any] = {}
   for key, value in flat.items():
     parts = [a if a else int(b) for a, b in _KEY.findall(key[5:])]
