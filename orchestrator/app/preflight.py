@@ -16,6 +16,7 @@ from pathlib import Path
 from orchestrator import recipe as recipe_lib
 from orchestrator.app import locks, run_dir
 from orchestrator.app.host import setup_host
+from orchestrator.app.memory_bound import check_training_fits
 from orchestrator.app.plan import RunPlan
 from orchestrator.app.resume import resume_point
 from orchestrator.app.run_dir import RunDirError
@@ -82,6 +83,7 @@ def preflight(plan: RunPlan, *, distributed: bool = False, primary: bool = True)
   steps = recipe.steps if plan.resumes else None
   if recipe.trainer.location == "local":
     _check_attention(recipe)
+    check_training_fits(recipe)  # before the sampler (a live source's) is built
   source = rollout_source(recipe, steps=steps)
   remote = recipe.trainer.location == "remote"
   if not remote or (recipe.trainer.spawn and recipe.rollouts.source == "sampler"):

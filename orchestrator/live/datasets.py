@@ -42,6 +42,9 @@ JSONL_SUFFIXES = (".jsonl",)
 PARQUET_SUFFIXES = (".parquet", ".pq")
 #: The largest prompt file (JSONL or Parquet) read: a bigger one is refused before a byte of it is read.
 MAX_DATASET_BYTES = 1 << 30
+#: The most tokens a prompt, or an answer, may take where ``task.max_prompt_tokens`` (``max_completion_tokens``)
+#: is unset and the longest one sizes the run: the most either key may be given.
+MAX_DERIVED_TOKENS = 4096
 #: Rows of a Parquet file read at a time, the columns' bytes counted after each batch.
 PARQUET_BATCH_ROWS = 1024
 
@@ -286,14 +289,19 @@ def check_no_pad_in_prompts(rows: Sequence[Row], tokenizer) -> None:
                          f" model's {tokenizer.vocab_size} ids do not include; remove that token from the prompt")
 
 
-def check_prompt_lengths(rows: Sequence[Row], tokenizer, max_prompt_tokens: int) -> None:
-  """Every prompt fits ``task.max_prompt_tokens`` (a longer one would not fit the sampler's cache)."""
+def check_prompt_lengths(rows: Sequence[Row], tokenizer, max_prompt_tokens: int, *, given: bool = True) -> None:
+  """Every prompt fits ``task.max_prompt_tokens`` (a longer one would not fit the sampler's cache); unset
+  (``given`` false), the most any prompt may take (``MAX_DERIVED_TOKENS``: it sizes every micro-batch)."""
   for row in rows:
     n = prompt_tokens(tokenizer, row.problem.prompt)
-    if n > max_prompt_tokens:
+    if n > max_prompt_tokens and given:
       raise DatasetError(f"{row.where}: the prompt takes {n} tokens (bos included), more than"
                          f" task.max_prompt_tokens={max_prompt_tokens}; raise task.max_prompt_tokens or shorten"
                          " the prompt")
+    if n > max_prompt_tokens:
+      raise DatasetError(f"{row.where}: the prompt takes {n:,} tokens (bos included), more than the"
+                         f" {max_prompt_tokens:,} a prompt may take (task.max_prompt_tokens unset: the longest"
+                         " prompt sizes every micro-batch); shorten or drop the prompt")
 
 
 def with_completion_limits(rows: Sequence[Row], field: str, limit: int, given: int | None) -> list[Row]:
@@ -450,14 +458,21 @@ def load_task(*, path: str, eval_path: str | None = None, prompt_field: str = "p
   check_answers(every, answer_field, reward)
   check_characters(every, tokenizer, prompt_field, answer_field)
   check_no_pad_in_prompts(every, tokenizer)
-  if max_prompt_tokens is not None:
-    check_prompt_lengths(every, tokenizer, max_prompt_tokens)
+  check_prompt_lengths(every, tokenizer, MAX_DERIVED_TOKENS if max_prompt_tokens is None else max_prompt_tokens,
+                       given=max_prompt_tokens is not None)
   if eval_path is None:
     check_split_by_hash(path, eval_fraction, rows, train, held_out)
   longest_prompt = max(prompt_tokens(tokenizer, row.problem.prompt) for row in every)
   # free text ends with an eos token (a checkpoint's tokenizer): room for it after the longest answer
   ends_with_eos = answer_alphabet(every, tokenizer) is None
-  longest_answer = max(len(tokenizer.encode(row.problem.answer)) for row in every) + ends_with_eos
+  answer_tokens = [len(tokenizer.encode(row.problem.answer)) + ends_with_eos for row in every]
+  longest_answer = max(answer_tokens)
+  if max_completion_tokens is None and longest_answer > MAX_DERIVED_TOKENS:
+    row = every[answer_tokens.index(longest_answer)]
+    raise DatasetError(f"{row.where}: the {answer_field} takes {longest_answer:,} tokens, more than the"
+                       f" {MAX_DERIVED_TOKENS:,} a completion may take (task.max_completion_tokens unset: the"
+                       " longest answer sizes every completion); set task.max_completion_tokens, or shorten or"
+                       " drop the answer")
   limit = max_completion_tokens if max_completion_tokens is not None else max(1, longest_answer)
   if max_tokens_field is not None:
     train, held_out = (with_completion_limits(part, max_tokens_field, limit, max_completion_tokens)

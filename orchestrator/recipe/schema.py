@@ -366,7 +366,8 @@ MAX_FORBIDDEN_IDS = 4096
 TEMPLATE_JOIN_TOKENS = 4
 DATASET_ONLY_KEYS = ("path", "eval_path", "max_prompt_tokens", "max_completion_tokens", "max_tokens_field")
 #: The range of ``task.max_prompt_tokens`` and ``task.max_completion_tokens`` (they size the sampler's cache).
-TOKEN_RANGES = {"max_prompt_tokens": (2, 4096), "max_completion_tokens": (1, 4096)}
+TOKEN_RANGES = {"max_prompt_tokens": (2, datasets_lib.MAX_DERIVED_TOKENS),
+                "max_completion_tokens": (1, datasets_lib.MAX_DERIVED_TOKENS)}
 #: The range of ``task.eval_pass_k``: completions sampled per held-out prompt at an evaluation during the run.
 EVAL_PASS_K_RANGE = (1, 64)
 #: The longest ``task.reward_timeout_s`` (a day): a limit is a limit.
@@ -855,14 +856,14 @@ class Recipe:
     rows, tokens = self.batch.rows, self.batch.tokens_per_row
     if self.rollouts.source != "sampler" or (rows and tokens):
       return rows or preset.rows, tokens or preset.tokens_per_row
-    trajectories, per_trajectory = self._live_trajectories()
+    trajectories, per_trajectory = self.live_trajectories()
     if tokens is None:
       tokens = _round_up(per_trajectory * (math.ceil(trajectories / rows) if rows else 1), self.mesh.context)
     if rows is None:
       rows = _round_up(math.ceil(trajectories / max(1, tokens // per_trajectory)), self.mesh.row_shards)
     return rows, tokens
 
-  def _live_trajectories(self) -> tuple[int, int]:
+  def live_trajectories(self) -> tuple[int, int]:
     """(trajectories a micro-batch samples, tokens of the longest one) of a live run; the task (a dataset: read
     whole) is made once for the sections that decide them."""
     r = self.rollouts
@@ -881,7 +882,7 @@ class Recipe:
     derived = {}
     shape = dict(zip(("rows", "tokens_per_row"), self.micro_batch_shape()))
     if self.rollouts.source == "sampler":
-      trajectories, per_trajectory = self._live_trajectories()
+      trajectories, per_trajectory = self.live_trajectories()
       sources = {"rows": f"derived: rows for the {trajectories} trajectories a micro-batch samples",
                  "tokens_per_row": f"derived: the task's longest trajectory ({per_trajectory} tokens) per trajectory"
                                    " a row holds"}
@@ -987,7 +988,7 @@ class Recipe:
                if self.model.checkpoint else f"the live loop's tokenizer has {tokenizer.vocab_size} ids")
       raise RecipeError(f"{where}, more than the model's vocabulary of {preset.vocab_size}; use the checkpoint's"
                         " own tokenizer, or a model with a larger vocabulary")
-    trajectories, per_trajectory = self._live_trajectories()
+    trajectories, per_trajectory = self.live_trajectories()
     task = self.live_task()
     if task.answer_alphabet is not None and self.model.checkpoint:
       forbidden = preset.vocab_size - len(set(tokenizer.encode(task.answer_alphabet)))

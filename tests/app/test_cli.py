@@ -265,7 +265,7 @@ def test_a_live_run_sizes_its_micro_batch_to_its_task(overrides, shape):
   assert recipe.micro_batch_shape() == shape
   rows, tokens = shape
   if recipe.rollouts.source == "sampler":  # negative control: one row fewer would not hold them
-    trajectories, per_trajectory = recipe._live_trajectories()
+    trajectories, per_trajectory = recipe.live_trajectories()
     assert trajectories <= rows * (tokens // per_trajectory)
     assert trajectories > (rows - 1) * (tokens // per_trajectory) or rows == 1
 

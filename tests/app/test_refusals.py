@@ -317,6 +317,17 @@ CASES = [
                                                       "task.max_prompt_tokens=6"), {},
      "prompts.jsonl line 2: the prompt takes 7 tokens (bos included), more than task.max_prompt_tokens=6; raise"
      " task.max_prompt_tokens or shorten the prompt"),
+    ("micro-batch-cannot-fit", ["rollouts.source=synthetic", "batch.rows=65536", "batch.tokens_per_row=4096"], {},
+     "batch.rows × batch.tokens_per_row = 65,536 × 4,096 tokens per micro-batch cannot train model tiny in this"
+     " host's available memory"),
+    # unset, the longest prompt (answer) sizes the run: one of a million tokens is refused before anything is built
+    ("dataset-million-token-prompt", lambda t, g: _dataset(t, _sums(20) + '{"prompt": "' + "1" * 1_000_000
+                                                           + '=", "answer": "1"}\n'), {},
+     "prompts.jsonl line 21: the prompt takes 1,000,002 tokens (bos included), more than the 4,096 a prompt may take"
+     " (task.max_prompt_tokens unset: the longest prompt sizes every micro-batch); shorten or drop the prompt"),
+    ("dataset-million-token-answer", lambda t, g: _dataset(t, _sums(20) + '{"prompt": "9+9=", "answer": "'
+                                                           + "1" * 1_000_000 + '"}\n'), {},
+     "prompts.jsonl line 21: the answer takes 1,000,000 tokens, more than the 4,096 a completion may take"),
     ("dataset-completion-tokens-zero", lambda t, g: _dataset(t, _sums(20), "task.max_completion_tokens=0"), {},
      "task.max_completion_tokens=0 is out of range: it must be in [1, 4096]"),
     ("dataset-keys-on-a-built-in-task", ["task.name=reverse", "task.path=prompts.jsonl"], {},
