@@ -100,9 +100,11 @@ def _read_config(directory: str | Path, key: str) -> dict[str, Any]:
     raise CheckpointDirError(f"{key}={directory}: no such directory; give a Hugging Face checkpoint directory"
                              " (config.json and *.safetensors)")
   config_path = path / CONFIG_FILE
-  if not os.path.lexists(config_path):
+  try:
+    os.lstat(config_path)  # not os.path.lexists: it says False for a file it may not look at (EACCES)
+  except FileNotFoundError:
     raise CheckpointDirError(f"{key}={directory}: it has no {CONFIG_FILE}; give the directory a Hugging Face"
-                             " checkpoint was saved to (config.json beside its *.safetensors)")
+                             " checkpoint was saved to (config.json beside its *.safetensors)") from None
   config = read_json(config_path, what=f"{key}'s {CONFIG_FILE}")
   if not isinstance(config, dict):
     raise CheckpointDirError(f"{key}: {config_path} holds a JSON {type(config).__name__}, not an object;"

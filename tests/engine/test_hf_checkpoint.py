@@ -193,6 +193,18 @@ def test_refusals_of_checkpoint_directories(tiny_checkpoint, tmp_path):
 
   assert "no such directory" in refused(**{"model.checkpoint": str(tmp_path / "missing")})
   assert "has no config.json" in refused(**{"model.checkpoint": str(tmp_path)})
+  real_lstat = hf_checkpoint.os.lstat
+
+  def lstat_denied(path, *args, **kwargs):  # a directory this user may not look into (mode 000, as non-root)
+    if str(path).startswith(str(tmp_path / "locked")):
+      raise PermissionError(13, "Permission denied", str(path))
+    return real_lstat(path, *args, **kwargs)
+
+  (tmp_path / "locked").mkdir()
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(hf_checkpoint.os, "lstat", lstat_denied)
+    assert refused(**{"model.checkpoint": str(tmp_path / "locked")}).endswith(
+        "locked cannot be read (Permission denied); give a directory you can read")
   gpt2 = tmp_path / "gpt2"
   shutil.copytree(tiny_checkpoint, gpt2)
   (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2", "hidden_size": 64}))
