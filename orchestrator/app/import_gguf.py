@@ -18,11 +18,13 @@ import json
 import os
 import secrets
 import shutil
+import stat
 import sys
 from pathlib import Path
 
 from orchestrator.app.arguments import UsageError, UsageErrorParser
 from orchestrator.app.new_directory import missing_parents, remove_empty, writable_above
+from orchestrator.user_files import kind_of
 
 WEIGHTS_FILE = "model.safetensors"
 INSTALL_HINT = "pip install -e '.[gguf]' (or pip install gguf)"
@@ -70,8 +72,12 @@ def _read(path: Path):
   try:
     # import here: gguf_file imports the optional gguf package, so a missing one is named with its install
     from orchestrator.engine import gguf_file
-    if not path.is_file():
-      raise ImportRefused(f"{path}: no such file; give a .gguf model file")
+    try:
+      mode = os.stat(path).st_mode  # not is_file(): a FIFO or a directory is not "no such file"
+    except FileNotFoundError:
+      raise ImportRefused(f"{path}: no such file; give a .gguf model file") from None
+    if not stat.S_ISREG(mode):  # a FIFO is never opened: reading one blocks until a writer comes
+      raise ImportRefused(f"{path} is {kind_of(mode)}, not a file; give a .gguf model file")
     return gguf_file.GGUFCheckpoint(path)
   except ModuleNotFoundError as e:
     if e.name != "gguf":

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 
 import gguf
@@ -111,6 +112,13 @@ def test_bad_files_and_outputs_are_refused_in_one_line_with_nothing_written(tmp_
   _, _, tensors, config = _family_weights("llama")
   good = write_gguf(tmp_path / "good.gguf", tensors, config)
   assert "no such file" in _refused(tmp_path, capsys, tmp_path / "missing.gguf")
+  fifo = tmp_path / "pipe.gguf"
+  os.mkfifo(fifo)  # never opened: a read would block until a writer came
+  assert f"{fifo} is a FIFO (named pipe), not a file" in _refused(tmp_path, capsys, fifo)
+  fifo.unlink()
+  (tmp_path / "dir.gguf").mkdir()
+  assert "dir.gguf is a directory, not a file" in _refused(tmp_path, capsys, tmp_path / "dir.gguf")
+  (tmp_path / "dir.gguf").rmdir()
   text = tmp_path / "notes.txt"
   text.write_text("not a model")
   assert "is not a GGUF file" in _refused(tmp_path, capsys, text)
