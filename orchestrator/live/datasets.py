@@ -31,7 +31,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from orchestrator.live.rewards import final_number, normalise
+from orchestrator.live.rewards import NumberTooLong, final_number, normalise
 from orchestrator.live.tasks import Problem, _held_out
 from orchestrator.live.tokenizer import CharTokenizer
 from orchestrator.user_files import UserFileError, check_regular, read_regular_bytes
@@ -257,7 +257,14 @@ def check_answers(rows: Sequence[Row], answer_field: str, reward: Sequence[str])
       raise DatasetError(f"{row.where}: field {answer_field!r} is {answer!r}, so no completion can be scored"
                          " against it (accuracy would count an empty completion as correct); give every row an"
                          " answer")
-    if "math" in reward and final_number(answer) is None:
+    if "math" not in reward:
+      continue
+    try:
+      number = final_number(answer, strict=True)
+    except NumberTooLong as e:
+      raise DatasetError(f"{row.where}: field {answer_field!r} holds {e}, so math cannot compare it with a"
+                         " completion's; shorten the answer, or drop math from task.reward") from None
+    if number is None:
       raise DatasetError(f"{row.where}: field {answer_field!r} is {answer!r}, which holds no number, but"
                          " task.reward lists math (the completion's final number against the answer's); give"
                          " every row a numeric answer, or drop math from task.reward")

@@ -41,6 +41,7 @@ import importlib
 import inspect
 import math
 import re
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -153,7 +154,11 @@ def last_boxed(text: str) -> str | None:
   return None
 
 
-def final_number(text: str) -> fractions.Fraction | None:
+class NumberTooLong(ValueError):
+  """A number with a run of more digits than Python converts to an int (``sys.get_int_max_str_digits``)."""
+
+
+def final_number(text: str, *, strict: bool = False) -> fractions.Fraction | None:
   """The answer ``text`` gives, as an exact fraction: the number of its last ``\\boxed{...}`` (LaTeX fractions
   read as such), else the first number after its last ``####``, else its last number; None when there is none.
 
@@ -170,8 +175,16 @@ def final_number(text: str) -> fractions.Fraction | None:
   if not numbers:
     return None
   number = numbers[0] if hashes else numbers[-1]  # "#### 42 because 40+2" answers 42
+  number = number.replace(",", "").replace(" ", "")
+  limit = sys.get_int_max_str_digits()
+  digits = max(len(run) for run in re.findall(r"\d+", number))
+  if limit and digits > limit:  # Fraction would raise ValueError: a number all the same, too long to read
+    if strict:
+      raise NumberTooLong(f"a number of {digits:,} digits, more than Python converts"
+                          f" (sys.get_int_max_str_digits() is {limit:,})")
+    return None
   try:
-    return fractions.Fraction(number.replace(",", "").replace(" ", ""))
+    return fractions.Fraction(number)
   except (ValueError, ZeroDivisionError):  # 3/0
     return None
 

@@ -292,6 +292,11 @@ CASES = [
     ("dataset-math-answer-no-number", lambda t, g: _dataset(t, _sums(20) + '{"prompt": "9+9=", "answer": "x"}\n',
                                                             "task.reward=[math]"), {},
      "prompts.jsonl line 21: field 'answer' is 'x', which holds no number, but task.reward lists math"),
+    ("dataset-math-answer-too-long", lambda t, g: _dataset(t, _sums(20) + '{"prompt": "9+9=", "answer": "'
+                                                           + "1" * 10_000 + '"}\n', "task.reward=[math]"), {},
+     "prompts.jsonl line 21: field 'answer' holds a number of 10,000 digits, more than Python converts"
+     " (sys.get_int_max_str_digits() is 4,300), so math cannot compare it with a completion's; shorten the answer,"
+     " or drop math from task.reward"),
     ("dataset-parquet-not-parquet", lambda t, g: _dataset(t, GOOD_ROW, name="prompts.parquet"), {},
      "prompts.parquet is not a Parquet file pyarrow can read"),
     ("dataset-row-lacks-field", lambda t, g: _dataset(t, GOOD_ROW + '{"prompt": "2+2=", "solution": "4"}\n'), {},
