@@ -252,8 +252,19 @@ class Reward:
       arguments.update({name: columns[name] for name in accepted_names(term.fn, columns)})
       values = term_values(term, arguments, where, timeout_s=self.timeout_s, cancelled=cancelled)
       total += term.weight * _checked(term, values, where, indices, prompts)
+    over = np.flatnonzero(~(np.abs(total) <= FLOAT32_MAX))
+    if over.size:
+      k = int(over[0])
+      weights = ", ".join(f"{t.name!r} × {t.weight:g}" for t in self.terms)
+      raise RewardError(f"the weighted reward ({weights}) of completion {k} (prompt index {indices[k]}:"
+                        f" {prompts[k]!r}) {where} is {total[k]:g}, past float32's range (|reward| <="
+                        f" {FLOAT32_MAX:.4g}), which the trainer holds rewards in; lower task.reward_weights or"
+                        " the rewards' scale")
     return total.astype(np.float32)
 
+
+#: The largest reward (and weighted sum) float32 holds: the trainer's rewards and advantages are float32.
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 #: The arguments every reward function gets; a dataset field of one of these names is not passed.
 REWARD_ARGUMENTS = ("prompts", "completions", "answer", "mode")
@@ -314,6 +325,10 @@ def _checked(term: Term, values, where: str, indices: Sequence[int], prompts: Se
     if number is None or not math.isfinite(number):
       raise RewardError(f"task.reward entry {term.name!r} returned {value!r} for completion {k} (prompt index"
                         f" {indices[k]}: {prompts[k]!r}); a reward must be a finite real number")
+    if abs(number) > FLOAT32_MAX:
+      raise RewardError(f"task.reward entry {term.name!r} returned {value!r} for completion {k} (prompt index"
+                        f" {indices[k]}: {prompts[k]!r}) {where}, past float32's range (|reward| <="
+                        f" {FLOAT32_MAX:.4g}), which the trainer holds rewards in; scale it down")
     out[k] = number
   return out
 

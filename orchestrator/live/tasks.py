@@ -292,7 +292,7 @@ def group_advantages(rewards: np.ndarray, generations: int, scaling: str = "grou
   estimator) or not (``scaling`` "none": Dr. GRPO's, Tunix's ``compute_drgrpo_advantages``)."""
   from tunix.rl import algo_core  # import here: the recipe reads this module before JAX (Tunix imports it)
 
-  rewards = np.asarray(rewards, np.float32)
+  rewards = np.asarray(rewards, np.float64)  # float32's squares overflow past ~1.8e19: every advantage 0
   if rewards.ndim != 1 or len(rewards) % generations:
     raise ValueError(f"{len(rewards)} rewards do not split into groups of {generations}")
   if scaling == "none":

@@ -417,6 +417,11 @@ class TaskSection:
     if not (math.isfinite(self.reward_timeout_s) and 0 < self.reward_timeout_s <= MAX_REWARD_TIMEOUT_S):
       raise RecipeError(f"task.reward_timeout_s={self.reward_timeout_s} is out of range: it must be a number of"
                         f" seconds in (0, {MAX_REWARD_TIMEOUT_S:,}], how long one reward call may take")
+    for i, weight in enumerate(self.reward_weights):
+      if not abs(weight) <= rewards_lib.FLOAT32_MAX:
+        raise RecipeError(f"task.reward_weights[{i}]={weight:g} is past float32's range (|weight| <="
+                          f" {rewards_lib.FLOAT32_MAX:.4g}), which the weighted rewards are held in; give a"
+                          " smaller weight")
     if self.name == DATASET:
       self._check_dataset_keys()
     else:

@@ -292,6 +292,9 @@ CASES = [
     ("dataset-math-answer-no-number", lambda t, g: _dataset(t, _sums(20) + '{"prompt": "9+9=", "answer": "x"}\n',
                                                             "task.reward=[math]"), {},
      "prompts.jsonl line 21: field 'answer' is 'x', which holds no number, but task.reward lists math"),
+    ("reward-weight-past-float32", ["task.reward=[exact]", "task.reward_weights=[1e39]"], {},
+     "task.reward_weights[0]=1e+39 is past float32's range (|weight| <= 3.403e+38), which the weighted rewards are"
+     " held in; give a smaller weight"),
     ("dataset-math-answer-too-long", lambda t, g: _dataset(t, _sums(20) + '{"prompt": "9+9=", "answer": "'
                                                            + "1" * 10_000 + '"}\n', "task.reward=[math]"), {},
      "prompts.jsonl line 21: field 'answer' holds a number of 10,000 digits, more than Python converts"

@@ -15,6 +15,7 @@ import sys
 import textwrap
 import threading
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -24,7 +25,7 @@ from orchestrator.app import cli
 from orchestrator.live import datasets, rewards
 from orchestrator.live.hf_tokenizer import HFTokenizer, char_tokenizer_json
 from orchestrator.live.rewards import RewardError, make_reward
-from orchestrator.live.tasks import FirstLetter, ModularAddition, Problem, split_sizes
+from orchestrator.live.tasks import FirstLetter, ModularAddition, Problem, group_advantages, split_sizes
 from orchestrator.recipe.schema import TaskSection
 
 ROWS = [{"prompt": f"{a}+{b}=", "answer": str(a + b), "id": f"{a}{b}"} for a in range(7) for b in range(7)]
@@ -399,6 +400,29 @@ def test_a_reward_that_does_not_return_one_real_number_per_completion_stops_the_
   with pytest.raises(RewardError) as e:
     reward(PROBLEMS, ["2", "3", "4", "4"], indices=[6, 6, 7, 7], step=3)
   assert f"task.reward entry '{name}:score' {message}" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.spec
+def test_a_reward_or_weighted_sum_past_float32_is_refused_naming_it_not_as_a_nan_advantage(fresh_module):
+  """The trainer holds rewards in float32: 1e39 would be inf there, and its group's advantages nan. The reward
+  that returned it is named (or, for a weighted sum, the weights); negative control: 3e38 alone passes."""
+  big, name = _own("return [1e39, 0.0, 0.0, 0.0]", fresh_module)
+  with pytest.raises(RewardError) as e:
+    big(PROBLEMS, ["2", "3", "4", "4"], indices=[6, 6, 7, 7], step=3)
+  assert str(e.value).startswith(f"task.reward entry '{name}:score' returned 1e+39 for completion 0 (prompt index 6:")
+  assert "past float32's range" in str(e.value)
+  fine, name = _own("return [3e38, 0.0, 0.0, 0.0]", fresh_module)
+  assert fine(PROBLEMS, ["2", "3", "4", "4"], indices=[6, 6, 7, 7])[0] == np.float32(3e38)
+  doubled = make_reward(ModularAddition(), [f"{name}:score", f"{name}:score"], [], None)
+  with pytest.raises(RewardError, match=r"the weighted reward \('.*:score' × 1, '.*:score' × 1\) of completion 0"):
+    doubled(PROBLEMS, ["2", "3", "4", "4"], indices=[6, 6, 7, 7], step=3)
+
+
+@pytest.mark.engine
+def test_large_rewards_keep_their_advantages():
+  """Rewards near 1e20: float32's squares would overflow the group std and zero every advantage."""
+  adv = group_advantages(np.array([1e20, 0, 0, 0], np.float64), 4)
+  assert np.all(np.isfinite(adv)) and adv[0] > 0 > adv[1]
 
 
 @pytest.mark.spec
