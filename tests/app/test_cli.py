@@ -485,7 +485,7 @@ def test_failure_during_the_run_exits_1_naming_the_step(tmp_path, capsys, monkey
   from orchestrator import assembly
 
   class Boom:
-    current_step = 2
+    current_step, loaded_weights = 2, None
 
     def run(self):
       (tmp_path / "out" / "records.jsonl").write_text('{"step": 0}\n')

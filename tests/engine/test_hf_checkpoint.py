@@ -154,7 +154,7 @@ def test_a_live_run_on_the_checkpoint_is_the_preset_s_run_and_exports_back(train
   # the run names the digest of the weights it loaded (the preset's, here), in config.json and its summary
   loaded = json.loads((run / "config.json").read_text())["loaded_weights"]
   assert loaded["weights_digest"] == tree_digest(initial) and str(tiny_checkpoint) in loaded["model.checkpoint"]
-  assert _summary(run)["run"]["loaded_weights"] == loaded
+  assert _summary(run)["loaded_weights"] == loaded
 
   assert cli.main(["export", str(run), "--out", str(exported)]) == 2  # never into an existing directory
   assert "already exists" in capsys.readouterr().err

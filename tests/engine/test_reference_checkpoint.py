@@ -44,9 +44,8 @@ def test_the_reference_is_the_checkpoint_named_and_by_default_the_start(tmp_path
 @pytest.mark.parametrize("case,expected", [
     ("no-kl", "is the KL term's reference, but engine.kl_beta is 0"),
     ("other-sizes", "is not a checkpoint of the model trained"),
-    ("other-norm-eps", "runs with other settings than the model trained (tiny): its config.json has"
-                       " rms_norm_eps=1e-05 (the trained model's 1e-06); the KL term computes the reference with"
-                       " the trained model's settings"),
+    ("other-norm-eps", "/model): its config.json has rms_norm_eps=1e-05 (the trained model's 1e-06); the KL term"
+                       " computes the reference with the trained model's settings"),
     ("shorter-context", "is longer than the model's context of 8 tokens (max_position_embeddings in"
                         " model.reference_checkpoint's config.json)"),
     ("missing", "/nowhere"),

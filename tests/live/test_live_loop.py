@@ -379,9 +379,13 @@ def test_a_live_run_records_the_rollouts_it_trained_on_and_they_replay(tmp_path,
   assert manifest["sampled_distribution"]["temperature"] == 0.7
   assert len(manifest["sampled_distribution"]["token_ids"]) == TASK.letters  # the answer alphabet's ids
 
+  # the live run's micro-batch shape (its tokens per row derived from the task), so each replayed step holds
+  # what the live step held: a wider row would pack the next batch's groups, sampled with newer weights
+  tokens = json.loads((tmp_path / "run" / "config.json").read_text())["config"]["batch"]["tokens_per_row"]
+
   def replay_step_0(out):
     code = cli.main(["steps=1", "rollouts.source=recording", f"rollouts.recording={recording}", *shape,
-                     "--out", str(tmp_path / out)])
+                     f"batch.tokens_per_row={tokens}", "--out", str(tmp_path / out)])
     return code, (json.loads((tmp_path / out / "records.jsonl").read_text().splitlines()[0]) if code == 0 else None)
 
   code, first = replay_step_0("replay")
