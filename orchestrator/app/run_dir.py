@@ -234,11 +234,12 @@ class DirLock:
   """An exclusive lock on a directory (``DIR/run.lock``); the OS releases it when the process ends.
 
   A directory the lock created and nothing else wrote into is removed again on release (a refusal after the
-  lock leaves nothing behind).
+  lock leaves nothing behind); so is a lock file it created in a run directory that had none (``lock_run``:
+  a refused resume or export leaves the directory as it found it).
   """
 
-  def __init__(self, path: Path, fd: int | None, *, created: bool = False):
-    self.path, self._fd, self._created = path, fd, created
+  def __init__(self, path: Path, fd: int | None, *, created: bool = False, made_file: bool = False):
+    self.path, self._fd, self._created, self._made_file = path, fd, created, made_file
 
   def release(self) -> None:
     if self._fd is None:  # released, or a re-entry of a lock this process already holds
@@ -247,6 +248,8 @@ class DirLock:
     if self._created and [p.name for p in self.path.iterdir()] == [LOCK]:
       (self.path / LOCK).unlink()
       self.path.rmdir()
+    elif self._made_file:  # unlinked while held: a process that opened it retries on a new file (``lock``)
+      (self.path / LOCK).unlink(missing_ok=True)
     os.close(self._fd)  # closing the descriptor drops the lock
     self._fd = None
 
@@ -266,8 +269,9 @@ def _key(path: Path) -> str:
   return os.path.realpath(path)
 
 
-def lock(path: Path, *, flag: str, create: bool = False) -> DirLock:
-  """Takes ``path``'s lock before anything there is read or written, creating the directory if ``create``.
+def lock(path: Path, *, flag: str, create: bool = False, keep_file: bool = True) -> DirLock:
+  """Takes ``path``'s lock before anything there is read or written, creating the directory if ``create``;
+  without ``keep_file``, a lock file this call creates is removed again on release.
 
   Raises:
     RunDirError: another process holds it (its pid and command named), or ``path`` cannot be written.
@@ -286,6 +290,7 @@ def lock(path: Path, *, flag: str, create: bool = False) -> DirLock:
   if not os.access(path, os.W_OK | os.X_OK):
     raise RunDirError(f"{flag} {path}: the directory is not writable; every run writes its outputs there"
                       " (a resume writes a new segment): make it writable, or copy the run somewhere writable")
+  made_file = not keep_file and not os.path.lexists(path / LOCK)
   try:
     fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)  # never write through a link
   except OSError as e:
@@ -299,11 +304,18 @@ def lock(path: Path, *, flag: str, create: bool = False) -> DirLock:
       raise RunDirError(f"{flag} {path}: cannot lock {path / LOCK} ({e.strerror})") from None
     raise RunDirError(f"{flag} {path} is in use by {holder}; wait for it to end or stop it,"
                       " then try again") from None
+  try:
+    same_file = os.stat(path / LOCK, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
+  except FileNotFoundError:
+    same_file = False
+  if not same_file:  # its holder removed the file it had made (``DirLock.release``): lock the one there now
+    os.close(fd)
+    return lock(path, flag=flag, create=create, keep_file=keep_file)
   os.ftruncate(fd, 0)
   os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "command": " ".join(sys.argv),
                            "since": datetime.datetime.now().isoformat(timespec="seconds")}).encode())
   _HELD.add(_key(path))
-  return DirLock(path, fd, created=created)
+  return DirLock(path, fd, created=created, made_file=made_file)
 
 
 def lock_run(path: Path, *, flag: str) -> DirLock:
@@ -312,15 +324,16 @@ def lock_run(path: Path, *, flag: str) -> DirLock:
   A directory that has no lock file was never locked by a run: it is checked to
   hold a run (``read_config``) before a lock file is written into it, so that a
   directory that is not a run (a recording, a model checkpoint) is refused with
-  nothing written. A run's directory keeps its lock file, so its lock is taken
-  before anything there is read.
+  nothing written, and the lock file it then writes is removed again on release (a copied run, or one of an
+  older version, is left as it was found). A run's directory keeps the lock file its run made, so its lock is
+  taken before anything there is read.
 
   Raises:
     RunDirError: no run there, or ``lock``'s refusals.
   """
   if not (path / LOCK).exists() and not (path / LOCK).is_symlink():
     read_config(path, flag=flag)
-  return lock(path, flag=flag)
+  return lock(path, flag=flag, keep_file=False)
 
 
 def holds_only_its_lock(path: Path) -> bool:

@@ -463,10 +463,36 @@ def test_a_directory_that_holds_no_run_gets_no_lock_file(make, tmp_path):
   with pytest.raises(run_dir.RunDirError, match=r"holds no run|is not a run config written by run_rl"):
     run_dir.lock_run(target, flag="--resume")
   assert sorted(p.name for p in target.iterdir()) == before
-  # The negative control: a run's directory that has lost its lock file gets one.
+  # The negative control: a run's directory that has lost its lock file gets one while it is held, and it is
+  # removed again on release (a refused resume leaves the directory as it found it).
   run = _hand_made_run(tmp_path / "run")
   with run_dir.lock_run(run, flag="--resume"):
     assert (run / run_dir.LOCK).is_file()
+  assert not (run / run_dir.LOCK).exists()
+
+
+@pytest.mark.e2e
+def test_a_refused_resume_of_a_run_without_a_lock_file_leaves_none(tmp_path, capsys, monkeypatch):
+  """A copied run (no lock file), refused at its resume (no checkpoint to continue from), is left as found. A
+  process that opened the lock file just before its holder removed it takes the lock on the file there now,
+  never on the removed one (which would let a third process lock the new file beside it)."""
+  run = _hand_made_run(tmp_path / "run")
+  before = sorted(p.name for p in run.iterdir())
+  assert cli.main(["--resume", str(run)]) == 2
+  assert sorted(p.name for p in run.iterdir()) == before
+  held = run_dir.lock_run(run, flag="--resume")
+  monkeypatch.setattr(run_dir, "_HELD", set())  # what follows is another process's
+  real_flock, released = run_dir.fcntl.flock, []
+
+  def flock_after_the_holder_lets_go(fd, operation):
+    if not released:  # between this open and this flock, the holder releases (and removes its file)
+      released.append(True)
+      held.release()
+    return real_flock(fd, operation)
+
+  monkeypatch.setattr(run_dir.fcntl, "flock", flock_after_the_holder_lets_go)
+  with run_dir.lock(run, flag="--resume") as taken:
+    assert os.fstat(taken._fd).st_ino == os.stat(run / run_dir.LOCK).st_ino  # the file there, not the removed
 
 
 @pytest.mark.e2e
