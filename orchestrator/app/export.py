@@ -28,7 +28,6 @@ import json
 import logging
 import os
 import re
-import secrets
 import shutil
 import sys
 from collections.abc import Callable
@@ -41,7 +40,8 @@ from orchestrator import recipe as recipe_lib
 from orchestrator.app import checkpoint_state, inputs, run_dir
 from orchestrator.app.plan import checkpoint_dir_for
 from orchestrator.app.arguments import UsageError, UsageErrorParser
-from orchestrator.app.new_directory import missing_parents, remove_empty, writable_above
+from orchestrator.app.new_directory import (Terminated, make_partial, missing_parents, remove_empty,
+                                            remove_stale_partials, sigterm_raises, writable_above)
 from orchestrator.app.run_dir import RunDirError
 from orchestrator.engine import hf_checkpoint
 from orchestrator.engine.presets import ModelPreset, load_preset
@@ -68,13 +68,17 @@ def export_main(argv: list[str]) -> int:
   try:
     args = p.parse_intermixed_args(argv)
     path = Path(args.run_dir)
-    with run_dir.lock_run(path, flag="run_rl export") if path.is_dir() else contextlib.nullcontext():
+    with sigterm_raises(), (run_dir.lock_run(path, flag="run_rl export") if path.is_dir()
+                            else contextlib.nullcontext()):
       source = _source(path, args.checkpoint, args.out)  # the run's lock: no resume or run writes checkpoints meanwhile
       out = _check_out(Path(args.out), path, Path(source["checkpoints"]))
       summary = export(source, out)
   except (UsageError, ExportError, RunDirError, RecipeError, UserFileError, OSError) as e:
     print(f"run_rl export: error: {e}", file=sys.stderr)
     return 2
+  except Terminated:
+    print("run_rl export: stopped by SIGTERM; nothing is at --out (the partial export was removed)", file=sys.stderr)
+    return 143
   print(f"run_rl export: wrote {out} from {source['checkpoint_path']} (after step {source['step']});"
         f" weights digest {summary['weights_digest']}")
   return 0
@@ -268,12 +272,14 @@ def export(source: dict[str, Any], out: Path) -> dict[str, Any]:
 
   params = _restore_params(source)
   _check_finite(params, source)
-  partial = out.absolute().parent / f".{out.name}.{secrets.token_hex(4)}.partial"
+  for stale in remove_stale_partials(out):
+    print(f"run_rl export: removed {stale}, the partial folder of an export to {out} that was killed before it"
+          " finished", file=sys.stderr)
   made_parents = missing_parents(out)
   try:
     for directory in made_parents:
       _write(directory, directory.mkdir)
-    _write(out, partial.mkdir)  # exclusive, with the user's umask (as DIR gets it)
+    partial, held = _write(out, lambda: make_partial(out))  # locked while written: not stale
   except BaseException:
     remove_empty(made_parents)
     raise
@@ -289,6 +295,8 @@ def export(source: dict[str, Any], out: Path) -> dict[str, Any]:
     shutil.rmtree(partial, ignore_errors=True)  # made here just now: nothing of anyone else's is in it
     remove_empty(made_parents)
     raise
+  finally:
+    os.close(held)
   return summary
 
 

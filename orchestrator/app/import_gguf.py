@@ -16,14 +16,14 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
-import secrets
 import shutil
 import stat
 import sys
 from pathlib import Path
 
 from orchestrator.app.arguments import UsageError, UsageErrorParser
-from orchestrator.app.new_directory import missing_parents, remove_empty, writable_above
+from orchestrator.app.new_directory import (Terminated, make_partial, missing_parents, remove_empty,
+                                            remove_stale_partials, sigterm_raises, writable_above)
 from orchestrator.user_files import kind_of
 
 WEIGHTS_FILE = "model.safetensors"
@@ -54,12 +54,17 @@ def import_gguf_main(argv: list[str]) -> int:
   p.add_argument("--out", required=True, help="a new directory for config.json, model.safetensors, tokenizer")
   try:
     args = p.parse_intermixed_args(argv)
-    out = _check_out(Path(args.out))
-    checkpoint = _read(Path(args.file))
-    count = write(checkpoint, out)
+    with sigterm_raises():
+      out = _check_out(Path(args.out))
+      checkpoint = _read(Path(args.file))
+      count = write(checkpoint, out)
   except (UsageError, ImportRefused, OSError) as e:
     print(f"run_rl import-gguf: error: {e}", file=sys.stderr)
     return 2
+  except Terminated:
+    print("run_rl import-gguf: stopped by SIGTERM; nothing is at --out (the partial import was removed)",
+          file=sys.stderr)
+    return 143
   config = checkpoint.config
   print(f"run_rl import-gguf: wrote {out} from {args.file}: a {config['model_type']} model,"
         f" {config['num_hidden_layers']} layers, width {config['hidden_size']}, {count} tensors as float32,"
@@ -105,12 +110,14 @@ def write(checkpoint, out: Path) -> int:
   from safetensors import SafetensorError
   from safetensors.numpy import save_file
 
-  partial = out.absolute().parent / f".{out.name}.{secrets.token_hex(4)}.partial"
+  for stale in remove_stale_partials(out):
+    print(f"run_rl import-gguf: removed {stale}, the partial folder of an import to {out} that was killed before"
+          " it finished", file=sys.stderr)
   made_parents = missing_parents(out)
   try:
     for directory in made_parents:
       directory.mkdir()
-    partial.mkdir()
+    partial, held = make_partial(out)  # locked while written: not stale
   except OSError as e:
     remove_empty(made_parents)
     raise ImportRefused(f"making {out}'s directory failed ({e.strerror or e}); nothing is at --out: choose a --out"
@@ -132,4 +139,6 @@ def write(checkpoint, out: Path) -> int:
       raise ImportRefused(f"writing {out} failed ({getattr(e, 'strerror', None) or e}); nothing is at --out: free"
                           " space or choose a --out you can write") from None
     raise
+  finally:
+    os.close(held)
   return len(tensors)

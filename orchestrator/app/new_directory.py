@@ -3,7 +3,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
+import re
+import secrets
+import shutil
+import signal
+import threading
 from pathlib import Path
 
 
@@ -40,3 +47,65 @@ def remove_empty(made_parents: list[Path]) -> None:
       directory.rmdir()
     except OSError:
       return
+
+
+class Terminated(BaseException):
+  """SIGTERM while a command writes a new directory (``sigterm_raises``): its cleanup runs as for Ctrl-C."""
+
+
+@contextlib.contextmanager
+def sigterm_raises():
+  """SIGTERM raises ``Terminated`` meanwhile (not the default: an exit that skips every cleanup, leaving the
+  hidden partial folder); a SIGTERM ignored by whoever started the process stays ignored."""
+  if (threading.current_thread() is not threading.main_thread()
+      or signal.getsignal(signal.SIGTERM) is signal.SIG_IGN):
+    yield
+    return
+
+  def _raise(signum, frame):
+    raise Terminated()
+
+  previous = signal.signal(signal.SIGTERM, _raise)
+  try:
+    yield
+  finally:
+    signal.signal(signal.SIGTERM, previous)
+
+
+def make_partial(out: Path) -> tuple[Path, int]:
+  """A new hidden sibling of ``out`` to write into (renamed to ``out`` once complete), and a descriptor holding
+  its lock (``flock``) until closed: a partial folder no process holds was left by one that was killed."""
+  partial = out.absolute().parent / f".{out.name}.{secrets.token_hex(4)}.partial"
+  partial.mkdir()  # exclusive, with the user's umask
+  fd = os.open(partial, os.O_RDONLY | os.O_DIRECTORY)
+  fcntl.flock(fd, fcntl.LOCK_EX)
+  return partial, fd
+
+
+def remove_stale_partials(out: Path) -> list[Path]:
+  """Removes the hidden partial folders of ``out`` (``.NAME.XXXXXXXX.partial``) that no process holds: those of
+  a write that was killed (SIGKILL, a power cut). Returns them, for the note."""
+  parent = out.absolute().parent
+  pattern = re.compile(rf"\.{re.escape(out.name)}\.[0-9a-f]{{8}}\.partial")
+  removed = []
+  try:
+    entries = [p for p in parent.iterdir() if pattern.fullmatch(p.name)]
+  except OSError:
+    return removed
+  for entry in entries:
+    if entry.is_symlink() or not entry.is_dir():
+      continue
+    try:
+      fd = os.open(entry, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+      continue
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+      continue  # another export or import is writing it now
+    else:
+      shutil.rmtree(entry, ignore_errors=True)
+      removed.append(entry)
+    finally:
+      os.close(fd)
+  return removed

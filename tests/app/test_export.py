@@ -11,13 +11,15 @@ import errno
 import json
 import os
 import shutil
+import signal
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from orchestrator import recipe as recipe_lib
-from orchestrator.app import checkpoint_state, cli, export as export_lib
+from orchestrator.app import checkpoint_state, cli, export as export_lib, new_directory
 
 RUN = ["model=tiny", "rollouts.source=synthetic", "batch.micro_batches_per_step=1", "batch.rows=4",
        "run.reserve_host_core=false"]
@@ -169,6 +171,35 @@ def test_a_failed_rename_into_place_removes_the_partial_export(finished, tmp_pat
   out = tmp_path / "out"
   line = _one_line_refusal(*_export(capsys, finished, "--out", out))
   assert "Read-only file system" in line and _nothing_at(out)
+
+
+@pytest.mark.e2e
+def test_a_killed_export_s_partial_folder_is_removed_by_the_next_export_of_that_out(finished, tmp_path, capsys,
+                                                                                   monkeypatch):
+  """SIGKILL leaves the hidden partial folder: the next export of that --out removes it, with a note; one a live
+  export holds (its lock) is left alone, as is another --out's. SIGTERM during the write removes its own."""
+  out = tmp_path / "out"
+  killed = tmp_path / ".out.0a1b2c3d.partial"
+  killed.mkdir()
+  (killed / "model.safetensors").write_bytes(b"half")
+  other = tmp_path / ".elsewhere.0a1b2c3d.partial"
+  other.mkdir()
+  live, held = new_directory.make_partial(out)  # a concurrent export's, still being written
+  try:
+    code, err = _export(capsys, finished, "--out", out)
+    assert code == 0, err
+    assert f"removed {killed}, the partial folder of an export to {out} that was killed before it finished" in err
+    assert not killed.exists() and live.is_dir() and other.is_dir()
+  finally:
+    os.close(held)
+
+  def terminated(*args, **kwargs):  # SIGTERM arrives while the weights are written
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(1)
+
+  monkeypatch.setattr("safetensors.numpy.save_file", terminated)
+  code, err = _export(capsys, finished, "--out", tmp_path / "second")
+  assert code == 143 and "stopped by SIGTERM; nothing is at --out" in err and _nothing_at(tmp_path / "second")
 
 
 # ------------------------------------------------------------------ a run that ended on a non-finite step

@@ -6,7 +6,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 import sys
+import time
 
 import gguf
 import jax
@@ -167,6 +169,26 @@ def test_missing_parents_of_out_are_made_and_removed_again_when_the_write_fails(
   assert not (tmp_path / "made").exists()  # the parents it made are gone with the failed write
   (tmp_path / "file").write_text("not a directory")
   assert "is not a writable directory" in _refused(tmp_path, capsys, good, out_name="file/below/it")
+
+
+def test_a_killed_import_s_partial_folder_is_removed_by_the_next_import_and_sigterm_removes_its_own(tmp_path, capsys,
+                                                                                                    monkeypatch):
+  _, _, tensors, config = _family_weights("llama")
+  good = write_gguf(tmp_path / "good.gguf", tensors, config)
+  killed = tmp_path / ".imported.0a1b2c3d.partial"  # what a SIGKILL mid-write leaves
+  killed.mkdir()
+  code, out, captured = _import(tmp_path, good, capsys)
+  assert code == 0 and not killed.exists()
+  assert f"removed {killed}, the partial folder of an import to {out} that was killed before it finished" in captured.err
+
+  def terminated(*args, **kwargs):  # SIGTERM arrives while the weights are written
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(1)
+
+  monkeypatch.setattr(safetensors.numpy, "save_file", terminated)
+  code, out, captured = _import(tmp_path, good, capsys, out_name="second")
+  assert code == 143 and "stopped by SIGTERM; nothing is at --out" in captured.err
+  assert not out.exists() and not list(tmp_path.glob(".second.*"))
 
 
 def test_a_quantisation_gguf_cannot_dequantize_is_refused_naming_the_tensor(tmp_path, capsys):
