@@ -208,7 +208,8 @@ def _serve(recipe, listen: str, checkpoint_dir: str, token: str | None, token_de
     return _refuse(str(e))
   host, _ = protocol.split_address(listen)
   for sig in (signal.SIGINT, signal.SIGTERM):  # a stop request is the normal end of a server: exit 0
-    signal.signal(sig, lambda signum, frame: stop.set())
+    if signal.getsignal(sig) is not signal.SIG_IGN:  # ignored by whoever started it (nohup): stays so
+      signal.signal(sig, lambda signum, frame: stop.set())
   print(f"run_rl serve-trainer: listening on {host}:{port} (recipe {recipe.name}, model {recipe.model.name},"
         f" protocol {protocol.PROTOCOL_VERSION}, {token_described}; checkpoints in {checkpoint_dir};"
         f" {describe_devices(recipe.mesh)})", flush=True)

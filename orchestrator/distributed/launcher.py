@@ -118,7 +118,9 @@ class LocalJob:
 
   def run(self) -> int:
     """Starts the processes, waits for them, and returns the run's exit code."""
-    previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    # a signal ignored by whoever started the run stays ignored, here and in the processes (they inherit it)
+    previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)
+                if signal.getsignal(sig) is not signal.SIG_IGN}
     try:
       self._start()
       returncodes, first = self._wait()
