@@ -5,6 +5,7 @@ the four boundary modes still train to one digest, and the options do change wha
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -43,3 +44,17 @@ def test_every_mode_trains_to_one_digest_with_every_option_on(tmp_path):
   assert [r["step"] for r in records if r["eval_accuracy"] is not None] == [2, 5]
   plain, _ = _digest(tmp_path, "plain", LIVE)
   assert plain not in digests.values()  # the negative control: the options change what trains
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("temperature", [0.05, 0.3, 2.0])
+def test_the_live_loop_trains_at_any_temperature_without_nan(tmp_path, temperature):
+  """The tempered distribution divides before it masks (the sampler's restriction, the loss, the entropy alike):
+  at 0.05 the masked logits' fill no longer overflows to -inf, so the loss, entropy and drift stay finite, and
+  the sampler's own weights still give a ratio of 1 at the first step."""
+  _, records = _digest(tmp_path, f"t{temperature}", ["steps=3", "rollouts.groups_per_micro_batch=2", "batch.rows=4",
+                                                     "task.eval_prompts=4", "run.reserve_host_core=false",
+                                                     "metrics.backends=[]", f"rollouts.temperature={temperature}"])
+  for r in records:
+    assert all(math.isfinite(r[key]) for key in ("loss", "grad_norm", "entropy", "ppo_kl")), r
+  assert abs(records[0]["ppo_kl"]) < 1e-4
