@@ -336,10 +336,13 @@ class RunHandle:
   def current_step(self):
     return self.program.current_step
 
-  @property
-  def steps_done(self) -> int:
-    """The steps the run has finished, a resumed run's earlier ones included."""
-    return self.program.steps_done
+  def stop_keeps(self) -> str:
+    """What a stop now would end with (``signals.STOP_KEEPS``' keys): a checkpoint to resume from ("kept": a
+    finished step of an engine that writes them, or the checkpoint a resumed run started from), one once the
+    first step finishes, or none (an engine that writes no checkpoints)."""
+    if not self.program.worker.capabilities.can_checkpoint:
+      return "none"
+    return "kept" if self.program.steps_done else "after the first step"
 
   def close(self):
     """Closes the progress, the metrics log (its events flushed), then the remote trainer (and a spawned

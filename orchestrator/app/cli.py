@@ -35,7 +35,7 @@ from orchestrator.app.import_gguf import import_gguf_main
 from orchestrator.engine.compilation_cache import COMPILATION_CACHE_ENV, use_compilation_cache
 from orchestrator.app.run_dir import RunDirError, default_out
 from orchestrator.app.serve_trainer import serve_main
-from orchestrator.app.signals import startup_interrupts
+from orchestrator.app.signals import EXIT_NOTHING_TO_RESUME, startup_interrupts
 from orchestrator.data.recording import RecordingError, write_recording
 from orchestrator.data.synthetic import RolloutShape, generate_groups
 from orchestrator.distributed.launcher import LAUNCHED_ENV
@@ -299,12 +299,17 @@ SUBCOMMANDS = {"record": record_main, "rig": rig_main, "simulate": simulate_main
 def main(argv: list[str] | None = None) -> int:
   phases.restart()
   phases.mark("imports")
+  argv = sys.argv[1:] if argv is None else argv
   try:
     with startup_interrupts():
-      return _main(sys.argv[1:] if argv is None else argv)
+      return _main(argv)
   except KeyboardInterrupt:  # outside a run's own handlers (start-up, imports, a subcommand)
-    print("run_rl: interrupted", file=sys.stderr)
-    return 130
+    if argv and (argv[0] in SUBCOMMANDS or "--resume" in argv):  # a command's, or a resume's (its checkpoints stay)
+      print("run_rl: interrupted", file=sys.stderr)
+      return 130
+    print("run_rl: interrupted before the run's first step: nothing was trained, so there is nothing to resume",
+          file=sys.stderr)
+    return EXIT_NOTHING_TO_RESUME
 
 
 def _resume_main(args: argparse.Namespace) -> int:

@@ -220,7 +220,7 @@ def _run_program(plan: RunPlan, *, source, resume, job: job_lib.Job) -> int:
   recipe, out, run_id, write_dir = plan.recipe, plan.out, plan.run_id, plan.write_dir
   with StopSignals(out, quiet=not job.is_primary) as stop:  # held to the end: a late Ctrl-C gets no traceback
     handle, code = None, None
-    stop.steps_finished = lambda: resume.steps_done if resume is not None else 0  # until the run is built
+    stop.keeps = lambda: "kept" if resume is not None else "after the first step"  # until the run is built
     try:
       # import here: gRPC and the engines load after setup_host (a refusal loads neither)
       from orchestrator.assembly import build_run
@@ -231,7 +231,7 @@ def _run_program(plan: RunPlan, *, source, resume, job: job_lib.Job) -> int:
                          progress=functools.partial(Progress, recipe.name, total=recipe.steps), job=job,
                          write_dir=write_dir, config_sha256=plan.config_sha256)
       job.current_step = lambda: handle.current_step  # the step a lost peer's line names
-      stop.steps_finished = lambda: handle.steps_done
+      stop.keeps = handle.stop_keeps
       if handle.loaded_weights is not None and job.is_primary:  # the closing lines print it
         run_dir.record_in_config(out, "loaded_weights", handle.loaded_weights)
       result = handle.run()

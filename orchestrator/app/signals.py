@@ -31,11 +31,19 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from orchestrator.distributed.launcher import resume_hint
+from orchestrator.distributed.launcher import has_complete_checkpoint, resume_hint
 
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
 #: A stop after which there is nothing to resume (no checkpoint of this run or of the one it resumed).
 EXIT_NOTHING_TO_RESUME = 4
+#: What a stop would end with, as ``StopSignals.keeps`` says it, and how the first line puts it.
+STOP_KEEPS = {
+    "kept": ("stopping after the step in flight, or after the last finished step if the next one still waits for"
+             " its rollouts, checkpointed"),
+    "after the first step": ("stopping after the first step if it finishes (checkpointed); a stop while it waits"
+                             " for its rollouts ends with nothing to resume"),
+    "none": "stopping after the step in flight; this engine writes no checkpoints, so nothing can be resumed",
+}
 #: The stop signals whoever started run_rl set to be ignored (read as start-up begins: ``startup_interrupts``).
 _ignored_at_start: set[signal.Signals] = set()
 # Signals this soon after the first are that one stop: `timeout` at a terminal, or any wrapper that forwards
@@ -74,14 +82,14 @@ class StopSignals:
   One after that: stop at once, with one line. A signal ignored at the process's start is left ignored.
 
   Attributes:
-    steps_finished: set by the run once it is built: how many steps the run has done, a resumed run's earlier
-      ones included (the first line promises a checkpoint only once there is one to keep or to resume from).
+    keeps: set by the run: what a stop now would end with (``STOP_KEEPS``), so that the first line promises a
+      checkpoint only where there will be one to resume from.
   """
 
   def __init__(self, out: Path, *, quiet: bool = False):
     self.out, self.quiet = out, quiet
     self.received: signal.Signals | None = None
-    self.steps_finished: Callable[[], int] | None = None
+    self.keeps: Callable[[], str] = lambda: "after the first step"
     self._first_at = 0.0
     self._previous: dict[int, Any] = {}
 
@@ -108,17 +116,13 @@ class StopSignals:
       self._request(sig, now)
       return
     print(f"run_rl: second {sig.name}: stopped at once; {resume_hint(self.out)}", file=sys.stderr, flush=True)
-    os._exit(EXIT_CODES.get(sig, 130))
+    os._exit(EXIT_CODES.get(sig, 130) if has_complete_checkpoint(self.out) else EXIT_NOTHING_TO_RESUME)
 
   def _request(self, sig: signal.Signals, at_s: float) -> None:
     self.received, self._first_at = sig, at_s
     if self.quiet:  # another process of the job tells the terminal
       return
-    finished = self.steps_finished() if self.steps_finished is not None else 0
-    what = ("stopping after the step in flight, or after the last finished step if the next one still waits for"
-            " its rollouts, checkpointed" if finished else
-            "stopping after the first step if it finishes (checkpointed); a stop while it waits for its rollouts"
-            " ends with nothing to resume")
+    what = STOP_KEEPS[self.keeps()]
     print(f"\nrun_rl: {sig.name} received: {what}; {sig.name} again stops at once", file=sys.stderr, flush=True)
 
   def requested(self) -> str | None:

@@ -24,6 +24,9 @@ WAIT_POLL_S = 0.1
 #: times what the sampler still has to sample of them at its measured pace (``LiveSource.sampling_left_s``):
 #: a sampler that keeps its pace delivers them, a stuck one cannot hold the stop for long.
 PACE_MARGIN = 1.5
+#: However slow the sampler, a stop waits at most this long for those rollouts: a scheduler's SIGTERM is
+#: followed by its SIGKILL (often 30 s later, in Kubernetes), and a user's Ctrl-C expects an end.
+STOP_MAX_WAIT_S = 120.0
 
 
 class StoppedWithoutCheckpointError(RuntimeError):
@@ -64,14 +67,23 @@ class StopInsideStep(Exception):
     self.reason, self.step = reason, step
 
 
-def latest_checkpoint(records: Sequence[Any]) -> tuple[str, bool]:
-  """Where a run that could not checkpoint its last steps continues from (the last of ``records``, a resumed
-  run's earlier ones included, that names a checkpoint), as the end of its one line; and whether there is one."""
+def latest_checkpoint(records: Sequence[Any], *, written: str | None = None, written_steps: int | None = None,
+                      resumed_from: int = 0) -> tuple[str, bool]:
+  """Where a run that could not checkpoint its last steps continues from, as the end of its one line, and
+  whether there is one: the last checkpoint this run wrote (``written``, after ``written_steps`` steps), else the
+  last of ``records`` (a resumed run's earlier ones included) that names one, else the checkpoint a resumed run
+  started from (``resumed_from`` steps; a stop's checkpoint is named by no record)."""
+  if written is not None:
+    return (f"the latest checkpoint is {written} (after step {written_steps - 1}); `run_rl --resume` continues"
+            " from it"), True
   last = next((r for r in reversed(records) if r.checkpoint_path), None)
-  if last is None:
-    return "no checkpoint was written, so the run cannot be resumed: start it again with a new --out", False
-  return (f"the latest checkpoint is {last.checkpoint_path} (after step {last.step}); `run_rl --resume` continues"
-          " from it"), True
+  if last is not None:
+    return (f"the latest checkpoint is {last.checkpoint_path} (after step {last.step}); `run_rl --resume`"
+            " continues from it"), True
+  if resumed_from:
+    return (f"the latest checkpoint is the one this run resumed from (after step {resumed_from - 1}); `run_rl"
+            " --resume` continues from it"), True
+  return "no checkpoint was written, so the run cannot be resumed: start it again with a new --out", False
 
 
 class LiveWaits:
@@ -139,17 +151,17 @@ class LiveWaits:
     if self.live.ready_to_checkpoint(step + 1, 0.0, extendable=False):
       return self._past_the_end(step, stopping)
     left_s = self.live.sampling_left_s(step + 1)
-    allowed_s = self.grace_s + PACE_MARGIN * (left_s or 0.0)
+    allowed_s = max(self.grace_s, min(STOP_MAX_WAIT_S, self.grace_s + PACE_MARGIN * (left_s or 0.0)))
     if allowed_s > self.grace_s:
       log.warning("[stop] the checkpoint of step %d waits for the rollouts it must carry (sampled with older"
-                  " weights, rollouts.max_staleness): about %.0f s at the sampler's pace, at most %.0f s; %s"
+                  " weights, rollouts.max_staleness): about %.1f s at the sampler's pace, at most %.1f s; %s"
                   " again stops at once, without it", step, left_s, allowed_s, stopping)
     if self.live.ready_to_checkpoint(step + 1, allowed_s, extendable=False):
       return self._past_the_end(step, stopping)
     raise self._without_checkpoint(
         f"stopped by {stopping} after step {step}, but no checkpoint of it could be written: it must carry"
         " rollouts sampled ahead with older weights (rollouts.max_staleness), and the sampler did not deliver"
-        f" them within {allowed_s:.0f} s")
+        f" them within {allowed_s:g} s")
 
   def _past_the_end(self, step: int, stopping: str) -> None:
     """The run's own rollouts are there: those past its end go too if the sampler has them within the grace."""

@@ -200,7 +200,7 @@ class RLProgram:
     self.stop_requested = stop_requested or (lambda: False)
     self.feed = StepFeed(as_step_source(source), micro_batches_per_step=config.micro_batches_per_step,
                          start_step=config.start_step, steps=config.steps, stop_requested=self.stop_requested,
-                         grace_s=config.stop_grace_s, latest=lambda: latest_checkpoint(self.records),
+                         grace_s=config.stop_grace_s, latest=self._latest_checkpoint,
                          local_stops=self.agreement.num_processes == 1)
     self.source, self.live = self.feed.source, self.feed.live
     if weight_sync is None:
@@ -307,12 +307,17 @@ class RLProgram:
     k, reason = stop.step, stop.reason
     self._result.stop_reason, self.current_step = reason, k - 1
     if k == self.config.start_step:
-      line, resumable = latest_checkpoint(self.records)
+      line, resumable = self._latest_checkpoint()
       raise StoppedWithoutCheckpointError(f"stopped by {reason} while step {k} waited for its rollouts, before"
                                           f" this run finished a step; {line}", resumable=resumable)
     self._result.ended = "stopped"
     planned = self._boundaries.get(k)  # planned before its last micro-batch: a resume must not plan it again
     self.work.checkpoint_finished(k, reason, self.records[-1].to_json(), planned.plan if planned else None)
+
+  def _latest_checkpoint(self) -> tuple[str, bool]:
+    """Where this run continues from if it cannot checkpoint its last steps (``latest_checkpoint``)."""
+    return latest_checkpoint(self.records, written=self.work.checkpoint_path, written_steps=self.work.checkpoint_steps,
+                             resumed_from=self.config.start_step)
 
   def _observe_saving(self, record: BoundaryRecord) -> None:
     """Feeds the policy the sample ``record`` completes (the boundary before it); notes the saving it judges by."""

@@ -311,8 +311,13 @@ def test_signals_within_the_window_are_one_stop_and_a_later_one_stops_at_once(tm
   now[0] += signals.SIGNAL_WINDOW_S
   with pytest.raises(SystemExit) as stopped:
     stop._handle(signal.SIGINT, None)
-  assert stopped.value.code == 130
+  assert stopped.value.code == signals.EXIT_NOTHING_TO_RESUME  # no checkpoint in tmp_path: nothing to resume
   assert capsys.readouterr().err.count("second SIGINT: stopped at once") == 1
+  (tmp_path / "config.json").write_text(json.dumps({"run_id": "r", "config": {}}))
+  (tmp_path / "checkpoints" / "2").mkdir(parents=True)  # a complete checkpoint: the stop is resumable
+  with pytest.raises(SystemExit) as stopped:
+    stop._handle(signal.SIGINT, None)
+  assert stopped.value.code == 130
 
 
 @pytest.mark.e2e
@@ -356,9 +361,9 @@ def test_a_stop_signal_ignored_when_run_rl_started_stays_ignored_in_the_run():
   it so, while SIGTERM still stops the run. The negative control: not ignored at start, the run handles it."""
   previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
   try:
-    with signals.startup_interrupts(), signals.StopSignals(Path(".")):
+    with signals.startup_interrupts(), signals.StopSignals(Path(".")) as stop:
       assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
-      assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+      assert signal.getsignal(signal.SIGTERM) == stop._handle
     signal.signal(signal.SIGINT, signal.default_int_handler)
     with signals.startup_interrupts(), signals.StopSignals(Path(".")) as stop:
       assert signal.getsignal(signal.SIGINT) == stop._handle

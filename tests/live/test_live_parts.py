@@ -6,13 +6,17 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import signal
 import threading
 import time
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+from orchestrator.app import outcome as app_outcome, signals
+from orchestrator.distributed import job as job_lib
 from orchestrator.distributed.agreement import SingleProcess
 from orchestrator.live.rewards import Reward, Term
 from orchestrator.live.tasks import (TASKS, ModularAddition, Problem, ReverseString, _held_out, group_advantages,
@@ -312,7 +316,7 @@ def test_a_stop_inside_a_step_that_waits_for_a_later_micro_batch_checkpoints_the
   assert isinstance(error, StoppedWithoutCheckpointError) and error.resumable
   assert str(error) == ("stopped by SIGTERM after step 2, but no checkpoint of it could be written: it must carry"
                         " rollouts sampled ahead with older weights (rollouts.max_staleness), and the sampler did"
-                        " not deliver them within 0 s; the latest checkpoint is ckpt/2 (after step 1); `run_rl"
+                        " not deliver them within 0.2 s; the latest checkpoint is ckpt/2 (after step 1); `run_rl"
                         " --resume` continues from it")
   assert "checkpoint:3" not in engine.calls and "checkpoint:4" not in engine.calls
 
@@ -331,6 +335,13 @@ def test_a_stop_while_waiting_for_the_first_step_s_rollouts_names_what_is_left()
   assert not thread.is_alive()
   assert str(outcome["error"]) == ("stopped by SIGINT while waiting for step 0's rollouts, before this run trained a"
                                    " step; no checkpoint was written, so the run cannot be resumed: start it again with a new --out")
+  # nothing to resume: the exit code says so, unlike a resumable stop's 130
+  error, stopped = outcome["error"], signals.StopSignals(Path("."))
+  stopped.received = signal.SIGINT
+  assert not error.resumable
+  assert app_outcome.stopped_without_checkpoint(None, error, stopped, job_lib.single()) == 4
+  error.resumable = True  # the control: an earlier checkpoint to continue from
+  assert app_outcome.stopped_without_checkpoint(None, error, stopped, job_lib.single()) == 130
 
 
 class _TextSampler:
