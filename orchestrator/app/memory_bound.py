@@ -8,10 +8,13 @@ weights (4 bytes a parameter), and each layer's input over the micro-batch,
 which the backward pass keeps (or, rematerialised, starts its recomputation
 from); and where a live run's sampler shares that memory (a CPU host's, or the
 trainer's accelerator with ``rollouts.placement`` shared), its copy of the
-weights and the key/value cache of one sampler call. They are compared with
-what the devices the mesh uses hold: the sum of their memory limits where the
-runtime reports one (an accelerator), else the host's available memory, which
-CPU devices share.
+weights and the key/value cache of one sampler call (the live loop samples while
+it trains, so both are held at once). They are compared with what the mesh's
+devices hold: a device's memory limit, where the runtime reports one (an
+accelerator), times the mesh's devices (a job of several processes holds the
+rest on its other hosts), else the host's available memory, which CPU devices
+share. A mesh asking for more devices than there are is left to the device
+check.
 """
 
 from __future__ import annotations
@@ -44,14 +47,15 @@ def least_training_bytes(recipe, *, sampler_here: bool = False) -> dict[str, int
 
 
 def devices_memory_bytes(num_devices: int) -> tuple[int | None, str]:
-  """What ``num_devices`` local devices hold, and what that is in words: their memory limits summed where the
-  runtime reports them, else the host's available memory (CPU devices share it); None where neither is known."""
+  """What a mesh of ``num_devices`` devices holds, and what that is in words: a local device's memory limit
+  times ``num_devices`` where the runtime reports one (the job's devices are alike), else the host's available
+  memory (CPU devices share it); None where neither is known."""
   import jax  # import here: JAX-side (after setup_host)
 
-  devices = jax.local_devices()[:num_devices]
-  limits = [(d.memory_stats() or {}).get("bytes_limit") for d in devices]
-  if limits and all(limits):
-    return int(sum(limits)), f"the {len(devices)} {devices[0].device_kind} device(s)' memory"
+  device = jax.local_devices()[0]
+  limit = (device.memory_stats() or {}).get("bytes_limit")
+  if limit:
+    return int(limit) * num_devices, f"the memory of {num_devices} {device.device_kind} device(s)"
   try:
     with open("/proc/meminfo", encoding="ascii") as f:
       kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
@@ -68,6 +72,8 @@ def check_training_fits(recipe) -> None:
   """
   import jax  # import here: JAX-side (after setup_host)
 
+  if recipe.mesh.num_devices > jax.device_count():
+    return  # the device check refuses it, naming the devices
   platform = jax.default_backend()
   placement, _ = choose_placement(recipe.rollouts.placement, platform=platform, processes=jax.process_count(),
                                   trainer_local=True)
@@ -81,4 +87,17 @@ def check_training_fits(recipe) -> None:
   listed = "; ".join(f"{name} {size / gib:,.1f} GiB" for name, size in parts.items())
   raise RecipeError(f"batch.rows × batch.tokens_per_row = {rows:,} × {tokens_per_row:,} tokens per micro-batch"
                     f" cannot train model {recipe.model_preset().name} in {what} ({have / gib:,.1f} GiB): it needs at"
-                    f" least {need / gib:,.1f} GiB ({listed}); lower batch.rows or batch.tokens_per_row")
+                    f" least {need / gib:,.1f} GiB ({listed}); {_fix(recipe, parts, have)}")
+
+
+def _fix(recipe, parts: dict[str, int], have: int) -> str:
+  """What would make it fit, by the part that cannot: the model's state alone, the sampler's call, the rows."""
+  state = sum(size for name, size in parts.items() if "weights" in name)
+  if state > have:
+    return "use a mesh of more devices (mesh.fsdp) or a smaller model: its weights and optimizer state alone do not fit"
+  if any(name.startswith("the sampler's key/value cache") and size > have / 2 for name, size in parts.items()):
+    return ("sample fewer sequences a call (rollouts.micro_batches_per_call, rollouts.groups_per_micro_batch) or"
+            " run the sampler in a process of its own (rollouts.placement=process)")
+  if recipe.rollouts.source == "sampler" and recipe.batch.rows is None:
+    return "sample fewer groups a micro-batch (rollouts.groups_per_micro_batch): they size its rows"
+  return "lower batch.rows or batch.tokens_per_row"

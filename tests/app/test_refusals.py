@@ -325,9 +325,6 @@ CASES = [
                                                       "task.max_prompt_tokens=6"), {},
      "prompts.jsonl line 2: the prompt takes 7 tokens (bos included), more than task.max_prompt_tokens=6; raise"
      " task.max_prompt_tokens or shorten the prompt"),
-    ("micro-batch-cannot-fit", ["rollouts.source=synthetic", "batch.rows=65536", "batch.tokens_per_row=4096"], {},
-     "batch.rows × batch.tokens_per_row = 65,536 × 4,096 tokens per micro-batch cannot train model tiny in this"
-     " host's available memory"),
     # unset, the longest prompt (answer) sizes the run: one of a million tokens is refused before anything is built
     ("dataset-million-token-prompt", lambda t, g: _dataset(t, _sums(20) + '{"prompt": "' + "1" * 1_000_000
                                                            + '=", "answer": "1"}\n'), {},
