@@ -409,7 +409,7 @@ def _loaded_weights(recipe: Recipe, worker) -> dict | None:
                    "weights_digest": tree_digest(worker.export_weights())})
   if reference and (weights := worker.reference_weights()) is not None:
     loaded.update({"model.reference_checkpoint": str(reference), "reference_weights_digest": tree_digest(weights)})
-  return loaded
+  return loaded or None
 
 
 def build_run(recipe: Recipe, out: Path, *, source, run_id: str, checkpoint_dir: str | None,

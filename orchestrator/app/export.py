@@ -77,7 +77,10 @@ def export_main(argv: list[str]) -> int:
     print(f"run_rl export: error: {e}", file=sys.stderr)
     return 2
   except Terminated:
-    print("run_rl export: stopped by SIGTERM; nothing is at --out (the partial export was removed)", file=sys.stderr)
+    done = (Path(args.out) / EXPORT_FILE).is_file()  # the SIGTERM came after the rename into place
+    print("run_rl export: stopped by SIGTERM; " + (f"the export at {args.out} was complete before it" if done else
+                                                   "nothing is at --out (the partial export was removed)"),
+          file=sys.stderr)
     return 143
   print(f"run_rl export: wrote {out} from {source['checkpoint_path']} (after step {source['step']});"
         f" weights digest {summary['weights_digest']}")

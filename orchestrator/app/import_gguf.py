@@ -62,7 +62,9 @@ def import_gguf_main(argv: list[str]) -> int:
     print(f"run_rl import-gguf: error: {e}", file=sys.stderr)
     return 2
   except Terminated:
-    print("run_rl import-gguf: stopped by SIGTERM; nothing is at --out (the partial import was removed)",
+    done = (Path(args.out) / WEIGHTS_FILE).is_file()  # the SIGTERM came after the rename into place
+    print("run_rl import-gguf: stopped by SIGTERM; " + (f"the import at {args.out} was complete before it" if done
+                                                        else "nothing is at --out (the partial import was removed)"),
           file=sys.stderr)
     return 143
   config = checkpoint.config
@@ -118,8 +120,10 @@ def write(checkpoint, out: Path) -> int:
     for directory in made_parents:
       directory.mkdir()
     partial, held = make_partial(out)  # locked while written: not stale
-  except OSError as e:
+  except BaseException as e:
     remove_empty(made_parents)
+    if not isinstance(e, OSError):  # a SIGTERM (Terminated), a Ctrl-C: after the cleanup
+      raise
     raise ImportRefused(f"making {out}'s directory failed ({e.strerror or e}); nothing is at --out: choose a --out"
                         " you can write") from None
   try:

@@ -76,9 +76,16 @@ def make_partial(out: Path) -> tuple[Path, int]:
   """A new hidden sibling of ``out`` to write into (renamed to ``out`` once complete), and a descriptor holding
   its lock (``flock``) until closed: a partial folder no process holds was left by one that was killed."""
   partial = out.absolute().parent / f".{out.name}.{secrets.token_hex(4)}.partial"
-  partial.mkdir()  # exclusive, with the user's umask
-  fd = os.open(partial, os.O_RDONLY | os.O_DIRECTORY)
-  fcntl.flock(fd, fcntl.LOCK_EX)
+  unlocked = partial.with_name(partial.name + "-new")  # not a name remove_stale_partials takes
+  unlocked.mkdir()  # exclusive, with the user's umask
+  fd = os.open(unlocked, os.O_RDONLY | os.O_DIRECTORY)
+  try:
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    os.rename(unlocked, partial)  # named as a partial folder only once it is locked
+  except BaseException:
+    os.close(fd)
+    unlocked.rmdir()  # made here just now, empty
+    raise
   return partial, fd
 
 

@@ -301,14 +301,15 @@ def check_prompt_lengths(rows: Sequence[Row], tokenizer, max_prompt_tokens: int,
   (``given`` false), the most any prompt may take (``MAX_DERIVED_TOKENS``: it sizes every micro-batch)."""
   for row in rows:
     n = prompt_tokens(tokenizer, row.problem.prompt)
-    if n > max_prompt_tokens and given:
+    if n <= max_prompt_tokens:
+      continue
+    if given:
       raise DatasetError(f"{row.where}: the prompt takes {n} tokens (bos included), more than"
                          f" task.max_prompt_tokens={max_prompt_tokens}; raise task.max_prompt_tokens or shorten"
                          " the prompt")
-    if n > max_prompt_tokens:
-      raise DatasetError(f"{row.where}: the prompt takes {n:,} tokens (bos included), more than the"
-                         f" {max_prompt_tokens:,} a prompt may take (task.max_prompt_tokens unset: the longest"
-                         " prompt sizes every micro-batch); shorten or drop the prompt")
+    raise DatasetError(f"{row.where}: the prompt takes {n:,} tokens (bos included), more than the"
+                       f" {max_prompt_tokens:,} a prompt may take (task.max_prompt_tokens unset: the longest"
+                       " prompt sizes every micro-batch); shorten or drop the prompt")
 
 
 def with_completion_limits(rows: Sequence[Row], field: str, limit: int, given: int | None) -> list[Row]:

@@ -342,6 +342,8 @@ def _as_number(value) -> float | None:
     return float(value)
   except (TypeError, ValueError):
     return None
+  except OverflowError:  # an int past a float's range (10**400): a number, not a finite one
+    return math.inf
 
 
 def _span(indices: Sequence[int]) -> str:

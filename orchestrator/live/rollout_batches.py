@@ -150,9 +150,8 @@ class BatchRollouts:
     """What ``step`` trains on: its mini-batch's rewards and accuracy, the sampling rate of the micro-batches
     they were sampled in, and how far behind ``step`` the weights that sampled them are."""
     rewards = np.asarray([r for m in schedule.mini_batch(step, self.rewards) for r in m], np.float32)
-    groups = [t.group_id for m in schedule.mini_batch(step, self.payloads) for t in m]
-    group_stds = [float(rewards[[i for i, g in enumerate(groups) if g == group]].std())
-                  for group in dict.fromkeys(groups)]
+    # a group's completions are contiguous, whatever pass reshuffled the groups; ddof 1, as TRL and the advantages
+    group_stds = rewards.astype(np.float64).reshape(-1, schedule.generations_per_group).std(axis=1, ddof=1)
     correct = [c for m in schedule.mini_batch(step, self.correct) for c in m]
     lengths = [len(t.completion_ids) for m in schedule.mini_batch(step, self.payloads) for t in m]
     truncated = (None if self.truncated is None
@@ -167,7 +166,7 @@ class BatchRollouts:
                         reward_max=float(rewards.max()), completion_tokens_mean=float(np.mean(lengths)),
                         completion_tokens_max=int(max(lengths)), truncated_fraction=truncated,
                         reward_group_std=float(np.mean(group_stds)),
-                        frac_reward_zero_std=float(np.mean([s == 0.0 for s in group_stds])))
+                        frac_reward_zero_std=float(np.mean(group_stds == 0.0)))
 
   def samples(self, schedule: BatchSchedule, step: int, count: int, tokenizer) -> list[dict[str, Any]]:
     """The first ``count`` completions ``step`` trains on, to read: the weights version that sampled them, each

@@ -369,7 +369,7 @@ def test_a_steps_stats_give_its_rewards_range_completion_lengths_and_the_share_c
           first.truncated_fraction) == (0.0, 1.0, 4.0, 5, 0.5)
   assert (second.reward_min, second.reward_max, second.completion_tokens_mean, second.completion_tokens_max,
           second.truncated_fraction) == (0.5, 0.5, 2.0, 2, 0.0)
-  assert (first.reward_group_std, first.frac_reward_zero_std) == (0.5, 0.0)  # one group: rewards 0 and 1
+  assert first.reward_group_std == pytest.approx(0.5 ** 0.5) and first.frac_reward_zero_std == 0.0  # 0 and 1
   assert (second.reward_group_std, second.frac_reward_zero_std) == (0.0, 1.0)  # equal rewards: no gradient
   fixed = BatchRollouts(0, 0)  # fixed-length answers have no end: no share is claimed
   fixed.add([_trajectory(1, 0), _trajectory(1, 0)], [1.0, 0.0], [True, False], 2, 0.1)
