@@ -19,7 +19,7 @@ pytestmark = pytest.mark.spec
 
 STEPS, MICRO = 30, 2
 # The fake's stage sleeps this long, its compute takes nothing: a staged boundary is that much slower.
-STAGE_S = 0.03
+STAGE_S = 0.08
 
 
 def _no_sync(step, weights):
