@@ -442,7 +442,7 @@ def build_run(recipe: Recipe, out: Path, *, source, run_id: str, checkpoint_dir:
       sampling.ready(0, 0.0)
     worker, trainer_info = make_worker(recipe, closers, checkpoint_dir=checkpoint_dir, write_dir=write_dir)
     phases.mark("trainer_built")
-    loaded = _loaded_weights(recipe, worker) if resume is None else None
+    loaded = _loaded_weights(recipe, worker)  # before a resume restores its checkpoint
     handle = _build_program(recipe, write_dir, worker, source=source, run_id=run_id, config_sha256=config_sha256,
                             resume=resume, run_name=out.name, stop_requested=stop_requested,
                             progress=progress if job is None or job.is_primary else None, job=job)

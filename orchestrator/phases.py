@@ -9,10 +9,12 @@ from __future__ import annotations
 import os
 import time
 
-#: The phases in the order a run reaches them, each with its words in the closing lines: the command's imports
-#: done (validation starts), JAX's backend up on the run's cores, the model built and its weights placed on the
-#: devices, the trainer's programs compiled (or loaded from the persistent cache: from weights placed to
-#: trainer built is compilation alone), the first rollouts sampled, the first update done.
+#: The phases of a run's start, each with its words in the closing lines (which list them in the order they
+#: came): the command's imports done (validation starts), JAX's backend up on the run's cores, the model built
+#: and its weights placed on the devices, the trainer's programs compiled (or loaded from the persistent cache:
+#: from weights placed to trainer built is compilation alone), the first rollouts sampled (a new live run
+#: samples while its trainer is built, so these may come before; a resumed one trains first on the rollouts its
+#: checkpoint carried, so they may come after the first update), the first update done.
 PHASES = {"imports": "imports", "jax_ready": "JAX up", "weights_placed": "weights placed",
           "trainer_built": "trainer built", "first_rollout": "first rollouts", "first_update": "first update"}
 

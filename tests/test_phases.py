@@ -32,6 +32,10 @@ def test_the_closing_lines_name_each_phase():
   line = next(l for l in console.format_summary(_summary({"imports": 2.16, "first_update": 63.0})).splitlines()
               if l.startswith("start-up"))
   assert line == "start-up, seconds from the process's start: imports 2.2, first update 63.0"
+  # in the order they came: a new live run samples while its trainer is built
+  line = next(l for l in console.format_summary(_summary({"trainer_built": 9.0, "first_rollout": 5.0})).splitlines()
+              if l.startswith("start-up"))
+  assert line == "start-up, seconds from the process's start: first rollouts 5.0, trainer built 9.0"
   assert "start-up" not in console.format_summary(_summary({}))
 
 

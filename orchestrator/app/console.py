@@ -63,9 +63,11 @@ UNSTAGED_BECAUSE = {"excluded_boundaries": "for a scored checkpoint", "no_memory
 
 def scheduler_line(summary: RunSummary) -> str:
   """What the scheduler did, in words: how many boundaries staged before the update, after it and why, and how
-  many ran unstaged and why (the run's last step has no boundary)."""
+  many ran unstaged and why (the run's last step has no boundary; a run stopped inside a step, its last
+  finished step has one)."""
   timings, policy = summary.timings, summary.policy
-  counters, boundaries = policy.counters, max(0, timings.steps - 1)
+  boundaries = timings.boundaries if timings.boundaries is not None else max(0, timings.steps - 1)
+  counters = policy.counters
   staged, before = timings.staged_boundaries, timings.staged_before_update
   after = staged - before
   if policy.requested_mode is Mode.STAGE_AFTER_UPDATE:
@@ -123,9 +125,10 @@ def format_summary(summary: RunSummary) -> str:
                  f" {loaded['reference_weights_digest']}")
   if startup := (summary.run or {}).get("startup_s"):
     lines.append("start-up, seconds from the process's start: "
-                 + ", ".join(f"{PHASES[phase]} {seconds:.1f}" for phase, seconds in startup.items()))
+                 + ", ".join(f"{PHASES[phase]} {seconds:.1f}"  # in the order they came: a live run samples
+                             for phase, seconds in sorted(startup.items(), key=lambda item: item[1])))
   if (r := summary.rollouts) is not None:
-    lines.append(f"reward: first step {r.reward_first_step:.3f}, last 10 steps"
+    lines.append(f"reward: first step {r.reward_first_step:.3f}, last {min(10, timings.steps)} steps"
                  f" {r.reward_last_10_steps:.3f}; median rollout wait"
                  f" {s(r.median_rollout_wait_s, zero='none, the rollouts were ready')}")
   if (e := summary.evaluation) is not None and e.eval_accuracy_end is not None:

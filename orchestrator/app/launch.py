@@ -215,6 +215,22 @@ def _join(recipe, writes_to: list) -> job_lib.Job:
   return job_lib.join_job(recipe.distributed, on_lost_peer=functools.partial(outcome.end_run_on_lost_peer, writes_to))
 
 
+def _note_loaded_weights(out: Path, loaded: dict, *, resumed: bool) -> None:
+  """A new run records the digests of the weights it loaded in config.json; a resumed one compares its own
+  with them and says, in one line, which changed since the run started (its model.checkpoint's are then the
+  KL reference's start, not the run's)."""
+  if not resumed:
+    run_dir.record_in_config(out, "loaded_weights", loaded)
+    return
+  recorded = run_dir.read_config(out).get("loaded_weights") or {}
+  for key, directory in (("weights_digest", "model.checkpoint"), ("reference_weights_digest",
+                                                                    "model.reference_checkpoint")):
+    if recorded.get(key) and loaded.get(key) and recorded[key] != loaded[key]:
+      print(f"run_rl: warning: the weights of {directory}={loaded[directory]} differ from those the run loaded"
+            f" at its start ({key} {recorded[key][:12]}… then, {loaded[key][:12]}… now): the run continues from its"
+            " checkpoint, but a KL reference taken from them is another model now", file=sys.stderr)
+
+
 def _run_program(plan: RunPlan, *, source, resume, job: job_lib.Job) -> int:
   """Builds the run and runs it to its end, a stop or a failure; process 0 writes what it ends with."""
   recipe, out, run_id, write_dir = plan.recipe, plan.out, plan.run_id, plan.write_dir
@@ -233,7 +249,7 @@ def _run_program(plan: RunPlan, *, source, resume, job: job_lib.Job) -> int:
       job.current_step = lambda: handle.current_step  # the step a lost peer's line names
       stop.keeps = handle.stop_keeps
       if handle.loaded_weights is not None and job.is_primary:  # the closing lines print it
-        run_dir.record_in_config(out, "loaded_weights", handle.loaded_weights)
+        _note_loaded_weights(out, handle.loaded_weights, resumed=resume is not None)
       result = handle.run()
     except recipe_lib.RecipeError as e:
       code = outcome.refuse(e)

@@ -97,6 +97,9 @@ class StopSignals:
     for sig in EXIT_CODES:
       if sig not in _ignored_at_start:
         self._previous[sig] = signal.signal(sig, self._handle)
+    if signal.SIGINT in _ignored_at_start and not self.quiet:  # nothing else would tell why Ctrl-C does nothing
+      print("run_rl: note: SIGINT is ignored in this process (started in the background or under nohup), so"
+            " Ctrl-C will not stop the run; SIGTERM (kill PID) stops it at the next boundary", file=sys.stderr)
     if _startup_sigint_at and self.received is None:  # a Ctrl-C whose KeyboardInterrupt Python dropped
       self._request(signal.SIGINT, _startup_sigint_at[0])
       _startup_sigint_at.clear()

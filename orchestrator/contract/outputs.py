@@ -45,6 +45,9 @@ class StepTimings:
   peak_device_bytes: int | None = None
   median_mfu: float | None = None
   compiles_after_first_step: int | None = None
+  #: The boundaries the run had: steps whose boundary dispatched the next step's first micro-batch (a completed
+  #: run's last step has none; a run stopped inside a step, its last finished step does). None: not counted.
+  boundaries: int | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -416,7 +416,8 @@ class Recorder:
                           peak_device_bytes=max((r.device_peak_bytes for r in self.records
                                                  if r.device_peak_bytes is not None), default=None),
                           median_mfu=_median_present(r.mfu for r in self.records),
-                          compiles_after_first_step=self._compiles_after_first_steps())
+                          compiles_after_first_step=self._compiles_after_first_steps(),
+                          boundaries=sum(1 for r in self.records if r.t_next_first_dispatch is not None))
     return RunSummary(timings=timings, policy=policy, final_state_digest=final_state_digest,
                       records_path=str(self.out_dir / "records.jsonl") if self.out_dir else None,
                       rollouts=self._rollout_summary())

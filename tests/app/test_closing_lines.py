@@ -3,6 +3,7 @@ figure that means "nothing left to wait for" is said in words, not as 0.0 µs.""
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import pytest
@@ -37,6 +38,19 @@ def test_the_scheduler_line_counts_each_kind_of_boundary_and_says_why():
                   " the update, 3 after it (3 because the next step's rollouts were not sampled yet); 10 ran"
                   " unstaged (1 for a scored checkpoint, 2 short of device memory, 2 as controls, to measure the"
                   " saving, 5 with staging off)")
+
+
+def test_a_run_stopped_inside_a_step_counts_its_last_finished_step_s_boundary():
+  """Stopped while step 2 waited for a later micro-batch: step 1's boundary staged and dispatched step 2's first
+  micro-batch (then dropped), so 2 steps had 2 boundaries; the negative control, without the count, had -1
+  boundaries unstaged."""
+  stopped = _summary(steps=2, staged=2, before=1, staged_after_update_for_rollouts=1)
+  stopped = stopped.replace(timings=dataclasses.replace(stopped.timings, boundaries=2))
+  assert console.scheduler_line(stopped) == (
+      "what the scheduler did: of 2 boundaries, 1 staged the next step's first micro-batch before the update, 1"
+      " after it (1 because the next step's rollouts were not sampled yet); 0 ran unstaged")
+  legacy = stopped.replace(timings=dataclasses.replace(stopped.timings, boundaries=None))
+  assert "; -1 ran unstaged" in console.scheduler_line(legacy)
 
 
 def test_a_run_that_never_stages_says_staging_was_off():

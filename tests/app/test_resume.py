@@ -356,13 +356,14 @@ def test_a_ctrl_c_python_drops_during_start_up_still_stops_the_run(remembered, t
 
 
 @pytest.mark.e2e
-def test_a_stop_signal_ignored_when_run_rl_started_stays_ignored_in_the_run():
+def test_a_stop_signal_ignored_when_run_rl_started_stays_ignored_in_the_run(capsys):
   """Under ``nohup`` (or a shell's background job) SIGINT is ignored: start-up and the run's own handlers leave
   it so, while SIGTERM still stops the run. The negative control: not ignored at start, the run handles it."""
   previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
   try:
     with signals.startup_interrupts(), signals.StopSignals(Path(".")) as stop:
       assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+      assert "SIGINT is ignored in this process" in capsys.readouterr().err
       assert signal.getsignal(signal.SIGTERM) == stop._handle
     signal.signal(signal.SIGINT, signal.default_int_handler)
     with signals.startup_interrupts(), signals.StopSignals(Path(".")) as stop:
