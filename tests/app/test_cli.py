@@ -487,6 +487,9 @@ def test_failure_during_the_run_exits_1_naming_the_step(tmp_path, capsys, monkey
   class Boom:
     current_step, loaded_weights = 2, None
 
+    def stop_keeps(self):
+      return "after the first step"
+
     def run(self):
       (tmp_path / "out" / "records.jsonl").write_text('{"step": 0}\n')
       raise RuntimeError("device lost")

@@ -70,10 +70,15 @@ def test_each_aggregation_and_clip_pair_matches_numpy(aggregation, low, high):
   total, denominator, stats = policy_loss_sum(logits, batch, config)
   assert float(total) / float(denominator) == pytest.approx(_numpy_loss(logits, batch, aggregation, low, high),
                                                             rel=1e-5)
-  tokens, entropy, clipped, kl = np.asarray(stats, np.float64)
+  tokens, entropy, clipped, kl, drift, with_old = np.asarray(stats, np.float64)
   assert tokens == 6
   assert entropy / tokens == pytest.approx(_numpy_entropy(logits, batch), rel=1e-5)
   assert clipped == _numpy_clipped(logits, batch, low, high) and kl == 0  # no reference without kl_beta
+  # the drift (verl's ppo_kl): the sampler's log-prob minus the trainer's, over the tokens that carry one
+  logp = _log_softmax(logits)[np.arange(2)[:, None], np.arange(6)[None], batch["target_tokens"]]
+  carried = batch["loss_mask"] * (batch["old_logprobs_mask"] > 0)
+  assert with_old == carried.sum() and with_old > 0
+  assert drift == pytest.approx(float(((batch["old_logprobs"] - logp) * carried).sum()), rel=1e-4, abs=1e-5)
 
 
 def test_the_aggregations_differ_on_this_micro_batch_negative_control():
