@@ -169,11 +169,6 @@ class Recording:
   def num_groups(self) -> int:
     return self.manifest["num_groups"]
 
-  @property
-  def sampled_distribution(self) -> dict[str, Any] | None:
-    """The distribution the rollouts were sampled from (the module docstring's); None: the model's own."""
-    return self.manifest.get("sampled_distribution")
-
 
 def live_recording_without_distribution(manifest: dict) -> bool:
   """Whether the live loop wrote this recording before recordings stored ``sampled_distribution``: its
