@@ -8,6 +8,7 @@ from pathlib import Path
 
 from orchestrator.loop.trace import chrome_trace
 from orchestrator.rig.checks import Check, CheckKind
+from policies.saving import welch_interval
 from policies.step_boundary import format_seconds as fs
 
 COLORS = {"micro-batch": "#4C78A8", "re-run": "#9ECAE9", "update": "#54A24B", "idle": "#E45756", "stage": "#F58518",
@@ -74,6 +75,41 @@ def targets(arms, components) -> list[dict]:
   return out
 
 
+#: The modes the rig compares, each (mode, against): what the first saves over the second.
+COMPARISONS = (("stage_before_update", "off"), ("stage_before_update", "pipelined"), ("pipelined", "off"),
+               ("stage_after_update", "pipelined"))
+
+
+def comparisons(arms) -> list[dict]:
+  """What each mode saves over another, pooled over the arms of each mode (faulted arms left out): the mean
+  difference of step seconds (each arm's steps after its first: the first has no boundary before it) and of
+  boundary idle, with a 95 % Welch interval. A pair the arms lack, or with too few steps, is left out."""
+  by_mode: dict[str, list] = {}
+  for a in arms:
+    if not a["fault"]:
+      by_mode.setdefault(a["mode"], []).append(a)
+
+  def pooled(mode, key, part):
+    return [r[key] for a in by_mode[mode] for r in part(a["records"]) if r.get(key) is not None]
+
+  rows = []
+  for mode, against in COMPARISONS:
+    if mode not in by_mode or against not in by_mode:
+      continue
+    steps_mode, steps_against = (pooled(m, "step_s", lambda rs: rs[1:]) for m in (mode, against))
+    idle_mode, idle_against = (pooled(m, "boundary_idle_s", lambda rs: rs[:-1]) for m in (mode, against))
+    try:
+      step, idle = welch_interval(steps_against, steps_mode), welch_interval(idle_against, idle_mode)
+    except ValueError:  # fewer than two steps a side
+      continue
+    against_step_s = sum(steps_against) / len(steps_against)
+    rows.append({"mode": mode, "against": against, "arms": [len(by_mode[mode]), len(by_mode[against])],
+                 "steps": [len(steps_mode), len(steps_against)], "step_saving_s": step.to_json(),
+                 "step_saving_share": {k: v / against_step_s for k, v in step.to_json().items()},
+                 "boundary_idle_saving_s": idle.to_json()})
+  return rows
+
+
 def write_reports(out: Path, arms, predictions, checks: Sequence[Check], components, traces, recipe,
                   recording, fitted: dict | None = None) -> dict:
   """Writes every report file into ``out``; returns ``report.json``'s content (checks as ``Check.to_json``)."""
@@ -89,6 +125,7 @@ def write_reports(out: Path, arms, predictions, checks: Sequence[Check], compone
       "fitted_predictions": fitted or {},
       "checks": [c.to_json() for c in checks],
       "targets": target_rows,
+      "comparisons": comparisons(arms),
       "verdict": counts,
       "predictions_score": prediction_score(checks),
       "verdict_line": line,
@@ -134,6 +171,7 @@ def _markdown(report, arms, components) -> str:
         f"| {a['name']}{fault} | {ended} | {st(a['boundary_idle_s'])} | {st(a['boundary_idle_strict_s'])} |"
         f" {st(a['step_s'])} | {st(a['micro_batch_s'])} | {st(a['device_wait_s'])} | {st(a['stage_s'])} |"
         f" {a['prepare_share_of_micro_batch']:.1%} | {st(a['boundary_work_s'])} | {a['reruns']} |")
+  lines += _comparisons_markdown(report["comparisons"])
   lines += _saving_markdown(arms)
   lines += ["", "## Predictions vs measurements", "",
             "| arm | predicted idle | band | measured | predicted step | band | measured |",
@@ -157,6 +195,22 @@ def _markdown(report, arms, components) -> str:
             "", "Files: `report.json`, `records.json`, `predictions.json`, `trace.json` (ui.perfetto.dev),"
             " `timeline.png`.", ""]
   return "\n".join(lines)
+
+
+def _comparisons_markdown(rows) -> list[str]:
+  """The modes compared: what each saves over another per step and per boundary, with its interval."""
+  if not rows:
+    return []
+  lines = ["", "## Modes compared (saving per step and per boundary, 95 % Welch interval over steps)", "",
+           "| mode | against | arms | steps | saving per step | share of a step | boundary idle saved |",
+           "| --- | --- | --- | --- | --- | --- | --- |"]
+  for r in rows:
+    step, share, idle = r["step_saving_s"], r["step_saving_share"], r["boundary_idle_saving_s"]
+    lines.append(f"| {r['mode']} | {r['against']} | {r['arms'][0]} / {r['arms'][1]} |"
+                 f" {r['steps'][0]} / {r['steps'][1]} | {fs(step['mean'])} ({fs(step['low'])} to {fs(step['high'])})"
+                 f" | {share['mean']:+.2%} ({share['low']:+.2%} to {share['high']:+.2%}) |"
+                 f" {fs(idle['mean'])} ({fs(idle['low'])} to {fs(idle['high'])}) |")
+  return lines
 
 
 def _saving_markdown(arms) -> list[str]:

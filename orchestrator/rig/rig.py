@@ -31,7 +31,7 @@ from orchestrator.rig.checks import (Check, check_arm, cross_arm_checks, failing
                                      predictions_written_first)
 from orchestrator.rig.replay import replay_plan
 from orchestrator.rig.report import write_reports
-from orchestrator.rig.trainers import LocalRigTrainer, RemoteRigTrainer
+from orchestrator.rig.trainers import BatchShape, LocalRigTrainer, RemoteRigTrainer
 from policies import Mode
 from policies.boundary_fit import at_own_compute, fit
 from policies.boundary_model import Components, band, predict, predict_bounded
@@ -156,31 +156,66 @@ def run_rig(recipe, recording_dir: str | Path, arm_names: Sequence[str], out_dir
   preset = recipe.model_preset()  # the recording is checked before a trainer is built
   recording = open_recording(recording_dir, vocab_size=preset.vocab_size,
                              routing=recipe.engine.routing_shape(preset))
+  # The steps are packed before a trainer is built, so a recording that cannot fill them is refused at once,
+  # not after minutes of compiling; the trainer's own shape must then be the recipe's.
+  rows, tokens_per_row = recipe.micro_batch_shape()
+  shape = BatchShape(rows, tokens_per_row, preset.vocab_size, rerun_dropped=False,
+                     routing=recipe.engine.routing_shape(preset))
+  plan = replay_plan(shape, recording, m, steps)
+  say = _timed(progress)
+  say("building the trainer (compiling its programs)")
   trainer = RemoteRigTrainer(recipe, out) if recipe.trainer.location == "remote" else LocalRigTrainer(recipe)
   try:
-    return _run_arms(recipe, trainer, recording, arms, out, steps, m, warmup_steps, progress)
+    if (trainer.shape.rows, trainer.shape.tokens_per_row) != (rows, tokens_per_row):
+      raise RigError(f"the trainer packs {trainer.shape.rows} x {trainer.shape.tokens_per_row} tokens a"
+                     f" micro-batch, the recipe {rows} x {tokens_per_row}: give batch.rows and"
+                     " batch.tokens_per_row the trainer's sizes")
+    say(f"trainer built{_compile_note(trainer)}")
+    return _run_arms(recipe, trainer, recording, plan, arms, out, steps, warmup_steps, say)
   finally:
     trainer.close()
 
 
-def _run_arms(recipe, trainer, recording, arms, out: Path, steps: int, m: int, warmup_steps: int,
-              progress) -> RigResult:
-  plan = replay_plan(trainer.shape, recording, m, steps)
+def _timed(progress):
+  """``progress`` with the seconds since the rig started before each message (a rig cut short shows where its
+  time went); a no-op without ``progress``."""
+  start = time.monotonic()
+
+  def say(message: str) -> None:
+    if progress:
+      progress(f"[{time.monotonic() - start:.0f} s] {message}")
+  return say
+
+
+def _compile_note(trainer) -> str:
+  engine = getattr(trainer, "engine", None)  # a remote trainer compiles on its own host
+  seconds = getattr(engine, "compile_s", None)
+  if not seconds:
+    return ""
+  parts = ", ".join(f"{name} {s:.1f} s" for name, s in seconds.items())
+  return f" (compiled side by side: {parts})"
+
+
+def _run_arms(recipe, trainer, recording, plan, arms, out: Path, steps: int, warmup_steps: int,
+              say) -> RigResult:
   out.mkdir(parents=True, exist_ok=True)
+  m = recipe.batch.micro_batches_per_step
 
   def run_arm(arm: Arm, steps_fed, n_steps):
     return trainer.run_arm(arm, steps_fed, n_steps, plan.digest_by_payload)
 
   run_arm(Arm("warmup", Mode.STAGE_BEFORE_UPDATE), plan.steps, min(warmup_steps, steps))  # absorbs compiles
+  say("warm-up arm done; calibrating")
   components, noise = trainer.calibrate(plan.steps)
+  say(f"calibrated: micro-batch {components.micro_batch_s * 1e3:.1f} ms, input map {components.map_s * 1e3:.1f}"
+      f" ms, update {components.update_s * 1e3:.1f} ms")
   predictions = _predictions(arms, components, noise, recipe)
   (out / "predictions.json").write_text(json.dumps(predictions, indent=2))  # before any scored arm
 
   arm_reports, checks, traces = [], [], []
   first_arm_started = time.monotonic()
   for index, arm in enumerate(arms):
-    if progress:
-      progress(f"arm {index + 1}/{len(arms)}: {arm.name}")
+    say(f"arm {index + 1}/{len(arms)}: {arm.name}")
     result, events, compiles_delta = run_arm(arm, arm_steps(arm, plan.steps), steps)
     checks += check_arm(arm, result, events, compiles_delta, plan.expected_digests, plan.expected_tokens, m)
     report = _arm_report(arm, result, components)

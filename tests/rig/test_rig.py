@@ -11,7 +11,7 @@ import pytest
 from orchestrator import contract
 from orchestrator import recipe as recipe_lib
 from orchestrator.app import cli
-from orchestrator.data.recording import write_recording
+from orchestrator.data.recording import RecordingError, write_recording
 from orchestrator.data.synthetic import RolloutShape, generate_groups
 from orchestrator.loop.trainer_worker import TrainerWorker
 from orchestrator.rig import RigResult, run_rig
@@ -139,6 +139,16 @@ def test_arm_names_and_faults_are_checked():
       "off", "stage_before_update", "off#2"]
   with pytest.raises(RigError, match="unknown arm 'sideways'"):
     parse_arms(["sideways"])
+
+
+@pytest.mark.engine
+def test_a_recording_too_short_for_the_steps_is_refused_before_a_trainer_is_built(rig_inputs, monkeypatch, tmp_path):
+  recipe, rec, _ = rig_inputs
+  from orchestrator.rig import rig as rig_module
+  monkeypatch.setattr(rig_module, "LocalRigTrainer", lambda recipe: pytest.fail("a trainer was built"))
+  with pytest.raises(RecordingError, match="groups.array_record"):
+    run_rig(recipe, rec, ["off"], tmp_path / "out", steps=10_000)
+  assert not (tmp_path / "out").exists()
 
 
 def _arm_report(name, *, idle_s, step_s, digest="a" * 64):
