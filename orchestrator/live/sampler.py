@@ -123,7 +123,12 @@ class LiveSampler:
     self._sampler = sampler_lib.Sampler(nnx.merge(self._graphdef, params), tokenizer, cache)
     self._vocab_size = preset.vocab_size  # the logits' width: a top_k at least this wide filters nothing
     allowed = set(sampled_token_ids(tokenizer, alphabet))
-    self._forbidden = [i for i in range(preset.vocab_size) if i not in allowed]
+    forbidden = np.asarray([i for i in range(preset.vocab_size) if i not in allowed], np.int32)
+    # Tunix keeps the forbidden ids as a tuple in its jitted sampling state, so each id would be an argument of its
+    # own: a character tokenizer's ~100 ids under a 49,152-wide vocabulary leave 49,000, whose compile took over
+    # 20 GB of host memory. One array in a one-element list (Tunix's ``tuple()`` of it) indexes the logits the
+    # same way, as a single argument.
+    self._forbidden = [forbidden] if forbidden.size else None
     self._eos_ids = list(getattr(tokenizer, "eos_ids", [tokenizer.eos_id()]))
     self._fixed_length = alphabet is not None  # answers end at their length: no eos is ever sampled
     self._format = getattr(tokenizer, "format_prompt", None)

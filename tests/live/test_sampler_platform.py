@@ -76,3 +76,19 @@ def test_a_shared_samplers_sync_keeps_the_trainers_device_arrays_and_a_process_g
   copied, _ = keep(None, weights, on_device=False)  # the negative control: a host copy
   assert isinstance(copied["w"], np.ndarray) and not isinstance(copied["w"], jax.Array)
   np.testing.assert_array_equal(copied["w"], np.asarray(weights["w"]))
+
+
+@pytest.mark.engine
+def test_a_character_tokenizer_under_a_wide_vocabulary_samples_only_its_ids_with_the_forbidden_ids_one_argument():
+  """A 49,152-wide vocabulary (SmolLM2's) under the character tokenizer: ~49,000 forbidden ids, which Tunix would
+  take as as many jit arguments (a compile of minutes and tens of GB); given as one array they are one."""
+  from orchestrator.engine.presets import load_preset
+  from orchestrator.live.sampler import LiveSampler
+
+  tokenizer = CharTokenizer()
+  sampler = LiveSampler(load_preset("tiny", vocab_size=49152), tokenizer, seed=0, max_prompt_length=16,
+                        max_generation_steps=6)
+  assert len(jax.tree.leaves(tuple(sampler._forbidden))) == 1  # Tunix's tuple() of it: one leaf
+  out = sampler.sample(["abc", "de"] * 2, seed=3)
+  ids = np.concatenate([np.asarray(c) for c in out.completion_ids])
+  assert ids.size and ids.max() < tokenizer.vocab_size  # nothing drawn from the 49,000 forbidden ids
