@@ -4,15 +4,18 @@
 
 A tiny random Qwen3 learns the ``first_letter`` task with Tunix's own
 ``RLCluster`` and ``GRPOLearner`` (vanilla rollout, the character tokenizer).
-Each arm runs in its own child process with two forced CPU devices, the same
-seeds and data, so every arm must reach the same weights (the digest column).
+Each arm runs in its own child process, the same seeds and data, so every arm
+must reach the same weights (the digest column): on the host's accelerator
+where it has one (``--platform auto``; one process at a time holds it, and the
+children run in turn), else on two forced CPU devices (``--platform cpu``).
 Two layouts: (a) ``shared`` — one mesh for trainer and sampler, one mini-batch
 per global step (little to stage); (b) ``split`` — the sampler on its own
-device, four mini-batches per global step, each trained twice (GRPO's
+device (skipped, and said so, on an accelerator of one device), four mini-batches per global step, each trained twice (GRPO's
 ``num_iterations`` = 2), so the next mini-batch's rollouts can be sampled while
-the trainer works. Prints seconds per optimizer step after the first
-two global steps (compiles), host blocks per step and the share of boundaries
-staged; then one JSON object.
+the trainer works. Stock and add-on runs alternate (``--repeats`` of each).
+Prints seconds per optimizer step after the first two global steps (compiles),
+median and range over the runs, host blocks per step, the share of boundaries
+staged and whether every run reached stock's weights; then one JSON object.
 
 ``build_learner`` and ``run_arm`` are also what the tests use.
 """
@@ -30,6 +33,7 @@ import time
 import threading
 import zlib
 
+from orchestrator.engine.compilation_cache import use_compilation_cache
 from orchestrator.engine.host_threads import reserve_host_core
 
 WARMUP_GLOBAL_STEPS = 2
@@ -228,13 +232,36 @@ def run_arm(toy: Toy, mode: str | None, *, corrupt_staging: bool = False) -> dic
   return out
 
 
+#: The child's environment on the CPU: two forced devices, so the split layout has a device for its sampler.
+FORCED_CPU_ENV = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+#: Seconds a child that only reports the host's devices may take (an accelerator's runtime starts in 10-20 s).
+PROBE_TIMEOUT_S = 120
+
+
+def host_devices() -> tuple[str, int]:
+  """(platform, devices) JAX finds on this host, asked of a child process, so that this one never holds an
+  accelerator the arms' children need (one process at a time can hold a TPU); ("cpu", 0) where the child
+  fails or JAX_PLATFORMS already says cpu."""
+  if os.environ.get("JAX_PLATFORMS", "").strip().lower() == "cpu":
+    return "cpu", 0
+  probe = "import jax; print(jax.default_backend(), jax.device_count())"
+  try:
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=PROBE_TIMEOUT_S,
+                          check=False)
+    platform, count = proc.stdout.split()[-2:]
+    return platform, int(count)
+  except (subprocess.TimeoutExpired, ValueError):
+    return "cpu", 0
+
+
 def run_arms_in_child(toy: Toy, arms: list[tuple[str | None, dict]], *, reserve_host_core: bool = False,
-                      timeout_s: float = 900) -> list[dict]:
-  """``run_arm`` for each (mode, flags) in order, in one fresh process with two forced CPU devices.
+                      timeout_s: float = 900, accelerator: bool = False) -> list[dict]:
+  """``run_arm`` for each (mode, flags) in order, in one fresh process: on two forced CPU devices, or with
+  ``accelerator`` on the devices JAX finds.
 
   Each arm builds its own learner from the same seeds; the process is shared only to import once.
   """
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+  env = dict(os.environ) if accelerator else dict(os.environ, **FORCED_CPU_ENV)
   request = json.dumps({"toy": dataclasses.asdict(toy), "arms": arms, "reserve_host_core": reserve_host_core})
   proc = subprocess.run([sys.executable, "-m", "orchestrator.bench.tunix_grpo", "--child", request],
                         capture_output=True, text=True, timeout=timeout_s, env=env, check=False)
@@ -243,9 +270,10 @@ def run_arms_in_child(toy: Toy, arms: list[tuple[str | None, dict]], *, reserve_
   return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def run_arm_in_child(toy: Toy, mode: str | None, *, reserve_host_core: bool = False, **flags) -> dict:
+def run_arm_in_child(toy: Toy, mode: str | None, *, reserve_host_core: bool = False, accelerator: bool = False,
+                     **flags) -> dict:
   """One arm in its own process (what the benchmark does, so arms never share a warm process)."""
-  return run_arms_in_child(toy, [(mode, flags)], reserve_host_core=reserve_host_core)[0]
+  return run_arms_in_child(toy, [(mode, flags)], reserve_host_core=reserve_host_core, accelerator=accelerator)[0]
 
 
 CONFIGS = {
@@ -263,34 +291,59 @@ def main(argv=None) -> int:
   parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated: " + ", ".join(CONFIGS))
   parser.add_argument("--no-reserve-host-core", dest="reserve", action="store_false",
                       help="let XLA take every core (host work then cannot overlap compute)")
+  parser.add_argument("--platform", choices=("auto", "cpu"), default="auto",
+                      help="auto: the host's accelerator where it has one, else two forced CPU devices; cpu: those")
   parser.add_argument("--child", help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   if args.child:
     request = json.loads(args.child)
     if request["reserve_host_core"]:
       reserve_host_core()
+    use_compilation_cache()  # the arms' processes compile the same programs: later ones load them
     toy = Toy(**request["toy"])
     print(json.dumps([run_arm(toy, mode, **flags) for mode, flags in request["arms"]]))
     return 0
+  platform, devices = host_devices() if args.platform == "auto" else ("cpu", 0)
+  accelerator = platform != "cpu"
+  print(f"arms on {f'{devices} {platform} device(s)' if accelerator else 'two forced CPU devices'}", flush=True)
   rows = []
   for name in args.configs.split(","):
     toy = dataclasses.replace(CONFIGS[name], global_steps=args.global_steps, preset=args.preset, task=args.task)
+    if accelerator and toy.layout == "split" and devices < 2:
+      print(f"{name}: skipped: the split layout needs two devices, this host's accelerator has {devices}")
+      continue
     arms = {"stock": [], "stage_before_update": []}
-    for _ in range(args.repeats):
+    for _ in range(args.repeats):  # stock and the add-on alternate
       for arm in arms:
-        arms[arm].append(run_arm_in_child(toy, None if arm == "stock" else arm, reserve_host_core=args.reserve))
-    stock_s = statistics.median(r["seconds_per_step"] for r in arms["stock"])
-    for arm, runs in arms.items():
-      seconds = statistics.median(r["seconds_per_step"] for r in runs)
-      rows.append({"config": name, "arm": arm, "seconds_per_step": seconds, "vs_stock": seconds / stock_s - 1,
-                   "host_blocks_per_step": runs[0]["host_blocks_per_step"], "staged_share": runs[0]["staged_share"],
-                   "digest": runs[0]["digest"][:12], "same_digest_all_runs": len({r["digest"] for r in runs}) == 1})
-  print(f"{'config':28} {'arm':20} {'s/step':>9} {'vs stock':>9} {'blocks/step':>12} {'staged':>7} digest")
+        arms[arm].append(run_arm_in_child(toy, None if arm == "stock" else arm, reserve_host_core=args.reserve,
+                                          accelerator=accelerator))
+    rows += _rows(name, arms, platform)
+  print(f"{'config':28} {'arm':20} {'s/step (range)':>24} {'vs stock':>9} {'blocks/step':>12} {'staged':>7}"
+        " digest = stock's")
   for r in rows:
-    print(f"{r['config']:28} {r['arm']:20} {r['seconds_per_step']:9.4f} {100 * r['vs_stock']:+8.1f}%"
-          f" {r['host_blocks_per_step']:12.2f} {100 * r['staged_share']:6.0f}% {r['digest']}")
+    low, high = r["seconds_per_step_range"]
+    print(f"{r['config']:28} {r['arm']:20} {r['seconds_per_step']:9.4f} ({low:.4f}-{high:.4f})"
+          f" {100 * r['vs_stock']:+8.1f}% {r['host_blocks_per_step']:12.2f} {100 * r['staged_share']:6.0f}%"
+          f" {r['digest']} {'yes' if r['same_digest_as_stock'] else 'NO'}")
   print(json.dumps(rows))
-  return 0
+  return 0 if all(r["same_digest_as_stock"] for r in rows) else 1
+
+
+def _rows(config: str, arms: dict[str, list[dict]], platform: str) -> list[dict]:
+  """One row per arm: median seconds per step and their range over its runs, against stock's median, and
+  whether every run of every arm reached stock's first run's weights."""
+  stock_s = statistics.median(r["seconds_per_step"] for r in arms["stock"])
+  stock_digest = arms["stock"][0]["digest"]
+  rows = []
+  for arm, runs in arms.items():
+    seconds = [r["seconds_per_step"] for r in runs]
+    rows.append({"config": config, "platform": platform, "arm": arm, "runs": len(runs),
+                 "seconds_per_step": statistics.median(seconds), "seconds_per_step_range": [min(seconds), max(seconds)],
+                 "vs_stock": statistics.median(seconds) / stock_s - 1,
+                 "host_blocks_per_step": runs[0]["host_blocks_per_step"], "staged_share": runs[0]["staged_share"],
+                 "digest": runs[0]["digest"][:12],
+                 "same_digest_as_stock": all(r["digest"] == stock_digest for r in runs)})
+  return rows
 
 
 if __name__ == "__main__":
