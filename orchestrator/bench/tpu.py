@@ -13,6 +13,10 @@ so they run in turn, never side by side), with a share of the time budget:
   a micro-batch, 20 steps;
 * ``moe24_rig``: a recording made for ``recipes/tpu_moe24_rig.yaml`` (24 layers,
   top-8, routing replay, dropless re-runs) and the rig's four arms over it;
+* ``live_saving``: ``recipes/tpu_live_saving.yaml``, the live loop where the trainer sets the pace, 120 steps:
+  the share of boundaries staged before the update and the saving the run measured on its own controls;
+* ``tunix_grpo``: ``python -m orchestrator.bench.tunix_grpo`` on the accelerator, stock Tunix GRPO and the
+  add-on alternating, shared layout (the split one needs a second device);
 * ``accelerator``: ``python -m orchestrator.bench.accelerator`` at its small preset.
 
 For each: the command, its exit code and seconds, the last lines it printed, and
@@ -47,8 +51,14 @@ CHECKS = {
                      "--out", "{dir}/qwen3_shape"], 0.21),
     "moe24_record": (["-m", "orchestrator.app.cli", "record", "--recipe", "recipes/tpu_moe24_rig.yaml",
                       "--out", "{dir}/moe24_recording", "rollouts.groups=512"], 0.04),
+    # three interleaved pairs of OFF and STAGE_BEFORE_UPDATE, then PIPELINED and STAGE_AFTER_UPDATE
     "moe24_rig": (["-m", "orchestrator.app.cli", "rig", "--recipe", "recipes/tpu_moe24_rig.yaml",
-                   "--recording", "{dir}/moe24_recording", "--out", "{dir}/moe24_rig"], 0.32),
+                   "--recording", "{dir}/moe24_recording", "--out", "{dir}/moe24_rig", "--arms",
+                   *["off", "stage_before_update"] * 3, "pipelined", "stage_after_update"], 0.32),
+    "live_saving": (["-m", "orchestrator.app.cli", "--recipe", "recipes/tpu_live_saving.yaml",
+                     "--out", "{dir}/live_saving"], 0.30),
+    "tunix_grpo": (["-m", "orchestrator.bench.tunix_grpo", "--configs", "a_shared_one_mini_batch",
+                    "--global-steps", "8", "--repeats", "2"], 0.20),
     "accelerator": (["-m", "orchestrator.bench.accelerator", "--minutes", "{minutes}",
                      "--out", "{dir}/accelerator.json"], 0.18),
 }
@@ -64,8 +74,18 @@ def figures(run_dir: Path) -> dict:
     summary = json.loads(summary_path.read_text())
     keys = ("steps", "final_state_digest", "median_step_s", "median_boundary_idle_s", "peak_device_bytes",
             "median_mfu", "compiles_after_first_step", "startup_s", "reward_first_step", "reward_last_10_steps",
-            "eval_accuracy_start", "eval_accuracy_end", "ended_mode", "staged_before_update", "measured_saving")
+            "eval_accuracy_start", "eval_accuracy_end", "final_mode", "boundaries", "staged_boundaries",
+            "staged_before_update", "measured_saving", "median_rollout_wait_s", "boundaries_next_not_ready")
     out.update({key: summary.get(key) for key in keys if key in summary})
+  rig_report = run_dir / "report.json"
+  if rig_report.is_file():  # a rig's directory
+    report = json.loads(rig_report.read_text())
+    out["verdict_line"] = report.get("verdict_line")
+    out["components"] = report.get("components")
+    out["comparisons"] = report.get("comparisons")
+    out["arms"] = {a["name"]: {key: a.get(key) for key in ("step_s", "boundary_idle_s", "micro_batch_s", "stage_s",
+                                                          "reruns", "final_mode", "final_state_digest")}
+                   for a in report.get("arms", [])}
   records_path = run_dir / "records.jsonl"
   if records_path.is_file():
     records = [json.loads(line) for line in records_path.read_text().splitlines() if line.strip()]
