@@ -27,13 +27,26 @@ def test_figures_come_from_the_runs_summary_and_records(tmp_path):
 def test_a_check_cut_short_keeps_what_it_printed_and_reports_the_time_out(tmp_path, monkeypatch):
   monkeypatch.setattr(tpu, "CHECKS", {
       "quick": (["-c", "print('done', flush=True)"], 1.0),
-      "slow": (["-c", "import time; print('started', flush=True); time.sleep(60)"], 1.0)})
+      "slow": (["-c", "import time; print('started', flush=True); time.sleep(60)"], 1.0),
+      "extended": (["-c", "raise SystemExit('an extended check runs only with --all or by name')"], 1.0)})
+  monkeypatch.setattr(tpu, "DEFAULT_CHECKS", ("quick", "slow"))
   out = tmp_path / "out"
   assert tpu.main(["--out", str(out), "--minutes", "0.35"]) == 1  # a check that did not exit 0 fails the run
   result = json.loads((out / "tpu.json").read_text())["checks"]
   assert result["quick"]["exit_code"] == 0 and result["quick"]["tail"] == ["done"]
   assert result["slow"]["timed_out"] and result["slow"]["exit_code"] is None
   assert (out / "slow.log").read_text() == "started\n"
+  assert "extended" not in result  # not a default check
+
+
+@pytest.mark.spec
+def test_the_default_checks_are_checks_and_the_extended_ones_are_named_or_all(tmp_path, capsys):
+  assert set(tpu.DEFAULT_CHECKS) < set(tpu.CHECKS)
+  assert {"moe24_rig", "live_saving", "tunix_grpo"}.isdisjoint(tpu.DEFAULT_CHECKS)
+  with pytest.raises(SystemExit) as exit_info:
+    tpu.main(["--all", "--only", "default", "--out", str(tmp_path / "out")])
+  assert exit_info.value.code == 2 and "give one of them" in capsys.readouterr().err
+  assert not (tmp_path / "out").exists()  # refused before anything is written
 
 
 @pytest.mark.spec
