@@ -28,12 +28,14 @@ _installed = [False]
 def _on_event_duration(event: str, duration_s: float, **_: Any) -> None:
   del duration_s
   if event == BACKEND_COMPILE_EVENT:
-    _compiles[0] += 1
+    with _lock:  # the engine compiles its programs in threads side by side: no count may be lost
+      _compiles[0] += 1
 
 
 def _on_event(event: str, **_: Any) -> None:
   if event == CACHE_HIT_EVENT:
-    _compiles[0] += 1
+    with _lock:
+      _compiles[0] += 1
 
 
 def backend_compile_count() -> int:
