@@ -31,7 +31,7 @@ from orchestrator.rig.checks import (Check, check_arm, cross_arm_checks, failing
                                      predictions_written_first)
 from orchestrator.rig.replay import replay_plan
 from orchestrator.rig.report import write_reports
-from orchestrator.rig.trainers import BatchShape, LocalRigTrainer, RemoteRigTrainer
+from orchestrator.rig.trainers import BatchShape, LocalRigTrainer, RemoteRigTrainer, recipe_batch_shape
 from policies import Mode
 from policies.boundary_fit import at_own_compute, fit
 from policies.boundary_model import Components, band, predict, predict_bounded
@@ -157,23 +157,25 @@ def run_rig(recipe, recording_dir: str | Path, arm_names: Sequence[str], out_dir
   recording = open_recording(recording_dir, vocab_size=preset.vocab_size,
                              routing=recipe.engine.routing_shape(preset))
   # The steps are packed before a trainer is built, so a recording that cannot fill them is refused at once,
-  # not after minutes of compiling; the trainer's own shape must then be the recipe's.
-  rows, tokens_per_row = recipe.micro_batch_shape()
-  shape = BatchShape(rows, tokens_per_row, preset.vocab_size, rerun_dropped=False,
-                     routing=recipe.engine.routing_shape(preset))
-  plan = replay_plan(shape, recording, m, steps)
+  # not after minutes of compiling; a trainer that packs another shape (a remote one's own sizes) is planned for
+  # again once it is known.
+  asked = recipe_batch_shape(recipe)
+  plan = replay_plan(asked, recording, m, steps)
   say = _timed(progress)
   say("building the trainer (compiling its programs)")
   trainer = RemoteRigTrainer(recipe, out) if recipe.trainer.location == "remote" else LocalRigTrainer(recipe)
   try:
-    if (trainer.shape.rows, trainer.shape.tokens_per_row) != (rows, tokens_per_row):
-      raise RigError(f"the trainer packs {trainer.shape.rows} x {trainer.shape.tokens_per_row} tokens a"
-                     f" micro-batch, the recipe {rows} x {tokens_per_row}: give batch.rows and"
-                     " batch.tokens_per_row the trainer's sizes")
+    if _packing(trainer.shape) != _packing(asked):
+      plan = replay_plan(trainer.shape, recording, m, steps)
     say(f"trainer built{_compile_note(trainer)}")
     return _run_arms(recipe, trainer, recording, plan, arms, out, steps, warmup_steps, say)
   finally:
     trainer.close()
+
+
+def _packing(shape: BatchShape) -> tuple:
+  """What a plan's payloads and digests depend on (not whether the engine re-runs dropped tokens)."""
+  return shape.rows, shape.tokens_per_row, shape.vocab_size, shape.routing
 
 
 def _timed(progress):

@@ -33,6 +33,15 @@ class BatchShape:
   routing: RoutingShape | None = None  # the engine replays routing: payload digests count it
 
 
+def recipe_batch_shape(recipe) -> BatchShape:
+  """The micro-batch the recipe asks the rig's engine for: ``batch.rows`` and ``batch.tokens_per_row``, unset
+  the model's (the rig replays recordings, so never a live task's fitted size, ``Recipe.micro_batch_shape``).
+  Whether it re-runs dropped tokens is the engine's to say: False here."""
+  preset = recipe.model_preset()
+  return BatchShape(recipe.batch.rows or preset.rows, recipe.batch.tokens_per_row or preset.tokens_per_row,
+                    preset.vocab_size, False, recipe.engine.routing_shape(preset))
+
+
 def _arm_config(recipe, n_steps):
   return dataclasses.replace(program_config(recipe, None, steps=n_steps), checkpoint_every=0,
                              scored_checkpoint_steps=())
@@ -45,9 +54,9 @@ class LocalRigTrainer:
     options = {f.name: getattr(recipe.engine, f.name) for f in dataclasses.fields(recipe.engine)
                if f.name != "backend"}
     self.recipe = recipe
-    # The rig replays recordings, so unset sizes are the model's, not a live task's (Recipe.micro_batch_shape).
-    self.engine = build_engine(recipe.model_preset(), mesh=dataclasses.asdict(recipe.mesh), rows=recipe.batch.rows,
-                               tokens_per_row=recipe.batch.tokens_per_row, **options)
+    asked = recipe_batch_shape(recipe)
+    self.engine = build_engine(recipe.model_preset(), mesh=dataclasses.asdict(recipe.mesh), rows=asked.rows,
+                               tokens_per_row=asked.tokens_per_row, **options)
     require_snapshots(self.engine)
     self.shape = BatchShape(self.engine.rows, self.engine.tokens_per_row, self.engine.preset.vocab_size,
                             self.engine.rerun_dropped, recipe.engine.routing_shape(self.engine.preset))

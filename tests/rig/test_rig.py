@@ -151,6 +151,18 @@ def test_a_recording_too_short_for_the_steps_is_refused_before_a_trainer_is_buil
   assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.engine
+def test_a_live_recipe_is_replayed_at_the_models_sizes_not_its_tasks(tmp_path):
+  """The default recipe samples live, so its own runs fit a micro-batch to the task (32 rows of 17 tokens); the
+  rig replays a recording at the model's sizes, the plan packed before the trainer is built included."""
+  recipe = recipe_lib.resolve(REPO / "recipes" / "default.yaml",
+                              overrides=["batch.rows=32", "run.reserve_host_core=false"]).recipe
+  assert recipe.micro_batch_shape()[1] != recipe.model_preset().tokens_per_row  # the two sizes differ
+  result = run_rig(recipe, REPO / "recordings" / "rig_small", ["off"], tmp_path / "rig", steps=2)
+  assert result.exit_code == 0
+  assert {c["status"] for c in result.report["checks"] if c["kind"] == "correctness"} == {"pass"}
+
+
 def _arm_report(name, *, idle_s, step_s, digest="a" * 64):
   """The parts of an arm's report the cross-arm and prediction checks read."""
   return {"name": name, "boundary_idle_s": {"median": idle_s}, "step_s": {"median": step_s},
