@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -81,32 +82,48 @@ COMPARISONS = (("stage_before_update", "off"), ("stage_before_update", "pipeline
 
 
 def comparisons(arms) -> list[dict]:
-  """What each mode saves over another, pooled over the arms of each mode (faulted arms left out): the mean
-  difference of step seconds (each arm's steps after its first: the first has no boundary before it) and of
-  boundary idle, with a 95 % Welch interval. A pair the arms lack, or with too few steps, is left out."""
+  """What each mode saves over another, step seconds and boundary idle, with a 95 % Welch interval.
+
+  An arm counts for the mode it ran in: a faulted arm, or one whose staging turned itself off (it ended in
+  another mode), is left out and named. Within an arm, its control boundaries are left out, and step seconds
+  are taken after its first step (the first has no boundary before it). With two arms or more a side, the
+  samples are the arms' medians, so the interval counts the drift from arm to arm; with one arm a side, they
+  are that arm's steps, and the row says the interval counts no drift between arms. A pair the arms lack, or
+  with too few samples, is left out."""
   by_mode: dict[str, list] = {}
+  left_out = []
   for a in arms:
-    if not a["fault"]:
+    if a["fault"] or a.get("final_mode", a["mode"]) != a["mode"]:
+      left_out.append(a["name"] + (f" (fault: {a['fault']})" if a["fault"] else f" (ended {a['final_mode']})"))
+    else:
       by_mode.setdefault(a["mode"], []).append(a)
 
-  def pooled(mode, key, part):
-    return [r[key] for a in by_mode[mode] for r in part(a["records"]) if r.get(key) is not None]
+  def samples(arm, key, part):
+    return [r[key] for r in part([r for r in arm["records"] if not r.get("control")]) if r.get(key) is not None]
+
+  def side(mode, key, part, by_arm):
+    if by_arm:
+      return [statistics.median(xs) for xs in (samples(a, key, part) for a in by_mode[mode]) if xs]
+    return [x for a in by_mode[mode] for x in samples(a, key, part)]
 
   rows = []
   for mode, against in COMPARISONS:
     if mode not in by_mode or against not in by_mode:
       continue
-    steps_mode, steps_against = (pooled(m, "step_s", lambda rs: rs[1:]) for m in (mode, against))
-    idle_mode, idle_against = (pooled(m, "boundary_idle_s", lambda rs: rs[:-1]) for m in (mode, against))
+    by_arm = min(len(by_mode[mode]), len(by_mode[against])) >= 2
+    after_first, boundaries = (lambda rs: rs[1:]), (lambda rs: rs[:-1])
+    steps_mode, steps_against = (side(m, "step_s", after_first, by_arm) for m in (mode, against))
+    idle_mode, idle_against = (side(m, "boundary_idle_s", boundaries, by_arm) for m in (mode, against))
     try:
       step, idle = welch_interval(steps_against, steps_mode), welch_interval(idle_against, idle_mode)
-    except ValueError:  # fewer than two steps a side
+    except ValueError:  # fewer than two samples a side
       continue
-    against_step_s = sum(steps_against) / len(steps_against)
+    against_step_s = statistics.fmean(steps_against)
     rows.append({"mode": mode, "against": against, "arms": [len(by_mode[mode]), len(by_mode[against])],
-                 "steps": [len(steps_mode), len(steps_against)], "step_saving_s": step.to_json(),
+                 "samples": "arm medians" if by_arm else "steps of one arm a side (no drift between arms counted)",
+                 "n": [len(steps_mode), len(steps_against)], "step_saving_s": step.to_json(),
                  "step_saving_share": {k: v / against_step_s for k, v in step.to_json().items()},
-                 "boundary_idle_saving_s": idle.to_json()})
+                 "boundary_idle_saving_s": idle.to_json(), "left_out": left_out})
   return rows
 
 
@@ -201,15 +218,18 @@ def _comparisons_markdown(rows) -> list[str]:
   """The modes compared: what each saves over another per step and per boundary, with its interval."""
   if not rows:
     return []
-  lines = ["", "## Modes compared (saving per step and per boundary, 95 % Welch interval over steps)", "",
-           "| mode | against | arms | steps | saving per step | share of a step | boundary idle saved |",
+  lines = ["", "## Modes compared (saving per step and per boundary, 95 % Welch interval)", "",
+           "| mode | against | arms | samples | saving per step | share of a step | boundary idle saved |",
            "| --- | --- | --- | --- | --- | --- | --- |"]
   for r in rows:
     step, share, idle = r["step_saving_s"], r["step_saving_share"], r["boundary_idle_saving_s"]
     lines.append(f"| {r['mode']} | {r['against']} | {r['arms'][0]} / {r['arms'][1]} |"
-                 f" {r['steps'][0]} / {r['steps'][1]} | {fs(step['mean'])} ({fs(step['low'])} to {fs(step['high'])})"
+                 f" {r['samples']}: {r['n'][0]} / {r['n'][1]} |"
+                 f" {fs(step['mean'])} ({fs(step['low'])} to {fs(step['high'])})"
                  f" | {share['mean']:+.2%} ({share['low']:+.2%} to {share['high']:+.2%}) |"
                  f" {fs(idle['mean'])} ({fs(idle['low'])} to {fs(idle['high'])}) |")
+  if rows[0]["left_out"]:
+    lines += ["", "Left out of the comparisons: " + ", ".join(rows[0]["left_out"]) + "."]
   return lines
 
 
