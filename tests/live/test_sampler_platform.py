@@ -92,3 +92,19 @@ def test_a_character_tokenizer_under_a_wide_vocabulary_samples_only_its_ids_with
   out = sampler.sample(["abc", "de"] * 2, seed=3)
   ids = np.concatenate([np.asarray(c) for c in out.completion_ids])
   assert ids.size and ids.max() < tokenizer.vocab_size  # nothing drawn from the 49,000 forbidden ids
+
+
+@pytest.mark.engine
+def test_the_forbidden_ids_as_one_array_sample_what_they_sampled_as_a_list_of_ids():
+  """Bit for bit: the one-array form masks exactly what Tunix's tuple of ids did (tiny vocabulary: both compile)."""
+  from orchestrator.engine.presets import load_preset
+  from orchestrator.live.sampler import LiveSampler
+
+  sampler = LiveSampler(load_preset("tiny"), CharTokenizer(), seed=0, max_prompt_length=16, max_generation_steps=5)
+  as_array = sampler.sample(["abc", "de"] * 2, seed=7, temperature=1.3)
+  sampler._forbidden = [int(i) for i in sampler._forbidden[0]]  # the form Tunix was given before
+  as_ids = sampler.sample(["abc", "de"] * 2, seed=7, temperature=1.3)
+  for a, b in zip(as_array.completion_ids, as_ids.completion_ids):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  for a, b in zip(as_array.logprobs, as_ids.logprobs):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
