@@ -96,9 +96,31 @@ def saving_line(summary: RunSummary) -> str | None:
   idle, step = saving.boundary_idle_s, saving.step_s
   verdict = ("staging cost time" if step.below_zero else "staging saved time" if step.low > 0
              else "no difference beyond the noise")
-  return (f"measured saving per step: {s(step.mean, zero='none')} (95 % interval {s(step.low)} to {s(step.high)}):"
+  line = (f"measured saving per step: {s(step.mean, zero='none')} (95 % interval {s(step.low)} to {s(step.high)}):"
           f" {verdict}; boundary idle saved: {s(idle.mean, zero='none, neither had any')}; over"
           f" {saving.staged_n} staged and {saving.control_n} control boundaries")
+  held = summary.timings.boundary_held
+  if step.below_zero or step.low > 0 or not held:
+    return line
+  return line + "\n" + held_line(held, summary.policy.threshold_s)
+
+
+def held_line(held: dict, threshold_s: float | None) -> str:
+  """What the boundary held where staging made no difference beyond the noise: its parts, measured, and, where
+  the control boundaries did not idle either, why nothing was left to remove."""
+  s = format_seconds
+
+  def part(key, zero=None):
+    return s(held.get(key), zero=zero)  # "-" where not measured
+
+  line = (f"what the boundary held (medians): a stage of {part('stage_s')}, an update of {part('update_s')},"
+          f" boundary work of {part('boundary_work_s')}; the device still computed {part('device_wait_s')} after a"
+          f" stage; control boundaries idled {part('control_idle_s', zero='none')}")
+  control_idle, waited = held.get("control_idle_s"), held.get("device_wait_s")
+  if control_idle is not None and threshold_s is not None and control_idle <= threshold_s and waited:
+    line += (": an unstaged input's preparation hid behind the device's queued work as well as a staged one's,"
+             " so nothing was left for staging to remove")
+  return line
 
 
 def format_summary(summary: RunSummary) -> str:

@@ -48,6 +48,11 @@ class StepTimings:
   #: The boundaries the run had: steps whose boundary dispatched the next step's first micro-batch (a completed
   #: run's last step has none; a run stopped inside a step, its last finished step does). None: not counted.
   boundaries: int | None = None
+  #: What a boundary held, medians in seconds: ``stage_s`` (mapping the next input and starting its copy) and
+  #: ``device_wait_s`` (how long the device still computed after the stage) over the staged boundaries,
+  #: ``update_s`` and ``boundary_work_s`` (metrics, checkpoint, weight sync) over every step, ``control_idle_s``
+  #: over the control boundaries (None without one). None where no boundary staged.
+  boundary_held: dict[str, float | None] | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -139,7 +144,8 @@ class RunSummary:
     newest = {"staged_before_update": timings.pop("staged_before_update"),
               "measured_saving": saving.to_json() if saving is not None else None}
     timings.pop("measured_saving")
-    devices = {key: timings.pop(key) for key in ("peak_device_bytes", "median_mfu", "compiles_after_first_step")}
+    devices = {key: timings.pop(key) for key in ("peak_device_bytes", "median_mfu", "compiles_after_first_step",
+                                                 "boundary_held")}
     # The order summary.json has always had: the step count and the modes first.
     out: dict[str, Any] = {"steps": timings.pop("steps"), "requested_mode": policy.pop("requested_mode"),
                            "final_mode": policy.pop("final_mode")}

@@ -417,7 +417,8 @@ class Recorder:
                                                  if r.device_peak_bytes is not None), default=None),
                           median_mfu=_median_present(r.mfu for r in self.records),
                           compiles_after_first_step=self._compiles_after_first_steps(),
-                          boundaries=sum(1 for r in self.records if r.t_next_first_dispatch is not None))
+                          boundaries=sum(1 for r in self.records if r.t_next_first_dispatch is not None),
+                          boundary_held=_boundary_held(self.records))
     return RunSummary(timings=timings, policy=policy, final_state_digest=final_state_digest,
                       records_path=str(self.out_dir / "records.jsonl") if self.out_dir else None,
                       rollouts=self._rollout_summary())
@@ -448,3 +449,16 @@ class Recorder:
     return RolloutSummary(reward_first_step=rewards[0], reward_last_10_steps=statistics.fmean(rewards[-10:]),
                           median_rollout_wait_s=statistics.median(waits) if waits else None,
                           boundaries_next_not_ready=sum(1 for r in self.records if r.next_ready is False))
+
+
+def _boundary_held(records) -> dict[str, float | None] | None:
+  """``StepTimings.boundary_held``: what the boundaries held, medians (None where no boundary staged)."""
+  staged = [r for r in records if r.staged]
+  if not staged:
+    return None
+  return {"stage_s": _median_present(r.stage_s for r in staged),
+          "device_wait_s": _median_present(r.device_wait_s for r in staged),
+          "update_s": _median_present(r.update_s for r in records),
+          "boundary_work_s": _median_present((r.metrics_s or 0.0) + (r.checkpoint_s or 0.0) + (r.weight_sync_s or 0.0)
+                                             for r in records),
+          "control_idle_s": _median_present(r.boundary_idle_s for r in records if r.control)}

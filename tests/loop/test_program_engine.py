@@ -271,9 +271,9 @@ def test_every_staged_boundary_records_what_its_input_holds_on_the_devices(tiny_
   assert timings.peak_staged_bytes_per_device == max(max(r.staged_bytes_per_device) for r in staged)
   assert timings.peak_device_bytes_in_use is None
   summary = result.summary.to_json()
-  assert list(summary)[-8:] == ["peak_staged_bytes_per_device", "peak_device_bytes_in_use", "staged_bytes_by_field",
+  assert list(summary)[-9:] == ["peak_staged_bytes_per_device", "peak_device_bytes_in_use", "staged_bytes_by_field",
                                 "staged_before_update", "measured_saving", "peak_device_bytes", "median_mfu",
-                                "compiles_after_first_step"]
+                                "compiles_after_first_step", "boundary_held"]
 
 
 GiB = 1 << 30
