@@ -81,15 +81,9 @@ COMPARISONS = (("stage_before_update", "off"), ("stage_before_update", "pipeline
                ("stage_after_update", "pipelined"))
 
 
-def comparisons(arms) -> list[dict]:
-  """What each mode saves over another, step seconds and boundary idle, with a 95 % Welch interval.
-
-  An arm counts for the mode it ran in: a faulted arm, or one whose staging turned itself off (it ended in
-  another mode), is left out and named. Within an arm, its control boundaries are left out, and step seconds
-  are taken after its first step (the first has no boundary before it). With two arms or more a side, the
-  samples are the arms' medians, so the interval counts the drift from arm to arm; with one arm a side, they
-  are that arm's steps, and the row says the interval counts no drift between arms. A pair the arms lack, or
-  with too few samples, is left out."""
+def _compared_arms(arms) -> tuple[dict[str, list], list[str]]:
+  """The arms each mode is compared with (by mode), and the arms left out, named with why: a faulted arm, or one
+  whose staging turned itself off (it ended in another mode than it ran for)."""
   by_mode: dict[str, list] = {}
   left_out = []
   for a in arms:
@@ -97,34 +91,63 @@ def comparisons(arms) -> list[dict]:
       left_out.append(a["name"] + (f" (fault: {a['fault']})" if a["fault"] else f" (ended {a['final_mode']})"))
     else:
       by_mode.setdefault(a["mode"], []).append(a)
+  return by_mode, left_out
 
-  def samples(arm, key, part):
-    return [r[key] for r in part([r for r in arm["records"] if not r.get("control")]) if r.get(key) is not None]
 
-  def side(mode, key, part, by_arm):
+def _step_samples(records) -> list[float]:
+  """An arm's step seconds for a comparison: after its first step (no boundary before it), and without the
+  steps a control boundary touches (a step runs from one update to the next, so control k's unstaged boundary
+  is in step k + 1, and step k ends at it)."""
+  touched = {k + d for k, r in enumerate(records) if r.get("control") for d in (0, 1)}
+  return [r["step_s"] for k, r in enumerate(records) if k >= 1 and k not in touched and r.get("step_s") is not None]
+
+
+def _idle_samples(records) -> list[float]:
+  """An arm's boundary idle for a comparison: each boundary (its last step has none after it) but controls."""
+  return [r["boundary_idle_s"] for r in records[:-1] if not r.get("control") and r.get("boundary_idle_s") is not None]
+
+
+def comparisons(arms) -> list[dict]:
+  """What each mode saves over another, step seconds and boundary idle, with a 95 % Welch interval.
+
+  An arm counts for the mode it ran in (``_compared_arms``); within it, its control boundaries are left out
+  (``_step_samples``, ``_idle_samples``). With two arms or more a side, the samples are the arms' medians, so
+  the interval counts the drift from arm to arm; otherwise they are the arms' steps pooled, and the row says the
+  interval counts no drift between arms. The share is the saving over the mean of the other mode's samples. A
+  pair the arms lack, or with fewer than two samples a side, is left out."""
+  by_mode, _ = _compared_arms(arms)
+
+  def side(mode, take, by_arm):
     if by_arm:
-      return [statistics.median(xs) for xs in (samples(a, key, part) for a in by_mode[mode]) if xs]
-    return [x for a in by_mode[mode] for x in samples(a, key, part)]
+      return [statistics.median(xs) for xs in (take(a["records"]) for a in by_mode[mode]) if xs]
+    return [x for a in by_mode[mode] for x in take(a["records"])]
 
   rows = []
   for mode, against in COMPARISONS:
     if mode not in by_mode or against not in by_mode:
       continue
-    by_arm = min(len(by_mode[mode]), len(by_mode[against])) >= 2
-    after_first, boundaries = (lambda rs: rs[1:]), (lambda rs: rs[:-1])
-    steps_mode, steps_against = (side(m, "step_s", after_first, by_arm) for m in (mode, against))
-    idle_mode, idle_against = (side(m, "boundary_idle_s", boundaries, by_arm) for m in (mode, against))
+    arm_counts = [len(by_mode[mode]), len(by_mode[against])]
+    by_arm = min(arm_counts) >= 2
+    steps_mode, steps_against = (side(m, _step_samples, by_arm) for m in (mode, against))
+    idle_mode, idle_against = (side(m, _idle_samples, by_arm) for m in (mode, against))
     try:
       step, idle = welch_interval(steps_against, steps_mode), welch_interval(idle_against, idle_mode)
     except ValueError:  # fewer than two samples a side
       continue
     against_step_s = statistics.fmean(steps_against)
-    rows.append({"mode": mode, "against": against, "arms": [len(by_mode[mode]), len(by_mode[against])],
-                 "samples": "arm medians" if by_arm else "steps of one arm a side (no drift between arms counted)",
+    samples = ("arm medians" if by_arm else
+               f"steps pooled ({arm_counts[0]} arm{'s' * (arm_counts[0] > 1)} / {arm_counts[1]}: no drift between"
+               " arms counted)")
+    rows.append({"mode": mode, "against": against, "arms": arm_counts, "samples": samples,
                  "n": [len(steps_mode), len(steps_against)], "step_saving_s": step.to_json(),
                  "step_saving_share": {k: v / against_step_s for k, v in step.to_json().items()},
-                 "boundary_idle_saving_s": idle.to_json(), "left_out": left_out})
+                 "boundary_idle_saving_s": idle.to_json()})
   return rows
+
+
+def left_out_of_comparisons(arms) -> list[str]:
+  """The arms no comparison counts, each with why (``_compared_arms``)."""
+  return _compared_arms(arms)[1]
 
 
 def write_reports(out: Path, arms, predictions, checks: Sequence[Check], components, traces, recipe,
@@ -143,6 +166,7 @@ def write_reports(out: Path, arms, predictions, checks: Sequence[Check], compone
       "checks": [c.to_json() for c in checks],
       "targets": target_rows,
       "comparisons": comparisons(arms),
+      "left_out_of_comparisons": left_out_of_comparisons(arms),
       "verdict": counts,
       "predictions_score": prediction_score(checks),
       "verdict_line": line,
@@ -188,7 +212,7 @@ def _markdown(report, arms, components) -> str:
         f"| {a['name']}{fault} | {ended} | {st(a['boundary_idle_s'])} | {st(a['boundary_idle_strict_s'])} |"
         f" {st(a['step_s'])} | {st(a['micro_batch_s'])} | {st(a['device_wait_s'])} | {st(a['stage_s'])} |"
         f" {a['prepare_share_of_micro_batch']:.1%} | {st(a['boundary_work_s'])} | {a['reruns']} |")
-  lines += _comparisons_markdown(report["comparisons"])
+  lines += _comparisons_markdown(report["comparisons"], report["left_out_of_comparisons"])
   lines += _saving_markdown(arms)
   lines += ["", "## Predictions vs measurements", "",
             "| arm | predicted idle | band | measured | predicted step | band | measured |",
@@ -214,9 +238,10 @@ def _markdown(report, arms, components) -> str:
   return "\n".join(lines)
 
 
-def _comparisons_markdown(rows) -> list[str]:
-  """The modes compared: what each saves over another per step and per boundary, with its interval."""
-  if not rows:
+def _comparisons_markdown(rows, left_out=()) -> list[str]:
+  """The modes compared: what each saves over another per step and per boundary, with its interval; the arms
+  left out, named."""
+  if not rows and not left_out:
     return []
   lines = ["", "## Modes compared (saving per step and per boundary, 95 % Welch interval)", "",
            "| mode | against | arms | samples | saving per step | share of a step | boundary idle saved |",
@@ -228,8 +253,8 @@ def _comparisons_markdown(rows) -> list[str]:
                  f" {fs(step['mean'])} ({fs(step['low'])} to {fs(step['high'])})"
                  f" | {share['mean']:+.2%} ({share['low']:+.2%} to {share['high']:+.2%}) |"
                  f" {fs(idle['mean'])} ({fs(idle['low'])} to {fs(idle['high'])}) |")
-  if rows[0]["left_out"]:
-    lines += ["", "Left out of the comparisons: " + ", ".join(rows[0]["left_out"]) + "."]
+  if left_out:
+    lines += ["", "Left out of the comparisons: " + ", ".join(left_out) + "."]
   return lines
 
 
