@@ -102,12 +102,15 @@ def saving_line(summary: RunSummary) -> str | None:
   held = summary.timings.boundary_held
   if step.below_zero or step.low > 0 or not held:
     return line
-  return line + "\n" + held_line(held, summary.policy.threshold_s)
+  return line + "\n" + held_line(held, summary.policy.threshold_s, idle_saving=idle)
 
 
-def held_line(held: dict, threshold_s: float | None) -> str:
-  """What the boundary held where staging made no difference beyond the noise: its parts, measured, and, where
-  the control boundaries did not idle either, why nothing was left to remove."""
+def held_line(held: dict, threshold_s: float | None, *, idle_saving=None) -> str:
+  """What the boundary held where staging made no difference beyond the noise: its parts, measured, and why
+  nothing was left to remove where the measurements say so: the control boundaries idled no longer than the
+  low-wait threshold, the boundary idle saved is not above zero beyond the noise, and the device still computed,
+  after a stage, at least the threshold and the stage's own time (so an unstaged preparation had that to hide
+  behind)."""
   s = format_seconds
 
   def part(key, zero=None):
@@ -116,8 +119,11 @@ def held_line(held: dict, threshold_s: float | None) -> str:
   line = (f"what the boundary held (medians): a stage of {part('stage_s')}, an update of {part('update_s')},"
           f" boundary work of {part('boundary_work_s')}; the device still computed {part('device_wait_s')} after a"
           f" stage; control boundaries idled {part('control_idle_s', zero='none')}")
-  control_idle, waited = held.get("control_idle_s"), held.get("device_wait_s")
-  if control_idle is not None and threshold_s is not None and control_idle <= threshold_s and waited:
+  control_idle, waited, stage = held.get("control_idle_s"), held.get("device_wait_s"), held.get("stage_s")
+  grounded = (control_idle is not None and threshold_s is not None and waited is not None and stage is not None
+              and control_idle <= threshold_s and waited >= max(threshold_s, stage)
+              and (idle_saving is None or idle_saving.low <= 0))
+  if grounded:
     line += (": an unstaged input's preparation hid behind the device's queued work as well as a staged one's,"
              " so nothing was left for staging to remove")
   return line

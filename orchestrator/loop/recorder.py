@@ -452,13 +452,18 @@ class Recorder:
 
 
 def _boundary_held(records) -> dict[str, float | None] | None:
-  """``StepTimings.boundary_held``: what the boundaries held, medians (None where no boundary staged)."""
+  """``StepTimings.boundary_held``: what the boundaries held, medians (None where no boundary staged). The device
+  wait is the before-update stages' (after the update, a stage waits on the update, not the last micro-batch)."""
   staged = [r for r in records if r.staged]
   if not staged:
     return None
+
+  def work(r):  # None where no part was measured (a restored record, a remote one without spans)
+    parts = [x for x in (r.metrics_s, r.checkpoint_s, r.weight_sync_s) if x is not None]
+    return sum(parts) if parts else None
+
   return {"stage_s": _median_present(r.stage_s for r in staged),
-          "device_wait_s": _median_present(r.device_wait_s for r in staged),
+          "device_wait_s": _median_present(r.device_wait_s for r in staged if r.stage_before_update),
           "update_s": _median_present(r.update_s for r in records),
-          "boundary_work_s": _median_present((r.metrics_s or 0.0) + (r.checkpoint_s or 0.0) + (r.weight_sync_s or 0.0)
-                                             for r in records),
+          "boundary_work_s": _median_present(work(r) for r in records),
           "control_idle_s": _median_present(r.boundary_idle_s for r in records if r.control)}

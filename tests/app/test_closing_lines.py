@@ -137,6 +137,15 @@ def test_where_staging_made_no_difference_the_closing_lines_say_what_the_boundar
   # Controls that idled past the threshold: the parts are said, the conclusion is not drawn.
   idled = summary.replace(timings=dataclasses.replace(summary.timings, boundary_held=dict(HELD, control_idle_s=0.02)))
   assert console.saving_line(idled).endswith("control boundaries idled 20.00 ms")
+  # No conclusion where a measurement does not carry it: a device that waited less than the stage took, none
+  # measured, no threshold, or an idle saving above zero beyond the noise (staging did remove idle).
+  for held, threshold, idle in [(dict(HELD, device_wait_s=0.001), 0.002, noise.boundary_idle_s),
+                                (dict(HELD, device_wait_s=None), 0.002, noise.boundary_idle_s),
+                                (HELD, None, noise.boundary_idle_s),
+                                (HELD, 0.002, Interval(0.003, 0.001, 0.005))]:
+    line = console.held_line(held, threshold, idle_saving=idle)
+    assert line.startswith("what the boundary held") and "nothing was left" not in line, (held, threshold, idle)
+  assert "nothing was left" in console.held_line(HELD, 0.002, idle_saving=noise.boundary_idle_s)
   # A measured saving (or cost) needs no explanation: one line.
   saved = SavingEstimate(Interval(0.01, 0.008, 0.012), Interval(0.01, 0.005, 0.015), staged_n=107, control_n=6)
   assert "\n" not in console.saving_line(summary.replace(
@@ -147,13 +156,19 @@ def test_the_recorder_reports_what_the_boundaries_held():
   from orchestrator.loop.recorder import _boundary_held
 
   def rec(**fields):
-    base = dict(staged=True, control=False, stage_s=0.005, device_wait_s=0.3, update_s=0.004, metrics_s=0.001,
+    base = dict(staged=True, stage_before_update=True, control=False, stage_s=0.005, device_wait_s=0.3,
+                update_s=0.004, metrics_s=0.001,
                 checkpoint_s=None, weight_sync_s=0.002, boundary_idle_s=0.0)
     return types.SimpleNamespace(**{**base, **fields})
 
   records = [rec(), rec(stage_s=0.007, device_wait_s=0.1),
-             rec(staged=False, control=True, stage_s=None, device_wait_s=None, boundary_idle_s=0.01)]
+             rec(staged=False, control=True, stage_s=None, device_wait_s=None, boundary_idle_s=0.01),
+             # staged after the update: its wait is on the update, not the last micro-batch, and is left out
+             rec(stage_before_update=False, stage_s=0.006, device_wait_s=9.0)]
   held = _boundary_held(records)
   assert held["stage_s"] == pytest.approx(0.006) and held["device_wait_s"] == pytest.approx(0.2)
   assert held["boundary_work_s"] == pytest.approx(0.003) and held["control_idle_s"] == pytest.approx(0.01)
+  # A step with no part of its boundary work measured (a restored record) counts as unmeasured, not as 0 s.
+  unmeasured = dict(metrics_s=None, weight_sync_s=None)
+  assert _boundary_held([rec(**unmeasured), rec(**unmeasured), rec()])["boundary_work_s"] == pytest.approx(0.003)
   assert _boundary_held([rec(staged=False)]) is None  # nothing staged: nothing to explain
