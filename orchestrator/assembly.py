@@ -24,8 +24,9 @@ from orchestrator.data.recording import (RecordingError, live_recording_without_
                                          read_manifest)
 from orchestrator.data.sources import ReplaySteps, SyntheticSteps
 from orchestrator.data.synthetic import SyntheticRollouts
-from orchestrator.engine import build_backend, host_threads
-from orchestrator.live.tasks import max_generation_steps
+from orchestrator.engine import build_backend
+from orchestrator.host import host_threads
+from orchestrator.tasks.tasks import max_generation_steps
 from orchestrator.loop.metrics_log import MetricsLog, open_metrics_log
 from orchestrator.loop.program import ProgramConfig, RLProgram
 from orchestrator.loop.recorder import BoundaryRecord

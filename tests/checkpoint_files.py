@@ -9,9 +9,9 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from orchestrator.engine import hf_checkpoint
-from orchestrator.engine.presets import load_preset
-from orchestrator.live.hf_tokenizer import char_tokenizer_json
+from orchestrator.models import hf_checkpoint
+from orchestrator.models.presets import load_preset
+from orchestrator.tasks.hf_tokenizer import char_tokenizer_json
 
 #: safetensors' name of each numpy dtype the tests write.
 DTYPE_NAMES = {np.dtype(np.float32): "F32", np.dtype(ml_dtypes.bfloat16): "BF16", np.dtype(np.float16): "F16",

@@ -18,12 +18,12 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.engine.compilation_cache import COMPILATION_CACHE_ENV, use_compilation_cache
+from orchestrator.host.compilation_cache import COMPILATION_CACHE_ENV, use_compilation_cache
 
 REPO = Path(__file__).resolve().parents[1]
 
 # Most tests build the same few programs again (in this process and in the run_rl processes they start): a
-# cache for this session compiles each once per host layout (orchestrator.engine.compilation_cache keys it by
+# cache for this session compiles each once per host layout (orchestrator.host.compilation_cache keys it by
 # the thread pool and forced devices, so no test loads a program built for another layout). Set before JAX's first compile.
 if COMPILATION_CACHE_ENV not in os.environ:  # =off runs the suite without one
   _cache = tempfile.mkdtemp(prefix="step-boundary-test-xla-cache-")

@@ -9,7 +9,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from orchestrator.engine.gguf_file import LAYER_NAMES, TOP_LEVEL_NAMES
+from orchestrator.models.gguf_file import LAYER_NAMES, TOP_LEVEL_NAMES
 
 #: A tiny byte-level BPE vocabulary: every printable ASCII character in GPT-2's byte alphabet (a space is Ġ),
 #: a few merges, and the chat tokens as control tokens.

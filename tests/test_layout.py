@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 import dataclasses
 import subprocess
 import sys
@@ -263,6 +264,7 @@ def test_the_circle_check_finds_a_circle():
 LAYERS = (
     ("policies",),
     ("orchestrator.contract", "orchestrator.addresses", "orchestrator.user_files", "orchestrator.phases"),
+    ("orchestrator.host", "orchestrator.models", "orchestrator.tasks"),
     ("orchestrator.data", "orchestrator.distributed"),
     ("orchestrator.engine", "orchestrator.live", "orchestrator.loop"),
     ("orchestrator.recipe", "orchestrator.remote"),
@@ -355,3 +357,97 @@ def test_the_loop_the_contract_the_recipe_and_the_remote_client_import_no_jax():
           "assert 'jax' not in sys.modules, sorted(m for m in sys.modules if m.startswith(('jax', 'grain')))\n")
   proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
   assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+# ---------------------------------------------------------------- the maps held to the code
+DESIGN = REPO / "docs" / "design.md"
+_ENTRY = re.compile(r"^( *)([A-Za-z_][\w]*)(/|\.py)(\s|$)")
+
+
+def _design_section(text: str, title: str) -> str:
+  start = text.index(f"\n## {title}")
+  end = text.find("\n## ", start + 1)
+  return text[start:end if end != -1 else len(text)]
+
+
+def _layout_sections(block: str) -> dict[str, str]:
+  """The layout block's text under each entry, keyed by its path (``orchestrator/engine``,
+  ``orchestrator/assembly.py``): the entry's line and the lines below it, up to the next entry as far left."""
+  lines = block.splitlines()
+  sections: dict[str, str] = {}
+  stack: list[tuple[int, str]] = []
+  for i, line in enumerate(lines):
+    m = _ENTRY.match(line)
+    if not m:
+      continue
+    indent = len(m.group(1))
+    while stack and stack[-1][0] >= indent:
+      stack.pop()
+    path = "/".join([*(name for _, name in stack), m.group(2)]) + (".py" if m.group(3) == ".py" else "")
+    if m.group(3) == "/":
+      stack.append((indent, m.group(2)))
+    body = [line]
+    for later in lines[i + 1:]:
+      other = _ENTRY.match(later)
+      if other and len(other.group(1)) <= indent:
+        break
+      body.append(later)
+    sections[path] = "\n".join(body)
+  return sections
+
+
+def _unnamed_modules(block: str, modules: list[str]) -> list[str]:
+  """The modules (dotted names) the layout block does not name: a top-level module by its own entry, any
+  other by its name (``name`` or ``name.py``) in its folder's section."""
+  sections = _layout_sections(block)
+  missing = []
+  for module in modules:
+    parts = module.split(".")
+    folder, stem = "/".join(parts[:-1]), parts[-1]
+    if folder == "orchestrator" and f"orchestrator/{stem}.py" in sections:
+      continue
+    text = sections.get(folder, "")
+    if not re.search(rf"(?<![\w.]){re.escape(stem)}(\.py)?(?!\w)", text):
+      missing.append(module)
+  return missing
+
+
+def _package_modules() -> list[str]:
+  return sorted(m for m, path in MODULES.items() if path.name != "__init__.py")
+
+
+def _layout_block() -> str:
+  section = _design_section(DESIGN.read_text(), "3. Layout and layering")
+  return section.split("```")[1]
+
+
+def _layer_table() -> list[tuple[str, ...]]:
+  section = _design_section(DESIGN.read_text(), "3. Layout and layering")
+  rows = re.findall(r"^\| (\d+) \| (.*) \|$", section, flags=re.M)
+  return [tuple(name for name in re.findall(r"`([\w.]+)`", cells)
+                if name in ("policies", "integrations") or name.startswith("orchestrator.")) for _, cells in rows]
+
+
+@pytest.mark.spec
+def test_the_designs_layer_table_is_the_layers_this_test_checks():
+  assert _layer_table() == [tuple(names) for names in LAYERS]
+
+
+@pytest.mark.spec
+def test_the_designs_layout_block_names_every_module():
+  assert _unnamed_modules(_layout_block(), _package_modules()) == []
+
+
+@pytest.mark.spec
+def test_the_map_checks_catch_a_module_left_out_and_a_layer_moved():
+  """Negative controls: a module the block does not name under its folder, named only under another folder,
+  and a layer table with one package moved."""
+  block = ("orchestrator/\n  loop/   the loop\n    program.py  RLProgram\n  engine/  the engine (model)\n"
+           "  assembly.py  the factory\n")
+  modules = ["orchestrator.loop.program", "orchestrator.loop.feed", "orchestrator.engine.model",
+             "orchestrator.engine.program", "orchestrator.assembly", "orchestrator.phases"]
+  assert _unnamed_modules(block, modules) == ["orchestrator.loop.feed", "orchestrator.engine.program",
+                                              "orchestrator.phases"]
+  moved = [tuple(names) for names in LAYERS]
+  moved[1], moved[2] = moved[1] + moved[2][:1], moved[2][1:]
+  assert _layer_table() != moved

@@ -32,16 +32,16 @@ from orchestrator.app import simulate as simulate_lib
 from orchestrator.app.arguments import UsageError, UsageErrorParser, parse_subcommand, subcommand_parser
 from orchestrator.app.export import export_main
 from orchestrator.app.import_gguf import import_gguf_main
-from orchestrator.engine.compilation_cache import COMPILATION_CACHE_ENV, use_compilation_cache
+from orchestrator.host.compilation_cache import COMPILATION_CACHE_ENV, use_compilation_cache
 from orchestrator.app.run_dir import RunDirError, default_out
 from orchestrator.app.serve_trainer import serve_main
 from orchestrator.app.signals import EXIT_NOTHING_TO_RESUME, startup_interrupts
 from orchestrator.data.recording import RecordingError, write_recording
 from orchestrator.data.synthetic import RolloutShape, generate_groups
 from orchestrator.distributed.launcher import LAUNCHED_ENV
-from orchestrator.engine.core_claims import CLAIMS_ENV
-from orchestrator.engine.host_threads import apply_core_plan
-from orchestrator.engine.presets import CONFIGS_ENV
+from orchestrator.host.core_claims import CLAIMS_ENV
+from orchestrator.host.host_threads import apply_core_plan
+from orchestrator.models.presets import CONFIGS_ENV
 from orchestrator.remote import protocol
 
 FLAG_KEYS = {

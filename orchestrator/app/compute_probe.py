@@ -31,7 +31,7 @@ import dataclasses
 import statistics
 import time
 
-from orchestrator.engine.host_threads import apply_core_plan
+from orchestrator.host.host_threads import apply_core_plan
 from policies.boundary_model import Components, Estimate, JobShape, ScaledChange, consistent
 
 #: The components the probe scales, and the ``ShapeProbe`` measurement each one scales by.

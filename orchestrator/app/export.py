@@ -43,8 +43,8 @@ from orchestrator.app.arguments import UsageError, UsageErrorParser
 from orchestrator.app.new_directory import (Terminated, make_partial, missing_parents, remove_empty,
                                             remove_stale_partials, sigterm_raises, writable_above)
 from orchestrator.app.run_dir import RunDirError
-from orchestrator.engine import hf_checkpoint
-from orchestrator.engine.presets import ModelPreset, load_preset
+from orchestrator.models import hf_checkpoint
+from orchestrator.models.presets import ModelPreset, load_preset
 from orchestrator.recipe import RecipeError
 from orchestrator.recipe.schema import DEFAULT_PRESET
 from orchestrator.user_files import MIB, UserFileError, read_regular_text
@@ -353,8 +353,8 @@ def _leaves(tree: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
 def _write_tokenizer(recipe, model_dir: str | None, into: Path) -> tuple[str | None, dict[str, int]]:
   """The tokenizer the run sampled with, into ``into``: what it was (None: the run sampled no text), and the
   special ids ``config.json`` should name for it."""
-  from orchestrator.live.hf_tokenizer import char_tokenizer_json  # import here: only an export writes one
-  from orchestrator.live.tokenizer import BOS, EOS, PAD
+  from orchestrator.tasks.hf_tokenizer import char_tokenizer_json  # import here: only an export writes one
+  from orchestrator.tasks.tokenizer import BOS, EOS, PAD
 
   if model_dir:
     copied = [name for name in hf_checkpoint.TOKENIZER_FILES if (Path(model_dir) / name).is_file()]

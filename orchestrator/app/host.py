@@ -13,8 +13,8 @@ import sys
 
 from orchestrator import phases
 from orchestrator.distributed.bringup import fix_xla_threads
-from orchestrator.engine.compilation_cache import use_compilation_cache
-from orchestrator.engine.host_threads import apply_core_plan, release_core_plan
+from orchestrator.host.compilation_cache import use_compilation_cache
+from orchestrator.host.host_threads import apply_core_plan, release_core_plan
 
 #: Libraries whose INFO lines would bury run_rl's own.
 NOISY_LOGGERS = ("absl", "jax", "orbax", "etils")

@@ -78,7 +78,7 @@ def import_gguf_main(argv: list[str]) -> int:
 def _read(path: Path):
   try:
     # import here: gguf_file imports the optional gguf package, so a missing one is named with its install
-    from orchestrator.engine import gguf_file
+    from orchestrator.models import gguf_file
     try:
       mode = os.stat(path).st_mode  # not is_file(): a FIFO or a directory is not "no such file"
     except FileNotFoundError:

@@ -17,8 +17,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from orchestrator.engine.hf_checkpoint import CONFIG_FILE, TOKENIZER_FILES
-from orchestrator.live import datasets
+from orchestrator.models.hf_checkpoint import CONFIG_FILE, TOKENIZER_FILES
+from orchestrator.tasks import datasets
 
 #: How many bytes are hashed at a time (a prompt file may be large).
 CHUNK_BYTES = 1 << 20

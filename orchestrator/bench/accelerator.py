@@ -49,7 +49,7 @@ import time
 from pathlib import Path
 
 from orchestrator.bench.accelerator_plan import WARMUP_STEPS, Printed, digest_verdict
-from orchestrator.engine.host_threads import reserve_host_core
+from orchestrator.host.host_threads import reserve_host_core
 from orchestrator.recipe import Recipe, RecipeError
 from orchestrator.recipe.schema import BatchSection, ModelSection, StepBoundarySection
 

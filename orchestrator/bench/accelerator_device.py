@@ -22,7 +22,7 @@ from orchestrator.bench.accelerator_plan import (MODES, SIZING_SHARE, WARMUP_STE
                                                  in_window, mode_row, next_size, steps_per_arm)
 from orchestrator.data.synthetic import SyntheticRollouts
 from orchestrator.engine import build_engine
-from orchestrator.engine.presets import load_preset
+from orchestrator.models.presets import load_preset
 from orchestrator.loop.program import RLProgram
 from orchestrator.loop.trainer_worker import TrainerWorker
 from orchestrator.rig.calibration import calibrate

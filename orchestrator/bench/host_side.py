@@ -44,7 +44,7 @@ import numpy as np
 
 from orchestrator.data.packing import RoutingShape
 from orchestrator.data.trajectory import Trajectory
-from orchestrator.engine.host_threads import reserve_host_core
+from orchestrator.host.host_threads import reserve_host_core
 
 ARMS = ("plain", "routing")
 #: The rig's shape: tiny_moe at rows of 512 tokens, routing replayed (a micro-batch computes in about half a

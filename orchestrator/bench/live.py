@@ -28,7 +28,7 @@ import sys
 from orchestrator import recipe as recipe_lib
 from orchestrator.recipe import RecipeError
 from orchestrator.assembly import build_engine_from_recipe, live_source, policy_from_recipe, program_config
-from orchestrator.engine.host_threads import reserve_host_core
+from orchestrator.host.host_threads import reserve_host_core
 from orchestrator.loop.program import RLProgram
 from orchestrator.loop.trainer_worker import TrainerWorker
 from policies import Mode

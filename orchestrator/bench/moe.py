@@ -26,7 +26,7 @@ import json
 import statistics
 import time
 
-from orchestrator.engine.host_threads import reserve_host_core
+from orchestrator.host.host_threads import reserve_host_core
 
 ARMS = ("engine", "tunix")
 
@@ -115,7 +115,7 @@ def summarise(per_round: dict[str, list[float]]) -> dict:
 
 
 def run_preset(name: str, *, rounds: int, steps: int, micro_batches: int) -> dict:
-  from orchestrator.engine.presets import load_preset  # import here: after the core plan (see main)
+  from orchestrator.models.presets import load_preset  # import here: after the core plan (see main)
 
   preset = load_preset(name)
   batches = _batches(preset, micro_batches, steps + 1)

@@ -27,7 +27,7 @@ import sys
 import time
 
 from orchestrator import recipe as recipe_lib
-from orchestrator.engine.host_threads import reserve_host_core
+from orchestrator.host.host_threads import reserve_host_core
 
 
 def _ways(recipe):
@@ -36,7 +36,7 @@ def _ways(recipe):
   from orchestrator.live.rollouts import LiveShape
   from orchestrator.live.sampler import NEVER_SAMPLED, LiveSampler
   from orchestrator.live.shared_sampler import sample_micro_batches
-  from orchestrator.live.tasks import max_generation_steps
+  from orchestrator.tasks.tasks import max_generation_steps
 
   r, task = recipe.rollouts, recipe.live_task()
   shape = LiveShape(recipe.steps, recipe.batch.micro_batches_per_step, r.groups_per_micro_batch,

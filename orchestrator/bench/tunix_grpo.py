@@ -33,8 +33,8 @@ import time
 import threading
 import zlib
 
-from orchestrator.engine.compilation_cache import use_compilation_cache
-from orchestrator.engine.host_threads import reserve_host_core
+from orchestrator.host.compilation_cache import use_compilation_cache
+from orchestrator.host.host_threads import reserve_host_core
 
 WARMUP_GLOBAL_STEPS = 2
 #: Tokens sampled per completion (answers are shorter; the rest is scored by the shaped reward).
@@ -96,9 +96,9 @@ def build_learner(toy: Toy):
   from tunix.rl.rollout import base_rollout
 
   from orchestrator.engine import model as model_lib
-  from orchestrator.engine.presets import load_preset
-  from orchestrator.live import tasks as tasks_lib
-  from orchestrator.live.tokenizer import CharTokenizer
+  from orchestrator.models.presets import load_preset
+  from orchestrator.tasks import tasks as tasks_lib
+  from orchestrator.tasks.tokenizer import CharTokenizer
 
   actor_mesh, rollout_mesh = _meshes(toy.layout)
   # The model's vocabulary is cut to the tokenizer's (rounded up), so sampled ids mostly decode to

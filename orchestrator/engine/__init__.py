@@ -1,7 +1,8 @@
-"""JAX training engine (Tunix Qwen3) with optional staging of the next micro-batch.
+"""The JAX training engine (Tunix models) with optional staging of the next micro-batch.
 
-Names are imported lazily, so that JAX-free parts (presets, options, the recipe
-schema) can be used without importing JAX — and before ``reserve_host_core``.
+Names are imported lazily, so that JAX-free parts (the options, the backend
+registry) can be used without importing JAX. Model formats live in
+``orchestrator.models``, the process's host set-up in ``orchestrator.host``.
 ``build_backend`` builds whichever engine a recipe's ``engine.backend`` names.
 """
 
@@ -17,10 +18,7 @@ _EXPORTS = {
     "EngineOptions": "orchestrator.engine.options",
     "BACKENDS": "orchestrator.engine.options",
     "build_backend": "orchestrator.engine.backends",
-    "reserve_host_core": "orchestrator.engine.host_threads",
     "MeshConfig": "orchestrator.engine.mesh",
-    "ModelPreset": "orchestrator.engine.presets",
-    "load_preset": "orchestrator.engine.presets",
 }
 
 __all__ = sorted(_EXPORTS)

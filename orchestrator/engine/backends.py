@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from orchestrator.contract import TrainingEngine
 from orchestrator.engine.options import BACKENDS, EngineOptions
-from orchestrator.engine.presets import ModelPreset
+from orchestrator.models.presets import ModelPreset
 
 if TYPE_CHECKING:  # the loss module imports JAX; this registry stays JAX-free
   from orchestrator.engine.loss import SampledDistribution

@@ -20,7 +20,7 @@ import statistics
 import sys
 import time
 
-from orchestrator.engine.host_threads import reserve_host_core
+from orchestrator.host.host_threads import reserve_host_core
 
 
 def _median(xs):

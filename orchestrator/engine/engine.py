@@ -48,7 +48,7 @@ from orchestrator.engine.flops import peak_flops_per_s, step_model_flops
 from orchestrator.engine.loss import LossConfig, SampledDistribution
 from orchestrator.engine.optimizer import LearningRates, make_optimizer
 from orchestrator.engine.options import EngineOptions
-from orchestrator.engine.presets import ModelPreset, load_preset
+from orchestrator.models.presets import ModelPreset, load_preset
 from orchestrator.engine.step_record import FinishedStep, PendingOverflowCheck, StepInProgress
 from orchestrator.engine.throttler import InflightThrottler
 from orchestrator.engine.training_state import TrainingState, device_copy

@@ -14,7 +14,7 @@ the device's kind.
 
 from __future__ import annotations
 
-from orchestrator.engine.presets import ModelPreset
+from orchestrator.models.presets import ModelPreset
 
 #: bf16 dense peak FLOP/s of one device, by ``jax.Device.device_kind`` (published figures; the MXU's bf16 rate
 #: is what a bf16 step can reach, and what a float32 step is measured against too).

@@ -15,11 +15,11 @@ from flax import nnx
 from tunix.models.llama3 import model as llama3_model
 from tunix.utils import compat, torch_utils
 
-from orchestrator.engine import hf_checkpoint, local_global
+from orchestrator.models import hf_checkpoint, local_global
 from orchestrator.engine import mesh as mesh_lib
 from orchestrator.engine import moe as moe_lib
-from orchestrator.engine.families import FAMILIES
-from orchestrator.engine.presets import ModelPreset
+from orchestrator.models.families import FAMILIES
+from orchestrator.models.presets import ModelPreset
 
 
 #: JAX's dtype for each compute dtype a recipe may name (``engine.dtype``); weights stay float32.

@@ -12,8 +12,8 @@ import dataclasses
 import math
 
 from orchestrator.data import packing
-from orchestrator.engine.families import FAMILIES
-from orchestrator.engine.presets import ModelPreset
+from orchestrator.models.families import FAMILIES
+from orchestrator.models.presets import ModelPreset
 
 #: Engine backends by recipe name (``engine.backend``): module and builder, imported on use.
 BACKENDS: dict[str, str] = {

@@ -21,7 +21,7 @@ from orchestrator.engine.inputs import input_shardings
 from orchestrator.engine import model as model_lib
 from orchestrator.engine.diagnostics import tree_digest
 from orchestrator.engine.options import EngineOptions
-from orchestrator.engine.presets import ModelPreset
+from orchestrator.models.presets import ModelPreset
 
 #: An on-device copy of a tree of arrays (snapshots): one jitted function, so repeated snapshots do not recompile.
 device_copy = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))

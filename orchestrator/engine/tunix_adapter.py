@@ -40,7 +40,7 @@ from orchestrator.data.trajectory import Trajectory
 from orchestrator.engine import model as model_lib
 from orchestrator.engine.options import EngineOptions
 from orchestrator.engine.loss import LossConfig, SampledDistribution, attention_mask, policy_loss_sum
-from orchestrator.engine.presets import ModelPreset, load_preset
+from orchestrator.models.presets import ModelPreset, load_preset
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -1,2 +1,3 @@
-"""The live RL loop's parts: a character tokenizer, tasks with verifiable rewards, GRPO advantages,
-and a sampler over the trained model."""
+"""The live RL loop: the sampler over the trained model (in this process or one of its own), the rollout thread,
+GRPO's batches and the weight versions a staleness bound keeps. Its tasks, datasets, rewards and tokenizers
+are ``orchestrator.tasks``."""

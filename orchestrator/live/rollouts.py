@@ -56,7 +56,7 @@ import numpy as np
 from orchestrator.contract import HeldOutScore, RolloutStats, SourceStateError, WeightTransfer
 from orchestrator.data.trajectory import Trajectory, TrajectoryGroup
 from orchestrator.live.placement import keep
-from orchestrator.live.rewards import CallCancelled, Reward, task_reward
+from orchestrator.tasks.rewards import CallCancelled, Reward, task_reward
 from orchestrator.live.rollout_batches import BatchRollouts, BatchSchedule, SampledBatches
 from orchestrator.live.sampler import LiveSampler
 from orchestrator.live.shared_sampler import WAIT_POLL_S, SharedSampler

@@ -23,7 +23,7 @@ from orchestrator.data.packing import RoutingShape
 from orchestrator.engine import model as model_lib
 from orchestrator.engine import moe as moe_lib
 from orchestrator.engine.loss import attention_mask
-from orchestrator.engine.presets import ModelPreset
+from orchestrator.models.presets import ModelPreset
 from orchestrator.live.placement import SamplerPlacement, default_device
 
 

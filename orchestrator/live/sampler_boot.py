@@ -37,7 +37,7 @@ def serve(conn, spec_bytes: bytes, environment: dict[str, str]) -> None:
     # import here: JAX starts with the environment above (the spec's modules import it too)
     import jax
 
-    from orchestrator.engine.compilation_cache import use_compilation_cache
+    from orchestrator.host.compilation_cache import use_compilation_cache
     from orchestrator.live.sampler import LiveSampler
 
     spec = pickle.loads(spec_bytes)

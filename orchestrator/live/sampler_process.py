@@ -35,7 +35,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from orchestrator.engine import core_claims
+from orchestrator.host import core_claims
 from orchestrator.live import sampler_boot
 from orchestrator.live.sampler import Samples
 

@@ -17,9 +17,9 @@ import numpy as np
 from orchestrator.contract.source import HeldOutScore
 from orchestrator.data.trajectory import Trajectory
 from orchestrator.live.placement import gather_across_processes
-from orchestrator.live.rewards import Reward
+from orchestrator.tasks.rewards import Reward
 from orchestrator.live.sampler import LiveSampler
-from orchestrator.live.tasks import group_advantages, split_sizes
+from orchestrator.tasks.tasks import group_advantages, split_sizes
 
 #: How long one wait for the sampler lasts before the waiter looks at its stop flag again.
 WAIT_POLL_S = 0.1

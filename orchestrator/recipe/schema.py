@@ -17,14 +17,14 @@ from typing import Any
 from orchestrator import addresses
 from orchestrator.engine.mesh_shape import MeshConfig
 from orchestrator.engine.options import EngineOptions
-from orchestrator.engine import hf_checkpoint
-from orchestrator.engine.presets import ModelPreset, available_presets, load_preset
-from orchestrator.live import datasets as datasets_lib
+from orchestrator.models import hf_checkpoint
+from orchestrator.models.presets import ModelPreset, available_presets, load_preset
+from orchestrator.tasks import datasets as datasets_lib
 from orchestrator.live import placement_rule
-from orchestrator.live import rewards as rewards_lib
-from orchestrator.live.hf_tokenizer import HFTokenizer, TokenizerError
-from orchestrator.live.tasks import MAX_PROMPT_LENGTH, TASKS, make_task, max_generation_steps, split_sizes
-from orchestrator.live.tokenizer import CharTokenizer
+from orchestrator.tasks import rewards as rewards_lib
+from orchestrator.tasks.hf_tokenizer import HFTokenizer, TokenizerError
+from orchestrator.tasks.tasks import MAX_PROMPT_LENGTH, TASKS, make_task, max_generation_steps, split_sizes
+from orchestrator.tasks.tokenizer import CharTokenizer
 from policies import Mode
 from policies.saving import DEFAULT_CONTROL_EVERY
 
@@ -356,7 +356,7 @@ TASK_SIZE_KEYS = {"modular_addition": ("modulus",), "reverse": ("letters", "leng
 TASK_RANGES = {"modulus": (2, 999), "length": (1, 10), "letters": (2, 26), "eval_prompts": (1, 4096)}
 
 
-#: ``task.name`` for a file of one's own prompts (``orchestrator.live.datasets``); the others are ``TASKS``.
+#: ``task.name`` for a file of one's own prompts (``orchestrator.tasks.datasets``); the others are ``TASKS``.
 DATASET = "dataset"
 #: The ``task.*`` keys only a dataset reads, unset by default: a built-in task refuses them.
 #: The most ids a built-in task's answer alphabet may leave the sampler to forbid in a checkpoint's vocabulary:
@@ -387,7 +387,7 @@ class TaskSection:
   # greedy and, with eval_pass_k, pass@k over k sampled completions per prompt.
   eval_every: int | None = None
   eval_pass_k: int | None = None
-  # name: dataset — prompts and answers read from a file (orchestrator.live.datasets).
+  # name: dataset — prompts and answers read from a file (orchestrator.tasks.datasets).
   path: str | None = None  # a JSONL (.jsonl) or Parquet (.parquet) file, one prompt per row
   prompt_field: str = "prompt"
   answer_field: str = "answer"
@@ -397,7 +397,7 @@ class TaskSection:
   max_completion_tokens: int | None = None  # None: the longest answer's
   # A row field giving that row's own completion limit, in [1, max_completion_tokens]; None: every row's is that.
   max_tokens_field: str | None = None
-  # The training reward (orchestrator.live.rewards): built-ins (exact, math, format) or package.module:function,
+  # The training reward (orchestrator.tasks.rewards): built-ins (exact, math, format) or package.module:function,
   # summed with reward_weights (default all 1.0). None listed: the task's own (a dataset's: exact).
   reward: list[str] = dataclasses.field(default_factory=list)
   reward_weights: list[float] = dataclasses.field(default_factory=list)

@@ -20,7 +20,7 @@ import threading
 import time
 from pathlib import Path
 
-from orchestrator.engine.host_threads import PJRT_NPROC_BEFORE_RESERVING
+from orchestrator.host.host_threads import PJRT_NPROC_BEFORE_RESERVING
 from orchestrator.remote import protocol
 
 

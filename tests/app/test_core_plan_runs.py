@@ -1,4 +1,4 @@
-"""Runs side by side take different cores, and a run on one core works (the core plan, engine/host_threads.py)."""
+"""Runs side by side take different cores, and a run on one core works (the core plan, host/host_threads.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.engine.core_claims import CLAIMS_ENV, XLA_POOL_THREAD
+from orchestrator.host.core_claims import CLAIMS_ENV, XLA_POOL_THREAD
 from tests.conftest import REPO
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow,

@@ -19,10 +19,11 @@ import safetensors.numpy
 
 import orchestrator.engine
 from orchestrator.app import cli
-from orchestrator.engine import hf_checkpoint, model as model_lib
+from orchestrator.engine import model as model_lib
+from orchestrator.models import hf_checkpoint
 from orchestrator.engine.diagnostics import tree_digest
-from orchestrator.engine.presets import load_preset
-from orchestrator.live.hf_tokenizer import HFTokenizer
+from orchestrator.models.presets import load_preset
+from orchestrator.tasks.hf_tokenizer import HFTokenizer
 from tests.gguf_files import _vocab, write_gguf
 
 pytestmark = pytest.mark.engine
@@ -219,7 +220,7 @@ def test_a_quantisation_gguf_cannot_dequantize_is_refused_naming_the_tensor(tmp_
 
 def test_without_the_gguf_package_the_command_says_how_to_install_it(tmp_path, capsys, monkeypatch):
   monkeypatch.setitem(sys.modules, "gguf", None)
-  monkeypatch.delitem(sys.modules, "orchestrator.engine.gguf_file", raising=False)
+  monkeypatch.delitem(sys.modules, "orchestrator.models.gguf_file", raising=False)
   monkeypatch.delattr(orchestrator.engine, "gguf_file", raising=False)
   line = _refused(tmp_path, capsys, tmp_path / "any.gguf")
   assert "pip install -e '.[gguf]'" in line

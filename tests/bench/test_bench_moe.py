@@ -20,7 +20,7 @@ def test_both_arms_train_the_same_shape_and_the_engine_routes(capsys):
   """tiny_moe, one round: both arms run their steps; Tunix's arm keeps Tunix's own MoE layer."""
   from tunix.models.qwen3.model import MoELayer
 
-  from orchestrator.engine.presets import load_preset
+  from orchestrator.models.presets import load_preset
 
   preset = load_preset("tiny_moe")
   batches = bench._batches(preset, 2, 2)

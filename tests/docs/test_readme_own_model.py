@@ -19,7 +19,8 @@ import pytest
 
 from orchestrator import recipe as recipe_lib
 from orchestrator.app import cli
-from orchestrator.engine import hf_checkpoint, model as model_lib
+from orchestrator.engine import model as model_lib
+from orchestrator.models import hf_checkpoint
 from orchestrator.engine.diagnostics import tree_digest
 from tests.engine.test_hf_checkpoint import write_checkpoint
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from orchestrator.engine.flops import PEAK_FLOPS_PER_S, matmul_params_per_token, peak_flops_per_s, step_model_flops
-from orchestrator.engine.presets import load_preset
+from orchestrator.models.presets import load_preset
 
 pytestmark = pytest.mark.spec
 

@@ -24,9 +24,10 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file
 
-from orchestrator.engine import hf_checkpoint, model as model_lib
-from orchestrator.engine.presets import load_preset
-from orchestrator.live.hf_tokenizer import HFTokenizer, char_tokenizer_json
+from orchestrator.engine import model as model_lib
+from orchestrator.models import hf_checkpoint
+from orchestrator.models.presets import load_preset
+from orchestrator.tasks.hf_tokenizer import HFTokenizer, char_tokenizer_json
 from orchestrator.live.sampler import LiveSampler, sampled_token_ids
 from tests.checkpoint_files import write_safetensors
 

@@ -23,11 +23,12 @@ from tunix.models.qwen3 import params as qwen3_params
 
 from orchestrator import recipe as recipe_lib
 from orchestrator.app import cli
-from orchestrator.engine import hf_checkpoint, model as model_lib
+from orchestrator.engine import model as model_lib
+from orchestrator.models import hf_checkpoint
 from orchestrator.engine.diagnostics import tree_digest
-from orchestrator.engine.presets import load_preset
-from orchestrator.live.hf_tokenizer import HFTokenizer, TokenizerError, char_tokenizer_json
-from orchestrator.live.tokenizer import CharTokenizer
+from orchestrator.models.presets import load_preset
+from orchestrator.tasks.hf_tokenizer import HFTokenizer, TokenizerError, char_tokenizer_json
+from orchestrator.tasks.tokenizer import CharTokenizer
 from orchestrator.live.sampler import LiveSampler
 from tests.checkpoint_files import preset_tensors, write_directory, write_safetensors
 

@@ -19,7 +19,7 @@ from orchestrator.engine import logprobs, loss
 from orchestrator.engine import model as model_lib
 from orchestrator.engine import step_math
 from orchestrator.engine.loss import LossConfig, SampledDistribution
-from orchestrator.engine.presets import load_preset
+from orchestrator.models.presets import load_preset
 
 pytestmark = pytest.mark.engine
 

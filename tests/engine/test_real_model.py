@@ -29,9 +29,10 @@ from safetensors.numpy import load_file
 
 from orchestrator.app import cli
 from orchestrator.app.import_gguf import packaged_gguf
-from orchestrator.engine import hf_checkpoint, model as model_lib
+from orchestrator.engine import model as model_lib
+from orchestrator.models import hf_checkpoint
 from orchestrator.engine.diagnostics import tree_digest
-from orchestrator.live.hf_tokenizer import HFTokenizer
+from orchestrator.tasks.hf_tokenizer import HFTokenizer
 from orchestrator.live.sampler import LiveSampler
 
 ENGLISH = ("The old lighthouse keeper climbed the narrow stairs every evening to light the lamp. Ships passing in the"

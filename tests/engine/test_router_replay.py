@@ -17,7 +17,7 @@ from orchestrator.engine import build_engine, moe
 from orchestrator.engine import engine as engine_module
 from orchestrator.engine.loss import LossConfig, attention_mask
 from orchestrator.engine.model import build_model
-from orchestrator.engine.presets import load_preset
+from orchestrator.models.presets import load_preset
 from orchestrator.engine.step_math import loss_sum_fn
 
 PRESET = load_preset("tiny_moe")
@@ -122,7 +122,7 @@ def test_the_staged_routing_is_counted_by_field_and_in_the_memory_gate(payloads,
 @pytest.mark.engine
 def test_a_sampler_records_the_routing_its_weights_choose():
   from orchestrator.live.sampler import LiveSampler
-  from orchestrator.live.tokenizer import CharTokenizer
+  from orchestrator.tasks.tokenizer import CharTokenizer
 
   sampler = LiveSampler(PRESET, CharTokenizer(), seed=0, max_prompt_length=16, max_generation_steps=4,
                         routing=ROUTING)

@@ -115,10 +115,10 @@ def rig():
 def _engine_and_sampler(*, sampled_as_the_sampler_samples: bool):
   from orchestrator.engine import build_engine
   from orchestrator.engine.loss import SampledDistribution
-  from orchestrator.engine.presets import load_preset
+  from orchestrator.models.presets import load_preset
   from orchestrator.live.sampler import LiveSampler, sampled_token_ids
-  from orchestrator.live.tasks import FirstLetter
-  from orchestrator.live.tokenizer import CharTokenizer
+  from orchestrator.tasks.tasks import FirstLetter
+  from orchestrator.tasks.tokenizer import CharTokenizer
 
   task = FirstLetter(**TASK_ARGS)
   sampled = SampledDistribution(1.0, tuple(sampled_token_ids(CharTokenizer(), task.answer_alphabet)))

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from orchestrator.app import cli
-from orchestrator.live.tasks import ModularAddition
+from orchestrator.tasks.tasks import ModularAddition
 from orchestrator.loop.metrics_log import TENSORBOARD_DIR
 from orchestrator.loop.recorder import BoundaryRecord
 from tests.loop.test_metrics_log import read_scalars

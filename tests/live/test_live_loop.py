@@ -13,7 +13,7 @@ from orchestrator.app import cli, run_dir
 from orchestrator import recipe as recipe_lib
 from orchestrator.engine.checkpointing import Checkpointer
 from orchestrator.live.rollouts import LiveRollouts, LiveShape, RolloutError
-from orchestrator.live.tasks import FirstLetter
+from orchestrator.tasks.tasks import FirstLetter
 from orchestrator.loop.program import ProgramConfig, RLProgram, StoppedWithoutCheckpointError
 from orchestrator.loop.trainer_worker import TrainerWorker
 from policies import Mode, StepBoundaryPolicy
@@ -27,9 +27,9 @@ TASK = FirstLetter(length=4, letters=8)
 def rig():
   """One compiled engine and one sampler, returned to their start before every run."""
   from orchestrator.engine import build_engine
-  from orchestrator.engine.presets import load_preset
+  from orchestrator.models.presets import load_preset
   from orchestrator.live.sampler import LiveSampler
-  from orchestrator.live.tokenizer import CharTokenizer
+  from orchestrator.tasks.tokenizer import CharTokenizer
 
   engine = build_engine("tiny", rows=4, learning_rate=3e-3)
   sampler = LiveSampler(load_preset("tiny"), CharTokenizer(), seed=0, max_prompt_length=16, max_generation_steps=1,

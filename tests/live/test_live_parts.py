@@ -18,10 +18,10 @@ import pytest
 from orchestrator.app import outcome as app_outcome, signals
 from orchestrator.distributed import job as job_lib
 from orchestrator.distributed.agreement import SingleProcess
-from orchestrator.live.rewards import Reward, Term
-from orchestrator.live.tasks import (TASKS, ModularAddition, Problem, ReverseString, _held_out, group_advantages,
+from orchestrator.tasks.rewards import Reward, Term
+from orchestrator.tasks.tasks import (TASKS, ModularAddition, Problem, ReverseString, _held_out, group_advantages,
                                      make_task, split_sizes)
-from orchestrator.live.tokenizer import EOS, CharTokenizer
+from orchestrator.tasks.tokenizer import EOS, CharTokenizer
 from orchestrator.live.rollout_batches import BatchSchedule
 from orchestrator.live.weight_versions import WeightVersions
 from orchestrator.loop.program import ProgramConfig, RLProgram, StoppedWithoutCheckpointError
@@ -164,7 +164,7 @@ def test_advantage_scaling_none_leaves_out_the_group_std_as_dr_grpo_does():
 
 @pytest.fixture(scope="module")
 def sampler():
-  from orchestrator.engine.presets import load_preset
+  from orchestrator.models.presets import load_preset
   from orchestrator.live.sampler import LiveSampler
 
   return LiveSampler(load_preset("tiny"), CharTokenizer(), seed=0, max_prompt_length=16, max_generation_steps=4)
@@ -209,7 +209,7 @@ def test_synced_weights_change_what_is_sampled(sampler):
   import jax
 
   from orchestrator.engine import model as model_lib
-  from orchestrator.engine.presets import load_preset
+  from orchestrator.models.presets import load_preset
 
   before = sampler.greedy(["3+4%7=", "rev:abc>"])
   _, other, _ = model_lib.build_model(load_preset("tiny"), 5)

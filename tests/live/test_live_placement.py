@@ -21,12 +21,12 @@ import json
 import jax
 from orchestrator.engine import build_engine
 from orchestrator.engine.mesh_shape import MeshConfig
-from orchestrator.engine.presets import load_preset
+from orchestrator.models.presets import load_preset
 from orchestrator.live.placement import sampler_placement
 from orchestrator.live.rollouts import LiveRollouts, LiveShape
 from orchestrator.live.sampler import LiveSampler
-from orchestrator.live.tasks import FirstLetter
-from orchestrator.live.tokenizer import CharTokenizer
+from orchestrator.tasks.tasks import FirstLetter
+from orchestrator.tasks.tokenizer import CharTokenizer
 from orchestrator.loop.program import ProgramConfig, RLProgram
 from orchestrator.loop.trainer_worker import TrainerWorker
 from policies import Mode, StepBoundaryPolicy

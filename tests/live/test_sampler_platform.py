@@ -12,14 +12,14 @@ import pytest
 from orchestrator.live import sampler_process
 from orchestrator.live.placement import keep
 from orchestrator.live.sampler_process import SamplerProcess, SamplerProcessError, SamplerSpec
-from orchestrator.live.tasks import FirstLetter
-from orchestrator.live.tokenizer import CharTokenizer
+from orchestrator.tasks.tasks import FirstLetter
+from orchestrator.tasks.tokenizer import CharTokenizer
 
 TASK = FirstLetter(length=4, letters=8)
 
 
 def _spec():
-  from orchestrator.engine.presets import load_preset
+  from orchestrator.models.presets import load_preset
   from orchestrator.recipe.schema import ModelSection
 
   return SamplerSpec(preset=load_preset("tiny"), model=ModelSection(preset="tiny"), seed=0, max_prompt_length=16,
@@ -82,7 +82,7 @@ def test_a_shared_samplers_sync_keeps_the_trainers_device_arrays_and_a_process_g
 def test_a_character_tokenizer_under_a_wide_vocabulary_samples_only_its_ids_with_the_forbidden_ids_one_argument():
   """A 49,152-wide vocabulary (SmolLM2's) under the character tokenizer: ~49,000 forbidden ids, which Tunix would
   take as as many jit arguments (a compile of minutes and tens of GB); given as one array they are one."""
-  from orchestrator.engine.presets import load_preset
+  from orchestrator.models.presets import load_preset
   from orchestrator.live.sampler import LiveSampler
 
   tokenizer = CharTokenizer()
@@ -97,7 +97,7 @@ def test_a_character_tokenizer_under_a_wide_vocabulary_samples_only_its_ids_with
 @pytest.mark.engine
 def test_the_forbidden_ids_as_one_array_sample_what_they_sampled_as_a_list_of_ids():
   """Bit for bit: the one-array form masks exactly what Tunix's tuple of ids did (tiny vocabulary: both compile)."""
-  from orchestrator.engine.presets import load_preset
+  from orchestrator.models.presets import load_preset
   from orchestrator.live.sampler import LiveSampler
 
   sampler = LiveSampler(load_preset("tiny"), CharTokenizer(), seed=0, max_prompt_length=16, max_generation_steps=5)

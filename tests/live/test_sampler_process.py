@@ -14,7 +14,7 @@ import pytest
 
 from orchestrator.live.sampler_boot import SAMPLER_NICE
 from orchestrator.live.sampler_process import SamplerProcess, SamplerProcessError, SamplerSpec
-from orchestrator.live.tasks import FirstLetter
+from orchestrator.tasks.tasks import FirstLetter
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.engine
@@ -24,7 +24,7 @@ PROMPTS = [TASK.problem(3, "train", i).prompt for i in range(4) for _ in range(4
 
 
 def _spec():
-  from orchestrator.engine.presets import load_preset
+  from orchestrator.models.presets import load_preset
   from orchestrator.recipe.schema import ModelSection
 
   return SamplerSpec(preset=load_preset("tiny"), model=ModelSection(preset="tiny"), seed=0, max_prompt_length=16,
@@ -36,7 +36,7 @@ def pair():
   """An in-process sampler and a process sampler built alike, and trained weights to sync to both."""
   from orchestrator.engine import build_engine
   from orchestrator.live.sampler import LiveSampler
-  from orchestrator.live.tokenizer import CharTokenizer
+  from orchestrator.tasks.tokenizer import CharTokenizer
 
   spec = _spec()
   here = LiveSampler(spec.preset, CharTokenizer(), seed=0, max_prompt_length=16, max_generation_steps=1,
@@ -119,7 +119,7 @@ def test_the_child_runs_below_its_parents_priority_on_its_parents_cores_and_igno
 
 
 def test_a_child_that_dies_is_named_at_the_next_request():
-  from orchestrator.live.tokenizer import CharTokenizer
+  from orchestrator.tasks.tokenizer import CharTokenizer
 
   sampler = SamplerProcess(_spec(), CharTokenizer())
   sampler.wait_ready()
@@ -130,7 +130,7 @@ def test_a_child_that_dies_is_named_at_the_next_request():
 
 
 def test_close_ends_the_child_and_a_second_close_does_nothing():
-  from orchestrator.live.tokenizer import CharTokenizer
+  from orchestrator.tasks.tokenizer import CharTokenizer
 
   sampler = SamplerProcess(_spec(), CharTokenizer())
   sampler.wait_ready()
@@ -145,7 +145,7 @@ _KILLED_PARENT = '''
 import os, sys, time
 from tests.live.test_sampler_process import _spec
 from orchestrator.live.sampler_process import SamplerProcess
-from orchestrator.live.tokenizer import CharTokenizer
+from orchestrator.tasks.tokenizer import CharTokenizer
 sampler = SamplerProcess(_spec(), CharTokenizer())
 sampler.wait_ready()
 print(sampler.pid, flush=True)

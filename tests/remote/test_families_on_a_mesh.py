@@ -24,7 +24,8 @@ import contextlib, io, json, os
 from safetensors.numpy import load_file
 from orchestrator import recipe as recipe_lib
 from orchestrator.app import cli
-from orchestrator.engine import hf_checkpoint, model as model_lib
+from orchestrator.engine import model as model_lib
+from orchestrator.models import hf_checkpoint
 from orchestrator.engine.diagnostics import tree_digest
 from tests.engine.test_hf_checkpoint import LIVE, write_checkpoint
 for name in recipe_lib.ENV_SWITCHES:

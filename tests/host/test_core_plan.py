@@ -1,5 +1,5 @@
 """The core plan: XLA's pool size from this machine and the setting alone; which cores, from the other runs' claims
-(engine/host_threads.py, engine/core_claims.py)."""
+(host/host_threads.py, host/core_claims.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import os
 
 import pytest
 
-from orchestrator.engine.core_claims import Claim, ClaimsUnavailable, CoreClaims, layout, share
-from orchestrator.engine.host_threads import plan_cores
+from orchestrator.host.core_claims import Claim, ClaimsUnavailable, CoreClaims, layout, share
+from orchestrator.host.host_threads import plan_cores
 
 pytestmark = pytest.mark.spec
 

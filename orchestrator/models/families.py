@@ -40,7 +40,7 @@ class Family:
   #: Per-layer norms around the MLP as well as before attention and the MLP (Gemma 3: four a layer).
   sandwich_norms: bool = False
   #: Sliding-window layers between global ones, each with its own rotary base, and the query scaled by a
-  #: configured ``query_pre_attn_scalar`` (Gemma 3); their settings are read by ``engine/local_global.py``.
+  #: configured ``query_pre_attn_scalar`` (Gemma 3); their settings are read by ``models/local_global.py``.
   local_global_attention: bool = False
   #: Tunix's model can run attention as the Pallas splash kernel on a TPU (``use_flash_attention``, with segment
   #: ids), which never holds a [rows, heads, T, T] probability tensor (``engine.attention=splash``).

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.e2e
 
 CHILD = """
 import os
-from orchestrator.engine.host_threads import reserve_host_core
+from orchestrator.host.host_threads import reserve_host_core
 r = reserve_host_core()
 print("reservation", r)
 assert r.applied, r

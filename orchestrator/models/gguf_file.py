@@ -20,16 +20,16 @@ the two halves of each head, so the import puts the rows back
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import gguf  # the optional gguf extra: this module is imported only where a GGUF file is read
 import numpy as np
 
-from orchestrator.engine import gguf_tokenizer, hf_checkpoint
-from orchestrator.engine.families import FAMILIES
-from orchestrator.engine.presets import ModelPreset
+from orchestrator.models import gguf_tokenizer, hf_checkpoint
+from orchestrator.models.families import FAMILIES
+from orchestrator.models.presets import ModelPreset
 
 GGUF_MAGIC = b"GGUF"
 #: GGUF's ``general.architecture`` of each family the import reads, with its config.json ``model_type``.

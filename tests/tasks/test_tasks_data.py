@@ -22,10 +22,10 @@ import pytest
 
 from orchestrator import recipe as recipe_lib
 from orchestrator.app import cli
-from orchestrator.live import datasets, rewards
-from orchestrator.live.hf_tokenizer import HFTokenizer, char_tokenizer_json
-from orchestrator.live.rewards import RewardError, make_reward
-from orchestrator.live.tasks import FirstLetter, ModularAddition, Problem, group_advantages, split_sizes
+from orchestrator.tasks import datasets, rewards
+from orchestrator.tasks.hf_tokenizer import HFTokenizer, char_tokenizer_json
+from orchestrator.tasks.rewards import RewardError, make_reward
+from orchestrator.tasks.tasks import FirstLetter, ModularAddition, Problem, group_advantages, split_sizes
 from orchestrator.recipe.schema import TaskSection
 
 ROWS = [{"prompt": f"{a}+{b}=", "answer": str(a + b), "id": f"{a}{b}"} for a in range(7) for b in range(7)]

@@ -34,7 +34,7 @@ import dataclasses
 import os
 import sys
 
-from orchestrator.engine.core_claims import (Claim, ClaimsUnavailable, CoreClaims, CoreWatcher, layout, pin_threads,
+from orchestrator.host.core_claims import (Claim, ClaimsUnavailable, CoreClaims, CoreWatcher, layout, pin_threads,
                                              share, span)
 
 

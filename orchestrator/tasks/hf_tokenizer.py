@@ -30,8 +30,8 @@ from typing import Any
 import jinja2.sandbox
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
-from orchestrator.engine import hf_checkpoint
-from orchestrator.live.tokenizer import ALPHABET, BOS, EOS, PAD
+from orchestrator.models import hf_checkpoint
+from orchestrator.tasks.tokenizer import ALPHABET, BOS, EOS, PAD
 from orchestrator.user_files import MIB, UserFileError, read_regular_text
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -285,7 +285,7 @@ class HFTokenizer:
 
 
 def char_tokenizer_json(directory: str | Path, alphabet: str = ALPHABET) -> None:
-  """Writes the character tokenizer (``orchestrator.live.tokenizer``) as ``tokenizer.json`` and
+  """Writes the character tokenizer (``orchestrator.tasks.tokenizer``) as ``tokenizer.json`` and
   ``tokenizer_config.json`` in ``directory``: the same ids, one per character, pad/bos/eos 0/1/2."""
   specials = {"<pad>": PAD, "<bos>": BOS, "<eos>": EOS}
   vocab = dict(specials, **{c: i + 3 for i, c in enumerate(alphabet)})

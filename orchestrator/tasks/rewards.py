@@ -49,7 +49,7 @@ from typing import Any
 
 import numpy as np
 
-from orchestrator.live.tasks import Problem
+from orchestrator.tasks.tasks import Problem
 
 RewardFn = Callable[..., Sequence[float]]
 

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from types import ModuleType
 from typing import Any
 
-from orchestrator.engine.presets import ModelPreset
+from orchestrator.models.presets import ModelPreset
 
 #: Every sixth layer attends globally, the others within the sliding window (Tunix's Gemma3 pattern).
 LAYERS_PER_GLOBAL = 6

@@ -2,8 +2,8 @@
 
 ``Task`` is what the live loop asks of one. The built-in tasks are here; a
 file of one's own prompts (``task.name: dataset``) is
-``orchestrator.live.datasets``, and rewards a recipe chooses instead of a task's
-own are ``orchestrator.live.rewards``.
+``orchestrator.tasks.datasets``, and rewards a recipe chooses instead of a task's
+own are ``orchestrator.tasks.rewards``.
 
 The built-in tasks: a random model cannot do them; a tiny one can learn them.
 Answers have a fixed length and are sampled from the task's ``answer_alphabet`` only, so a

@@ -1,7 +1,7 @@
 """Checkpoints in Hugging Face layout: read ``config.json``, check the tensors, and write them back.
 
 The families a checkpoint may be (Llama, Qwen2, Qwen3 dense and MoE, Gemma 3) are
-``orchestrator.engine.families.FAMILIES``; ``config.json``'s ``model_type``
+``orchestrator.models.families.FAMILIES``; ``config.json``'s ``model_type``
 chooses one, and everything below reads what differs from that table.
 
 
@@ -33,9 +33,9 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from orchestrator.engine import local_global, rope_parameters
-from orchestrator.engine.families import BY_MODEL_TYPE, FAMILIES, Family
-from orchestrator.engine.presets import ModelPreset
+from orchestrator.models import local_global, rope_parameters
+from orchestrator.models.families import BY_MODEL_TYPE, FAMILIES, Family
+from orchestrator.models.presets import ModelPreset
 from orchestrator.user_files import MIB, UserFileError, open_regular, read_regular_text
 
 CONFIG_FILE = "config.json"

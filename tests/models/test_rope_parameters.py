@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from orchestrator.engine import hf_checkpoint, rope_parameters
-from orchestrator.engine.presets import load_preset
+from orchestrator.models import hf_checkpoint, rope_parameters
+from orchestrator.models.presets import load_preset
 from tests.checkpoint_files import write_directory
 
 GEMMA3_V5 = {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 500_000.0},

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.engine.compilation_cache import compilation_cache_dir, default_cache_base, use_compilation_cache
+from orchestrator.host.compilation_cache import compilation_cache_dir, default_cache_base, use_compilation_cache
 
 pytestmark = pytest.mark.spec
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import yaml
 
-from orchestrator.engine.families import DEFAULT_FAMILY, FAMILIES
+from orchestrator.models.families import DEFAULT_FAMILY, FAMILIES
 
 #: Where presets are looked up unless ``STEP_BOUNDARY_CONFIGS`` names another folder.
 DEFAULT_CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
@@ -42,7 +42,7 @@ class ModelPreset:
   use_tied_embedding: bool = False
   num_experts: int | None = None
   num_experts_per_tok: int | None = None
-  family: str = DEFAULT_FAMILY  # a key of orchestrator.engine.families.FAMILIES
+  family: str = DEFAULT_FAMILY  # a key of orchestrator.models.families.FAMILIES
   # Families with sliding-window layers between global ones (Gemma 3; ``families.Family.local_global_attention``):
   # the window in tokens, the local layers' rotary base, the global layers' linear rotary scaling and the
   # number the query is scaled by the inverse square root of. Unused by other families.

@@ -31,9 +31,9 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from orchestrator.live.rewards import NumberTooLong, final_number, normalise
-from orchestrator.live.tasks import Problem, _held_out
-from orchestrator.live.tokenizer import CharTokenizer
+from orchestrator.tasks.rewards import NumberTooLong, final_number, normalise
+from orchestrator.tasks.tasks import Problem, _held_out
+from orchestrator.tasks.tokenizer import CharTokenizer
 from orchestrator.user_files import UserFileError, check_regular, read_regular_bytes
 
 #: The repository root: a relative path that does not exist as given is read from there (as a recording's is).

@@ -7,8 +7,8 @@ import dataclasses
 
 import pytest
 
-from orchestrator.engine import hf_checkpoint, local_global
-from orchestrator.engine.presets import CONFIGS_ENV, DEFAULT_CONFIGS_DIR, load_preset
+from orchestrator.models import hf_checkpoint, local_global
+from orchestrator.models.presets import CONFIGS_ENV, DEFAULT_CONFIGS_DIR, load_preset
 
 SIZES = {"num_layers": 7, "head_dim": 16, "embed_dim": 64, "num_heads": 4}
 
