@@ -46,7 +46,7 @@ from orchestrator.app.run_dir import RunDirError
 from orchestrator.models import hf_checkpoint
 from orchestrator.models.presets import ModelPreset, load_preset
 from orchestrator.recipe import RecipeError
-from orchestrator.recipe.schema import DEFAULT_PRESET
+from orchestrator.recipe.model_section import DEFAULT_PRESET
 from orchestrator.user_files import MIB, UserFileError, read_regular_text
 
 WEIGHTS_FILE = "model.safetensors"

@@ -51,7 +51,8 @@ from pathlib import Path
 from orchestrator.bench.accelerator_plan import WARMUP_STEPS, Printed, digest_verdict
 from orchestrator.host.host_threads import reserve_host_core
 from orchestrator.recipe import Recipe, RecipeError
-from orchestrator.recipe.schema import BatchSection, ModelSection, StepBoundarySection
+from orchestrator.recipe.model_section import ModelSection
+from orchestrator.recipe.schema import BatchSection, StepBoundarySection
 
 
 def _parser() -> argparse.ArgumentParser:

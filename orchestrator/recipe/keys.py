@@ -16,7 +16,8 @@ import typing
 from collections.abc import Mapping
 from typing import Any
 
-from orchestrator.recipe.schema import Recipe, RecipeError
+from orchestrator.recipe.checks import RecipeError
+from orchestrator.recipe.schema import Recipe
 
 
 def _fields(cls) -> dict[str, dataclasses.Field]:

@@ -17,7 +17,8 @@ from typing import Any
 import yaml
 
 from orchestrator.recipe.keys import all_keys, build, canonical, coerce, flatten, get, is_text_key, suggest
-from orchestrator.recipe.schema import LIVE_ONLY_KEYS, Recipe, RecipeError, validate
+from orchestrator.recipe.checks import RecipeError
+from orchestrator.recipe.schema import LIVE_ONLY_KEYS, Recipe, validate
 
 RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
 DEFAULT_RECIPE = RECIPES_DIR / "default.yaml"

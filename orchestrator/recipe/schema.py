@@ -1,9 +1,12 @@
 """The recipe schema: one dataclass per section, each validating itself, and ``Recipe`` over them.
 
-A new key is one field on its section (with its check in that section's
-``validate``); the engine's keys are ``EngineOptions``' fields. Every problem a
-user can cause raises ``RecipeError`` with one message naming the key, the value
-and the fix. Nothing here imports JAX: a recipe is validated before JAX starts.
+The plain sections are here; the two validated by loading files are modules of
+their own (``model_section``: checkpoints and tokenizers; ``task_section``:
+datasets, rewards and tokenizers). A new key is one field on its section (with
+its check in that section's ``validate``); the engine's keys are
+``EngineOptions``' fields. Every problem a user can cause raises ``RecipeError``
+(``checks``) with one message naming the key, the value and the fix. Nothing
+here imports JAX: a recipe is validated before JAX starts.
 """
 
 from __future__ import annotations
@@ -17,39 +20,18 @@ from typing import Any
 from orchestrator import addresses
 from orchestrator.engine.mesh_shape import MeshConfig
 from orchestrator.engine.options import EngineOptions
-from orchestrator.models import hf_checkpoint
-from orchestrator.models.presets import ModelPreset, available_presets, load_preset
-from orchestrator.tasks import datasets as datasets_lib
 from orchestrator.live import placement_rule
-from orchestrator.tasks import rewards as rewards_lib
-from orchestrator.tasks.hf_tokenizer import HFTokenizer, TokenizerError
-from orchestrator.tasks.tasks import MAX_PROMPT_LENGTH, TASKS, make_task, max_generation_steps, split_sizes
-from orchestrator.tasks.tokenizer import CharTokenizer
+from orchestrator.models.presets import ModelPreset
+from orchestrator.recipe.checks import RecipeError, at_least, at_most
+from orchestrator.recipe.model_section import DEFAULT_PRESET, ModelSection
+from orchestrator.recipe.task_section import DATASET, TaskSection
+from orchestrator.tasks.tasks import max_generation_steps
 from policies import Mode
 from policies.saving import DEFAULT_CONTROL_EVERY
 
 
-class RecipeError(ValueError):
-  """A recipe, flag, override or environment switch that cannot be used as given."""
-
-
-def _at_least(section: str, obj: Any, keys: tuple[str, ...], minimum: float) -> None:
-  for key in keys:
-    value = getattr(obj, key)
-    if value is not None and value < minimum:
-      raise RecipeError(f"{section}{'.' if section else ''}{key}={value} is out of range: it must be >= {minimum}")
-
-
 def _round_up(value: int, multiple: int) -> int:
   return -(-value // multiple) * multiple
-
-
-def _at_most(section: str, obj: Any, keys: tuple[str, ...], maximum: float) -> None:
-  """Absurd sizes are refused up front rather than failing hours later (or exhausting memory)."""
-  for key in keys:
-    value = getattr(obj, key)
-    if value is not None and value > maximum:
-      raise RecipeError(f"{section}{'.' if section else ''}{key}={value} is out of range: it must be <= {maximum:,}")
 
 
 #: The seeds a recipe may give (every ``*.seed`` key): JAX's PRNG takes a signed 64-bit integer, and numpy's
@@ -85,134 +67,6 @@ class MeshSection(MeshConfig):
       raise RecipeError(str(e)) from None
 
 
-#: The preset a recipe without ``model.preset`` or ``model.checkpoint`` trains.
-DEFAULT_PRESET = "small"
-
-
-@dataclasses.dataclass
-class ModelSection:
-  """The model: a preset (``configs/model/*.yaml``, seeded random weights) or a Hugging Face Qwen3 checkpoint.
-
-  ``model: NAME`` in a recipe (or ``model=NAME``) is short for ``model.preset: NAME``. With a checkpoint the
-  sizes come from its ``config.json``; a preset given beside it must agree with them.
-  """
-
-  preset: str | None = None  # None: the checkpoint's sizes, or DEFAULT_PRESET
-  checkpoint: str | None = None  # a directory: config.json, *.safetensors (and tokenizer.json for the live loop)
-  chat_template: bool = False  # live loop: prompts go through the checkpoint's chat template
-  # engine.kl_beta > 0: the KL term's frozen reference (None: the weights the run starts from), a checkpoint of
-  # the same family and sizes as the model trained
-  reference_checkpoint: str | None = None
-
-  @property
-  def name(self) -> str:
-    """What the run trains, for people: the preset's name or the checkpoint's directory."""
-    return self.checkpoint or self.preset or DEFAULT_PRESET
-
-  def load(self) -> ModelPreset:
-    """The model's sizes (and, from a checkpoint, where its weights are; and the KL reference's checkpoint),
-    checked.
-
-    Raises:
-      RecipeError: an unknown preset, a checkpoint directory that cannot be used, or the two disagreeing.
-    """
-    key = (self.preset, self.checkpoint, self.reference_checkpoint)
-    if key not in _LOADED_MODELS:
-      loaded = self._load()
-      _LOADED_MODELS[key] = dataclasses.replace(loaded, reference_checkpoint=self._reference(loaded))
-    return _LOADED_MODELS[key]
-
-  def _reference(self, trained: ModelPreset) -> str | None:
-    """``reference_checkpoint``, checked against the model trained (``trained``): a usable checkpoint of its
-    family and sizes."""
-    if self.reference_checkpoint is None:
-      return None
-    given = f"model.reference_checkpoint={self.reference_checkpoint}"
-    try:
-      reference = hf_checkpoint.load_preset_from_checkpoint(self.reference_checkpoint)
-    except hf_checkpoint.CheckpointDirError as e:  # its message names model.checkpoint, which this is not
-      raise RecipeError(f"{given}: {str(e).removeprefix(f'model.checkpoint={self.reference_checkpoint}: ')}") from None
-    differs = hf_checkpoint.disagreement(trained, reference)
-    if differs:
-      raise RecipeError(f"{given} is not a checkpoint of the model trained ({self.name}): the model has {differs};"
-                        " give a checkpoint of the same family and sizes, or drop it (the reference is then the"
-                        " weights the run starts from)")
-    settings = hf_checkpoint.reference_differences(trained, reference)
-    if settings:
-      raise RecipeError(f"{given} runs with other settings than the model trained ({self.name}): its"
-                        f" {hf_checkpoint.CONFIG_FILE} has {', '.join(settings)}; the KL term computes the reference"
-                        " with the trained model's settings, so its KL would be to another model: give a checkpoint"
-                        " whose settings match, or drop it (the reference is then the weights the run starts from)")
-    return self.reference_checkpoint
-
-  def _load(self) -> ModelPreset:
-    if self.preset is not None and self.preset not in available_presets():
-      raise RecipeError(f"model.preset={self.preset!r} is not a preset; available: {', '.join(available_presets())}"
-                        " (or give model.checkpoint=DIR)")
-    if self.checkpoint is None:
-      return load_preset(self.preset or DEFAULT_PRESET)
-    try:
-      loaded = hf_checkpoint.load_preset_from_checkpoint(self.checkpoint)
-    except hf_checkpoint.CheckpointDirError as e:
-      raise RecipeError(str(e)) from None
-    if self.preset is not None:
-      named = load_preset(self.preset)
-      differs = hf_checkpoint.disagreement(named, loaded)
-      if differs:
-        raise RecipeError(f"model.preset={self.preset} and model.checkpoint={self.checkpoint} disagree: the preset"
-                          f" has {differs}; drop model.preset (the checkpoint's sizes are used) or name the"
-                          " matching preset")
-      loaded = dataclasses.replace(loaded, rows=named.rows, tokens_per_row=named.tokens_per_row)
-    return loaded
-
-  def context_tokens(self) -> int | None:
-    """The longest sequence the checkpoints' models were trained for (``max_position_embeddings``): the trained
-    model's, or the KL reference's where that is shorter (``context_source`` says which); None for a preset
-    without a reference (its positions are not limited)."""
-    limits = [(tokens, key) for key, path in (("model.checkpoint", self.checkpoint),
-                                              ("model.reference_checkpoint", self.reference_checkpoint))
-              if path is not None and (tokens := self._context_of(key, path)) is not None]
-    return min(limits)[0] if limits else None
-
-  def context_source(self) -> str:
-    """Whose ``max_position_embeddings`` ``context_tokens`` is, as the refusals name it."""
-    limits = [(self._context_of(key, path), key) for key, path in (
-        ("model.checkpoint", self.checkpoint), ("model.reference_checkpoint", self.reference_checkpoint))
-              if path is not None]
-    return f"max_position_embeddings in {min(limits)[1]}'s {hf_checkpoint.CONFIG_FILE}" if limits else "none"
-
-  @staticmethod
-  def _context_of(key: str, path: str) -> int:
-    try:
-      return hf_checkpoint.context_tokens(hf_checkpoint.read_config(path), f"{key} {path}/{hf_checkpoint.CONFIG_FILE}")
-    except hf_checkpoint.CheckpointDirError as e:
-      raise RecipeError(str(e)) from None
-
-  def tokenizer(self):
-    """The live loop's tokenizer: the checkpoint's own, else the character tokenizer.
-
-    Raises:
-      RecipeError: the checkpoint has no usable tokenizer, or a chat template is asked of one without.
-    """
-    if self.checkpoint is None:
-      return CharTokenizer()
-    try:
-      return HFTokenizer(self.checkpoint, chat_template=self.chat_template)
-    except TokenizerError as e:
-      raise RecipeError(str(e)) from None
-
-  def validate(self) -> None:
-    if self.chat_template and self.checkpoint is None:
-      raise RecipeError("model.chat_template=true needs model.checkpoint=DIR (a preset's character tokenizer has"
-                        " no chat template); give a checkpoint or drop model.chat_template")
-    self.load()
-
-
-#: Checked models by (preset, checkpoint, reference checkpoint): a recipe is validated, then read by every part
-#: that builds.
-_LOADED_MODELS: dict[tuple[str | None, str | None, str | None], ModelPreset] = {}
-
-
 @dataclasses.dataclass
 class BatchSection:
   """The shape of one optimizer step."""
@@ -222,9 +76,9 @@ class BatchSection:
   tokens_per_row: int | None = None
 
   def validate(self) -> None:
-    _at_least("batch", self, ("micro_batches_per_step", "rows", "tokens_per_row"), 1)
-    _at_most("batch", self, ("micro_batches_per_step",), 100_000)
-    _at_most("batch", self, ("rows", "tokens_per_row"), 1 << 24)
+    at_least("batch", self, ("micro_batches_per_step", "rows", "tokens_per_row"), 1)
+    at_most("batch", self, ("micro_batches_per_step",), 100_000)
+    at_most("batch", self, ("rows", "tokens_per_row"), 1 << 24)
 
 
 ROLLOUT_SOURCES = ("synthetic", "recording", "sampler")
@@ -291,16 +145,16 @@ class RolloutsSection:
   completion_len_median: float = 16.0
 
   def validate(self) -> None:
-    _at_least("rollouts", self, ("generations_per_group", "groups", "prompt_len_median",
+    at_least("rollouts", self, ("generations_per_group", "groups", "prompt_len_median",
                                  "completion_len_median"), 1)
-    _at_most("rollouts", self, ("generations_per_group",), 65_536)
-    _at_least("rollouts", self, ("max_staleness",), 0)
-    _at_most("rollouts", self, ("max_staleness",), 16)
-    _at_least("rollouts", self, ("groups_per_micro_batch", "batch_steps"), 1)
-    _at_most("rollouts", self, ("groups_per_micro_batch", "batch_steps"), 4096)
+    at_most("rollouts", self, ("generations_per_group",), 65_536)
+    at_least("rollouts", self, ("max_staleness",), 0)
+    at_most("rollouts", self, ("max_staleness",), 16)
+    at_least("rollouts", self, ("groups_per_micro_batch", "batch_steps"), 1)
+    at_most("rollouts", self, ("groups_per_micro_batch", "batch_steps"), 4096)
     if self.micro_batches_per_call != "batch":
-      _at_least("rollouts", self, ("micro_batches_per_call",), 1)
-      _at_most("rollouts", self, ("micro_batches_per_call",), 4096)
+      at_least("rollouts", self, ("micro_batches_per_call",), 1)
+      at_most("rollouts", self, ("micro_batches_per_call",), 4096)
     if self.source == "sampler" and self.generations_per_group < 2:
       raise RecipeError(f"rollouts.generations_per_group={self.generations_per_group} is out of range for the"
                         " live loop: GRPO compares a group's completions, use >= 2")
@@ -319,8 +173,8 @@ class RolloutsSection:
       raise RecipeError(f"rollouts.advantage_scaling={self.advantage_scaling!r}: use group (divide by the group's"
                         " reward std, GRPO's) or none (Dr. GRPO's)")
     if self.devices is not None:
-      _at_least("rollouts", self, ("devices",), 1)
-      _at_most("rollouts", self, ("devices",), 65_536)
+      at_least("rollouts", self, ("devices",), 1)
+      at_most("rollouts", self, ("devices",), 65_536)
       if self.placement != "split":
         raise RecipeError(f"rollouts.devices={self.devices} is for rollouts.placement=split (a sampler on devices"
                           " of its own); the shared sampler runs on the trainer's devices, so drop it or set"
@@ -349,185 +203,6 @@ class RolloutsSection:
                           f" characters long: each stop string must be 1 to {MAX_STOP_STRING_CHARS} characters")
 
 
-#: Each task's size keys (``task.*``); ``TaskSection.make`` passes these to the task.
-TASK_SIZE_KEYS = {"modular_addition": ("modulus",), "reverse": ("letters", "length"),
-                  "first_letter": ("letters", "length")}
-#: The range a recipe may give each ``task.*`` number.
-TASK_RANGES = {"modulus": (2, 999), "length": (1, 10), "letters": (2, 26), "eval_prompts": (1, 4096)}
-
-
-#: ``task.name`` for a file of one's own prompts (``orchestrator.tasks.datasets``); the others are ``TASKS``.
-DATASET = "dataset"
-#: The ``task.*`` keys only a dataset reads, unset by default: a built-in task refuses them.
-#: The most ids a built-in task's answer alphabet may leave the sampler to forbid in a checkpoint's vocabulary:
-#: Tunix's sampler masks each forbidden id as its own index (SmolLM2's 49,149 exhausted 16 GB at its first call).
-MAX_FORBIDDEN_IDS = 4096
-#: Tokens a chat template's text may gain where a built-in prompt joins it (its two joins, two each).
-TEMPLATE_JOIN_TOKENS = 4
-DATASET_ONLY_KEYS = ("path", "eval_path", "max_prompt_tokens", "max_completion_tokens", "max_tokens_field")
-#: The range of ``task.max_prompt_tokens`` and ``task.max_completion_tokens`` (they size the sampler's cache).
-TOKEN_RANGES = {"max_prompt_tokens": (2, datasets_lib.MAX_DERIVED_TOKENS),
-                "max_completion_tokens": (1, datasets_lib.MAX_DERIVED_TOKENS)}
-#: The range of ``task.eval_pass_k``: completions sampled per held-out prompt at an evaluation during the run.
-EVAL_PASS_K_RANGE = (1, 64)
-#: The longest ``task.reward_timeout_s`` (a day): a limit is a limit.
-MAX_REWARD_TIMEOUT_S = 86_400
-
-
-@dataclasses.dataclass
-class TaskSection:
-  """The live loop's task (``rollouts.source: sampler``): its name and sizes, or a file of prompts; and its reward."""
-
-  name: str = "modular_addition"  # modular_addition | reverse | first_letter | dataset
-  modulus: int = 7  # modular_addition: answers 0 .. modulus-1
-  length: int = 3  # reverse, first_letter: the word's length
-  letters: int = 4  # reverse, first_letter: the alphabet's size
-  eval_prompts: int = 64  # held-out prompts for the greedy evaluation at the start and the end
-  # Evaluations during the run: after every eval_every-th optimizer step (None: only at the start and the end),
-  # greedy and, with eval_pass_k, pass@k over k sampled completions per prompt.
-  eval_every: int | None = None
-  eval_pass_k: int | None = None
-  # name: dataset — prompts and answers read from a file (orchestrator.tasks.datasets).
-  path: str | None = None  # a JSONL (.jsonl) or Parquet (.parquet) file, one prompt per row
-  prompt_field: str = "prompt"
-  answer_field: str = "answer"
-  eval_fraction: float = 0.1  # held out by a hash of the prompt (unless eval_path gives the evaluation prompts)
-  eval_path: str | None = None  # the evaluation prompts; then nothing of path is held out
-  max_prompt_tokens: int | None = None  # None: the longest prompt's (bos included)
-  max_completion_tokens: int | None = None  # None: the longest answer's
-  # A row field giving that row's own completion limit, in [1, max_completion_tokens]; None: every row's is that.
-  max_tokens_field: str | None = None
-  # The training reward (orchestrator.tasks.rewards): built-ins (exact, math, format) or package.module:function,
-  # summed with reward_weights (default all 1.0). None listed: the task's own (a dataset's: exact).
-  reward: list[str] = dataclasses.field(default_factory=list)
-  reward_weights: list[float] = dataclasses.field(default_factory=list)
-  # Seconds one call of a reward function (and the import of its module) may take; longer ends the run (refuses).
-  reward_timeout_s: float = rewards_lib.DEFAULT_TIMEOUT_S
-  format_pattern: str | None = None  # format: re.fullmatch against the completion, surrounding whitespace stripped
-
-  def validate(self) -> None:
-    if self.name != DATASET and self.name not in TASKS:
-      raise RecipeError(f"task.name={self.name!r} is not a task; use one of"
-                        f" {', '.join(sorted([*TASKS, DATASET]))}")
-    for key, (low, high) in TASK_RANGES.items():
-      value = getattr(self, key)
-      if not low <= value <= high:
-        raise RecipeError(f"task.{key}={value} is out of range: it must be in [{low}, {high}]")
-    self._check_evaluations()
-    if not (math.isfinite(self.reward_timeout_s) and 0 < self.reward_timeout_s <= MAX_REWARD_TIMEOUT_S):
-      raise RecipeError(f"task.reward_timeout_s={self.reward_timeout_s} is out of range: it must be a number of"
-                        f" seconds in (0, {MAX_REWARD_TIMEOUT_S:,}], how long one reward call may take")
-    for i, weight in enumerate(self.reward_weights):
-      if not abs(weight) <= rewards_lib.FLOAT32_MAX:
-        raise RecipeError(f"task.reward_weights[{i}]={weight:g} is past float32's range (|weight| <="
-                          f" {rewards_lib.FLOAT32_MAX:.4g}), which the weighted rewards are held in; give a"
-                          " smaller weight")
-    if self.name == DATASET:
-      self._check_dataset_keys()
-    else:
-      self._check_built_in_keys()
-      self._check_splits()
-    if self.name != DATASET:
-      self.make_reward(self.make())
-    elif self.reward or self.reward_weights:  # the entries now; the rows are read with the model's tokenizer,
-      self.make_reward(None)                  # which Recipe.validate knows
-
-  def _check_evaluations(self) -> None:
-    if self.eval_every is not None and not 1 <= self.eval_every <= 10**9:
-      raise RecipeError(f"task.eval_every={self.eval_every} is out of range: it must be a whole number of optimizer"
-                        " steps >= 1 (evaluate after every N-th step), or leave it unset to evaluate only at the"
-                        " start and the end")
-    if self.eval_pass_k is not None:
-      low, high = EVAL_PASS_K_RANGE
-      if not low <= self.eval_pass_k <= high:
-        raise RecipeError(f"task.eval_pass_k={self.eval_pass_k} is out of range: it must be in [{low}, {high}],"
-                          " the completions sampled per held-out prompt for pass@k")
-      if self.eval_every is None:
-        raise RecipeError(f"task.eval_pass_k={self.eval_pass_k} is measured at the evaluations during the run,"
-                          " and task.eval_every is unset; set task.eval_every=N, or drop task.eval_pass_k")
-
-  def _check_dataset_keys(self) -> None:
-    if not self.path:
-      raise RecipeError("task.name=dataset needs task.path=FILE: a JSONL (.jsonl) or Parquet (.parquet) file with"
-                        f" a {self.prompt_field!r} and an {self.answer_field!r} field per row")
-    if self.eval_path is None and not 0 < self.eval_fraction < 1:
-      raise RecipeError(f"task.eval_fraction={self.eval_fraction} is out of range: it must be in (0, 1), the share"
-                        " of task.path's prompts held out for the evaluation (or give them in task.eval_path)")
-    for key, (low, high) in TOKEN_RANGES.items():
-      value = getattr(self, key)
-      if value is not None and not low <= value <= high:
-        raise RecipeError(f"task.{key}={value} is out of range: it must be in [{low}, {high}]")
-
-  def _check_built_in_keys(self) -> None:
-    for key in DATASET_ONLY_KEYS:
-      if getattr(self, key) is not None:
-        raise RecipeError(f"task.{key} is set but task.name={self.name} is a built-in task (its prompts and sizes are"
-                          f" its own); set task.name=dataset to read prompts from a file, or drop task.{key}")
-
-  def make_reward(self, task):
-    """The training reward ``task.reward`` and ``task.reward_weights`` describe, for ``task`` (``make()``)."""
-    try:
-      return rewards_lib.make_reward(task, self.reward, self.reward_weights, self.format_pattern,
-                                     timeout_s=self.reward_timeout_s)
-    except rewards_lib.RewardSpecError as e:
-      raise RecipeError(str(e)) from None
-
-  def _sizes(self, **changed: int) -> dict[str, int]:
-    return {key: changed.get(key, getattr(self, key)) for key in TASK_SIZE_KEYS[self.name]}
-
-  def make(self, tokenizer=None):
-    """The task (a ``tasks.Task``); a dataset is read and checked here, every time, with ``tokenizer`` (the
-    sampler's; default the character tokenizer)."""
-    if self.name != DATASET:
-      task = make_task(self.name, **self._sizes())
-      if tokenizer is not None and getattr(tokenizer, "format_prompt", lambda prompt: prompt)(""):
-        # A chat template: a built-in prompt (at most MAX_PROMPT_LENGTH ASCII characters, so at most
-        # that many tokens) inside the chat template, plus room for the template's own tokens to split
-        # differently where the prompt joins them. The instance is this call's own, so nothing else sees it.
-        bound = datasets_lib.prompt_tokens(tokenizer, "") + MAX_PROMPT_LENGTH + TEMPLATE_JOIN_TOKENS
-        object.__setattr__(task, "max_prompt_tokens", bound)
-      return task
-    try:
-      return datasets_lib.load_task(path=self.path, eval_path=self.eval_path, prompt_field=self.prompt_field,
-                                    answer_field=self.answer_field, eval_fraction=self.eval_fraction,
-                                    max_prompt_tokens=self.max_prompt_tokens,
-                                    max_completion_tokens=self.max_completion_tokens,
-                                    tokenizer=tokenizer or CharTokenizer(), reward=self.reward,
-                                    max_tokens_field=self.max_tokens_field)
-    except datasets_lib.DatasetError as e:
-      raise RecipeError(str(e)) from None
-
-  def _check_splits(self) -> None:
-    """A prompt is drawn again until it lands on its split (held out by a hash of the prompt), so sizes whose
-    few prompts all land on one side would make every draw from the other spin forever: refused here."""
-    task = TASKS[self.name](**self._sizes())
-    counted = split_sizes(task)
-    if counted.empty is None:
-      return
-    given = " ".join(f"task.{key}={value}" for key, value in self._sizes().items())
-    fixes = [fix for fix in map(self._nearest_working, TASK_SIZE_KEYS[self.name]) if fix]
-    raise RecipeError(
-        f"task.name={self.name} {given} leaves the {counted.empty} split empty: its"
-        f" {counted.train + counted.eval} prompts split {counted.train} for training and {counted.eval} for"
-        f" evaluation (about {task.eval_share:.0%} are held out, by a hash of the prompt), so a draw from the"
-        f" {counted.empty} split would never end; use {' or '.join(fixes) or 'larger sizes'}")
-
-  def _nearest_working(self, key: str) -> str | None:
-    """The value of ``key`` nearest to this one (the others kept) whose splits both hold a prompt, with their
-    sizes; None when there is none in range."""
-    low, high = TASK_RANGES[key]
-    current = getattr(self, key)
-    for distance in range(1, high - low + 1):
-      for value in (current + distance, current - distance):
-        if low <= value <= high:
-          counted = split_sizes(TASKS[self.name](**self._sizes(**{key: value})), enough=1000)
-          if counted.empty is None:
-            more = "" if counted.exact else " or more"
-            return (f"task.{key}={value} ({counted.train}{more} training, {counted.eval}{more} evaluation"
-                    " prompts)")
-    return None
-
-
 @dataclasses.dataclass
 class CheckpointSection:
   """Checkpoint directory, cadence, and the steps whose checkpoints are scored."""
@@ -537,7 +212,7 @@ class CheckpointSection:
   scored_steps: list[int] = dataclasses.field(default_factory=list)
 
   def validate(self, steps: int) -> None:
-    _at_least("checkpoint", self, ("every",), 0)
+    at_least("checkpoint", self, ("every",), 0)
     bad = [n for n in self.scored_steps if not 1 <= n <= steps]
     if bad:
       raise RecipeError(f"checkpoint.scored_steps {bad} are outside the run's steps 1..{steps}")
@@ -576,9 +251,9 @@ class StepBoundarySection:
     return Mode.STAGE_BEFORE_UPDATE if self.stage_before_update else Mode.STAGE_AFTER_UPDATE
 
   def validate(self) -> None:
-    _at_least("step_boundary", self, ("disable_after", "calibration_samples", "reprobe_every"), 1)
-    _at_most("step_boundary", self, ("calibration_samples",), 10_000)
-    _at_least("step_boundary", self, ("control_every",), 0)
+    at_least("step_boundary", self, ("disable_after", "calibration_samples", "reprobe_every"), 1)
+    at_most("step_boundary", self, ("calibration_samples",), 10_000)
+    at_least("step_boundary", self, ("control_every",), 0)
     if self.control_every == 1:  # every boundary a control: nothing would stage, and nothing measure against
       raise RecipeError("step_boundary.control_every=1 makes every boundary that would stage a control, so nothing"
                         " stages and there is no staged step to measure against; use 0 (no controls) or a number"
@@ -640,17 +315,17 @@ class SimulateSection:
   reference_single_controller: bool | None = None  # None: as this recipe's
 
   def validate(self) -> None:
-    _at_least("simulate", self, ("micro_batch_s", "update_s", "map_s", "input_copy_s", "copy_s", "metrics_s",
+    at_least("simulate", self, ("micro_batch_s", "update_s", "map_s", "input_copy_s", "copy_s", "metrics_s",
                                  "logging_s", "checkpoint_s", "weight_sync_s", "update_overlap_share",
                                  "dispatch_s", "gap_per_dispatch_s", "wait_floor_s", "rollout_wait_s",
                                  "reruns_per_step", "rerun_s"), 0)
-    _at_most("simulate", self, ("update_overlap_share",), 1)
+    at_most("simulate", self, ("update_overlap_share",), 1)
     # Negative where the first micro-batch computes faster (the host idle beside it), never below nothing.
     if self.first_micro_batch_extra_s < -self.micro_batch_s:
       raise RecipeError(f"simulate.first_micro_batch_extra_s={self.first_micro_batch_extra_s} is out of range: a"
                         f" first micro-batch cannot take less than nothing, so it must be >= -simulate.micro_batch_s"
                         f" ({-self.micro_batch_s})")
-    _at_least("simulate", self, ("tokens_per_device", "hosts", "reference_rows", "reference_tokens_per_row",
+    at_least("simulate", self, ("tokens_per_device", "hosts", "reference_rows", "reference_tokens_per_row",
                                  "reference_devices", "reference_hosts", "bytes_per_token",
                                  "reference_bytes_per_token"), 1)
     if self.host_link_gb_s is not None and not self.host_link_gb_s > 0:
@@ -689,10 +364,10 @@ class TrainerSection:
   def validate(self) -> None:
     if self.location not in ("local", "remote"):
       raise RecipeError(f"trainer.location={self.location!r}: use local or remote")
-    _at_least("trainer", self, ("timeout_s",), 0.1)
-    _at_most("trainer", self, ("timeout_s",), 86_400)
-    _at_least("trainer", self, ("max_message_bytes",), 1 << 20)
-    _at_most("trainer", self, ("max_message_bytes",), 1 << 34)
+    at_least("trainer", self, ("timeout_s",), 0.1)
+    at_most("trainer", self, ("timeout_s",), 86_400)
+    at_least("trainer", self, ("max_message_bytes",), 1 << 20)
+    at_most("trainer", self, ("max_message_bytes",), 1 << 34)
     if self.location == "local":
       if self.spawn or self.address:
         key = "spawn" if self.spawn else "address"
@@ -739,10 +414,10 @@ class DistributedSection:
     return self.enabled and not self.detect_cluster and self.process_id is None and self.coordinator_address is None
 
   def validate(self) -> None:
-    _at_least("distributed", self, ("num_processes",), 1)
-    _at_most("distributed", self, ("num_processes",), 4096)
-    _at_least("distributed", self, ("timeout_s",), 1.0)
-    _at_most("distributed", self, ("timeout_s",), 86_400)
+    at_least("distributed", self, ("num_processes",), 1)
+    at_most("distributed", self, ("num_processes",), 4096)
+    at_least("distributed", self, ("timeout_s",), 1.0)
+    at_most("distributed", self, ("timeout_s",), 86_400)
     given = [k for k in ("num_processes", "process_id", "coordinator_address") if getattr(self, k) is not None]
     if self.detect_cluster:
       if given:
@@ -787,8 +462,8 @@ class MetricsSection:
   samples_every: int = 25
 
   def validate(self) -> None:
-    _at_least("metrics", self, ("samples_every",), 0)
-    _at_most("metrics", self, ("samples_every",), 10**9)
+    at_least("metrics", self, ("samples_every",), 0)
+    at_most("metrics", self, ("samples_every",), 10**9)
     given = f"metrics.backends={self.backends!r}"
     for name in self.backends:
       if name not in METRICS_BACKENDS:
@@ -813,6 +488,11 @@ class RunSection:
       self.reserve_host_core = self.reserve_host_core.strip().lower()
     if self.reserve_host_core not in (True, False, "auto"):
       raise RecipeError(f"run.reserve_host_core={self.reserve_host_core!r}: use auto, true or false")
+
+
+#: The most ids a built-in task's answer alphabet may leave the sampler to forbid in a checkpoint's vocabulary:
+#: Tunix's sampler masks each forbidden id as its own index (SmolLM2's 49,149 exhausted 16 GB at its first call).
+MAX_FORBIDDEN_IDS = 4096
 
 
 @dataclasses.dataclass
@@ -929,8 +609,8 @@ class Recipe:
   # ---------------------------------------------------------------- validation
   def validate(self) -> None:
     """Raises RecipeError for out-of-range values and contradictory settings, one key at a time."""
-    _at_least("", self, ("steps",), 1)
-    _at_most("", self, ("steps",), 1_000_000_000)
+    at_least("", self, ("steps",), 1)
+    at_most("", self, ("steps",), 1_000_000_000)
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", self.name):
       raise RecipeError(f"name={self.name!r}: use letters, digits, '.', '_' and '-' (it names the run's directory)")
     for section in (self.model, self.mesh, self.batch, self.rollouts, self.task, self.step_boundary, self.simulate,

@@ -27,7 +27,7 @@ from orchestrator.live.weight_versions import WeightVersions
 from orchestrator.loop.program import ProgramConfig, RLProgram, StoppedWithoutCheckpointError
 from orchestrator.loop.trainer_worker import TrainerWorker
 from orchestrator.recipe import RecipeError
-from orchestrator.recipe.schema import TASK_RANGES, TASK_SIZE_KEYS, TaskSection
+from orchestrator.recipe.task_section import TASK_RANGES, TASK_SIZE_KEYS, TaskSection
 from policies import Mode, StepBoundaryPolicy
 from tests.fakes import RecordingEngine, StuckLiveSource, run_in_thread
 

@@ -20,7 +20,7 @@ TASK = FirstLetter(length=4, letters=8)
 
 def _spec():
   from orchestrator.models.presets import load_preset
-  from orchestrator.recipe.schema import ModelSection
+  from orchestrator.recipe.model_section import ModelSection
 
   return SamplerSpec(preset=load_preset("tiny"), model=ModelSection(preset="tiny"), seed=0, max_prompt_length=16,
                      max_generation_steps=1, alphabet=TASK.answer_alphabet, dtype="float32")

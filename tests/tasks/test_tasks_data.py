@@ -26,7 +26,7 @@ from orchestrator.tasks import datasets, rewards
 from orchestrator.tasks.hf_tokenizer import HFTokenizer, char_tokenizer_json
 from orchestrator.tasks.rewards import RewardError, make_reward
 from orchestrator.tasks.tasks import FirstLetter, ModularAddition, Problem, group_advantages, split_sizes
-from orchestrator.recipe.schema import TaskSection
+from orchestrator.recipe.task_section import TaskSection
 
 ROWS = [{"prompt": f"{a}+{b}=", "answer": str(a + b), "id": f"{a}{b}"} for a in range(7) for b in range(7)]
 
