@@ -9,11 +9,14 @@ programs between its own, and a process of its own keeps them apart.
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 #: The placements a recipe may name (``rollouts.placement``); ``auto`` is resolved by ``choose_placement``.
-PLACEMENTS = ("auto", "shared", "split", "process")
+Placement = Literal["auto", "shared", "split", "process"]
+PLACEMENTS: tuple[str, ...] = get_args(Placement)
 
 
-def choose_placement(requested: str, *, platform: str, processes: int, trainer_local: bool) -> tuple[str, str]:
+def choose_placement(requested: Placement, *, platform: str, processes: int, trainer_local: bool) -> tuple[str, str]:
   """The placement a live run uses and, in words, where that puts the sampler and why.
 
   Args:

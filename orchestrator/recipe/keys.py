@@ -49,11 +49,19 @@ def _leaf_type(path: str):
   return _hints(cls)[parts[-1]]
 
 
+def _is_text(t: Any) -> bool:
+  """Whether values of type ``t`` are text: ``str``, or a ``Literal`` of words (``rollouts.source``)."""
+  return t is str or (typing.get_origin(t) is typing.Literal and all(isinstance(a, str) for a in typing.get_args(t)))
+
+
 def is_text_key(key: str) -> bool:
-  """Whether ``key`` holds text (``str`` or ``str | None``): its value from the command line is taken as written."""
+  """Whether ``key`` holds text (``str``, a ``Literal`` of words, either or None, or a boolean or text): its value
+  from the command line is taken as written. Not a number or a word (``float | Literal["auto"]``): YAML reads it."""
   t = _leaf_type(key)
-  return t is str or (typing.get_origin(t) in (typing.Union, types.UnionType) and str in typing.get_args(t)
-                      and not {int, float} & set(typing.get_args(t)))
+  if typing.get_origin(t) in (typing.Union, types.UnionType):
+    args = typing.get_args(t)
+    return any(_is_text(a) for a in args) and not {int, float} & set(args)
+  return _is_text(t)
 
 
 _TRUE = {"true", "1", "yes", "on"}
@@ -151,7 +159,7 @@ def _coerce_plain(key: str, t: Any, value: Any) -> Any:
     return parse_bool(value, key)
   if t in (int, float):
     return _parse_number(value, t, key)
-  if t is str:
+  if _is_text(t):  # a Literal's words are its section's to check: its refusal names the ones it takes
     if isinstance(value, (dict, list)):
       raise RecipeError(f"{key}: expected a string, got {type(value).__name__}")
     return str(value)

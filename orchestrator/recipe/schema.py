@@ -15,7 +15,7 @@ import dataclasses
 import importlib.util
 import math
 import re
-from typing import Any
+from typing import Any, Literal, get_args
 
 from orchestrator import addresses
 from orchestrator.engine.mesh_shape import MeshConfig
@@ -81,8 +81,10 @@ class BatchSection:
     at_most("batch", self, ("rows", "tokens_per_row"), 1 << 24)
 
 
-ROLLOUT_SOURCES = ("synthetic", "recording", "sampler")
-#: Where the live loop's sampler runs (``rollouts.placement``; ``orchestrator.live.placement_rule``).
+#: Where each step's trajectories come from (``rollouts.source``): made up, read from a recording, or sampled live.
+RolloutSource = Literal["synthetic", "recording", "sampler"]
+ROLLOUT_SOURCES: tuple[str, ...] = get_args(RolloutSource)
+#: Where the live loop's sampler runs (``rollouts.placement``: ``orchestrator.live.placement_rule.Placement``).
 PLACEMENTS = placement_rule.PLACEMENTS
 
 
@@ -104,7 +106,7 @@ ADVANTAGE_SCALINGS = ("group", "none")
 class RolloutsSection:
   """Where each step's trajectories come from: ``sampler`` samples them live from the model being trained."""
 
-  source: str = "synthetic"  # synthetic | recording | sampler
+  source: RolloutSource = "synthetic"
   recording: str | None = None
   seed: int = 0
   generations_per_group: int = 4
@@ -137,7 +139,7 @@ class RolloutsSection:
   # process: in a process of its own on the host's cores (its own interpreter and XLA client, never an
   # accelerator), sent each version's weights as host arrays; auto: process on a CPU host, shared where the
   # trainer holds an accelerator in one process (orchestrator.live.placement_rule).
-  placement: str = "shared"
+  placement: placement_rule.Placement = "shared"
   devices: int | None = None  # split: the sampler's devices (default 1)
   # Shape of recordings made by `run_rl record` (log-normal lengths, medians in tokens).
   groups: int = 256
@@ -226,7 +228,7 @@ class StepBoundarySection:
   stage_next_microbatch: bool | None = None  # None: follows pipeline_step_boundary
   stage_before_update: bool = True
   require_staging: bool = False
-  wait_threshold_s: float | str = "auto"
+  wait_threshold_s: float | Literal["auto"] = "auto"  # auto: calibrated at the run's start
   disable_after: int = 2
   reprobe_every: int | None = None
   exclude_checkpoint_boundaries: bool = True
@@ -350,11 +352,16 @@ class SimulateSection:
     return 0.0 if self.update_waits_for_last else 1.0
 
 
+#: Where the trainer runs (``trainer.location``): in this process, or behind ``run_rl serve-trainer``.
+TrainerLocation = Literal["local", "remote"]
+TRAINER_LOCATIONS: tuple[str, ...] = get_args(TrainerLocation)
+
+
 @dataclasses.dataclass
 class TrainerSection:
   """Where the trainer runs: in this process, or behind ``run_rl serve-trainer`` (docs/remote.md)."""
 
-  location: str = "local"  # local | remote
+  location: TrainerLocation = "local"
   address: str | None = None  # remote: HOST:PORT of serve-trainer (spawn: loopback, default a free port)
   spawn: bool = False  # remote: start serve-trainer on loopback as a child, drive it, stop it
   token_file: str | None = None  # the shared token (else $STEP_BOUNDARY_TRAINER_TOKEN)
@@ -362,8 +369,8 @@ class TrainerSection:
   max_message_bytes: int = 1 << 30  # per message, both ways
 
   def validate(self) -> None:
-    if self.location not in ("local", "remote"):
-      raise RecipeError(f"trainer.location={self.location!r}: use local or remote")
+    if self.location not in TRAINER_LOCATIONS:
+      raise RecipeError(f"trainer.location={self.location!r}: use {' or '.join(TRAINER_LOCATIONS)}")
     at_least("trainer", self, ("timeout_s",), 0.1)
     at_most("trainer", self, ("timeout_s",), 86_400)
     at_least("trainer", self, ("max_message_bytes",), 1 << 20)
