@@ -2,10 +2,13 @@
 sync and the held-out evaluation after it.
 
 This is the work PIPELINED moves behind step k+1's first dispatch (``policies.call_order``): the program runs
-the boundary's actions in their order and hands these to ``BoundaryWork``, which reads and writes through the
-worker, the recorder (spans, records on disk before a checkpoint) and the feed (the source's position, a live
-source's waits for the rollouts a checkpoint carries). It keeps what the run's checkpoints were: the last one's
-path and the steps it covers.
+the boundary's actions in their order and hands these to ``BoundaryWork`` (``run``), which reads and writes
+through the worker, the recorder (spans, records on disk before a checkpoint) and the feed (the source's
+position, a live source's waits for the rollouts a checkpoint carries). A boundary that ends early — a stop or
+a failed source while step k+1's rollouts were awaited, a stop inside a step — ends here too: the work it still
+owes, or the checkpoint of the steps finished before it. ``BoundaryWork`` keeps what the run's checkpoints were
+(the last one's path and the steps it covers), so it also says where a run that cannot checkpoint continues
+from (``latest_checkpoint``).
 """
 
 from __future__ import annotations
@@ -15,8 +18,11 @@ from typing import Any
 
 from orchestrator.contract import WeightsOverWire, WeightTransfer, Worker
 from orchestrator.loop.boundary import BoundaryState
+from orchestrator.loop.live_waits import StoppedWithoutCheckpointError, latest_checkpoint
 from orchestrator.loop.recorder import Lane, Recorder, update_key
+from orchestrator.loop.weight_sync import HostWeightStore
 from policies import BoundaryPlan
+from policies.call_order import Action
 
 
 class BoundaryWork:
@@ -24,7 +30,8 @@ class BoundaryWork:
 
   Args:
     worker: the trainer. recorder: the run's measurements. clock: seconds, monotonic.
-    weight_sync: called as ``weight_sync(done, weights)`` after each step.
+    weight_sync: called as ``weight_sync(done, weights)`` after each step (None: the feed's live source's own
+      ``sync``, else a ``HostWeightStore``).
     feed: the run's ``StepFeed`` (positions; a live source's waits and evaluations).
     policy, policy_inputs: the policy (its state goes in a checkpoint) and what feeds it (a stage judged when
       the metrics are read).
@@ -35,16 +42,53 @@ class BoundaryWork:
     checkpoint_path: the last checkpoint this run wrote (None: none yet).
     checkpoint_steps: the steps the last checkpoint covers (a resumed run's: the one it started from; None:
       none).
+
+  Raises:
+    ValueError: ``config`` asks for checkpoints (a cadence, scored steps) and the worker's engine cannot write
+      them.
   """
 
   def __init__(self, *, worker: Worker, recorder: Recorder, clock: Callable[[], float],
-               weight_sync: Callable[[int, Any], Any], feed=None, policy=None, policy_inputs=None, config=None,
-               stop_requested: Callable[[], Any] = lambda: None):
+               weight_sync: Callable[[int, Any], Any] | None = None, feed=None, policy=None, policy_inputs=None,
+               config=None, stop_requested: Callable[[], Any] = lambda: None):
+    if weight_sync is None:
+      weight_sync = feed.live.sync if feed is not None and feed.live is not None else HostWeightStore()
     self.worker, self.recorder, self.clock, self.weight_sync = worker, recorder, clock, weight_sync
     self.feed, self.policy, self.policy_inputs, self.config = feed, policy, policy_inputs, config
     self.stop_requested = stop_requested
     self.checkpoint_path: str | None = None
     self.checkpoint_steps: int | None = (config.start_step or None) if config is not None else None
+    if (config is not None and (config.checkpoint_every or config.scored_checkpoint_steps)
+        and not worker.capabilities.can_checkpoint):
+      raise ValueError("checkpoints are asked for (checkpoint_every / scored_checkpoint_steps) but the engine"
+                       " has no save_checkpoint / restore_checkpoint; turn checkpoints off or use an engine"
+                       " that can write them")
+
+  def run(self, action: Action, boundary: BoundaryState, *, stop_reason: str | None,
+          next_plan: BoundaryPlan | None) -> None:
+    """Runs ``action`` of ``boundary``'s list where it is boundary work (``Action.METRICS``,
+    ``Action.CHECKPOINT_AND_SYNC``): step k's metrics (read already where a checkpoint came first), or its
+    checkpoint and weight sync (``checkpoint_and_sync``; ``next_plan``: the next boundary's plan, made before
+    this checkpoint with one micro-batch per step)."""
+    if action is Action.METRICS:
+      if boundary.metrics is None:  # read already where a checkpoint came first (sync_before_next_step)
+        self.read_metrics(boundary)
+    elif action is Action.CHECKPOINT_AND_SYNC:
+      self.checkpoint_and_sync(boundary, stop_reason=stop_reason, next_plan=next_plan)
+
+  def owed(self, boundary: BoundaryState, *, failed: bool, stop_reason: str | None,
+           next_plan: BoundaryPlan | None) -> list[Action]:
+    """The work ``boundary`` still owes when it ends while step k+1's rollouts are awaited (its update applied):
+    step k's metrics where they were not read, and its checkpoint and sync where none was written — not after a
+    failed source (``failed``: nothing can sync to it). Returns the actions it ran, in order."""
+    ran = []
+    if boundary.metrics is None:
+      self.read_metrics(boundary)
+      ran.append(Action.METRICS)
+    if not (boundary.checkpoint_path or failed):
+      self.checkpoint_and_sync(boundary, stop_reason=stop_reason, next_plan=next_plan)
+      ran.append(Action.CHECKPOINT_AND_SYNC)
+    return ran
 
   def read_metrics(self, boundary: BoundaryState) -> None:
     """Reads step k's metrics (blocks until update k is done); a stage after the update is judged here."""
@@ -87,13 +131,30 @@ class BoundaryWork:
     weights = self.sync(boundary.spans, done)
     self.evaluate(weights, done, boundary.spans)
 
-  def checkpoint_finished(self, done: int, stop_reason: str, last_record: dict[str, Any],
-                          next_plan: BoundaryPlan | None) -> None:
-    """A stop inside step ``done``: the checkpoint after the ``done`` steps finished (whose last record is
-    ``last_record``, on disk already), unless the last checkpoint is that one or the engine writes none."""
+  def checkpoint_finished(self, done: int, stop_reason: str, next_plan: BoundaryPlan | None) -> None:
+    """A stop (``stop_reason``: what asked) while step ``done`` waited for one of its later micro-batches: the
+    checkpoint after the ``done`` steps finished (whose last record is on disk already), unless the last
+    checkpoint is that one or the engine writes none. ``next_plan``: step ``done``'s boundary's, where it was
+    planned before its last micro-batch (a resume must not plan it again).
+
+    Raises:
+      StoppedWithoutCheckpointError: this run finished no step before step ``done`` (it is the run's first):
+        nothing of it to checkpoint; the message names the latest checkpoint.
+    """
+    if done == self.config.start_step:
+      line, resumable = self.latest_checkpoint()
+      raise StoppedWithoutCheckpointError(f"stopped by {stop_reason} while step {done} waited for its rollouts,"
+                                          f" before this run finished a step; {line}", resumable=resumable)
     if self.checkpoint_steps == done or not self.worker.capabilities.can_checkpoint:
       return
+    last_record = self.recorder.records[-1].to_json()
     self._save(done, done - 1, stop_reason, lambda: last_record, next_plan)
+
+  def latest_checkpoint(self) -> tuple[str, bool]:
+    """Where this run continues from if it cannot checkpoint its last steps (``live_waits.latest_checkpoint``):
+    the line's end, and whether there is such a checkpoint."""
+    return latest_checkpoint(self.recorder.records, written=self.checkpoint_path,
+                             written_steps=self.checkpoint_steps, resumed_from=self.config.start_step)
 
   def _save(self, done: int, step: int, stopping: str | None, pending_record: Callable[[], dict[str, Any]],
             next_plan: BoundaryPlan | None, *, spans: dict | None = None) -> str:

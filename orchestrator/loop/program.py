@@ -21,6 +21,9 @@ trace and summary. The ``StepFeed`` (``loop/feed.py``) owns the source side:
 taking steps, their positions, and a live source's stop-aware waits, each
 micro-batch waited for and fetched once. A ``BoundaryState``
 (``loop/boundary.py``) holds what is known of one boundary as its actions run.
+``BoundaryWork`` (``loop/boundary_work.py``) does a boundary's work besides
+dispatching — metrics, checkpoint, weight sync, evaluation — and what a
+boundary that ends early still owes; it keeps the run's checkpoints.
 The program reaches its trainer only through
 ``orchestrator.contract.Worker`` and its steps only through ``StepSource`` (and,
 for a live source, ``LiveSource``); it imports nothing from ``orchestrator.engine``.
@@ -40,8 +43,7 @@ from orchestrator.loop.boundary import BoundaryState
 from orchestrator.loop.boundary_work import BoundaryWork
 from orchestrator.loop.feed import StepFeed
 from orchestrator.loop.job_timings import merge_process_timings
-from orchestrator.loop.live_waits import (SourceFailed, StopInsideStep, StoppedWithoutCheckpointError,
-                                          StopWhileWaiting, latest_checkpoint)
+from orchestrator.loop.live_waits import SourceFailed, StopInsideStep, StoppedWithoutCheckpointError, StopWhileWaiting
 from orchestrator.loop.policy_inputs import PolicyInputs
 from orchestrator.loop.recorder import BoundaryRecord, Recorder, Span, fwd_bwd_key, update_key
 from orchestrator.loop.watcher import Watched
@@ -198,13 +200,12 @@ class RLProgram:
     self.policy = policy
     self.config = config
     self.stop_requested = stop_requested or (lambda: False)
+    # A stop in a live source's waits names the latest checkpoint: ``work``'s, built below on this feed.
     self.feed = StepFeed(as_step_source(source), micro_batches_per_step=config.micro_batches_per_step,
                          start_step=config.start_step, steps=config.steps, stop_requested=self.stop_requested,
-                         grace_s=config.stop_grace_s, latest=self._latest_checkpoint,
+                         grace_s=config.stop_grace_s, latest=lambda: self.work.latest_checkpoint(),
                          local_stops=self.agreement.num_processes == 1)
     self.source, self.live = self.feed.source, self.feed.live
-    if weight_sync is None:
-      weight_sync = self.live.sync if self.live is not None else HostWeightStore()
     self.clock = clock
     self.recorder = Recorder(clock, config.micro_batches_per_step, config.out_dir, on_step,
                              previous_records=previous_records)
@@ -217,10 +218,6 @@ class RLProgram:
     self._first_plan = first_plan
     self._boundaries: dict[int, BoundaryState] = {}
     self._result = ProgramResult([], None, None, None)
-    if (config.checkpoint_every or config.scored_checkpoint_steps) and not worker.capabilities.can_checkpoint:
-      raise ValueError("checkpoints are asked for (checkpoint_every / scored_checkpoint_steps) but the engine"
-                       " has no save_checkpoint / restore_checkpoint; turn checkpoints off or use an engine"
-                       " that can write them")
 
   @property
   def records(self) -> list[BoundaryRecord]:
@@ -301,23 +298,19 @@ class RLProgram:
 
   def _end_inside(self, stop: StopInsideStep) -> None:
     """A stop while step k waited for one of its later micro-batches: the run ends after step k - 1, as a stop
-    at that boundary would have (checkpointed where the engine can); step k's dispatched micro-batches are
-    dropped, never applied (no checkpoint holds a half-trained step). Before this run finished a step there is
-    nothing of it to checkpoint: ``StoppedWithoutCheckpointError`` names the latest checkpoint."""
+    at that boundary would have (checkpointed where the engine can: ``BoundaryWork.checkpoint_finished``, which
+    refuses where this run finished no step); step k's dispatched micro-batches are dropped, never applied (no
+    checkpoint holds a half-trained step)."""
     k, reason = stop.step, stop.reason
     self._result.stop_reason, self.current_step = reason, k - 1
-    if k == self.config.start_step:
-      line, resumable = self._latest_checkpoint()
-      raise StoppedWithoutCheckpointError(f"stopped by {reason} while step {k} waited for its rollouts, before"
-                                          f" this run finished a step; {line}", resumable=resumable)
+    self.work.checkpoint_finished(k, reason, self._planned(k))
     self._result.ended = "stopped"
-    planned = self._boundaries.get(k)  # planned before its last micro-batch: a resume must not plan it again
-    self.work.checkpoint_finished(k, reason, self.records[-1].to_json(), planned.plan if planned else None)
 
-  def _latest_checkpoint(self) -> tuple[str, bool]:
-    """Where this run continues from if it cannot checkpoint its last steps (``latest_checkpoint``)."""
-    return latest_checkpoint(self.records, written=self.work.checkpoint_path, written_steps=self.work.checkpoint_steps,
-                             resumed_from=self.config.start_step)
+  def _planned(self, step: int) -> BoundaryPlan | None:
+    """The plan of the boundary after ``step`` where it is planned already (None: not yet, or no plan): a
+    checkpoint written after it was planned keeps it, so a resume does not ask the policy twice."""
+    planned = self._boundaries.get(step)
+    return planned.plan if planned else None
 
   def _observe_saving(self, record: BoundaryRecord) -> None:
     """Feeds the policy the sample ``record`` completes (the boundary before it); notes the saving it judges by."""
@@ -327,8 +320,9 @@ class RLProgram:
 
   def _end_after(self, boundary: BoundaryState, why: StopWhileWaiting | SourceFailed,
                  executed: tuple[Action, ...]) -> None:
-    """Ends the run after step k as a stop at its planning would: update applied, metrics read, checkpointed;
-    after a failed source (step k+1's rollouts), not checkpointed (nothing can sync to it) but recorded."""
+    """Ends the run after step k as a stop at its planning would: update applied, then the boundary work it owes
+    (``BoundaryWork.owed``: metrics read, checkpointed); after a failed source (step k+1's rollouts), not
+    checkpointed (nothing can sync to it) but recorded."""
     failed = isinstance(why, SourceFailed)
     reason = "a failed rollout source" if failed else why.reason
     if failed:
@@ -338,11 +332,8 @@ class RLProgram:
     ran = [Action.WAIT_AND_UPDATE] if self.worker.update_owed else []
     if ran:  # staged before the update: the update waited behind the stage
       self._watch_update(boundary.step, self.worker.apply_deferred_update().update)
-    for action, done in ((Action.METRICS, boundary.metrics),
-                         (Action.CHECKPOINT_AND_SYNC, boundary.checkpoint_path or failed or None)):
-      if done is None:
-        self._execute(action, boundary)
-        ran.append(action)
+    ran += self.work.owed(boundary, failed=failed, stop_reason=self._result.stop_reason,
+                          next_plan=self._planned(boundary.step + 1))
     boundary.ended_waiting(reason, (*executed, *ran))
 
   def _open_boundary(self, k: int) -> BoundaryState:
@@ -431,13 +422,8 @@ class RLProgram:
       self.current_step = k
       if boundary.observe_after_dispatch:
         self.policy_inputs.observe(boundary)
-    elif action is Action.METRICS:
-      if boundary.metrics is None:  # read already where a checkpoint came first (sync_before_next_step)
-        self.work.read_metrics(boundary)
-    elif action is Action.CHECKPOINT_AND_SYNC:
-      planned = self._boundaries.get(k + 1)  # one micro-batch per step: planned before this checkpoint
-      self.work.checkpoint_and_sync(boundary, stop_reason=self._result.stop_reason,
-                                    next_plan=planned.plan if planned else None)
+    else:  # the boundary work: the metrics, the checkpoint and the weight sync
+      self.work.run(action, boundary, stop_reason=self._result.stop_reason, next_plan=self._planned(k + 1))
 
   def _watch_update(self, k: int, receipt) -> None:
     self.recorder.watch(update_key(k), receipt, kind="update", step=k, micro_step=-1)
