@@ -25,7 +25,8 @@ class PolicyInputs:
   Args:
     policy: the run's policy.
     worker: the trainer, which samples the wait floor and reports its devices' memory.
-    recorder: the completion stamps a staged boundary's update delay is read from.
+    recorder: the completion stamps a staged boundary's update delay is read from, and the records a
+      boundary's saving sample is taken from.
     agreement: the job's processes (``SingleProcess`` for a run of one).
     micro_batches_per_step: payloads per step (the last one's stamp bounds the update delay).
   """
@@ -66,7 +67,15 @@ class PolicyInputs:
         boundary.step, stage_s=seen["stage_s"], device_wait_s=seen["device_wait_s"], probe=boundary.plan.probe,
         update_delay_s=seen["update_delay_s"], rollout_wait_s=seen["rollout_wait_s"]))
 
-  def observe_saving(self, records: Sequence[BoundaryRecord]) -> None:
+  def observe_saving(self, record: BoundaryRecord) -> None:
+    """Feeds the policy the sample ``record`` completes (``record`` built, not kept yet: the recorder's last
+    records come before it), then notes on it the saving the policy judges by (``saving_s``: the measured
+    saving's mean, None while there is not enough of it)."""
+    self._observe_sample([*self.recorder.records[-2:], record])
+    saving = self.policy.measured_saving
+    record.saving_s = saving.step_s.mean if saving.enough else None
+
+  def _observe_sample(self, records: Sequence[BoundaryRecord]) -> None:
     """Feeds the policy the sample of the boundary before the last record (the seconds of its step and the
     next, which the last record completes), where that boundary staged or was a control: every process's, combined (the slowest
     process's seconds), so each process's policy decides the same. Its plan, and so whether there is an

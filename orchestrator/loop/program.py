@@ -283,7 +283,7 @@ class RLProgram:
     boundary.rollout = self.live.step_stats(k) if self.live is not None else None
     ended = boundary.failed is not None or boundary.non_finite or boundary.stop
     self.recorder.finish_record(boundary, boundary.first_dispatch,
-                                before_keeping=None if ended else self._observe_saving)
+                                before_keeping=None if ended else self.policy_inputs.observe_saving)
     del self._boundaries[k]
     self.feed.forget(k)
     self._result.last_step = k
@@ -311,12 +311,6 @@ class RLProgram:
     checkpoint written after it was planned keeps it, so a resume does not ask the policy twice."""
     planned = self._boundaries.get(step)
     return planned.plan if planned else None
-
-  def _observe_saving(self, record: BoundaryRecord) -> None:
-    """Feeds the policy the sample ``record`` completes (the boundary before it); notes the saving it judges by."""
-    self.policy_inputs.observe_saving([*self.records[-2:], record])
-    saving = self.policy.measured_saving
-    record.saving_s = saving.step_s.mean if saving.enough else None
 
   def _end_after(self, boundary: BoundaryState, why: StopWhileWaiting | SourceFailed,
                  executed: tuple[Action, ...]) -> None:
