@@ -19,8 +19,10 @@ are all from steps whose metrics were finite (docs/resume.md).
 The ``Recorder`` owns the measurements: completion stamps, host spans, records,
 trace and summary. The ``StepFeed`` (``loop/feed.py``) owns the source side:
 taking steps, their positions, and a live source's stop-aware waits, each
-micro-batch waited for and fetched once. A ``BoundaryState``
-(``loop/boundary.py``) holds what is known of one boundary as its actions run.
+micro-batch waited for and fetched once. The ``BoundaryPlanner``
+(``loop/planning.py``) plans each boundary: the policy's plan and the action
+list. A ``BoundaryState`` (``loop/boundary.py``) holds what is known of one
+boundary as its actions run.
 ``BoundaryWork`` (``loop/boundary_work.py``) does a boundary's work besides
 dispatching — metrics, checkpoint, weight sync, evaluation — and what a
 boundary that ends early still owes; it keeps the run's checkpoints.
@@ -44,12 +46,13 @@ from orchestrator.loop.boundary_work import BoundaryWork
 from orchestrator.loop.feed import StepFeed
 from orchestrator.loop.job_timings import merge_process_timings
 from orchestrator.loop.live_waits import SourceFailed, StopInsideStep, StoppedWithoutCheckpointError, StopWhileWaiting
+from orchestrator.loop.planning import BoundaryPlanner
 from orchestrator.loop.policy_inputs import PolicyInputs
 from orchestrator.loop.recorder import BoundaryRecord, Recorder, Span, fwd_bwd_key, update_key
 from orchestrator.loop.watcher import Watched
 from orchestrator.loop.weight_sync import HostWeightStore
 from policies import BoundaryPlan, StepBoundaryPolicy
-from policies.call_order import Action, boundary_actions
+from policies.call_order import Action
 
 __all__ = ["ProgramConfig", "ProgramResult", "RLProgram", "HostWeightStore", "NonFiniteStepError",
            "StoppedWithoutCheckpointError"]
@@ -214,8 +217,9 @@ class RLProgram:
     self.work = BoundaryWork(worker=worker, recorder=self.recorder, clock=clock, weight_sync=weight_sync,
                              feed=self.feed, policy=policy, policy_inputs=self.policy_inputs, config=config,
                              stop_requested=self.stop_requested)
+    self.planner = BoundaryPlanner(policy=policy, policy_inputs=self.policy_inputs, feed=self.feed, config=config,
+                                   first_plan=first_plan, one_process=not isinstance(self.agreement, KeyValueAgreement))
     self.current_step: int | None = None  # the step being run (for error messages)
-    self._first_plan = first_plan
     self._boundaries: dict[int, BoundaryState] = {}
     self._result = ProgramResult([], None, None, None)
 
@@ -331,27 +335,12 @@ class RLProgram:
     boundary.ended_waiting(reason, (*executed, *ran))
 
   def _open_boundary(self, k: int) -> BoundaryState:
-    """Plans the boundary after step k (just before its last micro-batch is dispatched)."""
+    """Plans the boundary after step k (just before its last micro-batch is dispatched), once any process's stop
+    is agreed (every process then stops after step k)."""
     if self.live is not None:
       self.live.check()  # a failed rollout thread surfaces here, at the boundary
     stop = k + 1 < self.config.steps and self._agreed_stop(k)
-    has_next = k + 1 < self.config.steps and not stop
-    next_ready = self.feed.next_ready(k + 1) if has_next else None
-    plan = headroom = None
-    if k == self.config.start_step and self._first_plan is not None and not stop:
-      plan = self._first_plan
-    elif has_next:
-      headroom = self.policy_inputs.headroom(k)
-      one_process = not isinstance(self.agreement, KeyValueAgreement)
-      plan = self.policy.plan(k, next_ready=next_ready, headroom=headroom,
-                              next_sampled=self.feed.sampled_now(k + 1, next_ready=next_ready,
-                                                                 one_process=one_process))
-    mode = (plan.mode if plan else self.policy.mode).value
-    # Rollouts that need this boundary's weights can only be sampled after its sync.
-    sync_first = self.config.sync_before_next_step or next_ready is False
-    actions = boundary_actions(plan, sync_before_next_step=sync_first)
-    self._boundaries[k] = BoundaryState(step=k, plan=plan, mode=mode, actions=actions, stop=stop,
-                                        next_ready=next_ready, headroom=headroom)
+    self._boundaries[k] = self.planner.plan(k, stop=stop)
     return self._boundaries[k]
 
   def _agreed_stop(self, k: int) -> bool:
