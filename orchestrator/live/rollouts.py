@@ -45,7 +45,6 @@ checkpoint carries the batch, so an extension continues inside it.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -56,13 +55,12 @@ import numpy as np
 from orchestrator.contract import HeldOutScore, RolloutStats, SourceStateError, WeightTransfer
 from orchestrator.data.trajectory import Trajectory, TrajectoryGroup
 from orchestrator.live.placement import keep
-from orchestrator.tasks.rewards import CallCancelled, Reward, task_reward
+from orchestrator.tasks.rewards import Reward, task_reward
 from orchestrator.live.rollout_batches import BatchRollouts, BatchSchedule, SampledBatches
+from orchestrator.live.rollout_thread import RolloutThread
 from orchestrator.live.sampler import LiveSampler
 from orchestrator.live.shared_sampler import WAIT_POLL_S, SharedSampler
 from orchestrator.live.weight_versions import WeightVersions
-
-log = logging.getLogger("step_boundary.rollouts")
 
 
 class RolloutError(RuntimeError):
@@ -133,8 +131,9 @@ class LiveRollouts(HeldOutEvaluations):
   a time; a ``StepSource`` and a ``LiveSource`` (``orchestrator.contract``) on a ``tasks.Task``, trained on
   ``reward`` (default: the task's own; ``shared_sampler.score_micro_batch``). With ``record``, every batch
   taken is kept for ``recorded_steps``. It holds the batches sampled and taken (``SampledBatches``), the
-  staleness schedule and the weights kept for it (``WeightVersions``), one condition guarding both, and the
-  sampler, which evaluation takes in turns with the sampling thread (``SharedSampler``)."""
+  staleness schedule and the weights kept for it (``WeightVersions``), one condition guarding both, the
+  thread that samples them (``RolloutThread``), and the sampler, which evaluation takes in turns with the
+  sampling thread (``SharedSampler``)."""
 
   kind = "live"
 
@@ -148,12 +147,9 @@ class LiveRollouts(HeldOutEvaluations):
     self._versions = WeightVersions(self._schedule, steps=shape.steps)  # guarded by _cond
     self._batches = SampledBatches(record, shape.micro_batches_per_batch)  # guarded by _cond
     self._run_batches = self._schedule.batches_for(shape.steps)
+    self._sampling = RolloutThread(self._shared, shape, self._schedule, self._cond, self._versions, self._batches,
+                                   until_batch=self._run_batches)
     self._next = 0
-    self._produce_from = 0  # batches
-    self._produce_until = self._run_batches  # raised by a checkpoint that carries batches past the end
-    self._error: BaseException | None = None
-    self._closed = False
-    self._thread: threading.Thread | None = None
     self._last_wait_s = 0.0
     self._take_wait_s = 0.0  # the part of that wait spent before ``next``, in ``ready``
 
@@ -194,13 +190,13 @@ class LiveRollouts(HeldOutEvaluations):
   def __next__(self) -> Sequence[list[Trajectory]]:
     """The next step's micro-batches once its first is sampled: a list, or, while the later ones are still
     being sampled, a ``StreamedPayloads`` whose items wait for theirs."""
-    self._start()
+    self._sampling.start()
     with self._cond:
       step = self._next
       if step >= self.shape.steps:
         raise StopIteration
       start, ready = time.perf_counter(), self._sampled(step, 0)
-      self._cond.wait_for(lambda: self._sampled(step, 0) or self._error is not None)
+      self._cond.wait_for(lambda: self._sampled(step, 0) or self._sampling.error is not None)
       self._last_wait_s = self._take_wait_s + (0.0 if ready else time.perf_counter() - start)
       self._take_wait_s = 0.0
       self._raise_error()
@@ -232,7 +228,7 @@ class LiveRollouts(HeldOutEvaluations):
     """
     while not self.micro_batch_ready(step, index, WAIT_POLL_S):
       with self._cond:
-        if self._closed:
+        if self._sampling.closed:
           raise RolloutError(f"the rollout source was closed before step {step}'s micro-batch {index} was sampled")
     with self._cond:
       return self._schedule.mini_batch(step, self._batches.micro_batches_of(self._schedule.batch_of(step)))[index]
@@ -280,13 +276,14 @@ class LiveRollouts(HeldOutEvaluations):
       self._raise_error()
 
   def _raise_error(self) -> None:
-    if self._error is not None:
-      raise RolloutError(str(self._error)) from self._error
+    error = self._sampling.error
+    if error is not None:
+      raise RolloutError(str(error)) from error
 
   def get_state(self) -> dict[str, Any]:
     """The position before the next step. Called before every step is taken, so it waits for nothing:
     ``state_json`` adds the sampled steps the position carries when a checkpoint needs it."""
-    self._start()
+    self._sampling.start()
     with self._cond:
       return {"kind": self.kind, "next_step": self._next}
 
@@ -307,7 +304,7 @@ class LiveRollouts(HeldOutEvaluations):
     """Waits at most ``timeout_s`` until taking ``step`` (``get_state``, then ``next``) would not wait for
     sampling, i.e. its first micro-batch is sampled; True then, False on the timeout. Raises the sampling
     thread's error."""
-    self._start()
+    self._sampling.start()
     with self._cond:
       if not self._next <= step < self.shape.steps:
         return True
@@ -319,16 +316,15 @@ class LiveRollouts(HeldOutEvaluations):
     """Waits at most ``timeout_s`` until a checkpoint at ``position`` has every sampled batch it must carry
     (see ``LiveSource.ready_to_checkpoint``). Those past the end, asked of the sampling thread here, are left
     out when they cannot be sampled any more (weights older than this source's: its checkpoint lacked them)."""
-    self._start()
+    self._sampling.start()
     with self._cond:
       carried = self._versions.carried(position)
       needed = [b for b in carried if b < self._run_batches]  # a taken one too: it may still be streaming
       past_end = [b for b in carried if b >= self._run_batches]
       if extendable and all(self._batches.complete(b) or self._versions.can_sample(b) for b in past_end):
         needed += past_end
-        if past_end and past_end[-1] >= self._produce_until:
-          self._produce_until = past_end[-1] + 1
-          self._cond.notify_all()
+        if past_end:
+          self._sampling.sample_until(past_end[-1] + 1)
       return self._wait_until(lambda: all(self._batches.complete(b) for b in needed), timeout_s)[0]
 
   def sampling_left_s(self, position: int) -> float | None:
@@ -341,7 +337,7 @@ class LiveRollouts(HeldOutEvaluations):
     """Under the condition: waits at most ``timeout_s`` until ``sampled()``; whether it is, and the seconds
     waited (0.0 when nothing was missing). Raises the sampling thread's error."""
     start, waited = time.perf_counter(), not sampled()
-    done = self._cond.wait_for(lambda: self._error is not None or sampled(), timeout=max(0.0, timeout_s))
+    done = self._cond.wait_for(lambda: self._sampling.error is not None or sampled(), timeout=max(0.0, timeout_s))
     self._raise_error()
     return bool(done), time.perf_counter() - start if waited else 0.0
 
@@ -350,7 +346,7 @@ class LiveRollouts(HeldOutEvaluations):
     if not isinstance(state, dict) or state.get("kind") != self.kind:
       raise SourceStateError(f"a saved rollout position of kind {state.get('kind') if isinstance(state, dict) else state!r}"
                              f" cannot restore a {self.kind!r} source")
-    if self._thread is not None:
+    if self._sampling.thread is not None:
       raise RuntimeError("set_state must come before the first step is taken")
     self._next = int(state["next_step"])
     try:
@@ -361,7 +357,7 @@ class LiveRollouts(HeldOutEvaluations):
     problem = self._versions.carried_problem(self._next, carried, self._run_batches)
     if problem is not None:
       raise SourceStateError(problem)
-    self._produce_from = self._schedule.batch_of(self._next) + len(carried)
+    self._sampling.first_batch = self._schedule.batch_of(self._next) + len(carried)
     self._versions.restart_at(self._next)  # the checkpoint's weights; sync() delivers them
 
   def carried_payloads(self) -> list[tuple[str, int, list[Trajectory]]]:
@@ -369,49 +365,9 @@ class LiveRollouts(HeldOutEvaluations):
     before a resume)."""
     return [(self._schedule.describe(b), i, p) for b, i, p in self._batches.ready_payloads()]
 
-  def _start(self) -> None:
-    if self._thread is None:
-      self._thread = threading.Thread(target=self._produce, name="rollouts", daemon=True)
-      self._thread.start()
-
   def close(self, timeout_s: float = 60.0) -> None:
     """Stops the sampling thread and waits for it: one inside JAX at exit aborts the process (exit 134)."""
-    with self._cond:
-      self._closed = True
-      self._cond.notify_all()
-    if self._thread not in (None, threading.current_thread()):
-      self._thread.join(timeout_s)
-
-  def _produce(self) -> None:
-    batch = self._produce_from
-    try:
-      while True:
-        version = self._schedule.batch_version(batch)
-        with self._cond:
-          # Past the run's last batch only when a checkpoint asks (``_produce_until``); close() ends the wait.
-          self._cond.wait_for(lambda: self._closed or (batch < self._produce_until
-                                                       and self._versions.available(version)))
-          if self._closed:
-            return
-          weights = self._versions.take(version)
-        per_call = self.shape.micro_batches_per_call
-        for first in range(0, self.shape.micro_batches_per_batch, per_call):  # in pass 0's training order
-          start = time.perf_counter()
-          sampled = self._shared.sample_micro_batches(batch, first, per_call, version, weights,
-                                                      cancelled=lambda: self._closed)
-          seconds = (time.perf_counter() - start) / per_call  # each micro-batch's share of the call
-          with self._cond:  # each published when its call is done
-            for one in sampled:
-              self._batches.publish(batch, version, one, seconds)
-            self._cond.notify_all()
-        batch += 1
-    except CallCancelled as e:  # closed while a reward function ran: the run ends without waiting for it
-      log.warning("[rollouts] the run ended while sampling waited for %s; it was left running", e)
-    except BaseException as e:  # pylint: disable=broad-except  # surfaced at the next boundary
-      with self._cond:
-        self._error = RuntimeError(f"the rollout thread failed while sampling {self._schedule.describe(batch)}:"
-                                   f" {type(e).__name__}: {e}")
-        self._cond.notify_all()
+    self._sampling.close(timeout_s)
 
   def release(self) -> None:
     """Closes the sampler (``LiveSampler.close``: a sampler process exits); after ``close`` and the evaluations."""

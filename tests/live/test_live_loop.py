@@ -148,8 +148,8 @@ def test_a_stop_ends_the_wait_for_a_stuck_sampler(rig):
   finally:
     release.set()
     source.close()
-  source._thread.join(timeout=60)  # the sampler is shared with the other tests here
-  assert not source._thread.is_alive()
+  source._sampling.thread.join(timeout=60)  # the sampler is shared with the other tests here
+  assert not source._sampling.thread.is_alive()
 
 
 @pytest.mark.engine
@@ -278,7 +278,7 @@ def test_a_new_live_run_samples_while_its_trainer_is_built_and_evaluates_its_sta
     return evaluate(weights, version, prompts, pass_k=pass_k, stop=stop)
 
   def make_worker(recipe, closers, *, checkpoint_dir, write_dir):
-    assert source._thread is not None and source._thread.is_alive()  # sampling already
+    assert source._sampling.thread is not None and source._sampling.thread.is_alive()  # sampling already
     # A run checkpoints its last step: the shared engine was built without the directory run_rl gives one.
     monkeypatch.setattr(engine, "_checkpointer", Checkpointer(checkpoint_dir))
     return TrainerWorker(engine), None
@@ -305,9 +305,9 @@ def test_a_new_live_run_whose_trainer_cannot_be_built_stops_its_sampling(rig, tm
 
   with pytest.raises(RuntimeError, match="no trainer here"):
     _new_run(tmp_path, monkeypatch, make_worker, source)
-  assert source._thread is not None
-  source._thread.join(timeout=60)  # closed: the thread ends after the step it was sampling
-  assert not source._thread.is_alive()
+  assert source._sampling.thread is not None
+  source._sampling.thread.join(timeout=60)  # closed: the thread ends after the step it was sampling
+  assert not source._sampling.thread.is_alive()
 
 
 #: The step schedule these runs pin (step s trains on rollouts of weights version s - 1): one optimizer step per

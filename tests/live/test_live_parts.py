@@ -386,7 +386,7 @@ def test_a_stop_while_a_reward_call_is_stuck_ends_the_run_and_the_sampling_threa
     assert str(outcome["error"]).startswith("stopped by SIGINT while waiting for step 0's rollouts")
     with caplog.at_level(logging.WARNING, logger="step_boundary.rollouts"):
       source.close(timeout_s=30)
-      assert not source._thread.is_alive(), "closing did not give up the stuck reward call"
+      assert not source._sampling.thread.is_alive(), "closing did not give up the stuck reward call"
   finally:
     release.set()
   assert ("the run ended while sampling waited for task.reward entry 'my_rewards:stuck' on the micro-batch of prompt"

@@ -1,0 +1,103 @@
+"""RolloutThread: the thread that samples a live source's batches, ahead of the steps that train on them.
+
+It samples batch after batch in order, each once the weights version it samples with is kept (``WeightVersions``;
+the weight sync delivers them), a batch's micro-batches in pass 0's training order, publishing each sampler
+call's as it is done (``SampledBatches``), so a step can be taken once its first micro-batch exists. It stops at
+the run's last batch unless a checkpoint asks for the batches past it that its position carries
+(``sample_until``). The live source (``rollouts.LiveRollouts``) owns the condition both share: it guards the
+versions, the batches and this thread's ``error`` and ``closed``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from orchestrator.live.rollout_batches import BatchSchedule, SampledBatches
+from orchestrator.live.shared_sampler import SharedSampler
+from orchestrator.live.weight_versions import WeightVersions
+from orchestrator.tasks.rewards import CallCancelled
+
+log = logging.getLogger("step_boundary.rollouts")
+
+
+class RolloutThread:
+  """Samples a live source's batches on a thread of its own, started by the first ``start``.
+
+  Args:
+    shared: the sampler, taken in turns with evaluation (``SharedSampler.sample_micro_batches``).
+    shape: the steps' ``rollouts.LiveShape`` (micro-batches per batch and per sampler call).
+    schedule: its ``BatchSchedule`` (each batch's weights version, how a batch is named).
+    cond: the source's condition, which guards ``versions``, ``batches``, ``error`` and ``closed``.
+    versions: the weights kept for each version a batch samples with.
+    batches: where each sampled micro-batch is published.
+    until_batch: the first batch not sampled (the run's batch count; ``sample_until`` raises it).
+
+  Attributes:
+    first_batch: the first batch sampled (a restored position's first not carried); set before ``start``.
+    error: what the sampling failed with (None: it did not), naming the batch; under the condition.
+    closed: ``close`` was called; under the condition.
+    thread: the thread (None before ``start``).
+  """
+
+  def __init__(self, shared: SharedSampler, shape, schedule: BatchSchedule, cond: threading.Condition,
+               versions: WeightVersions, batches: SampledBatches, *, until_batch: int):
+    self._shared, self._shape, self._schedule, self._cond = shared, shape, schedule, cond
+    self._versions, self._batches = versions, batches
+    self.first_batch = 0
+    self._until_batch = until_batch
+    self.error: BaseException | None = None
+    self.closed = False
+    self.thread: threading.Thread | None = None
+
+  def start(self) -> None:
+    """Starts the thread, once."""
+    if self.thread is None:
+      self.thread = threading.Thread(target=self._produce, name="rollouts", daemon=True)
+      self.thread.start()
+
+  def sample_until(self, batch: int) -> None:
+    """Under the condition: samples up to ``batch`` (past the run's last, for a checkpoint that carries them)."""
+    if batch > self._until_batch:
+      self._until_batch = batch
+      self._cond.notify_all()
+
+  def close(self, timeout_s: float) -> None:
+    """Stops the thread and waits for it at most ``timeout_s``: one inside JAX at exit aborts the process."""
+    with self._cond:
+      self.closed = True
+      self._cond.notify_all()
+    if self.thread not in (None, threading.current_thread()):
+      self.thread.join(timeout_s)
+
+  def _produce(self) -> None:
+    batch = self.first_batch
+    try:
+      while True:
+        version = self._schedule.batch_version(batch)
+        with self._cond:
+          # Past the run's last batch only when a checkpoint asks (``sample_until``); close() ends the wait.
+          self._cond.wait_for(lambda: self.closed or (batch < self._until_batch
+                                                      and self._versions.available(version)))
+          if self.closed:
+            return
+          weights = self._versions.take(version)
+        per_call = self._shape.micro_batches_per_call
+        for first in range(0, self._shape.micro_batches_per_batch, per_call):  # in pass 0's training order
+          start = time.perf_counter()
+          sampled = self._shared.sample_micro_batches(batch, first, per_call, version, weights,
+                                                      cancelled=lambda: self.closed)
+          seconds = (time.perf_counter() - start) / per_call  # each micro-batch's share of the call
+          with self._cond:  # each published when its call is done
+            for one in sampled:
+              self._batches.publish(batch, version, one, seconds)
+            self._cond.notify_all()
+        batch += 1
+    except CallCancelled as e:  # closed while a reward function ran: the run ends without waiting for it
+      log.warning("[rollouts] the run ended while sampling waited for %s; it was left running", e)
+    except BaseException as e:  # pylint: disable=broad-except  # surfaced at the next boundary
+      with self._cond:
+        self.error = RuntimeError(f"the rollout thread failed while sampling {self._schedule.describe(batch)}:"
+                                  f" {type(e).__name__}: {e}")
+        self._cond.notify_all()
