@@ -54,6 +54,7 @@ import numpy as np
 
 from orchestrator.contract import HeldOutScore, RolloutStats, SourceStateError, WeightTransfer
 from orchestrator.data.trajectory import Trajectory, TrajectoryGroup
+from orchestrator.live.evaluations import HeldOutEvaluations
 from orchestrator.live.placement import keep
 from orchestrator.tasks.rewards import Reward, task_reward
 from orchestrator.live.rollout_batches import BatchRollouts, BatchSchedule, SampledBatches
@@ -101,45 +102,22 @@ class LiveShape:
     return self.batch_steps * self.micro_batches_per_step
 
 
-class HeldOutEvaluations:
-  """A live source's evaluations on held-out prompts (``LiveSource``'s part of them): each on its sampler, in
-  the sampler's turn between two micro-batches (``SharedSampler``)."""
-
-  _shared: SharedSampler
-
-  def eval_prompt_count(self, asked: int) -> int:
-    """``asked``, or what a finite evaluation split holds (a dataset's) if fewer: no prompt counts twice."""
-    return self._shared.eval_prompt_count(asked)
-
-  def held_out_count(self, limit: int) -> int:
-    """The prompts the held-out split holds, counted up to ``limit``."""
-    return self._shared.held_out_count(limit)
-
-  def evaluate(self, weights: Any, version: int, prompts: int, *, pass_k: int = 0,
-               stop: Callable[[], Any] | None = None) -> HeldOutScore | None:
-    """Greedy accuracy (and pass@k with ``pass_k``) on ``prompts`` held-out problems with the given weights
-    (``SharedSampler.evaluate``: None when ``stop()`` came first)."""
-    return self._shared.evaluate(weights, version, prompts, pass_k=pass_k, stop=stop)
-
-  def keep_start_weights(self, weights: Any) -> None:
-    """A host copy of version 0's weights, for batches sampled after an evaluation took the sampler's own."""
-    self._shared.start_weights = weights
-
-
-class LiveRollouts(HeldOutEvaluations):
+class LiveRollouts:
   """Samples batches on a background thread, each from its fixed weights version, and hands them out a step at
   a time; a ``StepSource`` and a ``LiveSource`` (``orchestrator.contract``) on a ``tasks.Task``, trained on
   ``reward`` (default: the task's own; ``shared_sampler.score_micro_batch``). With ``record``, every batch
   taken is kept for ``recorded_steps``. It holds the batches sampled and taken (``SampledBatches``), the
   staleness schedule and the weights kept for it (``WeightVersions``), one condition guarding both, the
-  thread that samples them (``RolloutThread``), and the sampler, which evaluation takes in turns with the
-  sampling thread (``SharedSampler``)."""
+  thread that samples them (``RolloutThread``), the sampler, which evaluation takes in turns with the sampling
+  thread (``SharedSampler``), and the evaluations on held-out prompts (``HeldOutEvaluations``), which answer
+  ``LiveSource``'s part of them."""
 
   kind = "live"
 
   def __init__(self, sampler: LiveSampler, task, shape: LiveShape, *, record: bool = False,
                reward: Reward | None = None, sampler_where: str | None = None):
     self._shared = SharedSampler(sampler, task, reward if reward is not None else task_reward(task), shape)
+    self._evaluations = HeldOutEvaluations(self._shared, task, shape)
     self.sampler_where = sampler_where  # where the sampler runs and why, in words (the run's opening line)
     self.shape = shape
     self._cond = threading.Condition()
@@ -183,6 +161,24 @@ class LiveRollouts(HeldOutEvaluations):
       self._versions.keep(int(version), kept)
       self._cond.notify_all()
     return moved
+
+  def eval_prompt_count(self, asked: int) -> int:
+    """``asked``, or what a finite held-out split holds if fewer (``HeldOutEvaluations.eval_prompt_count``)."""
+    return self._evaluations.eval_prompt_count(asked)
+
+  def held_out_count(self, limit: int) -> int:
+    """The prompts the held-out split holds, counted up to ``limit`` (``HeldOutEvaluations.held_out_count``)."""
+    return self._evaluations.held_out_count(limit)
+
+  def evaluate(self, weights: Any, version: int, prompts: int, *, pass_k: int = 0,
+               stop: Callable[[], Any] | None = None) -> HeldOutScore | None:
+    """``HeldOutEvaluations.evaluate``: on the sampler in its turn between two micro-batches."""
+    return self._evaluations.evaluate(weights, version, prompts, pass_k=pass_k, stop=stop)
+
+  def keep_start_weights(self, weights: Any) -> None:
+    """A host copy of version 0's weights, for batches sampled after an evaluation took the sampler's own
+    (``HeldOutEvaluations.keep_start_weights``)."""
+    self._evaluations.keep_start_weights(weights)
 
   def __iter__(self) -> "LiveRollouts":
     return self

@@ -1,39 +1,36 @@
 """One sampler for a live run's two users: the sampling thread and evaluation, each in its turn.
 
 The sampling thread samples each step's micro-batches with that step's weights
-version; an evaluation needs the sampler too, with its own weights. They take
-it in turns, one micro-batch or one evaluation at a time, and whoever takes it
-syncs the weights it needs first.
+version; an evaluation (``evaluations.HeldOutEvaluations``) needs the sampler
+too, with its own weights. They take it in turns, one micro-batch or one
+evaluation at a time, and whoever takes it syncs the weights it needs first.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 
-from orchestrator.contract.source import HeldOutScore
 from orchestrator.data.trajectory import Trajectory
-from orchestrator.live.placement import gather_across_processes
 from orchestrator.tasks.rewards import Reward
 from orchestrator.live.sampler import LiveSampler
-from orchestrator.tasks.tasks import group_advantages, split_sizes
+from orchestrator.tasks.tasks import group_advantages
 
 #: How long one wait for the sampler lasts before the waiter looks at its stop flag again.
 WAIT_POLL_S = 0.1
-#: Mixed into the seed of an evaluation's sampled completions: never the seed of a training batch's.
-EVAL_SEED_STREAM = 0x5EED_E7A1
 
 
 class SharedSampler:
   """A ``LiveSampler`` on a ``tasks.Task``, taken in turns by the sampling thread (``sample_micro_batches``) and
-  evaluation (``evaluate``); trained on ``reward``, judged by the task's own check.
+  evaluation (``turn``); trained on ``reward``, judged by the task's own check.
 
   Args:
     sampler: the sampler (its weights are whoever's took it last).
-    task: the task the prompts come from (training and held-out problems).
+    task: the task the training prompts come from.
     reward: the training reward of a micro-batch's completions (``score_micro_batch``).
     shape: the steps' ``rollouts.LiveShape`` (its seed: the problems' and the sampling seeds').
   """
@@ -60,71 +57,20 @@ class SharedSampler:
       return sample_micro_batches(self.sampler, self._task, self._reward, self._shape, batch, first, count,
                                   cancelled=cancelled)
 
-  def eval_prompt_count(self, asked: int) -> int:
-    """``asked``, or what a finite evaluation split holds (a dataset's) if fewer: no prompt counts twice."""
-    return min(asked, len(getattr(self._task, "eval_problems", None) or range(asked)))
-
-  def _call_rows(self) -> int:
-    """Completions one sampler call makes in training: an evaluation calls no larger (its memory is the same)."""
-    s = self._shape
-    return s.groups_per_micro_batch * s.generations_per_group * s.micro_batches_per_call
-
-  def _greedy(self, problems) -> list[str]:
-    """Greedy completions of ``problems``, in calls of a training call's size, ended as sampled ones are."""
-    rows, stop = self._call_rows(), self._shape.sampling_settings()["stop"]
-    return [text for first in range(0, len(problems), rows) for text in self.sampler.greedy(
-        [p.prompt for p in problems[first:first + rows]], stop=stop,
-        max_new_tokens=_limits(problems[first:first + rows]))]
-
-  def _sampled(self, problems, version: int) -> list[str]:
-    """Sampled completions of ``problems`` with the run's settings, in calls of a training call's size, each
-    with a seed drawn from the run's seed, the weights version and the call's index."""
-    rows, texts = self._call_rows(), []
-    for call, first in enumerate(range(0, len(problems), rows)):
-      part = problems[first:first + rows]
-      seed = int(np.random.default_rng((self._shape.seed, EVAL_SEED_STREAM, version, call)).integers(2**31 - 1))
-      texts += self.sampler.sample([p.prompt for p in part], seed=seed, max_new_tokens=_limits(part),
-                                   **self._shape.sampling_settings()).texts
-    return texts
-
-  def held_out_count(self, limit: int) -> int:
-    """The prompts the held-out split holds, counted up to ``limit`` (a built-in task's space may be vast)."""
-    listed = getattr(self._task, "eval_problems", None)
-    if listed is not None:
-      return min(limit, len(listed))
-    return min(limit, split_sizes(self._task, enough=limit).eval)
-
-  def evaluate(self, weights: Any, version: int, prompts: int, *, pass_k: int = 0,
-               stop: Callable[[], Any] | None = None) -> HeldOutScore | None:
-    """Greedy accuracy on ``prompts`` held-out problems with the given weights; with ``pass_k``, also pass@k:
-    ``pass_k`` completions sampled per problem (the run's sampling settings, a seed drawn from the run's seed and
-    ``version``), a problem passing when one of them passes the task's own check.
-
-    The sampling thread may hold the sampler: with ``stop`` the wait for it looks at ``stop()`` every
-    ``WAIT_POLL_S`` and gives up (None) once it is true. In a job of several processes the weights are
-    gathered before it (a collective every process issues, whatever the wait ends in).
-    """
-    weights = gather_across_processes(weights)[0]
-    problems = [self._task.problem(self._shape.seed, "eval", j) for j in range(prompts)]
-    if not acquire_unless(self._turn, stop):
-      return None
+  @contextlib.contextmanager
+  def turn(self, stop: Callable[[], Any] | None = None) -> Iterator[bool]:
+    """The sampler for the caller alone while the block runs (an evaluation's turn, between two of the sampling
+    thread's calls): yields True once taken, or False, not taken, where ``stop()`` turned true first (looked at
+    every ``WAIT_POLL_S``)."""
+    taken = acquire_unless(self._turn, stop)
     try:
-      if weights is not None:
-        self.sampler.sync(weights, version)
-      answers, sampled = self._greedy(problems), None
-      if pass_k:
-        sampled = self._sampled([p for p in problems for _ in range(pass_k)], version)
+      yield taken
     finally:
-      self._turn.release()
-    accuracy = float(np.mean([self._task.reward(p, a) for p, a in zip(problems, answers)]))
-    if sampled is None:
-      return HeldOutScore(accuracy=accuracy)
-    passed = [any(self._task.reward(p, text) == 1.0 for text in sampled[j * pass_k:(j + 1) * pass_k])
-              for j, p in enumerate(problems)]
-    return HeldOutScore(accuracy=accuracy, pass_k=pass_k, pass_at_k=float(np.mean(passed)))
+      if taken:
+        self._turn.release()
 
 
-def _limits(problems) -> list[int | None] | None:
+def token_limits(problems) -> list[int | None] | None:
   """Each problem's own token limit (a dataset row's ``task.max_tokens_field``), or None where none has one."""
   limits = [getattr(p, "max_new_tokens", None) for p in problems]
   return None if all(limit is None for limit in limits) else limits
@@ -151,7 +97,7 @@ def sample_micro_batches(sampler: LiveSampler, task, reward: Reward, shape, batc
   problems = [task.problem(shape.seed, "train", first_group + j) for j in range(count * groups)]
   repeated = [p for p in problems for _ in range(g)]
   seed = int(np.random.default_rng((shape.seed, batch, first)).integers(2**31 - 1))
-  samples = sampler.sample([p.prompt for p in repeated], seed=seed, max_new_tokens=_limits(repeated),
+  samples = sampler.sample([p.prompt for p in repeated], seed=seed, max_new_tokens=token_limits(repeated),
                            **shape.sampling_settings())
   if any(len(c) == 0 for c in samples.completion_ids):
     raise RuntimeError(f"the sampler returned an empty completion at {shape.schedule.describe(batch)},"

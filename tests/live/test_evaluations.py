@@ -23,7 +23,8 @@ def _answer(prompt: str) -> str:
 
 
 class _VersionedSampler:
-  """A sampler that answers with its weights' name: what ``SharedSampler`` asks of one, and what it synced."""
+  """A sampler that answers with its weights' name: what ``SharedSampler`` and ``HeldOutEvaluations`` ask of
+  one, and what it synced."""
 
   placement = None
 
@@ -51,26 +52,28 @@ class _VersionedSampler:
 
 @pytest.mark.engine
 def test_pass_at_k_counts_a_prompt_once_one_of_its_k_samples_passes_and_greedy_is_scored_alone():
-  from orchestrator.live.rollouts import LiveShape  # import here: it loads JAX
+  from orchestrator.live.evaluations import HeldOutEvaluations  # import here: it loads JAX
+  from orchestrator.live.rollouts import LiveShape
   from orchestrator.live.shared_sampler import SharedSampler
 
   task, sampler = ModularAddition(), _VersionedSampler()
   # a training call makes 2 groups of 4: an evaluation calls the sampler with at most 8 prompts at a time
-  shared = SharedSampler(sampler, task, lambda *a, **k: None, LiveShape(1, 1, 2, 4, 0))
+  shape = LiveShape(1, 1, 2, 4, 0)
+  evaluations = HeldOutEvaluations(SharedSampler(sampler, task, lambda *a, **k: None, shape), task, shape)
   problems = [task.problem(0, "eval", j) for j in range(6)]
   greedy = np.mean([task.reward(p, "0") for p in problems])
-  score = shared.evaluate("w", 5, 6, pass_k=4)
+  score = evaluations.evaluate("w", 5, 6, pass_k=4)
   assert score.accuracy == greedy and score.pass_k == 4 and score.pass_at_k == 1.0  # each prompt's 4th passes
   assert sampler.greedy_calls == [6] and len(sampler.sampled) == 3  # 24 completions in calls of 8
   seeds = [seed for _, seed in sampler.sampled]
   assert len(set(seeds)) == 3 and all(weights == "w" for weights, _ in sampler.sampled)
   sampler.group = 3
-  assert shared.evaluate("w", 5, 6, pass_k=3).pass_at_k == 0.0  # negative control: the passing 4th not drawn
+  assert evaluations.evaluate("w", 5, 6, pass_k=3).pass_at_k == 0.0  # negative control: the passing 4th not drawn
   sampler.group = 4
-  assert shared.evaluate("w", 5, 6).pass_at_k is None and len(sampler.sampled) == 6  # no sampling without k
-  shared.evaluate("w", 6, 6, pass_k=4)
+  assert evaluations.evaluate("w", 5, 6).pass_at_k is None and len(sampler.sampled) == 6  # no sampling without k
+  evaluations.evaluate("w", 6, 6, pass_k=4)
   assert sampler.sampled[6][1] != seeds[0]  # another version, another seed
-  shared.evaluate("w", 5, 6, pass_k=4)
+  evaluations.evaluate("w", 5, 6, pass_k=4)
   assert [seed for _, seed in sampler.sampled[9:]] == seeds  # the same version, the same seeds
 
 
@@ -78,18 +81,20 @@ def test_pass_at_k_counts_a_prompt_once_one_of_its_k_samples_passes_and_greedy_i
 def test_a_batch_sampled_with_the_samplers_own_weights_after_an_evaluation_syncs_the_kept_copy_back():
   """Version 0 is "the sampler's own" weights (None); an evaluation replaces them, so a batch still sampled with
   version 0 must sync the copy the run kept, and without one it fails rather than sample other weights."""
-  from orchestrator.live.rollouts import LiveShape  # import here: it loads JAX
+  from orchestrator.live.evaluations import HeldOutEvaluations  # import here: it loads JAX
+  from orchestrator.live.rollouts import LiveShape
   from orchestrator.live.shared_sampler import SharedSampler
 
   reward = lambda problems, texts, **_: np.zeros(len(texts), np.float32)  # noqa: E731
-  sampler = _VersionedSampler()
-  shared = SharedSampler(sampler, ModularAddition(), reward, LiveShape(4, 1, 1, 4, 1))
+  sampler, task, shape = _VersionedSampler(), ModularAddition(), LiveShape(4, 1, 1, 4, 1)
+  shared = SharedSampler(sampler, task, reward, shape)
+  evaluations = HeldOutEvaluations(shared, task, shape)
   shared.sample_micro_batches(0, 0, 1, 0, None)
   assert sampler.sampled[-1][0] == "own" and sampler.synced == []
-  shared.evaluate("after 1", 1, 2)
+  evaluations.evaluate("after 1", 1, 2)
   with pytest.raises(RuntimeError, match="holds version 1 and no copy of them was kept"):
     shared.sample_micro_batches(1, 0, 1, 0, None)
-  shared.start_weights = "start copy"
+  evaluations.keep_start_weights("start copy")
   shared.sample_micro_batches(1, 0, 1, 0, None)
   assert sampler.sampled[-1][0] == "start copy" and sampler.synced[-1] == ("start copy", 0)
 

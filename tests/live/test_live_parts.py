@@ -467,22 +467,24 @@ class _BlockingSampler:
 @pytest.mark.engine
 def test_an_evaluation_takes_the_sampler_in_its_turn_and_a_stop_ends_its_wait():
   # import here: it loads JAX (the weights are gathered across processes)
+  from orchestrator.live.evaluations import HeldOutEvaluations
   from orchestrator.live.rollouts import LiveShape
   from orchestrator.live.shared_sampler import SharedSampler
 
-  task, sampler = ModularAddition(), _BlockingSampler()
-  shared = SharedSampler(sampler, task, lambda *a, **k: None, LiveShape(1, 1, 1, 1, 0))
+  task, sampler, shape = ModularAddition(), _BlockingSampler(), LiveShape(1, 1, 1, 1, 0)
+  shared = SharedSampler(sampler, task, lambda *a, **k: None, shape)
+  evaluations = HeldOutEvaluations(shared, task, shape)
   thread = threading.Thread(target=lambda: pytest.raises(RuntimeError, shared.sample_micro_batches, 0, 0, 1, 0, None),
                             daemon=True)
   thread.start()
   assert sampler.sampling.wait(30)  # the sampling thread holds the sampler
   stopped = threading.Event()
   threading.Timer(0.3, stopped.set).start()
-  assert shared.evaluate(None, 1, 3, stop=stopped.is_set) is None and sampler.synced == []
+  assert evaluations.evaluate(None, 1, 3, stop=stopped.is_set) is None and sampler.synced == []
   sampler.release.set()
   thread.join(30)
   expected = np.mean([task.reward(task.problem(0, "eval", j), "4") for j in range(3)])
-  assert shared.evaluate("w", 1, 3, stop=stopped.is_set).accuracy == expected and sampler.synced == [1]
+  assert evaluations.evaluate("w", 1, 3, stop=stopped.is_set).accuracy == expected and sampler.synced == [1]
 
 
 @pytest.mark.engine
