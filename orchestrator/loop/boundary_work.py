@@ -80,11 +80,14 @@ class BoundaryWork:
            next_plan: BoundaryPlan | None) -> list[Action]:
     """The work ``boundary`` still owes when it ends while step k+1's rollouts are awaited (its update applied):
     step k's metrics where they were not read, and its checkpoint and sync where none was written — not after a
-    failed source (``failed``: nothing can sync to it). Returns the actions it ran, in order."""
+    failed source (``failed``: nothing can sync to it), nor after a step whose metrics are not finite. Returns the
+    actions it ran, in order."""
     ran = []
     if boundary.metrics is None:
       self.read_metrics(boundary)
       ran.append(Action.METRICS)
+    if boundary.non_finite:  # never saved, never synced: the run ends with the step's error
+      return ran
     if not (boundary.checkpoint_path or failed):
       self.checkpoint_and_sync(boundary, stop_reason=stop_reason, next_plan=next_plan)
       ran.append(Action.CHECKPOINT_AND_SYNC)

@@ -24,12 +24,12 @@ from orchestrator.tasks.tasks import (TASKS, ModularAddition, Problem, ReverseSt
 from orchestrator.tasks.tokenizer import EOS, CharTokenizer
 from orchestrator.live.rollout_batches import BatchSchedule
 from orchestrator.live.weight_versions import WeightVersions
-from orchestrator.loop.program import ProgramConfig, RLProgram, StoppedWithoutCheckpointError
+from orchestrator.loop.program import NonFiniteStepError, ProgramConfig, RLProgram, StoppedWithoutCheckpointError
 from orchestrator.loop.trainer_worker import TrainerWorker
 from orchestrator.recipe import RecipeError
 from orchestrator.recipe.task_section import TASK_RANGES, TASK_SIZE_KEYS, TaskSection
 from policies import Mode, StepBoundaryPolicy
-from tests.fakes import RecordingEngine, StuckLiveSource, run_in_thread
+from tests.fakes import DivergingEngine, RecordingEngine, StuckLiveSource, run_in_thread
 
 
 @pytest.mark.spec
@@ -271,6 +271,35 @@ def test_a_stop_ends_the_wait_for_rollouts_that_never_come(mode, staleness, micr
     assert str(error).startswith("stopped by SIGTERM after step 2, but no checkpoint of it could be written")
     assert str(error).endswith("the latest checkpoint is ckpt/2 (after step 1); `run_rl --resume` continues from it")
     assert "checkpoint:3" not in engine.calls
+
+
+
+@pytest.mark.spec
+@pytest.mark.parametrize("diverged", [True, False], ids=["non_finite", "finite"])
+@pytest.mark.parametrize("mode", [Mode.PIPELINED, Mode.STAGE_AFTER_UPDATE, Mode.STAGE_BEFORE_UPDATE],
+                         ids=lambda m: m.name)
+def test_a_stop_while_waiting_never_checkpoints_a_non_finite_step_whose_metrics_it_reads_last(mode, diverged):
+  """Step 2's metrics are read only after step 3's first dispatch, which waits for rollouts that never come; a
+  stop then reads them as work owed. A non-finite step 2 ends the run with its error, never checkpointed or
+  synced; a finite one (the negative control) is checkpointed as a stop's last step is."""
+  source = StuckLiveSource(6, 2, stuck_at=3, staleness=0)
+  engine = DivergingEngine(from_step=2 if diverged else 99)
+  stop = threading.Event()
+  program = RLProgram(TrainerWorker(engine), StepBoundaryPolicy(mode, wait_threshold_s=0.0), source,
+                      ProgramConfig(steps=6, micro_batches_per_step=2, checkpoint_every=2, stop_grace_s=0.2),
+                      stop_requested=lambda: "SIGTERM" if stop.is_set() else None)
+  thread, outcome = run_in_thread(program)
+  _wait_for(lambda: source.waited > 0)
+  stop.set()
+  thread.join(timeout=30)
+  assert not thread.is_alive(), "the loop did not end after the stop"
+  assert "metrics:3" in engine.calls  # step 2's metrics (read after its update: the engine's step 3)
+  if diverged:
+    assert isinstance(outcome.get("error"), NonFiniteStepError), outcome
+    assert outcome["error"].step == 2
+    assert "checkpoint:3" not in engine.calls and "sync:3" not in engine.calls
+  else:
+    assert outcome["result"].ended == "stopped" and engine.calls[-1] == "checkpoint:3"
 
 
 def _stop_inside_step_3(*, left_s=None, arrive_after_s=None):
