@@ -489,3 +489,31 @@ def test_the_map_checks_catch_a_module_left_out_and_a_layer_moved():
   moved = [tuple(names) for names in LAYERS]
   moved[1], moved[2] = moved[1] + moved[2][:1], moved[2][1:]
   assert _layer_table() != moved
+
+
+#: The most of the package code one folder may hold: past it, a folder holds more than one concern.
+MAX_FOLDER_SHARE = 0.15
+
+
+def _oversized_folders(lines_by_module: dict[str, int], max_share: float = MAX_FOLDER_SHARE) -> dict[str, float]:
+  """The folders (at the depth the layers name) holding more than ``max_share`` of the lines, with their share."""
+  by_folder: dict[str, int] = {}
+  for module, lines in lines_by_module.items():
+    by_folder[_folder(module)] = by_folder.get(_folder(module), 0) + lines
+  total = sum(by_folder.values())
+  return {folder: round(lines / total, 3) for folder, lines in by_folder.items() if lines > max_share * total}
+
+
+@pytest.mark.spec
+def test_no_folder_holds_more_than_its_share_of_the_code():
+  lines = {module: len(path.read_text().splitlines()) for module, path in MODULES.items()}
+  assert _oversized_folders(lines) == {}
+
+
+@pytest.mark.spec
+def test_the_share_check_catches_a_folder_past_its_share():
+  """Negative control: 16 lines in 100 are over the share; 15 are not."""
+  others = {f"orchestrator.f{i}.m": 12 for i in range(7)}  # 84 lines, 12 % each
+  assert _oversized_folders({"orchestrator.app.a": 10, "orchestrator.app.b": 6, **others}) == {"orchestrator.app": 0.16}
+  others = {f"orchestrator.f{i}.m": 17 for i in range(5)}  # 85 lines, 17 % each: over too
+  assert _oversized_folders({"orchestrator.app.a": 15, **others}) == {f"orchestrator.f{i}": 0.17 for i in range(5)}
