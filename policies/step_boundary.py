@@ -103,7 +103,7 @@ from policies.calibration import CalibrationRule, WaitThreshold
 from policies.headroom import DeviceHeadroom, HeadroomRule, MemoryGate
 from policies.low_waits import LowWaitStreak
 from policies.saving import DEFAULT_CONTROL_EVERY, BoundarySample, ControlSchedule, MeasuredSaving, SavingEstimate
-from policies.units import format_seconds  # noqa: F401  (callers import it from here too)
+from policies.units import format_seconds
 
 log = logging.getLogger("step_boundary.policy")
 

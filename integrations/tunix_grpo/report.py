@@ -15,7 +15,7 @@ import dataclasses
 import statistics
 from typing import Any
 
-from policies.step_boundary import format_seconds
+from policies.units import format_seconds
 
 
 @dataclasses.dataclass

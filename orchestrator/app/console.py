@@ -15,8 +15,8 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from orchestrator.loop.sample_log import SAMPLES_FILE, describe, last_sample
 from orchestrator.phases import PHASES
 from policies.saving import MIN_CONTROLS
-from policies.units import format_bytes
-from policies.step_boundary import Mode, format_seconds
+from policies.step_boundary import Mode
+from policies.units import format_bytes, format_seconds
 
 if TYPE_CHECKING:  # annotations only: launch prints with this module before anything JAX-side is loaded
   from orchestrator.contract import RunSummary

@@ -27,7 +27,7 @@ from orchestrator.recipe.schema import Recipe
 from policies import Mode
 from policies.boundary_fit import Fit, at_own_compute, fit
 from policies.boundary_model import Components, Estimate, JobShape, ScaledChange, predict, predict_bounded
-from policies.step_boundary import format_seconds
+from policies.units import format_seconds
 
 #: How close a fit must come to call a prediction good: step within 5 %; idle within the larger
 #: of 5 % of a micro-batch and 2 ms.

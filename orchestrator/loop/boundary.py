@@ -18,7 +18,7 @@ from orchestrator.loop.live_waits import SourceFailed
 from orchestrator.loop.recorder import Recorder, fwd_bwd_key
 from policies import BoundaryPlan, DeviceHeadroom, Observation
 from policies.call_order import Action
-from policies.step_boundary import format_seconds
+from policies.units import format_seconds
 
 log = logging.getLogger("step_boundary.program")
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from orchestrator.loop.trace import chrome_trace
 from orchestrator.rig.checks import Check, CheckKind
 from policies.saving import welch_interval
-from policies.step_boundary import format_seconds as fs
+from policies.units import format_seconds as fs
 
 COLORS = {"micro-batch": "#4C78A8", "re-run": "#9ECAE9", "update": "#54A24B", "idle": "#E45756", "stage": "#F58518",
           "prepare": "#EECA3B", "dispatch": "#72B7B2", "wait": "#B279A2", "boundary work": "#9D9D9D"}
