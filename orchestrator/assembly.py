@@ -38,6 +38,11 @@ from orchestrator.remote.client import RemoteTrainerWorker
 from orchestrator.remote.spawn import SpawnedTrainer
 from policies import BoundaryPlan, Mode, StagingUnsupportedError, StepBoundaryPolicy
 
+#: The least time a spawned trainer is given to listen (``trainer.timeout_s`` where that is longer). Before it
+#: listens the child starts Python, imports JAX and gRPC and checks its devices: tens of seconds on a cold or
+#: busy host, longer than the deadline a recipe may set for each call.
+SPAWN_LISTEN_MIN_S = 60.0
+
 
 def policy_from_recipe(recipe: Recipe, capabilities: WorkerCapabilities, *, mode: Mode | None = None,
                        steps: int | None = None) -> StepBoundaryPolicy:
@@ -384,7 +389,7 @@ def make_worker(recipe: Recipe, closers: list, *, checkpoint_dir: str | None, wr
   if t.spawn:
     child = SpawnedTrainer(recipe_lib.to_dict(recipe), recipe_path=write_dir / "trainer_recipe.json",
                            checkpoint_dir=checkpoint_dir, address=address or "127.0.0.1:0",
-                           timeout_s=max(t.timeout_s, 60.0), log_path=write_dir / "trainer.log")
+                           timeout_s=max(t.timeout_s, SPAWN_LISTEN_MIN_S), log_path=write_dir / "trainer.log")
     closers.append(child.stop)
     address, token = child.address, child.token
   worker = RemoteTrainerWorker(address, recipe_digest=protocol.recipe_digest(recipe), token=token, limits=limits,

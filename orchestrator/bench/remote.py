@@ -37,6 +37,12 @@ from orchestrator.remote.client import RemoteTrainerWorker
 from orchestrator.remote.spawn import SpawnedTrainer
 
 SIZES_MB = (1, 16, 64)
+#: The spawned trainer's time to listen and each call's deadline: far beyond what the tiny model's calls take,
+#: the largest message's included, so only a hung trainer ends the benchmark.
+TRAINER_TIMEOUT_S = 120
+#: One run of the local/remote comparison: a few steps of the tiny model take well under a minute; fifteen
+#: minutes means it hung.
+RUN_TIMEOUT_S = 900
 RECIPE = ["model=tiny", "rollouts.source=synthetic", "batch.micro_batches_per_step=2", "run.reserve_host_core=true"]
 
 
@@ -47,9 +53,9 @@ def _recipe(*overrides):
 def _spawned(tmp: Path):
   recipe = _recipe()
   child = SpawnedTrainer(recipe_lib.to_dict(recipe), recipe_path=tmp / "recipe.json", checkpoint_dir=None,
-                         address="127.0.0.1:0", timeout_s=120, log_path=tmp / "trainer.log")
+                         address="127.0.0.1:0", timeout_s=TRAINER_TIMEOUT_S, log_path=tmp / "trainer.log")
   worker = RemoteTrainerWorker(child.address, recipe_digest=protocol.recipe_digest(recipe), token=child.token,
-                               limits=protocol.Limits(timeout_s=120))
+                               limits=protocol.Limits(timeout_s=TRAINER_TIMEOUT_S))
   return child, worker
 
 
@@ -106,7 +112,7 @@ def throughput(worker, repeats: int) -> list[dict]:
 def _run(location: str, mode_flags: list[str], steps: int, out: Path) -> dict:
   extra = ["trainer.location=remote", "trainer.spawn=true"] if location == "remote" else []
   cmd = [sys.executable, "-m", "orchestrator.app.cli", *RECIPE, f"steps={steps}", *extra, *mode_flags, "--out", str(out)]
-  subprocess.run(cmd, check=True, capture_output=True, timeout=900)
+  subprocess.run(cmd, check=True, capture_output=True, timeout=RUN_TIMEOUT_S)
   records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
   summary = json.loads((out / "summary.json").read_text())
   idle = [r["boundary_idle_s"] for r in records[:-1] if r.get("boundary_idle_s") is not None]

@@ -33,8 +33,10 @@ import time
 
 from orchestrator.addresses import AddressError, split_address
 
-#: JAX's own heartbeat ends a process whose peer is gone; ours must fire first, with one line.
+#: JAX's own heartbeat ends a process whose peer is gone; ours must fire first, with one line: JAX's is given
+#: this many times ``distributed.timeout_s``, plus a margin that keeps it clear of ours at the smallest timeouts.
 _JAX_HEARTBEAT_FACTOR = 3
+_JAX_HEARTBEAT_MARGIN_S = 10
 #: JAX aborts a connect that outlives its limit; ours (``distributed.timeout_s``) must come first, with one line.
 _JAX_CONNECT_GRACE_S = 30
 _RETRY_S = 0.2
@@ -88,7 +90,7 @@ def join(section) -> ProcessIdentity:
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   sigterm = signal.getsignal(signal.SIGTERM)
   kwargs = dict(initialization_timeout=timeout_s + _JAX_CONNECT_GRACE_S,
-                heartbeat_timeout_seconds=_JAX_HEARTBEAT_FACTOR * timeout_s + 10)
+                heartbeat_timeout_seconds=_JAX_HEARTBEAT_FACTOR * timeout_s + _JAX_HEARTBEAT_MARGIN_S)
   try:
     with _Deadline(deadline, _assembly_line(section, timeout_s)):
       if section.detect_cluster:

@@ -37,6 +37,12 @@ _SHARED_ENDINGS = (2, 130, 143)
 #: The exit code of a process that another process's failure or silence ended: the launcher names the other one.
 ENDED_BY_PEER_EXIT = 3
 LOGS_DIR = "processes"
+#: After a process fails, the others end within ``distributed.timeout_s`` (told, or their watchdog, or JAX's);
+#: this is the time they are given beyond that to exit before the launcher kills them.
+PEER_EXIT_GRACE_S = 5
+#: How long the launcher waits for the thread relaying process 0's output once every process has ended: the
+#: pipe is closed by then and the thread ends at once, unless something process 0 started still holds it open.
+RELAY_JOIN_TIMEOUT_S = 5
 #: Set to "1" in each process this launcher starts: the launcher, not the process, reports how it ended.
 LAUNCHED_ENV = "STEP_BOUNDARY_LAUNCHED"
 
@@ -129,7 +135,7 @@ class LocalJob:
         signal.signal(sig, handler)
       self._kill_all()
       if self._relay is not None:
-        self._relay.join(timeout=5)
+        self._relay.join(timeout=RELAY_JOIN_TIMEOUT_S)
       logs = self._keep_logs()
     return self._report(returncodes, first, logs)
 
@@ -156,10 +162,10 @@ class LocalJob:
     # SIGINT from a terminal reaches every process of the group already: nothing to do here.
 
   def _wait(self) -> tuple[list[int | None], int | None]:
-    """Waits for every process; after the first failure, at most ``timeout_s`` (+5 s) for the rest. Returns
-    the exit codes and the process that failed first: one that ended for a reason of its own, before one that
-    ended because another failed or went silent (``ENDED_BY_PEER_EXIT``: it may exit before the process it
-    names has finished exiting)."""
+    """Waits for every process; after the first failure, at most ``timeout_s`` + ``PEER_EXIT_GRACE_S`` for the
+    rest. Returns the exit codes and the process that failed first: one that ended for a reason of its own,
+    before one that ended because another failed or went silent (``ENDED_BY_PEER_EXIT``: it may exit before
+    the process it names has finished exiting)."""
     first, deadline = None, None
     while True:
       codes = [p.poll() for p in self.processes]
@@ -168,7 +174,7 @@ class LocalJob:
         own = [i for i in failed if codes[i] != ENDED_BY_PEER_EXIT]
         first = (own or failed or [None])[0]
         if first is not None and deadline is None:
-          deadline = time.monotonic() + self.timeout_s + 5
+          deadline = time.monotonic() + self.timeout_s + PEER_EXIT_GRACE_S
       if all(c is not None for c in codes):
         return codes, first
       if deadline is not None and time.monotonic() > deadline:

@@ -63,6 +63,11 @@ from orchestrator.live.sampler import LiveSampler
 from orchestrator.live.shared_sampler import WAIT_POLL_S, SharedSampler
 from orchestrator.live.weight_versions import WeightVersions
 
+#: How long ``close`` waits for the sampling thread to end: it ends when its sampling call in progress returns
+#: (a call takes seconds at the recipes' shapes, and a reward function's wait is cancelled); one still in a call
+#: after a minute is stuck, and is left behind.
+CLOSE_JOIN_TIMEOUT_S = 60.0
+
 
 class RolloutError(RuntimeError):
   """The rollout thread failed; the message names the step it was sampling."""
@@ -361,7 +366,7 @@ class LiveRollouts:
     before a resume)."""
     return [(self._schedule.describe(b), i, p) for b, i, p in self._batches.ready_payloads()]
 
-  def close(self, timeout_s: float = 60.0) -> None:
+  def close(self, timeout_s: float = CLOSE_JOIN_TIMEOUT_S) -> None:
     """Stops the sampling thread and waits for it: one inside JAX at exit aborts the process (exit 134)."""
     self._sampling.close(timeout_s)
 

@@ -22,6 +22,11 @@ from policies.units import format_seconds
 
 log = logging.getLogger("step_boundary.program")
 
+#: How long a low-wait stage's update delay waits for the last micro-batch's ready stamp. That micro-batch ran
+#: before the update whose metrics were just read, so its stamp comes within the watcher's wake-up; without it
+#: the policy states the delay by its bound (the stage's seconds), so a late stamp costs precision, never time.
+UPDATE_DELAY_STAMP_WAIT_S = 5.0
+
 
 def non_finite(metrics: StepMetrics | None) -> bool:
   """Whether the step's loss or gradient norm is a number that is not finite.
@@ -134,6 +139,6 @@ class BoundaryState:
       return None
     last = fwd_bwd_key(self.step, micro_batches_per_step - 1)
     try:
-      return max(0.0, self.stage.ended_at - recorder.ready_at(last, timeout_s=5.0))
+      return max(0.0, self.stage.ended_at - recorder.ready_at(last, timeout_s=UPDATE_DELAY_STAMP_WAIT_S))
     except (KeyError, TimeoutError):
       return None

@@ -26,6 +26,13 @@ from orchestrator.loop.watcher import CompletionWatcher, Watched
 from policies import PolicyReport
 from policies.saving import estimate_from_records
 
+#: How long the recorder waits for a computation's ready stamp before it gives up. A bound, not an expected
+#: wait: the stamps a record asks for are of computations the loop has seen finish (their metrics read, or a
+#: later computation's), so they come within the watcher's wake-up; at close, work still in flight (a failed
+#: step's) gets this long to finish before the trace is written. Ten minutes is far beyond any one step's
+#: computation here, so a stamp that takes longer is a stuck watcher, and the run ends naming it, not hangs.
+STAMP_TIMEOUT_S = 600
+
 
 class Lane(enum.IntEnum):
   """Host threads of the trace: the step loop, and the boundary work it runs."""
@@ -257,7 +264,7 @@ class Recorder:
 
   def close(self) -> str | None:
     """Waits for every stamp, closes the records file, writes the trace; returns its path."""
-    self._watcher.drain(timeout_s=600)
+    self._watcher.drain(timeout_s=STAMP_TIMEOUT_S)
     self._watcher.close()
     if self._records_file:
       self._records_file.close()
@@ -306,7 +313,7 @@ class Recorder:
         t = min(end, t + seconds)
     self.span("dispatch", t, end)
 
-  def ready_at(self, key: Hashable, timeout_s: float = 600) -> float:
+  def ready_at(self, key: Hashable, timeout_s: float = STAMP_TIMEOUT_S) -> float:
     return self._watcher.ready_at(key, timeout_s=timeout_s)
 
   def observe_ready(self, key: Hashable, at: float) -> None:

@@ -17,6 +17,11 @@ import time
 from collections.abc import Callable, Hashable
 from typing import Any
 
+#: How long ``close`` waits for the watching thread to end. It ends at once unless it is blocked on a
+#: computation that never became ready (a failed run's); the thread is a daemon, so it is left behind rather
+#: than holding the process's exit.
+CLOSE_JOIN_TIMEOUT_S = 60
+
 
 @dataclasses.dataclass
 class Watched:
@@ -128,4 +133,4 @@ class CompletionWatcher:
 
   def close(self) -> None:
     self._queue.put(None)
-    self._thread.join(timeout=60)
+    self._thread.join(timeout=CLOSE_JOIN_TIMEOUT_S)
