@@ -1,7 +1,8 @@
 """The contracts between the parts, each a runtime-checkable Protocol whose docstrings are the contract.
 
 - ``engine``: what a training engine does (``TrainingEngine``, ``StagingEngine``,
-  ``CheckpointingEngine``, ``WeightSource``, ``MemoryReportingEngine``, ``SnapshotEngine``),
+  ``CheckpointingEngine``, ``WeightSource``, ``StateDigestingEngine``, ``MemoryReportingEngine``,
+  ``SnapshotEngine``),
   its ``Receipt``, ``StepMetrics`` and ``DeviceMemory``.
 - ``worker``: what the step loop drives (``Worker``, the optional ``WeightsOverWire`` part) and the
   results it hands back.
@@ -22,6 +23,7 @@ from orchestrator.contract.engine import (
     Receipt,
     SnapshotEngine,
     StagingEngine,
+    StateDigestingEngine,
     StepMetrics,
     TrainingEngine,
     WeightSource,
@@ -44,8 +46,8 @@ __all__ = [
     "AgreementCost", "CheckpointingEngine", "DeferredUpdate", "DeviceMemory", "Evaluation", "HeldOutScore",
     "LiveSource", "MemoryReportingEngine", "NoCheckpointError", "PreparedInput", "ProcessTimings", "Receipt",
     "RolloutStats", "RolloutSummary", "RunSummary", "STAGING_METHODS",
-    "SnapshotEngine", "SourceStateError", "StageReceipt", "StagingEngine", "StepMetrics", "StepSource",
-    "StepTimings", "TrainingEngine", "WeightSource", "WeightTransfer", "WeightsOverWire", "Worker",
+    "SnapshotEngine", "SourceStateError", "StageReceipt", "StagingEngine", "StateDigestingEngine", "StepMetrics",
+    "StepSource", "StepTimings", "TrainingEngine", "WeightSource", "WeightTransfer", "WeightsOverWire", "Worker",
     "WorkerCapabilities",
     "WorkerUsageError", "live_part", "missing_methods",
 ]

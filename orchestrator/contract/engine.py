@@ -6,8 +6,8 @@ the program, the recorder and the remote worker depend on it alone.
 
 Capabilities are layered. ``TrainingEngine`` is what every engine must have;
 ``StagingEngine`` adds what staging needs; ``CheckpointingEngine``,
-``WeightSource`` and ``MemoryReportingEngine`` are optional extras the worker
-looks up once. All are
+``WeightSource`` (with ``StateDigestingEngine``, its digest) and
+``MemoryReportingEngine`` are optional extras the worker looks up once. All are
 runtime-checkable, so ``isinstance(engine, StagingEngine)`` answers whether an
 engine can stage (a method set to ``None`` counts as missing).
 """
@@ -295,8 +295,17 @@ class CheckpointingEngine(Protocol):
 
 
 @runtime_checkable
-class WeightSource(Protocol):
-  """An engine whose weights can be exported (the weight sync) and fingerprinted."""
+class StateDigestingEngine(Protocol):
+  """An engine that can fingerprint its training state (a run's ``final_state_digest``; the rig's arms)."""
+
+  def state_digest(self) -> str:
+    """A hash of weights and optimizer state: equal digests mean bit-identical training."""
+    ...
+
+
+@runtime_checkable
+class WeightSource(StateDigestingEngine, Protocol):
+  """An engine whose weights can be exported (the weight sync) and fingerprinted (``state_digest``)."""
 
   def export_weights(self) -> Any:
     """The current weights as a pytree of device arrays, valid after the next dispatch.
@@ -304,10 +313,6 @@ class WeightSource(Protocol):
     Must not copy to the host (the caller decides where the weights go) and
     must hand out buffers the engine never donates.
     """
-    ...
-
-  def state_digest(self) -> str:
-    """A hash of weights and optimizer state: equal digests mean bit-identical training."""
     ...
 
 

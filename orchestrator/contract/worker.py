@@ -16,7 +16,7 @@ import enum
 from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
-from orchestrator.contract.engine import DeviceMemory, Receipt, StepMetrics
+from orchestrator.contract.engine import DeviceMemory, PreparedInput, Receipt, StepMetrics, missing_methods
 from orchestrator.contract.source import WeightTransfer
 
 
@@ -178,7 +178,7 @@ class StageReceipt:
   Attributes:
     stage_s: host seconds ``stage_fwd_bwd`` took (input mapping plus issuing the copy).
     started_at, ended_at: ``time.perf_counter()`` around that call.
-    prepared: the staged input (anything with a ``digest``), hashed only when asked.
+    prepared: the staged input (a ``PreparedInput``: its ``digest`` hashed only when asked).
     staged_bytes_per_device: bytes the staged input holds on each device, in device-id order (this
       process's devices); None when the engine does not say.
     staged_bytes_by_field: the same bytes by input field (tokens, masks, advantages, log-probs, …), each
@@ -196,8 +196,9 @@ class StageReceipt:
 
   @property
   def input_digest(self) -> str | None:
-    """The staged input's content digest (hashed on first use, off the hot path)."""
-    return getattr(self.prepared, "digest", None)
+    """The staged input's content digest (hashed on first use, off the hot path); None where the input has
+    none (a ``PreparedInput``'s ``digest`` missing or None)."""
+    return None if missing_methods(self.prepared, PreparedInput) else self.prepared.digest
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -9,7 +9,8 @@ It satisfies ``orchestrator.contract.Worker`` and returns that contract's
 result types. The engine is checked against ``orchestrator.contract`` once, at construction:
 ``TrainingEngine`` is required; ``StagingEngine``, ``CheckpointingEngine``,
 ``WeightSource`` and ``MemoryReportingEngine`` are optional and recorded in
-``capabilities``.
+``capabilities``; ``StateDigestingEngine`` is optional too (without it the
+state digest is None).
 
 Misuse is an error, never silently absorbed (``WorkerUsageError``): a call out
 of the order the contract's ``ALLOWED_TRANSITIONS`` allows (a second
@@ -63,6 +64,7 @@ class TrainerWorker:
         can_report_memory=(not contract.missing_methods(engine, contract.MemoryReportingEngine)
                            and engine.device_memory() is not None),
     )
+    self._can_digest_state = not contract.missing_methods(engine, contract.StateDigestingEngine)
     self._call_state = CallState.READY
     self._staged: Any = None  # the prepared input while the call state has one staged
     self._step = 0
@@ -211,9 +213,8 @@ class TrainerWorker:
     return held() if callable(held) else None
 
   def state_digest(self) -> str | None:
-    """The engine's state digest; None if it cannot fingerprint its state."""
-    digest = getattr(self._engine, "state_digest", None)
-    return digest() if callable(digest) else None
+    """The engine's state digest; None if it cannot fingerprint its state (no ``StateDigestingEngine``)."""
+    return self._engine.state_digest() if self._can_digest_state else None
 
   def device_memory(self) -> DeviceMemory | None:
     """The engine's ``device_memory()``; None when it cannot tell (``capabilities.can_report_memory``)."""

@@ -5,13 +5,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from orchestrator.contract import (
-    CheckpointingEngine, DeviceMemory, LiveSource, Receipt, RunSummary, SourceStateError, StagingEngine, StepMetrics,
-    StepSource, StepTimings, TrainingEngine, WeightSource, Worker, live_part, missing_methods)
+    CheckpointingEngine, DeviceMemory, LiveSource, Receipt, RunSummary, SourceStateError, StageReceipt, StagingEngine,
+    StepMetrics, StepSource, StepTimings, TrainingEngine, WeightSource, Worker, live_part, missing_methods)
 from orchestrator.contract.worker import ALLOWED_TRANSITIONS, Call, CallState, WorkerUsageError, next_call_state
 from orchestrator.data.sources import IterableSteps, ReplaySteps, SyntheticSteps, as_step_source
 from orchestrator.data.synthetic import SyntheticRollouts
@@ -153,6 +154,33 @@ def test_worker_returns_typed_results_and_hides_its_engine():
   assert receipt.update is not None and receipt.update.kind == "update"
   assert worker.export_weights() == {"step": 2} and worker.state_digest() == "state-2"
   assert worker.sample_wait_floor(3) == [0.25] * 3
+
+
+def test_the_state_digest_and_a_staged_inputs_digest_are_what_their_protocols_find():
+  """An engine with ``state_digest`` alone reports its digest (``StateDigestingEngine``, without
+  ``WeightSource``'s ``export_weights``); one without it, or with it set to None, still trains and reports
+  none. A staged input's digest is its ``PreparedInput.digest``; an input without one (or None) gives None."""
+
+  class DigestOnly(MinimalEngine):
+    def state_digest(self):
+      return f"state-{self.step}"
+
+  class DigestNone(MinimalEngine):
+    state_digest = None
+
+  worker = TrainerWorker(DigestOnly())
+  worker.fwd_bwd("a", apply_optimizer=True)
+  assert not worker.capabilities.can_export_weights and worker.state_digest() == "state-1"
+  for engine in (MinimalEngine(), DigestNone()):
+    worker = TrainerWorker(engine)
+    worker.fwd_bwd("a", apply_optimizer=True)
+    assert worker.state_digest() is None and engine.calls == ["fwd_bwd:a", "update"]
+
+  def staged(prepared):
+    return StageReceipt(stage_s=0.0, started_at=0.0, ended_at=0.0, prepared=prepared)
+
+  assert staged(SimpleNamespace(digest="d")).input_digest == "d"
+  assert staged(SimpleNamespace(digest=None)).input_digest is None and staged(object()).input_digest is None
 
 
 def test_the_compile_counter_counts_new_compiles():
