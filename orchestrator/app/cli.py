@@ -27,7 +27,7 @@ from pathlib import Path
 
 from orchestrator import phases
 from orchestrator import recipe as recipe_lib
-from orchestrator.app import launch, run_dir
+from orchestrator.app import launch, locks, run_dir
 from orchestrator.app import simulate as simulate_lib
 from orchestrator.app.arguments import UsageError, UsageErrorParser, parse_subcommand, subcommand_parser
 from orchestrator.app.export import export_main
@@ -144,14 +144,14 @@ def record_main(argv: list[str]) -> int:
     return _record_generated(recipe, resolved.path, out)
 
 
-def _hold_new_recording(out: Path) -> run_dir.DirLock | None:
+def _hold_new_recording(out: Path) -> locks.DirLock | None:
   """``out``'s lock for a new recording, or None after one line saying why it cannot be one. A recording is
   looked for before the lock (an existing one is read-only: no lock file is written into it) and again after
   (another process may have written one meanwhile)."""
   held = None
   try:
     if not (out / "manifest.json").exists():
-      held = run_dir.lock(out, flag="run_rl record --out", create=True)
+      held = locks.lock(out, flag="run_rl record --out", create=True)
   except RunDirError as e:
     print(f"run_rl record: error: {e}", file=sys.stderr)
     return None
@@ -213,7 +213,7 @@ def rig_main(argv: list[str]) -> int:
           " choose a new --out", file=sys.stderr)
     return 2
   try:
-    held = run_dir.lock(Path(out), flag="run_rl rig --out", create=True)
+    held = locks.lock(Path(out), flag="run_rl rig --out", create=True)
   except RunDirError as e:
     print(f"run_rl rig: error: {e}", file=sys.stderr)
     return 2

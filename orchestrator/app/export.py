@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from orchestrator import recipe as recipe_lib
-from orchestrator.app import checkpoint_state, inputs, run_dir
+from orchestrator.app import checkpoint_state, inputs, locks, run_dir
 from orchestrator.app.plan import checkpoint_dir_for
 from orchestrator.app.arguments import UsageError, UsageErrorParser
 from orchestrator.app.new_directory import (Terminated, make_partial, missing_parents, remove_empty,
@@ -68,7 +68,7 @@ def export_main(argv: list[str]) -> int:
   try:
     args = p.parse_intermixed_args(argv)
     path = Path(args.run_dir)
-    with sigterm_raises(), (run_dir.lock_run(path, flag="run_rl export") if path.is_dir()
+    with sigterm_raises(), (locks.lock_run(path, flag="run_rl export") if path.is_dir()
                             else contextlib.nullcontext()):
       source = _source(path, args.checkpoint, args.out)  # the run's lock: no resume or run writes checkpoints meanwhile
       out = _check_out(Path(args.out), path, Path(source["checkpoints"]))

@@ -65,7 +65,7 @@ def resume(path: Path, steps: int | None, from_checkpoint: int | None = None) ->
   """Continues the run in ``path`` from its latest complete checkpoint (or ``from_checkpoint``); ``steps``
   may extend it. The run directory's lock is taken before anything there is read."""
   try:
-    held = locks.lock_run(path, flag="--resume")
+    held = locks.lock_run_if_holder(path, flag="--resume")
   except REFUSALS as e:
     return outcome.refuse(e)
   with held:
@@ -156,9 +156,10 @@ def _claim(plan: RunPlan, job: job_lib.Job, held: contextlib.ExitStack) -> tuple
   claimed = {"run_id": plan.run_id, "out": str(plan.out), "config_sha256": plan.config_sha256, "refusal": None}
   if job.is_primary:
     try:
-      held.enter_context(locks.lock(plan.out, flag="--out", create=True))
+      held.enter_context(locks.lock_if_holder(plan.out, flag="--out", create=True))
       if plan.recipe.rollouts.record_to:  # the recording directory too, until the run has written it
-        held.enter_context(locks.lock(Path(plan.recipe.rollouts.record_to), flag="rollouts.record_to", create=True))
+        held.enter_context(locks.lock_if_holder(Path(plan.recipe.rollouts.record_to), flag="rollouts.record_to",
+                                                create=True))
       config, sources = plan.saved
       run_dir.claim_new(plan.out, {"run_id": plan.run_id, "recipe": plan.resolved.path, "config": config,
                                    "sources": sources, "inputs": inputs.fingerprints(plan.recipe)})
@@ -199,7 +200,7 @@ def _launch_local(plan: RunPlan, held: contextlib.ExitStack) -> int:
   if not plan.resumes:
     try:
       run_dir.check_new(plan.out)
-      held.enter_context(locks.lock(plan.out, flag="--out", create=True))
+      held.enter_context(locks.lock_if_holder(plan.out, flag="--out", create=True))
     except RunDirError as e:
       return outcome.refuse(e)
   recipe, d = plan.recipe, plan.recipe.distributed

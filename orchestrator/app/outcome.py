@@ -18,7 +18,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from orchestrator.app import run_dir
+from orchestrator.app import locks, run_dir
 from orchestrator.app.console import format_summary, format_table
 from orchestrator.app.plan import RunPlan
 from orchestrator.app.signals import EXIT_CODES, EXIT_NOTHING_TO_RESUME, StopSignals
@@ -69,7 +69,7 @@ def record_rollouts(recipe, source, result, write_dir: Path) -> None:
   target = Path(record_to)
   if (target / "manifest.json").exists():
     target = write_dir / "recording"
-  with run_dir.lock(target, flag="rollouts.record_to", create=True):
+  with locks.lock(target, flag="rollouts.record_to", create=True):
     manifest = write_recording(target, recorded_groups(recorded, recipe.rollouts.generations_per_group),
                                vocab_size=recipe.model_preset().vocab_size,
                                produced_by={"tool": LIVE_LOOP_TOOL, "recipe": recipe.name,

@@ -56,7 +56,7 @@ def _lock_checkpoint_directory(plan: RunPlan, held: contextlib.ExitStack) -> Non
   ckpt_dir = plan.checkpoint_dir
   if ckpt_dir is None or Path(ckpt_dir).resolve().is_relative_to(plan.out.resolve()):
     return
-  held.enter_context(locks.lock(Path(ckpt_dir), flag="checkpoint.directory", create=True))
+  held.enter_context(locks.lock_if_holder(Path(ckpt_dir), flag="checkpoint.directory", create=True))
 
 
 def _check_new_out(plan: RunPlan) -> None:

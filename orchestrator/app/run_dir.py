@@ -2,7 +2,7 @@
 
     DIR/config.json     the resolved recipe, each key's source, the run's id and the recipe's digest
                         (written once, by the run that claims DIR)
-    DIR/run.lock        held (an OS file lock) by the one process that runs, resumes or records into DIR
+    DIR/run.lock        held (an OS file lock, ``locks``) by the one process that runs, resumes or records into DIR
     DIR/records.jsonl   one BoundaryRecord per step of the run as started (segment 0), appended as steps finish
     DIR/summary.json    how segment 0 ended and its medians (written at its end, or at a stop)
     DIR/trace.json      segment 0's Perfetto trace
@@ -26,12 +26,9 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import errno
-import fcntl
 import hashlib
 import json
 import os
-import socket
 import stat
 import sys
 import uuid
@@ -180,7 +177,7 @@ def abandoned_claim(path: Path) -> dict[str, Any] | None:
   else: no record, no summary, no error log, no checkpoint, no segment. Such a
   directory holds no output of anyone's, so a new run may claim it again
   (``claim_new``, under the lock: a run still bringing itself up holds it and
-  is refused by ``lock``). Returns the abandoned ``config.json`` (for the note
+  is refused by ``locks.lock``). Returns the abandoned ``config.json`` (for the note
   that says so), or None for anything else, which stays a run's.
   """
   if not path.is_dir() or not (path / CONFIG).is_file():
@@ -200,7 +197,7 @@ def abandoned_claim(path: Path) -> dict[str, Any] | None:
 def claim_new(path: Path, config: dict[str, Any]) -> None:
   """Writes a new run's ``config.json``, with the recipe's digest (fails if another run got there first).
 
-  The caller holds ``path``'s lock (``lock``), which created the directory. A
+  The caller holds ``path``'s lock (``locks.lock``), which created the directory. A
   claim a killed run left with nothing after it (``abandoned_claim``) is taken
   over, with a note naming the run that left it.
   """
@@ -229,125 +226,9 @@ def record_in_config(path: Path, key: str, value: Any) -> None:
   os.replace(partial, config_path)
 
 
-# ---------------------------------------------------------------------------- the lock
-class DirLock:
-  """An exclusive lock on a directory (``DIR/run.lock``); the OS releases it when the process ends.
-
-  A directory the lock created and nothing else wrote into is removed again on release (a refusal after the
-  lock leaves nothing behind); so is a lock file it created in a run directory that had none (``lock_run``:
-  a refused resume or export leaves the directory as it found it).
-  """
-
-  def __init__(self, path: Path, fd: int | None, *, created: bool = False, made_file: bool = False):
-    self.path, self._fd, self._created, self._made_file = path, fd, created, made_file
-
-  def release(self) -> None:
-    if self._fd is None:  # released, or a re-entry of a lock this process already holds
-      return
-    _HELD.discard(_key(self.path))
-    if self._created and [p.name for p in self.path.iterdir()] == [LOCK]:
-      (self.path / LOCK).unlink()
-      self.path.rmdir()
-    elif self._made_file:  # unlinked while held: a process that opened it retries on a new file (``lock``)
-      (self.path / LOCK).unlink(missing_ok=True)
-    os.close(self._fd)  # closing the descriptor drops the lock
-    self._fd = None
-
-  def __enter__(self) -> "DirLock":
-    return self
-
-  def __exit__(self, *exc) -> None:
-    self.release()
-
-
-# The directories this process holds the lock of: taking one again is a no-op (``record`` holds its recording
-# directory, and the run it starts takes it again).
-_HELD: set[str] = set()
-
-
-def _key(path: Path) -> str:
-  return os.path.realpath(path)
-
-
-def lock(path: Path, *, flag: str, create: bool = False, keep_file: bool = True) -> DirLock:
-  """Takes ``path``'s lock before anything there is read or written, creating the directory if ``create``;
-  without ``keep_file``, a lock file this call creates is removed again on release.
-
-  Raises:
-    RunDirError: another process holds it (its pid and command named), or ``path`` cannot be written.
-  """
-  if _key(path) in _HELD:
-    return DirLock(path, None)
-  created = create and not path.exists()
-  if create:
-    try:
-      path.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-      raise RunDirError(f"{flag} {path}: cannot create it ({e.strerror}); choose a directory you can write") from None
-  elif not path.is_dir():
-    what = "run directory" if flag == "--resume" else "directory"
-    raise RunDirError(f"{flag} {path}: no such {what}")
-  if not os.access(path, os.W_OK | os.X_OK):
-    raise RunDirError(f"{flag} {path}: the directory is not writable; every run writes its outputs there"
-                      " (a resume writes a new segment): make it writable, or copy the run somewhere writable")
-  made_file = not keep_file and not os.path.lexists(path / LOCK)
-  try:
-    fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)  # never write through a link
-  except OSError as e:
-    raise RunDirError(f"{flag} {path}: cannot open {path / LOCK} ({e.strerror}); make the directory writable")
-  try:
-    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-  except OSError as e:
-    holder = _holder(fd)
-    os.close(fd)
-    if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-      raise RunDirError(f"{flag} {path}: cannot lock {path / LOCK} ({e.strerror})") from None
-    raise RunDirError(f"{flag} {path} is in use by {holder}; wait for it to end or stop it,"
-                      " then try again") from None
-  try:
-    same_file = os.stat(path / LOCK, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
-  except FileNotFoundError:
-    same_file = False
-  if not same_file:  # its holder removed the file it had made (``DirLock.release``): lock the one there now
-    os.close(fd)
-    return lock(path, flag=flag, create=create, keep_file=keep_file)
-  os.ftruncate(fd, 0)
-  os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "command": " ".join(sys.argv),
-                           "since": datetime.datetime.now().isoformat(timespec="seconds")}).encode())
-  _HELD.add(_key(path))
-  return DirLock(path, fd, created=created, made_file=made_file)
-
-
-def lock_run(path: Path, *, flag: str) -> DirLock:
-  """The lock of the existing run in ``path`` (``lock``), for a resume or an export.
-
-  A directory that has no lock file was never locked by a run: it is checked to
-  hold a run (``read_config``) before a lock file is written into it, so that a
-  directory that is not a run (a recording, a model checkpoint) is refused with
-  nothing written, and the lock file it then writes is removed again on release (a copied run, or one of an
-  older version, is left as it was found). A run's directory keeps the lock file its run made, so its lock is
-  taken before anything there is read.
-
-  Raises:
-    RunDirError: no run there, or ``lock``'s refusals.
-  """
-  if not (path / LOCK).exists() and not (path / LOCK).is_symlink():
-    read_config(path, flag=flag)
-  return lock(path, flag=flag, keep_file=False)
-
-
 def holds_only_its_lock(path: Path) -> bool:
   """Whether ``path`` is a directory that holds nothing but a lock file (taken, nothing written yet)."""
   return path.is_dir() and [p.name for p in path.iterdir()] in ([], [LOCK])
-
-
-def _holder(fd: int) -> str:
-  """Who holds a lock, as its lock file says."""
-  try:
-    info = json.loads(os.pread(fd, 4096, 0).decode("utf-8"))
-    return f"pid {int(info['pid'])} on {info.get('host')} (`{info.get('command')}`, since {info.get('since')})"
-  except (OSError, ValueError, KeyError, TypeError):
-    return "another process (its lock file names none)"
 
 
 # ---------------------------------------------------------------------------- the recipe's digest

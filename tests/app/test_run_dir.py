@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator import recipe as recipe_lib
-from orchestrator.app import checkpoint_check, cli, run_dir
+from orchestrator.app import checkpoint_check, cli, locks, run_dir
 from orchestrator.loop.boundary_work import BoundaryWork
 from tests.conftest import REPO
 
@@ -78,8 +78,8 @@ def _metadata_path(run: Path, step: int) -> Path:
 def _held_by_another_process(path: Path):
   """``path``'s lock, held by a child process until the block ends (then killed: the OS drops its lock)."""
   child = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path;"
-                            " from orchestrator.app import run_dir;"
-                            f" held = run_dir.lock(Path({str(path)!r}), flag='t', create=True);"
+                            " from orchestrator.app import locks;"
+                            f" held = locks.lock(Path({str(path)!r}), flag='t', create=True);"
                             " print('held', flush=True); time.sleep(600)"],
                            cwd=REPO, stdout=subprocess.PIPE, text=True)
   try:
@@ -116,13 +116,13 @@ def test_the_lock_is_released_when_its_holder_ends_and_this_process_may_take_its
   out = tmp_path / "dir"
   with _held_by_another_process(out) as holder:
     with pytest.raises(run_dir.RunDirError, match=f"in use by pid {holder}"):
-      run_dir.lock(out, flag="t")
-  held = run_dir.lock(out, flag="t")
-  with run_dir.lock(out, flag="t"):  # re-entered: releasing it keeps the first
+      locks.lock(out, flag="t")
+  held = locks.lock(out, flag="t")
+  with locks.lock(out, flag="t"):  # re-entered: releasing it keeps the first
     pass
-  assert run_dir._key(out) in run_dir._HELD
+  assert locks._key(out) in locks._HELD
   held.release()
-  assert run_dir._key(out) not in run_dir._HELD
+  assert locks._key(out) not in locks._HELD
 
 
 @pytest.mark.e2e
@@ -461,12 +461,12 @@ def test_a_directory_that_holds_no_run_gets_no_lock_file(make, tmp_path):
   make(target)
   before = sorted(p.name for p in target.iterdir())
   with pytest.raises(run_dir.RunDirError, match=r"holds no run|is not a run config written by run_rl"):
-    run_dir.lock_run(target, flag="--resume")
+    locks.lock_run(target, flag="--resume")
   assert sorted(p.name for p in target.iterdir()) == before
   # The negative control: a run's directory that has lost its lock file gets one while it is held, and it is
   # removed again on release (a refused resume leaves the directory as it found it).
   run = _hand_made_run(tmp_path / "run")
-  with run_dir.lock_run(run, flag="--resume"):
+  with locks.lock_run(run, flag="--resume"):
     assert (run / run_dir.LOCK).is_file()
   assert not (run / run_dir.LOCK).exists()
 
@@ -480,9 +480,9 @@ def test_a_refused_resume_of_a_run_without_a_lock_file_leaves_none(tmp_path, cap
   before = sorted(p.name for p in run.iterdir())
   assert cli.main(["--resume", str(run)]) == 2
   assert sorted(p.name for p in run.iterdir()) == before
-  held = run_dir.lock_run(run, flag="--resume")
-  monkeypatch.setattr(run_dir, "_HELD", set())  # what follows is another process's
-  real_flock, released = run_dir.fcntl.flock, []
+  held = locks.lock_run(run, flag="--resume")
+  monkeypatch.setattr(locks, "_HELD", set())  # what follows is another process's
+  real_flock, released = locks.fcntl.flock, []
 
   def flock_after_the_holder_lets_go(fd, operation):
     if not released:  # between this open and this flock, the holder releases (and removes its file)
@@ -490,8 +490,8 @@ def test_a_refused_resume_of_a_run_without_a_lock_file_leaves_none(tmp_path, cap
       held.release()
     return real_flock(fd, operation)
 
-  monkeypatch.setattr(run_dir.fcntl, "flock", flock_after_the_holder_lets_go)
-  with run_dir.lock(run, flag="--resume") as taken:
+  monkeypatch.setattr(locks.fcntl, "flock", flock_after_the_holder_lets_go)
+  with locks.lock(run, flag="--resume") as taken:
     assert os.fstat(taken._fd).st_ino == os.stat(run / run_dir.LOCK).st_ino  # the file there, not the removed
 
 
@@ -546,7 +546,7 @@ def test_a_claim_a_killed_run_left_before_its_first_step_is_taken_over_and_anyth
   (out / run_dir.CHECKPOINTS).mkdir()
   (out / "tensorboard").mkdir()  # killed in bring-up, after the claim: no record, no checkpoint
   run_dir.check_new(out)
-  with run_dir.lock(out, flag="--out"):
+  with locks.lock(out, flag="--out"):
     run_dir.claim_new(out, {"run_id": "new", "config": {}})
   assert "held only the claim of run killed" in capsys.readouterr().err
   assert run_dir.abandoned_claim(out) is not None  # the new claim too, until the run writes more
