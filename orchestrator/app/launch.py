@@ -15,7 +15,7 @@ refused before anything is built or written:
    run's checkpoints; a resumed run's checkpoint (``resume.resume_point``);
 4. only then is a new run's directory claimed (``config.json``, with the run's
    id) or a resumed run's segment opened, the engine built and the program
-   run (``orchestrator.assembly.build_run``), under ``signals.StopSignals``;
+   run (``orchestrator.app.run.build_run``), under ``signals.StopSignals``;
 5. the run ends in ``outcome``: its report, a stop, a refusal or a failure.
 
 The process that runs, resumes or launches a run holds its directory's lock
@@ -240,7 +240,7 @@ def _run_program(plan: RunPlan, *, source, resume, job: job_lib.Job) -> int:
     stop.keeps = lambda: "kept" if resume is not None else "after the first step"  # until the run is built
     try:
       # import here: gRPC and the engines load after setup_host (a refusal loads neither)
-      from orchestrator.assembly import build_run
+      from orchestrator.app.run import build_run
 
       previous_trace = outcome.previous_trace(plan) if resume and job.is_primary else []
       handle = build_run(recipe, out, source=source, run_id=run_id, checkpoint_dir=plan.checkpoint_dir,

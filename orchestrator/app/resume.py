@@ -24,7 +24,34 @@ from orchestrator.data.packing import validate_payload
 from orchestrator.distributed import job as job_lib
 
 
-def resume_point(plan: RunPlan, source):
+@dataclasses.dataclass(kw_only=True)
+class ResumePoint:
+  """Where a stopped run continues: a checked checkpoint and the records it covers.
+
+  Attributes:
+    checkpoint_step: the checkpoint's step (the steps it covers).
+    metadata: its metadata, checked (``checkpoint_check``).
+    previous_records: the records of steps 0 to ``checkpoint_step - 1``, from the run's segments.
+    restored_record: the last of them when it came from the checkpoint (the run was killed before writing
+      it), else None.
+    superseded_checkpoints: later checkpoints (``--from-checkpoint``), moved aside when the resume starts.
+    earlier_valid: the newest valid checkpoint before this one (what to resume from if this one cannot be
+      restored), or None.
+  """
+
+  checkpoint_step: int
+  metadata: dict
+  previous_records: list
+  restored_record: dict | None = None
+  superseded_checkpoints: list = dataclasses.field(default_factory=list)
+  earlier_valid: int | None = None
+
+  @property
+  def steps_done(self) -> int:
+    return int(self.metadata["step"])
+
+
+def resume_point(plan: RunPlan, source) -> ResumePoint:
   """The checkpoint a resume continues from, checked, with the records it covers.
 
   Every checkpoint's metadata is checked (``checkpoint_check``); the latest is
@@ -37,7 +64,7 @@ def resume_point(plan: RunPlan, source):
       records that do not cover it, or nothing left to run.
   """
   # import here: gRPC and the engines load after setup_host (a refusal loads neither)
-  from orchestrator.assembly import ResumePoint, batch_shape
+  from orchestrator.assembly import batch_shape
   from orchestrator.engine.checkpointing import read_checkpoints  # import here: JAX-side (after setup_host)
 
   recipe, path, ckpt_dir = plan.recipe, plan.out, plan.checkpoint_dir

@@ -386,7 +386,7 @@ def test_print_config_prints_the_resolved_recipe_naming_each_flag_and_switch(cap
 
 @pytest.mark.e2e
 def test_failure_during_the_run_exits_1_naming_the_step(tmp_path, capsys, monkeypatch):
-  from orchestrator import assembly
+  from orchestrator.app import run as app_run
 
   class Boom:
     current_step, loaded_weights = 2, None
@@ -401,7 +401,7 @@ def test_failure_during_the_run_exits_1_naming_the_step(tmp_path, capsys, monkey
     def close(self):
       pass
 
-  monkeypatch.setattr(assembly, "build_run", lambda recipe, out, **kw: Boom())
+  monkeypatch.setattr(app_run, "build_run", lambda recipe, out, **kw: Boom())
   code, _, err = _main(["model=tiny", "rollouts.source=synthetic", "run.reserve_host_core=false", "--out",
                         str(tmp_path / "out")], capsys)
   assert code == 1

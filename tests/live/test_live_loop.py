@@ -247,15 +247,15 @@ def test_a_boundary_whose_next_micro_batch_is_not_sampled_stages_it_after_the_up
 
 
 def _new_run(tmp_path, monkeypatch, make_worker, source):
-  """``assembly.build_run`` of a 4-step default-recipe run on ``source``, its trainer from ``make_worker``."""
-  from orchestrator import assembly
+  """``app.run.build_run`` of a 4-step default-recipe run on ``source``, its trainer from ``make_worker``."""
+  from orchestrator.app import run as app_run
 
   for name in recipe_lib.ENV_SWITCHES:
     monkeypatch.delenv(name, raising=False)
-  monkeypatch.setattr(assembly, "make_worker", make_worker)
+  monkeypatch.setattr(app_run, "make_worker", make_worker)
   recipe = recipe_lib.resolve(None, overrides=[f"steps={STEPS}", "task.eval_prompts=16"]).recipe
-  return assembly.build_run(recipe, tmp_path / "run", source=source, run_id="bring-up",
-                            checkpoint_dir=str(tmp_path / "run" / "checkpoints"))
+  return app_run.build_run(recipe, tmp_path / "run", source=source, run_id="bring-up",
+                           checkpoint_dir=str(tmp_path / "run" / "checkpoints"))
 
 
 @pytest.mark.e2e

@@ -291,12 +291,12 @@ def test_the_metrics_log_loads_no_jax():
 
 @pytest.mark.spec
 def test_the_progress_is_the_step_progress_build_run_takes_and_moves_logging_above_its_bar_only():
-  """``console.Progress`` fills ``assembly.StepProgress``; while the program runs, log lines go through tqdm where
+  """``console.Progress`` fills ``app.run.StepProgress``; while the program runs, log lines go through tqdm where
   there is a bar, and where they went where there is none. Negative control: an object without
   ``logging_redirected`` is no ``StepProgress``."""
   import logging
 
-  from orchestrator.assembly import StepProgress
+  from orchestrator.app.run import StepProgress
   from tqdm.contrib.logging import _TqdmLoggingHandler
 
   plain = console.Progress("default", total=3, stream=io.StringIO())
