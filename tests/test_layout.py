@@ -307,7 +307,7 @@ LAYERS = (
     ("orchestrator.engine", "orchestrator.live", "orchestrator.loop"),
     ("orchestrator.recipe", "orchestrator.remote"),
     ("orchestrator.assembly",),
-    ("orchestrator.app", "orchestrator.rig", "integrations"),
+    ("orchestrator.app", "orchestrator.run_files", "orchestrator.rig", "integrations"),
     ("orchestrator.bench",),
 )
 #: The imports that run back up the layers, each named in the design (at most one).
@@ -338,7 +338,7 @@ def test_imports_run_down_the_layers():
 @pytest.mark.parametrize("package", ["orchestrator.loop", "orchestrator.engine", "orchestrator.data",
                                      "orchestrator.live", "orchestrator.remote", "orchestrator.distributed",
                                      "orchestrator.contract", "orchestrator.recipe", "orchestrator.assembly",
-                                     "orchestrator.rig", "integrations"])
+                                     "orchestrator.run_files", "orchestrator.rig", "integrations"])
 def test_the_library_never_imports_the_application(package):
   """Not even inside a function: the application builds on the library and the factory, never the other way;
   the rig and the Tunix add-on build their objects through orchestrator.assembly, not through the app."""

@@ -27,13 +27,12 @@ from pathlib import Path
 
 from orchestrator import phases
 from orchestrator import recipe as recipe_lib
-from orchestrator.app import launch, locks, run_dir
+from orchestrator.app import launch, locks
 from orchestrator.app import simulate as simulate_lib
 from orchestrator.app.arguments import UsageError, UsageErrorParser, parse_subcommand, subcommand_parser
 from orchestrator.app.export import export_main
 from orchestrator.app.import_gguf import import_gguf_main
 from orchestrator.host.compilation_cache import COMPILATION_CACHE_ENV, use_compilation_cache
-from orchestrator.app.run_dir import RunDirError, default_out
 from orchestrator.app.serve_trainer import serve_main
 from orchestrator.app.signals import EXIT_NOTHING_TO_RESUME, startup_interrupts
 from orchestrator.data.recording import RecordingError, write_recording
@@ -43,6 +42,8 @@ from orchestrator.host.core_claims import CLAIMS_ENV
 from orchestrator.host.host_threads import apply_core_plan
 from orchestrator.models.presets import CONFIGS_ENV
 from orchestrator.remote import protocol
+from orchestrator.run_files import run_dir
+from orchestrator.run_files.run_dir import RunDirError, default_out
 
 FLAG_KEYS = {
     "pipeline_step_boundary": "step_boundary.pipeline_step_boundary",

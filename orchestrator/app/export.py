@@ -37,16 +37,17 @@ from typing import Any
 import numpy as np
 
 from orchestrator import recipe as recipe_lib
-from orchestrator.app import checkpoint_state, inputs, locks, run_dir
+from orchestrator.app import inputs, locks
 from orchestrator.app.plan import checkpoint_dir_for
 from orchestrator.app.arguments import UsageError, UsageErrorParser
 from orchestrator.app.new_directory import (Terminated, make_partial, missing_parents, remove_empty,
                                             remove_stale_partials, sigterm_raises, writable_above)
-from orchestrator.app.run_dir import RunDirError
 from orchestrator.models import hf_checkpoint
 from orchestrator.models.presets import ModelPreset, load_preset
 from orchestrator.recipe import RecipeError
 from orchestrator.recipe.model_section import DEFAULT_PRESET
+from orchestrator.run_files import checkpoint_state, run_dir
+from orchestrator.run_files.run_dir import RunDirError
 from orchestrator.user_files import MIB, UserFileError, read_regular_text
 
 WEIGHTS_FILE = "model.safetensors"

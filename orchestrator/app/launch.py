@@ -30,12 +30,11 @@ import sys
 from pathlib import Path
 
 from orchestrator import recipe as recipe_lib
-from orchestrator.app import inputs, locks, outcome, run_dir
+from orchestrator.app import inputs, locks, outcome
 from orchestrator.app.console import Progress
 from orchestrator.app.plan import RunPlan, plan_new_run, plan_resume
 from orchestrator.app.preflight import checks
 from orchestrator.app.resume import open_segment, withdraw_segment
-from orchestrator.app.run_dir import RunDirError
 from orchestrator.app.signals import EXIT_CODES, EXIT_NOTHING_TO_RESUME, StopSignals
 from orchestrator.contract import SourceStateError
 from orchestrator.data.recording import RecordingError
@@ -46,6 +45,8 @@ from orchestrator.distributed.bringup import DistributedError
 from orchestrator.distributed.launcher import LocalJob
 from orchestrator.loop.program import NonFiniteStepError, StoppedWithoutCheckpointError
 from orchestrator.recipe.loading import job_settings
+from orchestrator.run_files import run_dir
+from orchestrator.run_files.run_dir import RunDirError
 
 # What a user's input can cause before the run starts: one line, exit 2.
 REFUSALS = (recipe_lib.RecipeError, RunDirError, RecordingError, SourceStateError)

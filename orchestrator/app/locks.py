@@ -19,10 +19,10 @@ import socket
 import sys
 from pathlib import Path
 
-from orchestrator.app import run_dir
-from orchestrator.app.run_dir import LOCK, RunDirError
 from orchestrator.distributed.launcher import LAUNCHED_ENV
 from orchestrator.recipe.loading import PROCESS_ID_ENV
+from orchestrator.run_files import run_dir
+from orchestrator.run_files.run_dir import LOCK, RunDirError
 
 
 class DirLock:

@@ -18,7 +18,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from orchestrator.app import locks, run_dir
+from orchestrator.app import locks
 from orchestrator.app.console import format_summary, format_table
 from orchestrator.app.plan import RunPlan
 from orchestrator.app.signals import EXIT_CODES, EXIT_NOTHING_TO_RESUME, StopSignals
@@ -28,6 +28,7 @@ from orchestrator.distributed import job as job_lib
 from orchestrator.distributed.launcher import LAUNCHED_ENV
 from orchestrator.live.plot import plot_rewards
 from orchestrator.loop.program import NonFiniteStepError, StoppedWithoutCheckpointError
+from orchestrator.run_files import run_dir
 
 
 def end_run_on_lost_peer(writes_to: list, job: job_lib.Job, line: str) -> None:

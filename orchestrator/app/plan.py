@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator import recipe as recipe_lib
-from orchestrator.app import inputs, run_dir
-from orchestrator.app.run_dir import RunDirError
+from orchestrator.app import inputs
 from orchestrator.engine.options import CHECKPOINTING_BACKENDS
+from orchestrator.run_files import run_dir
+from orchestrator.run_files.run_dir import RunDirError
 
 
 def checkpoint_dir_for(recipe: recipe_lib.Recipe, out: Path) -> str | None:

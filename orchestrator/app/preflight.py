@@ -14,14 +14,15 @@ import contextlib
 from pathlib import Path
 
 from orchestrator import recipe as recipe_lib
-from orchestrator.app import locks, run_dir
+from orchestrator.app import locks
 from orchestrator.app.host import setup_host
 from orchestrator.app.memory_bound import check_training_fits
 from orchestrator.app.plan import RunPlan
 from orchestrator.app.resume import resume_point
-from orchestrator.app.run_dir import RunDirError
 from orchestrator.distributed import job as job_lib
 from orchestrator.remote import protocol
+from orchestrator.run_files import run_dir
+from orchestrator.run_files.run_dir import RunDirError
 
 
 def checks(plan: RunPlan, job: job_lib.Job, held: contextlib.ExitStack):

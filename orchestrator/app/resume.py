@@ -17,11 +17,11 @@ import sys
 import traceback
 from pathlib import Path
 
-from orchestrator.app import checkpoint_check, run_dir
 from orchestrator.app.plan import RunPlan
-from orchestrator.app.run_dir import RunDirError
 from orchestrator.data.packing import validate_payload
 from orchestrator.distributed import job as job_lib
+from orchestrator.run_files import checkpoint_check, run_dir
+from orchestrator.run_files.run_dir import RunDirError
 
 
 @dataclasses.dataclass(kw_only=True)

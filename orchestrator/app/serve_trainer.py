@@ -27,8 +27,8 @@ from pathlib import Path
 
 from orchestrator.app.arguments import parse_subcommand, subcommand_parser
 from orchestrator.app.host import NOISY_LOGGERS, setup_host
-from orchestrator.app.run_dir import default_out
 from orchestrator.remote import protocol
+from orchestrator.run_files.run_dir import default_out
 
 TOKEN_FILE_NAME = "trainer.token"
 

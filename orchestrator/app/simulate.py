@@ -20,10 +20,11 @@ import statistics
 import sys
 from pathlib import Path
 
-from orchestrator.app import compute_probe, run_dir
+from orchestrator.app import compute_probe
 from orchestrator.data import packing
 from orchestrator.recipe import keys as recipe_keys
 from orchestrator.recipe.schema import Recipe
+from orchestrator.run_files import run_dir
 from policies import Mode
 from policies.boundary_fit import Fit, at_own_compute, fit
 from policies.boundary_model import Components, Estimate, JobShape, ScaledChange, predict, predict_bounded

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.app import cli, launch, plan, run_dir
+from orchestrator.app import cli, launch, plan
 from orchestrator import recipe as recipe_lib
+from orchestrator.run_files import run_dir
 from policies import Mode
 from tests.conftest import REPO
 

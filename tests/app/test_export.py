@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 
 from orchestrator import recipe as recipe_lib
-from orchestrator.app import checkpoint_state, cli, export as export_lib, new_directory
+from orchestrator.app import cli, export as export_lib, new_directory
+from orchestrator.run_files import checkpoint_state
 
 RUN = ["model=tiny", "rollouts.source=synthetic", "batch.micro_batches_per_step=1", "batch.rows=4",
        "run.reserve_host_core=false"]

@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.app import cli, run_dir, signals
+from orchestrator.app import cli, signals
 from orchestrator import recipe as recipe_lib
+from orchestrator.run_files import run_dir
 from policies import Mode
 from tests.conftest import REPO
 

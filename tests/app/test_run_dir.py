@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 
 from orchestrator import recipe as recipe_lib
-from orchestrator.app import checkpoint_check, cli, locks, run_dir
+from orchestrator.app import cli, locks
 from orchestrator.loop.boundary_work import BoundaryWork
+from orchestrator.run_files import checkpoint_check, run_dir
 from tests.conftest import REPO
 
 BASE = ["model=tiny", "rollouts.source=synthetic", "batch.micro_batches_per_step=2", "run.reserve_host_core=false",

@@ -22,13 +22,13 @@ import pytest
 
 from orchestrator.addresses import free_loopback_port
 from orchestrator import recipe as recipe_lib
-from orchestrator.app import run_dir
 from orchestrator.data import packing
 from orchestrator.data.synthetic import SyntheticRollouts
 from orchestrator.distributed import launcher
 from orchestrator.distributed.agreement import (AgreementError, KeyValueAgreement, ProcessLostError, SingleProcess,
                                                 agree_on_measurements, combine_max)
 from orchestrator.distributed.watchdog import Watchdog
+from orchestrator.run_files import run_dir
 from policies import Mode
 from tests.conftest import REPO
 from tests.fakes import FakeKeyValueClient

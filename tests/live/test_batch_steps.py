@@ -317,7 +317,8 @@ def test_a_run_resumed_inside_a_batch_or_at_its_edge_trains_like_one_never_stopp
                                                                                    staleness):
   """Checkpoints after steps 2 and 3 (and the last); a resume from the one after step 2 (inside the first batch: it carries the
   batch's rest) and from the one after step 3 (the batch's edge) reach the uninterrupted run's digest."""
-  from orchestrator.app import cli, run_dir
+  from orchestrator.app import cli
+  from orchestrator.run_files import run_dir
 
   run = tmp_path / "run"
   argv = ARGV + [f"rollouts.max_staleness={staleness}", f"steps={STEPS}", "checkpoint.scored_steps=3,4"]

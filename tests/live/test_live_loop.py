@@ -9,10 +9,11 @@ import threading
 
 import pytest
 
-from orchestrator.app import cli, run_dir
+from orchestrator.app import cli
 from orchestrator import recipe as recipe_lib
 from orchestrator.engine.checkpointing import Checkpointer
 from orchestrator.live.rollouts import LiveRollouts, LiveShape, RolloutError
+from orchestrator.run_files import run_dir
 from orchestrator.tasks.tasks import FirstLetter
 from orchestrator.loop.program import ProgramConfig, RLProgram, StoppedWithoutCheckpointError
 from orchestrator.loop.trainer_worker import TrainerWorker

@@ -20,12 +20,13 @@ from tensorboardX.proto import event_pb2
 from tqdm import tqdm
 
 from orchestrator import recipe as recipe_lib
-from orchestrator.app import cli, console, run_dir
+from orchestrator.app import cli, console
 from orchestrator.loop import metrics_log
 from orchestrator.loop.metrics_log import SCALARS, TENSORBOARD_DIR
 from orchestrator.loop.recorder import BoundaryRecord
 from orchestrator.loop.trace import chrome_trace
 from orchestrator.recipe import schema
+from orchestrator.run_files import run_dir
 from tests.conftest import REPO
 
 SYNTHETIC = ["model=tiny", "rollouts.source=synthetic", "batch.rows=4", "batch.micro_batches_per_step=2",

@@ -11,10 +11,11 @@ import grpc
 import numpy as np
 import pytest
 
-from orchestrator.app import cli, run_dir
+from orchestrator.app import cli
 from orchestrator import recipe as recipe_lib
 from orchestrator.data.trajectory import Trajectory
 from orchestrator.remote import protocol, wire
+from orchestrator.run_files import run_dir
 
 TOKEN = "test-token-0123456789"
 BASE = ["model=tiny", "rollouts.source=synthetic", "steps=3", "batch.micro_batches_per_step=2",

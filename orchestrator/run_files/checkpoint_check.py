@@ -20,9 +20,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from orchestrator.app.run_dir import RECORD_FIELDS
 from orchestrator.contract import SourceStateError
 from orchestrator.data.sources import ReplaySteps, SyntheticSteps
+from orchestrator.run_files.run_dir import RECORD_FIELDS
 from orchestrator.user_files import MIB, UserFileError, read_regular_text
 from policies import BoundaryPlan, Mode, StepBoundaryPolicy
 

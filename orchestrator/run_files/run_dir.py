@@ -2,7 +2,7 @@
 
     DIR/config.json     the resolved recipe, each key's source, the run's id and the recipe's digest
                         (written once, by the run that claims DIR)
-    DIR/run.lock        held (an OS file lock, ``locks``) by the one process that runs, resumes or records into DIR
+    DIR/run.lock        held (an OS file lock, ``app.locks``) by the one process that runs, resumes or records into DIR
     DIR/records.jsonl   one BoundaryRecord per step of the run as started (segment 0), appended as steps finish
     DIR/summary.json    how segment 0 ended and its medians (written at its end, or at a stop)
     DIR/trace.json      segment 0's Perfetto trace
@@ -177,7 +177,7 @@ def abandoned_claim(path: Path) -> dict[str, Any] | None:
   else: no record, no summary, no error log, no checkpoint, no segment. Such a
   directory holds no output of anyone's, so a new run may claim it again
   (``claim_new``, under the lock: a run still bringing itself up holds it and
-  is refused by ``locks.lock``). Returns the abandoned ``config.json`` (for the note
+  is refused by ``app.locks.lock``). Returns the abandoned ``config.json`` (for the note
   that says so), or None for anything else, which stays a run's.
   """
   if not path.is_dir() or not (path / CONFIG).is_file():
@@ -197,7 +197,7 @@ def abandoned_claim(path: Path) -> dict[str, Any] | None:
 def claim_new(path: Path, config: dict[str, Any]) -> None:
   """Writes a new run's ``config.json``, with the recipe's digest (fails if another run got there first).
 
-  The caller holds ``path``'s lock (``locks.lock``), which created the directory. A
+  The caller holds ``path``'s lock (``app.locks.lock``), which created the directory. A
   claim a killed run left with nothing after it (``abandoned_claim``) is taken
   over, with a note naming the run that left it.
   """
