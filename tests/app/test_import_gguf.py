@@ -17,7 +17,7 @@ import pytest
 import safetensors
 import safetensors.numpy
 
-import orchestrator.engine
+import orchestrator.models
 from orchestrator.app import cli
 from orchestrator.engine import model as model_lib
 from orchestrator.models import hf_checkpoint
@@ -221,6 +221,6 @@ def test_a_quantisation_gguf_cannot_dequantize_is_refused_naming_the_tensor(tmp_
 def test_without_the_gguf_package_the_command_says_how_to_install_it(tmp_path, capsys, monkeypatch):
   monkeypatch.setitem(sys.modules, "gguf", None)
   monkeypatch.delitem(sys.modules, "orchestrator.models.gguf_file", raising=False)
-  monkeypatch.delattr(orchestrator.engine, "gguf_file", raising=False)
+  monkeypatch.delattr(orchestrator.models, "gguf_file", raising=False)  # else the import finds it there
   line = _refused(tmp_path, capsys, tmp_path / "any.gguf")
   assert "pip install -e '.[gguf]'" in line
