@@ -23,6 +23,7 @@ from orchestrator.data.synthetic import SyntheticRollouts
 from orchestrator.engine import build_backend
 from orchestrator.host import host_threads
 from orchestrator.tasks.tasks import max_generation_steps
+from orchestrator.tasks.tokenizer import sampled_token_ids
 from orchestrator.loop.program import ProgramConfig
 from orchestrator.loop.trainer_worker import TrainerWorker, WorkerCapabilities
 from orchestrator.recipe import RECIPES_DIR, Recipe, RecipeError
@@ -92,8 +93,6 @@ def sampled_distribution(recipe: Recipe):
     return SampledDistribution(float(stored["temperature"]), None if ids is None else tuple(ids))
   if recipe.rollouts.source != "sampler":
     return None
-  from orchestrator.live.sampler import sampled_token_ids  # import here: JAX-side, as above
-
   return SampledDistribution(float(recipe.rollouts.temperature),
                              tuple(sampled_token_ids(recipe.model.tokenizer(), recipe.live_task().answer_alphabet)))
 

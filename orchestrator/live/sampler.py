@@ -25,6 +25,7 @@ from orchestrator.engine import moe as moe_lib
 from orchestrator.engine.loss import attention_mask
 from orchestrator.models.presets import ModelPreset
 from orchestrator.live.placement import SamplerPlacement, default_device
+from orchestrator.tasks.tokenizer import sampled_token_ids
 
 
 #: A token id no sampler produces: Tunix's stop when the completion's end is found here instead.
@@ -52,23 +53,6 @@ class Samples:
   weights_version: int
   ended: list[bool] | None = None
   routing: list[np.ndarray] | None = None  # per completion: [prompt + completion tokens, layers, top_k] int16
-
-
-def sampled_token_ids(tokenizer, alphabet: str | None) -> list[int]:
-  """The ids a live sampler may emit: the answer alphabet's, or any id the tokenizer can decode.
-
-  With an alphabet, only the answer's characters are ever sampled: answers have a fixed length, so no eos
-  is needed, and every completion has exactly ``max_generation_steps`` tokens. Without one, a checkpoint's
-  vocabulary may be padded past the tokenizer's, and those ids are never sampled. Neither is the pad id
-  (unless it is also an end of sequence, after which nothing counts): Tunix's sampler takes every pad id in
-  the sequence for padding and hides it from the tokens decoded after it, while the trainer attends to it, so
-  the sampler's log-probs of those tokens would not be the policy's. The trainer's loss takes its log-probs
-  over the same ids (``orchestrator.engine.loss.SampledDistribution``).
-  """
-  ids = set(tokenizer.encode(alphabet)) if alphabet is not None else set(range(tokenizer.vocab_size))
-  if tokenizer.pad_id() not in set(getattr(tokenizer, "eos_ids", [tokenizer.eos_id()])):
-    ids.discard(tokenizer.pad_id())
-  return sorted(ids)
 
 
 class LiveSampler:

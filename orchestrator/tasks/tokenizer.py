@@ -2,7 +2,9 @@
 
 It has what Tunix's sampler asks of a tokenizer (``encode``, ``decode``,
 ``bos_id``, ``eos_id``, ``pad_id``), so the sampler takes it as is. Ids stay
-far below the model presets' vocabulary sizes.
+far below the model presets' vocabulary sizes. ``sampled_token_ids`` says which
+ids a live sampler may emit, for this tokenizer or a checkpoint's (JAX-free, so
+the recipe's readers and the benchmarks' settings can ask it before JAX starts).
 """
 
 from __future__ import annotations
@@ -58,3 +60,20 @@ class CharTokenizer:
 
   def pad_id(self) -> int:
     return PAD
+
+
+def sampled_token_ids(tokenizer, alphabet: str | None) -> list[int]:
+  """The ids a live sampler may emit: the answer alphabet's, or any id the tokenizer can decode.
+
+  With an alphabet, only the answer's characters are ever sampled: answers have a fixed length, so no eos
+  is needed, and every completion has exactly ``max_generation_steps`` tokens. Without one, a checkpoint's
+  vocabulary may be padded past the tokenizer's, and those ids are never sampled. Neither is the pad id
+  (unless it is also an end of sequence, after which nothing counts): Tunix's sampler takes every pad id in
+  the sequence for padding and hides it from the tokens decoded after it, while the trainer attends to it, so
+  the sampler's log-probs of those tokens would not be the policy's. The trainer's loss takes its log-probs
+  over the same ids (``orchestrator.engine.loss.SampledDistribution``).
+  """
+  ids = set(tokenizer.encode(alphabet)) if alphabet is not None else set(range(tokenizer.vocab_size))
+  if tokenizer.pad_id() not in set(getattr(tokenizer, "eos_ids", [tokenizer.eos_id()])):
+    ids.discard(tokenizer.pad_id())
+  return sorted(ids)
