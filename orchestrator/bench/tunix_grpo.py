@@ -39,6 +39,12 @@ from orchestrator.host.host_threads import reserve_host_core
 WARMUP_GLOBAL_STEPS = 2
 #: Tokens sampled per completion (answers are shorter; the rest is scored by the shaped reward).
 GENERATION_STEPS = 4
+#: What ``Toy.sampled`` may say the sampler draws from (``Toy``'s docstring).
+SAMPLED = ("vocabulary", "answer")
+#: The rewards ``Toy.reward`` may name (``Toy``'s docstring).
+REWARDS = ("shaped", "exact")
+#: Every toy samples at this temperature and trains without a KL term.
+TEMPERATURE, KL_BETA = 1.0, 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +61,26 @@ class Toy:
     num_iterations: GRPO's μ (each micro-batch trained this often).
     preset: the model preset.
     task: the live task (``first_letter``, ``reverse``, ``modular_addition``).
+    sampled: ``vocabulary``: every id of a model whose vocabulary is cut to the
+      character tokenizer's (rounded up to 16), so sampled ids mostly decode
+      to characters; ``answer``: only the ids of the task's answer letters
+      (``tasks.tokenizer.sampled_token_ids``, what the live sampler allows),
+      every other id of the preset's own vocabulary forbidden in each call the
+      rollout makes to Tunix's sampler.
+    completion_tokens: tokens sampled per completion.
+    reward: ``shaped``: 1 for the exact answer, else up to 0.25 for answer
+      letters, plus a small bonus keyed on Tunix's trajectory id (so a run that
+      named trajectories differently would train differently); ``exact``: 1
+      for the exact answer, else 0 (the task's own reward, ``run_rl``'s).
+    weight_decay: AdamW's (1e-4 is optax's default).
+    max_grad_norm: the gradient's global norm is clipped to it before AdamW;
+      None: no clipping.
+    clip_eps_low: the lower clip of the policy ratio (Tunix's ``epsilon``;
+      0.2 is its default).
+    clip_eps_high: the upper clip, set as the ``epsilon_high`` Tunix's GRPO
+      loss reads where its config has one; None: ``clip_eps_low``.
+    rollout_prompts: prompts per rollout call (Tunix's
+      ``rollout_micro_batch_size``); None: Tunix's default, the micro-batch.
   """
 
   layout: str = "shared"
@@ -68,6 +94,44 @@ class Toy:
   task: str = "first_letter"
   learning_rate: float = 3e-3
   seed: int = 0
+  sampled: str = "vocabulary"
+  completion_tokens: int = GENERATION_STEPS
+  reward: str = "shaped"
+  weight_decay: float = 1e-4
+  max_grad_norm: float | None = None
+  clip_eps_low: float = 0.2
+  clip_eps_high: float | None = None
+  rollout_prompts: int | None = None
+
+  def __post_init__(self):
+    if self.sampled not in SAMPLED:
+      raise ValueError(f"sampled={self.sampled!r}: use one of {', '.join(SAMPLED)}")
+    if self.reward not in REWARDS:
+      raise ValueError(f"reward={self.reward!r}: use one of {', '.join(REWARDS)}")
+
+
+def toy_vocab_size(toy: Toy) -> int:
+  """The vocabulary of the toy's model: the preset's, or (sampling the whole vocabulary) the character
+  tokenizer's rounded up to 16, so that rewards differ within a group from the first step and GRPO has a
+  signal to learn from."""
+  # import here: the models and tasks import numpy, whose threads start after the child's host settings (see main)
+  from orchestrator.models.presets import load_preset
+  from orchestrator.tasks.tokenizer import CharTokenizer
+
+  if toy.sampled == "vocabulary":
+    return -(-CharTokenizer().vocab_size // 16) * 16
+  return load_preset(toy.preset).vocab_size
+
+
+def toy_sampled_ids(toy: Toy) -> list[int]:
+  """The ids the toy's rollouts may sample: the answer letters' (as the live sampler's) or every id."""
+  # import here: the tasks import numpy, whose threads start after the child's host settings (see main)
+  from orchestrator.tasks import tasks as tasks_lib
+  from orchestrator.tasks.tokenizer import CharTokenizer, sampled_token_ids
+
+  if toy.sampled == "answer":
+    return sampled_token_ids(CharTokenizer(), tasks_lib.make_task(toy.task).answer_alphabet)
+  return list(range(toy_vocab_size(toy)))
 
 
 def _meshes(layout: str):
@@ -85,15 +149,86 @@ def _meshes(layout: str):
   return actor, (mesh_on(devices[1:2]) if layout == "split" else actor)
 
 
+def _cluster_config(toy: Toy, actor_mesh, rollout_mesh):
+  """Tunix's ``ClusterConfig`` for ``toy``: its batch sizes, optimizer and rollout settings."""
+  import optax  # import here: JAX starts only after reserve_host_core, in the child (see main)
+  from tunix.rl import rl_cluster as rlc
+  from tunix.rl.rollout import base_rollout
+
+  from orchestrator.tasks import tasks as tasks_lib
+
+  micro = toy.prompts
+  mini = micro * toy.micro_batches
+  optimizer = optax.adamw(toy.learning_rate, weight_decay=toy.weight_decay)
+  if toy.max_grad_norm is not None:
+    optimizer = optax.chain(optax.clip_by_global_norm(toy.max_grad_norm), optimizer)
+  return rlc.ClusterConfig(
+      role_to_mesh={rlc.Role.ACTOR: actor_mesh, rlc.Role.REFERENCE: actor_mesh, rlc.Role.ROLLOUT: rollout_mesh},
+      rollout_engine="vanilla", offload_to_cpu=False,
+      training_config=rlc.RLTrainingConfig(
+          actor_optimizer=optimizer, eval_every_n_steps=10**6,
+          max_steps=toy.global_steps * toy.mini_batches * toy.num_iterations,
+          mini_batch_size=mini, train_micro_batch_size=micro, rollout_micro_batch_size=toy.rollout_prompts),
+      rollout_config=base_rollout.RolloutConfig(
+          max_tokens_to_generate=toy.completion_tokens, max_prompt_length=tasks_lib.MAX_PROMPT_LENGTH,
+          kv_cache_size=tasks_lib.MAX_PROMPT_LENGTH + toy.completion_tokens, temperature=TEMPERATURE,
+          seed=toy.seed))
+
+
+def sample_only(rollout, allowed_ids: list[int], vocab_size: int) -> None:
+  """Makes every call Tunix's vanilla rollout makes to its sampler forbid all ids but ``allowed_ids``.
+
+  Tunix's ``RolloutConfig`` has no forbidden or allowed ids, while its ``Sampler`` takes ``forbidden_tokens``
+  in each call, and the vanilla rollout calls it with the config's settings alone. So the rollout's sampler
+  becomes an instance of a subclass whose call adds them (the same object otherwise: its weights, which the
+  trainer shares, and its compiled programs). The ids go as one array in a one-element list, as the live
+  sampler passes them (``live.sampler.LiveSampler``), so both arms sample through the same programs.
+  """
+  import numpy as np  # import here: numpy's threads start after the host settings, in the child (see main)
+
+  allowed = set(allowed_ids)
+  forbidden = [np.asarray([i for i in range(vocab_size) if i not in allowed], np.int32)]
+  sampler = rollout._sampler  # pylint: disable=protected-access  # the vanilla rollout's own
+  stock_call = type(sampler).__call__
+
+  class AllowedIdsSampler(type(sampler)):
+    def __call__(self, *args, **kwargs):
+      return stock_call(self, *args, forbidden_tokens=forbidden, **kwargs)
+
+  sampler.__class__ = AllowedIdsSampler
+
+
+def _reward_fn(toy: Toy, task):
+  """The reward Tunix trains on (``Toy.reward``)."""
+  alphabet = set(task.answer_alphabet)
+
+  def answer_reward(prompts, completions, answer, trajectory_ids, **_):
+    """1 for the exact answer; shaped: otherwise up to 0.25 for a completion made of answer characters.
+
+    Shaped, plus a small bonus keyed on Tunix's trajectory id, so that a run which named trajectories
+    differently from stock would train differently (the identity tests would see it).
+    """
+    out = []
+    for completion, expected, trajectory in zip(completions, answer, trajectory_ids):
+      text = str(completion).strip()
+      if toy.reward == "exact":
+        out.append(1.0 if text == str(expected) else 0.0)
+        continue
+      shaped = 0.25 * sum(ch in alphabet for ch in text) / len(text) if text else 0.0
+      bonus = 0.01 * (zlib.crc32(str(trajectory).encode()) % 4)
+      out.append((1.0 if text == str(expected) else shaped) + bonus)
+    return out
+
+  return answer_reward
+
+
 def build_learner(toy: Toy):
   """A stock Tunix ``GRPOLearner`` for ``toy`` and its training data (a list of global batches)."""
   import jax  # import here: JAX starts only after reserve_host_core, in the child (see main)
   import numpy as np
-  import optax
   from flax import nnx
   from tunix.rl import rl_cluster as rlc
   from tunix.rl.grpo import grpo_learner
-  from tunix.rl.rollout import base_rollout
 
   from orchestrator.engine import model as model_lib
   from orchestrator.models.presets import load_preset
@@ -101,49 +236,23 @@ def build_learner(toy: Toy):
   from orchestrator.tasks.tokenizer import CharTokenizer
 
   actor_mesh, rollout_mesh = _meshes(toy.layout)
-  # The model's vocabulary is cut to the tokenizer's (rounded up), so sampled ids mostly decode to
-  # characters and rewards differ within a group from the first step: GRPO has a signal to learn from.
   tokenizer = CharTokenizer()
-  preset = load_preset(toy.preset, vocab_size=-(-tokenizer.vocab_size // 16) * 16)
+  vocab_size = toy_vocab_size(toy)
+  preset = load_preset(toy.preset, vocab_size=vocab_size)
   graphdefs, params, specs = model_lib.build_model(preset, toy.seed)
   placed = jax.tree.map(lambda x, spec: jax.device_put(np.asarray(x), jax.sharding.NamedSharding(actor_mesh, spec)),
                         params, specs)
   task = tasks_lib.make_task(toy.task)
-  micro = toy.prompts
-  mini = micro * toy.micro_batches
-  full = mini * toy.mini_batches
-  config = rlc.ClusterConfig(
-      role_to_mesh={rlc.Role.ACTOR: actor_mesh, rlc.Role.REFERENCE: actor_mesh, rlc.Role.ROLLOUT: rollout_mesh},
-      rollout_engine="vanilla", offload_to_cpu=False,
-      training_config=rlc.RLTrainingConfig(
-          actor_optimizer=optax.adamw(toy.learning_rate), eval_every_n_steps=10**6,
-          max_steps=toy.global_steps * toy.mini_batches * toy.num_iterations,
-          mini_batch_size=mini, train_micro_batch_size=micro),
-      rollout_config=base_rollout.RolloutConfig(
-          max_tokens_to_generate=GENERATION_STEPS, max_prompt_length=tasks_lib.MAX_PROMPT_LENGTH,
-          kv_cache_size=tasks_lib.MAX_PROMPT_LENGTH + GENERATION_STEPS, temperature=1.0, seed=toy.seed))
   cluster = rlc.RLCluster(actor=nnx.merge(graphdefs["dropless"], placed), tokenizer=tokenizer,
-                          cluster_config=config)
-  alphabet = set(task.answer_alphabet)
-
-  def answer_reward(prompts, completions, answer, trajectory_ids, **_):
-    """1 for the exact answer; otherwise up to 0.25 for a completion made of answer characters.
-
-    Plus a small bonus keyed on Tunix's trajectory id, so that a run which named trajectories
-    differently from stock would train differently (the identity tests would see it).
-    """
-    out = []
-    for completion, expected, trajectory in zip(completions, answer, trajectory_ids):
-      text = str(completion).strip()
-      shaped = 0.25 * sum(ch in alphabet for ch in text) / len(text) if text else 0.0
-      bonus = 0.01 * (zlib.crc32(str(trajectory).encode()) % 4)
-      out.append((1.0 if text == str(expected) else shaped) + bonus)
-    return out
-
-  learner = grpo_learner.GRPOLearner(
-      rl_cluster=cluster, reward_fns=answer_reward,
-      algo_config=grpo_learner.GRPOConfig(num_generations=toy.generations, num_iterations=toy.num_iterations,
-                                          beta=0.0))
+                          cluster_config=_cluster_config(toy, actor_mesh, rollout_mesh))
+  if toy.sampled == "answer":
+    sample_only(cluster.rollout, toy_sampled_ids(toy), vocab_size)
+  algo_config = grpo_learner.GRPOConfig(num_generations=toy.generations, num_iterations=toy.num_iterations,
+                                        beta=KL_BETA, epsilon=toy.clip_eps_low)
+  if toy.clip_eps_high is not None:
+    algo_config.epsilon_high = toy.clip_eps_high  # Tunix's GRPO loss reads it where the config has it
+  learner = grpo_learner.GRPOLearner(rl_cluster=cluster, reward_fns=_reward_fn(toy, task), algo_config=algo_config)
+  full = toy.prompts * toy.micro_batches * toy.mini_batches
   problems = [task.problem(toy.seed, "train", i) for i in range(full * toy.global_steps)]
   data = [{"prompts": np.array([p.prompt for p in problems[i:i + full]]),
            "answer": np.array([p.answer for p in problems[i:i + full]])}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import types
 
 import pytest
 
@@ -56,3 +57,38 @@ def test_jax_platforms_cpu_is_the_cpu_without_asking_a_child(monkeypatch):
   monkeypatch.setenv("JAX_PLATFORMS", "cpu")
   monkeypatch.setattr(tunix_grpo.subprocess, "run", lambda *a, **k: pytest.fail("no child needed"))
   assert tunix_grpo.host_devices() == ("cpu", 0)
+
+
+class _RecordingSampler:
+  """Stands in for Tunix's ``Sampler``: records each call's keyword arguments; holds state as it does."""
+
+  def __init__(self):
+    self.calls, self.transformer_state = [], "weights"
+
+  def __call__(self, input_strings, max_generation_steps, **kwargs):
+    self.calls.append(kwargs)
+    return input_strings
+
+
+@pytest.mark.spec
+def test_sample_only_makes_every_rollout_call_forbid_all_but_the_allowed_ids():
+  rollout, untouched = types.SimpleNamespace(_sampler=_RecordingSampler()), _RecordingSampler()
+  tunix_grpo.sample_only(rollout, [13, 14, 15], vocab_size=20)
+  sampler = rollout._sampler
+  assert sampler(["1st:abcd>"], max_generation_steps=1, temperature=1.0) == ["1st:abcd>"]
+  (forbidden,), = [call["forbidden_tokens"] for call in sampler.calls]  # one array, as the live sampler passes
+  assert sorted(forbidden.tolist()) == sorted(set(range(20)) - {13, 14, 15})
+  assert sampler.calls[0]["temperature"] == 1.0  # the rollout's own settings pass through
+  assert isinstance(sampler, _RecordingSampler) and sampler.transformer_state == "weights"  # the same object
+  untouched(["x"], max_generation_steps=1)  # negative control: a sampler left as it was forbids nothing
+  assert "forbidden_tokens" not in untouched.calls[0]
+
+
+@pytest.mark.spec
+def test_a_toy_names_what_it_samples_and_its_reward_from_a_known_set():
+  assert tunix_grpo.toy_sampled_ids(tunix_grpo.Toy(sampled="answer")) == list(range(13, 21))  # "a"-"h"
+  assert tunix_grpo.toy_sampled_ids(tunix_grpo.Toy()) == list(range(64))  # the cut vocabulary, every id
+  with pytest.raises(ValueError, match="sampled='letters'"):
+    tunix_grpo.Toy(sampled="letters")
+  with pytest.raises(ValueError, match="reward='binary'"):
+    tunix_grpo.Toy(reward="binary")
