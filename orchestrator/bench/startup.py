@@ -45,6 +45,7 @@ then one JSON object, with the ``run_rl`` arms' final state digests.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import json
 import math
@@ -215,20 +216,28 @@ def step_rewards(exact: list[bool], toy: Toy, steps: int) -> list[float]:
 
 def tunix_child(toy: Toy, steps: int) -> dict:
   """Stock Tunix GRPO on ``toy`` in this process: each of the first ``steps`` optimizer steps' wall time once its
-  update is done, the exact-answer rate of the completions it trained on, and the completions' distinct texts."""
+  update is done, the exact-answer rate of the completions it trained on, and the completions' distinct texts.
+
+  A thread watches each step's last micro-batch's loss, which the program that applies the update returns: Tunix's
+  loop is never held (it writes a step's metrics one step late, so that the next step is dispatched while this one
+  computes), as ``run_rl``'s recorder watches its updates from a thread of its own.
+  """
   import jax  # import here: JAX starts in the child only (see main)
-  from flax import nnx  # import here: flax imports JAX
 
   use_compilation_cache()  # as run_rl's processes: XLA's own cache, which any JAX program may turn on
   learner, data = build_learner(toy)
   trainer = learner.rl_cluster.actor_trainer
-  step_at, exact, texts = [], [], set()
+  watcher = concurrent.futures.ThreadPoolExecutor(max_workers=1)  # one thread: the steps' times in order
+  watched, exact, texts = [], [], set()
   write_metrics, compute_rewards = trainer._write_train_metrics, learner._compute_rewards
 
+  def ready_at(loss) -> float:
+    jax.block_until_ready(loss)
+    return time.time()
+
   def after_update(*args, **kwargs):  # after each optimizer step's last micro-batch (and once more at the end)
-    if len(step_at) < trainer.train_steps:
-      jax.block_until_ready(nnx.state(trainer.model, nnx.Param))
-      step_at.append(time.time())
+    if len(watched) < trainer.train_steps:
+      watched.append(watcher.submit(ready_at, trainer._buffered_train_metrics.losses[-1]))
     return write_metrics(*args, **kwargs)
 
   def rewards(prompts, completions, mode, step=None, **kwargs):
@@ -239,7 +248,9 @@ def tunix_child(toy: Toy, steps: int) -> dict:
 
   trainer._write_train_metrics, learner._compute_rewards = after_update, rewards
   learner.train(data)
-  return {"step_at": step_at[:steps], "reward": step_rewards(exact, toy, steps), "completions": sorted(texts)}
+  step_at = [future.result() for future in watched[:steps]]
+  watcher.shutdown()
+  return {"step_at": step_at, "reward": step_rewards(exact, toy, steps), "completions": sorted(texts)}
 
 
 def tunix_arm(toy: Toy, steps: int, timeout_s: float) -> dict:
