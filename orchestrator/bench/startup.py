@@ -26,6 +26,7 @@ round to round:
   micro-batches per step, passes (``num_iterations`` = ``engine.epochs``),
   learning rate, optimizer and ratio clip; one shared mesh, XLA's pool on every
   core as a user runs it, XLA's compilation cache as ``run_rl``'s (``$STEP_BOUNDARY_COMPILATION_CACHE``).
+  What it cannot take from the recipe is ``TUNIX_FIXED``.
 - ``tunix_toy`` (only where ``--arms`` names it): the earlier, unmatched arm:
   the toy of ``bench.tunix_grpo`` with the recipe's batch and learning rate,
   sampling 4 tokens over the whole (cut) vocabulary, trained on a shaped reward.
@@ -73,13 +74,17 @@ RUN_RL_ARMS = {"run_rl": (), "run_rl_sync": ("rollouts.max_staleness=0",),
 #: Every arm, in the order they run in the first round; ``tunix_toy`` runs only where asked.
 ARMS = (*RUN_RL_ARMS, "tunix", "tunix_toy")
 DEFAULT_ARMS = ("run_rl", "run_rl_sync", "run_rl_per_mini_batch", "tunix")
-#: Where each ``run_rl`` arm's settings may differ from the ``tunix`` arm's (``run_rl_settings``). Tunix's loss
-#: takes its log-probs over the whole vocabulary, ``run_rl``'s over the ids its sampler may emit; the rest is
-#: each arm's schedule.
+#: Where every ``run_rl`` arm's settings differ from the ``tunix`` arm's, and Tunix's cannot be changed: its loss
+#: takes its log-probs over the whole vocabulary, ``run_rl``'s over the ids its sampler may emit; its vanilla
+#: rollout samples every call with the same key (``RolloutConfig.seed``: the same noise for a row at a decoding
+#: step in every call), ``run_rl`` each sampled batch with its own.
+TUNIX_FIXED = {"logprobs_over_ids", "sampling_seed"}
+#: Where each ``run_rl`` arm's settings may differ from the ``tunix`` arm's (``run_rl_settings``): the above and
+#: the arm's schedule, which is what it measures.
 EXPECTED_DIFFERENCES = {
-    "run_rl": {"steps_per_sampled_batch", "staleness", "prompts_per_sampling_call", "logprobs_over_ids"},
-    "run_rl_sync": {"steps_per_sampled_batch", "prompts_per_sampling_call", "logprobs_over_ids"},
-    "run_rl_per_mini_batch": {"logprobs_over_ids"},
+    "run_rl": {"steps_per_sampled_batch", "staleness", "prompts_per_sampling_call"} | TUNIX_FIXED,
+    "run_rl_sync": {"steps_per_sampled_batch", "prompts_per_sampling_call"} | TUNIX_FIXED,
+    "run_rl_per_mini_batch": TUNIX_FIXED,
 }
 
 
@@ -110,7 +115,7 @@ def run_rl_settings(overrides=()) -> dict:
           "kl_beta": e.kl_beta, "steps_per_sampled_batch": r.batch_steps, "passes": e.epochs,
           "staleness": r.max_staleness,
           "prompts_per_sampling_call": recipe.micro_batches_per_call() * r.groups_per_micro_batch,
-          "logprobs_over_ids": len(ids)}
+          "sampling_seed": "its own per call", "logprobs_over_ids": len(ids)}
 
 
 def tunix_settings(toy: Toy) -> dict:
@@ -126,7 +131,8 @@ def tunix_settings(toy: Toy) -> dict:
           "optimizer": optimizer_form(toy.weight_decay, toy.max_grad_norm),
           "clip_eps": [toy.clip_eps_low, toy.clip_eps_low if toy.clip_eps_high is None else toy.clip_eps_high],
           "kl_beta": KL_BETA, "steps_per_sampled_batch": 1, "passes": toy.num_iterations, "staleness": 0,
-          "prompts_per_sampling_call": toy.rollout_prompts or toy.prompts, "logprobs_over_ids": toy_vocab_size(toy)}
+          "prompts_per_sampling_call": toy.rollout_prompts or toy.prompts, "sampling_seed": "the same every call",
+          "logprobs_over_ids": toy_vocab_size(toy)}
 
 
 def differences(ours: dict, theirs: dict) -> set[str]:
@@ -326,14 +332,15 @@ SETTINGS_COLUMNS = (
     ("passes", lambda s: str(s["passes"])),
     ("staleness", lambda s: str(s["staleness"])),
     ("prompts/call", lambda s: str(s["prompts_per_sampling_call"])),
+    ("sampling key", lambda s: s["sampling_seed"]),
     ("log-probs over", lambda s: f"{s['logprobs_over_ids']} ids"),
 )
 
 
 def print_settings(settings: dict[str, dict]) -> None:
   """One row per arm: its task form, the ids it samples, completion tokens, reward, optimizer steps per sampled
-  batch (per pass), passes over it, batches sampled ahead, prompts per sampling call and the ids its loss takes
-  log-probs over; then what every arm shares."""
+  batch (per pass), passes over it, batches sampled ahead, prompts per sampling call, its sampling key and the ids
+  its loss takes log-probs over; then what every arm shares."""
   cells = {arm: [show(s) for _, show in SETTINGS_COLUMNS] for arm, s in settings.items()}
   widths = [max(len(h), *(len(c[i]) for c in cells.values())) for i, (h, _) in enumerate(SETTINGS_COLUMNS)]
   print(f"{'arm':22} " + "  ".join(h.ljust(w) for (h, _), w in zip(SETTINGS_COLUMNS, widths)))

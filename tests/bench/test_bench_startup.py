@@ -30,7 +30,8 @@ def test_the_tunix_arm_samples_rewards_and_trains_as_the_recipe_says():
   assert (theirs["prompts"], theirs["generations"], theirs["micro_batches_per_step"]) == (8, 4, 2)
   assert theirs["learning_rate"] == ours["learning_rate"] == 1.5e-3 and theirs["passes"] == ours["passes"] == 2
   assert theirs["clip_eps"] == ours["clip_eps"] == [0.2, 0.28] and theirs["optimizer"] == ours["optimizer"]
-  # What is left is what the run_rl arms measure, each its own part of it.
+  # Left: what Tunix cannot take from the recipe, and what the run_rl arms measure, each its own part of it.
+  assert (theirs["logprobs_over_ids"], theirs["sampling_seed"]) == (512, "the same every call")
   for arm, overrides in RUN_RL_ARMS.items():
     assert differences(run_rl_settings(overrides), theirs) == EXPECTED_DIFFERENCES[arm], arm
   assert check_settings({arm: startup.arm_settings(arm) for arm in (*RUN_RL_ARMS, "tunix")}) == []
