@@ -40,7 +40,7 @@ spawned) to the first optimizer step's update, the seconds per optimizer step
 reward is at least 0.5 ("not reached" within the steps run), with their
 ranges; each ``run_rl`` arm's figures as ratios of Tunix's in the same round
 (median and range); the machine's 1-minute load average before each round;
-then one JSON object, with the ``run_rl`` arms' final state digests.
+then one JSON object, with every arm's final weights' digests (one, if every run trained alike).
 """
 
 from __future__ import annotations
@@ -222,13 +222,17 @@ def step_rewards(exact: list[bool], toy: Toy, steps: int) -> list[float]:
 
 def tunix_child(toy: Toy, steps: int) -> dict:
   """Stock Tunix GRPO on ``toy`` in this process: each of the first ``steps`` optimizer steps' wall time once its
-  update is done, the exact-answer rate of the completions it trained on, and the completions' distinct texts.
+  update is done, the exact-answer rate of the completions it trained on, the completions' distinct texts and the
+  final weights' digest.
 
   A thread watches each step's last micro-batch's loss, which the program that applies the update returns: Tunix's
   loop is never held (it writes a step's metrics one step late, so that the next step is dispatched while this one
   computes), as ``run_rl``'s recorder watches its updates from a thread of its own.
   """
   import jax  # import here: JAX starts in the child only (see main)
+  from flax import nnx  # import here: flax imports JAX
+
+  from orchestrator.engine.diagnostics import tree_digest  # import here: the engine imports JAX
 
   use_compilation_cache()  # as run_rl's processes: XLA's own cache, which any JAX program may turn on
   learner, data = build_learner(toy)
@@ -256,7 +260,8 @@ def tunix_child(toy: Toy, steps: int) -> dict:
   learner.train(data)
   step_at = [future.result() for future in watched[:steps]]
   watcher.shutdown()
-  return {"step_at": step_at, "reward": step_rewards(exact, toy, steps), "completions": sorted(texts)}
+  return {"step_at": step_at, "reward": step_rewards(exact, toy, steps), "completions": sorted(texts),
+          "digest": tree_digest(nnx.state(trainer.model, nnx.Param))}
 
 
 def tunix_arm(toy: Toy, steps: int, timeout_s: float) -> dict:
@@ -268,7 +273,8 @@ def tunix_arm(toy: Toy, steps: int, timeout_s: float) -> dict:
   if proc.returncode != 0:
     raise RuntimeError(f"stock Tunix failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
   out = json.loads(proc.stdout.strip().splitlines()[-1])
-  return {"step_s": [t - spawned for t in out["step_at"]], "reward": out["reward"], "completions": out["completions"]}
+  return {"step_s": [t - spawned for t in out["step_at"]], "reward": out["reward"], "completions": out["completions"],
+          "digest": out["digest"]}
 
 
 def seconds_per_step(step_s: list[float]) -> float | None:
@@ -281,7 +287,8 @@ def seconds_per_step(step_s: list[float]) -> float | None:
 
 
 def figures(runs: list[dict]) -> dict:
-  """Medians and ranges over the rounds of the time to the first step, per step and to the reward target."""
+  """Medians and ranges over the rounds of the time to the first step, per step and to the reward target, and of
+  the steps trained when the reward target is reached (how many samples the arm needs, whatever its speed)."""
   first = [r["step_s"][0] for r in runs]
   per_step = [s for r in runs if (s := seconds_per_step(r["step_s"])) is not None] or [float("nan")]
   reached = [first_reaching(r["step_s"], r["reward"]) for r in runs]
@@ -293,6 +300,9 @@ def figures(runs: list[dict]) -> dict:
   times = [t for t in reached if t is not None]
   out["reward_s"] = statistics.median(times) if len(times) == len(runs) else None
   out["reward_range_s"] = [min(times), max(times)] if times else None
+  at_step = [s for r in runs if (s := first_reaching(list(range(1, len(r["reward"]) + 1)), r["reward"])) is not None]
+  out["reward_step"] = statistics.median(at_step) if len(at_step) == len(runs) else None
+  out["reward_step_range"] = [min(at_step), max(at_step)] if at_step else None
   return out
 
 
@@ -354,7 +364,8 @@ def print_settings(settings: dict[str, dict]) -> None:
 
 
 def print_figures(rows: dict[str, dict], relative: dict[str, dict], rounds: int) -> None:
-  print(f"{'arm':22} {'first update':>20} {'per step':>24} {'10-step reward >= 0.5':>26}   steps  last 10 steps' reward")
+  print(f"{'arm':22} {'first update':>20} {'per step':>24} {'10-step reward >= 0.5':>26} {'at step':>16}   steps"
+        "  last 10 steps' reward")
   for arm, r in rows.items():
     first = f"{r['first_step_s']:.1f} s ({r['first_step_range_s'][0]:.1f}-{r['first_step_range_s'][1]:.1f})"
     lo, hi = r["per_step_range_s"]
@@ -363,7 +374,10 @@ def print_figures(rows: dict[str, dict], relative: dict[str, dict], rounds: int)
       reward = f"{r['reward_s']:.1f} s ({r['reward_range_s'][0]:.1f}-{r['reward_range_s'][1]:.1f})"
     else:
       reward = f"not reached ({r['reward_reached']}/{rounds} runs did)"
-    print(f"{arm:22} {first:>20} {per_step:>24} {reward:>26}   {r['steps']:5d}  {r['reward_last_10']:.3f}")
+    at_step = "-"
+    if r["reward_step"] is not None:
+      at_step = f"{r['reward_step']:.0f} ({r['reward_step_range'][0]}-{r['reward_step_range'][1]})"
+    print(f"{arm:22} {first:>20} {per_step:>24} {reward:>26} {at_step:>16}   {r['steps']:5d}  {r['reward_last_10']:.3f}")
   for arm, values in relative.items():
     print(f"{arm} / tunix, per round: " + "; ".join(
         f"{name} {v['median']:.2f} ({v['range'][0]:.2f}-{v['range'][1]:.2f})" if v else f"{name} n/a"

@@ -93,8 +93,11 @@ def test_the_figures_say_how_many_runs_reached_the_reward_and_leave_a_median_onl
   row = figures([reached, short, reached])
   assert row["first_step_s"] == 10.0 and row["first_step_range_s"] == [10.0, 12.0]
   assert row["reward_reached"] == 2 and row["reward_s"] is None and row["reward_range_s"] == [TIMES[9], TIMES[9]]
+  assert row["reward_step"] is None and row["reward_step_range"] == [10, 10]
   assert row["digests"] == ["d"] and row["steps"] == 12
   assert figures([reached, reached])["reward_s"] == TIMES[9]
+  later = {"step_s": TIMES, "reward": [0.0] * 7 + [1.0] * 5}  # reaches 0.5 at its 12th step, at 21 s
+  assert (figures([reached, later, later])["reward_step"], figures([reached, later, later])["reward_s"]) == (12, 21.0)
 
 
 @pytest.mark.spec
@@ -166,3 +169,4 @@ def test_the_tunix_arm_samples_one_answer_letter_and_is_rewarded_for_exact_answe
   rewards = out["reward"]
   assert len(rewards) == 8 and all(0.0 <= r <= 1.0 for r in rewards)
   assert rewards[0::2] == rewards[1::2]  # num_iterations 2: each mini-batch trained twice in a row
+  assert len(out["digest"]) == 64  # the final weights', to tell whether its runs train alike
