@@ -436,7 +436,7 @@ def _layout_sections(block: str) -> dict[str, str]:
 
 def _unnamed_modules(block: str, modules: list[str]) -> list[str]:
   """The modules (dotted names) the layout block does not name: a top-level module by its own entry, any
-  other by its name (``name`` or ``name.py``) in its folder's section."""
+  other as ``name.py`` in its folder's section (a bare word such as "the run" names nothing)."""
   sections = _layout_sections(block)
   missing = []
   for module in modules:
@@ -444,8 +444,7 @@ def _unnamed_modules(block: str, modules: list[str]) -> list[str]:
     folder, stem = "/".join(parts[:-1]), parts[-1]
     if folder == "orchestrator" and f"orchestrator/{stem}.py" in sections:
       continue
-    text = sections.get(folder, "")
-    if not re.search(rf"(?<![\w.]){re.escape(stem)}(\.py)?(?!\w)", text):
+    if not re.search(rf"(?<![\w.]){re.escape(stem)}\.py(?!\w)", sections.get(folder, "")):
       missing.append(module)
   return missing
 
@@ -459,8 +458,9 @@ def _layout_block() -> str:
   return section.split("```")[1]
 
 
-def _layer_table() -> list[tuple[str, ...]]:
-  section = _design_section(DESIGN.read_text(), "3. Layout and layering")
+def _layer_table(text: str | None = None) -> list[tuple[str, ...]]:
+  """The packages in each row of design §3's layer table (of ``text``, else the design's)."""
+  section = _design_section(DESIGN.read_text() if text is None else text, "3. Layout and layering")
   rows = re.findall(r"^\| (\d+) \| (.*) \|$", section, flags=re.M)
   return [tuple(name for name in re.findall(r"`([\w.]+)`", cells)
                 if name in ("policies", "integrations") or name.startswith("orchestrator.")) for _, cells in rows]
@@ -478,17 +478,19 @@ def test_the_designs_layout_block_names_every_module():
 
 @pytest.mark.spec
 def test_the_map_checks_catch_a_module_left_out_and_a_layer_moved():
-  """Negative controls: a module the block does not name under its folder, named only under another folder,
-  and a layer table with one package moved."""
-  block = ("orchestrator/\n  loop/   the loop\n    program.py  RLProgram\n  engine/  the engine (model)\n"
+  """Negative controls: a module the block does not name under its folder, one named only under another
+  folder, one whose name is only a word in its folder's text; and the design with one package moved a layer
+  down, which the layer check must tell from the layers."""
+  block = ("orchestrator/\n  loop/   the loop, its feed\n    program.py  RLProgram\n  engine/  the engine (model.py)\n"
            "  assembly.py  the factory\n")
   modules = ["orchestrator.loop.program", "orchestrator.loop.feed", "orchestrator.engine.model",
              "orchestrator.engine.program", "orchestrator.assembly", "orchestrator.phases"]
   assert _unnamed_modules(block, modules) == ["orchestrator.loop.feed", "orchestrator.engine.program",
                                               "orchestrator.phases"]
-  moved = [tuple(names) for names in LAYERS]
-  moved[1], moved[2] = moved[1] + moved[2][:1], moved[2][1:]
-  assert _layer_table() != moved
+  text = DESIGN.read_text()
+  moved = text.replace("| `orchestrator.data`, `orchestrator.distributed` |", "| `orchestrator.data` |", 1)
+  moved = moved.replace("| `orchestrator.engine`, ", "| `orchestrator.distributed`, `orchestrator.engine`, ", 1)
+  assert moved != text and _layer_table(moved) != [tuple(names) for names in LAYERS]
 
 
 #: The most of the package code one folder may hold: past it, a folder holds more than one concern.

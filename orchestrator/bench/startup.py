@@ -115,7 +115,8 @@ def run_rl_settings(overrides=()) -> dict:
           "kl_beta": e.kl_beta, "steps_per_sampled_batch": r.batch_steps, "passes": e.epochs,
           "staleness": r.max_staleness,
           "prompts_per_sampling_call": recipe.micro_batches_per_call() * r.groups_per_micro_batch,
-          "sampling_seed": "its own per call", "logprobs_over_ids": len(ids)}
+          "sampling_seed": "its own per call", "logprobs_over_ids": len(ids),
+          "weights_seed": e.seed, "prompts_seed": r.seed}
 
 
 def tunix_settings(toy: Toy) -> dict:
@@ -132,7 +133,7 @@ def tunix_settings(toy: Toy) -> dict:
           "clip_eps": [toy.clip_eps_low, toy.clip_eps_low if toy.clip_eps_high is None else toy.clip_eps_high],
           "kl_beta": KL_BETA, "steps_per_sampled_batch": 1, "passes": toy.num_iterations, "staleness": 0,
           "prompts_per_sampling_call": toy.rollout_prompts or toy.prompts, "sampling_seed": "the same every call",
-          "logprobs_over_ids": toy_vocab_size(toy)}
+          "logprobs_over_ids": toy_vocab_size(toy), "weights_seed": toy.seed, "prompts_seed": toy.seed}
 
 
 def differences(ours: dict, theirs: dict) -> set[str]:

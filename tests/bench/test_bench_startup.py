@@ -44,7 +44,8 @@ def test_the_tunix_arm_samples_rewards_and_trains_as_the_recipe_says():
                                          (dict(prompts=2), "prompts"),
                                          (dict(num_iterations=1), "passes"),
                                          (dict(clip_eps_high=None), "clip_eps"),
-                                         (dict(weight_decay=1e-4), "optimizer")])
+                                         (dict(weight_decay=1e-4), "optimizer"),
+                                         (dict(seed=1), "prompts_seed")])
 def test_a_tunix_arm_that_samples_or_trains_otherwise_is_caught(change, key):
   """Negative controls: one setting of the Tunix arm off the recipe's fails every run_rl arm's check."""
   settings = {arm: startup.arm_settings(arm) for arm in RUN_RL_ARMS}
@@ -67,6 +68,15 @@ def test_the_tunix_arm_is_read_from_the_recipe_not_written_down():
   assert (toy.prompts, toy.learning_rate, toy.mini_batches, toy.num_iterations) == (4, 1e-3, 2, 1)
   assert toy.rollout_prompts == 8 and toy.global_steps == 15  # a mini-batch per call; 30 steps of 2 per batch
   assert differences(run_rl_settings(overrides), tunix_settings(toy)) == EXPECTED_DIFFERENCES["run_rl"]
+
+
+@pytest.mark.spec
+def test_a_recipe_that_draws_its_prompts_with_another_seed_than_its_weights_is_caught():
+  """Tunix's arm draws its weights and its prompts with one seed: a run_rl arm whose rollouts.seed differs from
+  engine.seed would see other prompts, and the check says so."""
+  theirs = tunix_settings(matched_toy())
+  assert "prompts_seed" in differences(run_rl_settings(("rollouts.seed=5",)), theirs)
+  assert "prompts_seed" not in differences(run_rl_settings(), theirs)
 
 
 @pytest.mark.spec

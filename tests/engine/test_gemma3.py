@@ -28,7 +28,8 @@ from orchestrator.engine import model as model_lib
 from orchestrator.models import hf_checkpoint
 from orchestrator.models.presets import load_preset
 from orchestrator.tasks.hf_tokenizer import HFTokenizer, char_tokenizer_json
-from orchestrator.live.sampler import LiveSampler, sampled_token_ids
+from orchestrator.live.sampler import LiveSampler
+from orchestrator.tasks.tokenizer import sampled_token_ids
 from tests.checkpoint_files import write_safetensors
 
 #: float32 through 7 layers against float64: measured max |difference| about 1e-5 on logits up to about 10.

@@ -116,9 +116,9 @@ def _engine_and_sampler(*, sampled_as_the_sampler_samples: bool):
   from orchestrator.engine import build_engine
   from orchestrator.engine.loss import SampledDistribution
   from orchestrator.models.presets import load_preset
-  from orchestrator.live.sampler import LiveSampler, sampled_token_ids
+  from orchestrator.live.sampler import LiveSampler
   from orchestrator.tasks.tasks import FirstLetter
-  from orchestrator.tasks.tokenizer import CharTokenizer
+  from orchestrator.tasks.tokenizer import CharTokenizer, sampled_token_ids
 
   task = FirstLetter(**TASK_ARGS)
   sampled = SampledDistribution(1.0, tuple(sampled_token_ids(CharTokenizer(), task.answer_alphabet)))

@@ -21,7 +21,7 @@ from orchestrator.distributed.agreement import SingleProcess
 from orchestrator.tasks.rewards import Reward, Term
 from orchestrator.tasks.tasks import (TASKS, ModularAddition, Problem, ReverseString, _held_out, group_advantages,
                                      make_task, split_sizes)
-from orchestrator.tasks.tokenizer import EOS, CharTokenizer
+from orchestrator.tasks.tokenizer import EOS, CharTokenizer, sampled_token_ids
 from orchestrator.live.rollout_batches import BatchSchedule
 from orchestrator.live.weight_versions import WeightVersions
 from orchestrator.loop.program import NonFiniteStepError, ProgramConfig, RLProgram, StoppedWithoutCheckpointError
@@ -173,8 +173,6 @@ def sampler():
 @pytest.mark.engine
 def test_the_pad_id_is_never_sampled_unless_it_ends_a_sequence():
   """Tunix's sampler hides every pad id in a sequence from the tokens decoded after it; the trainer does not."""
-  from orchestrator.live.sampler import sampled_token_ids  # import here: the module imports JAX (the fixture's reason)
-
   class PadIsEos(CharTokenizer):
     def pad_id(self) -> int:
       return self.eos_id()
