@@ -12,12 +12,12 @@ Without ``--only`` or ``--all`` it runs ``DEFAULT_CHECKS``, about ten minutes:
 * ``smollm2_shape`` and ``qwen3_shape``: ``recipes/tpu_smollm2_shape.yaml`` and
   ``recipes/tpu_qwen3_0p6b_shape.yaml``, real models' shapes at 32 × 1,024 tokens
   a micro-batch, 20 steps;
-* ``moe24_rig``: a recording made for ``recipes/tpu_moe24_rig.yaml`` (24 layers,
-  top-8, routing replay, dropless re-runs) and the rig's four arms over it;
+* ``moe24_record``, ``moe24_compile``, ``moe24_rig``: a recording made for ``recipes/tpu_moe24_rig.yaml`` (24
+  layers, top-8, routing replay, dropless re-runs), its programs compiled, and the rig's four modes over it;
 * ``live_saving``: ``recipes/tpu_live_saving.yaml``, the live loop where the trainer sets the pace, 120 steps:
   the share of boundaries staged before the update and the saving the run measured on its own controls;
 * ``tunix_grpo``: ``python -m orchestrator.bench.tunix_grpo`` on the accelerator, stock Tunix GRPO and the
-  add-on alternating, shared layout (the split one needs a second device);
+  add-on alternating, four optimizer steps a global step on one mesh (the split layout needs a second device);
 * ``accelerator``: ``python -m orchestrator.bench.accelerator`` at its small preset.
 
 For each: the command, its exit code and seconds, the last lines it printed, and
@@ -52,15 +52,22 @@ CHECKS = {
     "qwen3_shape": (["-m", "orchestrator.app.cli", "--recipe", "recipes/tpu_qwen3_0p6b_shape.yaml",
                      "--out", "{dir}/qwen3_shape"], 0.21),
     "moe24_record": (["-m", "orchestrator.app.cli", "record", "--recipe", "recipes/tpu_moe24_rig.yaml",
-                      "--out", "{dir}/moe24_recording", "rollouts.groups=512"], 0.04),
-    # three interleaved pairs of OFF and STAGE_BEFORE_UPDATE, then PIPELINED and STAGE_AFTER_UPDATE
+                      "--out", "{dir}/moe24_recording", "rollouts.groups=512"], 0.08),
+    # the rig's programs compiled into the persistent cache with one short arm (about 350 s on a fresh TPU v5e
+    # host): a machine that allows ten minutes a command runs it, then moe24_record and moe24_rig, in two
+    "moe24_compile": (["-m", "orchestrator.app.cli", "rig", "--recipe", "recipes/tpu_moe24_rig.yaml",
+                       "--recording", "{dir}/moe24_recording", "--out", "{dir}/moe24_compile", "--steps", "2",
+                       "--arms", "pipelined"], 0.55),
+    # three interleaved rounds of OFF, STAGE_BEFORE_UPDATE and PIPELINED (so each of their comparisons is over
+    # three arms' medians a side, the drift between arms counted), then STAGE_AFTER_UPDATE
     "moe24_rig": (["-m", "orchestrator.app.cli", "rig", "--recipe", "recipes/tpu_moe24_rig.yaml",
                    "--recording", "{dir}/moe24_recording", "--out", "{dir}/moe24_rig", "--arms",
-                   *["off", "stage_before_update"] * 3, "pipelined", "stage_after_update"], 0.60),
+                   *["off", "stage_before_update", "pipelined"] * 3, "stage_after_update"], 0.60),
     "live_saving": (["-m", "orchestrator.app.cli", "--recipe", "recipes/tpu_live_saving.yaml",
-                     "--out", "{dir}/live_saving"], 0.35),
-    "tunix_grpo": (["-m", "orchestrator.bench.tunix_grpo", "--configs", "a_shared_one_mini_batch",
-                    "--global-steps", "8", "--repeats", "2"], 0.20),
+                     "--out", "{dir}/live_saving"], 0.45),
+    # four optimizer steps a global step on the one mesh: what a single device can stage
+    "tunix_grpo": (["-m", "orchestrator.bench.tunix_grpo", "--configs", "c_shared_four_mini_batches",
+                    "--global-steps", "8", "--repeats", "3"], 0.15),
     "accelerator": (["-m", "orchestrator.bench.accelerator", "--minutes", "{minutes}",
                      "--out", "{dir}/accelerator.json"], 0.18),
 }

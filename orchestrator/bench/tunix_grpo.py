@@ -12,7 +12,8 @@ Two layouts: (a) ``shared`` — one mesh for trainer and sampler, one mini-batch
 per global step (little to stage); (b) ``split`` — the sampler on its own
 device (skipped, and said so, on an accelerator of one device), four mini-batches per global step, each trained twice (GRPO's
 ``num_iterations`` = 2), so the next mini-batch's rollouts can be sampled while
-the trainer works. Stock and add-on runs alternate (``--repeats`` of each).
+the trainer works; (c) ``shared`` with (b)'s four mini-batches trained twice, what one accelerator device
+can stage. Stock and add-on runs alternate (``--repeats`` of each).
 Prints seconds per optimizer step after the first two global steps (compiles),
 median and range over the runs, host blocks per step, the share of boundaries
 staged and whether every run reached stock's weights; then one JSON object.
@@ -388,6 +389,8 @@ def run_arm_in_child(toy: Toy, mode: str | None, *, reserve_host_core: bool = Fa
 CONFIGS = {
     "a_shared_one_mini_batch": Toy(layout="shared", mini_batches=1, micro_batches=2),
     "b_split_four_mini_batches": Toy(layout="split", mini_batches=4, micro_batches=2, num_iterations=2),
+    # (b)'s optimizer steps on one mesh: what an accelerator of one device can stage
+    "c_shared_four_mini_batches": Toy(layout="shared", mini_batches=4, micro_batches=2, num_iterations=2),
 }
 
 

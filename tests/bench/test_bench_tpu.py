@@ -42,7 +42,7 @@ def test_a_check_cut_short_keeps_what_it_printed_and_reports_the_time_out(tmp_pa
 @pytest.mark.spec
 def test_the_default_checks_are_checks_and_the_extended_ones_are_named_or_all(tmp_path, capsys):
   assert set(tpu.DEFAULT_CHECKS) < set(tpu.CHECKS)
-  assert {"moe24_rig", "live_saving", "tunix_grpo"}.isdisjoint(tpu.DEFAULT_CHECKS)
+  assert {"moe24_compile", "moe24_rig", "live_saving", "tunix_grpo"}.isdisjoint(tpu.DEFAULT_CHECKS)
   with pytest.raises(SystemExit) as exit_info:
     tpu.main(["--all", "--only", "default", "--out", str(tmp_path / "out")])
   assert exit_info.value.code == 2 and "give one of them" in capsys.readouterr().err
