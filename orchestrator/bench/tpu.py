@@ -42,7 +42,7 @@ from pathlib import Path
 
 #: The checks in the order they run: name → (the command's arguments after the Python interpreter, budget share).
 #: The shares follow what each took on a TPU v5e (docs/benchmarks.md): about 60, 30, 100, 165 and 25 s for the
-#: first five; the MoE rig about 620 s with nothing compiled yet (340 s of it compiling), the live loop over 290 s;
+#: first five; the MoE rig's compile check 414 s, its ten arms 394 s from the compiled programs; the live loop 313 s;
 #: bench.accelerator takes what it is given.
 CHECKS = {
     "default": (["-m", "orchestrator.app.cli", "--out", "{dir}/default"], 0.08),
@@ -64,10 +64,11 @@ CHECKS = {
                    "--recording", "{dir}/moe24_recording", "--out", "{dir}/moe24_rig", "--arms",
                    *["off", "stage_before_update", "pipelined"] * 3, "stage_after_update"], 0.60),
     "live_saving": (["-m", "orchestrator.app.cli", "--recipe", "recipes/tpu_live_saving.yaml",
-                     "--out", "{dir}/live_saving"], 0.45),
-    # four optimizer steps a global step on the one mesh: what a single device can stage
+                     "--out", "{dir}/live_saving"], 0.40),
+    # four optimizer steps a global step on the one mesh: what a single device can stage (four child processes,
+    # about 165 s on a TPU v5e)
     "tunix_grpo": (["-m", "orchestrator.bench.tunix_grpo", "--configs", "c_shared_four_mini_batches",
-                    "--global-steps", "8", "--repeats", "3"], 0.15),
+                    "--global-steps", "8", "--repeats", "2"], 0.25),
     "accelerator": (["-m", "orchestrator.bench.accelerator", "--minutes", "{minutes}",
                      "--out", "{dir}/accelerator.json"], 0.18),
 }
