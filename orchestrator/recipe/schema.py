@@ -96,10 +96,22 @@ MAX_STOP_STRING_CHARS = 256
 LIVE_ONLY_KEYS = ("task.reward", "task.reward_timeout_s", "model.chat_template", "rollouts.batch_steps",
                   "rollouts.micro_batches_per_call", "rollouts.placement", "rollouts.devices", "engine.epochs",
                   "metrics.samples_every", "task.eval_every", "task.eval_pass_k", "rollouts.top_p", "rollouts.top_k",
-                  "rollouts.stop", "rollouts.advantage_scaling")
+                  "rollouts.stop", "rollouts.advantage_scaling", "rollouts.in_flight_updates",
+                  "rollouts.decode_chunk_tokens")
 #: How a group's advantages are scaled (``rollouts.advantage_scaling``): over the group's reward std (GRPO's, as
 #: Tunix computes them), or not at all (Dr. GRPO's: the std's division weighs groups by how little they differ).
 ADVANTAGE_SCALINGS = ("group", "none")
+#: ``rollouts.decode_chunk_tokens`` unset: a generation decodes in this many chunks (fewer where the completion
+#: limit has fewer tokens), so an in-flight run has points to take new weights at whatever its completions' length.
+DEFAULT_DECODE_CHUNKS = 4
+
+
+def decode_chunks(decode_chunk_tokens: int | None, completion_limit_tokens: int) -> int:
+  """How many chunks a generation of up to ``completion_limit_tokens`` decodes in, ``decode_chunk_tokens`` at a
+  time (None: ``DEFAULT_DECODE_CHUNKS`` chunks, as many as the limit has tokens if fewer)."""
+  if decode_chunk_tokens is None:
+    return min(DEFAULT_DECODE_CHUNKS, completion_limit_tokens)
+  return -(-completion_limit_tokens // decode_chunk_tokens)
 
 
 @dataclasses.dataclass
@@ -133,6 +145,12 @@ class RolloutsSection:
   # Each completion's advantage is its reward minus its group's mean, divided by the group's std (group) or not
   # (none: Dr. GRPO, with engine.loss_aggregation=seq_mean_token_sum_norm).
   advantage_scaling: str = "group"
+  # In-flight weight updates: a version the trainer publishes reaches the sampler between decode chunks of a
+  # generation under way (each chunk decode_chunk_tokens tokens; None: the completion limit in
+  # DEFAULT_DECODE_CHUNKS chunks). Which version each chunk samples with is a function of counts
+  # (BatchSchedule.chunk_version); every token records it, and is trained against that policy's log-prob.
+  in_flight_updates: bool = False
+  decode_chunk_tokens: int | None = None
   record_to: str | None = None  # a live run writes the rollouts it trained on as a recording there
   # shared: the sampler runs on the trainer's devices; split: on rollouts.devices local devices of its own
   # (those after the mesh's), with its own copy of the weights, which the weight sync copies device to device;
@@ -174,6 +192,7 @@ class RolloutsSection:
     if self.advantage_scaling not in ADVANTAGE_SCALINGS:
       raise RecipeError(f"rollouts.advantage_scaling={self.advantage_scaling!r}: use group (divide by the group's"
                         " reward std, GRPO's) or none (Dr. GRPO's)")
+    self._check_in_flight()
     if self.devices is not None:
       at_least("rollouts", self, ("devices",), 1)
       at_most("rollouts", self, ("devices",), 65_536)
@@ -181,6 +200,23 @@ class RolloutsSection:
         raise RecipeError(f"rollouts.devices={self.devices} is for rollouts.placement=split (a sampler on devices"
                           " of its own); the shared sampler runs on the trainer's devices, so drop it or set"
                           " rollouts.placement=split")
+
+  def _check_in_flight(self) -> None:
+    """``in_flight_updates`` and ``decode_chunk_tokens`` on their own; against the completion limit, the staleness
+    and the engine in ``Recipe._check_in_flight``."""
+    if not isinstance(self.in_flight_updates, bool):
+      raise RecipeError(f"rollouts.in_flight_updates={self.in_flight_updates!r} is not a boolean; use true or false")
+    chunk = self.decode_chunk_tokens
+    if chunk is None:
+      return
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+      raise RecipeError(f"rollouts.decode_chunk_tokens={chunk!r} is out of range: it must be a whole number of"
+                        " tokens >= 1 (the tokens decoded between two points where new weights may land), or"
+                        " unset for the completion limit in four chunks")
+    if not self.in_flight_updates:
+      raise RecipeError(f"rollouts.decode_chunk_tokens={chunk} is read only with rollouts.in_flight_updates=true"
+                        " (without it a generation decodes whole on one version); set"
+                        " rollouts.in_flight_updates=true, or drop it")
 
   def _check_sampling(self) -> None:
     """``top_p``, ``top_k`` and ``stop``: each refused in one line naming its range."""
@@ -701,6 +737,45 @@ class Recipe:
           f"rollouts.groups_per_micro_batch × generations_per_group = {trajectories} trajectories of up to"
           f" {per_trajectory} tokens may not fit batch.rows={rows} × batch.tokens_per_row={tokens};"
           " raise rows or tokens_per_row, or sample fewer groups per micro-batch")
+    if self.rollouts.in_flight_updates:
+      self._check_in_flight(max_generation_steps(task))
+
+  def _check_in_flight(self, completion_limit_tokens: int) -> None:
+    """In-flight updates need a version newer than a batch's own to exist while it samples, a point inside a
+    generation to take it at, and a sampler that can record what each token was sampled with."""
+    r = self.rollouts
+    if r.max_staleness == 0:
+      raise RecipeError("rollouts.in_flight_updates=true has nothing to take at rollouts.max_staleness=0: each"
+                        " batch already samples with the newest weights there are (no update lands while it is"
+                        " sampled); set rollouts.max_staleness >= 1, or drop rollouts.in_flight_updates")
+    chunk = r.decode_chunk_tokens
+    if chunk is not None and chunk >= completion_limit_tokens:
+      raise RecipeError(f"rollouts.decode_chunk_tokens={chunk} leaves no point inside a generation for new weights"
+                        f" to land at: the completion limit is {completion_limit_tokens} tokens"
+                        f" ({self._completion_limit_source()}); use fewer than {completion_limit_tokens}, or unset it"
+                        " for four chunks")
+    if decode_chunks(chunk, completion_limit_tokens) < 2:
+      raise RecipeError(f"rollouts.in_flight_updates=true needs a point inside a generation to take new weights"
+                        f" at, but completions are {completion_limit_tokens} token long"
+                        f" ({self._completion_limit_source()}): one chunk; drop rollouts.in_flight_updates, or"
+                        " train on longer completions")
+    if self.engine.router_replay:
+      # The routing is recorded by one forward pass of the sampling weights over each finished sequence
+      # (LiveSampler): a generation that switched weights has no one set of sampling weights to record it with.
+      raise RecipeError("rollouts.in_flight_updates=true switches weights inside a generation, but"
+                        " engine.router_replay=true records each sequence's experts with the one set of weights"
+                        " that sampled it; drop one of the two")
+    # The foundation (the schedule, per-token versions, chunked sampling) is in place; the sampling thread does
+    # not drive it yet, and a key that changed nothing would be a silent no-op.
+    raise RecipeError("rollouts.in_flight_updates=true is not taken by the live loop yet: its sampling thread"
+                      " samples each batch whole on one version; set rollouts.in_flight_updates=false")
+
+  def _completion_limit_source(self) -> str:
+    """Where the completion limit comes from, in words."""
+    if self.task.name == DATASET:
+      given = self.task.max_completion_tokens
+      return f"task.max_completion_tokens={given}" if given is not None else "the longest answer's tokens"
+    return f"task.name={self.task.name}'s answer length"
 
   def micro_batches_per_call(self) -> int:
     """How many micro-batches the live sampler generates in one call (``rollouts.micro_batches_per_call``, with

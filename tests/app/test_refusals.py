@@ -463,6 +463,18 @@ CASES = [
     ("advantage-scaling-unknown", ["rollouts.advantage_scaling=std"], {},
      "rollouts.advantage_scaling='std': use group (divide by the group's reward std, GRPO's) or none"),
     ("live-devices-when-shared", ["rollouts.devices=2"], {}, "rollouts.devices=2 is for rollouts.placement=split"),
+    # In-flight weight updates (rollouts.in_flight_updates, decode_chunk_tokens).
+    ("decode-chunk-zero", ["task.name=reverse", "rollouts.in_flight_updates=true", "rollouts.decode_chunk_tokens=0"],
+     {}, "rollouts.decode_chunk_tokens=0 is out of range: it must be a whole number of tokens >= 1"),
+    ("decode-chunk-fraction", ["rollouts.in_flight_updates=true", "rollouts.decode_chunk_tokens=1.5"], {},
+     "rollouts.decode_chunk_tokens: expected a whole number"),
+    ("decode-chunk-past-the-completion-limit", ["task.name=reverse", "task.length=4",
+                                                "rollouts.in_flight_updates=true", "rollouts.decode_chunk_tokens=9"],
+     {}, "rollouts.decode_chunk_tokens=9 leaves no point inside a generation for new weights to land at: the"
+         " completion limit is 4 tokens"),
+    ("in-flight-on-a-recording", lambda t, g: ON_RECORDING + [f"rollouts.recording={g}",
+                                                              "rollouts.in_flight_updates=true"], {},
+     "rollouts.in_flight_updates=True is read by the live loop only, but rollouts.source=recording"),
     ("loss-aggregation-unknown", ["engine.loss_aggregation=sum"], {},
      "engine.loss_aggregation='sum' is not an aggregation; use one of token_mean"),
     ("samples-every-negative", ["metrics.samples_every=-1"], {}, "metrics.samples_every=-1"),
