@@ -13,6 +13,17 @@ Batch b samples with the weights at the start of batch b − S (S =
 ``max_staleness``): version ``max(0, (b − S) · steps_per_batch)``. With one
 step per batch (the default) a batch is a step and all of this is the step
 schedule it always was.
+
+With in-flight updates a batch's generations decode in chunks, and later
+chunks may sample with newer versions, up to the batch's newest
+(``BatchSchedule.newest_version``): the next batch's version, and never past
+the version its first step trains with (the trainer holds it without needing
+this batch, so no sampler waits on a trainer that waits on it). Chunk c of a
+batch's C chunks (its calls' chunks, in sampling order) samples with
+``V_b + ⌊c · (U_b − V_b + 1) / C⌋`` (``chunk_version``): counts alone, so the
+version a token is sampled with is the same in every run of the recipe, every
+boundary mode and across a resume. Its oldest token is the batch's own
+version, so the staleness bound is what it was.
 """
 
 from __future__ import annotations
@@ -48,6 +59,10 @@ class BatchSchedule:
   epochs: int = 1
   max_staleness: int = 0
   seed: int = 0
+  # In-flight updates (rollouts.in_flight_updates): a batch's later decode chunks may sample with newer weights.
+  in_flight_updates: bool = False
+  micro_batches_per_call: int = 1  # micro-batches the sampler generates in one call (divides a batch's)
+  chunks_per_call: int = 1  # decode chunks of one call's generation (schema.decode_chunks)
 
   @property
   def steps_per_batch(self) -> int:
@@ -72,8 +87,66 @@ class BatchSchedule:
     return max(0, (batch - self.max_staleness) * self.steps_per_batch)
 
   def version_for(self, step: int) -> int:
-    """The weights version the rollouts ``step`` trains on were sampled with."""
+    """The weights version the rollouts ``step`` trains on were sampled with (with in-flight updates, the
+    oldest of their tokens')."""
     return self.batch_version(self.batch_of(step))
+
+  # ------------------------------------------------------------ in-flight updates: the version of each chunk
+  @property
+  def calls_per_batch(self) -> int:
+    return self.micro_batches_per_batch // self.micro_batches_per_call
+
+  @property
+  def chunks_per_batch(self) -> int:
+    """Decode chunks of a batch: its calls' chunks, in sampling order (chunk c is call c // chunks_per_call's)."""
+    return self.calls_per_batch * self.chunks_per_call
+
+  def newest_version(self, batch: int) -> int:
+    """The newest version any token of ``batch`` samples with: its own without in-flight updates; with them the
+    next batch's (so the versions the sampler takes never go back, and every batch's are kept until it is
+    sampled), at most the version its first step trains with — the trainer reaches that one on the batches
+    before it alone, while a newer one needs a step of this batch, which would wait for this batch's sampling."""
+    own = self.batch_version(batch)
+    if not self.in_flight_updates:
+      return own
+    return max(own, min(self.batch_version(batch + 1), self.first_step(batch)))
+
+  def chunk_version(self, batch: int, chunk: int) -> int:
+    """The version decode chunk ``chunk`` of ``batch`` (of ``chunks_per_batch``) samples with: the batch's
+    versions spread evenly over its chunks in order, the first chunk on the batch's own."""
+    if not 0 <= chunk < self.chunks_per_batch:
+      raise ValueError(f"chunk {chunk} is outside a batch's {self.chunks_per_batch} decode chunks")
+    oldest = self.batch_version(batch)
+    return oldest + chunk * (self.newest_version(batch) - oldest + 1) // self.chunks_per_batch
+
+  def call_versions(self, batch: int, call: int) -> list[int]:
+    """The version each decode chunk of sampler call ``call`` of ``batch`` samples with, in order."""
+    first = call * self.chunks_per_call
+    return [self.chunk_version(batch, c) for c in range(first, first + self.chunks_per_call)]
+
+  def first_micro_batch_version(self, step: int) -> int:
+    """The newest version the sampler call holding ``step``'s first micro-batch needs: that micro-batch exists
+    only once its call is sampled, so the step's rollouts wait for that version's sync (``blocked_on_sync``)."""
+    batch, call = self.batch_of(step), self.sampled_index(step, 0) // self.micro_batches_per_call
+    return max(self.call_versions(batch, call))
+
+  def chunks_before(self, batch: int, version: int) -> int:
+    """How many of ``batch``'s decode chunks (a prefix: the versions rise chunk by chunk) sample with weights
+    older than ``version``: what a position before step ``version`` must carry of a batch sampled ahead, since a
+    run resumed there holds no older weights, and what it can carry without waiting on a newer version."""
+    return sum(1 for c in range(self.chunks_per_batch) if self.chunk_version(batch, c) < version)
+
+  def samples_with(self, version: int) -> bool:
+    """Whether some batch samples with ``version``'s weights (so a weight sync must keep them): a batch's own
+    version without in-flight updates, every chunk's with them."""
+    if not self.in_flight_updates:
+      return version % self.steps_per_batch == 0
+    # a batch's versions run from its own to the next batch's: only the two batches whose own are nearest below
+    # ``version`` (and one past, where versions repeat near the start) can span it
+    nearest = version // self.steps_per_batch + self.max_staleness
+    return any(self.batch_version(b) <= version <= self.newest_version(b)
+               and any(self.chunk_version(b, c) == version for c in range(self.chunks_per_batch))
+               for b in range(max(0, nearest - 1), nearest + 2))
 
   def pass_of(self, step: int) -> int:
     return step % self.steps_per_batch // self.batch_steps
