@@ -67,6 +67,10 @@ class RolloutStats:
       spread the advantages see, where ``reward_std`` pools every completion).
     frac_reward_zero_std: the share of the step's groups whose rewards are all equal: their advantages are 0,
       so they give no gradient (TRL's ``frac_reward_zero_std``).
+    token_version_min, token_version_max, token_age_mean: with in-flight updates (each completion token carries
+      the version that sampled it, ``Trajectory.versions``), the oldest and newest of the step's completion
+      tokens' versions, and the mean over them of the step's index minus the version (updates behind the
+      weights the step trains); None without in-flight updates, where every token has ``weights_version``.
   """
 
   weights_version: int
@@ -83,6 +87,9 @@ class RolloutStats:
   truncated_fraction: float | None = None
   reward_group_std: float | None = None
   frac_reward_zero_std: float | None = None
+  token_version_min: int | None = None
+  token_version_max: int | None = None
+  token_age_mean: float | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

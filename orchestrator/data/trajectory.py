@@ -23,6 +23,10 @@ class Trajectory:
     routing: optional experts each MoE layer of the sampling policy chose for each token of the prompt and the
       completion, shape [P + C, layers, top_k], integer (rollout routing replay: the trainer routes each token
       to these experts; ``orchestrator.engine.moe``).
+    versions: optional weights version (updates applied) of the policy that sampled each completion token,
+      shape [C], integer; its ``old_logprobs`` are that policy's. Set by a live sampler with in-flight updates
+      (a generation that took newer weights part way); None: every token the same version. It is for the
+      records only: packing (and so the content digest) and the trainer never read it.
   """
 
   prompt_ids: np.ndarray
@@ -31,6 +35,7 @@ class Trajectory:
   old_logprobs: np.ndarray | None = None
   group_id: int = 0
   routing: np.ndarray | None = None
+  versions: np.ndarray | None = None
 
   @property
   def num_tokens(self) -> int:

@@ -231,6 +231,7 @@ class BatchRollouts:
                  else float(np.mean([c for m in schedule.mini_batch(step, self.truncated) for c in m])))
     sampled = schedule.sampled_range(step)
     tokens, seconds = sum(self.sampled_tokens[i] for i in sampled), sum(self.sampling_s[i] for i in sampled)
+    versions = token_versions([t for m in schedule.mini_batch(step, self.payloads) for t in m])
     return RolloutStats(weights_version=self.weights_version, staleness=step - self.weights_version,
                         reward_mean=float(rewards.mean()), reward_std=float(rewards.std()),
                         accuracy=float(np.mean(correct)),
@@ -239,7 +240,10 @@ class BatchRollouts:
                         reward_max=float(rewards.max()), completion_tokens_mean=float(np.mean(lengths)),
                         completion_tokens_max=int(max(lengths)), truncated_fraction=truncated,
                         reward_group_std=float(np.mean(group_stds)),
-                        frac_reward_zero_std=float(np.mean(group_stds == 0.0)))
+                        frac_reward_zero_std=float(np.mean(group_stds == 0.0)),
+                        **({} if versions is None else {
+                            "token_version_min": int(versions.min()), "token_version_max": int(versions.max()),
+                            "token_age_mean": float(step - versions.mean())}))
 
   def samples(self, schedule: BatchSchedule, step: int, count: int, tokenizer) -> list[dict[str, Any]]:
     """The first ``count`` completions ``step`` trains on, to read: the weights version that sampled them, each
@@ -256,7 +260,8 @@ class BatchRollouts:
   def to_json(self) -> dict[str, Any]:
     payloads = [[{"prompt_ids": t.prompt_ids.tolist(), "completion_ids": t.completion_ids.tolist(),
                   "advantage": float(t.advantage), "old_logprobs": t.old_logprobs.tolist(), "group_id": t.group_id,
-                  **({} if t.routing is None else {"routing": _encoded(t.routing)})}
+                  **({} if t.routing is None else {"routing": _encoded(t.routing)}),
+                  **({} if t.versions is None else {"versions": t.versions.tolist()})}
                  for t in payload] for payload in self.payloads]
     return dict(dataclasses.asdict(self), payloads=payloads)
 
@@ -264,9 +269,30 @@ class BatchRollouts:
   def from_json(cls, data: dict[str, Any]) -> "BatchRollouts":
     payloads = [[Trajectory(np.asarray(t["prompt_ids"], np.int32), np.asarray(t["completion_ids"], np.int32),
                             float(t["advantage"]), np.asarray(t["old_logprobs"], np.float32), int(t["group_id"]),
-                            _decoded(t["routing"]) if "routing" in t else None)
+                            _decoded(t["routing"]) if "routing" in t else None,
+                            np.asarray(t["versions"], np.int64) if "versions" in t else None)
                  for t in payload] for payload in data["payloads"]]
     return cls(**dict(data, payloads=payloads))
+
+
+def token_versions(trajectories: Sequence[Trajectory]) -> np.ndarray | None:
+  """Every completion token's version of ``trajectories``, in order (``Trajectory.versions``); None where none
+  carries them (no in-flight updates: each token has its batch's version).
+
+  Raises:
+    ValueError: some carry them and some do not, or one's are not one per completion token.
+  """
+  carried = [t.versions is not None for t in trajectories]
+  if not any(carried):
+    return None
+  if not all(carried):
+    raise ValueError(f"{carried.count(False)} of {len(carried)} trajectories carry no per-token versions beside"
+                     " others that do; a sampled batch's trajectories carry them all or none")
+  for i, t in enumerate(trajectories):
+    if np.shape(t.versions) != np.shape(t.completion_ids):
+      raise ValueError(f"trajectory {i}'s versions have shape {np.shape(t.versions)}; they must match its"
+                       f" completion_ids' {np.shape(t.completion_ids)}: one version per completion token")
+  return np.concatenate([np.asarray(t.versions, np.int64) for t in trajectories])
 
 
 def _encoded(routing: np.ndarray) -> dict[str, Any]:

@@ -43,6 +43,9 @@ class Samples:
   at its prompt's own limit); None for a fixed-length answer alphabet sampled without stop strings, which has
   no end. ``routing[i]`` (a sampler that records routing): the experts each MoE layer of the sampling weights
   chose for each token of prompt and completion (``LiveSampler``'s docstring says how they are found).
+  ``versions[i]`` (a generation in chunks that took newer weights part way, ``chunked_sampling``): the weights
+  version that sampled each completion token, whose log-prob in ``logprobs[i]`` is that version's; None: every
+  token ``weights_version``'s.
   """
 
   prompts: list[str]
@@ -53,6 +56,8 @@ class Samples:
   weights_version: int
   ended: list[bool] | None = None
   routing: list[np.ndarray] | None = None  # per completion: [prompt + completion tokens, layers, top_k] int16
+  # per completion: the weights version that sampled each token (in-flight updates; None: all weights_version)
+  versions: list[np.ndarray] | None = None
 
 
 class LiveSampler:

@@ -111,7 +111,8 @@ def sample_micro_batches(sampler: LiveSampler, task, reward: Reward, shape, batc
     advantages = group_advantages(rewards, g, shape.advantage_scaling)
     payload = [Trajectory(samples.prompt_ids[k], samples.completion_ids[k], float(advantages[k - m * rows]),
                           samples.logprobs[k], first_group + k // g,
-                          None if samples.routing is None else samples.routing[k])
+                          None if samples.routing is None else samples.routing[k],
+                          None if samples.versions is None else samples.versions[k])
                for k in range(m * rows, (m + 1) * rows)]
     truncated = None if samples.ended is None else [not e for e in samples.ended[rows_m]]
     out.append((payload, rewards, correct, int(sum(len(c) for c in samples.completion_ids[rows_m])), truncated))

@@ -82,6 +82,10 @@ SCALARS: dict[str, Callable[[BoundaryRecord], float | int | None]] = {
     "rollout/truncated_fraction": lambda r: r.truncated_fraction,  # cut at the length limit (no end sampled)
     "rollout/accuracy": lambda r: r.accuracy,
     "rollout/staleness": lambda r: r.staleness,
+    # in-flight updates: the step's completion tokens' versions (oldest, newest) and mean age in updates
+    "rollout/token_version_min": lambda r: r.token_version_min,
+    "rollout/token_version_max": lambda r: r.token_version_max,
+    "rollout/token_age_mean": lambda r: r.token_age_mean,
     "rollout/wait_s": lambda r: r.rollout_wait_s,  # how long the boundary waited for the next step's rollouts
     "rollout/sampled_tokens_per_s": lambda r: r.sampled_tokens_per_s,
     "rollout/micro_batch_wait_s": lambda r: r.micro_batch_wait_s,  # inside the step, after its first micro-batch

@@ -166,6 +166,11 @@ class BoundaryRecord:
   # all equal (no gradient) (RolloutStats).
   reward_group_std: float | None = None
   frac_reward_zero_std: float | None = None
+  # A live source with in-flight updates: the oldest and newest version of the step's completion tokens, and their
+  # mean age (the step minus the version, in updates) (RolloutStats; None without in-flight updates).
+  token_version_min: int | None = None
+  token_version_max: int | None = None
+  token_age_mean: float | None = None
 
   def to_json(self) -> dict[str, Any]:
     return dataclasses.asdict(self)

@@ -383,3 +383,53 @@ def test_a_steps_stats_give_its_rewards_range_completion_lengths_and_the_share_c
   assert "int16_base64" in json.dumps(saved)
   back = BatchRollouts.from_json(json.loads(json.dumps(saved))).payloads[0][0].routing
   assert back.dtype == np.int16 and np.array_equal(back, routing)
+
+
+@pytest.mark.spec
+def test_per_token_versions_give_a_step_its_tokens_version_range_and_mean_age_and_survive_a_checkpoint():
+  """In-flight updates: each completion token's version (``Trajectory.versions``) gives the step's oldest, newest
+  and mean age (the step minus the version); without them the fields are absent and the batch's JSON is what it
+  was. A mix of trajectories with and without versions, or versions not one per token, is refused."""
+  schedule = BatchSchedule(micro_batches_per_step=1, generations_per_group=2, batch_steps=2, max_staleness=1)
+  versioned = BatchRollouts(1, 0)  # batch 1 of 2 steps a batch: steps 2 and 3
+  first = [dataclasses.replace(_trajectory(3, 0), versions=np.array([0, 0, 1])),
+           dataclasses.replace(_trajectory(2, 0), versions=np.array([0, 1]))]
+  versioned.add(first, [0.0, 1.0], [False, True], 5, 0.5)
+  versioned.add([dataclasses.replace(_trajectory(2, 1), versions=np.array([1, 2]))] * 2, [0.5, 0.5],
+                [False, False], 4, 0.5)
+  stats = versioned.stats(schedule, 2)
+  assert (stats.token_version_min, stats.token_version_max) == (0, 1)
+  assert stats.token_age_mean == pytest.approx(2 - 2 / 5)  # versions 0, 0, 1, 0, 1 at step 2
+  later = versioned.stats(schedule, 3)
+  assert (later.token_version_min, later.token_version_max, later.token_age_mean) == (1, 2, 1.5)
+  assert stats.weights_version == 0 and stats.staleness == 2  # the oldest token's, as without in-flight updates
+  back = BatchRollouts.from_json(json.loads(json.dumps(versioned.to_json())))
+  assert back.payloads[0][0].versions.tolist() == [0, 0, 1]
+  assert back.stats(schedule, 2) == stats
+  plain = BatchRollouts(0, 0)
+  plain.add([_trajectory(3, 0), _trajectory(2, 0)], [0.0, 1.0], [False, True], 5, 0.5)
+  plain_stats = plain.stats(BatchSchedule(micro_batches_per_step=1, generations_per_group=2), 0)
+  assert (plain_stats.token_version_min, plain_stats.token_version_max, plain_stats.token_age_mean) == (None,) * 3
+  assert "versions" not in json.dumps(plain.to_json())
+  mixed = BatchRollouts(0, 0)
+  mixed.add([first[0], _trajectory(2, 0)], [0.0, 1.0], [False, True], 5, 0.5)
+  with pytest.raises(ValueError, match="1 of 2 trajectories carry no per-token versions"):
+    mixed.stats(BatchSchedule(micro_batches_per_step=1, generations_per_group=2), 0)
+  short = BatchRollouts(0, 0)
+  short.add([dataclasses.replace(_trajectory(3, 0), versions=np.array([0, 1]))] * 2, [0.0, 1.0], [False, True],
+            6, 0.5)
+  with pytest.raises(ValueError, match=r"versions have shape \(2,\); they must match its completion_ids' \(3,\)"):
+    short.stats(BatchSchedule(micro_batches_per_step=1, generations_per_group=2), 0)
+
+
+@pytest.mark.spec
+def test_per_token_versions_leave_the_packed_content_and_its_digest_as_they_were():
+  """Packing never reads the versions: a payload with them packs to the same arrays and content digest.
+  Negative control: a changed log-prob does change the digest."""
+  from orchestrator.data.packing import content_digest, pack_payload
+  payload = [_trajectory(3, 0), _trajectory(2, 1)]
+  pack = lambda p: content_digest(pack_payload(p, rows=2, tokens_per_row=8, vocab_size=16))
+  with_versions = [dataclasses.replace(t, versions=np.arange(len(t.completion_ids))) for t in payload]
+  assert pack(with_versions) == pack(payload)
+  other = [dataclasses.replace(payload[0], old_logprobs=np.full(3, -0.5, np.float32)), payload[1]]
+  assert pack(other) != pack(payload)
