@@ -1,0 +1,123 @@
+"""Sampling a generation in decode chunks, with the weights allowed to change between chunks (in-flight updates).
+
+Tunix's ``Sampler.__call__`` prefills the prompts and runs one decode loop to
+the completion limit. Its decode loop's bound (``total_sampling_steps``) is a
+traced leaf of the sampling state, so the same compiled loop can stop after a
+chunk and continue later, possibly with other weights, without a recompile.
+Each token's sampling key is ``fold_in(seed, position)``, so a generation in
+chunks on one version draws what one call draws: the same tokens and log-probs.
+
+Where a chunk samples with weights other than the chunk before it, the KV
+cache is re-filled: a prefill of the new weights over the prompt and every
+token generated so far, which also samples the chunk's first token (with that
+position's key), as a fresh generation from that prefix with the new weights
+would. So every token after the switch, and its log-prob, is the new policy's
+given the whole prefix, and the state at a switch is the tokens alone: a run
+resumed there from carried tokens samples what the uninterrupted one did.
+Keeping the old cache instead would make the tokens after a switch attend to
+keys and values the old weights computed — a policy that is neither version's,
+whose log-probs the trainer (which recomputes the whole sequence with one
+version) cannot match — and a resume would need the cache itself.
+
+This uses Tunix 0.1.7's private sampling functions (``init_sample_state``,
+``_compiled_prefill_fn``, ``_compiled_decode_fn``), as its ``__call__`` does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tunix.generate import utils as tunix_utils
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkedOutput:
+  """What a chunked generation drew, per prompt: ``tokens[i]`` its ``max_generation_steps`` completion ids (as
+  Tunix's sampler returns them, eos ids not cut), ``logprobs[i]`` each one's log-prob under the weights that
+  sampled it, and ``versions[i]`` the version of those weights."""
+
+  tokens: list[np.ndarray]
+  logprobs: list[np.ndarray]
+  versions: list[np.ndarray]
+
+
+def flattened_weights(graphdef: Any, params: Any) -> list[Any]:
+  """Weights as Tunix's sampler passes them to its compiled functions (``Sampler._flattened_transformer_state``):
+  the model's variables, each a leaf."""
+  return jax.tree.leaves(nnx.variables(nnx.merge(graphdef, params)), is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def sample_in_chunks(sampler, prompts: Sequence[str], *, max_generation_steps: int, max_prompt_length: int,
+                     chunk_tokens: int, weights_for_chunk: Callable[[int], tuple[int, Any]], seed: int,
+                     temperature: float, top_p: float = 1.0, top_k: int | None = None,
+                     forbidden_tokens: Sequence[Any] | None = None,
+                     eos_tokens: Sequence[int] | None = None) -> ChunkedOutput:
+  """Samples one completion of each of ``prompts`` (already formatted), ``chunk_tokens`` tokens a chunk.
+
+  Args:
+    sampler: a Tunix ``Sampler``; its own weights are not used (each chunk's come from ``weights_for_chunk``).
+    max_generation_steps, max_prompt_length: as ``Sampler.__call__`` takes them (the same compiled functions).
+    chunk_tokens: completion tokens per chunk (the last chunk may be shorter).
+    weights_for_chunk: chunk index -> (version, weights as ``flattened_weights`` gives them), called once per
+      chunk in order before it is sampled (it may wait for that version). A chunk whose version differs from
+      the chunk before it re-fills the cache with its weights.
+    seed, temperature, top_p, top_k, forbidden_tokens, eos_tokens: as ``Sampler.__call__`` takes them.
+  """
+  if chunk_tokens < 1:
+    raise ValueError(f"chunk_tokens={chunk_tokens}: a chunk decodes at least one token")
+  sampler.eos_ids = jnp.array(eos_tokens or [sampler.tokenizer.eos_id()])
+  tokens = [sampler.tokenize(p) for p in prompts]
+  if max(len(t) for t in tokens) > max_prompt_length:
+    raise ValueError(f"a prompt of {max(len(t) for t in tokens)} tokens is longer than max_prompt_length="
+                     f"{max_prompt_length}")
+  pad = sampler.tokenizer.pad_id()
+  input_ids = np.array([tunix_utils.pad_to_length(t, target_length=max_prompt_length, pad_value=pad, left=True)
+                        for t in tokens])
+  total = max_prompt_length + max_generation_steps
+  state = sampler.init_sample_state(
+      jnp.array(input_ids), include_logits=False, total_sampling_steps=total,
+      forbidden_token_ids=tuple(forbidden_tokens) if forbidden_tokens else None, temperature=temperature,
+      top_p=top_p, top_k=top_k, seed=jax.random.PRNGKey(seed), beam_size=None, include_logprobs=True)
+  prompt_tokens = state.num_input_tokens  # what the compiled decode was traced with: it must not change
+  chunks = -(-max_generation_steps // chunk_tokens)
+  versions = np.zeros(max_generation_steps, np.int64)
+  current = None
+  for chunk in range(chunks):
+    version, weights = weights_for_chunk(chunk)
+    start = chunk * chunk_tokens  # the chunk's first completion token
+    if chunk == 0:
+      state = sampler._compiled_prefill_fn(weights, state, None, echo=False)
+    elif version != current:
+      state = _refill(sampler, weights, state, max_prompt_length + start, prompt_tokens)
+    current = version
+    end = min(start + chunk_tokens, max_generation_steps)
+    versions[start:end] = version
+    # The decode loop writes the token after ``decoding_step`` while ``decoding_step < total_sampling_steps``: a
+    # bound of P + end - 1 stops it with completion token end - 1 written; the last chunk's is the whole call's.
+    bound = total if end == max_generation_steps else max_prompt_length + end - 1
+    # made from the leaf the prefill returned (its dtype and weak type, not a Python int's), so the decode Tunix's
+    # own call compiled is the one every chunk runs
+    bound = state.total_sampling_steps - state.total_sampling_steps + bound
+    state = sampler._compiled_decode_fn(weights, dataclasses.replace(state, total_sampling_steps=bound))
+  buffer = np.asarray(jax.device_get(state.token_buffer))[:, max_prompt_length:total]
+  logprobs = np.asarray(jax.device_get(state.logprobs_buffer))[:, max_prompt_length:total]
+  return ChunkedOutput([row.astype(np.int32) for row in buffer], [row.astype(np.float32) for row in logprobs],
+                       [versions.copy() for _ in prompts])
+
+
+def _refill(sampler, weights, state, prefix_tokens: int, prompt_tokens) -> Any:
+  """The sampling state after a prefill of ``weights`` over the first ``prefix_tokens`` tokens of each row
+  (prompt and completion so far) into a fresh cache, which samples the token after them: a generation from that
+  prefix with those weights. The prefill is compiled once per prefix length (a chunk boundary)."""
+  batch = state.token_buffer.shape[0]
+  fresh = sampler.transformer.init_cache(batch, sampler.cache_config.cache_size, sampler.dtype)
+  prefill_state = dataclasses.replace(state, cache=fresh, decoding_step=prefix_tokens - 1,
+                                      num_input_tokens=jnp.array(prefix_tokens, dtype=jnp.int32))
+  state = sampler._compiled_prefill_fn(weights, prefill_state, None, echo=False)
+  return dataclasses.replace(state, num_input_tokens=prompt_tokens)

@@ -1,0 +1,107 @@
+"""A generation in decode chunks (``live.chunked_sampling``): on one version it draws exactly what one call of
+Tunix's sampler draws; across a version switch the tokens before it are the old weights' and every token after
+it, with its log-prob, is the new weights' given the whole prefix (a forward pass of them agrees, the old
+weights' does not); each token records its version."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.engine
+
+PROMPTS = ["abc", "hello", "xy", "abc"]
+PROMPT_TOKENS, COMPLETION_TOKENS, CHUNK_TOKENS, SEED = 16, 6, 2, 11
+
+
+@pytest.fixture(scope="module")
+def sampler():
+  from orchestrator.live.sampler import LiveSampler
+  from orchestrator.models.presets import load_preset
+  from orchestrator.tasks.tokenizer import CharTokenizer
+
+  return LiveSampler(load_preset("tiny"), CharTokenizer(), seed=0, max_prompt_length=PROMPT_TOKENS,
+                     max_generation_steps=COMPLETION_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def other_weights(sampler):
+  """Weights of the same graph from another seed: a version far enough from version 0 to tell apart."""
+  import jax
+
+  from orchestrator.engine import model as model_lib
+  from orchestrator.models.presets import load_preset
+
+  _, params, _ = model_lib.build_model(load_preset("tiny"), 7)
+  return jax.device_put(jax.device_get(params), sampler._own_sharding)
+
+
+def _chunked(sampler, weights_by_chunk):
+  from orchestrator.live import chunked_sampling
+  from orchestrator.live.sampler import NEVER_SAMPLED
+
+  flat = {v: chunked_sampling.flattened_weights(sampler._graphdef, w) for v, w in dict(weights_by_chunk).items()}
+  return chunked_sampling.sample_in_chunks(
+      sampler._sampler, PROMPTS, max_generation_steps=COMPLETION_TOKENS, max_prompt_length=PROMPT_TOKENS,
+      chunk_tokens=CHUNK_TOKENS, weights_for_chunk=lambda g: (weights_by_chunk[g][0], flat[weights_by_chunk[g][0]]),
+      seed=SEED, temperature=1.0, top_p=1.0, forbidden_tokens=sampler._forbidden, eos_tokens=[NEVER_SAMPLED])
+
+
+def _policy_logprobs(sampler, params, prompt_ids, completion_ids) -> np.ndarray:
+  """Each completion token's log-prob under ``params`` by one forward pass over prompt and completion (the
+  tempered distribution at temperature 1 over the ids the sampler may emit, as the sampler returns them)."""
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+
+  model = nnx.merge(sampler._graphdef, params)
+  tokens = np.concatenate([prompt_ids, completion_ids])[None]
+  length = tokens.shape[1]
+  logits, _ = model(jnp.asarray(tokens), jnp.arange(length)[None], None, jnp.tril(jnp.ones((1, length, length), bool)))
+  logits = logits[0].astype(jnp.float32)
+  if sampler._forbidden is not None:
+    logits = logits.at[:, sampler._forbidden[0]].set(-jnp.inf)
+  logp = jax.nn.log_softmax(logits, axis=-1)
+  targets = np.arange(len(prompt_ids) - 1, length - 1)
+  return np.asarray(logp[targets, completion_ids])
+
+
+def test_chunks_on_one_version_draw_exactly_what_one_call_draws(sampler):
+  from orchestrator.live.sampler import NEVER_SAMPLED
+
+  chunks = -(-COMPLETION_TOKENS // CHUNK_TOKENS)
+  plain = sampler._sampler([sampler.model_prompt(p) for p in PROMPTS], max_generation_steps=COMPLETION_TOKENS,
+                           max_prompt_length=PROMPT_TOKENS, temperature=1.0, seed=SEED, return_logprobs=True,
+                           forbidden_tokens=sampler._forbidden, eos_tokens=[NEVER_SAMPLED], top_p=1.0)
+  compiled = sampler._sampler._compiled_decode_fn._cache_size()
+  out = _chunked(sampler, [(0, sampler._params)] * chunks)
+  assert sampler._sampler._compiled_decode_fn._cache_size() == compiled  # the call's own decode, not another
+  for row in range(len(PROMPTS)):
+    np.testing.assert_array_equal(out.tokens[row], np.asarray(plain.tokens[row]))
+    np.testing.assert_array_equal(out.logprobs[row], np.asarray(plain.logprobs[row], np.float32))
+    assert out.versions[row].tolist() == [0] * COMPLETION_TOKENS
+  # Negative control: another seed draws other tokens, so equality above is not vacuous.
+  other = sampler._sampler([sampler.model_prompt(p) for p in PROMPTS], max_generation_steps=COMPLETION_TOKENS,
+                           max_prompt_length=PROMPT_TOKENS, temperature=1.0, seed=SEED + 1, return_logprobs=True,
+                           forbidden_tokens=sampler._forbidden, eos_tokens=[NEVER_SAMPLED], top_p=1.0)
+  assert any(not np.array_equal(out.tokens[r], np.asarray(other.tokens[r])) for r in range(len(PROMPTS)))
+
+
+def test_after_a_switch_every_token_and_log_prob_is_the_new_weights_given_the_whole_prefix(sampler, other_weights):
+  old = _chunked(sampler, [(0, sampler._params)] * 3)
+  switched = _chunked(sampler, [(0, sampler._params), (1, other_weights), (1, other_weights)])
+  again = _chunked(sampler, [(0, sampler._params), (1, other_weights), (1, other_weights)])
+  differs = 0
+  for row, prompt in enumerate(PROMPTS):
+    assert switched.versions[row].tolist() == [0, 0, 1, 1, 1, 1]
+    np.testing.assert_array_equal(switched.tokens[row][:CHUNK_TOKENS], old.tokens[row][:CHUNK_TOKENS])
+    np.testing.assert_array_equal(switched.logprobs[row][:CHUNK_TOKENS], old.logprobs[row][:CHUNK_TOKENS])
+    np.testing.assert_array_equal(switched.tokens[row], again.tokens[row])  # counts alone: the same every time
+    prompt_ids = sampler.prompt_ids(prompt)
+    new_policy = _policy_logprobs(sampler, other_weights, prompt_ids, switched.tokens[row])
+    old_policy = _policy_logprobs(sampler, sampler._params, prompt_ids, switched.tokens[row])
+    np.testing.assert_allclose(switched.logprobs[row][CHUNK_TOKENS:], new_policy[CHUNK_TOKENS:], atol=2e-5)
+    np.testing.assert_allclose(switched.logprobs[row][:CHUNK_TOKENS], old_policy[:CHUNK_TOKENS], atol=2e-5)
+    # Negative control: the old weights give the post-switch tokens other log-probs.
+    differs += not np.allclose(switched.logprobs[row][CHUNK_TOKENS:], old_policy[CHUNK_TOKENS:], atol=1e-3)
+  assert differs == len(PROMPTS)
