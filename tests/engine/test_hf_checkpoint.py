@@ -32,9 +32,11 @@ from orchestrator.tasks.tokenizer import CharTokenizer
 from orchestrator.live.sampler import LiveSampler
 from tests.checkpoint_files import preset_tensors, write_directory, write_safetensors
 
-#: A short live run of the tiny preset (the default recipe's task, small sizes).
+#: A short live run of the tiny preset (the default recipe's task, small sizes), its sampler in this process:
+#: where the sampler runs is not what these runs test (tests/live/test_sampler_process.py pins that its own process
+#: samples the same), and a process of its own would start JAX again for every run.
 LIVE = ["steps=2", "rollouts.groups_per_micro_batch=2", "batch.rows=4", "task.eval_prompts=4",
-        "checkpoint.every=2", "run.reserve_host_core=false"]
+        "checkpoint.every=2", "run.reserve_host_core=false", "rollouts.placement=shared"]
 
 
 def write_checkpoint(directory, preset_name: str, *, seed: int = 0, tokenizer: bool = True,

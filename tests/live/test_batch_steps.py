@@ -297,8 +297,10 @@ def test_a_position_inside_a_batch_without_the_batch_s_rollouts_is_refused(rig):
 
 # ---------------------------------------------------------------- run_rl: resume inside a batch, extension
 
+#: The sampler in this process (rollouts.placement=shared): where the sampler runs is not what these runs test (tests/live/test_sampler_process.py pins that its own
+#: process samples the same), and a process of its own would start JAX again for every run.
 ARGV = ["rollouts.groups_per_micro_batch=2", "batch.rows=4", "task.eval_prompts=4", "run.reserve_host_core=false",
-        f"rollouts.batch_steps={BATCH_STEPS}", f"engine.epochs={EPOCHS}"]
+        f"rollouts.batch_steps={BATCH_STEPS}", f"engine.epochs={EPOCHS}", "rollouts.placement=shared"]
 
 
 def _digest(stdout: str) -> str:

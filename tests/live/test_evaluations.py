@@ -103,7 +103,10 @@ def _records(run):
   return [BoundaryRecord.from_json(json.loads(line)) for line in (run / "records.jsonl").read_text().splitlines()]
 
 
-LIVE = ["steps=8", "task.eval_prompts=8", "run.reserve_host_core=false", "metrics.samples_every=0"]
+#: The sampler in this process (rollouts.placement=shared): where the sampler runs is not what these runs test (tests/live/test_sampler_process.py pins that its own
+#: process samples the same), and a process of its own would start JAX again for every run.
+LIVE = ["steps=8", "task.eval_prompts=8", "run.reserve_host_core=false", "metrics.samples_every=0",
+        "rollouts.placement=shared"]
 
 
 @pytest.mark.e2e
@@ -155,7 +158,7 @@ def test_a_held_out_split_smaller_than_eval_prompts_is_stated_in_a_warning(tmp_p
   (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:27]))
   (tmp_path / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[27:]))
   dataset = ["task.name=dataset", f"task.path={tmp_path / 'train.jsonl'}", f"task.eval_path={tmp_path / 'eval.jsonl'}",
-             "steps=1", "run.reserve_host_core=false", "metrics.backends=[]"]
+             "steps=1", "run.reserve_host_core=false", "metrics.backends=[]", "rollouts.placement=shared"]
   assert cli.main([*dataset, "task.eval_prompts=16", "--out", str(tmp_path / "small")]) == 0
   warned = [line for line in capsys.readouterr().err.splitlines() if "held-out split holds" in line]
   assert warned == ["task.eval_prompts=16, but the held-out split holds 3 prompts: each evaluation uses those 3"

@@ -12,8 +12,10 @@ import pytest
 from orchestrator.app import cli
 from policies import Mode
 
+#: The sampler in this process (rollouts.placement=shared): where the sampler runs is not what these runs test (tests/live/test_sampler_process.py pins that its own
+#: process samples the same), and a process of its own would start JAX again for every run.
 LIVE = ["steps=6", "task.eval_prompts=8", "run.reserve_host_core=false", "metrics.backends=[]",
-        "metrics.samples_every=0", "step_boundary.wait_threshold_s=0"]
+        "metrics.samples_every=0", "step_boundary.wait_threshold_s=0", "rollouts.placement=shared"]
 EVERY_OPTION = ["engine.kl_beta=0.1", "engine.lr_schedule=cosine", "engine.warmup_steps=2", "engine.decay_steps=4",
                 "engine.clip_eps_low=0.1", "engine.clip_eps_high=0.3", "engine.loss_aggregation=seq_mean_token_mean",
                 "rollouts.top_p=0.9", "rollouts.top_k=5", "task.eval_every=3", "task.eval_pass_k=2"]
@@ -54,7 +56,8 @@ def test_the_live_loop_trains_at_any_temperature_without_nan(tmp_path, temperatu
   the sampler's own weights still give a ratio of 1 at the first step."""
   _, records = _digest(tmp_path, f"t{temperature}", ["steps=3", "rollouts.groups_per_micro_batch=2", "batch.rows=4",
                                                      "task.eval_prompts=4", "run.reserve_host_core=false",
-                                                     "metrics.backends=[]", f"rollouts.temperature={temperature}"])
+                                                     "metrics.backends=[]", f"rollouts.temperature={temperature}",
+                                                     "rollouts.placement=shared"])
   for r in records:
     assert all(math.isfinite(r[key]) for key in ("loss", "grad_norm", "entropy", "ppo_kl")), r
   assert abs(records[0]["ppo_kl"]) < 1e-4

@@ -314,6 +314,9 @@ def test_a_new_live_run_whose_trainer_cannot_be_built_stops_its_sampling(rig, tm
 #: The step schedule these runs pin (step s trains on rollouts of weights version s - 1): one optimizer step per
 #: sampled batch, one micro-batch per sampler call, where the default recipe samples a batch of four steps at once.
 PER_STEP = ["rollouts.batch_steps=1", "engine.epochs=1", "rollouts.micro_batches_per_call=1"]
+#: The sampler in this process (rollouts.placement=shared): where the sampler runs is not what these runs test (tests/live/test_sampler_process.py pins that its own
+#: process samples the same), and a process of its own would start JAX again for every run.
+SAMPLER_HERE = ["rollouts.placement=shared"]
 
 
 def _digest(stdout: str) -> str:
@@ -328,7 +331,7 @@ def test_a_finished_live_run_extended_by_resume_trains_like_a_longer_run(tmp_pat
   for name in recipe_lib.ENV_SWITCHES:
     monkeypatch.delenv(name, raising=False)
   argv = ["rollouts.groups_per_micro_batch=2", "batch.rows=4", "task.eval_prompts=4", "checkpoint.every=2",
-          "run.reserve_host_core=false", *PER_STEP]
+          "run.reserve_host_core=false", *PER_STEP, *SAMPLER_HERE]
   assert cli.main(argv + ["steps=8", "--out", str(tmp_path / "eight")]) == 0
   eight = _digest(capsys.readouterr().out)
   run = tmp_path / "four"
@@ -346,7 +349,7 @@ def test_run_rl_runs_the_live_loop_and_resumes_it_exactly(tmp_path, monkeypatch)
     monkeypatch.delenv(name, raising=False)
   run = tmp_path / "run"
   argv = ["steps=4", "rollouts.groups_per_micro_batch=2", "batch.rows=4", "task.eval_prompts=8",
-          "checkpoint.every=2", "run.reserve_host_core=false", *PER_STEP, "--out", str(run)]
+          "checkpoint.every=2", "run.reserve_host_core=false", *PER_STEP, *SAMPLER_HERE, "--out", str(run)]
   assert cli.main(argv) == 0
   first = json.loads((run / "summary.json").read_text())
   assert first["eval_accuracy_start"] is not None and first["reward_first_step"] is not None
@@ -372,7 +375,7 @@ def test_a_live_run_records_the_rollouts_it_trained_on_and_they_replay(tmp_path,
     monkeypatch.delenv(name, raising=False)
   recording = tmp_path / "recording"
   shape = ["rollouts.groups_per_micro_batch=2", "batch.rows=4", "task.eval_prompts=4", "run.reserve_host_core=false",
-           "rollouts.temperature=0.7", *PER_STEP]
+           "rollouts.temperature=0.7", *PER_STEP, *SAMPLER_HERE]
   assert cli.main(["record", "steps=3", *shape, f"run.out={tmp_path / 'run'}", "--out", str(recording)]) == 0
   manifest_path = recording / "manifest.json"
   manifest = json.loads(manifest_path.read_text())

@@ -95,10 +95,11 @@ def test_a_run_writes_every_steps_scalars_to_tensorboard_in_its_directory(tmp_pa
 
 @pytest.mark.e2e
 def test_a_live_run_logs_its_rewards(tmp_path):
-  """The default recipe (the live loop), cut to four steps."""
+  """The default recipe (the live loop), cut to four steps, its sampler in this process (where it runs is not
+  what this tests)."""
   run = tmp_path / "run"
   assert cli.main(["steps=4", "task.eval_prompts=4", "run.reserve_host_core=false", "metrics.samples_every=2",
-                   "--out", str(run)]) == 0
+                   "rollouts.placement=shared", "--out", str(run)]) == 0
   logged = _assert_events_match_records(run, _records(run))
   # a few completions of steps 0 and 2 (the cadence) and 3 (the last, whatever the cadence), to read, in
   # samples.jsonl and in TensorBoard's text tab
