@@ -157,7 +157,7 @@ def test_two_resumes_at_once_run_one_and_refuse_the_other(finished, tmp_path):
   run = _copy(finished, tmp_path)
   env = {k: v for k, v in os.environ.items() if k not in recipe_lib.ENV_SWITCHES}
   env["PJRT_NPROC"] = "1"
-  procs = [subprocess.Popen([sys.executable, "-m", "orchestrator.app.cli", "--resume", str(run), "--steps", "30"],
+  procs = [subprocess.Popen([sys.executable, "-m", "orchestrator.app.cli", "--resume", str(run), "--steps", "8"],
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
            for _ in range(2)]
   results = [(p.wait(timeout=600), p.communicate()[1]) for p in procs]
@@ -165,7 +165,7 @@ def test_two_resumes_at_once_run_one_and_refuse_the_other(finished, tmp_path):
   assert codes == [0, 2], results
   refused = next(err for code, err in results if code == 2)
   assert "is in use by pid" in refused and len(refused.strip().splitlines()) == 1
-  assert [r["step"] for r in run_dir.all_records(run)] == list(range(30))
+  assert [r["step"] for r in run_dir.all_records(run)] == list(range(8))
   assert len(list((run / run_dir.SEGMENTS).iterdir())) == 1  # the refused one opened no segment
 
 
