@@ -49,25 +49,34 @@ def _ended(proc: subprocess.Popen, limit_s: float) -> tuple[int, list[str], str]
 
 
 # ---------------------------------------------------------------- a job admits only its own
-@pytest.mark.e2e
-@pytest.mark.slow
-@pytest.mark.parametrize("key, first, second, shown", [
+#: Differences between two processes' recipes and how the line names them. The first runs as a job of two
+#: run_rl processes; the rest are the same line from the same settings, made in this process.
+DIFFERENCES = [
     ("engine.learning_rate", ["engine.learning_rate=0.001"], ["engine.learning_rate=0.01"], "0.001 (process 0) vs"
      " 0.01 (process 1)"),
     ("batch.micro_batches_per_step", ["batch.micro_batches_per_step=2"], ["batch.micro_batches_per_step=3"],
      "2 (process 0) vs 3 (process 1)"),
-    ("step_boundary.stage_before_update", [], ["--no-stage_before_update"], "true (process 0) vs false (process 1)"),
-], ids=["learning-rate", "micro-batches", "mode"])
-def test_processes_whose_recipes_differ_stop_together_in_one_line_naming_the_key(tmp_path, key, first, second,
-                                                                                   shown):
+    ("step_boundary.stage_before_update", [], ["step_boundary.stage_before_update=false"],
+     "true (process 0) vs false (process 1)"),
+]
+
+
+def _mismatch(key: str, shown: str) -> str:
+  return (f"process 1's recipe differs from process 0's at {key}: {shown}; start every process with the same"
+          " recipe")
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_processes_whose_recipes_differ_stop_together_in_one_line_naming_the_key(tmp_path):
+  key, first, second, shown = DIFFERENCES[0]
   port = free_loopback_port()
   # Each process writes to its own --out: output paths may differ, so only the key above is named.
   procs = [_start(i, port, [*args, f"distributed.timeout_s={TIMEOUT_S}"], tmp_path / f"out{i}")
            for i, args in enumerate((first, second))]
   # A hang fails through the deadline; how fast a refusal comes is the machine's, not the test's, business.
   ended = [_ended(p, TIMEOUT_S + 60) for p in procs]
-  line = (f"run_rl: error: process 1's recipe differs from process 0's at {key}: {shown}; start every process with"
-          " the same recipe")
+  line = f"run_rl: error: {_mismatch(key, shown)}"
   for process_id, (code, lines, err) in enumerate(ended):
     assert (code, lines) == (2, [line]), f"process {process_id}:\n{err[-3000:]}"
     assert "Traceback" not in err and "Check failure" not in err, err[-3000:]
@@ -95,6 +104,17 @@ def test_the_first_differing_key_is_named_in_the_recipes_order_and_identity_and_
   assert admission.first_difference({"a": 1, "b": 2}, {"b": 2, "a": 1}) is None  # order alone is no difference
   assert admission.first_difference({"a": 1}, {"a": True}) == ("a", 1, True)
   assert admission.first_difference({"a": 1}, {"a": 1, "z": 3})[0] == "z"
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("key, first, second, shown", DIFFERENCES, ids=["learning-rate", "micro-batches", "mode"])
+def test_each_job_setting_that_differs_is_named_with_both_processes_values(key, first, second, shown):
+  """The settings each process posts at admission (its recipe's, its identity aside) differ at the key given on
+  one command line only, and the line names it with both values as the recipe spells them."""
+  zero = job_settings(_recipe("distributed.process_id=0", "distributed.coordinator_address=10.0.0.1:1234", *first))
+  one = job_settings(_recipe("distributed.process_id=1", "distributed.coordinator_address=10.0.0.1:1234", *second))
+  assert admission.first_difference(zero, one)[0] == key
+  assert admission.mismatch_line(1, zero, one) == _mismatch(key, shown)
 
 
 @pytest.mark.engine
