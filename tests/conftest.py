@@ -31,6 +31,18 @@ if COMPILATION_CACHE_ENV not in os.environ:  # =off runs the suite without one
   os.environ[COMPILATION_CACHE_ENV] = _cache
 
 TIERS = ("spec", "engine", "e2e")
+#: The test files that take longest, longest first (the suite's --durations lists them; docs/benchmarks.md, "The
+#: test suite"). They run before the rest, so that the two xdist workers end together rather than one finishing a
+#: long file alone; `--no-loadscope-reorder` (pyproject.toml) keeps this order, where xdist would otherwise start
+#: with the files that hold the most tests, most of them quick.
+LONGEST_FIRST = (
+    "tests/distributed/test_distributed.py", "tests/app/test_resume.py", "tests/engine/test_hf_checkpoint.py",
+    "tests/remote/test_remote.py", "tests/live/test_live_loop.py", "tests/app/test_cli.py",
+    "tests/live/test_batch_steps.py", "tests/remote/test_families_on_a_mesh.py",
+    "tests/policies/test_boundary_model.py", "tests/remote/test_live_remote.py", "tests/live/test_grpo_options.py",
+    "tests/live/test_evaluations.py", "tests/app/test_run_dir.py", "tests/loop/test_metrics_log.py",
+    "tests/tasks/test_tasks_data.py",
+)
 #: What a spec test must run without: imported in this process, any of them fails a ``-m spec`` run.
 JAX_MODULES = ("jax", "jaxlib", "flax", "tunix", "optax", "orbax")
 
@@ -48,13 +60,16 @@ def pytest_ignore_collect(collection_path, config):
 
 @pytest.hookimpl(trylast=True)  # after -m has deselected: the items are the ones that run
 def pytest_collection_modifyitems(config, items):
-  """Refuses a test without exactly one tier marker; turns the compilation cache on unless only spec tests
-  run (its setting imports JAX, which must happen before the first compile, and no test compiles yet)."""
+  """Refuses a test without exactly one tier marker; puts the files of ``LONGEST_FIRST`` first, in its order; turns
+  the compilation cache on unless only spec tests run (its setting imports JAX, which must happen before the first
+  compile, and no test compiles yet)."""
   untiered = [f"{item.nodeid} ({', '.join(m) or 'none'})" for item in items
               for m in [[t for t in TIERS if item.get_closest_marker(t)]] if len(m) != 1]
   if untiered:
     raise pytest.UsageError("each test needs exactly one of @pytest.mark.spec / engine / e2e (docs/testing.md): "
                             + "; ".join(untiered))
+  rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+  items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: the rest keep their order
   if not all(item.get_closest_marker("spec") for item in items):
     use_compilation_cache()
 
