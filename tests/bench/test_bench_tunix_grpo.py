@@ -12,7 +12,7 @@ from orchestrator.bench import tunix_grpo
 
 def _fake_arm(calls, digest_of=lambda mode, n: "d" * 64):
   def run(toy, mode, *, reserve_host_core=False, accelerator=False, **flags):
-    calls.append((toy.layout, mode, accelerator))
+    calls.append((toy.layout, mode, accelerator, toy.mini_batches))
     n = sum(1 for c in calls if c[1] == mode)
     return {"seconds_per_step": 0.1 if mode is None else 0.08 + 0.01 * n, "host_blocks_per_step": 2.0,
             "staged_share": 0.5, "digest": digest_of(mode, n)}
@@ -29,8 +29,10 @@ def test_on_an_accelerator_of_one_device_the_arms_run_there_in_turn_and_the_spli
   out = capsys.readouterr().out
   assert "arms on 1 tpu device(s)" in out
   assert "b_split_four_mini_batches: skipped: the split layout needs two devices" in out
-  # Stock and the add-on alternate, every one on the accelerator, the shared layout only.
-  assert calls == [("shared", None, True), ("shared", "stage_before_update", True)] * 2
+  # Stock and the add-on alternate, every one on the accelerator, the shared layout only: one mini-batch a global
+  # step, then four (what one device can stage).
+  assert calls == ([("shared", None, True, 1), ("shared", "stage_before_update", True, 1)] * 2
+                   + [("shared", None, True, 4), ("shared", "stage_before_update", True, 4)] * 2)
   rows = json.loads(out.strip().splitlines()[-1])
   addon = next(r for r in rows if r["arm"] == "stage_before_update")
   assert addon["seconds_per_step_range"] == pytest.approx([0.09, 0.10]) and addon["platform"] == "tpu"
@@ -49,7 +51,8 @@ def test_on_the_cpu_both_layouts_run_on_forced_devices_and_another_digest_fails_
   assert "arms on two forced CPU devices" in out and {c[0] for c in calls} == {"shared", "split"}
   assert not any(c[2] for c in calls)
   rows = json.loads(out.strip().splitlines()[-1])
-  assert [r["same_digest_as_stock"] for r in rows] == [True, False, True, True]
+  assert [r["config"] for r in rows] == [name for name in tunix_grpo.CONFIGS for _ in range(2)]
+  assert [r["same_digest_as_stock"] for r in rows] == [True, False, True, True, True, True]
 
 
 @pytest.mark.spec
