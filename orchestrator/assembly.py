@@ -27,6 +27,7 @@ from orchestrator.tasks.tokenizer import sampled_token_ids
 from orchestrator.loop.program import ProgramConfig
 from orchestrator.loop.trainer_worker import TrainerWorker, WorkerCapabilities
 from orchestrator.recipe import RECIPES_DIR, Recipe, RecipeError
+from orchestrator.recipe.schema import decode_chunk_size, decode_chunks
 from orchestrator.remote import protocol
 from orchestrator.remote.client import RemoteTrainerWorker
 from orchestrator.remote.spawn import SpawnedTrainer
@@ -178,10 +179,21 @@ def live_source(recipe: Recipe, *, steps: int | None = None):
   shape = LiveShape(steps or recipe.steps, recipe.batch.micro_batches_per_step, r.groups_per_micro_batch,
                     r.generations_per_group, r.max_staleness, r.temperature, r.seed, r.batch_steps,
                     recipe.engine.epochs, recipe.micro_batches_per_call(), top_p=r.top_p, top_k=r.top_k,
-                    stop=tuple(r.stop), advantage_scaling=r.advantage_scaling)
+                    stop=tuple(r.stop), advantage_scaling=r.advantage_scaling, **in_flight_shape(recipe))
   # Only process 0 writes a recording (launch._run_program): the others of a job keep no steps for one.
   record = bool(r.record_to) and jax.process_index() == 0
   return LiveRollouts(sampler, task, shape, record=record, reward=recipe.task.make_reward(task), sampler_where=where)
+
+
+def in_flight_shape(recipe: Recipe) -> dict[str, Any]:
+  """``LiveShape``'s in-flight keys for ``recipe``: none without in-flight updates (a generation decodes whole),
+  else its decode chunks' size and count over the task's completion limit."""
+  r = recipe.rollouts
+  if not r.in_flight_updates:
+    return {}
+  limit = max_generation_steps(recipe.live_task())
+  return {"in_flight_updates": True, "decode_chunk_tokens": decode_chunk_size(r.decode_chunk_tokens, limit),
+          "decode_chunks": decode_chunks(r.decode_chunk_tokens, limit)}
 
 
 def resolve_path(path: str) -> Path:

@@ -65,13 +65,15 @@ def sample_in_chunks(sampler, prompts: Sequence[str], *, max_generation_steps: i
     max_generation_steps, max_prompt_length: as ``Sampler.__call__`` takes them (the same compiled functions).
     chunk_tokens: completion tokens per chunk (the last chunk may be shorter).
     weights_for_chunk: chunk index -> (version, weights as ``flattened_weights`` gives them), called once per
-      chunk in order before it is sampled (it may wait for that version). A chunk whose version differs from
-      the chunk before it re-fills the cache with its weights.
+      chunk in order before it is sampled (it may wait for that version, and let another caller use the sampler
+      meanwhile: the generation's state is this function's, never the sampler's). A chunk whose version differs
+      from the chunk before it re-fills the cache with its weights.
     seed, temperature, top_p, top_k, forbidden_tokens, eos_tokens: as ``Sampler.__call__`` takes them.
   """
   if chunk_tokens < 1:
     raise ValueError(f"chunk_tokens={chunk_tokens}: a chunk decodes at least one token")
-  sampler.eos_ids = jnp.array(eos_tokens or [sampler.tokenizer.eos_id()])
+  eos_ids = jnp.array(eos_tokens or [sampler.tokenizer.eos_id()])
+  sampler.eos_ids = eos_ids
   tokens = [sampler.tokenize(p) for p in prompts]
   if max(len(t) for t in tokens) > max_prompt_length:
     raise ValueError(f"a prompt of {max(len(t) for t in tokens)} tokens is longer than max_prompt_length="
@@ -90,6 +92,9 @@ def sample_in_chunks(sampler, prompts: Sequence[str], *, max_generation_steps: i
   current = None
   for chunk in range(chunks):
     version, weights = weights_for_chunk(chunk)
+    # weights_for_chunk may wait, and another caller may use the sampler meanwhile (an evaluation, whose call
+    # sets its own eos ids): a re-fill's prefill compiled now must read this generation's
+    sampler.eos_ids = eos_ids
     start = chunk * chunk_tokens  # the chunk's first completion token
     if chunk == 0:
       state = sampler._compiled_prefill_fn(weights, state, None, echo=False)

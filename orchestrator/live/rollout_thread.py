@@ -4,8 +4,10 @@ It samples batch after batch in order, each once the weights version it samples 
 the weight sync delivers them), a batch's micro-batches in pass 0's training order, publishing each sampler
 call's as it is done (``SampledBatches``), so a step can be taken once its first micro-batch exists. It stops at
 the run's last batch unless a checkpoint asks for the batches past it that its position carries
-(``sample_until``). The live source (``rollouts.LiveRollouts``) owns the condition both share: it guards the
-versions, the batches and this thread's ``error`` and ``closed``.
+(``sample_until``). With in-flight updates a call decodes in chunks, each on the version
+``BatchSchedule.call_versions`` gives it, waiting between chunks for the sync that keeps it. The live source
+(``rollouts.LiveRollouts``) owns the condition both share: it guards the versions, the batches and this
+thread's ``error`` and ``closed``.
 """
 
 from __future__ import annotations
@@ -20,6 +22,10 @@ from orchestrator.live.weight_versions import WeightVersions
 from orchestrator.tasks.rewards import CallCancelled
 
 log = logging.getLogger("step_boundary.rollouts")
+
+
+class ClosedWhileWaiting(Exception):
+  """The source was closed while a generation waited for the weights of a newer version (the argument)."""
 
 
 class RolloutThread:
@@ -71,6 +77,21 @@ class RolloutThread:
     if self.thread not in (None, threading.current_thread()):
       self.thread.join(timeout_s)
 
+  def _chunk_weights(self, batch: int, call: int):
+    """(In-flight updates.) Chunk index -> (version, weights) for call ``call`` of ``batch``: each chunk's version
+    is ``BatchSchedule.call_versions``'s, waited for until the weight sync keeps it (``close`` ends the wait)."""
+    versions = self._schedule.call_versions(batch, call)
+
+    def weights_for_chunk(chunk: int):
+      version = versions[chunk]
+      with self._cond:
+        self._cond.wait_for(lambda: self.closed or self._versions.available(version))
+        if self.closed:
+          raise ClosedWhileWaiting(version)
+        return version, self._versions.take(version)
+
+    return weights_for_chunk
+
   def _produce(self) -> None:
     batch = self.first_batch
     try:
@@ -86,14 +107,18 @@ class RolloutThread:
         per_call = self._shape.micro_batches_per_call
         for first in range(0, self._shape.micro_batches_per_batch, per_call):  # in pass 0's training order
           start = time.perf_counter()
+          chunked = ({} if not self._schedule.in_flight_updates
+                     else {"chunk_weights": self._chunk_weights(batch, first // per_call)})
           sampled = self._shared.sample_micro_batches(batch, first, per_call, version, weights,
-                                                      cancelled=lambda: self.closed)
+                                                      cancelled=lambda: self.closed, **chunked)
           seconds = (time.perf_counter() - start) / per_call  # each micro-batch's share of the call
           with self._cond:  # each published when its call is done
             for one in sampled:
               self._batches.publish(batch, version, one, seconds)
             self._cond.notify_all()
         batch += 1
+    except ClosedWhileWaiting:  # closed while a generation waited for newer weights: nothing is left running
+      return
     except CallCancelled as e:  # closed while a reward function ran: the run ends without waiting for it
       log.warning("[rollouts] the run ended while sampling waited for %s; it was left running", e)
     except BaseException as e:  # pylint: disable=broad-except  # surfaced at the next boundary

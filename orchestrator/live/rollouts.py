@@ -91,6 +91,11 @@ class LiveShape:
   top_k: int = 0  # the most likely ids sampled from (0: off)
   stop: tuple[str, ...] = ()  # strings that end a completion (the token completing one is kept, its text cut)
   advantage_scaling: str = "group"  # a group's advantages over its reward std, or not ("none": Dr. GRPO)
+  # In-flight updates (rollouts.in_flight_updates): a call decodes in chunks of decode_chunk_tokens tokens,
+  # decode_chunks of them (schema.decode_chunk_size, schema.decode_chunks), each on BatchSchedule.chunk_version.
+  in_flight_updates: bool = False
+  decode_chunk_tokens: int = 0  # 0: whole (no in-flight updates)
+  decode_chunks: int = 1
 
   def sampling_settings(self) -> dict[str, Any]:
     """The sampler's keyword arguments for how each token is drawn and where a completion ends
@@ -100,7 +105,8 @@ class LiveShape:
   @property
   def schedule(self) -> BatchSchedule:
     return BatchSchedule(self.micro_batches_per_step, self.generations_per_group, self.batch_steps, self.epochs,
-                         self.max_staleness, self.seed)
+                         self.max_staleness, self.seed, in_flight_updates=self.in_flight_updates,
+                         micro_batches_per_call=self.micro_batches_per_call, chunks_per_call=self.decode_chunks)
 
   @property
   def micro_batches_per_batch(self) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -24,6 +24,7 @@ from orchestrator.engine import model as model_lib
 from orchestrator.engine import moe as moe_lib
 from orchestrator.engine.loss import attention_mask
 from orchestrator.models.presets import ModelPreset
+from orchestrator.live import chunked_sampling
 from orchestrator.live.placement import SamplerPlacement, default_device
 from orchestrator.tasks.tokenizer import sampled_token_ids
 
@@ -130,14 +131,18 @@ class LiveSampler:
     """Takes the trainer's weights (host or device arrays, any placement): onto the sampler's device, device to
     device for arrays already on a device (the trainer's, when it shares them: no round trip through the host);
     with a placement, onto its devices, where ``placement.transfer`` did not put them already)."""
-    if self.placement is not None:
-      placed = self.placement.put(weights)  # no copy for weights already there
-    else:  # device arrays (the trainer's, shared) stay on the device; host arrays are copied there
-      placed = jax.device_put(weights, jax.tree.map(lambda _: self._own_sharding, weights))
+    placed = self._placed(weights)
     model = nnx.merge(self._graphdef, placed)
     self._sampler.transformer_state = nnx.variables(model)
     self._params = placed
     self.weights_version = int(version)
+
+  def _placed(self, weights: Any) -> Any:
+    """``weights`` where this sampler computes: on its placement's devices, or its own device."""
+    if self.placement is not None:
+      return self.placement.put(weights)  # no copy for weights already there
+    # device arrays (the trainer's, shared) stay on the device; host arrays are copied there
+    return jax.device_put(weights, jax.tree.map(lambda _: self._own_sharding, weights))
 
   def close(self) -> None:
     """Nothing to free here (``sampler_process.SamplerProcess.close`` ends its process)."""
@@ -152,14 +157,26 @@ class LiveSampler:
 
   def sample(self, prompts: Sequence[str], *, seed: int, temperature: float = 1.0, top_p: float = 1.0,
              top_k: int = 0, stop: Sequence[str] = (),
-             max_new_tokens: Sequence[int | None] | None = None) -> Samples:
+             max_new_tokens: Sequence[int | None] | None = None,
+             weights_for_chunk: Callable[[int], tuple[int, Any]] | None = None,
+             chunk_tokens: int = 0) -> Samples:
     """One completion per prompt (repeat a prompt for a group), drawn with ``seed``.
 
     ``top_p`` (1.0: off) and ``top_k`` (0, or at least the vocabulary: off) truncate the distribution each token
     is drawn from; the log-probs are still the full tempered distribution's (``engine.loss``'s module docstring
     says why). ``stop``: strings that end a completion where one first occurs (``_samples``).
     ``max_new_tokens[i]``: prompt i's own limit (None: ``max_generation_steps``), at most that.
+
+    ``weights_for_chunk`` (in-flight updates): the generation decodes in chunks of ``chunk_tokens`` tokens
+    (``chunked_sampling.sample_in_chunks``), chunk g with ``weights_for_chunk(g)``'s (version, weights as
+    ``sync`` takes them; None: this sampler's own) rather than this sampler's, and the samples carry each
+    token's version (``Samples.versions``; their ``weights_version`` is the first chunk's). Without it, one call
+    with this sampler's weights, as always.
     """
+    if weights_for_chunk is not None:
+      return self._sample_in_chunks(prompts, seed=seed, temperature=temperature, top_p=top_p, top_k=top_k,
+                                    stop=stop, max_new_tokens=max_new_tokens,
+                                    weights_for_chunk=weights_for_chunk, chunk_tokens=chunk_tokens)
     # Tunix cuts a completion before its eos, and the eos's log-prob with it; a completion that ends must
     # keep both (the policy learns when to stop, and a first-token eos would leave nothing). So its stop is
     # an id never sampled, and each completion is cut after its first eos here.
@@ -172,6 +189,31 @@ class LiveSampler:
     if self.routing is None:
       return samples
     return dataclasses.replace(samples, routing=self._record_routing(samples.prompt_ids, samples.completion_ids))
+
+  def _sample_in_chunks(self, prompts: Sequence[str], *, seed: int, temperature: float, top_p: float, top_k: int,
+                        stop: Sequence[str], max_new_tokens: Sequence[int | None] | None,
+                        weights_for_chunk: Callable[[int], tuple[int, Any]], chunk_tokens: int) -> Samples:
+    """``sample`` in decode chunks, each on the weights ``weights_for_chunk`` gives it (see ``sample``)."""
+    if self.routing is not None:  # the recipe refuses in-flight updates with router replay
+      raise ValueError("a generation in chunks has no one set of weights to record its routing with")
+    flat: dict[int, Any] = {}  # per version, the weights as the compiled functions take them
+
+    def chunk_weights(chunk: int) -> tuple[int, Any]:
+      version, weights = weights_for_chunk(chunk)
+      if version not in flat:
+        flat[version] = chunked_sampling.flattened_weights(
+            self._graphdef, self._params if weights is None else self._placed(weights))
+      return version, flat[version]
+
+    truncation = self._truncation(top_p, top_k)
+    with default_device(self.placement):  # as ``sample``'s one call: its stop an id never sampled
+      out = chunked_sampling.sample_in_chunks(
+          self._sampler, [self.model_prompt(p) for p in prompts], max_generation_steps=self.max_generation_steps,
+          max_prompt_length=self.max_prompt_length, chunk_tokens=chunk_tokens, weights_for_chunk=chunk_weights,
+          seed=int(seed), temperature=temperature, top_p=truncation["top_p"], top_k=truncation.get("top_k"),
+          forbidden_tokens=self._forbidden, eos_tokens=[NEVER_SAMPLED])
+    samples = self._samples(prompts, out, stop=stop, max_new_tokens=max_new_tokens, versions=out.versions)
+    return dataclasses.replace(samples, weights_version=int(min(v.min() for v in out.versions)))
 
   def _record_routing(self, prompt_ids: Sequence[np.ndarray], completion_ids: Sequence[np.ndarray]
                       ) -> list[np.ndarray]:
@@ -217,7 +259,10 @@ class LiveSampler:
     return texts
 
   def _samples(self, prompts: Sequence[str], out, *, stop: Sequence[str] = (),
-               max_new_tokens: Sequence[int | None] | None = None) -> Samples:
+               max_new_tokens: Sequence[int | None] | None = None,
+               versions: Sequence[np.ndarray] | None = None) -> Samples:
+    """``out``'s completions cut at their end (eos, limit, stop string), with their log-probs and, where given,
+    each token's ``versions`` cut alike."""
     # Plain Python per completion (a few ids each) and each distinct prompt tokenized once: numpy's per-call
     # overhead here made the wrapper cost a sixth of Tunix's sampling time on the default batch.
     completions, logprobs, ended, eos = [], [], [], set(self._eos_ids)
@@ -242,7 +287,9 @@ class LiveSampler:
     prompt_ids = {p: self.prompt_ids(p) for p in dict.fromkeys(prompts)}
     return Samples(list(prompts), [prompt_ids[p].copy() for p in prompts],
                    completions, logprobs, texts, self.weights_version,
-                   None if self._fixed_length and not stop else ended)
+                   None if self._fixed_length and not stop else ended,
+                   versions=None if versions is None else [np.asarray(v, np.int64)[:len(c)].copy()
+                                                           for v, c in zip(versions, completions)])
 
 
 #: Rows of a routing pass are padded to a multiple of this many tokens.

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from orchestrator.data.trajectory import Trajectory
-from orchestrator.tasks.rewards import Reward
+from orchestrator.tasks.rewards import CallCancelled, Reward
 from orchestrator.live.sampler import LiveSampler
 from orchestrator.tasks.tasks import group_advantages
 
@@ -43,19 +43,56 @@ class SharedSampler:
     self.start_weights: Any = None
 
   def sample_micro_batches(self, batch: int, first: int, count: int, version: int, weights: Any, *,
-                           cancelled: Callable[[], bool] | None = None) -> list:
+                           cancelled: Callable[[], bool] | None = None,
+                           chunk_weights: Callable[[int], tuple[int, Any]] | None = None) -> list:
     """Micro-batches ``first`` … ``first + count - 1`` of sampled ``batch`` with weights ``version`` (``weights``;
-    None: the sampler's own), in one sampler call in this caller's turn: ``sample_micro_batches``'s result."""
+    None: the sampler's own), in one sampler call in this caller's turn: ``sample_micro_batches``'s result.
+
+    ``chunk_weights`` (in-flight updates): the call decodes in chunks instead, chunk g with ``chunk_weights(g)``'s
+    (version, weights; None: version 0's, the sampler's own), which may wait for that version's sync. The turn is
+    held chunk by chunk, not while that waits: an evaluation at the boundary whose sync it waits for takes the
+    sampler in between (the generation's state is the call's own, and each chunk is given its weights)."""
+    if chunk_weights is not None:
+      return self._sample_in_chunks(batch, first, count, chunk_weights, cancelled)
     with self._turn:  # per call: an evaluation may take the sampler (and its weights) between
-      if weights is None and self.sampler.weights_version != version:  # an evaluation took the sampler's own
-        weights = self.start_weights
-        if weights is None:
-          raise RuntimeError(f"sampled batch {batch} samples with the sampler's own weights (version {version}),"
-                             f" but it holds version {self.sampler.weights_version} and no copy of them was kept")
+      weights = self._own_or(weights, version, batch)
       if weights is not None and self.sampler.weights_version != version:
         self.sampler.sync(weights, version)
       return sample_micro_batches(self.sampler, self._task, self._reward, self._shape, batch, first, count,
                                   cancelled=cancelled)
+
+  def _own_or(self, weights: Any, version: int, batch: int) -> Any:
+    """In the turn: ``weights``, or for None (the sampler's own, version 0's) None while the sampler still holds
+    them, else the copy kept of them (``start_weights``)."""
+    if weights is None and self.sampler.weights_version != version:  # an evaluation took the sampler's own
+      weights = self.start_weights
+      if weights is None:
+        raise RuntimeError(f"sampled batch {batch} samples with the sampler's own weights (version {version}),"
+                           f" but it holds version {self.sampler.weights_version} and no copy of them was kept")
+    return weights
+
+  def _sample_in_chunks(self, batch: int, first: int, count: int, chunk_weights: Callable[[int], tuple[int, Any]],
+                        cancelled: Callable[[], bool] | None) -> list:
+    """``sample_micro_batches`` in decode chunks, the turn taken for each chunk once its weights are there."""
+    held = False
+
+    def weights_for_chunk(chunk: int) -> tuple[int, Any]:
+      nonlocal held
+      if held:
+        self._turn.release()
+        held = False
+      version, weights = chunk_weights(chunk)
+      if not acquire_unless(self._turn, cancelled):
+        raise CallCancelled(f"the sampler's turn for decode chunk {chunk} of {self._shape.schedule.describe(batch)}")
+      held = True
+      return version, self._own_or(weights, version, batch)
+
+    try:
+      return sample_micro_batches(self.sampler, self._task, self._reward, self._shape, batch, first, count,
+                                  cancelled=cancelled, weights_for_chunk=weights_for_chunk)
+    finally:
+      if held:
+        self._turn.release()
 
   @contextlib.contextmanager
   def turn(self, stop: Callable[[], Any] | None = None) -> Iterator[bool]:
@@ -85,20 +122,25 @@ def acquire_unless(lock: threading.Lock, stop: Callable[[], Any] | None) -> bool
 
 
 def sample_micro_batches(sampler: LiveSampler, task, reward: Reward, shape, batch: int, first: int, count: int, *,
-                         cancelled: Callable[[], bool] | None = None) -> list:
+                         cancelled: Callable[[], bool] | None = None,
+                         weights_for_chunk: Callable[[int], tuple[int, Any]] | None = None) -> list:
   """Samples micro-batches ``first`` … ``first + count - 1`` of sampled ``batch`` (a step, with one step per
   batch) in one call with the sampler's current weights: per micro-batch (payload, rewards, correct, completion
   tokens). Their problems and the call's seed are functions of (seed, batch, first) and the count alone, so one
   micro-batch per call samples each as it always was. ``cancelled``: whether the source is closing (a reward
   call still running is then given up: ``rewards.CallCancelled``). Each micro-batch's last item says which
-  completions were cut at the length limit (None: a fixed-length answer, which has no end)."""
+  completions were cut at the length limit (None: a fixed-length answer, which has no end). ``weights_for_chunk``:
+  the call decodes in ``shape.decode_chunk_tokens`` chunks on those weights (``LiveSampler.sample``), and each
+  trajectory carries its tokens' versions."""
   g, groups = shape.generations_per_group, shape.groups_per_micro_batch
   first_group = (batch * shape.micro_batches_per_batch + first) * groups
   problems = [task.problem(shape.seed, "train", first_group + j) for j in range(count * groups)]
   repeated = [p for p in problems for _ in range(g)]
   seed = int(np.random.default_rng((shape.seed, batch, first)).integers(2**31 - 1))
+  chunked = ({} if weights_for_chunk is None
+             else {"weights_for_chunk": weights_for_chunk, "chunk_tokens": shape.decode_chunk_tokens})
   samples = sampler.sample([p.prompt for p in repeated], seed=seed, max_new_tokens=token_limits(repeated),
-                           **shape.sampling_settings())
+                           **shape.sampling_settings(), **chunked)
   if any(len(c) == 0 for c in samples.completion_ids):
     raise RuntimeError(f"the sampler returned an empty completion at {shape.schedule.describe(batch)},"
                        f" micro-batches {first}–{first + count - 1}")

@@ -54,17 +54,20 @@ class WeightVersions:
             f" needs {owed}; the run cannot be resumed from this checkpoint")
 
   def blocked_on_sync(self, step: int) -> bool:
-    """True when ``step``'s rollouts need weights that have not been synced yet."""
-    return step < self._steps and self.version_for(step) > self.synced
+    """True when ``step``'s rollouts need weights that have not been synced yet: the newest version the sampler
+    call holding its first micro-batch samples with (``BatchSchedule.first_micro_batch_version``; without
+    in-flight updates its batch's own)."""
+    return step < self._steps and self.schedule.first_micro_batch_version(step) > self.synced
 
   def can_sample(self, batch: int) -> bool:
     """Whether ``batch``'s version is one this source can still have (not older than ``first``)."""
     return self.schedule.batch_version(batch) >= self.first
 
   def samples_with(self, version: int) -> bool:
-    """Whether a batch samples with ``version``'s weights: every version with one step per batch, else those
-    after a batch's last step."""
-    return version % self.schedule.steps_per_batch == 0
+    """Whether some batch samples with ``version``'s weights (``BatchSchedule.samples_with``): without in-flight
+    updates every version with one step per batch, else those after a batch's last step; with them every
+    version some decode chunk samples with, so a generation under way finds the newer versions it takes."""
+    return self.schedule.samples_with(version)
 
   def keep(self, version: int, weights: Any) -> None:
     """``version``'s weights, synced; kept only if a batch samples with them (``samples_with``)."""
@@ -77,7 +80,8 @@ class WeightVersions:
     return version <= self.synced and version in self._kept
 
   def take(self, version: int) -> Any:
-    """``version``'s weights (``available`` first); the older ones, which no later batch needs, are dropped."""
+    """``version``'s weights (``available`` first); the older ones, which no later batch needs, are dropped (the
+    versions the sampler takes only rise: batch by batch, and chunk by chunk within one)."""
     weights = self._kept[version]
     for old in [v for v in self._kept if v < version]:
       del self._kept[old]

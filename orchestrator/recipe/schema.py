@@ -102,16 +102,24 @@ LIVE_ONLY_KEYS = ("task.reward", "task.reward_timeout_s", "model.chat_template",
 #: Tunix computes them), or not at all (Dr. GRPO's: the std's division weighs groups by how little they differ).
 ADVANTAGE_SCALINGS = ("group", "none")
 #: ``rollouts.decode_chunk_tokens`` unset: a generation decodes in this many chunks (fewer where the completion
-#: limit has fewer tokens), so an in-flight run has points to take new weights at whatever its completions' length.
+#: limit does not split so: ``decode_chunks``), so an in-flight run has points to take new weights at whatever its
+#: completions' length.
 DEFAULT_DECODE_CHUNKS = 4
 
 
-def decode_chunks(decode_chunk_tokens: int | None, completion_limit_tokens: int) -> int:
-  """How many chunks a generation of up to ``completion_limit_tokens`` decodes in, ``decode_chunk_tokens`` at a
-  time (None: ``DEFAULT_DECODE_CHUNKS`` chunks, as many as the limit has tokens if fewer)."""
+def decode_chunk_size(decode_chunk_tokens: int | None, completion_limit_tokens: int) -> int:
+  """The tokens of a decode chunk (the last may be shorter): ``decode_chunk_tokens``, or unset the completion limit
+  over ``DEFAULT_DECODE_CHUNKS``, rounded up (the sampler decodes chunks of one size)."""
   if decode_chunk_tokens is None:
-    return min(DEFAULT_DECODE_CHUNKS, completion_limit_tokens)
-  return -(-completion_limit_tokens // decode_chunk_tokens)
+    return -(-completion_limit_tokens // DEFAULT_DECODE_CHUNKS)
+  return decode_chunk_tokens
+
+
+def decode_chunks(decode_chunk_tokens: int | None, completion_limit_tokens: int) -> int:
+  """How many chunks a generation of up to ``completion_limit_tokens`` decodes in, ``decode_chunk_size`` tokens at
+  a time (unset: ``DEFAULT_DECODE_CHUNKS``, fewer where the limit does not split into as many chunks of one size:
+  as many as it has tokens below four, three for five or six tokens)."""
+  return -(-completion_limit_tokens // decode_chunk_size(decode_chunk_tokens, completion_limit_tokens))
 
 
 @dataclasses.dataclass

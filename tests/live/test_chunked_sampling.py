@@ -105,3 +105,23 @@ def test_after_a_switch_every_token_and_log_prob_is_the_new_weights_given_the_wh
     # Negative control: the old weights give the post-switch tokens other log-probs.
     differs += not np.allclose(switched.logprobs[row][CHUNK_TOKENS:], old_policy[CHUNK_TOKENS:], atol=1e-3)
   assert differs == len(PROMPTS)
+
+
+def test_the_live_samplers_chunked_call_on_one_version_samples_what_its_whole_call_does(sampler, other_weights):
+  """``LiveSampler.sample`` with ``weights_for_chunk`` (in-flight updates): on its own weights throughout, the
+  completions, log-probs and ends of its one call, each token on version 0; a switch part way (negative
+  control) changes the later tokens, which carry the new version."""
+  settings = {"seed": SEED, "temperature": 1.0}
+  whole = sampler.sample(PROMPTS, **settings)
+  chunked = sampler.sample(PROMPTS, **settings, weights_for_chunk=lambda g: (0, None), chunk_tokens=CHUNK_TOKENS)
+  assert whole.versions is None
+  for row in range(len(PROMPTS)):
+    np.testing.assert_array_equal(chunked.completion_ids[row], whole.completion_ids[row])
+    np.testing.assert_array_equal(chunked.logprobs[row], whole.logprobs[row])
+    assert chunked.versions[row].tolist() == [0] * len(chunked.completion_ids[row])
+  assert chunked.texts == whole.texts and chunked.ended == whole.ended and chunked.weights_version == 0
+  switched = sampler.sample(PROMPTS, **settings, chunk_tokens=CHUNK_TOKENS,
+                            weights_for_chunk=lambda g: (0, None) if g == 0 else (1, other_weights))
+  assert switched.weights_version == 0 and sampler.weights_version == 0  # the sampler's own weights untouched
+  assert all(v.tolist() == [0] * CHUNK_TOKENS + [1] * (len(v) - CHUNK_TOKENS) for v in switched.versions)
+  assert any(not np.array_equal(s, w) for s, w in zip(switched.completion_ids, whole.completion_ids))

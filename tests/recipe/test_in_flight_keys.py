@@ -96,7 +96,12 @@ def test_in_flight_updates_with_router_replay_are_refused():
   assert NOT_TAKEN_YET in _refusal(*moe)
 
 
-@pytest.mark.parametrize("chunk, limit, chunks", [(None, 1, 1), (None, 3, 3), (None, 4, 4), (None, 1000, 4),
-                                                  (1, 4, 4), (3, 4, 2), (16, 100, 7), (100, 100, 1)])
+@pytest.mark.parametrize("chunk, limit, chunks", [(None, 1, 1), (None, 3, 3), (None, 4, 4), (None, 5, 3), (None, 6, 3),
+                                                  (None, 7, 4), (None, 1000, 4), (1, 4, 4), (3, 4, 2), (16, 100, 7),
+                                                  (100, 100, 1)])
 def test_decode_chunks_counts_the_chunks_of_a_generation(chunk, limit, chunks):
+  """Chunks of one size (``decode_chunk_size``), the last possibly shorter, cover the limit: five or six tokens
+  in four would need two sizes, so they go in three chunks of two."""
+  size = schema.decode_chunk_size(chunk, limit)
   assert schema.decode_chunks(chunk, limit) == chunks
+  assert (chunks - 1) * size < limit <= chunks * size
