@@ -327,12 +327,34 @@ class LiveRollouts:
     with self._cond:
       carried = self._versions.carried(position)
       needed = [b for b in carried if b < self._run_batches]  # a taken one too: it may still be streaming
-      past_end = [b for b in carried if b >= self._run_batches]
+      # past the end, only batches sampled whole before the position's weights (with in-flight updates a later
+      # chunk may need them, which no sync after the run's last step delivers: such a batch is not carried)
+      past_end = [b for b in carried if b >= self._run_batches and self._whole_before(b, position)]
       if extendable and all(self._batches.complete(b) or self._versions.can_sample(b) for b in past_end):
         needed += past_end
         if past_end:
           self._sampling.sample_until(past_end[-1] + 1)
       return self._wait_until(lambda: all(self._batches.complete(b) for b in needed), timeout_s)[0]
+
+  def _whole_before(self, batch: int, position: int) -> bool:
+    """Whether every decode chunk of ``batch`` samples with weights older than ``position``'s (always, for a batch
+    a position carries, without in-flight updates)."""
+    return self._schedule.chunks_before(batch, position) == self._schedule.chunks_per_batch
+
+  def checkpoint_problem(self, position: int) -> str | None:
+    """Why no checkpoint at ``position`` can be written (None: one can): with in-flight updates, a batch of the
+    run it must carry has later decode chunks that sample with weights from ``position`` on — a generation the
+    sync after the checkpoint continues, which a checkpoint cannot carry part-sampled yet (waiting for the whole
+    batch would never end)."""
+    with self._cond:
+      partial = [b for b in self._versions.carried(position)
+                 if b < self._run_batches and not self._whole_before(b, position)]
+    if not partial:
+      return None
+    batch = partial[0]
+    return (f"the position before step {position} falls inside the generation of {self._schedule.describe(batch)}"
+            f" (its decode chunks from {self._schedule.chunks_before(batch, position)} on sample with the weights of"
+            f" step {position} or newer, rollouts.in_flight_updates), which a checkpoint cannot carry yet")
 
   def sampling_left_s(self, position: int) -> float | None:
     """Seconds, at the sampler's recent pace, until a checkpoint at ``position`` has the run's own sampled

@@ -773,6 +773,16 @@ class Recipe:
       raise RecipeError("rollouts.in_flight_updates=true switches weights inside a generation, but"
                         " engine.router_replay=true records each sequence's experts with the one set of weights"
                         " that sampled it; drop one of the two")
+    ckpt = self.checkpoint
+    if ckpt.every or ckpt.scored_steps:
+      # A position inside the run falls inside a generation sampled ahead: its later chunks sample with weights
+      # from that step on, which the sync after the checkpoint delivers. Carrying the chunks sampled so far (and
+      # continuing from their tokens on resume) is not wired yet; waiting for the whole batch would never end.
+      given = f"checkpoint.every={ckpt.every}" if ckpt.every else f"checkpoint.scored_steps={list(ckpt.scored_steps)}"
+      raise RecipeError(f"rollouts.in_flight_updates=true with {given}: a checkpoint inside the run would have to"
+                        " carry a generation part-sampled (its later decode chunks sample with the checkpoint's"
+                        " weights or newer), which the live loop cannot carry yet; drop the checkpoints inside the"
+                        " run (its last step's checkpoint, for export, is still written), or drop rollouts.in_flight_updates")
     # The foundation (the schedule, per-token versions, chunked sampling) is in place; the sampling thread does
     # not drive it yet, and a key that changed nothing would be a silent no-op.
     raise RecipeError("rollouts.in_flight_updates=true is not taken by the live loop yet: its sampling thread"

@@ -72,10 +72,10 @@ def _source(*, in_flight: bool, staleness: int = 1, batch_steps: int = 1, per_ca
   return LiveRollouts(sampler, ModularAddition(), shape, reward=_zero_reward), sampler
 
 
-def _train(source) -> tuple[list[list], list]:
+def _train(source, *, close: bool = True) -> tuple[list[list], list]:
   """The loop's order, one step at a time: a step's rollouts once its first call's versions are synced
   (``blocked_on_sync``: the boundary before it synced them), then its update, whose weights the next boundary
-  syncs. Returns each step's trajectories and ``RolloutStats``."""
+  syncs. Returns each step's trajectories and ``RolloutStats``; ``close``: the source is closed after."""
   steps, stats = [], []
   try:
     for step in range(STEPS):
@@ -87,7 +87,8 @@ def _train(source) -> tuple[list[list], list]:
         assert source.blocked_on_sync(step + 1) == (source._schedule.first_micro_batch_version(step + 1) > step)
       source.sync(step + 1, f"w{step + 1}")  # the update of ``step``: version step + 1
   finally:
-    source.close()
+    if close:
+      source.close()
   return steps, stats
 
 
@@ -185,3 +186,39 @@ def test_a_generation_waiting_for_a_version_lets_an_evaluation_take_the_sampler_
   source.close(timeout_s=5.0)
   assert not source._sampling.thread.is_alive() and source._sampling.error is None
   assert sampler.calls[3]["chunks"] == []  # nothing sampled with weights it was not given
+
+
+@pytest.mark.engine
+def test_a_position_inside_a_generation_names_it_and_the_last_steps_checkpoint_carries_no_partial_batch():
+  """Checkpoints with in-flight updates (until a part-sampled generation can be carried): a position inside the
+  run falls inside batch k's generation (its later chunks need version k), which the source names
+  (``checkpoint_problem``) rather than wait for; the position after the last step carries nothing past the end
+  (batch 6 would need version 6, which no sync delivers), and is ready at once. Negative control: without
+  in-flight updates no position has a problem, and the last one carries batch 6, sampled whole on version 5."""
+  from orchestrator.loop.live_waits import LiveWaits, StoppedWithoutCheckpointError
+
+  source, _ = _source(in_flight=True, per_call=2)
+  try:
+    _train(source, close=False)
+    problem = source.checkpoint_problem(3)
+    assert problem.startswith("the position before step 3 falls inside the generation of step 3 (its decode"
+                              " chunks from 2 on sample with the weights of step 3 or newer")
+    assert source.checkpoint_problem(STEPS) is None
+    assert source.ready_to_checkpoint(STEPS, 1.0)
+    assert source.state_json({"next_step": STEPS})["sampled"] == []
+    waits = LiveWaits(source, lambda: "SIGTERM", grace_s=60.0, latest=lambda: ("no checkpoint was written", False))
+    start = time.monotonic()
+    with pytest.raises(StoppedWithoutCheckpointError, match="stopped by SIGTERM after step 2, but no checkpoint of"
+                                                            " it could be written: the position before step 3"):
+      waits.checkpoint(2, "SIGTERM")
+    assert time.monotonic() - start < 1.0  # at once, not after the grace
+  finally:
+    source.close()
+  plain, _ = _source(in_flight=False, per_call=2)
+  try:
+    _train(plain, close=False)
+    assert all(plain.checkpoint_problem(position) is None for position in range(STEPS + 1))
+    assert plain.ready_to_checkpoint(STEPS, 30.0)
+    assert [r["batch"] for r in plain.state_json({"next_step": STEPS})["sampled"]] == [STEPS]
+  finally:
+    plain.close()
