@@ -211,7 +211,7 @@ class RolloutsSection:
 
   def _check_in_flight(self) -> None:
     """``in_flight_updates`` and ``decode_chunk_tokens`` on their own; against the completion limit, the staleness
-    and the engine in ``Recipe._check_in_flight``."""
+    and the engine in ``check_in_flight``."""
     if not isinstance(self.in_flight_updates, bool):
       raise RecipeError(f"rollouts.in_flight_updates={self.in_flight_updates!r} is not a boolean; use true or false")
     chunk = self.decode_chunk_tokens
@@ -746,47 +746,7 @@ class Recipe:
           f" {per_trajectory} tokens may not fit batch.rows={rows} × batch.tokens_per_row={tokens};"
           " raise rows or tokens_per_row, or sample fewer groups per micro-batch")
     if self.rollouts.in_flight_updates:
-      self._check_in_flight(max_generation_steps(task))
-
-  def _check_in_flight(self, completion_limit_tokens: int) -> None:
-    """In-flight updates need a version newer than a batch's own to exist while it samples, a point inside a
-    generation to take it at, and a sampler that can record what each token was sampled with."""
-    r = self.rollouts
-    if r.max_staleness == 0:
-      raise RecipeError("rollouts.in_flight_updates=true has nothing to take at rollouts.max_staleness=0: each"
-                        " batch already samples with the newest weights there are (no update lands while it is"
-                        " sampled); set rollouts.max_staleness >= 1, or drop rollouts.in_flight_updates")
-    chunk = r.decode_chunk_tokens
-    if chunk is not None and chunk >= completion_limit_tokens:
-      raise RecipeError(f"rollouts.decode_chunk_tokens={chunk} leaves no point inside a generation for new weights"
-                        f" to land at: the completion limit is {completion_limit_tokens} tokens"
-                        f" ({self._completion_limit_source()}); use fewer than {completion_limit_tokens}, or unset it"
-                        " for four chunks")
-    if decode_chunks(chunk, completion_limit_tokens) < 2:
-      raise RecipeError(f"rollouts.in_flight_updates=true needs a point inside a generation to take new weights"
-                        f" at, but completions are {completion_limit_tokens} token long"
-                        f" ({self._completion_limit_source()}): one chunk; drop rollouts.in_flight_updates, or"
-                        " train on longer completions")
-    if self.engine.router_replay:
-      # The routing is recorded by one forward pass of the sampling weights over each finished sequence
-      # (LiveSampler): a generation that switched weights has no one set of sampling weights to record it with.
-      raise RecipeError("rollouts.in_flight_updates=true switches weights inside a generation, but"
-                        " engine.router_replay=true records each sequence's experts with the one set of weights"
-                        " that sampled it; drop one of the two")
-    ckpt = self.checkpoint
-    if ckpt.every or ckpt.scored_steps:
-      # A position inside the run falls inside a generation sampled ahead: its later chunks sample with weights
-      # from that step on, which the sync after the checkpoint delivers. Carrying the chunks sampled so far (and
-      # continuing from their tokens on resume) is not wired yet; waiting for the whole batch would never end.
-      given = f"checkpoint.every={ckpt.every}" if ckpt.every else f"checkpoint.scored_steps={list(ckpt.scored_steps)}"
-      raise RecipeError(f"rollouts.in_flight_updates=true with {given}: a checkpoint inside the run would have to"
-                        " carry a generation part-sampled (its later decode chunks sample with the checkpoint's"
-                        " weights or newer), which the live loop cannot carry yet; drop the checkpoints inside the"
-                        " run (its last step's checkpoint, for export, is still written), or drop rollouts.in_flight_updates")
-    # The foundation (the schedule, per-token versions, chunked sampling) is in place; the sampling thread does
-    # not drive it yet, and a key that changed nothing would be a silent no-op.
-    raise RecipeError("rollouts.in_flight_updates=true is not taken by the live loop yet: its sampling thread"
-                      " samples each batch whole on one version; set rollouts.in_flight_updates=false")
+      check_in_flight(self, max_generation_steps(task))
 
   def _completion_limit_source(self) -> str:
     """Where the completion limit comes from, in words."""
@@ -852,3 +812,65 @@ class Recipe:
 def validate(recipe: Recipe) -> None:
   """Raises RecipeError for out-of-range values and contradictory settings (``Recipe.validate``)."""
   recipe.validate()
+
+
+def check_in_flight(recipe: Recipe, completion_limit_tokens: int) -> None:
+  """``recipe``'s in-flight updates against the rest of it (``Recipe.validate``'s, for a live run; kept out of the
+  class, which is long enough): they need a version newer than a batch's own to exist while it samples, a point
+  inside a generation to take it at, a sampler that can record what each token was sampled with, checkpoints
+  the loop can honour, and a sampler in the trainer's process.
+
+  Raises:
+    RecipeError: the first of these that fails, in one line naming the key, the value and the fix.
+  """
+  r = recipe.rollouts
+  if r.max_staleness == 0:
+    raise RecipeError("rollouts.in_flight_updates=true has nothing to take at rollouts.max_staleness=0: each"
+                      " batch already samples with the newest weights there are (no update lands while it is"
+                      " sampled); set rollouts.max_staleness >= 1, or drop rollouts.in_flight_updates")
+  chunk = r.decode_chunk_tokens
+  if chunk is not None and chunk >= completion_limit_tokens:
+    raise RecipeError(f"rollouts.decode_chunk_tokens={chunk} leaves no point inside a generation for new weights"
+                      f" to land at: the completion limit is {completion_limit_tokens} tokens"
+                      f" ({recipe._completion_limit_source()}); use fewer than {completion_limit_tokens}, or unset it"
+                      " for four chunks")
+  if decode_chunks(chunk, completion_limit_tokens) < 2:
+    raise RecipeError(f"rollouts.in_flight_updates=true needs a point inside a generation to take new weights"
+                      f" at, but completions are {completion_limit_tokens} token long"
+                      f" ({recipe._completion_limit_source()}): one chunk; drop rollouts.in_flight_updates, or"
+                      " train on longer completions")
+  if recipe.engine.router_replay:
+    # The routing is recorded by one forward pass of the sampling weights over each finished sequence
+    # (LiveSampler): a generation that switched weights has no one set of sampling weights to record it with.
+    raise RecipeError("rollouts.in_flight_updates=true switches weights inside a generation, but"
+                      " engine.router_replay=true records each sequence's experts with the one set of weights"
+                      " that sampled it; drop one of the two")
+  ckpt = recipe.checkpoint
+  if ckpt.every or ckpt.scored_steps:
+    # A position inside the run falls inside a generation sampled ahead: its later chunks sample with weights
+    # from that step on, which the sync after the checkpoint delivers. Carrying the chunks sampled so far (and
+    # continuing from their tokens on resume) is not wired yet; waiting for the whole batch would never end.
+    given = f"checkpoint.every={ckpt.every}" if ckpt.every else f"checkpoint.scored_steps={list(ckpt.scored_steps)}"
+    raise RecipeError(f"rollouts.in_flight_updates=true with {given}: a checkpoint inside the run would have to"
+                      " carry a generation part-sampled (its later decode chunks sample with the checkpoint's"
+                      " weights or newer), which the live loop cannot carry yet; drop the checkpoints inside the"
+                      " run (its last step's checkpoint, for export, is still written), or drop"
+                      " rollouts.in_flight_updates")
+  # The sampling thread takes them where the sampler is in the trainer's process (shared placement, a local
+  # trainer, one process); elsewhere the sampler's calls are not chunked yet, and a key that changed nothing
+  # would be a silent no-op. ``auto`` is decided where the devices are known (assembly.live_source).
+  if recipe.trainer.location == "remote":
+    raise RecipeError("rollouts.in_flight_updates=true is taken with a trainer in this process only, but"
+                      " trainer.location=remote trains in another, whose weight syncs are not wired to a"
+                      " generation under way yet; set trainer.location=local, or drop rollouts.in_flight_updates")
+  if recipe.distributed.enabled:
+    raise RecipeError("rollouts.in_flight_updates=true is taken by a job of one process only: in a job of several"
+                      " each process's sampler would have to take a version at the same chunk, which is not"
+                      " wired yet; drop rollouts.in_flight_updates, or run one process")
+  if r.placement in ("process", "split"):
+    where = ("samples in a process of its own, whose calls are not chunked yet" if r.placement == "process"
+             else "samples on devices of its own, whose chunked calls are not wired yet")
+    raise RecipeError(f"rollouts.in_flight_updates=true is taken by the sampler in the trainer's process"
+                      f" (rollouts.placement=shared) only, but rollouts.placement={r.placement} {where}; set"
+                      " rollouts.placement=shared, or drop rollouts.in_flight_updates")
+

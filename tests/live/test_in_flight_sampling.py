@@ -115,8 +115,8 @@ def test_each_token_carries_the_version_its_chunk_samples_with_and_that_versions
     assert stats[step].weights_version == schedule.batch_version(batch)  # the batch's own, its oldest tokens'
     assert stats[step].token_version_min == min(t.versions.min() for t in trajectories)
     assert stats[step].token_version_max == max(t.versions.max() for t in trajectories)
-  calls = range(schedule.batches_for(STEPS))
-  spans_versions = any(len(set(schedule.call_versions(b, c))) > 1 for b in calls for c in range(schedule.calls_per_batch))
+  calls = [(b, c) for b in range(schedule.batches_for(STEPS)) for c in range(schedule.calls_per_batch)]
+  spans_versions = any(len(set(schedule.call_versions(b, c))) > 1 for b, c in calls)
   assert spread == spans_versions and spread == ((staleness, batch_steps, per_call) != (1, 1, 1))
   chunked = [c for c in sampler.calls if c["chunked"]]
   assert len(chunked) == len(sampler.calls) == schedule.batches_for(STEPS) * schedule.calls_per_batch

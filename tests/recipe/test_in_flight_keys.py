@@ -13,8 +13,6 @@ pytestmark = pytest.mark.spec
 
 #: A live task whose completions are 4 tokens long (``task.name=reverse``, length 4): room for chunks.
 FOUR_TOKEN_COMPLETIONS = ["task.name=reverse", "task.length=4"]
-#: The refusal every otherwise sound in-flight recipe meets until the sampling thread takes the key.
-NOT_TAKEN_YET = "rollouts.in_flight_updates=true is not taken by the live loop yet"
 
 
 def _refusal(*overrides: str) -> str:
@@ -22,6 +20,13 @@ def _refusal(*overrides: str) -> str:
     recipe_lib.resolve(env={}, overrides=list(overrides))
   assert "\n" not in str(e.value)
   return str(e.value)
+
+
+def _resolves(*overrides: str):
+  """The recipe ``overrides`` make, which must take in-flight updates (the negative controls)."""
+  recipe = recipe_lib.resolve(env={}, overrides=list(overrides)).recipe
+  assert recipe.rollouts.in_flight_updates is True
+  return recipe
 
 
 def test_the_keys_default_to_off_and_a_whole_completion():
@@ -39,10 +44,10 @@ def test_the_keys_default_to_off_and_a_whole_completion():
     ("many", "rollouts.decode_chunk_tokens: expected int"),
 ])
 def test_a_chunk_that_is_not_a_positive_whole_number_is_refused(given, refusal):
-  """Negative control: 2 tokens of a 4-token completion passes these checks (and meets the last refusal)."""
+  """Negative control: 2 tokens of a 4-token completion resolves."""
   assert refusal in _refusal(*FOUR_TOKEN_COMPLETIONS, "rollouts.in_flight_updates=true",
                              f"rollouts.decode_chunk_tokens={given}")
-  assert NOT_TAKEN_YET in _refusal(*FOUR_TOKEN_COMPLETIONS, "rollouts.in_flight_updates=true",
+  _resolves(*FOUR_TOKEN_COMPLETIONS, "rollouts.in_flight_updates=true",
                                    "rollouts.decode_chunk_tokens=2")
 
 
@@ -54,7 +59,7 @@ def test_a_chunk_as_long_as_the_completion_limit_or_longer_is_refused_naming_the
                      f"rollouts.decode_chunk_tokens={chunk}")
   assert refusal.startswith(f"rollouts.decode_chunk_tokens={chunk} leaves no point inside a generation")
   assert "the completion limit is 4 tokens (task.name=reverse's answer length); use fewer than 4" in refusal
-  assert NOT_TAKEN_YET in _refusal(*FOUR_TOKEN_COMPLETIONS, "rollouts.in_flight_updates=true",
+  _resolves(*FOUR_TOKEN_COMPLETIONS, "rollouts.in_flight_updates=true",
                                    "rollouts.decode_chunk_tokens=3")
 
 
@@ -76,7 +81,7 @@ def test_in_flight_updates_without_a_sampler_are_refused(source):
 def test_in_flight_updates_at_staleness_zero_are_refused():
   refusal = _refusal(*FOUR_TOKEN_COMPLETIONS, "rollouts.in_flight_updates=true", "rollouts.max_staleness=0")
   assert refusal.startswith("rollouts.in_flight_updates=true has nothing to take at rollouts.max_staleness=0")
-  assert NOT_TAKEN_YET in _refusal(*FOUR_TOKEN_COMPLETIONS, "rollouts.in_flight_updates=true",
+  _resolves(*FOUR_TOKEN_COMPLETIONS, "rollouts.in_flight_updates=true",
                                    "rollouts.max_staleness=2")
 
 
@@ -93,7 +98,7 @@ def test_in_flight_updates_with_router_replay_are_refused():
   moe = ["model=tiny_moe", *FOUR_TOKEN_COMPLETIONS, "rollouts.in_flight_updates=true"]
   refusal = _refusal(*moe, "engine.router_replay=true")
   assert "engine.router_replay=true records each sequence's experts with the one set of weights" in refusal
-  assert NOT_TAKEN_YET in _refusal(*moe)
+  _resolves(*moe)
 
 
 @pytest.mark.parametrize("chunk, limit, chunks", [(None, 1, 1), (None, 3, 3), (None, 4, 4), (None, 5, 3), (None, 6, 3),
@@ -116,4 +121,23 @@ def test_in_flight_updates_with_checkpoints_inside_the_run_are_refused(checkpoin
   refusal = _refusal(*base, checkpoints)
   assert refusal.startswith(f"rollouts.in_flight_updates=true with {given}: a checkpoint inside the run would have"
                             " to carry a generation part-sampled")
-  assert NOT_TAKEN_YET in _refusal(*base)
+  _resolves(*base)
+
+
+@pytest.mark.parametrize("where, refusal", [
+    (["rollouts.placement=process"], "but rollouts.placement=process samples in a process of its own, whose calls"
+                                     " are not chunked yet; set rollouts.placement=shared"),
+    (["rollouts.placement=split"], "but rollouts.placement=split samples on devices of its own, whose chunked calls"
+                                   " are not wired yet; set rollouts.placement=shared"),
+    (["trainer.location=remote", "trainer.address=localhost:5000"],
+     "is taken with a trainer in this process only, but trainer.location=remote trains in another"),
+    (["distributed.num_processes=2"], "is taken by a job of one process only"),
+])
+def test_in_flight_updates_elsewhere_than_in_the_trainers_process_are_refused(where, refusal):
+  """The sampling thread takes them with the sampler in the trainer's process (one process, a local trainer);
+  each other place is refused naming itself. Negative control: the shared placement (and auto, decided where
+  the devices are known) resolves."""
+  base = [*FOUR_TOKEN_COMPLETIONS, "rollouts.in_flight_updates=true"]
+  assert refusal in _refusal(*base, *where)
+  assert _resolves(*base, "rollouts.placement=shared").rollouts.placement == "shared"
+  _resolves(*base, "rollouts.placement=auto")
