@@ -71,6 +71,9 @@ class RolloutStats:
       the version that sampled it, ``Trajectory.versions``), the oldest and newest of the step's completion
       tokens' versions, and the mean over them of the step's index minus the version (updates behind the
       weights the step trains); None without in-flight updates, where every token has ``weights_version``.
+    sampler_sync_wait_s: with in-flight updates, the seconds the sampler paused inside the calls that sampled the
+      step's rollouts, waiting between decode chunks for the weight sync of a newer version (each call's pause
+      shared among its micro-batches, as its seconds are); None without in-flight updates (a call never pauses).
   """
 
   weights_version: int
@@ -90,6 +93,7 @@ class RolloutStats:
   token_version_min: int | None = None
   token_version_max: int | None = None
   token_age_mean: float | None = None
+  sampler_sync_wait_s: float | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

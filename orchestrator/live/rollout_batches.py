@@ -208,11 +208,16 @@ class BatchRollouts:
   sampling_s: list[float] = dataclasses.field(default_factory=list)  # per micro-batch
   # Per trajectory, whether its completion was cut at the length limit; None: fixed-length answers (no end).
   truncated: list[list[bool]] | None = None
+  # Per micro-batch, its share of the seconds its sampler call paused for a newer version's weight sync (in-flight
+  # updates); None: no call paused for one (none can without them).
+  sync_wait_s: list[float] | None = None
 
   def add(self, payload: list[Trajectory], rewards, correct, tokens: int, seconds: float,
-          truncated: list[bool] | None = None) -> None:
+          truncated: list[bool] | None = None, sync_wait_s: float | None = None) -> None:
     if truncated is not None:
       self.truncated = (self.truncated or []) + [[bool(t) for t in truncated]]
+    if sync_wait_s is not None:
+      self.sync_wait_s = (self.sync_wait_s or []) + [float(sync_wait_s)]
     self.payloads.append(payload)
     self.rewards.append([float(r) for r in rewards])
     self.correct.append([bool(c) for c in correct])
@@ -232,6 +237,7 @@ class BatchRollouts:
     sampled = schedule.sampled_range(step)
     tokens, seconds = sum(self.sampled_tokens[i] for i in sampled), sum(self.sampling_s[i] for i in sampled)
     versions = token_versions([t for m in schedule.mini_batch(step, self.payloads) for t in m])
+    sync_wait_s = None if self.sync_wait_s is None else sum(self.sync_wait_s[i] for i in sampled)
     return RolloutStats(weights_version=self.weights_version, staleness=step - self.weights_version,
                         reward_mean=float(rewards.mean()), reward_std=float(rewards.std()),
                         accuracy=float(np.mean(correct)),
@@ -243,7 +249,8 @@ class BatchRollouts:
                         frac_reward_zero_std=float(np.mean(group_stds == 0.0)),
                         **({} if versions is None else {
                             "token_version_min": int(versions.min()), "token_version_max": int(versions.max()),
-                            "token_age_mean": float(step - versions.mean())}))
+                            "token_age_mean": float(step - versions.mean())}),
+                        sampler_sync_wait_s=sync_wait_s)
 
   def samples(self, schedule: BatchSchedule, step: int, count: int, tokenizer) -> list[dict[str, Any]]:
     """The first ``count`` completions ``step`` trains on, to read: the weights version that sampled them, each
@@ -390,13 +397,14 @@ class SampledBatches:
     for step in steps:
       self.micro_batch_wait_s.pop(step, None)
 
-  def publish(self, batch: int, version: int, sampled: tuple, seconds: float) -> None:
+  def publish(self, batch: int, version: int, sampled: tuple, seconds: float, sync_wait_s: float | None = None) -> None:
     """The next micro-batch of ``batch`` (one of ``sample_micro_batches``' results), sampled with ``version`` in
-    ``seconds``; a batch taken before it was complete is recorded once it is."""
+    ``seconds``, of which ``sync_wait_s`` (in-flight updates; None without) paused for a newer version's weight
+    sync; a batch taken before it was complete is recorded once it is."""
     rollouts = self.batches.setdefault(batch, BatchRollouts(batch, version))
     self._pace_s.append(seconds)
     payload, rewards, correct, tokens, truncated = sampled
-    rollouts.add(payload, rewards, correct, tokens, seconds, truncated)
+    rollouts.add(payload, rewards, correct, tokens, seconds, truncated, sync_wait_s)
     phases.mark("first_rollout")
     if batch in self.taken:
       self._record(batch)

@@ -77,15 +77,19 @@ class RolloutThread:
     if self.thread not in (None, threading.current_thread()):
       self.thread.join(timeout_s)
 
-  def _chunk_weights(self, batch: int, call: int):
+  def _chunk_weights(self, batch: int, call: int, paused_s: list[float]):
     """(In-flight updates.) Chunk index -> (version, weights) for call ``call`` of ``batch``: each chunk's version
-    is ``BatchSchedule.call_versions``'s, waited for until the weight sync keeps it (``close`` ends the wait)."""
+    is ``BatchSchedule.call_versions``'s, waited for until the weight sync keeps it (``close`` ends the wait);
+    the seconds of each wait go in ``paused_s`` (a chunk whose version is kept already adds none)."""
     versions = self._schedule.call_versions(batch, call)
 
     def weights_for_chunk(chunk: int):
       version = versions[chunk]
       with self._cond:
-        self._cond.wait_for(lambda: self.closed or self._versions.available(version))
+        if not self._versions.available(version):
+          start = time.perf_counter()
+          self._cond.wait_for(lambda: self.closed or self._versions.available(version))
+          paused_s.append(time.perf_counter() - start)
         if self.closed:
           raise ClosedWhileWaiting(version)
         return version, self._versions.take(version)
@@ -107,14 +111,16 @@ class RolloutThread:
         per_call = self._shape.micro_batches_per_call
         for first in range(0, self._shape.micro_batches_per_batch, per_call):  # in pass 0's training order
           start = time.perf_counter()
-          chunked = ({} if not self._schedule.in_flight_updates
-                     else {"chunk_weights": self._chunk_weights(batch, first // per_call)})
+          paused_s = [] if self._schedule.in_flight_updates else None  # the call's waits for a newer version
+          chunked = ({} if paused_s is None
+                     else {"chunk_weights": self._chunk_weights(batch, first // per_call, paused_s)})
           sampled = self._shared.sample_micro_batches(batch, first, per_call, version, weights,
                                                       cancelled=lambda: self.closed, **chunked)
           seconds = (time.perf_counter() - start) / per_call  # each micro-batch's share of the call
+          sync_wait_s = None if paused_s is None else sum(paused_s) / per_call  # and of its pauses
           with self._cond:  # each published when its call is done
             for one in sampled:
-              self._batches.publish(batch, version, one, seconds)
+              self._batches.publish(batch, version, one, seconds, sync_wait_s)
             self._cond.notify_all()
         batch += 1
     except ClosedWhileWaiting:  # closed while a generation waited for newer weights: nothing is left running

@@ -1,7 +1,8 @@
 """In-flight weight updates end to end (``run_rl`` on the tiny model, the sampler in the trainer's process): a run is a
-function of its recipe (twice, and in every step-boundary mode, one digest), its records show the versions changing
-inside a generation exactly where the schedule says (and not where it says one version), the key off is the run
-without it, and such a run is refused a resume in one line that writes nothing."""
+function of its recipe (twice, in every step-boundary mode and with evaluations between chunks, one digest), its
+records show the versions changing inside a generation exactly where the schedule says (and not where it says one
+version) and the sampler's pauses for a sync, the key off is the run without it, and such a run is refused a
+resume in one line that writes nothing."""
 
 from __future__ import annotations
 
@@ -46,6 +47,7 @@ def runs(tmp_path_factory):
   root = tmp_path_factory.mktemp("in_flight")
   made = {mode: _run(root / mode, *IN_FLIGHT, *switches) for mode, switches in MODES.items()}
   made["again"] = _run(root / "again", *IN_FLIGHT)
+  made["evaluated"] = _run(root / "evaluated", *IN_FLIGHT, "task.eval_every=2")
   made["off"] = _run(root / "off", "rollouts.in_flight_updates=false")
   made["without"] = _run(root / "without")
   return made
@@ -72,13 +74,23 @@ def test_records_show_each_steps_token_versions_as_the_schedule_gives_them(runs)
                                                                                    (2, 3)]
     assert [r["weights_version"] for r in records] == [0, 0, 0, 1, 2]  # the batch's own: its oldest tokens'
     assert [r["token_age_mean"] for r in records] == [0.0, 1.0, 1.5, 1.5, 1.5]
+    assert all(r["sampler_sync_wait_s"] >= 0.0 for r in records)  # the sampler's pauses for a sync, recorded
 
 
 def test_the_key_off_is_the_run_without_it_and_on_it_changes_what_trains(runs):
   assert any(r["reward_mean"] > 0 for r in _records(runs["off"]))  # the rollouts move the weights
   assert _digest(runs["off"]) == _digest(runs["without"])
   assert _digest(runs["off"]) != _digest(runs["again"])  # negative control: in-flight updates do change the run
-  assert all(r["token_version_min"] is None and r["token_version_max"] is None for r in _records(runs["off"]))
+  assert all(r["token_version_min"] is None and r["token_version_max"] is None and r["sampler_sync_wait_s"] is None
+             for r in _records(runs["off"]))
+
+
+def test_evaluations_between_chunks_leave_what_trains_alone(runs):
+  """An evaluation at a boundary takes the sampler while a generation waits for that boundary's sync (the
+  generation's wait holds no turn on it): the run ends, evaluated, at the digest of the run without them."""
+  evaluated = _records(runs["evaluated"])
+  assert [r["eval_accuracy"] is not None for r in evaluated] == [step % 2 == 1 for step in range(STEPS)]
+  assert _digest(runs["evaluated"]) == _digest(runs["again"])
 
 
 def test_a_resume_of_an_in_flight_run_is_refused_in_one_line_and_writes_nothing(runs, capsys):

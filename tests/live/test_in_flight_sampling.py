@@ -3,8 +3,8 @@ decodes in chunks, chunk by chunk on the version ``BatchSchedule.call_versions``
 version's sync; every token carries the version that sampled it and that version's log-prob, no token is older
 than the staleness bound allows or newer than the step that trains it; the sync keeps every version a chunk
 samples with; a step waits for the newest version its first call needs; the wait for a version lets an
-evaluation take the sampler and ends when the source closes. Without in-flight updates the sampler is called as
-it always was."""
+evaluation take the sampler, ends when the source closes, and is recorded as the step's sampler pause. Without
+in-flight updates the sampler is called as it always was."""
 
 from __future__ import annotations
 
@@ -134,6 +134,31 @@ def test_without_in_flight_updates_the_sampler_is_called_whole_on_the_batchs_ver
   assert sampler.calls and not any(c["chunked"] for c in sampler.calls)
   assert all(t.versions is None for trajectories in steps for t in trajectories)
   assert all(s.token_version_min is None and s.token_version_max is None for s in stats)
+  assert all(s.sampler_sync_wait_s is None for s in stats)  # no call pauses for a version
+
+
+@pytest.mark.engine
+def test_a_steps_record_gives_the_seconds_its_calls_paused_for_a_newer_versions_sync():
+  """Batch 1's second call (step 1's second micro-batch) waits for version 1, synced a measured while later: step
+  1's ``sampler_sync_wait_s`` holds that wait; step 0's calls, on version 0 throughout, paused for none."""
+  source, sampler = _source(in_flight=True)
+  try:
+    assert len(next(source)[1]) == GROUPS * GENERATIONS  # step 0 whole
+    step0 = source.step_stats(0)
+    give_up = time.monotonic() + 30.0
+    while len(sampler.calls) < 4:  # batch 1's second call, waiting for version 1's weights
+      assert time.monotonic() < give_up and source._sampling.error is None
+      time.sleep(0.01)
+    held_s = 0.3
+    time.sleep(held_s)
+    source.sync(1, "w1")
+    payloads = next(source)
+    assert len(payloads[1]) == GROUPS * GENERATIONS  # waits for the paused call's micro-batch
+    step1 = source.step_stats(1)
+  finally:
+    source.close()
+  assert step0.sampler_sync_wait_s == 0.0
+  assert held_s * 0.9 <= step1.sampler_sync_wait_s < held_s + 10.0
 
 
 @pytest.mark.spec

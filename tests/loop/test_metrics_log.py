@@ -182,7 +182,7 @@ def _record(**changed) -> BoundaryRecord:
                 saving_s=0.0012, learning_rate=0.001, entropy=1.25, clip_fraction=0.125, kl=0.01, reward_min=0.0, reward_max=1.0, completion_tokens_mean=3.5,
                 completion_tokens_max=6, truncated_fraction=0.25, eval_accuracy=0.75, eval_pass_at_k=0.875,
                 eval_s=0.04, ppo_kl=0.002, reward_group_std=0.25, frac_reward_zero_std=0.5, token_version_min=2,
-                token_version_max=3, token_age_mean=1.25)
+                token_version_max=3, token_age_mean=1.25, sampler_sync_wait_s=0.375)
   fields.update(changed)
   return BoundaryRecord(**fields)
 
@@ -194,7 +194,7 @@ def test_the_scalar_table_computes_each_name_from_the_record():
       "boundary/device_wait_s": 0.5, "boundary/staged": 1.0, "boundary/saving_s": 0.0012, "timing/step_s": 0.25, "timing/update_s": 0.06,
       "timing/micro_batch_s": 0.2, "train/loss": 0.47, "train/grad_norm": 1.5, "train/learning_rate": 0.001, "train/entropy": 1.25, "train/clip_fraction": 0.125, "train/kl": 0.01, "train/ppo_kl": 0.002,
       "rollout/reward_group_std": 0.25, "rollout/frac_reward_zero_std": 0.5, "rollout/token_version_min": 2.0,
-      "rollout/token_version_max": 3.0, "rollout/token_age_mean": 1.25,
+      "rollout/token_version_max": 3.0, "rollout/token_age_mean": 1.25, "rollout/sampler_sync_wait_s": 0.375,
       "train/tokens_per_s": 4000.0, "rollout/reward_mean": 0.172, "rollout/reward_std": 0.3, "rollout/reward_min": 0.0,
       "rollout/reward_max": 1.0, "rollout/completion_tokens_mean": 3.5, "rollout/completion_tokens_max": 6.0,
       "rollout/truncated_fraction": 0.25, "rollout/accuracy": 0.125, "rollout/staleness": 1.0,
@@ -206,7 +206,7 @@ def test_the_scalar_table_computes_each_name_from_the_record():
                  micro_batch_wait_s=None, staged_bytes_per_device=None, saving_s=None, learning_rate=None, entropy=None, clip_fraction=None, kl=None,
                  reward_min=None, reward_max=None, completion_tokens_mean=None, completion_tokens_max=None,
                  truncated_fraction=None, ppo_kl=None, reward_group_std=None, frac_reward_zero_std=None,
-                 token_version_min=None, token_version_max=None, token_age_mean=None)
+                 token_version_min=None, token_version_max=None, token_age_mean=None, sampler_sync_wait_s=None)
   assert set(metrics_log.scalars(bare)) == {"boundary/staged", "timing/step_s", "timing/update_s",
                                             "timing/micro_batch_s", "train/loss"}
   assert set(metrics_log.scalars(_record())) == set(SCALARS)
