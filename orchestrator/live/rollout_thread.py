@@ -17,15 +17,11 @@ import threading
 import time
 
 from orchestrator.live.rollout_batches import BatchSchedule, SampledBatches
-from orchestrator.live.shared_sampler import SharedSampler
+from orchestrator.live.shared_sampler import ClosedWhileWaiting, SharedSampler
 from orchestrator.live.weight_versions import WeightVersions
 from orchestrator.tasks.rewards import CallCancelled
 
 log = logging.getLogger("step_boundary.rollouts")
-
-
-class ClosedWhileWaiting(Exception):
-  """The source was closed while a generation waited for the weights of a newer version (the argument)."""
 
 
 class RolloutThread:
@@ -123,7 +119,7 @@ class RolloutThread:
               self._batches.publish(batch, version, one, seconds, sync_wait_s)
             self._cond.notify_all()
         batch += 1
-    except ClosedWhileWaiting:  # closed while a generation waited for newer weights: nothing is left running
+    except ClosedWhileWaiting:  # closed while a generation waited between chunks: nothing is left running
       return
     except CallCancelled as e:  # closed while a reward function ran: the run ends without waiting for it
       log.warning("[rollouts] the run ended while sampling waited for %s; it was left running", e)

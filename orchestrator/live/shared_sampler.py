@@ -16,12 +16,17 @@ from typing import Any
 import numpy as np
 
 from orchestrator.data.trajectory import Trajectory
-from orchestrator.tasks.rewards import CallCancelled, Reward
+from orchestrator.tasks.rewards import Reward
 from orchestrator.live.sampler import LiveSampler
 from orchestrator.tasks.tasks import group_advantages
 
 #: How long one wait for the sampler lasts before the waiter looks at its stop flag again.
 WAIT_POLL_S = 0.1
+
+
+class ClosedWhileWaiting(Exception):
+  """The source was closed while a generation waited between decode chunks (for a newer version's weights, or
+  the sampler's turn); the argument says what for. Nothing is left running: the call just ends."""
 
 
 class SharedSampler:
@@ -83,7 +88,8 @@ class SharedSampler:
         held = False
       version, weights = chunk_weights(chunk)
       if not acquire_unless(self._turn, cancelled):
-        raise CallCancelled(f"the sampler's turn for decode chunk {chunk} of {self._shape.schedule.describe(batch)}")
+        raise ClosedWhileWaiting(f"the sampler's turn for decode chunk {chunk} of"
+                                 f" {self._shape.schedule.describe(batch)}")
       held = True
       return version, self._own_or(weights, version, batch)
 
