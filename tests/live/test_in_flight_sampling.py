@@ -247,3 +247,30 @@ def test_a_position_inside_a_generation_names_it_and_the_last_steps_checkpoint_c
     assert [r["batch"] for r in plain.state_json({"next_step": STEPS})["sampled"]] == [STEPS]
   finally:
     plain.close()
+
+
+@pytest.mark.engine
+def test_a_stop_inside_the_run_says_it_keeps_no_checkpoint_and_one_after_the_last_step_that_it_does():
+  """The line a stop prints promises a checkpoint only where one will be written (``RunHandle.stop_keeps``): not
+  while the position after the step in flight falls inside a generation; after the last step, and without
+  in-flight updates (negative control), it does."""
+  from types import SimpleNamespace
+
+  from orchestrator.app.run import RunHandle
+  from orchestrator.app.signals import STOP_KEEPS
+
+  def keeps(source, steps_done: int) -> str:
+    program = SimpleNamespace(worker=SimpleNamespace(capabilities=SimpleNamespace(can_checkpoint=True)),
+                              live=source, steps_done=steps_done)
+    return RunHandle(program=program, progress=None).stop_keeps()
+
+  for in_flight in (True, False):
+    source, _ = _source(in_flight=in_flight, per_call=2)
+    try:
+      _train(source, close=False)
+      expected = "inside a generation" if in_flight else "kept"
+      assert [keeps(source, done) for done in (1, 2, STEPS - 2)] == [expected] * 3
+      assert keeps(source, STEPS - 1) == "kept"  # the position after the last step: its checkpoint is written
+    finally:
+      source.close()
+  assert "without a checkpoint" in STOP_KEEPS["inside a generation"]
