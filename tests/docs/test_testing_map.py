@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import LONGEST_FIRST, REPO
 
 pytestmark = pytest.mark.spec
 
@@ -30,3 +30,15 @@ def test_a_file_left_out_of_the_map_is_caught():
   without = re.sub(r"^\| `loop/test_program_engine\.py` \|.*\n", "", TESTING.read_text(), flags=re.M)
   assert "loop/test_program_engine.py" in _listed(TESTING.read_text())
   assert "loop/test_program_engine.py" not in _listed(without)
+
+
+def _not_in_suite(paths) -> list[str]:
+  """The paths of a run-first list that name no test file of this suite (a renamed file drops out of the order
+  silently otherwise)."""
+  return [path for path in paths if not (path.startswith("tests/") and (REPO / path).is_file())]
+
+
+def test_the_files_the_suite_runs_first_are_its_own():
+  assert not _not_in_suite(LONGEST_FIRST), "conftest.LONGEST_FIRST names files that are gone: rename them there"
+  # Negative control: a renamed file is caught.
+  assert _not_in_suite((*LONGEST_FIRST[:1], "tests/app/test_renamed_away.py")) == ["tests/app/test_renamed_away.py"]
