@@ -71,9 +71,10 @@ class RolloutStats:
       the version that sampled it, ``Trajectory.versions``), the oldest and newest of the step's completion
       tokens' versions, and the mean over them of the step's index minus the version (updates behind the
       weights the step trains); None without in-flight updates, where every token has ``weights_version``.
-    sampler_sync_wait_s: with in-flight updates, the seconds the sampler paused inside the calls that sampled the
-      step's rollouts, waiting between decode chunks for the weight sync of a newer version (each call's pause
-      shared among its micro-batches, as its seconds are); None without in-flight updates (a call never pauses).
+    sampler_sync_wait_s: the seconds the sampler paused for weights over the calls that sampled the step's
+      rollouts: before a batch's first call, for the sync of the version the batch samples with, and with in-flight
+      updates between decode chunks, for a newer version's (each call's pause shared among its micro-batches, as its
+      seconds are); None where nothing measured it (a batch carried by a checkpoint written without it).
   """
 
   weights_version: int

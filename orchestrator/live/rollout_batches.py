@@ -208,8 +208,9 @@ class BatchRollouts:
   sampling_s: list[float] = dataclasses.field(default_factory=list)  # per micro-batch
   # Per trajectory, whether its completion was cut at the length limit; None: fixed-length answers (no end).
   truncated: list[list[bool]] | None = None
-  # Per micro-batch, its share of the seconds its sampler call paused for a newer version's weight sync (in-flight
-  # updates); None: no call paused for one (none can without them).
+  # Per micro-batch, its share of the seconds the sampler waited for weights before and inside its call (the batch's
+  # version's sync, and with in-flight updates a newer one's between chunks); None: a batch restored from a
+  # checkpoint written before the sampler's waits were recorded.
   sync_wait_s: list[float] | None = None
 
   def add(self, payload: list[Trajectory], rewards, correct, tokens: int, seconds: float,
@@ -399,8 +400,8 @@ class SampledBatches:
 
   def publish(self, batch: int, version: int, sampled: tuple, seconds: float, sync_wait_s: float | None = None) -> None:
     """The next micro-batch of ``batch`` (one of ``sample_micro_batches``' results), sampled with ``version`` in
-    ``seconds``, of which ``sync_wait_s`` (in-flight updates; None without) paused for a newer version's weight
-    sync; a batch taken before it was complete is recorded once it is."""
+    ``seconds``, after or inside which the sampler waited ``sync_wait_s`` for weights (a version's sync); a batch
+    taken before it was complete is recorded once it is."""
     rollouts = self.batches.setdefault(batch, BatchRollouts(batch, version))
     self._pace_s.append(seconds)
     payload, rewards, correct, tokens, truncated = sampled

@@ -99,21 +99,27 @@ class RolloutThread:
         version = self._schedule.batch_version(batch)
         with self._cond:
           # Past the run's last batch only when a checkpoint asks (``sample_until``); close() ends the wait.
-          self._cond.wait_for(lambda: self.closed or (batch < self._until_batch
-                                                      and self._versions.available(version)))
+          self._cond.wait_for(lambda: self.closed or batch < self._until_batch)
+          # Then the sampler's pause for the batch's weights (the sync of ``version``), which the first call's
+          # micro-batches record: a wait for a checkpoint's ask is not a pause for weights.
+          batch_wait_s = 0.0
+          if not self._versions.available(version):
+            start = time.perf_counter()
+            self._cond.wait_for(lambda: self.closed or self._versions.available(version))
+            batch_wait_s = time.perf_counter() - start
           if self.closed:
             return
           weights = self._versions.take(version)
         per_call = self._shape.micro_batches_per_call
         for first in range(0, self._shape.micro_batches_per_batch, per_call):  # in pass 0's training order
           start = time.perf_counter()
-          paused_s = [] if self._schedule.in_flight_updates else None  # the call's waits for a newer version
-          chunked = ({} if paused_s is None
+          paused_s = [batch_wait_s] if first == 0 else []  # the sampler's waits for weights, this call's
+          chunked = ({} if not self._schedule.in_flight_updates
                      else {"chunk_weights": self._chunk_weights(batch, first // per_call, paused_s)})
           sampled = self._shared.sample_micro_batches(batch, first, per_call, version, weights,
                                                       cancelled=lambda: self.closed, **chunked)
           seconds = (time.perf_counter() - start) / per_call  # each micro-batch's share of the call
-          sync_wait_s = None if paused_s is None else sum(paused_s) / per_call  # and of its pauses
+          sync_wait_s = sum(paused_s) / per_call  # and of the sampler's waits for weights before and inside it
           with self._cond:  # each published when its call is done
             for one in sampled:
               self._batches.publish(batch, version, one, seconds, sync_wait_s)

@@ -86,7 +86,7 @@ SCALARS: dict[str, Callable[[BoundaryRecord], float | int | None]] = {
     "rollout/token_version_min": lambda r: r.token_version_min,
     "rollout/token_version_max": lambda r: r.token_version_max,
     "rollout/token_age_mean": lambda r: r.token_age_mean,
-    "rollout/sampler_sync_wait_s": lambda r: r.sampler_sync_wait_s,  # the sampler's pause for newer weights
+    "rollout/sampler_sync_wait_s": lambda r: r.sampler_sync_wait_s,  # the sampler's pause for weights (a sync)
     "rollout/wait_s": lambda r: r.rollout_wait_s,  # how long the boundary waited for the next step's rollouts
     "rollout/sampled_tokens_per_s": lambda r: r.sampled_tokens_per_s,
     "rollout/micro_batch_wait_s": lambda r: r.micro_batch_wait_s,  # inside the step, after its first micro-batch

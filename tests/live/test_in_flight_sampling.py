@@ -4,7 +4,7 @@ version's sync; every token carries the version that sampled it and that version
 than the staleness bound allows or newer than the step that trains it; the sync keeps every version a chunk
 samples with; a step waits for the newest version its first call needs; the wait for a version lets an
 evaluation take the sampler, ends when the source closes, and is recorded as the step's sampler pause. Without
-in-flight updates the sampler is called as it always was."""
+in-flight updates the sampler is called as it always was, and its pause before a batch is recorded alike."""
 
 from __future__ import annotations
 
@@ -134,7 +134,27 @@ def test_without_in_flight_updates_the_sampler_is_called_whole_on_the_batchs_ver
   assert sampler.calls and not any(c["chunked"] for c in sampler.calls)
   assert all(t.versions is None for trajectories in steps for t in trajectories)
   assert all(s.token_version_min is None and s.token_version_max is None for s in stats)
-  assert all(s.sampler_sync_wait_s is None for s in stats)  # no call pauses for a version
+  assert all(s.sampler_sync_wait_s >= 0.0 for s in stats)  # a pause before a batch only, for its version's sync
+
+
+@pytest.mark.engine
+def test_without_in_flight_updates_a_steps_record_gives_the_sampler_s_pause_for_its_batch_s_weights():
+  """At staleness 0 the sampler waits before every batch for the update before it: a sync held back a measured
+  while is step 1's ``sampler_sync_wait_s``; step 0, on the weights the source starts with, paused for none."""
+  source, sampler = _source(in_flight=False, staleness=0)
+  try:
+    assert len(next(source)[1]) == GROUPS * GENERATIONS  # step 0 whole
+    step0 = source.step_stats(0)
+    held_s = 0.3
+    time.sleep(held_s)  # the sampler waits for version 1 all the while: staleness 0 samples nothing ahead
+    assert len(sampler.calls) == MICRO
+    source.sync(1, "w1")
+    next(source)
+    step1 = source.step_stats(1)
+  finally:
+    source.close()
+  assert step0.sampler_sync_wait_s == 0.0
+  assert held_s * 0.9 <= step1.sampler_sync_wait_s < held_s + 10.0
 
 
 @pytest.mark.engine
