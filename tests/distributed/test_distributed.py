@@ -194,10 +194,18 @@ LIVE = ["steps=3", "rollouts.groups_per_micro_batch=2", "batch.rows=4", "task.ev
 
 @pytest.fixture(scope="module")
 def live_jobs(tmp_path_factory):
-  """{process count: (run directory, completed process)}: the live loop in a job of two and of one."""
+  """{process count: (run directory, completed process)}: the live loop in a job of two and of one. The job of two
+  starts from ``model.checkpoint``, a tiny checkpoint of the tiny preset's initial weights, which its engine loads
+  sharded over the job's mesh and each sampler whole on its own device; the job of one from the preset itself (a
+  run on a checkpoint is the preset's run bit for bit: tests/engine/test_hf_checkpoint.py; a job of two on the
+  preset: ``jobs``)."""
+  from tests.engine.test_hf_checkpoint import write_checkpoint
+
   tmp = tmp_path_factory.mktemp("live")
+  write_checkpoint(tmp / "tiny", "tiny")
   env = {k: v for k, v in os.environ.items() if k not in recipe_lib.ENV_SWITCHES}
-  runs = {2: LIVE + ["distributed.num_processes=2", f"rollouts.record_to={tmp / 'recording'}"],
+  runs = {2: LIVE + ["distributed.num_processes=2", f"rollouts.record_to={tmp / 'recording'}",
+                     f"model.checkpoint={tmp / 'tiny'}"],
           1: LIVE + ["distributed.num_processes=1", "step_boundary.pipeline_step_boundary=false"]}
   return {n: (tmp / str(n), _run_rl(args + ["--out", str(tmp / str(n))], env=env)) for n, args in runs.items()}
 
@@ -210,6 +218,8 @@ def _summary_and_records(out: Path):
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_the_live_loop_in_a_job_of_two_trains_to_the_one_process_digest(live_jobs):
+  """The job of two, on a checkpoint of the preset's initial weights, reaches the digest, rewards and held-out
+  accuracy of the job of one on the preset."""
   (two, ran_two), (one, ran_one) = live_jobs[2], live_jobs[1]
   assert ran_two.returncode == 0 and ran_one.returncode == 0, (ran_two.stderr[-3000:], ran_one.stderr[-3000:])
   (summary, records), (reference, reference_records) = _summary_and_records(two), _summary_and_records(one)
@@ -247,33 +257,6 @@ def test_a_live_job_gathers_each_update_records_and_checkpoints_once(live_jobs):
   state = checkpoints[2]["source_state"]
   assert state["kind"] == "live" and state["next_step"] == 2
   assert [(r["batch"], r["weights_version"]) for r in state["sampled"]] == [(2, 1)]  # one step per sampled batch
-
-
-@pytest.fixture(scope="module")
-def checkpoint_job(tmp_path_factory):
-  """The live job of two processes on ``model.checkpoint``: a tiny checkpoint of the tiny preset's initial
-  weights, which the engine loads sharded over the job's mesh and each sampler whole on its own device."""
-  from tests.engine.test_hf_checkpoint import write_checkpoint
-
-  tmp = tmp_path_factory.mktemp("checkpoint_job")
-  write_checkpoint(tmp / "tiny", "tiny")
-  env = {k: v for k, v in os.environ.items() if k not in recipe_lib.ENV_SWITCHES}
-  args = LIVE + ["distributed.num_processes=2", f"model.checkpoint={tmp / 'tiny'}", "--out", str(tmp / "run")]
-  return tmp / "run", _run_rl(args, env=env)
-
-
-@pytest.mark.e2e
-@pytest.mark.slow
-def test_a_live_job_on_a_checkpoint_trains_to_the_one_process_digest(checkpoint_job, live_jobs):
-  """The checkpoint holds the preset's initial weights, so the job on it reaches the one-process job's digest
-  on the preset (a run on a checkpoint is the preset's run bit for bit: tests/engine/test_hf_checkpoint.py)."""
-  (out, ran), (one, ran_one) = checkpoint_job, live_jobs[1]
-  assert ran.returncode == 0 and ran_one.returncode == 0, (ran.stderr[-3000:], ran_one.stderr[-3000:])
-  (summary, records), (reference, reference_records) = _summary_and_records(out), _summary_and_records(one)
-  assert summary["final_state_digest"] == reference["final_state_digest"]
-  assert [r["reward_mean"] for r in records] == [r["reward_mean"] for r in reference_records]
-  assert summary["eval_accuracy_end"] == reference["eval_accuracy_end"]
-  assert len(summary["processes"]) == 2 and "Traceback" not in ran.stderr
 
 
 # ---------------------------------------------------------------- a process that fails
