@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -26,18 +28,25 @@ ROUTING = packing.RoutingShape(layers=PRESET.num_layers, top_k=PRESET.num_expert
 OPTIONS = dict(rows=4, ragged_buffer_factor=1.0, retry_when_tokens_dropped=True)
 
 
-def _own_routing(payload):
-  """``payload`` with each trajectory's routing as the engine's starting weights choose it (same seed)."""
+def _own_routing(payloads):
+  """``payloads`` with each trajectory's routing as the engine's starting weights choose it (same seed): one
+  compiled forward pass of a row as long as the engine's, the trajectory first and padding after it in a segment
+  of its own (causal attention: the padding changes nothing before it)."""
   graphdefs, params, _ = build_model(PRESET, 0)
-  model = nnx.merge(graphdefs["dropless"], params)
-  out = []
-  for t in payload:
-    tokens = np.concatenate([t.prompt_ids, t.completion_ids])[None]
-    segments = np.ones_like(tokens)
-    routing = moe.routing_of(model, tokens, np.arange(tokens.shape[1])[None], attention_mask(segments),
-                             segments > 0)
-    out.append(dataclasses.replace(t, routing=np.asarray(routing[0])))
-  return out
+  row_tokens = PRESET.tokens_per_row
+
+  @jax.jit
+  def routing_of_row(params, tokens, segments):
+    model = nnx.merge(graphdefs["dropless"], params)
+    return moe.routing_of(model, tokens, jnp.arange(row_tokens)[None], attention_mask(segments), segments > 0)
+
+  def own(t):
+    tokens = np.concatenate([t.prompt_ids, t.completion_ids])
+    row, segments = np.zeros((1, row_tokens), np.int32), np.zeros((1, row_tokens), np.int32)
+    row[0, :len(tokens)], segments[0, :len(tokens)] = tokens, 1
+    return dataclasses.replace(t, routing=np.asarray(routing_of_row(params, row, segments)[0, :len(tokens)]))
+
+  return [[own(t) for t in payload] for payload in payloads]
 
 
 def _step(engine, payloads):
@@ -51,7 +60,7 @@ def _step(engine, payloads):
 @pytest.fixture(scope="module")
 def payloads():
   source = SyntheticRollouts(PRESET.vocab_size, 4, PRESET.tokens_per_row, seed=5)
-  return [_own_routing(source.micro_batch(0, i)) for i in range(2)]
+  return _own_routing([source.micro_batch(0, i) for i in range(2)])
 
 
 @pytest.mark.engine
@@ -127,8 +136,7 @@ def test_a_sampler_records_the_routing_its_weights_choose():
   sampler = LiveSampler(PRESET, CharTokenizer(), seed=0, max_prompt_length=16, max_generation_steps=4,
                         routing=ROUTING)
   samples = sampler.sample(["abc", "hello"], seed=1)
-  recorded = _own_routing([Trajectory(p, c, 0.0) for p, c in zip(samples.prompt_ids,
-                                                                          samples.completion_ids)])
+  recorded, = _own_routing([[Trajectory(p, c, 0.0) for p, c in zip(samples.prompt_ids, samples.completion_ids)]])
   for routing, t in zip(samples.routing, recorded):
     assert routing.dtype == np.int16 and np.array_equal(routing, t.routing)
 
