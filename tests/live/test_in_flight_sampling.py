@@ -149,7 +149,7 @@ def test_without_in_flight_updates_a_steps_record_gives_the_sampler_s_pause_for_
     time.sleep(held_s)  # the sampler waits for version 1 all the while: staleness 0 samples nothing ahead
     assert len(sampler.calls) == MICRO
     source.sync(1, "w1")
-    next(source)
+    assert len(next(source)[1]) == GROUPS * GENERATIONS  # step 1 whole: its record is complete
     step1 = source.step_stats(1)
   finally:
     source.close()

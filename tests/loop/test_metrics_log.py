@@ -112,7 +112,7 @@ def test_a_live_run_logs_its_rewards(tmp_path):
   assert len(texts) == 3 and json.dumps(samples[0]["prompt"]) in texts[0]
   for name in ("rollout/reward_mean", "rollout/reward_std", "rollout/accuracy", "rollout/staleness",
                "rollout/sampled_tokens_per_s", "train/loss", "timing/step_s", "train/ppo_kl",
-               "rollout/reward_group_std", "rollout/frac_reward_zero_std"):
+               "rollout/reward_group_std", "rollout/frac_reward_zero_std", "rollout/sampler_sync_wait_s"):
     assert sorted(logged[name]) == [0, 1, 2, 3], name
   assert sorted(logged["boundary/idle_s"]) == [0, 1, 2]
   trace = json.loads((run / "trace.json").read_text())["traceEvents"]
