@@ -53,9 +53,12 @@ ARMS = {
 RUN_TIMEOUT_S = 1800
 
 
-def run_metrics(run_dir: Path, *, reward: float, window: int, completions_per_step: int) -> dict:
+def run_metrics(run_dir: Path, *, reward: float, window: int, completions_per_step: int, batch_steps: int = 1,
+                epochs: int = 1) -> dict:
   """What one run measured, from its ``records.jsonl`` and ``summary.json`` (``completions_per_step``: the
-  recipe's micro-batches a step times its completions a micro-batch)."""
+  recipe's micro-batches a step times its completions a micro-batch; ``batch_steps`` and ``epochs``: its
+  ``rollouts.batch_steps`` and ``engine.epochs``, so a batch's sampling counts once, at its first pass's steps,
+  though a later pass's records repeat it)."""
   records = [json.loads(line) for line in (run_dir / "records.jsonl").read_text().splitlines() if line.strip()]
   summary = json.loads((run_dir / "summary.json").read_text())
   start = records[0]["t_update_ready"] - records[0]["step_s"]  # the first step's start
@@ -64,8 +67,9 @@ def run_metrics(run_dir: Path, *, reward: float, window: int, completions_per_st
   reached = next((i for i in range(window - 1, len(records))
                   if statistics.fmean(rewards[i - window + 1:i + 1]) >= reward), None)
   run_s = at(records[-1])
-  sampled_tokens = sum(r["completion_tokens_mean"] * completions_per_step for r in records)
-  pause_s = sum(r["sampler_sync_wait_s"] or 0.0 for r in records)
+  sampling = [r for r in records if r["step"] % (batch_steps * epochs) < batch_steps]  # first passes
+  sampled_tokens = sum(r["completion_tokens_mean"] * completions_per_step for r in sampling)
+  pause_s = sum(r["sampler_sync_wait_s"] or 0.0 for r in sampling)
   return {
       "seconds_to_reward": None if reached is None else at(records[reached]),
       "step_reward_reached": reached,
@@ -85,13 +89,28 @@ def _seeded(seed: int) -> list[str]:
   return [f"engine.seed={seed}", f"rollouts.seed={seed}"]
 
 
+def _arm_overrides(arm: str, seed: int, steps: int | None) -> list[str]:
+  return [*ARMS[arm], *_seeded(seed), *([f"steps={steps}"] if steps is not None else [])]
+
+
+class ArmFailed(Exception):
+  """A run of an arm did not end well; the message names it and its output."""
+
+
 def _run(recipe: str, arm: str, seed: int, steps: int, run_dir: Path) -> None:
-  command = [sys.executable, "-m", "orchestrator.app.cli", "--recipe", recipe,
-             "--steps", str(steps), "--out", str(run_dir), *ARMS[arm], *_seeded(seed)]
-  with open(run_dir.with_suffix(".log"), "w") as log:
-    done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, timeout=RUN_TIMEOUT_S, check=False)
+  command = [sys.executable, "-m", "orchestrator.app.cli", "--recipe", recipe, "--out", str(run_dir),
+             *_arm_overrides(arm, seed, steps)]
+  # The arms run as the recipe and their overrides say, as checked: no switch from this shell's environment.
+  env = {k: v for k, v in os.environ.items() if k not in recipe_lib.ENV_SWITCHES}
+  log_path = run_dir.with_suffix(".log")
+  try:
+    with open(log_path, "w") as log:
+      done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=RUN_TIMEOUT_S,
+                            check=False)
+  except subprocess.TimeoutExpired as e:
+    raise ArmFailed(f"arm {arm}, seed {seed}: run_rl ran past {RUN_TIMEOUT_S} s; its output: {log_path}") from e
   if done.returncode != 0:
-    raise RuntimeError(f"arm {arm}: run_rl exited {done.returncode}; its output: {run_dir.with_suffix('.log')}")
+    raise ArmFailed(f"arm {arm}, seed {seed}: run_rl exited {done.returncode}; its output: {log_path}")
 
 
 def _spread(values: list) -> dict | None:
@@ -136,8 +155,9 @@ def print_table(summary: dict[str, dict], reward: float) -> None:
              else f"DIFFERS: {m['digests'][0][:8]} then {m['rerun_digest'][:8]}"))
 
 
-def _refusal(args) -> str | None:
-  """What is wrong with the arguments or the recipe under each arm (one line), before anything runs."""
+def _refusal(args) -> str | dict:
+  """What is wrong with the arguments or the recipe under each arm and seed (one line), before anything runs;
+  else each arm's recipe (on the first seed)."""
   if len(set(args.seeds)) != len(args.seeds) or any(s < 0 for s in args.seeds):
     return f"--seeds {' '.join(map(str, args.seeds))}: distinct seeds, none below 0"
   if args.steps is not None and args.steps < 1:
@@ -148,14 +168,17 @@ def _refusal(args) -> str | None:
     return f"--reward {args.reward}: a mean reward to reach, in (0, 1]"
   if args.out and Path(args.out).exists():
     return f"--out {args.out}: exists; name a new directory (a benchmark never writes over another's runs)"
-  for arm, overrides in ARMS.items():
-    try:
-      recipe = recipe_lib.resolve(args.recipe, overrides=[*overrides, *_seeded(max(args.seeds))], env={}).recipe
-    except RecipeError as e:
-      return f"the recipe under arm {arm}: {e}"
-    if args.window > (args.steps or recipe.steps):
-      return f"--window {args.window}: more than the {args.steps or recipe.steps} steps an arm runs"
-  return None
+  recipes = {}
+  for arm in ARMS:
+    for seed in reversed(args.seeds):  # the first seed's last: the one kept
+      try:
+        recipes[arm] = recipe_lib.resolve(args.recipe, overrides=_arm_overrides(arm, seed, args.steps),
+                                          env={}).recipe
+      except RecipeError as e:
+        return f"the recipe under arm {arm}, seed {seed}: {e}"
+    if args.window > recipes[arm].steps:
+      return f"--window {args.window}: more than the {recipes[arm].steps} steps an arm runs"
+  return recipes
 
 
 def main(argv=None) -> int:
@@ -168,29 +191,22 @@ def main(argv=None) -> int:
   parser.add_argument("--window", type=int, default=10, help="steps the reward is averaged over (default 10)")
   parser.add_argument("--out", help="a new directory for the runs and report.json")
   args = parser.parse_args(argv)
-  problem = _refusal(args)
-  if problem:
-    print(f"bench.in_flight: {problem}", file=sys.stderr)
+  recipes = _refusal(args)
+  if isinstance(recipes, str):
+    print(f"bench.in_flight: {recipes}", file=sys.stderr)
     return 2
+  recipe = next(iter(recipes.values()))  # the arms differ in rollouts' in-flight updates and staleness only
+  steps = recipe.steps
+  shape = dict(completions_per_step=(recipe.batch.micro_batches_per_step * recipe.rollouts.groups_per_micro_batch
+                                     * recipe.rollouts.generations_per_group),
+               batch_steps=recipe.rollouts.batch_steps, epochs=recipe.engine.epochs)
   out = Path(args.out or f"runs/in_flight-bench-{time.strftime('%Y%m%d-%H%M%S')}")
   out.mkdir(parents=True)
-  recipe = recipe_lib.resolve(args.recipe, env={}).recipe
-  steps = args.steps or recipe.steps
-  completions_per_step = (recipe.batch.micro_batches_per_step * recipe.rollouts.groups_per_micro_batch
-                          * recipe.rollouts.generations_per_group)
-  runs: dict[str, list[dict]] = {arm: [] for arm in ARMS}
-  reruns: dict[str, dict] = {}
-  for name, seed in [*((f"seed{seed}", seed) for seed in args.seeds), (f"rerun-seed{args.seeds[0]}", args.seeds[0])]:
-    for arm in ARMS:
-      run_dir = out / f"{name}-{arm}"
-      _run(args.recipe, arm, seed, steps, run_dir)
-      metrics = dict(run_metrics(run_dir, reward=args.reward, window=args.window,
-                                 completions_per_step=completions_per_step), seed=seed, run_dir=str(run_dir))
-      if name.startswith("rerun"):
-        reruns[arm] = metrics
-      else:
-        runs[arm].append(metrics)
-      print(f"{name} {arm}: {json.dumps({k: v for k, v in metrics.items() if k != 'run_dir'})}", flush=True)
+  try:
+    runs, reruns = _rounds(args, steps, shape, out)
+  except ArmFailed as e:
+    print(f"bench.in_flight: {e}", file=sys.stderr)
+    return 1
   summary = summarize(runs, reruns)
   print_table(summary, args.reward)
   load = os.getloadavg()
@@ -202,6 +218,25 @@ def main(argv=None) -> int:
         f"{out / 'report.json'}")
   print(json.dumps({k: v for k, v in report.items() if k not in ("runs", "reruns")}))
   return 0
+
+
+def _rounds(args, steps: int, shape: dict, out: Path) -> tuple[dict[str, list[dict]], dict[str, dict]]:
+  """A round of every arm per seed, then every arm on the first seed again: each run's metrics, printed as it
+  ends."""
+  runs: dict[str, list[dict]] = {arm: [] for arm in ARMS}
+  reruns: dict[str, dict] = {}
+  for name, seed in [*((f"seed{seed}", seed) for seed in args.seeds), (f"rerun-seed{args.seeds[0]}", args.seeds[0])]:
+    for arm in ARMS:
+      run_dir = out / f"{name}-{arm}"
+      _run(args.recipe, arm, seed, steps, run_dir)
+      metrics = dict(run_metrics(run_dir, reward=args.reward, window=args.window, **shape), seed=seed,
+                     run_dir=str(run_dir))
+      if name.startswith("rerun"):
+        reruns[arm] = metrics
+      else:
+        runs[arm].append(metrics)
+      print(f"{name} {arm}: {json.dumps({k: v for k, v in metrics.items() if k != 'run_dir'})}", flush=True)
+  return runs, reruns
 
 
 if __name__ == "__main__":

@@ -171,7 +171,8 @@ class BoundaryRecord:
   token_version_min: int | None = None
   token_version_max: int | None = None
   token_age_mean: float | None = None
-  # ... and the seconds the sampler paused inside the step's sampler calls for a newer version's weight sync.
+  # A live source: the seconds the sampler waited for a version's weight sync over the calls that sampled the
+  # step's rollouts, before a batch and with in-flight updates between decode chunks (RolloutStats).
   sampler_sync_wait_s: float | None = None
 
   def to_json(self) -> dict[str, Any]:

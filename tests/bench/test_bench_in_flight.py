@@ -17,7 +17,7 @@ from tests.conftest import REPO
 def _run_dir(path, rewards, *, pause_s=0.25, digest="d1", step_s=0.5):
   """A run directory whose steps each take ``step_s`` from the first step's start, with these rewards."""
   path.mkdir()
-  records = [{"t_update_ready": 10.0 + step_s * (i + 1), "step_s": step_s, "reward_mean": r,
+  records = [{"step": i, "t_update_ready": 10.0 + step_s * (i + 1), "step_s": step_s, "reward_mean": r,
               "completion_tokens_mean": 4.0, "sampler_sync_wait_s": pause_s if i else None,
               "rollout_wait_s": 0.125, "micro_batch_wait_s": 0.0} for i, r in enumerate(rewards)]
   (path / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -38,6 +38,17 @@ def test_a_runs_metrics_are_read_from_its_records(tmp_path):
   never = in_flight.run_metrics(_run_dir(tmp_path / "never", [0.0, 0.25, 0.25]), reward=0.5, window=2,
                                 completions_per_step=8)
   assert never["seconds_to_reward"] is None and never["step_reward_reached"] is None  # negative control
+
+
+@pytest.mark.spec
+def test_a_batch_trained_twice_counts_its_sampling_once(tmp_path):
+  """With two passes over each batch of two steps, steps 2, 3 (and 6, 7, ...) retrain what steps 0, 1 sampled:
+  their records repeat the batch's pause and tokens, which count once."""
+  run = _run_dir(tmp_path / "run", [0.0] * 8, pause_s=0.5)
+  once = in_flight.run_metrics(run, reward=0.5, window=2, completions_per_step=8, batch_steps=2, epochs=2)
+  every = in_flight.run_metrics(run, reward=0.5, window=2, completions_per_step=8)
+  assert once["sampler_pause_s"] == 3 * 0.5 and once["tokens_per_s"] == 4 * 4.0 * 8 / 4.0  # steps 0, 1, 4, 5
+  assert every["sampler_pause_s"] == 7 * 0.5  # negative control: every record counted
 
 
 @pytest.mark.spec
@@ -66,6 +77,40 @@ def test_bad_arguments_are_refused_in_one_line_before_anything_runs(args, named,
   assert in_flight.main([*args, "--out", str(out)]) == 2
   err = capsys.readouterr().err.strip()
   assert len(err.splitlines()) == 1 and named in err and not out.exists()
+
+
+@pytest.mark.spec
+def test_a_recipe_the_steps_asked_for_make_invalid_is_refused_before_anything_runs(tmp_path, capsys):
+  """The arms are checked with ``--steps`` applied: a warm-up longer than the run is refused here, not by the
+  first arm's run_rl after the output directory exists."""
+  recipe = tmp_path / "warm.yaml"
+  recipe.write_text((REPO / "recipes/live_in_flight.yaml").read_text().replace("engine:\n", "engine:\n  warmup_steps: 5\n"))
+  out = tmp_path / "bench"
+  assert in_flight.main(["--recipe", str(recipe), "--steps", "3", "--window", "2", "--out", str(out)]) == 2
+  err = capsys.readouterr().err.strip()
+  assert len(err.splitlines()) == 1 and "engine.warmup_steps=5" in err and not out.exists()
+
+
+@pytest.mark.spec
+def test_an_arm_that_fails_ends_the_benchmark_in_one_line_naming_it_and_its_output(tmp_path, capsys, monkeypatch):
+  """Each arm runs without this shell's step-boundary switches (the recipe and the arm's overrides alone, as
+  checked); a run that exits non-zero stops the benchmark with exit 1 and one line."""
+  calls = []
+
+  def fake_run(command, *, env, **kwargs):
+    calls.append((command, env))
+    return subprocess.CompletedProcess(command, 3)
+
+  monkeypatch.setattr(in_flight.subprocess, "run", fake_run)
+  monkeypatch.setenv("STAGE_BEFORE_UPDATE", "0")
+  out = tmp_path / "bench"
+  assert in_flight.main(["--out", str(out), "--seeds", "4"]) == 1
+  err = capsys.readouterr().err.strip()
+  assert err == f"bench.in_flight: arm boundary_s0, seed 4: run_rl exited 3; its output: {out / 'seed4-boundary_s0.log'}"
+  (command, env), = calls
+  assert "STAGE_BEFORE_UPDATE" not in env and "PATH" in env
+  assert command[-5:] == ["rollouts.in_flight_updates=false", "rollouts.max_staleness=0", "engine.seed=4",
+                          "rollouts.seed=4", "steps=60"]
 
 
 @pytest.mark.spec
