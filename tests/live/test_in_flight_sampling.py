@@ -270,6 +270,22 @@ def test_a_position_inside_a_generation_names_it_and_the_last_steps_checkpoint_c
 
 
 @pytest.mark.engine
+def test_a_wait_for_a_checkpoints_ask_is_not_a_pause_for_weights():
+  """After the run's last batch the sampler waits until a checkpoint asks for the batch past the end, whose
+  version is synced already: that wait (held here a measured while) is no pause for weights, and the carried
+  batch records none."""
+  source, _ = _source(in_flight=False, per_call=2)
+  try:
+    _train(source, close=False)
+    time.sleep(0.3)  # the sampler waits for the ask, with batch 6's version 5 kept since step 4's sync
+    assert source.ready_to_checkpoint(STEPS, 30.0)
+    carried, = source.state_json({"next_step": STEPS})["sampled"]
+  finally:
+    source.close()
+  assert carried["batch"] == STEPS and carried["sync_wait_s"] == [0.0] * MICRO
+
+
+@pytest.mark.engine
 def test_a_stop_inside_the_run_says_it_keeps_no_checkpoint_and_one_after_the_last_step_that_it_does():
   """The line a stop prints promises a checkpoint only where one will be written (``RunHandle.stop_keeps``): not
   while the position after the step in flight falls inside a generation; after the last step, and without
