@@ -137,24 +137,37 @@ def test_without_in_flight_updates_the_sampler_is_called_whole_on_the_batchs_ver
   assert all(s.sampler_sync_wait_s >= 0.0 for s in stats)  # a pause before a batch only, for its version's sync
 
 
-@pytest.mark.engine
-def test_without_in_flight_updates_a_steps_record_gives_the_sampler_s_pause_for_its_batch_s_weights():
-  """At staleness 0 the sampler waits before every batch for the update before it: a sync held back a measured
-  while is step 1's ``sampler_sync_wait_s``; step 0, on the weights the source starts with, paused for none."""
-  source, sampler = _source(in_flight=False, staleness=0)
+HELD_S = 0.3  # how long a test holds back version 1's sync while the sampler waits for it
+
+
+def _steps_around_a_held_sync(source, sampler, calls_waiting: int):
+  """Steps 0 and 1's ``RolloutStats``, version 1's sync held back ``HELD_S`` once the sampler has made
+  ``calls_waiting`` calls, the last of which (or the next) waits for version 1; the source is closed after."""
   try:
     assert len(next(source)[1]) == GROUPS * GENERATIONS  # step 0 whole
     step0 = source.step_stats(0)
-    held_s = 0.3
-    time.sleep(held_s)  # the sampler waits for version 1 all the while: staleness 0 samples nothing ahead
-    assert len(sampler.calls) == MICRO
+    give_up = time.monotonic() + 30.0
+    while len(sampler.calls) < calls_waiting:
+      assert time.monotonic() < give_up and source._sampling.error is None
+      time.sleep(0.01)
+    time.sleep(HELD_S)
+    assert len(sampler.calls) == calls_waiting  # none more: the sampler waits for version 1 all the while
     source.sync(1, "w1")
     assert len(next(source)[1]) == GROUPS * GENERATIONS  # step 1 whole: its record is complete
     step1 = source.step_stats(1)
   finally:
     source.close()
+  return step0, step1
+
+
+@pytest.mark.engine
+def test_without_in_flight_updates_a_steps_record_gives_the_sampler_s_pause_for_its_batch_s_weights():
+  """At staleness 0 the sampler waits before every batch for the update before it: a sync held back a measured
+  while is step 1's ``sampler_sync_wait_s``; step 0, on the weights the source starts with, paused for none."""
+  source, sampler = _source(in_flight=False, staleness=0)
+  step0, step1 = _steps_around_a_held_sync(source, sampler, calls_waiting=MICRO)  # batch 0's calls, then none
   assert step0.sampler_sync_wait_s == 0.0
-  assert held_s * 0.9 <= step1.sampler_sync_wait_s < held_s + 10.0
+  assert HELD_S * 0.9 <= step1.sampler_sync_wait_s < HELD_S + 10.0
 
 
 @pytest.mark.engine
@@ -162,23 +175,9 @@ def test_a_steps_record_gives_the_seconds_its_calls_paused_for_a_newer_versions_
   """Batch 1's second call (step 1's second micro-batch) waits for version 1, synced a measured while later: step
   1's ``sampler_sync_wait_s`` holds that wait; step 0's calls, on version 0 throughout, paused for none."""
   source, sampler = _source(in_flight=True)
-  try:
-    assert len(next(source)[1]) == GROUPS * GENERATIONS  # step 0 whole
-    step0 = source.step_stats(0)
-    give_up = time.monotonic() + 30.0
-    while len(sampler.calls) < 4:  # batch 1's second call, waiting for version 1's weights
-      assert time.monotonic() < give_up and source._sampling.error is None
-      time.sleep(0.01)
-    held_s = 0.3
-    time.sleep(held_s)
-    source.sync(1, "w1")
-    payloads = next(source)
-    assert len(payloads[1]) == GROUPS * GENERATIONS  # waits for the paused call's micro-batch
-    step1 = source.step_stats(1)
-  finally:
-    source.close()
+  step0, step1 = _steps_around_a_held_sync(source, sampler, calls_waiting=4)  # batch 1's second call waits
   assert step0.sampler_sync_wait_s == 0.0
-  assert held_s * 0.9 <= step1.sampler_sync_wait_s < held_s + 10.0
+  assert HELD_S * 0.9 <= step1.sampler_sync_wait_s < HELD_S + 10.0
 
 
 @pytest.mark.spec
