@@ -73,19 +73,25 @@ class RolloutThread:
     if self.thread not in (None, threading.current_thread()):
       self.thread.join(timeout_s)
 
+  def _wait_for_version(self, version: int) -> float:
+    """Under the condition: waits until the weight sync keeps ``version`` or the source closes; the seconds
+    waited (0.0 where it was kept already)."""
+    if self._versions.available(version):
+      return 0.0
+    start = time.perf_counter()
+    self._cond.wait_for(lambda: self.closed or self._versions.available(version))
+    return time.perf_counter() - start
+
   def _chunk_weights(self, batch: int, call: int, paused_s: list[float]):
     """(In-flight updates.) Chunk index -> (version, weights) for call ``call`` of ``batch``: each chunk's version
     is ``BatchSchedule.call_versions``'s, waited for until the weight sync keeps it (``close`` ends the wait);
-    the seconds of each wait go in ``paused_s`` (a chunk whose version is kept already adds none)."""
+    the seconds of each wait go in ``paused_s`` (0.0 for a chunk whose version is kept already)."""
     versions = self._schedule.call_versions(batch, call)
 
     def weights_for_chunk(chunk: int):
       version = versions[chunk]
       with self._cond:
-        if not self._versions.available(version):
-          start = time.perf_counter()
-          self._cond.wait_for(lambda: self.closed or self._versions.available(version))
-          paused_s.append(time.perf_counter() - start)
+        paused_s.append(self._wait_for_version(version))
         if self.closed:
           raise ClosedWhileWaiting(version)
         return version, self._versions.take(version)
@@ -102,11 +108,7 @@ class RolloutThread:
           self._cond.wait_for(lambda: self.closed or batch < self._until_batch)
           # Then the sampler's pause for the batch's weights (the sync of ``version``), which the first call's
           # micro-batches record: a wait for a checkpoint's ask is not a pause for weights.
-          batch_wait_s = 0.0
-          if not self._versions.available(version):
-            start = time.perf_counter()
-            self._cond.wait_for(lambda: self.closed or self._versions.available(version))
-            batch_wait_s = time.perf_counter() - start
+          batch_wait_s = self._wait_for_version(version)
           if self.closed:
             return
           weights = self._versions.take(version)
