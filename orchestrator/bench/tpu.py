@@ -14,6 +14,9 @@ Without ``--only`` or ``--all`` it runs ``DEFAULT_CHECKS``, about ten minutes:
   a micro-batch, 20 steps;
 * ``moe24_record``, ``moe24_compile``, ``moe24_rig``: a recording made for ``recipes/tpu_moe24_rig.yaml`` (24
   layers, top-8, routing replay, dropless re-runs), its programs compiled, and the rig's four modes over it;
+* ``moe24_rows2_record``, ``moe24_rows2_compile``, ``moe24_rows2_rig``: the same at twice the rows (128 × 512
+  tokens a micro-batch: twice the routing bytes staged), the shape ``run_rl simulate --from`` the rig's directory
+  predicts;
 * ``live_saving``: ``recipes/tpu_live_saving.yaml``, the live loop where the trainer sets the pace, 120 steps:
   the share of boundaries staged before the update and the saving the run measured on its own controls;
 * ``tunix_grpo``: ``python -m orchestrator.bench.tunix_grpo`` on the accelerator, stock Tunix GRPO and the
@@ -63,6 +66,18 @@ CHECKS = {
     "moe24_rig": (["-m", "orchestrator.app.cli", "rig", "--recipe", "recipes/tpu_moe24_rig.yaml",
                    "--recording", "{dir}/moe24_recording", "--out", "{dir}/moe24_rig", "--arms",
                    *["off", "stage_before_update", "pipelined"] * 3, "stage_after_update"], 0.60),
+    # the second shape the boundary model is asked to predict from the rig above (`run_rl simulate --from` its
+    # directory with `--recipe recipes/tpu_moe24_rig.yaml batch.rows=128`): twice the rows, so twice the routing
+    # bytes a micro-batch stages and twice its compute; its own programs, compiled apart as above
+    "moe24_rows2_record": (["-m", "orchestrator.app.cli", "record", "--recipe", "recipes/tpu_moe24_rig.yaml",
+                            "--out", "{dir}/moe24_rows2_recording", "rollouts.groups=1024"], 0.08),
+    "moe24_rows2_compile": (["-m", "orchestrator.app.cli", "rig", "--recipe", "recipes/tpu_moe24_rig.yaml",
+                             "--recording", "{dir}/moe24_rows2_recording", "--out", "{dir}/moe24_rows2_compile",
+                             "batch.rows=128", "--steps", "2", "--arms", "pipelined"], 0.55),
+    "moe24_rows2_rig": (["-m", "orchestrator.app.cli", "rig", "--recipe", "recipes/tpu_moe24_rig.yaml",
+                         "--recording", "{dir}/moe24_rows2_recording", "--out", "{dir}/moe24_rows2_rig", "batch.rows=128",
+                         "--arms", *["off", "stage_before_update", "pipelined"] * 2, "off", "stage_before_update"],
+                        0.60),
     "live_saving": (["-m", "orchestrator.app.cli", "--recipe", "recipes/tpu_live_saving.yaml",
                      "--out", "{dir}/live_saving"], 0.40),
     # four optimizer steps a global step on the one mesh: what a single device can stage (four child processes,
@@ -110,6 +125,17 @@ def figures(run_dir: Path) -> dict:
   return out
 
 
+def recording_writer(name: str) -> str | None:
+  """The check that writes the recording check ``name`` replays (``--recording {dir}/X`` is what ``--out
+  {dir}/X`` writes), or None where it replays none."""
+  args = CHECKS[name][0]
+  if "--recording" not in args:
+    return None
+  recording = args[args.index("--recording") + 1]
+  return next(other for other, (other_args, _) in CHECKS.items()
+              if "--out" in other_args and other_args[other_args.index("--out") + 1] == recording)
+
+
 def run_check(name: str, args: list[str], timeout_s: float, out_dir: Path) -> dict:
   """Runs one check's command (its own process) within ``timeout_s``, its output streamed to ``DIR/NAME.log`` (a
   check cut short still leaves what it printed); returns what the JSON keeps of it."""
@@ -149,11 +175,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.error("--only and --all: give one of them")
   if not args.minutes > 0:
     parser.error(f"--minutes {args.minutes}: give a number of minutes > 0")
+  chosen = args.only or (list(CHECKS) if args.all else list(DEFAULT_CHECKS))
+  for name in chosen:  # a recording lives in this run's directory: the check that writes it runs first, here
+    writer = recording_writer(name)
+    if writer is not None and writer not in chosen[:chosen.index(name)]:
+      parser.error(f"--only {' '.join(chosen)}: {name} replays the recording {writer} writes into this --out;"
+                   f" name {writer} before it")
   out_dir = Path(args.out or f"runs/tpu-{datetime.datetime.now():%Y%m%d-%H%M%S}")
   if out_dir.exists() and any(out_dir.iterdir()):
     parser.error(f"--out {out_dir} already holds files; choose a new directory")
   out_dir.mkdir(parents=True, exist_ok=True)
-  chosen = args.only or (list(CHECKS) if args.all else list(DEFAULT_CHECKS))
   budget_s = args.minutes * 60
   shares = sum(CHECKS[name][1] for name in chosen)
   deadline = time.monotonic() + budget_s

@@ -56,3 +56,19 @@ def test_an_output_directory_that_holds_files_is_refused(tmp_path, capsys):
     tpu.main(["--out", str(tmp_path)])
   assert exit_info.value.code == 2 and "already holds files" in capsys.readouterr().err
   assert [p.name for p in tmp_path.iterdir()] == ["kept.txt"]
+
+
+@pytest.mark.spec
+def test_a_check_that_replays_a_recording_needs_the_check_that_writes_it_named_before_it(tmp_path, capsys):
+  """A recording lives in the run's own directory, so a rig named without its record check (or after it) would
+  fail minutes later on a missing manifest; it is refused before anything is written."""
+  assert tpu.recording_writer("moe24_rows2_rig") == "moe24_rows2_record"
+  assert tpu.recording_writer("moe24_rig") == "moe24_record" and tpu.recording_writer("default") is None
+  for only in (["moe24_rows2_rig"], ["moe24_rows2_rig", "moe24_rows2_record"], ["moe24_record", "moe24_rows2_rig"]):
+    with pytest.raises(SystemExit) as exit_info:
+      tpu.main(["--only", *only, "--out", str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    assert "moe24_rows2_rig replays the recording moe24_rows2_record writes" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+  for name in tpu.CHECKS:  # every check that replays a recording has a check that writes it
+    tpu.recording_writer(name)
