@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -89,13 +90,67 @@ def validate_payload(
     payload: Sequence[Trajectory], *, tokens_per_row: int, vocab_size: int, routing: RoutingShape | None = None
 ) -> None:
   """Raises ValueError naming the trajectory and the limit for anything that cannot be packed; with
-  ``routing``, each trajectory's routing is checked against it."""
+  ``routing``, each trajectory's routing is checked against it.
+
+  The values are checked over the whole payload at once (a few numpy reductions, not a few per trajectory: this
+  runs on the host for every micro-batch); where anything fails, the trajectories are checked one at a time, so
+  the error names the first faulty trajectory and its first fault, as a check in payload order would.
+  """
   if isinstance(payload, (Trajectory, str, bytes)) or not isinstance(payload, Sequence):
     raise ValueError(
         f"payload must be a list of Trajectory, got {type(payload).__name__}"
     )
   if len(payload) == 0:
     raise ValueError("payload is empty: a micro-batch needs at least one trajectory")
+  if not _valid_at_once(payload, tokens_per_row=tokens_per_row, vocab_size=vocab_size, routing=routing):
+    _raise_first_invalid(payload, tokens_per_row=tokens_per_row, vocab_size=vocab_size, routing=routing)
+
+
+def _valid_at_once(payload: Sequence[Trajectory], *, tokens_per_row: int, vocab_size: int,
+                   routing: RoutingShape | None) -> bool:
+  """Whether every check of ``_raise_first_invalid`` passes, with the values' checks over the whole payload."""
+  ids, logprobs, advantages = [], [], []
+  for traj in payload:
+    if not isinstance(traj, Trajectory):
+      return False
+    for arr in (traj.prompt_ids, traj.completion_ids):
+      if not (isinstance(arr, np.ndarray) and arr.ndim == 1 and len(arr) and np.issubdtype(arr.dtype, np.integer)):
+        return False
+      ids.append(arr)
+    if len(traj.prompt_ids) + len(traj.completion_ids) > tokens_per_row:
+      return False
+    if not isinstance(traj.advantage, numbers.Real):  # a string would convert below; one at a time refuses it
+      return False
+    advantages.append(traj.advantage)
+    old = traj.old_logprobs
+    if old is not None:
+      if not (isinstance(old, np.ndarray) and old.shape == traj.completion_ids.shape
+              and np.issubdtype(old.dtype, np.floating)):
+        return False
+      logprobs.append(old)
+  every_id = np.concatenate(ids)
+  if every_id.min() < 0 or every_id.max() >= vocab_size:
+    return False
+  advantage = np.asarray(advantages, np.float64)
+  if not np.all(np.isfinite(advantage)) or np.any(np.abs(advantage) > MAX_ABS_ADVANTAGE):
+    return False
+  if logprobs:
+    every_logprob = np.concatenate(logprobs)
+    if not np.all(np.isfinite(every_logprob)) or np.any(every_logprob > LOGPROB_TOLERANCE):
+      return False
+  if routing is not None:
+    try:
+      for i, traj in enumerate(payload):
+        validate_routing(traj.routing, traj.num_tokens, routing, f"payload[{i}]")
+    except ValueError:
+      return False
+  return True
+
+
+def _raise_first_invalid(payload: Sequence[Trajectory], *, tokens_per_row: int, vocab_size: int,
+                         routing: RoutingShape | None) -> None:
+  """Checks one trajectory at a time, in payload order: raises for the first fault (``validate_payload``'s
+  messages), or returns where there is none."""
   for i, traj in enumerate(payload):
     if not isinstance(traj, Trajectory):
       raise ValueError(

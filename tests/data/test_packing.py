@@ -8,6 +8,7 @@ import re
 import numpy as np
 import pytest
 
+from orchestrator.data import packing
 from orchestrator.data.trajectory import Trajectory
 from orchestrator.data.packing import (FIELDS, ROUTING as ROUTING_FIELD, RoutingShape, bytes_per_token_by_field,
                                        content_digest, pack_payload)
@@ -122,3 +123,64 @@ def test_a_payload_whose_routing_does_not_fit_the_model_is_refused(routing, mess
   with pytest.raises(ValueError, match=re.escape(message)):
     pack_payload([dataclasses.replace(_traj([1, 2], [3, 4, 5]), routing=routing)], rows=2, tokens_per_row=8,
                  vocab_size=16, routing=ROUTING)
+
+
+def _faults(traj: Trajectory, routed: bool) -> dict:
+  """Each way one trajectory can be refused, as a replacement of it."""
+  c = len(traj.completion_ids)
+  faults = {
+      "id-too-high": dataclasses.replace(traj, completion_ids=np.full(c, 16, np.int32)),
+      "id-negative": dataclasses.replace(traj, prompt_ids=np.array([-1], np.int32)),
+      "id-uint64": dataclasses.replace(traj, prompt_ids=np.array([2**64 - 1], np.uint64)),
+      "float-ids": dataclasses.replace(traj, prompt_ids=np.array([1.0])),
+      "2-d-ids": dataclasses.replace(traj, prompt_ids=np.array([[1]], np.int32)),
+      "list-ids": dataclasses.replace(traj, prompt_ids=[1]),
+      "empty-completion": dataclasses.replace(traj, completion_ids=np.array([], np.int32)),
+      "too-long": dataclasses.replace(traj, prompt_ids=np.ones(9, np.int32)),
+      "nan-advantage": dataclasses.replace(traj, advantage=float("nan")),
+      "huge-advantage": dataclasses.replace(traj, advantage=2e6),
+      "string-advantage": dataclasses.replace(traj, advantage="1.0"),
+      "logprob-shape": dataclasses.replace(traj, old_logprobs=np.zeros(c + 1, np.float32)),
+      "logprob-dtype": dataclasses.replace(traj, old_logprobs=np.zeros(c, np.int32)),
+      "logprob-inf": dataclasses.replace(traj, old_logprobs=np.full(c, -np.inf, np.float32)),
+      "logprob-positive": dataclasses.replace(traj, old_logprobs=np.full(c, 0.5, np.float32)),
+      "not-a-trajectory": (traj.prompt_ids, traj.completion_ids),
+  }
+  if routed:
+    faults["routing-expert"] = dataclasses.replace(traj, routing=np.full_like(traj.routing, 4))
+    faults["routing-missing"] = dataclasses.replace(traj, routing=None)
+  return faults
+
+
+@pytest.mark.spec
+@pytest.mark.parametrize("routed", [False, True], ids=["plain", "routed"])
+def test_the_whole_payload_check_refuses_what_a_check_one_at_a_time_refuses_and_names_the_first(routed):
+  """``validate_payload`` checks the values over the whole payload at once (the host's time per micro-batch); for
+  every fault, alone or after another one later in the payload, it raises exactly what checking one trajectory
+  at a time, in order, raises; a payload without faults passes both."""
+  rng = np.random.default_rng(0)
+  shape = ROUTING if routed else None
+
+  def good(i):
+    t = _routed([1 + i % 5, 2], [3, 4, 5]) if routed else _traj([1 + i % 5, 2], [3, 4, 5])
+    return dataclasses.replace(t, advantage=float(rng.normal()), old_logprobs=(
+        None if i % 3 == 0 else -rng.random(3).astype(np.float32 if i % 2 else np.float64)))
+
+  payload = [good(i) for i in range(6)]
+  packing.validate_payload(payload, tokens_per_row=8, vocab_size=16, routing=shape)
+  packing._raise_first_invalid(payload, tokens_per_row=8, vocab_size=16, routing=shape)
+  checked = 0
+  for name, bad in _faults(payload[2], routed).items():
+    for later in (None, *_faults(payload[4], routed).values()):
+      trial = [*payload[:2], bad, *payload[3:]]
+      if later is not None:
+        trial[4] = later
+      with pytest.raises(Exception) as one_at_a_time:
+        packing._raise_first_invalid(trial, tokens_per_row=8, vocab_size=16, routing=shape)
+      with pytest.raises(Exception) as whole:
+        packing.validate_payload(trial, tokens_per_row=8, vocab_size=16, routing=shape)
+      assert (type(whole.value), str(whole.value)) == (type(one_at_a_time.value), str(one_at_a_time.value)), name
+      if isinstance(whole.value, ValueError):
+        assert "payload[2]" in str(whole.value), name
+      checked += 1
+  assert checked == len(_faults(payload[2], routed)) * (1 + len(_faults(payload[4], routed)))
