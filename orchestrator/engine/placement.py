@@ -61,7 +61,19 @@ def place_leaf(leaf: Any, sharding: NamedSharding, via: str | None = None) -> An
 
 
 def place_tree(tree: Any, shardings: Any, via: str | None = None) -> Any:
-  """``place_leaf`` over matching trees (``shardings`` has one NamedSharding per leaf of ``tree``)."""
+  """``place_leaf`` over matching trees (``shardings`` has one NamedSharding per leaf of ``tree``).
+
+  A dict of host arrays of one or more dimensions (a packed micro-batch's fields) goes in one ``jax.device_put``
+  call (through ``via`` in one more), which JAX batches: the same arrays as a call per field, for about half the
+  host's time on a small micro-batch, where that time is the step's.
+  """
+  if isinstance(tree, dict) and tree and all(type(v) is np.ndarray and v.ndim for v in tree.values()):
+    names = sorted(tree)  # the order jax.tree.map gives a dict's keys, as the call per field returned them
+    targets = [shardings[name] for name in names]
+    arrays = [tree[name] for name in names]
+    if via is not None:
+      arrays = jax.device_put(arrays, [target.with_memory_kind(via) for target in targets])
+    return dict(zip(names, jax.device_put(arrays, targets)))
   return jax.tree.map(lambda leaf, sharding: place_leaf(leaf, sharding, via), tree, shardings,
                       is_leaf=lambda x: x is None)
 

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from orchestrator.engine import mesh as mesh_lib
-from orchestrator.engine.placement import PINNED_HOST, bytes_per_device, place_tree, staging_memory_kind
+from orchestrator.engine.placement import (PINNED_HOST, bytes_per_device, place_leaf, place_tree,
+                                          staging_memory_kind)
 from orchestrator.engine.throttler import InflightThrottler
 
 pytestmark = pytest.mark.engine
@@ -82,6 +83,24 @@ def test_placing_through_pinned_host_memory_gives_the_same_arrays_in_device_memo
     np.testing.assert_array_equal(pinned[name], direct[name])
     assert pinned[name].sharding == direct[name].sharding and pinned[name].sharding.memory_kind == "device"
   assert bytes_per_device(pinned.values()) == (32 * 4 + 4,)
+
+
+@pytest.mark.parametrize("via", [None, PINNED_HOST], ids=["direct", "pinned"])
+def test_a_micro_batchs_host_arrays_placed_in_one_call_equal_each_placed_alone(via):
+  """A dict of host arrays (a packed micro-batch) takes one batched copy; each array lands as ``place_leaf`` puts
+  it: same values, dtype and sharding, in device memory."""
+  mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig())
+  rows, replicated = mesh_lib.batch_sharding(mesh, 2), mesh_lib.batch_sharding(mesh, 0)
+  tree = {"tokens": np.arange(32, dtype=np.int32).reshape(4, 8), "mask": np.ones((4, 8), np.float32),
+          "routing": np.arange(64, dtype=np.int16).reshape(4, 8, 2), "empty": np.zeros((4, 0), np.float32)}
+  shardings = {"tokens": rows, "mask": replicated, "routing": rows, "empty": rows}
+  together = place_tree(tree, shardings, via)
+  assert list(together) == sorted(tree)  # the keys in the order a call per field (jax.tree.map) gives them
+  for name, host in tree.items():
+    alone = place_leaf(host, shardings[name], via)
+    np.testing.assert_array_equal(together[name], host)
+    assert together[name].dtype == host.dtype and together[name].sharding == alone.sharding
+    assert together[name].sharding.memory_kind == "device"
 
 
 def test_throttler_bounds_the_queue_and_snapshot_wait_dequeues_nothing():
