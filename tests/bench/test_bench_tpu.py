@@ -1,6 +1,7 @@
 """The accelerator checks' driver (``bench.tpu``): each check in a process of its own, its output kept even when
-its time runs out, the figures docs/benchmarks.md quotes read from the run's directory, one JSON, and an output
-directory that already holds files refused."""
+its time runs out, the figures docs/benchmarks.md quotes read from the run's directory, one JSON, an output
+directory that already holds files refused, and a check that replays a recording refused unless the check
+writing it runs before it."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Payload mapping: packing layout, determinism, fresh buffers, and bad payloads refused cleanly."""
+"""Payload mapping: packing layout, determinism, fresh buffers, and bad payloads refused cleanly; the whole-payload
+check refuses exactly what a check one trajectory at a time refuses, naming the first fault."""
 
 from __future__ import annotations
 

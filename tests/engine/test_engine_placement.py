@@ -1,4 +1,5 @@
-"""Placement edge cases, the host memory a staged copy starts from, and the throttler's queue discipline."""
+"""Placement edge cases, a micro-batch's arrays placed in one call as each alone, the host memory a staged copy
+starts from, and the throttler's queue discipline."""
 
 from __future__ import annotations
 
