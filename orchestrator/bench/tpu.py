@@ -45,8 +45,9 @@ from pathlib import Path
 
 #: The checks in the order they run: name → (the command's arguments after the Python interpreter, budget share).
 #: The shares follow what each took on a TPU v5e (docs/benchmarks.md): about 60, 30, 100, 165 and 25 s for the
-#: first five; the MoE rig's compile check 414 s, its ten arms 394 s from the compiled programs; the live loop 313 s;
-#: bench.accelerator takes what it is given.
+#: first five; the MoE rig's compile check 414 s, its ten arms 394 s from the compiled programs (455 s with loading
+#: them); at twice the rows the recording 51 s, the compile check over 437 s, its eight arms 540 s with loading; the
+#: live loop 313 s; bench.accelerator takes what it is given.
 CHECKS = {
     "default": (["-m", "orchestrator.app.cli", "--out", "{dir}/default"], 0.08),
     "default_again": (["-m", "orchestrator.app.cli", "steps=20", "--out", "{dir}/default_again"], 0.04),
@@ -73,11 +74,11 @@ CHECKS = {
                             "--out", "{dir}/moe24_rows2_recording", "rollouts.groups=1024"], 0.08),
     "moe24_rows2_compile": (["-m", "orchestrator.app.cli", "rig", "--recipe", "recipes/tpu_moe24_rig.yaml",
                              "--recording", "{dir}/moe24_rows2_recording", "--out", "{dir}/moe24_rows2_compile",
-                             "batch.rows=128", "--steps", "2", "--arms", "pipelined"], 0.55),
+                             "batch.rows=128", "--steps", "2", "--arms", "pipelined"], 0.62),
     "moe24_rows2_rig": (["-m", "orchestrator.app.cli", "rig", "--recipe", "recipes/tpu_moe24_rig.yaml",
                          "--recording", "{dir}/moe24_rows2_recording", "--out", "{dir}/moe24_rows2_rig", "batch.rows=128",
                          "--arms", *["off", "stage_before_update", "pipelined"] * 2, "off", "stage_before_update"],
-                        0.60),
+                        0.80),
     "live_saving": (["-m", "orchestrator.app.cli", "--recipe", "recipes/tpu_live_saving.yaml",
                      "--out", "{dir}/live_saving"], 0.40),
     # four optimizer steps a global step on the one mesh: what a single device can stage (four child processes,
@@ -168,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--out", default=None, help="the directory to write (default runs/tpu-<time>)")
   parser.add_argument("--only", nargs="+", choices=sorted(CHECKS), default=None, help="these checks alone")
   parser.add_argument("--all", action="store_true",
-                      help="every check (about 35 minutes on a fresh TPU v5e host: give --minutes 35)")
+                      help="every check (about 56 minutes on a fresh TPU v5e host: give --minutes 56)")
   parser.add_argument("--minutes", type=float, default=10.0, help="the whole budget (default 10)")
   args = parser.parse_args(argv)
   if args.only and args.all:
