@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -106,26 +105,32 @@ def validate_payload(
     _raise_first_invalid(payload, tokens_per_row=tokens_per_row, vocab_size=vocab_size, routing=routing)
 
 
+#: The values the whole-payload check reads as they are; anything else (a Python int, a Fraction, a long double, a
+#: masked array, timedelta ids) is left to the check one trajectory at a time, which decides as it always did.
+_PLAIN_ADVANTAGES = (float, np.float64, np.float32, np.float16)
+_PLAIN_LOGPROBS = (np.dtype(np.float64), np.dtype(np.float32), np.dtype(np.float16))
+
+
 def _valid_at_once(payload: Sequence[Trajectory], *, tokens_per_row: int, vocab_size: int,
                    routing: RoutingShape | None) -> bool:
-  """Whether every check of ``_raise_first_invalid`` passes, with the values' checks over the whole payload."""
+  """Whether every check of ``_raise_first_invalid`` passes, with the values' checks over the whole payload; False
+  also for any value of a kind other than the plain ones it reads (the check one at a time then decides)."""
   ids, logprobs, advantages = [], [], []
   for traj in payload:
     if not isinstance(traj, Trajectory):
       return False
     for arr in (traj.prompt_ids, traj.completion_ids):
-      if not (isinstance(arr, np.ndarray) and arr.ndim == 1 and len(arr) and np.issubdtype(arr.dtype, np.integer)):
+      if not (type(arr) is np.ndarray and arr.ndim == 1 and len(arr) and arr.dtype.kind in "iu"):
         return False
       ids.append(arr)
     if len(traj.prompt_ids) + len(traj.completion_ids) > tokens_per_row:
       return False
-    if not isinstance(traj.advantage, numbers.Real):  # a string would convert below; one at a time refuses it
+    if type(traj.advantage) not in _PLAIN_ADVANTAGES:
       return False
     advantages.append(traj.advantage)
     old = traj.old_logprobs
     if old is not None:
-      if not (isinstance(old, np.ndarray) and old.shape == traj.completion_ids.shape
-              and np.issubdtype(old.dtype, np.floating)):
+      if not (type(old) is np.ndarray and old.shape == traj.completion_ids.shape and old.dtype in _PLAIN_LOGPROBS):
         return False
       logprobs.append(old)
   every_id = np.concatenate(ids)

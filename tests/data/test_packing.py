@@ -4,6 +4,7 @@ check refuses exactly what a check one trajectory at a time refuses, naming the 
 from __future__ import annotations
 
 import dataclasses
+import fractions
 import re
 
 import numpy as np
@@ -146,6 +147,12 @@ def _faults(traj: Trajectory, routed: bool) -> dict:
       "logprob-inf": dataclasses.replace(traj, old_logprobs=np.full(c, -np.inf, np.float32)),
       "logprob-positive": dataclasses.replace(traj, old_logprobs=np.full(c, 0.5, np.float32)),
       "not-a-trajectory": (traj.prompt_ids, traj.completion_ids),
+      # values of kinds the whole-payload check does not read as they are: the check one at a time decides
+      "long-double-advantage": dataclasses.replace(traj, advantage=np.longdouble(1e6) + np.longdouble(5e-11)),
+      "fraction-advantage": dataclasses.replace(traj, advantage=fractions.Fraction(1, 3)),
+      "huge-int-advantage": dataclasses.replace(traj, advantage=10**400),
+      "timedelta-ids": dataclasses.replace(traj, prompt_ids=np.array([1, 2], "m8[s]")),
+      "masked-ids": dataclasses.replace(traj, prompt_ids=np.ma.array([1, 2], mask=[True, True])),
   }
   if routed:
     faults["routing-expert"] = dataclasses.replace(traj, routing=np.full_like(traj.routing, 4))
