@@ -67,7 +67,8 @@ def place_tree(tree: Any, shardings: Any, via: str | None = None) -> Any:
   call (through ``via`` in one more), which JAX batches: the same arrays as a call per field, for about half the
   host's time on a small micro-batch, where that time is the step's.
   """
-  if isinstance(tree, dict) and tree and all(type(v) is np.ndarray and v.ndim for v in tree.values()):
+  if (type(tree) is dict and type(shardings) is dict and tree and tree.keys() == shardings.keys()
+      and all(type(v) is np.ndarray and v.ndim for v in tree.values())):
     names = sorted(tree)  # the order jax.tree.map gives a dict's keys, as the call per field returned them
     targets = [shardings[name] for name in names]
     arrays = [tree[name] for name in names]
