@@ -183,7 +183,9 @@ def sample_only(rollout, allowed_ids: list[int], vocab_size: int) -> None:
   in each call, and the vanilla rollout calls it with the config's settings alone. So the rollout's sampler
   becomes an instance of a subclass whose call adds them (the same object otherwise: its weights, which the
   trainer shares, and its compiled programs). The ids go as one array in a one-element list, as the live
-  sampler passes them (``live.sampler.LiveSampler``), so both arms sample through the same programs.
+  sampler passes them (``live.sampler.LiveSampler``), so both arms sample through the same programs. Its
+  sampling states keep their prompt length as an int, as the live sampler's do (``live.tunix_sampler`` says
+  why): a process that runs both arms would otherwise meet JAX's comparison of two Arrays inside a trace.
   """
   import numpy as np  # import here: numpy's threads start after the host settings, in the child (see main)
 
@@ -195,6 +197,11 @@ def sample_only(rollout, allowed_ids: list[int], vocab_size: int) -> None:
   class AllowedIdsSampler(type(sampler)):
     def __call__(self, *args, **kwargs):
       return stock_call(self, *args, forbidden_tokens=forbidden, **kwargs)
+
+    def init_sample_state(self, *args, **kwargs):
+      # import here: it brings Tunix, which a sampling call has loaded already and this function's caller need not
+      from orchestrator.live.tunix_sampler import with_plain_static_fields
+      return with_plain_static_fields(super().init_sample_state(*args, **kwargs))
 
   sampler.__class__ = AllowedIdsSampler
 

@@ -35,6 +35,8 @@ import numpy as np
 from flax import nnx
 from tunix.generate import utils as tunix_utils
 
+from orchestrator.live import tunix_sampler
+
 
 @dataclasses.dataclass(frozen=True)
 class ChunkedOutput:
@@ -82,10 +84,10 @@ def sample_in_chunks(sampler, prompts: Sequence[str], *, max_generation_steps: i
   input_ids = np.array([tunix_utils.pad_to_length(t, target_length=max_prompt_length, pad_value=pad, left=True)
                         for t in tokens])
   total = max_prompt_length + max_generation_steps
-  state = sampler.init_sample_state(
+  state = tunix_sampler.with_plain_static_fields(sampler.init_sample_state(
       jnp.array(input_ids), include_logits=False, total_sampling_steps=total,
       forbidden_token_ids=tuple(forbidden_tokens) if forbidden_tokens else None, temperature=temperature,
-      top_p=top_p, top_k=top_k, seed=jax.random.PRNGKey(seed), beam_size=None, include_logprobs=True)
+      top_p=top_p, top_k=top_k, seed=jax.random.PRNGKey(seed), beam_size=None, include_logprobs=True))
   prompt_tokens = state.num_input_tokens  # what the compiled decode was traced with: it must not change
   chunks = -(-max_generation_steps // chunk_tokens)
   versions = np.zeros(max_generation_steps, np.int64)
@@ -122,7 +124,8 @@ def _refill(sampler, weights, state, prefix_tokens: int, prompt_tokens) -> Any:
   prefix with those weights. The prefill is compiled once per prefix length (a chunk boundary)."""
   batch = state.token_buffer.shape[0]
   fresh = sampler.transformer.init_cache(batch, sampler.cache_config.cache_size, sampler.dtype)
+  # the prompt length is a static field: an int, never an Array (``live.tunix_sampler`` says why)
   prefill_state = dataclasses.replace(state, cache=fresh, decoding_step=prefix_tokens - 1,
-                                      num_input_tokens=jnp.array(prefix_tokens, dtype=jnp.int32))
+                                      num_input_tokens=int(prefix_tokens))
   state = sampler._compiled_prefill_fn(weights, prefill_state, None, echo=False)
   return dataclasses.replace(state, num_input_tokens=prompt_tokens)

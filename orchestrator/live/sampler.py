@@ -24,7 +24,7 @@ from orchestrator.engine import model as model_lib
 from orchestrator.engine import moe as moe_lib
 from orchestrator.engine.loss import attention_mask
 from orchestrator.models.presets import ModelPreset
-from orchestrator.live import chunked_sampling
+from orchestrator.live import chunked_sampling, tunix_sampler
 from orchestrator.live.placement import SamplerPlacement, default_device
 from orchestrator.tasks.tokenizer import sampled_token_ids
 
@@ -110,7 +110,7 @@ class LiveSampler:
     cache = sampler_lib.CacheConfig(cache_size=max_prompt_length + max_generation_steps,
                                     num_layers=preset.num_layers, num_kv_heads=preset.num_kv_heads,
                                     head_dim=preset.head_dim)
-    self._sampler = sampler_lib.Sampler(nnx.merge(self._graphdef, params), tokenizer, cache)
+    self._sampler = tunix_sampler.Sampler(nnx.merge(self._graphdef, params), tokenizer, cache)
     self._vocab_size = preset.vocab_size  # the logits' width: a top_k at least this wide filters nothing
     allowed = set(sampled_token_ids(tokenizer, alphabet))
     forbidden = np.asarray([i for i in range(preset.vocab_size) if i not in allowed], np.int32)

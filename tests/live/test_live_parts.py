@@ -541,6 +541,43 @@ def test_a_completion_is_cut_after_its_first_eos_and_each_prompt_gets_its_own_id
 
 
 @pytest.mark.engine
+def test_an_lru_cache_evicting_sampling_states_inside_a_trace_compares_them_as_values(sampler):
+  """Two sampling states of one shape under different temperatures: their trees share a hash (the metadata is
+  left out of it), so a ``functools.lru_cache`` evicting the newer key compares it with the older, here while
+  another function is traced, as JAX's caches do on any insertion. The live sampler's states compare as values.
+  The negative control: Tunix's own state, whose prompt length is an Array, fails that trace with the error
+  ``live.tunix_sampler`` describes."""
+  import functools
+
+  import jax
+  import jax.numpy as jnp
+  from tunix.generate import sampler as tunix_sampler_lib
+
+  def evict_inside_a_trace(init_sample_state) -> None:
+    def state_tree(temperature: float):
+      return jax.tree.structure(init_sample_state(
+          sampler._sampler, jnp.ones((2, 4), jnp.int32), total_sampling_steps=8, include_logits=False,
+          forbidden_token_ids=None, temperature=temperature, top_p=None, top_k=None, seed=jax.random.key(0),
+          beam_size=None))
+
+    cached = functools.lru_cache(4)(lambda key: key)
+    older, newer = state_tree(0.5), state_tree(0.6)
+    assert hash(older) == hash(newer) and older != newer
+    cached(older), cached(newer), cached(older)  # the older used again: the newer is evicted first
+
+    def traced(x):
+      for i in range(4):
+        cached(i)
+      return x
+
+    jax.jit(traced)(1.0)
+
+  evict_inside_a_trace(type(sampler._sampler).init_sample_state)
+  with pytest.raises(ValueError, match="metadata fields of pytree"):
+    evict_inside_a_trace(tunix_sampler_lib.Sampler.init_sample_state)
+
+
+@pytest.mark.engine
 def test_top_k_one_and_a_tiny_top_p_sample_the_greedy_completion_and_a_top_k_past_the_vocabulary_filters_nothing(
     sampler):
   """top_k=1 at temperature 1 keeps only the most likely id at every step, and so does a top_p smaller than any
