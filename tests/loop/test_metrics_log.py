@@ -213,6 +213,22 @@ def test_the_scalar_table_computes_each_name_from_the_record():
 
 
 @pytest.mark.spec
+def test_a_steps_scalars_are_one_event_and_a_step_without_any_writes_none(tmp_path):
+  """One summary of many values per step, as TensorBoard reads it (an event per scalar cost four times the host
+  time); the values and steps are the ones written, and the text goes in an event of its own."""
+  log = metrics_log.TensorBoardLog(tmp_path)
+  log.write(3, {"train/loss": 0.5, "timing/step_s": 0.25, "boundary/staged": 1.0})
+  log.write(4, {})
+  log.write(5, {"train/loss": 0.25})
+  log.write_text(5, "samples", "a sample")
+  log.close()
+  events = [e for path in event_files(tmp_path) for e in read_events(path) if e.HasField("summary")]
+  assert [(e.step, [v.tag for v in e.summary.value]) for e in events] == [
+      (3, ["train/loss", "timing/step_s", "boundary/staged"]), (5, ["train/loss"]), (5, ["samples/text_summary"])]
+  assert read_scalars(tmp_path)["train/loss"] == {3: 0.5, 5: 0.25}
+
+
+@pytest.mark.spec
 def test_an_moe_models_steps_add_dropped_tokens_and_reruns_and_a_dense_models_do_not():
   record = _record(dropped_tokens=[3, 0], reruns=1, rerun_micro_batches=[0])
   assert {k: v for k, v in metrics_log.scalars(record, moe=True).items() if k.startswith("moe/")} == {
