@@ -49,6 +49,21 @@ class ChunkedOutput:
   versions: list[np.ndarray]
 
 
+@dataclasses.dataclass(frozen=True)
+class PartialGeneration:
+  """A chunked generation before decode chunk ``next_chunk``, a chunk whose weights differ from the chunk before
+  it: per prompt, the completion ids sampled so far (``next_chunk`` chunks' worth), each one's log-prob, and
+  whether the row had ended (Tunix's ``done``); ``versions``: each of those tokens' weights version, the same for
+  every prompt. Such a chunk re-fills the cache from the tokens alone, so ``sample_in_chunks(resume_from=...)``
+  goes on from here as the uninterrupted generation did: what a checkpoint inside a generation carries."""
+
+  next_chunk: int
+  tokens: list[np.ndarray]
+  logprobs: list[np.ndarray]
+  done: list[bool]
+  versions: np.ndarray
+
+
 def flattened_weights(graphdef: Any, params: Any) -> list[Any]:
   """Weights as Tunix's sampler passes them to its compiled functions (``Sampler._flattened_transformer_state``):
   the model's variables, each a leaf."""
@@ -59,7 +74,9 @@ def sample_in_chunks(sampler, prompts: Sequence[str], *, max_generation_steps: i
                      chunk_tokens: int, weights_for_chunk: Callable[[int], tuple[int, Any]], seed: int,
                      temperature: float, top_p: float = 1.0, top_k: int | None = None,
                      forbidden_tokens: Sequence[Any] | None = None,
-                     eos_tokens: Sequence[int] | None = None) -> ChunkedOutput:
+                     eos_tokens: Sequence[int] | None = None,
+                     before_chunk: Callable[[int, Callable[[], PartialGeneration]], None] | None = None,
+                     resume_from: PartialGeneration | None = None) -> ChunkedOutput:
   """Samples one completion of each of ``prompts`` (already formatted), ``chunk_tokens`` tokens a chunk.
 
   Args:
@@ -71,6 +88,18 @@ def sample_in_chunks(sampler, prompts: Sequence[str], *, max_generation_steps: i
       meanwhile: the generation's state is this function's, never the sampler's). A chunk whose version differs
       from the chunk before it re-fills the cache with its weights.
     seed, temperature, top_p, top_k, forbidden_tokens, eos_tokens: as ``Sampler.__call__`` takes them.
+    before_chunk: called before each chunk from the second on (before ``weights_for_chunk``) with the chunk's
+      index and a function that returns the generation so far (``PartialGeneration``; it copies the buffers off
+      the device, so only when asked, and only while ``before_chunk`` runs). The generation so far is one a
+      resume can go on from only where that chunk's version differs from the chunk before it.
+    resume_from: go on from a ``PartialGeneration`` of this same call (prompts, sizes, seed, settings) rather than
+      from the prompts: its tokens, log-probs and versions are the output's first ones, and chunk
+      ``resume_from.next_chunk`` re-fills the cache with its own weights, which must differ from the last carried
+      token's version (else the uninterrupted generation kept its cache there, and the resume would not be it).
+
+  Raises:
+    ValueError: ``chunk_tokens`` below 1, a prompt longer than ``max_prompt_length``, or a ``resume_from`` that
+      does not fit this call or resumes where the weights do not change.
   """
   if chunk_tokens < 1:
     raise ValueError(f"chunk_tokens={chunk_tokens}: a chunk decodes at least one token")
@@ -91,17 +120,30 @@ def sample_in_chunks(sampler, prompts: Sequence[str], *, max_generation_steps: i
   prompt_tokens = state.num_input_tokens  # what the compiled decode was traced with: it must not change
   chunks = -(-max_generation_steps // chunk_tokens)
   versions = np.zeros(max_generation_steps, np.int64)
-  current = None
-  for chunk in range(chunks):
+  current, first = None, 0
+  if resume_from is not None:
+    first = resume_from.next_chunk
+    _check_resume(resume_from, rows=len(prompts), chunks=chunks, carried_tokens=min(first * chunk_tokens,
+                                                                                     max_generation_steps))
+    state = _carried(state, resume_from, max_prompt_length)
+    versions[:len(resume_from.versions)] = resume_from.versions
+    current = int(resume_from.versions[-1])
+  for chunk in range(first, chunks):
+    start = chunk * chunk_tokens  # the chunk's first completion token
+    if before_chunk is not None and chunk > 0:
+      before_chunk(chunk, lambda: _partial(state, chunk, start, max_prompt_length, versions))
     version, weights = weights_for_chunk(chunk)
     # weights_for_chunk may wait, and another caller may use the sampler meanwhile (an evaluation, whose call
     # sets its own eos ids): a re-fill's prefill compiled now must read this generation's
     sampler.eos_ids = eos_ids
-    start = chunk * chunk_tokens  # the chunk's first completion token
     if chunk == 0:
       state = sampler._compiled_prefill_fn(weights, state, None, echo=False)
     elif version != current:
       state = _refill(sampler, weights, state, max_prompt_length + start, prompt_tokens)
+    elif resume_from is not None and chunk == first:
+      raise ValueError(f"a generation resumed before chunk {chunk} goes on with version {version}, the version of"
+                       " its last carried token: the uninterrupted generation kept its cache there, which a"
+                       " resume does not have; carry a generation only where the weights change")
     current = version
     end = min(start + chunk_tokens, max_generation_steps)
     versions[start:end] = version
@@ -116,6 +158,47 @@ def sample_in_chunks(sampler, prompts: Sequence[str], *, max_generation_steps: i
   logprobs = np.asarray(jax.device_get(state.logprobs_buffer))[:, max_prompt_length:total]
   return ChunkedOutput([row.astype(np.int32) for row in buffer], [row.astype(np.float32) for row in logprobs],
                        [versions.copy() for _ in prompts])
+
+
+def _partial(state, next_chunk: int, start: int, max_prompt_length: int, versions: np.ndarray) -> PartialGeneration:
+  """The generation in ``state`` before chunk ``next_chunk``, whose first completion token is ``start``."""
+  span = slice(max_prompt_length, max_prompt_length + start)
+  tokens = np.asarray(jax.device_get(state.token_buffer))[:, span]
+  logprobs = np.asarray(jax.device_get(state.logprobs_buffer))[:, span]
+  done = np.asarray(jax.device_get(state.done)).tolist()
+  return PartialGeneration(next_chunk=next_chunk, tokens=[row.copy() for row in tokens],
+                           logprobs=[row.copy() for row in logprobs], done=[bool(d) for d in done],
+                           versions=versions[:start].copy())
+
+
+def _check_resume(partial: PartialGeneration, *, rows: int, chunks: int, carried_tokens: int) -> None:
+  """Refuses a ``PartialGeneration`` that is not one of this call's (``sample_in_chunks``'s ``resume_from``)."""
+  if not 0 < partial.next_chunk < chunks:
+    raise ValueError(f"a generation carried before chunk {partial.next_chunk} does not resume a call of {chunks}"
+                     " decode chunks: the first chunk starts from the prompts, and past the last there is nothing"
+                     " left to sample")
+  shapes = {len(partial.tokens), len(partial.logprobs), len(partial.done)}
+  lengths = {len(row) for row in (*partial.tokens, *partial.logprobs)} | {len(partial.versions)}
+  if shapes != {rows} or lengths != {carried_tokens}:
+    raise ValueError(f"a generation carried before chunk {partial.next_chunk} holds {sorted(shapes)} rows of"
+                     f" {sorted(lengths)} tokens; this call has {rows} prompts with {carried_tokens} tokens before"
+                     " that chunk: resume it with the call that carried it")
+
+
+def _carried(state, partial: PartialGeneration, max_prompt_length: int):
+  """``state`` (fresh from the prompts) with ``partial``'s tokens, log-probs and ends, and the decode bound the
+  chunk before it left, as the uninterrupted generation's state was before ``partial.next_chunk``."""
+  end = max_prompt_length + len(partial.versions)
+  tokens = np.asarray(jax.device_get(state.token_buffer)).copy()
+  logprobs = np.asarray(jax.device_get(state.logprobs_buffer)).copy()
+  tokens[:, max_prompt_length:end] = np.stack(partial.tokens)
+  logprobs[:, max_prompt_length:end] = np.stack(partial.logprobs)
+  put = lambda value, like: jax.device_put(value.astype(like.dtype), like.sharding)
+  # the bound made from the state's own leaf (its dtype and weak type), as the chunk before left it
+  bound = state.total_sampling_steps - state.total_sampling_steps + end - 1
+  return dataclasses.replace(state, token_buffer=put(tokens, state.token_buffer),
+                             logprobs_buffer=put(logprobs, state.logprobs_buffer),
+                             done=put(np.asarray(partial.done), state.done), total_sampling_steps=bound)
 
 
 def _refill(sampler, weights, state, prefix_tokens: int, prompt_tokens) -> Any:

@@ -1,7 +1,8 @@
 """A generation in decode chunks (``live.chunked_sampling``): on one version it draws exactly what one call of
 Tunix's sampler draws; across a version switch the tokens before it are the old weights' and every token after
 it, with its log-prob, is the new weights' given the whole prefix (a forward pass of them agrees, the old
-weights' does not); each token records its version."""
+weights' does not); each token records its version; a generation carried where the weights change resumes to the
+uninterrupted one, bit for bit."""
 
 from __future__ import annotations
 
@@ -125,3 +126,49 @@ def test_the_live_samplers_chunked_call_on_one_version_samples_what_its_whole_ca
   assert switched.weights_version == 0 and sampler.weights_version == 0  # the sampler's own weights untouched
   assert all(v.tolist() == [0] * CHUNK_TOKENS + [1] * (len(v) - CHUNK_TOKENS) for v in switched.versions)
   assert any(not np.array_equal(s, w) for s, w in zip(switched.completion_ids, whole.completion_ids))
+
+
+def _resumable(sampler, weights_by_chunk, **kwargs):
+  """``_chunked`` with ``sample_in_chunks``'s other arguments (``before_chunk``, ``resume_from``)."""
+  from orchestrator.live import chunked_sampling
+  from orchestrator.live.sampler import NEVER_SAMPLED
+
+  flat = {v: chunked_sampling.flattened_weights(sampler._graphdef, w) for v, w in dict(weights_by_chunk).items()}
+  return chunked_sampling.sample_in_chunks(
+      sampler._sampler, PROMPTS, max_generation_steps=COMPLETION_TOKENS, max_prompt_length=PROMPT_TOKENS,
+      chunk_tokens=CHUNK_TOKENS, weights_for_chunk=lambda g: (weights_by_chunk[g][0], flat[weights_by_chunk[g][0]]),
+      seed=SEED, temperature=1.0, top_p=1.0, forbidden_tokens=sampler._forbidden, eos_tokens=[NEVER_SAMPLED],
+      **kwargs)
+
+
+def test_a_generation_carried_where_the_weights_change_resumes_to_the_uninterrupted_one(sampler, other_weights):
+  """What a checkpoint inside a generation carries: the tokens, log-probs and versions before a chunk whose weights
+  differ from the chunk before. Resumed from them, the generation ends with the uninterrupted one's tokens and
+  log-probs, bit for bit, and its versions. Negative controls: one carried token changed changes what follows
+  (the resume samples from the carried tokens, not from anything the sampler kept), and a resume where the
+  weights do not change is refused (the uninterrupted generation kept its cache there)."""
+  import dataclasses
+
+  from orchestrator.live.chunked_sampling import PartialGeneration
+
+  versions = [(0, sampler._params), (0, sampler._params), (1, other_weights)]
+  carried: dict[int, PartialGeneration] = {}
+  whole = _resumable(sampler, versions, before_chunk=lambda chunk, partial: carried.setdefault(chunk, partial()))
+  assert sorted(carried) == [1, 2] and carried[2].versions.tolist() == [0] * 2 * CHUNK_TOKENS
+  resumed = _resumable(sampler, versions, resume_from=carried[2])
+  for row in range(len(PROMPTS)):
+    np.testing.assert_array_equal(resumed.tokens[row], whole.tokens[row])
+    np.testing.assert_array_equal(resumed.logprobs[row], whole.logprobs[row])
+    assert resumed.versions[row].tolist() == [0] * 2 * CHUNK_TOKENS + [1] * (COMPLETION_TOKENS - 2 * CHUNK_TOKENS)
+    np.testing.assert_array_equal(carried[2].tokens[row], whole.tokens[row][:2 * CHUNK_TOKENS])
+
+  vocabulary = sorted({int(t) for row in whole.tokens for t in row})
+  changed = [row.copy() for row in carried[2].tokens]
+  changed[0][-1] = next(t for t in vocabulary if t != changed[0][-1])
+  other = _resumable(sampler, versions, resume_from=dataclasses.replace(carried[2], tokens=changed))
+  assert not np.array_equal(other.logprobs[0][2 * CHUNK_TOKENS:], whole.logprobs[0][2 * CHUNK_TOKENS:])
+
+  with pytest.raises(ValueError, match="only where the weights change"):
+    _resumable(sampler, versions, resume_from=carried[1])
+  with pytest.raises(ValueError, match="resume it with the call that carried it"):
+    _resumable(sampler, versions, resume_from=dataclasses.replace(carried[2], done=carried[2].done[:1]))
