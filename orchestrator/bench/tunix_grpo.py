@@ -176,6 +176,22 @@ def _cluster_config(toy: Toy, actor_mesh, rollout_mesh):
           seed=toy.seed))
 
 
+def keep_static_fields_plain(rollout) -> None:
+  """Makes the sampling states of Tunix's vanilla rollout keep their prompt length as an int, as the live
+  sampler's do (``live.tunix_sampler`` says why: a long process that samples and compiles, as a test process
+  running both arms does, would otherwise meet JAX comparing two Arrays inside a trace). The same sampler object
+  otherwise; it changes no value sampled."""
+  from orchestrator.live.tunix_sampler import with_plain_static_fields  # import here: it brings Tunix, as the caller
+
+  sampler = rollout._sampler  # pylint: disable=protected-access  # the vanilla rollout's own
+
+  class PlainStaticFieldsSampler(type(sampler)):
+    def init_sample_state(self, *args, **kwargs):
+      return with_plain_static_fields(super().init_sample_state(*args, **kwargs))
+
+  sampler.__class__ = PlainStaticFieldsSampler
+
+
 def sample_only(rollout, allowed_ids: list[int], vocab_size: int) -> None:
   """Makes every call Tunix's vanilla rollout makes to its sampler forbid all ids but ``allowed_ids``.
 
@@ -183,9 +199,7 @@ def sample_only(rollout, allowed_ids: list[int], vocab_size: int) -> None:
   in each call, and the vanilla rollout calls it with the config's settings alone. So the rollout's sampler
   becomes an instance of a subclass whose call adds them (the same object otherwise: its weights, which the
   trainer shares, and its compiled programs). The ids go as one array in a one-element list, as the live
-  sampler passes them (``live.sampler.LiveSampler``), so both arms sample through the same programs. Its
-  sampling states keep their prompt length as an int, as the live sampler's do (``live.tunix_sampler`` says
-  why): a process that runs both arms would otherwise meet JAX's comparison of two Arrays inside a trace.
+  sampler passes them (``live.sampler.LiveSampler``), so both arms sample through the same programs.
   """
   import numpy as np  # import here: numpy's threads start after the host settings, in the child (see main)
 
@@ -197,11 +211,6 @@ def sample_only(rollout, allowed_ids: list[int], vocab_size: int) -> None:
   class AllowedIdsSampler(type(sampler)):
     def __call__(self, *args, **kwargs):
       return stock_call(self, *args, forbidden_tokens=forbidden, **kwargs)
-
-    def init_sample_state(self, *args, **kwargs):
-      # import here: it brings Tunix, which a sampling call has loaded already and this function's caller need not
-      from orchestrator.live.tunix_sampler import with_plain_static_fields
-      return with_plain_static_fields(super().init_sample_state(*args, **kwargs))
 
   sampler.__class__ = AllowedIdsSampler
 
@@ -253,6 +262,7 @@ def build_learner(toy: Toy):
   task = tasks_lib.make_task(toy.task)
   cluster = rlc.RLCluster(actor=nnx.merge(graphdefs["dropless"], placed), tokenizer=tokenizer,
                           cluster_config=_cluster_config(toy, actor_mesh, rollout_mesh))
+  keep_static_fields_plain(cluster.rollout)
   if toy.sampled == "answer":
     sample_only(cluster.rollout, toy_sampled_ids(toy), vocab_size)
   algo_config = grpo_learner.GRPOConfig(num_generations=toy.generations, num_iterations=toy.num_iterations,

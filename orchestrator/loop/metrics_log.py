@@ -6,9 +6,10 @@ program's ``on_step`` callable: it writes one step's scalars, at the global
 step number, when that step's record is finished — in the pipelined modes
 after step k+1's first micro-batch is dispatched, so the writes run while the
 device computes. A step's scalars are one event (one summary of many values,
-as TensorBoard reads them): tensorboardX's ``add_scalar`` made an event per
-scalar, four times the host time for the default recipe's 30. The events go
-to tensorboardX's ``FileWriter``, whose own thread does the file I/O.
+as TensorBoard reads them), not an event per scalar as tensorboardX's
+``add_scalar`` makes them, which took most of a millisecond of the step's host
+time for the default recipe's 30 (docs/benchmarks.md). The events go to
+tensorboardX's ``FileWriter``, whose own thread does the file I/O.
 
 TensorBoard is written through tensorboardX directly, not
 through Tunix's ``MetricsLogger``: that logger routes every scalar through

@@ -544,8 +544,9 @@ def test_a_completion_is_cut_after_its_first_eos_and_each_prompt_gets_its_own_id
 def test_an_lru_cache_evicting_sampling_states_inside_a_trace_compares_them_as_values(sampler):
   """Two sampling states of one shape under different temperatures: their trees share a hash (the metadata is
   left out of it), so a ``functools.lru_cache`` evicting the newer key compares it with the older, here while
-  another function is traced, as JAX's caches do on any insertion. The live sampler's states compare as values.
-  The negative control: Tunix's own state, whose prompt length is an Array, fails that trace with the error
+  another function is traced, as JAX's caches do on any insertion. The live sampler's states compare as values,
+  and so do those of the stock Tunix bench arm's sampler (``bench.tunix_grpo.keep_static_fields_plain``). The
+  negative control: Tunix's own state, whose prompt length is an Array, fails that trace with the error
   ``live.tunix_sampler`` describes."""
   import functools
 
@@ -553,12 +554,13 @@ def test_an_lru_cache_evicting_sampling_states_inside_a_trace_compares_them_as_v
   import jax.numpy as jnp
   from tunix.generate import sampler as tunix_sampler_lib
 
+  from orchestrator.bench import tunix_grpo
+
   def evict_inside_a_trace(init_sample_state) -> None:
     def state_tree(temperature: float):
       return jax.tree.structure(init_sample_state(
-          sampler._sampler, jnp.ones((2, 4), jnp.int32), total_sampling_steps=8, include_logits=False,
-          forbidden_token_ids=None, temperature=temperature, top_p=None, top_k=None, seed=jax.random.key(0),
-          beam_size=None))
+          jnp.ones((2, 4), jnp.int32), total_sampling_steps=8, include_logits=False, forbidden_token_ids=None,
+          temperature=temperature, top_p=None, top_k=None, seed=jax.random.key(0), beam_size=None))
 
     cached = functools.lru_cache(4)(lambda key: key)
     older, newer = state_tree(0.5), state_tree(0.6)
@@ -572,9 +574,13 @@ def test_an_lru_cache_evicting_sampling_states_inside_a_trace_compares_them_as_v
 
     jax.jit(traced)(1.0)
 
-  evict_inside_a_trace(type(sampler._sampler).init_sample_state)
+  evict_inside_a_trace(sampler._sampler.init_sample_state)
+  own = sampler._sampler
+  stock = tunix_sampler_lib.Sampler(own.transformer, own.tokenizer, own.cache_config)
+  tunix_grpo.keep_static_fields_plain(types.SimpleNamespace(_sampler=stock))
+  evict_inside_a_trace(stock.init_sample_state)
   with pytest.raises(ValueError, match="metadata fields of pytree"):
-    evict_inside_a_trace(tunix_sampler_lib.Sampler.init_sample_state)
+    evict_inside_a_trace(functools.partial(tunix_sampler_lib.Sampler.init_sample_state, own))
 
 
 @pytest.mark.engine

@@ -214,8 +214,8 @@ def test_the_scalar_table_computes_each_name_from_the_record():
 
 @pytest.mark.spec
 def test_a_steps_scalars_are_one_event_and_a_step_without_any_writes_none(tmp_path):
-  """One summary of many values per step, as TensorBoard reads it (an event per scalar cost four times the host
-  time); the values and steps are the ones written, and the text goes in an event of its own."""
+  """One summary of many values per step, as TensorBoard reads it (an event per scalar cost most of a millisecond
+  of host time a step); the values and steps are the ones written, and the text goes in an event of its own."""
   log = metrics_log.TensorBoardLog(tmp_path)
   log.write(3, {"train/loss": 0.5, "timing/step_s": 0.25, "boundary/staged": 1.0})
   log.write(4, {})
