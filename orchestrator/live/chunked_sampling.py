@@ -26,6 +26,7 @@ This uses Tunix 0.1.7's private sampling functions (``init_sample_state``,
 from __future__ import annotations
 
 import dataclasses
+import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -62,6 +63,22 @@ class PartialGeneration:
   logprobs: list[np.ndarray]
   done: list[bool]
   versions: np.ndarray
+  #: The call it is part of (``call_settings``): a resume by any other call is refused.
+  call: dict[str, Any]
+
+
+def call_settings(prompts: Sequence[str], *, max_generation_steps: int, max_prompt_length: int, chunk_tokens: int,
+                  seed: int, temperature: float, top_p: float | None, top_k: int | None,
+                  forbidden_tokens: Sequence[Any] | None, eos_tokens: Sequence[int] | None) -> dict[str, Any]:
+  """What makes one chunked generation that generation (a ``PartialGeneration``'s ``call``): every argument of
+  ``sample_in_chunks`` that decides what it samples, as plain values (the forbidden ids by their CRC-32)."""
+  forbidden = (np.concatenate([np.asarray(ids, np.int64).ravel() for ids in forbidden_tokens])
+               if forbidden_tokens else np.zeros(0, np.int64))
+  return {"prompts": list(prompts), "max_generation_steps": int(max_generation_steps),
+          "max_prompt_length": int(max_prompt_length), "chunk_tokens": int(chunk_tokens), "seed": int(seed),
+          "temperature": float(temperature), "top_p": None if top_p is None else float(top_p),
+          "top_k": None if top_k is None else int(top_k), "forbidden_tokens_crc32": zlib.crc32(forbidden.tobytes()),
+          "eos_tokens": None if eos_tokens is None else [int(t) for t in eos_tokens]}
 
 
 def flattened_weights(graphdef: Any, params: Any) -> list[Any]:
@@ -113,6 +130,9 @@ def sample_in_chunks(sampler, prompts: Sequence[str], *, max_generation_steps: i
   input_ids = np.array([tunix_utils.pad_to_length(t, target_length=max_prompt_length, pad_value=pad, left=True)
                         for t in tokens])
   total = max_prompt_length + max_generation_steps
+  call = call_settings(prompts, max_generation_steps=max_generation_steps, max_prompt_length=max_prompt_length,
+                       chunk_tokens=chunk_tokens, seed=seed, temperature=temperature, top_p=top_p, top_k=top_k,
+                       forbidden_tokens=forbidden_tokens, eos_tokens=eos_tokens)
   state = tunix_sampler.with_plain_static_fields(sampler.init_sample_state(
       jnp.array(input_ids), include_logits=False, total_sampling_steps=total,
       forbidden_token_ids=tuple(forbidden_tokens) if forbidden_tokens else None, temperature=temperature,
@@ -123,15 +143,14 @@ def sample_in_chunks(sampler, prompts: Sequence[str], *, max_generation_steps: i
   current, first = None, 0
   if resume_from is not None:
     first = resume_from.next_chunk
-    _check_resume(resume_from, rows=len(prompts), chunks=chunks, carried_tokens=min(first * chunk_tokens,
-                                                                                     max_generation_steps))
+    _check_resume(resume_from, call, chunks=chunks)
     state = _carried(state, resume_from, max_prompt_length)
     versions[:len(resume_from.versions)] = resume_from.versions
     current = int(resume_from.versions[-1])
   for chunk in range(first, chunks):
     start = chunk * chunk_tokens  # the chunk's first completion token
     if before_chunk is not None and chunk > 0:
-      before_chunk(chunk, lambda: _partial(state, chunk, start, max_prompt_length, versions))
+      before_chunk(chunk, lambda: _partial(state, chunk, start, versions, call))
     version, weights = weights_for_chunk(chunk)
     # weights_for_chunk may wait, and another caller may use the sampler meanwhile (an evaluation, whose call
     # sets its own eos ids): a re-fill's prefill compiled now must read this generation's
@@ -160,23 +179,29 @@ def sample_in_chunks(sampler, prompts: Sequence[str], *, max_generation_steps: i
                        [versions.copy() for _ in prompts])
 
 
-def _partial(state, next_chunk: int, start: int, max_prompt_length: int, versions: np.ndarray) -> PartialGeneration:
+def _partial(state, next_chunk: int, start: int, versions: np.ndarray, call: dict[str, Any]) -> PartialGeneration:
   """The generation in ``state`` before chunk ``next_chunk``, whose first completion token is ``start``."""
-  span = slice(max_prompt_length, max_prompt_length + start)
+  span = slice(call["max_prompt_length"], call["max_prompt_length"] + start)
   tokens = np.asarray(jax.device_get(state.token_buffer))[:, span]
   logprobs = np.asarray(jax.device_get(state.logprobs_buffer))[:, span]
   done = np.asarray(jax.device_get(state.done)).tolist()
   return PartialGeneration(next_chunk=next_chunk, tokens=[row.copy() for row in tokens],
                            logprobs=[row.copy() for row in logprobs], done=[bool(d) for d in done],
-                           versions=versions[:start].copy())
+                           versions=versions[:start].copy(), call=dict(call))
 
 
-def _check_resume(partial: PartialGeneration, *, rows: int, chunks: int, carried_tokens: int) -> None:
+def _check_resume(partial: PartialGeneration, call: dict[str, Any], *, chunks: int) -> None:
   """Refuses a ``PartialGeneration`` that is not one of this call's (``sample_in_chunks``'s ``resume_from``)."""
+  for key, value in call.items():
+    if partial.call.get(key) != value:
+      shown = (lambda v: f"{len(v)} prompts" if isinstance(v, list) and key == "prompts" else repr(v))
+      raise ValueError(f"a generation carried with {key}={shown(partial.call.get(key))} does not resume a call with"
+                       f" {key}={shown(value)}: resume it with the call that carried it")
   if not 0 < partial.next_chunk < chunks:
     raise ValueError(f"a generation carried before chunk {partial.next_chunk} does not resume a call of {chunks}"
                      " decode chunks: the first chunk starts from the prompts, and past the last there is nothing"
                      " left to sample")
+  rows, carried_tokens = len(call["prompts"]), partial.next_chunk * call["chunk_tokens"]
   shapes = {len(partial.tokens), len(partial.logprobs), len(partial.done)}
   lengths = {len(row) for row in (*partial.tokens, *partial.logprobs)} | {len(partial.versions)}
   if shapes != {rows} or lengths != {carried_tokens}:
@@ -186,19 +211,18 @@ def _check_resume(partial: PartialGeneration, *, rows: int, chunks: int, carried
 
 
 def _carried(state, partial: PartialGeneration, max_prompt_length: int):
-  """``state`` (fresh from the prompts) with ``partial``'s tokens, log-probs and ends, and the decode bound the
-  chunk before it left, as the uninterrupted generation's state was before ``partial.next_chunk``."""
+  """``state`` (fresh from the prompts) with ``partial``'s tokens, log-probs and ends: the uninterrupted
+  generation's state before ``partial.next_chunk`` in everything its re-fill reads (the cache and decoding step
+  are the re-fill's own)."""
   end = max_prompt_length + len(partial.versions)
   tokens = np.asarray(jax.device_get(state.token_buffer)).copy()
   logprobs = np.asarray(jax.device_get(state.logprobs_buffer)).copy()
   tokens[:, max_prompt_length:end] = np.stack(partial.tokens)
   logprobs[:, max_prompt_length:end] = np.stack(partial.logprobs)
   put = lambda value, like: jax.device_put(value.astype(like.dtype), like.sharding)
-  # the bound made from the state's own leaf (its dtype and weak type), as the chunk before left it
-  bound = state.total_sampling_steps - state.total_sampling_steps + end - 1
   return dataclasses.replace(state, token_buffer=put(tokens, state.token_buffer),
                              logprobs_buffer=put(logprobs, state.logprobs_buffer),
-                             done=put(np.asarray(partial.done), state.done), total_sampling_steps=bound)
+                             done=put(np.asarray(partial.done), state.done))
 
 
 def _refill(sampler, weights, state, prefix_tokens: int, prompt_tokens) -> Any:

@@ -128,17 +128,20 @@ def test_the_live_samplers_chunked_call_on_one_version_samples_what_its_whole_ca
   assert any(not np.array_equal(s, w) for s, w in zip(switched.completion_ids, whole.completion_ids))
 
 
-def _resumable(sampler, weights_by_chunk, **kwargs):
-  """``_chunked`` with ``sample_in_chunks``'s other arguments (``before_chunk``, ``resume_from``)."""
+def _resumable(sampler, weights_by_chunk, *, eos: list[int] | None = None, seed: int = SEED, tunix=None,
+               **kwargs):
+  """``_chunked`` with ``sample_in_chunks``'s other arguments (``before_chunk``, ``resume_from``), eos ids
+  (None: one never sampled), a seed, and another Tunix sampler over the same model (``tunix``; None: the live
+  sampler's own)."""
   from orchestrator.live import chunked_sampling
   from orchestrator.live.sampler import NEVER_SAMPLED
 
   flat = {v: chunked_sampling.flattened_weights(sampler._graphdef, w) for v, w in dict(weights_by_chunk).items()}
   return chunked_sampling.sample_in_chunks(
-      sampler._sampler, PROMPTS, max_generation_steps=COMPLETION_TOKENS, max_prompt_length=PROMPT_TOKENS,
+      tunix or sampler._sampler, PROMPTS, max_generation_steps=COMPLETION_TOKENS, max_prompt_length=PROMPT_TOKENS,
       chunk_tokens=CHUNK_TOKENS, weights_for_chunk=lambda g: (weights_by_chunk[g][0], flat[weights_by_chunk[g][0]]),
-      seed=SEED, temperature=1.0, top_p=1.0, forbidden_tokens=sampler._forbidden, eos_tokens=[NEVER_SAMPLED],
-      **kwargs)
+      seed=seed, temperature=1.0, top_p=1.0, forbidden_tokens=sampler._forbidden,
+      eos_tokens=[NEVER_SAMPLED] if eos is None else eos, **kwargs)
 
 
 def test_a_generation_carried_where_the_weights_change_resumes_to_the_uninterrupted_one(sampler, other_weights):
@@ -172,3 +175,33 @@ def test_a_generation_carried_where_the_weights_change_resumes_to_the_uninterrup
     _resumable(sampler, versions, resume_from=carried[1])
   with pytest.raises(ValueError, match="resume it with the call that carried it"):
     _resumable(sampler, versions, resume_from=dataclasses.replace(carried[2], done=carried[2].done[:1]))
+  with pytest.raises(ValueError, match=f"carried with seed={SEED} does not resume a call with seed={SEED + 1}"):
+    _resumable(sampler, versions, resume_from=carried[2], seed=SEED + 1)
+
+
+def test_a_generation_whose_rows_all_ended_before_the_carry_stays_ended_on_resume(sampler, other_weights):
+  """Every row's eos before the carried chunk: carried as ended (Tunix's ``done``), the resume stops decoding as
+  the uninterrupted generation did (Tunix decodes while any row has not ended). Negative control: the same tokens
+  carried as not ended sample on."""
+  import dataclasses
+
+  from orchestrator.live import tunix_sampler
+  from orchestrator.live.chunked_sampling import PartialGeneration
+
+  versions = [(0, sampler._params), (0, sampler._params), (1, other_weights)]
+  # each row's second token is an eos in the runs below (Tunix takes a list of eos ids)
+  eos = sorted({int(row[1]) for row in _resumable(sampler, versions).tokens})
+  # Tunix reads its eos ids when it first compiles: a sampler of its own compiles with these
+  own = sampler._sampler
+  ending = tunix_sampler.Sampler(own.transformer, own.tokenizer, own.cache_config)
+  carried: dict[int, PartialGeneration] = {}
+  whole = _resumable(sampler, versions, eos=eos, tunix=ending,
+                     before_chunk=lambda c, partial: carried.setdefault(c, partial()))
+  assert all(carried[2].done)
+  resumed = _resumable(sampler, versions, eos=eos, tunix=ending, resume_from=carried[2])
+  for row in range(len(PROMPTS)):
+    np.testing.assert_array_equal(resumed.tokens[row], whole.tokens[row])
+    np.testing.assert_array_equal(resumed.logprobs[row], whole.logprobs[row])
+  reopened = _resumable(sampler, versions, eos=eos, tunix=ending,
+                        resume_from=dataclasses.replace(carried[2], done=[False] * len(PROMPTS)))
+  assert any(not np.array_equal(r, w) for r, w in zip(reopened.tokens, whole.tokens))
