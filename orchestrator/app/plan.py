@@ -108,12 +108,6 @@ def plan_resume(path: Path, steps: int | None, from_checkpoint: int | None = Non
         path / run_dir.CONFIG)
   segs = tuple(run_dir.segments(path, config))
   resolved = resolved_from_saved(config, steps, saved_steps=segs[-1].steps)
-  if resolved.recipe.rollouts.source == "sampler" and resolved.recipe.rollouts.in_flight_updates:
-    # Its checkpoints carry no generation part-sampled at their position (the loop cannot carry one yet), and a
-    # resume or an extension needs one: sampling it again would take weights the run no longer holds.
-    raise RunDirError(f"--resume {path}: the run samples with rollouts.in_flight_updates=true, whose checkpoints"
-                      " do not carry the generation under way at their step, so it cannot be resumed or extended"
-                      " yet; export its final weights (run_rl export), or start a new run")
   changed = inputs.changed(config.get("inputs"), resolved.recipe) or _derived_otherwise(config, resolved.recipe)
   if changed:
     raise RunDirError(f"--resume {path}: {changed[0]}; a resume reads what the run read (its prompts, tokenizer"

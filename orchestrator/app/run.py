@@ -139,13 +139,9 @@ class RunHandle:
   def stop_keeps(self) -> str:
     """What a stop now would end with (``signals.STOP_KEEPS``' keys): a checkpoint to resume from ("kept": a
     finished step of an engine that writes them, or the checkpoint a resumed run started from), one once the
-    first step finishes, or none (an engine that writes no checkpoints; a live source whose position after the
-    step in flight falls inside a generation, ``LiveRollouts.checkpoint_problem``: in-flight updates)."""
+    first step finishes, or none (an engine that writes no checkpoints)."""
     if not self.program.worker.capabilities.can_checkpoint:
       return "none"
-    inside = getattr(self.program.live, "checkpoint_problem", None)  # only a source with in-flight updates says so
-    if inside is not None and inside(self.program.steps_done + 1) is not None:
-      return "inside a generation"
     return "kept" if self.program.steps_done else "after the first step"
 
   def close(self):

@@ -43,9 +43,6 @@ STOP_KEEPS = {
     "after the first step": ("stopping after the first step if it finishes (checkpointed); a stop while it waits"
                              " for its rollouts ends with nothing to resume"),
     "none": "stopping after the step in flight; this engine writes no checkpoints, so nothing can be resumed",
-    "inside a generation": ("stopping after the step in flight, without a checkpoint: its position falls inside a"
-                            " generation sampled ahead (rollouts.in_flight_updates), which a checkpoint cannot carry"
-                            " yet, so nothing can be resumed"),
 }
 #: The stop signals whoever started run_rl set to be ignored (read as start-up begins: ``startup_interrupts``).
 _ignored_at_start: set[signal.Signals] = set()

@@ -66,6 +66,27 @@ class PartialGeneration:
   #: The call it is part of (``call_settings``): a resume by any other call is refused.
   call: dict[str, Any]
 
+  def to_json(self) -> dict[str, Any]:
+    """As JSON (a checkpoint's metadata): every value exactly (log-probs are float32, which a JSON float holds)."""
+    return {"next_chunk": self.next_chunk, "tokens": [row.tolist() for row in self.tokens],
+            "logprobs": [[float(x) for x in row] for row in self.logprobs], "done": list(self.done),
+            "versions": self.versions.tolist(), "call": dict(self.call)}
+
+  @classmethod
+  def from_json(cls, data: dict[str, Any]) -> "PartialGeneration":
+    """``to_json``'s output back.
+
+    Raises:
+      ValueError: a field is missing or of the wrong kind (a damaged or foreign checkpoint).
+    """
+    try:
+      return cls(next_chunk=int(data["next_chunk"]), tokens=[np.asarray(row, np.int32) for row in data["tokens"]],
+                 logprobs=[np.asarray(row, np.float32) for row in data["logprobs"]],
+                 done=[bool(d) for d in data["done"]], versions=np.asarray(data["versions"], np.int64),
+                 call=dict(data["call"]))
+    except (KeyError, TypeError, ValueError) as e:
+      raise ValueError(f"a carried generation that does not read as one ({type(e).__name__}: {e})") from None
+
 
 def call_settings(prompts: Sequence[str], *, max_generation_steps: int, max_prompt_length: int, chunk_tokens: int,
                   seed: int, temperature: float, top_p: float | None, top_k: int | None,
@@ -122,21 +143,11 @@ def sample_in_chunks(sampler, prompts: Sequence[str], *, max_generation_steps: i
     raise ValueError(f"chunk_tokens={chunk_tokens}: a chunk decodes at least one token")
   eos_ids = jnp.array(eos_tokens or [sampler.tokenizer.eos_id()])
   sampler.eos_ids = eos_ids
-  tokens = [sampler.tokenize(p) for p in prompts]
-  if max(len(t) for t in tokens) > max_prompt_length:
-    raise ValueError(f"a prompt of {max(len(t) for t in tokens)} tokens is longer than max_prompt_length="
-                     f"{max_prompt_length}")
-  pad = sampler.tokenizer.pad_id()
-  input_ids = np.array([tunix_utils.pad_to_length(t, target_length=max_prompt_length, pad_value=pad, left=True)
-                        for t in tokens])
   total = max_prompt_length + max_generation_steps
   call = call_settings(prompts, max_generation_steps=max_generation_steps, max_prompt_length=max_prompt_length,
                        chunk_tokens=chunk_tokens, seed=seed, temperature=temperature, top_p=top_p, top_k=top_k,
                        forbidden_tokens=forbidden_tokens, eos_tokens=eos_tokens)
-  state = tunix_sampler.with_plain_static_fields(sampler.init_sample_state(
-      jnp.array(input_ids), include_logits=False, total_sampling_steps=total,
-      forbidden_token_ids=tuple(forbidden_tokens) if forbidden_tokens else None, temperature=temperature,
-      top_p=top_p, top_k=top_k, seed=jax.random.PRNGKey(seed), beam_size=None, include_logprobs=True))
+  state = _initial_state(sampler, call, forbidden_tokens)
   prompt_tokens = state.num_input_tokens  # what the compiled decode was traced with: it must not change
   chunks = -(-max_generation_steps // chunk_tokens)
   versions = np.zeros(max_generation_steps, np.int64)
@@ -177,6 +188,24 @@ def sample_in_chunks(sampler, prompts: Sequence[str], *, max_generation_steps: i
   logprobs = np.asarray(jax.device_get(state.logprobs_buffer))[:, max_prompt_length:total]
   return ChunkedOutput([row.astype(np.int32) for row in buffer], [row.astype(np.float32) for row in logprobs],
                        [versions.copy() for _ in prompts])
+
+
+def _initial_state(sampler, call: dict[str, Any], forbidden_tokens: Sequence[Any] | None):
+  """The sampling state of ``call`` (``call_settings``'s) before its first chunk: its prompts tokenised and padded
+  on the left, as Tunix's own call starts."""
+  tokens = [sampler.tokenize(p) for p in call["prompts"]]
+  max_prompt_length = call["max_prompt_length"]
+  if max(len(t) for t in tokens) > max_prompt_length:
+    raise ValueError(f"a prompt of {max(len(t) for t in tokens)} tokens is longer than max_prompt_length="
+                     f"{max_prompt_length}")
+  pad = sampler.tokenizer.pad_id()
+  input_ids = np.array([tunix_utils.pad_to_length(t, target_length=max_prompt_length, pad_value=pad, left=True)
+                        for t in tokens])
+  return tunix_sampler.with_plain_static_fields(sampler.init_sample_state(
+      jnp.array(input_ids), include_logits=False, total_sampling_steps=max_prompt_length + call["max_generation_steps"],
+      forbidden_token_ids=tuple(forbidden_tokens) if forbidden_tokens else None, temperature=call["temperature"],
+      top_p=call["top_p"], top_k=call["top_k"], seed=jax.random.PRNGKey(call["seed"]), beam_size=None,
+      include_logprobs=True))
 
 
 def _partial(state, next_chunk: int, start: int, versions: np.ndarray, call: dict[str, Any]) -> PartialGeneration:

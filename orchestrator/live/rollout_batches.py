@@ -225,6 +225,14 @@ class BatchRollouts:
     self.sampled_tokens.append(int(tokens))
     self.sampling_s.append(float(seconds))
 
+  def first(self, count: int) -> "BatchRollouts":
+    """This batch's first ``count`` micro-batches, with what sampling each measured."""
+    return dataclasses.replace(
+        self, payloads=self.payloads[:count], rewards=self.rewards[:count], correct=self.correct[:count],
+        sampled_tokens=self.sampled_tokens[:count], sampling_s=self.sampling_s[:count],
+        truncated=None if self.truncated is None else self.truncated[:count],
+        sync_wait_s=None if self.sync_wait_s is None else self.sync_wait_s[:count])
+
   def stats(self, schedule: BatchSchedule, step: int, micro_batch_wait_s: float = 0.0) -> RolloutStats:
     """What ``step`` trains on: its mini-batch's rewards and accuracy, the sampling rate of the micro-batches
     they were sampled in, and how far behind ``step`` the weights that sampled them are."""
@@ -349,15 +357,25 @@ class SampledBatches:
     rollouts = self.batches.get(batch)
     return rollouts.payloads if rollouts is not None else []
 
-  def carried(self, position: int, batches: list[int], run_batches: int) -> list[BatchRollouts]:
+  def carried(self, position: int, batches: list[int], run_batches: int,
+              part: tuple[int, int, int] | None = None) -> list[BatchRollouts]:
     """The complete ``batches`` a position before step ``position`` carries; past the run's ``run_batches``
-    as far as they are sampled.
+    as far as they are sampled. ``part``: (batch, micro-batches, its version) of the one batch the position cuts
+    (in-flight updates: its later chunks sample with newer weights), carried with its first micro-batches alone.
 
     Raises:
-      RuntimeError: one the run trains is not sampled yet.
+      RuntimeError: one the run trains is not sampled yet, or the cut one not as far as ``part`` says.
     """
     sampled = []
     for b in batches:
+      if part is not None and b == part[0]:
+        rollouts = self.batches.get(b) or BatchRollouts(b, part[2])
+        if len(rollouts.payloads) < part[1]:
+          raise RuntimeError(f"the position before step {position} carries the first {part[1]} micro-batches of"
+                             f" sampled batch {b}, which has {len(rollouts.payloads)}; wait for"
+                             " ready_to_checkpoint first")
+        sampled.append(rollouts.first(part[1]))
+        break
       rollouts = self.complete(b)
       if rollouts is None and b < run_batches:
         raise RuntimeError(f"the position before step {position} must carry sampled batch {b}, which is not"
@@ -367,16 +385,21 @@ class SampledBatches:
       sampled.append(rollouts)
     return sampled
 
-  def restore(self, sampled: list[dict[str, Any]]) -> list[int]:
+  def restore(self, sampled: list[dict[str, Any]], part: tuple[int, int] | None = None) -> list[int]:
     """The batches a restored position carries (``BatchRollouts.to_json``'s), ready to be taken; their numbers.
+    ``part``: (batch, micro-batches) of the one the position cuts (``carried``'s), which holds exactly those.
 
     Raises:
-      ValueError: one of them is not a whole batch.
+      ValueError: one of them is not a whole batch (the cut one: not as far as ``part`` says).
     """
     restored = [BatchRollouts.from_json(r) for r in sampled]
-    short = [r.batch for r in restored if len(r.payloads) != self._per_batch]
+    owed = {r.batch: self._per_batch for r in restored}
+    if part is not None and part[0] in owed:
+      owed[part[0]] = part[1]
+    short = [r.batch for r in restored if len(r.payloads) != owed[r.batch]]
     if short:
-      raise ValueError(f"sampled batches {short} do not hold {self._per_batch} micro-batches each")
+      raise ValueError(f"sampled batches {short} do not hold {[owed[b] for b in short]} micro-batches (each whole"
+                       f" batch {self._per_batch}, a batch the position cuts its carried part)")
     self.batches = {r.batch: r for r in restored}
     return sorted(self.batches)
 

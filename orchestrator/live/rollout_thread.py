@@ -5,7 +5,9 @@ the weight sync delivers them), a batch's micro-batches in pass 0's training ord
 call's as it is done (``SampledBatches``), so a step can be taken once its first micro-batch exists. It stops at
 the run's last batch unless a checkpoint asks for the batches past it that its position carries
 (``sample_until``). With in-flight updates a call decodes in chunks, each on the version
-``BatchSchedule.call_versions`` gives it, waiting between chunks for the sync that keeps it. The live source
+``BatchSchedule.call_versions`` gives it, waiting between chunks for the sync that keeps it; where a call's version
+changes it keeps the generation so far (``generations``), which a checkpoint whose position falls there carries,
+and a restored position goes on from one (``resume_generation``). The live source
 (``rollouts.LiveRollouts``) owns the condition both share: it guards the versions, the batches and this
 thread's ``error`` and ``closed``.
 """
@@ -15,7 +17,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import Any
 
+from orchestrator.live.chunked_sampling import PartialGeneration
 from orchestrator.live.rollout_batches import BatchSchedule, SampledBatches
 from orchestrator.live.shared_sampler import ClosedWhileWaiting, SharedSampler
 from orchestrator.live.weight_versions import WeightVersions
@@ -37,7 +41,13 @@ class RolloutThread:
     until_batch: the first batch not sampled (the run's batch count; ``sample_until`` raises it).
 
   Attributes:
-    first_batch: the first batch sampled (a restored position's first not carried); set before ``start``.
+    first_batch: the first batch sampled (a restored position's first not carried whole); set before ``start``.
+    first_micro_batch: the first micro-batch of ``first_batch`` sampled (a restored position's carried part of that
+      batch before it); set before ``start``.
+    resume_generation: the generation of ``first_batch``'s call at ``first_micro_batch`` to go on from (a restored
+      position carried it part-sampled; None: the call starts from its prompts); set before ``start``.
+    generations: (batch, first micro-batch of its call, chunk) -> the generation so far before that chunk, for each
+      chunk where a call's version changes, until ``forget`` drops its batch; under the condition.
     error: what the sampling failed with (None: it did not), naming the batch; under the condition.
     closed: ``close`` was called; under the condition.
     thread: the thread (None before ``start``).
@@ -47,7 +57,9 @@ class RolloutThread:
                versions: WeightVersions, batches: SampledBatches, *, until_batch: int):
     self._shared, self._shape, self._schedule, self._cond = shared, shape, schedule, cond
     self._versions, self._batches = versions, batches
-    self.first_batch = 0
+    self.first_batch, self.first_micro_batch = 0, 0
+    self.resume_generation: PartialGeneration | None = None
+    self.generations: dict[tuple[int, int, int], PartialGeneration] = {}
     self._until_batch = until_batch
     self.error: BaseException | None = None
     self.closed = False
@@ -64,6 +76,12 @@ class RolloutThread:
     if batch > self._until_batch:
       self._until_batch = batch
       self._cond.notify_all()
+
+  def forget(self, batch: int) -> None:
+    """Under the condition: drops the generations kept of ``batch`` and the batches before it (no position from
+    now on can carry them)."""
+    for key in [key for key in self.generations if key[0] <= batch]:
+      del self.generations[key]
 
   def close(self, timeout_s: float) -> None:
     """Stops the thread and waits for it at most ``timeout_s``: one inside JAX at exit aborts the process."""
@@ -82,11 +100,31 @@ class RolloutThread:
     self._cond.wait_for(lambda: self.closed or self._versions.available(version))
     return time.perf_counter() - start
 
-  def _chunk_weights(self, batch: int, call: int, paused_s: list[float]):
-    """(In-flight updates.) Chunk index -> (version, weights) for call ``call`` of ``batch``: each chunk's version
-    is ``BatchSchedule.call_versions``'s, waited for until the weight sync keeps it (``close`` ends the wait);
-    the seconds of each wait go in ``paused_s`` (0.0 for a chunk whose version is kept already)."""
+  def _chunked(self, batch: int, first: int, paused_s: list[float],
+               resume_from: PartialGeneration | None) -> dict[str, Any]:
+    """(In-flight updates.) What the call at micro-batch ``first`` of ``batch`` decodes in chunks with
+    (``SharedSampler.sample_micro_batches``' ``chunk_weights``, ``before_chunk``, ``resume_from``): each chunk on
+    ``BatchSchedule.call_versions``' version, waited for until the weight sync keeps it (``close`` ends the wait;
+    the seconds of each wait go in ``paused_s``, 0.0 for a chunk whose version is kept already), and before a
+    chunk whose version differs from the chunk before it the generation so far kept in ``generations``: a
+    checkpoint whose position falls there carries it, whether the sampler waits there or has gone on (a stop
+    inside a step checkpoints after its boundary's sync)."""
+    call = first // self._shape.micro_batches_per_call
     versions = self._schedule.call_versions(batch, call)
+
+    def before_chunk(chunk: int, generation) -> None:
+      if versions[chunk] == versions[chunk - 1]:
+        return  # the generation goes on with its cache here: no position falls at this chunk
+      kept = generation()  # off the condition: it copies the generation off the device
+      with self._cond:
+        self.generations[(batch, first, chunk)] = kept
+        self._cond.notify_all()
+
+    return {"chunk_weights": self._chunk_weights(versions, paused_s), "before_chunk": before_chunk,
+            "resume_from": resume_from}
+
+  def _chunk_weights(self, versions: list[int], paused_s: list[float]):
+    """Chunk index -> (version, weights), chunk g on ``versions[g]`` (see ``_chunked``)."""
 
     def weights_for_chunk(chunk: int):
       version = versions[chunk]
@@ -100,24 +138,28 @@ class RolloutThread:
 
   def _produce(self) -> None:
     batch = self.first_batch
+    # a restored position's batch carried part-sampled goes on at its first call not carried (with in-flight
+    # updates only: its calls from there on sample with their chunks' versions, none with the batch's own)
+    resume_at, resume_from = self.first_micro_batch, self.resume_generation
     try:
       while True:
         version = self._schedule.batch_version(batch)
+        cut = resume_at > 0 or resume_from is not None  # the restored batch the position cut: none of its own
         with self._cond:
           # Past the run's last batch only when a checkpoint asks (``sample_until``); close() ends the wait.
           self._cond.wait_for(lambda: self.closed or batch < self._until_batch)
           # Then the sampler's pause for the batch's weights (the sync of ``version``), which the first call's
           # micro-batches record: a wait for a checkpoint's ask is not a pause for weights.
-          batch_wait_s = self._wait_for_version(version)
+          batch_wait_s = 0.0 if cut else self._wait_for_version(version)
           if self.closed:
             return
-          weights = self._versions.take(version)
+          weights = None if cut else self._versions.take(version)
         per_call = self._shape.micro_batches_per_call
-        for first in range(0, self._shape.micro_batches_per_batch, per_call):  # in pass 0's training order
+        for first in range(resume_at, self._shape.micro_batches_per_batch, per_call):  # in pass 0's training order
           start = time.perf_counter()
-          paused_s = [batch_wait_s] if first == 0 else []  # the sampler's waits for weights, this call's
+          paused_s = [batch_wait_s] if first == resume_at else []  # the sampler's waits for weights, this call's
           chunked = ({} if not self._schedule.in_flight_updates
-                     else {"chunk_weights": self._chunk_weights(batch, first // per_call, paused_s)})
+                     else self._chunked(batch, first, paused_s, resume_from if first == resume_at else None))
           sampled = self._shared.sample_micro_batches(batch, first, per_call, version, weights,
                                                       cancelled=lambda: self.closed, **chunked)
           seconds = (time.perf_counter() - start) / per_call  # each micro-batch's share of the call
@@ -126,7 +168,7 @@ class RolloutThread:
             for one in sampled:
               self._batches.publish(batch, version, one, seconds, sync_wait_s)
             self._cond.notify_all()
-        batch += 1
+        batch, resume_at, resume_from = batch + 1, 0, None
     except ClosedWhileWaiting:  # closed while a generation waited between chunks: nothing is left running
       return
     except CallCancelled as e:  # closed while a reward function ran: the run ends without waiting for it

@@ -58,6 +58,7 @@ from orchestrator.live.evaluations import HeldOutEvaluations
 from orchestrator.live.placement import keep
 from orchestrator.tasks.rewards import Reward, task_reward
 from orchestrator.live.rollout_batches import BatchRollouts, BatchSchedule, SampledBatches
+from orchestrator.live.rollout_positions import RolloutPositions
 from orchestrator.live.rollout_thread import RolloutThread
 from orchestrator.live.sampler import LiveSampler
 from orchestrator.live.shared_sampler import WAIT_POLL_S, SharedSampler
@@ -138,6 +139,8 @@ class LiveRollouts:
     self._run_batches = self._schedule.batches_for(shape.steps)
     self._sampling = RolloutThread(self._shared, shape, self._schedule, self._cond, self._versions, self._batches,
                                    until_batch=self._run_batches)
+    self._positions = RolloutPositions(self._schedule, self._versions, self._batches, self._sampling, shape,
+                                       run_batches=self._run_batches)  # guarded by _cond
     self._next = 0
     self._last_wait_s = 0.0
     self._take_wait_s = 0.0  # the part of that wait spent before ``next``, in ``ready``
@@ -226,6 +229,7 @@ class LiveRollouts:
       batch = self._schedule.batch_of(step)
       first = self._schedule.first_step(batch)
       self._batches.forget(batch, range(first, first + self._schedule.steps_per_batch))
+      self._sampling.forget(batch)
 
   def micro_batch(self, step: int, index: int) -> list[Trajectory]:
     """Micro-batch ``index`` of a taken ``step``, waiting until it is sampled (``micro_batch_ready``'s wait).
@@ -297,15 +301,16 @@ class LiveRollouts:
   def state_json(self, state: dict[str, Any]) -> dict[str, Any]:
     """``state`` as JSON, for a checkpoint's metadata, with the batches sampled from weights older than its
     position's (their arrays as lists), which ``ready_to_checkpoint`` waited for; past the source's last step
-    too, as far as they are sampled (a run extended from this checkpoint trains them first).
+    too, as far as they are sampled (a run extended from this checkpoint trains them first); with in-flight
+    updates the batch it cuts in part, with the generation under way there (``RolloutPositions``).
 
     Raises:
       RuntimeError: a batch the position must carry is not sampled yet (``ready_to_checkpoint`` comes first).
     """
+    position = state["next_step"]
     with self._cond:
-      sampled = self._batches.carried(state["next_step"], self._versions.carried(state["next_step"]),
-                                      self._run_batches)
-    return {"kind": self.kind, "next_step": state["next_step"], "sampled": [r.to_json() for r in sampled]}
+      carried = self._positions.carried_json(position)
+    return {"kind": self.kind, "next_step": position, **carried}
 
   def ready(self, step: int, timeout_s: float) -> bool:
     """Waits at most ``timeout_s`` until taking ``step`` (``get_state``, then ``next``) would not wait for
@@ -327,34 +332,14 @@ class LiveRollouts:
     with self._cond:
       carried = self._versions.carried(position)
       needed = [b for b in carried if b < self._run_batches]  # a taken one too: it may still be streaming
-      # past the end, only batches sampled whole before the position's weights (with in-flight updates a later
-      # chunk may need them, which no sync after the run's last step delivers: such a batch is not carried)
-      past_end = [b for b in carried if b >= self._run_batches and self._whole_before(b, position)]
+      # past the end too (with in-flight updates the last of them sampled up to the position's cut, whose later
+      # chunks need weights no sync after the run's last step delivers: an extended run samples them)
+      past_end = [b for b in carried if b >= self._run_batches]
       if extendable and all(self._batches.complete(b) or self._versions.can_sample(b) for b in past_end):
         needed += past_end
         if past_end:
           self._sampling.sample_until(past_end[-1] + 1)
-      return self._wait_until(lambda: all(self._batches.complete(b) for b in needed), timeout_s)[0]
-
-  def _whole_before(self, batch: int, position: int) -> bool:
-    """Whether every decode chunk of ``batch`` samples with weights older than ``position``'s (always, for a batch
-    a position carries, without in-flight updates)."""
-    return self._schedule.chunks_before(batch, position) == self._schedule.chunks_per_batch
-
-  def checkpoint_problem(self, position: int) -> str | None:
-    """Why no checkpoint at ``position`` can be written (None: one can): with in-flight updates, a batch of the
-    run it must carry has later decode chunks that sample with weights from ``position`` on — a generation the
-    sync after the checkpoint continues, which a checkpoint cannot carry part-sampled yet (waiting for the whole
-    batch would never end)."""
-    with self._cond:
-      partial = [b for b in self._versions.carried(position)
-                 if b < self._run_batches and not self._whole_before(b, position)]
-    if not partial:
-      return None
-    batch = partial[0]
-    return (f"the position before step {position} falls inside the generation of {self._schedule.describe(batch)}"
-            f" (its decode chunks from {self._schedule.chunks_before(batch, position)} on sample with the weights of"
-            f" step {position} or newer, rollouts.in_flight_updates), which a checkpoint cannot carry yet")
+      return self._wait_until(lambda: all(self._positions.carriable(b, position) for b in needed), timeout_s)[0]
 
   def sampling_left_s(self, position: int) -> float | None:
     """Seconds, at the sampler's recent pace, until a checkpoint at ``position`` has the run's own sampled
@@ -378,15 +363,7 @@ class LiveRollouts:
     if self._sampling.thread is not None:
       raise RuntimeError("set_state must come before the first step is taken")
     self._next = int(state["next_step"])
-    try:
-      carried = self._batches.restore(state["sampled"])
-    except ValueError as e:
-      raise SourceStateError(f"the saved rollout position before step {self._next}: {e}") from None
-    # Batches that need weights older than the checkpoint's cannot be sampled again: the state must carry them.
-    problem = self._versions.carried_problem(self._next, carried, self._run_batches)
-    if problem is not None:
-      raise SourceStateError(problem)
-    self._sampling.first_batch = self._schedule.batch_of(self._next) + len(carried)
+    self._positions.restore(self._next, state)
     self._versions.restart_at(self._next)  # the checkpoint's weights; sync() delivers them
 
   def carried_payloads(self) -> list[tuple[str, int, list[Trajectory]]]:

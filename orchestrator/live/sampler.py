@@ -159,7 +159,8 @@ class LiveSampler:
              top_k: int = 0, stop: Sequence[str] = (),
              max_new_tokens: Sequence[int | None] | None = None,
              weights_for_chunk: Callable[[int], tuple[int, Any]] | None = None,
-             chunk_tokens: int = 0) -> Samples:
+             chunk_tokens: int = 0, before_chunk: Callable[[int, Callable[[], Any]], None] | None = None,
+             resume_from: chunked_sampling.PartialGeneration | None = None) -> Samples:
     """One completion per prompt (repeat a prompt for a group), drawn with ``seed``.
 
     ``top_p`` (1.0: off) and ``top_k`` (0, or at least the vocabulary: off) truncate the distribution each token
@@ -171,12 +172,16 @@ class LiveSampler:
     (``chunked_sampling.sample_in_chunks``), chunk g with ``weights_for_chunk(g)``'s (version, weights as
     ``sync`` takes them; None: this sampler's own) rather than this sampler's, and the samples carry each
     token's version (``Samples.versions``; their ``weights_version`` is the first chunk's). Without it, one call
-    with this sampler's weights, as always.
+    with this sampler's weights, as always. ``before_chunk`` and ``resume_from`` (a generation in chunks only):
+    as ``chunked_sampling.sample_in_chunks`` takes them, to hand out the generation so far and to go on from one.
     """
     if weights_for_chunk is not None:
       return self._sample_in_chunks(prompts, seed=seed, temperature=temperature, top_p=top_p, top_k=top_k,
                                     stop=stop, max_new_tokens=max_new_tokens,
-                                    weights_for_chunk=weights_for_chunk, chunk_tokens=chunk_tokens)
+                                    weights_for_chunk=weights_for_chunk, chunk_tokens=chunk_tokens,
+                                    before_chunk=before_chunk, resume_from=resume_from)
+    if before_chunk is not None or resume_from is not None:
+      raise ValueError("before_chunk and resume_from belong to a generation in chunks: give weights_for_chunk too")
     # Tunix cuts a completion before its eos, and the eos's log-prob with it; a completion that ends must
     # keep both (the policy learns when to stop, and a first-token eos would leave nothing). So its stop is
     # an id never sampled, and each completion is cut after its first eos here.
@@ -192,7 +197,9 @@ class LiveSampler:
 
   def _sample_in_chunks(self, prompts: Sequence[str], *, seed: int, temperature: float, top_p: float, top_k: int,
                         stop: Sequence[str], max_new_tokens: Sequence[int | None] | None,
-                        weights_for_chunk: Callable[[int], tuple[int, Any]], chunk_tokens: int) -> Samples:
+                        weights_for_chunk: Callable[[int], tuple[int, Any]], chunk_tokens: int,
+                        before_chunk: Callable[[int, Callable[[], Any]], None] | None,
+                        resume_from: chunked_sampling.PartialGeneration | None) -> Samples:
     """``sample`` in decode chunks, each on the weights ``weights_for_chunk`` gives it (see ``sample``)."""
     if self.routing is not None:  # the recipe refuses in-flight updates with router replay
       raise ValueError("a generation in chunks has no one set of weights to record its routing with")
@@ -211,7 +218,8 @@ class LiveSampler:
           self._sampler, [self.model_prompt(p) for p in prompts], max_generation_steps=self.max_generation_steps,
           max_prompt_length=self.max_prompt_length, chunk_tokens=chunk_tokens, weights_for_chunk=chunk_weights,
           seed=int(seed), temperature=temperature, top_p=truncation["top_p"], top_k=truncation.get("top_k"),
-          forbidden_tokens=self._forbidden, eos_tokens=[NEVER_SAMPLED])
+          forbidden_tokens=self._forbidden, eos_tokens=[NEVER_SAMPLED], before_chunk=before_chunk,
+          resume_from=resume_from)
     samples = self._samples(prompts, out, stop=stop, max_new_tokens=max_new_tokens, versions=out.versions)
     return dataclasses.replace(samples, weights_version=int(min(v.min() for v in out.versions)))
 

@@ -49,16 +49,20 @@ class SharedSampler:
 
   def sample_micro_batches(self, batch: int, first: int, count: int, version: int, weights: Any, *,
                            cancelled: Callable[[], bool] | None = None,
-                           chunk_weights: Callable[[int], tuple[int, Any]] | None = None) -> list:
+                           chunk_weights: Callable[[int], tuple[int, Any]] | None = None,
+                           before_chunk: Callable[[int, Callable[[], Any]], None] | None = None,
+                           resume_from: Any = None) -> list:
     """Micro-batches ``first`` … ``first + count - 1`` of sampled ``batch`` with weights ``version`` (``weights``;
     None: the sampler's own), in one sampler call in this caller's turn: ``sample_micro_batches``'s result.
 
     ``chunk_weights`` (in-flight updates): the call decodes in chunks instead, chunk g with ``chunk_weights(g)``'s
     (version, weights; None: version 0's, the sampler's own), which may wait for that version's sync. The turn is
     held chunk by chunk, not while that waits: an evaluation at the boundary whose sync it waits for takes the
-    sampler in between (the generation's state is the call's own, and each chunk is given its weights)."""
+    sampler in between (the generation's state is the call's own, and each chunk is given its weights).
+    ``before_chunk``, ``resume_from``: with ``chunk_weights``, as ``chunked_sampling.sample_in_chunks`` takes them
+    (the generation so far handed out before each chunk; a carried one gone on from)."""
     if chunk_weights is not None:
-      return self._sample_in_chunks(batch, first, count, chunk_weights, cancelled)
+      return self._sample_in_chunks(batch, first, count, chunk_weights, cancelled, before_chunk, resume_from)
     with self._turn:  # per call: an evaluation may take the sampler (and its weights) between
       weights = self._own_or(weights, version, batch)
       if weights is not None and self.sampler.weights_version != version:
@@ -77,7 +81,7 @@ class SharedSampler:
     return weights
 
   def _sample_in_chunks(self, batch: int, first: int, count: int, chunk_weights: Callable[[int], tuple[int, Any]],
-                        cancelled: Callable[[], bool] | None) -> list:
+                        cancelled: Callable[[], bool] | None, before_chunk, resume_from) -> list:
     """``sample_micro_batches`` in decode chunks, the turn taken for each chunk once its weights are there."""
     held = False
 
@@ -95,7 +99,8 @@ class SharedSampler:
 
     try:
       return sample_micro_batches(self.sampler, self._task, self._reward, self._shape, batch, first, count,
-                                  cancelled=cancelled, weights_for_chunk=weights_for_chunk)
+                                  cancelled=cancelled, weights_for_chunk=weights_for_chunk,
+                                  before_chunk=before_chunk, resume_from=resume_from)
     finally:
       if held:
         self._turn.release()
@@ -127,9 +132,17 @@ def acquire_unless(lock: threading.Lock, stop: Callable[[], Any] | None) -> bool
   return True
 
 
+def call_seed(seed: int, batch: int, first: int) -> int:
+  """The seed of the sampler call that samples micro-batches from ``first`` on of sampled ``batch`` (the run's
+  ``seed``): a function of those numbers alone."""
+  return int(np.random.default_rng((seed, batch, first)).integers(2**31 - 1))
+
+
 def sample_micro_batches(sampler: LiveSampler, task, reward: Reward, shape, batch: int, first: int, count: int, *,
                          cancelled: Callable[[], bool] | None = None,
-                         weights_for_chunk: Callable[[int], tuple[int, Any]] | None = None) -> list:
+                         weights_for_chunk: Callable[[int], tuple[int, Any]] | None = None,
+                         before_chunk: Callable[[int, Callable[[], Any]], None] | None = None,
+                         resume_from: Any = None) -> list:
   """Samples micro-batches ``first`` … ``first + count - 1`` of sampled ``batch`` (a step, with one step per
   batch) in one call with the sampler's current weights: per micro-batch (payload, rewards, correct, completion
   tokens). Their problems and the call's seed are functions of (seed, batch, first) and the count alone, so one
@@ -137,14 +150,15 @@ def sample_micro_batches(sampler: LiveSampler, task, reward: Reward, shape, batc
   call still running is then given up: ``rewards.CallCancelled``). Each micro-batch's last item says which
   completions were cut at the length limit (None: a fixed-length answer, which has no end). ``weights_for_chunk``:
   the call decodes in ``shape.decode_chunk_tokens`` chunks on those weights (``LiveSampler.sample``), and each
-  trajectory carries its tokens' versions."""
+  trajectory carries its tokens' versions; ``before_chunk`` and ``resume_from`` go with it to the sampler."""
   g, groups = shape.generations_per_group, shape.groups_per_micro_batch
   first_group = (batch * shape.micro_batches_per_batch + first) * groups
   problems = [task.problem(shape.seed, "train", first_group + j) for j in range(count * groups)]
   repeated = [p for p in problems for _ in range(g)]
-  seed = int(np.random.default_rng((shape.seed, batch, first)).integers(2**31 - 1))
+  seed = call_seed(shape.seed, batch, first)
   chunked = ({} if weights_for_chunk is None
-             else {"weights_for_chunk": weights_for_chunk, "chunk_tokens": shape.decode_chunk_tokens})
+             else {"weights_for_chunk": weights_for_chunk, "chunk_tokens": shape.decode_chunk_tokens,
+                   "before_chunk": before_chunk, "resume_from": resume_from})
   samples = sampler.sample([p.prompt for p in repeated], seed=seed, max_new_tokens=token_limits(repeated),
                            **shape.sampling_settings(), **chunked)
   if any(len(c) == 0 for c in samples.completion_ids):

@@ -140,22 +140,12 @@ class LiveWaits:
     than ``grace_s``); then the checkpoint goes without the steps past the end, or, where the run's own are
     missing (a stuck sampler), not at all.
 
-    With in-flight updates a position may fall inside a generation sampled ahead, whose later chunks need the
-    weights this boundary syncs after the checkpoint (the source's ``checkpoint_problem``): no wait helps, so a
-    stop there ends at once without a checkpoint, saying why.
+    With in-flight updates a position may fall inside a generation sampled ahead: the wait is then for the
+    sampler to reach the chunk that needs this boundary's weights, whose generation so far the checkpoint carries.
 
     Raises:
-      StoppedWithoutCheckpointError: a stop came, and the rollouts the checkpoint must carry did not (or cannot).
-      RuntimeError: a checkpoint without a stop where the position falls inside a generation (the recipe refuses
-        checkpoints inside an in-flight run).
+      StoppedWithoutCheckpointError: a stop came, and the rollouts the checkpoint must carry did not.
     """
-    # A source whose position may fall inside a generation (in-flight updates) says so: then no wait helps.
-    problem = getattr(self.live, "checkpoint_problem", lambda position: None)(step + 1)
-    if problem is not None:
-      if not stopping:  # the recipe refuses checkpoints inside an in-flight run: only a stop asks for one there
-        raise RuntimeError(f"the checkpoint after step {step} cannot be written: {problem}")
-      raise self._without_checkpoint(f"stopped by {stopping} after step {step}, but no checkpoint of it could be"
-                                     f" written: {problem}")
     if not stopping or not self.local_stops:  # a job's processes all wait the whole way: none ends alone
       try:
         return self._wait(lambda timeout_s: self.live.ready_to_checkpoint(step + 1, timeout_s))

@@ -817,8 +817,8 @@ def validate(recipe: Recipe) -> None:
 def check_in_flight(recipe: Recipe, completion_limit_tokens: int) -> None:
   """``recipe``'s in-flight updates against the rest of it (``Recipe.validate``'s, for a live run; kept out of the
   class, which is long enough): they need a version newer than a batch's own to exist while it samples, a point
-  inside a generation to take it at, a sampler that can record what each token was sampled with, checkpoints
-  the loop can honour, and a sampler in the trainer's process.
+  inside a generation to take it at, a sampler that can record what each token was sampled with, and a sampler
+  in the trainer's process.
 
   Raises:
     RecipeError: the first of these that fails, in one line naming the key, the value and the fix.
@@ -845,17 +845,6 @@ def check_in_flight(recipe: Recipe, completion_limit_tokens: int) -> None:
     raise RecipeError("rollouts.in_flight_updates=true switches weights inside a generation, but"
                       " engine.router_replay=true records each sequence's experts with the one set of weights"
                       " that sampled it; drop one of the two")
-  ckpt = recipe.checkpoint
-  if ckpt.every or ckpt.scored_steps:
-    # A position inside the run falls inside a generation sampled ahead: its later chunks sample with weights
-    # from that step on, which the sync after the checkpoint delivers. Carrying the chunks sampled so far (and
-    # continuing from their tokens on resume) is not wired yet; waiting for the whole batch would never end.
-    given = f"checkpoint.every={ckpt.every}" if ckpt.every else f"checkpoint.scored_steps={list(ckpt.scored_steps)}"
-    raise RecipeError(f"rollouts.in_flight_updates=true with {given}: a checkpoint inside the run would have to"
-                      " carry a generation part-sampled (its later decode chunks sample with the checkpoint's"
-                      " weights or newer), which the live loop cannot carry yet; drop the checkpoints inside the"
-                      " run (its last step's checkpoint, for export, is still written), or drop"
-                      " rollouts.in_flight_updates")
   # The sampling thread takes them where the sampler is in the trainer's process (shared placement, a local
   # trainer, one process); elsewhere the sampler's calls are not chunked yet, and a key that changed nothing
   # would be a silent no-op. ``auto`` is decided where the devices are known (assembly.live_source).

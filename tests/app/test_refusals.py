@@ -476,9 +476,6 @@ CASES = [
                                       "rollouts.placement=auto"], {},
      "rollouts.in_flight_updates=true is taken by the sampler in the trainer's process (rollouts.placement=shared)"
      " only, but rollouts.placement=auto puts it in a process of its own"),
-    ("in-flight-with-a-checkpoint-cadence", ["task.name=reverse", "task.length=4", "rollouts.in_flight_updates=true",
-                                             "rollouts.placement=shared", "checkpoint.every=2"], {},
-     "rollouts.in_flight_updates=true with checkpoint.every=2: a checkpoint inside the run would have to carry"),
     ("in-flight-on-a-recording", lambda t, g: ON_RECORDING + [f"rollouts.recording={g}",
                                                               "rollouts.in_flight_updates=true"], {},
      "rollouts.in_flight_updates=True is read by the live loop only, but rollouts.source=recording"),

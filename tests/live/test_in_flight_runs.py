@@ -1,8 +1,8 @@
 """In-flight weight updates end to end (``run_rl`` on the tiny model, the sampler in the trainer's process): a run is a
 function of its recipe (twice, in every step-boundary mode and with evaluations between chunks, one digest), its
 records show the versions changing inside a generation exactly where the schedule says (and not where it says one
-version) and the sampler's pauses for a sync, the key off is the run without it, and such a run is refused a
-resume in one line that writes nothing."""
+version) and the sampler's pauses for a sync, the key off is the run without it, a resume from a checkpoint
+inside a generation reaches the uninterrupted digest, and an extension the digest of a longer run."""
 
 from __future__ import annotations
 
@@ -35,7 +35,13 @@ def _run(out: Path, *overrides: str) -> Path:
 
 
 def _digest(run: Path) -> str:
-  return json.loads((run / "summary.json").read_text())["final_state_digest"]
+  return json.loads((_latest(run) / "summary.json").read_text())["final_state_digest"]
+
+
+def _latest(run: Path) -> Path:
+  """Where the run's latest segment wrote (``segments/N/`` after a resume, the run's directory before)."""
+  segments = sorted((int(p.name), p) for p in (run / "segments").glob("*") if p.name.isdigit())
+  return segments[-1][1] if segments else run
 
 
 def _records(run: Path) -> list[dict]:
@@ -93,12 +99,32 @@ def test_evaluations_between_chunks_leave_what_trains_alone(runs):
   assert _digest(runs["evaluated"]) == _digest(runs["again"])
 
 
-def test_a_resume_of_an_in_flight_run_is_refused_in_one_line_and_writes_nothing(runs, capsys):
-  run = runs["again"]
-  before = sorted(str(p.relative_to(run)) for p in run.rglob("*"))
-  capsys.readouterr()
-  assert cli.main(["--resume", str(run), "--steps", str(STEPS + 2)]) == 2
-  err = capsys.readouterr().err.strip().splitlines()
-  assert len(err) == 1 and "the run samples with rollouts.in_flight_updates=true, whose checkpoints do not carry" \
-      " the generation under way at their step, so it cannot be resumed or extended yet" in err[0]
-  assert sorted(str(p.relative_to(run)) for p in run.rglob("*")) == before
+def test_a_resume_inside_a_generation_reaches_the_uninterrupted_digest(runs, tmp_path):
+  """``checkpoint.every=2``: the position before step 2 cuts batch 3's generation after its second chunk, and the
+  one before step 4 cuts batch 5's (past the end, for an extension), so each checkpoint carries a generation part
+  sampled. The run trains to the digest of the run without checkpoints, and resumed from either checkpoint (the
+  later ones removed) to that digest again, every step recorded once."""
+  import shutil
+
+  run = _run(tmp_path / "checkpointed", *IN_FLIGHT, "checkpoint.every=2")
+  assert _digest(run) == _digest(runs["again"])
+  for kept in (2, 4):
+    copy = tmp_path / f"from_{kept}"
+    shutil.copytree(run, copy)
+    for checkpoint in (copy / "checkpoints").iterdir():
+      if checkpoint.name.isdigit() and int(checkpoint.name) > kept:
+        shutil.rmtree(checkpoint)
+    assert cli.main(["--resume", str(copy)]) == 0
+    assert _latest(copy) != copy and _digest(copy) == _digest(runs["again"]), kept
+    assert [r["step"] for r in _records(_latest(copy))] == list(range(kept, STEPS))
+
+
+def test_an_in_flight_run_extended_from_its_last_checkpoint_trains_like_a_longer_run(tmp_path):
+  """The last step's checkpoint carries batch 6's generation up to its cut (past the end: its later chunks need
+  version 5, which an extension's first sync delivers): extended by two steps, the run reaches the digest of a
+  run two steps longer."""
+  longer = _run(tmp_path / "longer", *IN_FLIGHT, f"steps={STEPS + 2}")
+  run = _run(tmp_path / "extended", *IN_FLIGHT)
+  assert cli.main(["--resume", str(run), "--steps", str(STEPS + 2)]) == 0
+  assert _latest(run) != run and _digest(run) == _digest(longer)
+  assert [r["step"] for r in _records(_latest(run))] == [STEPS, STEPS + 1]

@@ -3,11 +3,14 @@ decodes in chunks, chunk by chunk on the version ``BatchSchedule.call_versions``
 version's sync; every token carries the version that sampled it and that version's log-prob, no token is older
 than the staleness bound allows or newer than the step that trains it; the sync keeps every version a chunk
 samples with; a step waits for the newest version its first call needs; the wait for a version lets an
-evaluation take the sampler, ends when the source closes, and is recorded as the step's sampler pause. Without
-in-flight updates the sampler is called as it always was, and its pause before a batch is recorded alike."""
+evaluation take the sampler, ends when the source closes, and is recorded as the step's sampler pause; a
+checkpoint inside a generation carries it, and a source restored there goes on from it as the uninterrupted
+source did. Without in-flight updates the sampler is called as it always was, and its pause before a batch is
+recorded alike."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import numpy as np
@@ -40,18 +43,32 @@ class _ChunkSampler:
   def sync(self, weights, version):
     self.weights_version = version
 
-  def sample(self, prompts, *, seed, weights_for_chunk=None, chunk_tokens=0, **_):
-    from orchestrator.live.sampler import Samples  # import here: it loads JAX
+  def sample(self, prompts, *, seed, weights_for_chunk=None, chunk_tokens=0, before_chunk=None, resume_from=None,
+             **_):
+    from orchestrator.live.chunked_sampling import PartialGeneration  # import here: it loads JAX
+    from orchestrator.live.sampler import Samples
 
-    call = {"chunked": weights_for_chunk is not None, "chunks": []}
+    call = {"chunked": weights_for_chunk is not None, "chunks": [], "seed": seed,
+            "resumed_at": None if resume_from is None else resume_from.next_chunk}
     self.calls.append(call)
     if weights_for_chunk is None:
       versions = np.full(CHUNKS * CHUNK_TOKENS, self.weights_version, np.int64)
     else:
       assert chunk_tokens == CHUNK_TOKENS
-      for chunk in range(CHUNKS):
-        call["chunks"].append(weights_for_chunk(chunk))
-      versions = np.repeat([v for v, _ in call["chunks"]], CHUNK_TOKENS).astype(np.int64)
+      # a resumed call goes on after the carried chunks, whose versions the carried tokens hold
+      chunk_versions = [] if resume_from is None else [int(v) for v in resume_from.versions[::CHUNK_TOKENS]]
+      assert resume_from is None or resume_from.call == {"seed": seed, "rows": len(prompts)}
+      for chunk in range(len(chunk_versions), CHUNKS):
+        if before_chunk is not None and chunk > 0:
+          so_far = np.repeat(chunk_versions, CHUNK_TOKENS).astype(np.int64)
+          before_chunk(chunk, lambda: PartialGeneration(
+              next_chunk=chunk, tokens=[np.arange(1, len(so_far) + 1, dtype=np.int32) for _ in prompts],
+              logprobs=[np.asarray([logprob_of(v) for v in so_far], np.float32) for _ in prompts],
+              done=[False] * len(prompts), versions=so_far, call={"seed": seed, "rows": len(prompts)}))
+        version, weights = weights_for_chunk(chunk)
+        call["chunks"].append((version, weights))
+        chunk_versions.append(version)
+      versions = np.repeat(chunk_versions, CHUNK_TOKENS).astype(np.int64)
     ids = [np.arange(1, len(versions) + 1, dtype=np.int32) for _ in prompts]
     logprobs = [np.asarray([logprob_of(v) for v in versions], np.float32) for _ in prompts]
     return Samples(list(prompts), [np.array([1], np.int32) for _ in prompts], ids, logprobs, ["x"] * len(prompts),
@@ -232,40 +249,161 @@ def test_a_generation_waiting_for_a_version_lets_an_evaluation_take_the_sampler_
   assert sampler.calls[3]["chunks"] == []  # nothing sampled with weights it was not given
 
 
+def _train_until(source, position: int) -> list[list]:
+  """``_train``'s loop up to the checkpoint before step ``position``: the steps before it, each boundary's sync
+  but the last one's, which comes after that checkpoint."""
+  steps = []
+  for step in range(position):
+    assert not source.blocked_on_sync(step)
+    payloads = next(source)
+    steps.append([t for index in range(len(payloads)) for t in payloads[index]])
+    if step + 1 < position:
+      source.sync(step + 1, f"w{step + 1}")
+  return steps
+
+
+def _checkpoint(source, position: int) -> dict:
+  """The position before step ``position`` as a checkpoint writes it (JSON and back), once it can be."""
+  assert source.ready_to_checkpoint(position, 30.0)
+  return json.loads(json.dumps(source.state_json({"kind": source.kind, "next_step": position})))
+
+
+def _resumed(state: dict, position: int, **shape):
+  """A new source (``_source``'s ``shape``; default two micro-batches a call) restored at ``position`` from
+  ``state``, its checkpoint's weights synced, trained on to the end."""
+  source, sampler = _source(in_flight=True, **{"per_call": 2, **shape})
+  source.set_state(state)
+  source.sync(position, f"w{position}")
+  steps = []
+  try:
+    for step in range(position, STEPS):
+      assert not source.blocked_on_sync(step)
+      payloads = next(source)
+      steps.append([t for index in range(len(payloads)) for t in payloads[index]])
+      source.sync(step + 1, f"w{step + 1}")
+  finally:
+    source.close()
+  return steps, sampler
+
+
 @pytest.mark.engine
-def test_a_position_inside_a_generation_names_it_and_the_last_steps_checkpoint_carries_no_partial_batch():
-  """Checkpoints with in-flight updates (until a part-sampled generation can be carried): a position inside the
-  run falls inside batch k's generation (its later chunks need version k), which the source names
-  (``checkpoint_problem``) rather than wait for; the position after the last step carries nothing past the end
-  (batch 6 would need version 6, which no sync delivers), and is ready at once. Negative control: without
-  in-flight updates no position has a problem, and the last one carries batch 6, sampled whole on version 5."""
-  from orchestrator.loop.live_waits import LiveWaits, StoppedWithoutCheckpointError
+def test_a_checkpoint_inside_a_generation_carries_it_and_a_resume_there_samples_what_the_run_did():
+  """One call a batch of two micro-batches at staleness 1: batch k's four chunks sample with versions k-1, k-1,
+  k, k, so the position before step 3 cuts batch 3's generation after its second chunk, whose later chunks need
+  version 3, synced after that checkpoint. The checkpoint waits for the sampler to reach the cut and carries
+  the generation so far; a source restored there goes on from it (its first call resumed at chunk 2, on
+  version 3) and trains on what the uninterrupted source trained on, token versions and log-probs alike.
+  Without in-flight updates (negative control) nothing is cut and no generation is carried."""
+  whole, _ = _source(in_flight=True, per_call=2)
+  uninterrupted, _ = _train(whole)
 
   source, _ = _source(in_flight=True, per_call=2)
   try:
-    _train(source, close=False)
-    problem = source.checkpoint_problem(3)
-    assert problem.startswith("the position before step 3 falls inside the generation of step 3 (its decode"
-                              " chunks from 2 on sample with the weights of step 3 or newer")
-    assert source.checkpoint_problem(STEPS) is None
-    assert source.ready_to_checkpoint(STEPS, 1.0)
-    assert source.state_json({"next_step": STEPS})["sampled"] == []
-    waits = LiveWaits(source, lambda: "SIGTERM", grace_s=60.0, latest=lambda: ("no checkpoint was written", False))
-    start = time.monotonic()
-    with pytest.raises(StoppedWithoutCheckpointError, match="stopped by SIGTERM after step 2, but no checkpoint of"
-                                                            " it could be written: the position before step 3"):
-      waits.checkpoint(2, "SIGTERM")
-    assert time.monotonic() - start < 1.0  # at once, not after the grace
+    _train_until(source, 3)
+    state = _checkpoint(source, 3)
   finally:
     source.close()
+  assert [r["batch"] for r in state["sampled"]] == [3] and state["sampled"][0]["payloads"] == []
+  assert state["generation"]["next_chunk"] == 2 and state["generation"]["versions"] == [2] * 2 * CHUNK_TOKENS
+  resumed, sampler = _resumed(state, 3)
+  assert sampler.calls[0]["resumed_at"] == 2 and [v for v, _ in sampler.calls[0]["chunks"]] == [3, 3]
+  assert all(call["resumed_at"] is None for call in sampler.calls[1:])
+  for step, (again, before) in enumerate(zip(resumed, uninterrupted[3:]), start=3):
+    assert len(again) == len(before)
+    for t, u in zip(again, before):
+      np.testing.assert_array_equal(t.versions, u.versions)
+      np.testing.assert_array_equal(t.old_logprobs, u.old_logprobs)
+      np.testing.assert_array_equal(t.completion_ids, u.completion_ids)
+
   plain, _ = _source(in_flight=False, per_call=2)
   try:
-    _train(plain, close=False)
-    assert all(plain.checkpoint_problem(position) is None for position in range(STEPS + 1))
-    assert plain.ready_to_checkpoint(STEPS, 30.0)
-    assert [r["batch"] for r in plain.state_json({"next_step": STEPS})["sampled"]] == [STEPS]
+    _train_until(plain, 3)
+    assert "generation" not in _checkpoint(plain, 3)
   finally:
     plain.close()
+
+
+@pytest.mark.engine
+def test_a_restored_position_must_carry_the_generation_the_schedule_cuts():
+  """A checkpoint's position read back is held to the schedule: one that should carry the generation before chunk
+  2 and carries none, or one before another chunk, is refused in one line naming both; the one written passes."""
+  from orchestrator.contract import SourceStateError
+
+  source, _ = _source(in_flight=True, per_call=2)
+  try:
+    _train_until(source, 3)
+    state = _checkpoint(source, 3)
+  finally:
+    source.close()
+  generation = state["generation"]
+  for changed, says in (({k: v for k, v in state.items() if k != "generation"}, "carries no generation, where the"
+                         " schedule needs one before chunk 2 of a sampler call"),
+                        ({**state, "generation": {**generation, "next_chunk": 1}},
+                         "carries a generation before chunk 1, where the schedule needs one before chunk 2"),
+                        ({**state, "generation": {**generation, "call": {**generation["call"], "seed": 5}}},
+                         "carries a generation that was sampled with seed 5, not "),
+                        ({**state, "generation": {**generation, "versions": [1] * len(generation["versions"])}},
+                         "carries a generation that holds token versions \\[1, 1, 1, 1\\], where the schedule"
+                         " gives \\[2, 2, 2, 2\\]"),
+                        ({**state, "generation": {**generation, "done": generation["done"][:1]}},
+                         "carries a generation that holds \\[1, 4\\] rows of \\[4\\] tokens, where a call of"
+                         " this run samples 4 rows")):
+    restored, _ = _source(in_flight=True, per_call=2)
+    with pytest.raises(SourceStateError, match=says):
+      restored.set_state(changed)
+  restored, _ = _source(in_flight=True, per_call=2)
+  restored.set_state(state)
+
+
+@pytest.mark.engine
+def test_a_checkpoint_after_its_boundarys_sync_carries_the_generation_the_sampler_went_past():
+  """A stop while step 2 waits for its later micro-batches checkpoints the position before it after version 2's
+  sync (``LiveWaits.checkpoint`` of step 1), so the sampler may be past the cut: two steps a batch, one
+  micro-batch a call, batch 1's chunks on versions 0 to 2, cut before its third call's fourth chunk. The
+  checkpoint carries the batch's first two micro-batches and that call's generation as it was at the cut, and a
+  source restored there trains on what the uninterrupted source did."""
+  from orchestrator.loop.live_waits import LiveWaits
+
+  shape = {"batch_steps": 2, "per_call": 1}
+  whole, _ = _source(in_flight=True, **shape)
+  uninterrupted, _ = _train(whole)
+  source, _ = _source(in_flight=True, **shape)
+  try:
+    _train_until(source, 2)
+    source.sync(2, "w2")
+    next(source)  # step 2 taken: its later micro-batches are sampled with version 2 from here on
+    assert source.micro_batch_ready(3, 1, 30.0)  # the batch's last call sampled: the sampler is past the cut
+    waits = LiveWaits(source, lambda: "SIGTERM", grace_s=30.0, latest=lambda: ("no checkpoint was written", False))
+    waits.checkpoint(1, "SIGTERM")
+    state = json.loads(json.dumps(source.state_json({"kind": source.kind, "next_step": 2})))
+  finally:
+    source.close()
+  assert [len(r["payloads"]) for r in state["sampled"]] == [2] and state["generation"]["next_chunk"] == 3
+  resumed, sampler = _resumed(state, 2, **shape)
+  assert sampler.calls[0]["resumed_at"] == 3
+  for again, before in zip(resumed, uninterrupted[2:]):
+    for t, u in zip(again, before):
+      np.testing.assert_array_equal(t.versions, u.versions)
+      np.testing.assert_array_equal(t.old_logprobs, u.old_logprobs)
+
+
+@pytest.mark.engine
+def test_a_stop_inside_a_generation_writes_its_checkpoint_once_the_sampler_reaches_the_cut():
+  """A stop after step 2 (inside batch 3's generation) waits for the sampler to reach the cut, not the grace,
+  and the checkpoint carries the generation; the position after the last step carries nothing past the end that
+  a stop did not ask for."""
+  from orchestrator.loop.live_waits import LiveWaits
+
+  source, _ = _source(in_flight=True, per_call=2)
+  try:
+    _train_until(source, 3)
+    waits = LiveWaits(source, lambda: "SIGTERM", grace_s=60.0, latest=lambda: ("no checkpoint was written", False))
+    start = time.monotonic()
+    waits.checkpoint(2, "SIGTERM")
+    assert time.monotonic() - start < 30.0
+    assert source.state_json({"kind": source.kind, "next_step": 3})["generation"]["next_chunk"] == 2
+  finally:
+    source.close()
 
 
 @pytest.mark.engine
@@ -285,14 +423,12 @@ def test_a_wait_for_a_checkpoints_ask_is_not_a_pause_for_weights():
 
 
 @pytest.mark.engine
-def test_a_stop_inside_the_run_says_it_keeps_no_checkpoint_and_one_after_the_last_step_that_it_does():
-  """The line a stop prints promises a checkpoint only where one will be written (``RunHandle.stop_keeps``): not
-  while the position after the step in flight falls inside a generation; after the last step, and without
-  in-flight updates (negative control), it does."""
+def test_a_stop_inside_the_run_says_it_keeps_a_checkpoint_with_in_flight_updates_as_without():
+  """The line a stop prints promises a checkpoint wherever the position falls (``RunHandle.stop_keeps``): inside a
+  generation too, whose part sampled the checkpoint carries; the same with the key off."""
   from types import SimpleNamespace
 
   from orchestrator.app.run import RunHandle
-  from orchestrator.app.signals import STOP_KEEPS
 
   def keeps(source, steps_done: int) -> str:
     program = SimpleNamespace(worker=SimpleNamespace(capabilities=SimpleNamespace(can_checkpoint=True)),
@@ -303,9 +439,6 @@ def test_a_stop_inside_the_run_says_it_keeps_no_checkpoint_and_one_after_the_las
     source, _ = _source(in_flight=in_flight, per_call=2)
     try:
       _train(source, close=False)
-      expected = "inside a generation" if in_flight else "kept"
-      assert [keeps(source, done) for done in (1, 2, STEPS - 2)] == [expected] * 3
-      assert keeps(source, STEPS - 1) == "kept"  # the position after the last step: its checkpoint is written
+      assert [keeps(source, done) for done in (1, 2, STEPS - 2, STEPS - 1)] == ["kept"] * 4
     finally:
       source.close()
-  assert "without a checkpoint" in STOP_KEEPS["inside a generation"]

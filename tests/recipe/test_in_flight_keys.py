@@ -112,16 +112,11 @@ def test_decode_chunks_counts_the_chunks_of_a_generation(chunk, limit, chunks):
   assert (chunks - 1) * size < limit <= chunks * size
 
 
-@pytest.mark.parametrize("checkpoints, given", [("checkpoint.every=2", "checkpoint.every=2"),
-                                                ("checkpoint.scored_steps=[3]", "checkpoint.scored_steps=[3]")])
-def test_in_flight_updates_with_checkpoints_inside_the_run_are_refused(checkpoints, given):
-  """A checkpoint inside the run would have to carry a generation part-sampled, which the loop cannot carry yet.
-  Negative control: the same recipe without the checkpoints passes this check."""
-  base = [*FOUR_TOKEN_COMPLETIONS, "steps=8", "rollouts.in_flight_updates=true"]
-  refusal = _refusal(*base, checkpoints)
-  assert refusal.startswith(f"rollouts.in_flight_updates=true with {given}: a checkpoint inside the run would have"
-                            " to carry a generation part-sampled")
-  _resolves(*base)
+@pytest.mark.parametrize("checkpoints", ["checkpoint.every=2", "checkpoint.scored_steps=[3]"])
+def test_in_flight_updates_take_checkpoints_inside_the_run(checkpoints):
+  """A checkpoint inside the run carries the generation under way at its position (``RolloutPositions``), so
+  the recipe takes checkpoints there as any other."""
+  _resolves(*FOUR_TOKEN_COMPLETIONS, "steps=8", "rollouts.in_flight_updates=true", checkpoints)
 
 
 @pytest.mark.parametrize("where, refusal", [
