@@ -84,7 +84,7 @@ class PartialGeneration:
                  logprobs=[np.asarray(row, np.float32) for row in data["logprobs"]],
                  done=[bool(d) for d in data["done"]], versions=np.asarray(data["versions"], np.int64),
                  call=dict(data["call"]))
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError, OverflowError) as e:
       raise ValueError(f"a carried generation that does not read as one ({type(e).__name__}: {e})") from None
 
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from orchestrator.contract import SourceStateError
 from orchestrator.live.chunked_sampling import PartialGeneration
 from orchestrator.live.rollout_batches import BatchSchedule, SampledBatches
@@ -136,6 +138,10 @@ class RolloutPositions:
                 for _ in range(shape.decode_chunk_tokens)]
     if generation.versions.tolist() != versions:
       return f"holds token versions {generation.versions.tolist()}, where the schedule gives {versions}"
+    if any((row < 0).any() for row in generation.tokens):
+      return "holds a negative token id"
+    if not all(np.isfinite(row).all() and (row <= 0).all() for row in generation.logprobs):
+      return "holds a log-prob that is not a finite number <= 0"
     return None
 
   def _generation_at(self, cut: Cut) -> PartialGeneration | None:

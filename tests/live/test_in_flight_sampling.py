@@ -333,7 +333,8 @@ def test_a_checkpoint_inside_a_generation_carries_it_and_a_resume_there_samples_
 @pytest.mark.engine
 def test_a_restored_position_must_carry_the_generation_the_schedule_cuts():
   """A checkpoint's position read back is held to the schedule: one that should carry the generation before chunk
-  2 and carries none, or one before another chunk, is refused in one line naming both; the one written passes."""
+  2 and carries none, one before another chunk, or one of another seed, shape, versions or with values no
+  sampler gives, is refused in one line naming what differs; the one written passes."""
   from orchestrator.contract import SourceStateError
 
   source, _ = _source(in_flight=True, per_call=2)
@@ -354,7 +355,16 @@ def test_a_restored_position_must_carry_the_generation_the_schedule_cuts():
                          " gives \\[2, 2, 2, 2\\]"),
                         ({**state, "generation": {**generation, "done": generation["done"][:1]}},
                          "carries a generation that holds \\[1, 4\\] rows of \\[4\\] tokens, where a call of"
-                         " this run samples 4 rows")):
+                         " this run samples 4 rows"),
+                        ({**state, "generation": {**generation, "tokens": [[-1] + row[1:]
+                                                                            for row in generation["tokens"]]}},
+                         "carries a generation that holds a negative token id"),
+                        ({**state, "generation": {**generation, "logprobs": [[float("nan")] + row[1:]
+                                                                              for row in generation["logprobs"]]}},
+                         "carries a generation that holds a log-prob that is not a finite number <= 0"),
+                        ({**state, "generation": {**generation, "tokens": [[2**40] + row[1:]
+                                                                            for row in generation["tokens"]]}},
+                         "a carried generation that does not read as one \\(OverflowError")):
     restored, _ = _source(in_flight=True, per_call=2)
     with pytest.raises(SourceStateError, match=says):
       restored.set_state(changed)
