@@ -2,6 +2,7 @@
 modes, in interleaved rounds.
 
     python -m orchestrator.bench.saving [--rounds 3] [--steps 300] [--variants default sampler_paced]
+        [--modes off pipelined ...] [--set KEY=VALUE ...] [--out DIR]
 
 Each arm is ``run_rl`` in a fresh process: the default recipe with the variant's overrides and the mode's
 switches (``MODE_FLAGS``), the modes in a rotated order each round. The variants:
@@ -21,12 +22,17 @@ variant, two measures of what staging saves per step, each with its 95 % interva
 - *A/B*: step seconds of the PIPELINED runs against those of the STAGE_BEFORE_UPDATE runs' steps that follow a
   staged boundary (each step carries one boundary's effect, so the difference per step is the same saving);
 
-and whether the two intervals overlap (they measure one thing two ways). Then one JSON object.
+and whether the two intervals overlap (they measure one thing two ways). Per STAGE_BEFORE_UPDATE run, what its
+policy decided on its own controls: the mode it ended in, and each turn of staging off (the rule, the step, the
+policy's reason). ``--set`` adds recipe overrides to every arm: ``--set step_boundary.wait_threshold_s=0`` pins
+the low-wait rule off, so only the controls' measured saving can turn staging off (design.md §6). Then one JSON
+object.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import subprocess
@@ -36,6 +42,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+from orchestrator import recipe as recipe_lib
 from policies.saving import boundary_sample, welch_interval
 
 #: Each mode's switches on the ``run_rl`` command line.
@@ -53,10 +60,10 @@ VARIANTS = {"default": [], "sampler_paced": SAMPLER_PACED}
 
 
 def run_arm(variant: str, mode: str, steps: int | None, out: Path, timeout_s: float,
-            arguments: list[str] | None = None) -> dict:
+            arguments: list[str] | None = None, overrides: list[str] = ()) -> dict:
   """One ``run_rl`` in a fresh process: its summary, its records and its wall seconds. ``arguments``: the
-  run's own (default: the variant's overrides of the default recipe)."""
-  arguments = VARIANTS[variant] if arguments is None else arguments
+  run's own (default: the variant's overrides of the default recipe); ``overrides`` follow them."""
+  arguments = [*(VARIANTS[variant] if arguments is None else arguments), *overrides]
   argv = [sys.executable, "-m", "orchestrator.app.cli", *arguments, *MODE_FLAGS[mode], "--out", str(out)]
   argv += ["--steps", str(steps)] if steps else []
   start = time.perf_counter()
@@ -120,8 +127,28 @@ def summarise(arms: list[dict]) -> dict:
              else control_measured.low <= a_b.high and a_b.low <= control_measured.high)
     out[variant] = {"modes": modes, "control_measured_saving_s": control_measured and control_measured.to_json(),
                     "a_b_saving_s": a_b and a_b.to_json(), "controls": len(controls), "staged": len(staged),
-                    "intervals_overlap": agree}
+                    "intervals_overlap": agree, "decisions": [decisions(a["summary"]) for a in before]}
   return out
+
+
+def decisions(summary: dict) -> dict:
+  """What one staged run's policy decided: the mode it ended in, each time staging turned off (the rule: the
+  controls' measured saving, ``saving_disable``, or the low-wait proxy, ``auto_disable``) with its step and
+  reason, and the run's own measured saving."""
+  offs = [{"rule": t["kind"], "step": t["step"], "reason": t.get("reason")}
+          for t in summary.get("transitions") or [] if t.get("kind") in ("saving_disable", "auto_disable")]
+  return {"final_mode": summary.get("final_mode"), "turned_off": offs,
+          "measured_saving": summary.get("measured_saving")}
+
+
+def override_problem(overrides: list[str]) -> str | None:
+  """Why ``--set``'s overrides cannot run (one line), or None: each is resolved on the default recipe here, so a
+  bad key or value stops the benchmark before its first run."""
+  try:
+    recipe_lib.resolve(None, env={}, overrides=list(overrides))
+  except recipe_lib.RecipeError as error:
+    return f"--set {' '.join(overrides)}: {error}"
+  return None
 
 
 def _ms(interval: dict | None) -> str:
@@ -143,6 +170,10 @@ def _print(summary: dict) -> None:
     print(f"saving per step, A/B (PIPELINED runs' steps against STAGE_BEFORE_UPDATE's after a staged boundary):"
           f" {_ms(figures['a_b_saving_s'])}")
     print(f"the two intervals overlap: {figures['intervals_overlap']}")
+    for k, run in enumerate(figures["decisions"]):
+      offs = "; ".join(f"{o['rule']} at step {o['step']}: {o['reason']}" for o in run["turned_off"])
+      print(f"stage_before_update run {k + 1}: ended {run['final_mode']}; "
+            + (f"staging turned off ({offs})" if offs else "staging never turned off"))
 
 
 def main(argv=None) -> int:
@@ -150,24 +181,35 @@ def main(argv=None) -> int:
   parser.add_argument("--rounds", type=int, default=3)
   parser.add_argument("--steps", type=int, default=None, help="steps per run (default: the recipe's)")
   parser.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), default=list(VARIANTS))
+  parser.add_argument("--modes", nargs="+", choices=list(MODE_FLAGS), default=list(MODE_FLAGS),
+                      help="the modes run each round (default: all four)")
+  parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
+                      help="recipe overrides for every arm, e.g. step_boundary.wait_threshold_s=0")
   parser.add_argument("--timeout-s", type=float, default=900.0, help="the longest one run may take")
+  parser.add_argument("--out", default=None,
+                      help="keep each run's directory under this new directory (default: deleted at the end)")
   args = parser.parse_args(argv)
   if args.rounds < 1 or (args.steps is not None and args.steps < 3):
     parser.error("--rounds must be >= 1 and --steps >= 3")
+  problem = override_problem(args.set)
+  if problem:
+    parser.error(problem)
   arms = []
-  modes = list(MODE_FLAGS)
-  with tempfile.TemporaryDirectory() as tmp:
+  modes = list(dict.fromkeys(args.modes))
+  if args.out is not None and Path(args.out).exists():
+    parser.error(f"--out {args.out} already exists; choose a new directory")
+  with contextlib.nullcontext(args.out) if args.out else tempfile.TemporaryDirectory() as tmp:
     for round_ in range(args.rounds):
       order = modes[round_ % len(modes):] + modes[:round_ % len(modes)]  # no mode always runs first
       for variant in args.variants:
         for mode in order:
           out = Path(tmp) / f"{round_}-{variant}-{mode}"
-          arms.append(run_arm(variant, mode, args.steps, out, args.timeout_s))
+          arms.append(run_arm(variant, mode, args.steps, out, args.timeout_s, overrides=args.set))
           print(f"[bench.saving] round {round_ + 1}/{args.rounds} {variant} {mode}: {arms[-1]['wall_s']:.1f} s",
                 file=sys.stderr, flush=True)
   summary = summarise(arms)
   _print(summary)
-  print(json.dumps({"rounds": args.rounds, "steps": args.steps, "variants": summary}))
+  print(json.dumps({"rounds": args.rounds, "steps": args.steps, "overrides": args.set, "variants": summary}))
   return 0
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from orchestrator import recipe as recipe_lib
 from orchestrator.app.cli import FLAG_KEYS
-from orchestrator.bench.saving import MODE_FLAGS, SAMPLER_PACED, summarise
+from orchestrator.bench.saving import MODE_FLAGS, SAMPLER_PACED, override_problem, summarise
 from policies import Mode
 
 pytestmark = pytest.mark.spec
@@ -77,3 +77,29 @@ def test_without_controls_the_control_measured_saving_is_missing_and_no_agreemen
   assert figures["control_measured_saving_s"] is None and figures["controls"] == 0
   assert figures["a_b_saving_s"] is not None and figures["intervals_overlap"] is None
   assert "step_ratio_to_off" not in figures["modes"]["pipelined"]  # no OFF run: no ratio
+
+
+def test_each_staged_run_s_own_decisions_are_reported_by_rule_and_step():
+  """A run whose controls turned staging off reports that rule and step; one that the wait proxy turned off, its
+  own; one that never turned off, none (the negative control)."""
+  saving_off = {"transition": {"step": 41, "from_mode": "stage_before_update", "to_mode": "pipelined",
+                               "kind": "saving_disable", "reason": "staging cost time"}}
+  runs = [_arm("stage_before_update", _records(20, mode="stage_before_update")) for _ in range(3)]
+  runs[0]["summary"] = {"final_state_digest": "d", "final_mode": "pipelined",
+                        "transitions": [saving_off["transition"]], "measured_saving": {"enough": True}}
+  runs[1]["summary"] = {"final_state_digest": "d", "final_mode": "pipelined", "transitions": [
+      {"step": 3, "kind": "auto_disable", "reason": "low waits"},
+      {"step": 30, "kind": "reprobe_enabled", "reason": "re-probe"}]}
+  runs[2]["summary"] = {"final_state_digest": "d", "final_mode": "stage_before_update", "transitions": []}
+  decisions = summarise(runs)["default"]["decisions"]
+  assert decisions[0]["turned_off"] == [{"rule": "saving_disable", "step": 41, "reason": "staging cost time"}]
+  assert decisions[0]["measured_saving"] == {"enough": True}
+  assert [o["rule"] for o in decisions[1]["turned_off"]] == ["auto_disable"]
+  assert decisions[2] == {"final_mode": "stage_before_update", "turned_off": [], "measured_saving": None}
+
+
+def test_an_override_the_recipe_refuses_stops_the_benchmark_before_any_run():
+  assert override_problem(["step_boundary.wait_threshold_s=0", "step_boundary.control_every=4"]) is None
+  problem = override_problem(["step_boundary.wait_threshold_s=-1"])
+  assert problem.startswith("--set step_boundary.wait_threshold_s=-1: ") and "\n" not in problem
+  assert "step_boundary.no_such_key" in override_problem(["step_boundary.no_such_key=1"])
