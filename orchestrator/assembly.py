@@ -186,7 +186,8 @@ def live_source(recipe: Recipe, *, steps: int | None = None):
                     stop=tuple(r.stop), advantage_scaling=r.advantage_scaling, **in_flight_shape(recipe))
   # Only process 0 writes a recording (launch._run_program): the others of a job keep no steps for one.
   record = bool(r.record_to) and jax.process_index() == 0
-  return LiveRollouts(sampler, task, shape, record=record, reward=recipe.task.make_reward(task), sampler_where=where)
+  return LiveRollouts(sampler, task, shape, record=record, reward=recipe.task.make_reward(task), sampler_where=where,
+                      on_trainer_devices=local and kind == "shared")
 
 
 def in_flight_shape(recipe: Recipe) -> dict[str, Any]:

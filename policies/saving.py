@@ -189,10 +189,15 @@ def boundary_sample(before: Any, record: Any, after: Any) -> BoundarySample | No
 def boundary_span(before: Any, record: Any, after: Any) -> BoundarySample | None:
   """What the boundary after ``record``'s step measured, whatever it did (an A/B between runs compares these):
   None where a time is not known, a step's times do not count from the update before it, or a step of the span
-  waited for an evaluation (``eval_s``: one at the boundary before it), which staging does not change."""
+  held work staging does not change: it waited for an evaluation (``eval_s``: one at the boundary before it), or
+  a sampling call ran on the trainer's devices (``sampling_on_trainer_devices_s`` > 0: a shared placement's
+  sampler, whose generation lands in whichever steps it overlaps, so a span holding one is slower whatever its
+  boundary did, and where the controls fall would decide how many of them hold one)."""
   if not (_continues(before, record) and _continues(record, after)):
     return None
   if getattr(before, "eval_s", None) is not None or getattr(record, "eval_s", None) is not None:
+    return None
+  if any(getattr(r, "sampling_on_trainer_devices_s", None) for r in (record, after)):
     return None
   if record.boundary_idle_s is None:
     return None

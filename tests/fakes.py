@@ -195,6 +195,9 @@ class StuckLiveSource:
   def check(self):
     pass
 
+  def sampling_on_trainer_devices_s(self, start, end):
+    return None
+
   def evaluate(self, weights, version, prompts, *, pass_k=0, stop=None):
     return HeldOutScore(accuracy=0.0)
 

@@ -194,6 +194,14 @@ class LiveSource(Protocol):
     """Raises the sampling thread's error, if it failed (the program calls it at every boundary)."""
     ...
 
+  def sampling_on_trainer_devices_s(self, start: float, end: float) -> float | None:
+    """The seconds of [``start``, ``end``] (``time.perf_counter``'s clock) in which a sampling call ran on the
+    trainer's own devices, a call still running counted up to now; None where the sampler computes elsewhere
+    (its own process, its own devices, a remote trainer's driver). A step that holds such a call holds work
+    of the sampler's that no boundary mode changes: the measured saving leaves its span out
+    (``policies.saving.boundary_span``). Must not block on the sampling thread's work."""
+    ...
+
   def evaluate(self, weights: Any, version: int, prompts: int, *, pass_k: int = 0,
                stop: Callable[[], Any] | None = None) -> HeldOutScore | None:
     """Greedy accuracy of ``weights`` on ``prompts`` held-out prompts, and with ``pass_k`` pass@k over that many

@@ -14,6 +14,7 @@ thread's ``error`` and ``closed``.
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
@@ -26,6 +27,41 @@ from orchestrator.live.weight_versions import WeightVersions
 from orchestrator.tasks.rewards import CallCancelled
 
 log = logging.getLogger("step_boundary.rollouts")
+
+#: The sampling calls whose spans are kept: enough to cover the steps a record can still ask about (the latest),
+#: with the sampler ahead by up to a few batches of one-micro-batch calls.
+KEPT_CALL_SPANS = 1024
+
+
+class SamplingSpans:
+  """When the sampling thread's calls ran (``time.perf_counter``): the spans of the last ``KEPT_CALL_SPANS`` and
+  the start of the one running. Its own lock, held only to read or write them, so the step loop asking never
+  waits for a call."""
+
+  def __init__(self, clock=time.perf_counter):
+    self._clock = clock
+    self._lock = threading.Lock()
+    self._done: collections.deque[tuple[float, float]] = collections.deque(maxlen=KEPT_CALL_SPANS)
+    self._running: float | None = None
+
+  def begin(self) -> float:
+    with self._lock:
+      self._running = self._clock()
+      return self._running
+
+  def end(self) -> float:
+    with self._lock:
+      ended = self._clock()
+      if self._running is not None:
+        self._done.append((self._running, ended))
+      self._running = None
+      return ended
+
+  def seconds_within(self, start: float, end: float) -> float:
+    """The seconds of [``start``, ``end``] during which a call ran (the running one up to now)."""
+    with self._lock:
+      spans = list(self._done) + ([] if self._running is None else [(self._running, self._clock())])
+    return sum(max(0.0, min(end, b) - max(start, a)) for a, b in spans)
 
 
 class RolloutThread:
@@ -51,6 +87,7 @@ class RolloutThread:
     error: what the sampling failed with (None: it did not), naming the batch; under the condition.
     closed: ``close`` was called; under the condition.
     thread: the thread (None before ``start``).
+    spans: when its sampling calls ran (``SamplingSpans``; its own lock, not the condition).
   """
 
   def __init__(self, shared: SharedSampler, shape, schedule: BatchSchedule, cond: threading.Condition,
@@ -64,6 +101,7 @@ class RolloutThread:
     self.error: BaseException | None = None
     self.closed = False
     self.thread: threading.Thread | None = None
+    self.spans = SamplingSpans()
 
   def start(self) -> None:
     """Starts the thread, once."""
@@ -129,7 +167,12 @@ class RolloutThread:
     def weights_for_chunk(chunk: int):
       version = versions[chunk]
       with self._cond:
+        waiting = not self._versions.available(version)
+        if waiting:  # the call computes nothing while it waits for its weights
+          self.spans.end()
         paused_s.append(self._wait_for_version(version))
+        if waiting:
+          self.spans.begin()
         if self.closed:
           raise ClosedWhileWaiting(version)
         return version, self._versions.take(version)
@@ -156,13 +199,16 @@ class RolloutThread:
           weights = None if cut else self._versions.take(version)
         per_call = self._shape.micro_batches_per_call
         for first in range(resume_at, self._shape.micro_batches_per_batch, per_call):  # in pass 0's training order
-          start = time.perf_counter()
+          start = self.spans.begin()
           paused_s = [batch_wait_s] if first == resume_at else []  # the sampler's waits for weights, this call's
           chunked = ({} if not self._schedule.in_flight_updates
                      else self._chunked(batch, first, paused_s, resume_from if first == resume_at else None))
-          sampled = self._shared.sample_micro_batches(batch, first, per_call, version, weights,
-                                                      cancelled=lambda: self.closed, **chunked)
-          seconds = (time.perf_counter() - start) / per_call  # each micro-batch's share of the call
+          try:
+            sampled = self._shared.sample_micro_batches(batch, first, per_call, version, weights,
+                                                        cancelled=lambda: self.closed, **chunked)
+          finally:
+            ended = self.spans.end()
+          seconds = (ended - start) / per_call  # each micro-batch's share of the call
           sync_wait_s = sum(paused_s) / per_call  # and of the sampler's waits for weights before and inside it
           with self._cond:  # each published when its call is done
             for one in sampled:

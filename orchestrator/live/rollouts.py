@@ -127,10 +127,11 @@ class LiveRollouts:
   kind = "live"
 
   def __init__(self, sampler: LiveSampler, task, shape: LiveShape, *, record: bool = False,
-               reward: Reward | None = None, sampler_where: str | None = None):
+               reward: Reward | None = None, sampler_where: str | None = None, on_trainer_devices: bool = False):
     self._shared = SharedSampler(sampler, task, reward if reward is not None else task_reward(task), shape)
     self._evaluations = HeldOutEvaluations(self._shared, task, shape)
     self.sampler_where = sampler_where  # where the sampler runs and why, in words (the run's opening line)
+    self.on_trainer_devices = on_trainer_devices  # the sampler computes on the trainer's devices (shared)
     self.shape = shape
     self._cond = threading.Condition()
     self._schedule = shape.schedule
@@ -285,6 +286,12 @@ class LiveRollouts:
     """Raises the rollout thread's error, if it failed (the program checks at every boundary)."""
     with self._cond:
       self._raise_error()
+
+  def sampling_on_trainer_devices_s(self, start: float, end: float) -> float | None:
+    """The seconds of [``start``, ``end``] the sampling thread's calls ran, where the sampler computes on the
+    trainer's devices (``on_trainer_devices``); None elsewhere. Evaluations are not counted: a step that waited
+    for one is left out of the measured saving by its own field (``eval_s``)."""
+    return self._sampling.spans.seconds_within(start, end) if self.on_trainer_devices else None
 
   def _raise_error(self) -> None:
     error = self._sampling.error

@@ -210,8 +210,11 @@ class RLProgram:
                          local_stops=self.agreement.num_processes == 1)
     self.source, self.live = self.feed.source, self.feed.live
     self.clock = clock
+    # the sampler's call spans are on perf_counter's time: a program on another clock (a test's) cannot ask
+    on_devices = (self.live.sampling_on_trainer_devices_s
+                  if self.live is not None and clock is time.perf_counter else None)
     self.recorder = Recorder(clock, config.micro_batches_per_step, config.out_dir, on_step,
-                             previous_records=previous_records)
+                             previous_records=previous_records, sampling_on_devices=on_devices)
     self.policy_inputs = PolicyInputs(policy, worker, self.recorder, self.agreement,
                                       micro_batches_per_step=config.micro_batches_per_step)
     self.work = BoundaryWork(worker=worker, recorder=self.recorder, clock=clock, weight_sync=weight_sync,

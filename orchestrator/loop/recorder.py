@@ -174,6 +174,10 @@ class BoundaryRecord:
   # A live source: the seconds the sampler waited for a version's weight sync over the calls that sampled the
   # step's rollouts, before a batch and with in-flight updates between decode chunks (RolloutStats).
   sampler_sync_wait_s: float | None = None
+  # A live source whose sampler computes on the trainer's devices (``rollouts.placement: shared``): the seconds of
+  # the step (from the update before it to its own) in which a sampling call ran there, work no boundary mode
+  # changes; None where the sampler computes elsewhere (LiveSource.sampling_on_trainer_devices_s).
+  sampling_on_trainer_devices_s: float | None = None
 
   def to_json(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
@@ -242,12 +246,16 @@ class Recorder:
     micro_batches_per_step: M.
     out_dir: where ``records.jsonl`` and ``trace.json`` go (None: not written).
     on_record: called with each finished record (progress display).
+    sampling_on_devices: a live source's ``sampling_on_trainer_devices_s`` (on ``clock``'s time), which each
+      record asks about its step's span; None: no source samples on the trainer's devices.
   """
 
   def __init__(self, clock: Callable[[], float], micro_batches_per_step: int, out_dir: str | None = None,
                on_record: Callable[[BoundaryRecord], None] | None = None, *,
-               previous_records: Sequence[BoundaryRecord] = ()):
+               previous_records: Sequence[BoundaryRecord] = (),
+               sampling_on_devices: Callable[[float, float], float | None] | None = None):
     self.clock = clock
+    self._sampling_on_devices = sampling_on_devices
     self.m = micro_batches_per_step
     self.out_dir = Path(out_dir) if out_dir else None
     self.on_record = on_record
@@ -389,6 +397,8 @@ class Recorder:
         eval_accuracy=spans.get("eval_accuracy"), eval_pass_at_k=spans.get("eval_pass_at_k"),
         eval_s=spans.get("eval_s"), device_peak_bytes=metrics.device_peak_bytes, compiles=metrics.compiles,
         model_flops=metrics.model_flops, mfu=_mfu(metrics, update_ready - step_start), ppo_kl=metrics.ppo_kl,
+        sampling_on_trainer_devices_s=(None if self._sampling_on_devices is None
+                                       else self._sampling_on_devices(step_start, update_ready)),
     )
 
   def sync_records(self) -> None:

@@ -469,6 +469,8 @@ def test_run_rl_end_to_end_on_the_tiny_preset(tmp_path):
   assert "; devices: " in opening and " × cpu, the mesh uses 1; JAX " in opening, opening
   records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
   assert [r["step"] for r in records] == [0, 1, 2, 3]
+  # the sampler in a process of its own computes on none of the trainer's devices: no step's span is left out
+  assert all(r["sampling_on_trainer_devices_s"] is None for r in records)
   summary = json.loads((out / "summary.json").read_text())
   assert summary["final_state_digest"] in proc.stdout
   startup = summary["startup_s"]  # seconds from the process's start, phase by phase (live: first rollouts too)

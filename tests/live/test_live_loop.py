@@ -356,6 +356,10 @@ def test_run_rl_runs_the_live_loop_and_resumes_it_exactly(tmp_path, monkeypatch)
   assert (run / "reward.png").is_file()
   records = [json.loads(line) for line in (run / "records.jsonl").read_text().splitlines()]
   assert all(r["reward_mean"] is not None and r["weights_version"] == max(0, r["step"] - 1) for r in records)
+  # The sampler shares the trainer's devices: each step says how long it sampled there (the measured saving
+  # leaves those spans out); one step at least waited for its rollouts, so a call ran inside it.
+  on_devices = [r["sampling_on_trainer_devices_s"] for r in records]
+  assert all(s is not None and s >= 0 for s in on_devices) and max(on_devices) > 0
   shutil.rmtree(run / "checkpoints" / "4")
   assert cli.main(["--resume", str(run)]) == 0
   again = json.loads((run_dir.latest_segment(run) / "summary.json").read_text())

@@ -688,3 +688,25 @@ def test_a_micro_batch_is_sampled_with_the_run_s_settings_and_each_problem_s_own
   assert limited == dict(seed=limited["seed"], temperature=1.0, top_p=0.9, top_k=5, stop=("|",),
                          max_new_tokens=[1, 1, 2, 2])  # per prompt of two groups of two
   assert plain == dict(seed=plain["seed"], temperature=1.0, top_p=1.0, top_k=0, stop=(), max_new_tokens=None)
+
+
+@pytest.mark.engine
+def test_the_sampling_calls_spans_give_the_seconds_of_a_window_they_ran_in():
+  """Each finished call's span counts where it overlaps the window, the running call up to now, a wait for
+  weights inside a call (``end`` then ``begin``) not at all; a window the calls missed gets 0.0."""
+  from orchestrator.live.rollout_thread import SamplingSpans
+
+  now = [0.0]
+  spans = SamplingSpans(clock=lambda: now[0])
+  for start, end in ((1.0, 2.0), (3.0, 3.5), (4.5, 5.0)):  # the third: a call resumed after a wait at 3.5-4.5
+    now[0] = start
+    spans.begin()
+    now[0] = end
+    spans.end()
+  now[0] = 6.0
+  spans.begin()
+  now[0] = 6.25
+  assert spans.seconds_within(0.0, 1.0) == 0.0 and spans.seconds_within(2.0, 3.0) == 0.0
+  assert spans.seconds_within(1.5, 3.25) == pytest.approx(0.75)
+  assert spans.seconds_within(3.0, 5.0) == pytest.approx(1.0)  # the wait between 3.5 and 4.5 not counted
+  assert spans.seconds_within(5.5, 7.0) == pytest.approx(0.25)  # the running call, up to now
