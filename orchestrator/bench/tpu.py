@@ -21,7 +21,14 @@ Without ``--only`` or ``--all`` it runs ``DEFAULT_CHECKS``, about ten minutes:
   the share of boundaries staged before the update and the saving the run measured on its own controls;
 * ``tunix_grpo``: ``python -m orchestrator.bench.tunix_grpo`` on the accelerator, stock Tunix GRPO and the
   add-on alternating, four optimizer steps a global step on one mesh (the split layout needs a second device);
-* ``accelerator``: ``python -m orchestrator.bench.accelerator`` at its small preset.
+* ``accelerator``: ``python -m orchestrator.bench.accelerator`` at its small preset;
+* ``saving_rule``: ``python -m orchestrator.bench.saving`` on the default recipe, PIPELINED and
+  STAGE_BEFORE_UPDATE twice each, with the low-wait rule pinned off (``step_boundary.wait_threshold_s=0``) and a
+  control every 4th boundary, so the only rule that can turn staging off is the one on the controls' measured
+  saving: what it decided on the chip, against the A/B between the runs;
+* ``startup_cache`` and ``startup``: ``python -m orchestrator.bench.startup``, the peer benchmark (``run_rl``,
+  ``run_rl`` at staleness 0 and stock Tunix GRPO set up alike), a short round that fills the compilation cache,
+  then two rounds of 100 steps.
 
 For each: the command, its exit code and seconds, the last lines it printed, and
 from the run's ``summary.json`` and records the figures docs/benchmarks.md quotes
@@ -87,6 +94,16 @@ CHECKS = {
                     "--global-steps", "8", "--repeats", "2"], 0.25),
     "accelerator": (["-m", "orchestrator.bench.accelerator", "--minutes", "{minutes}",
                      "--out", "{dir}/accelerator.json"], 0.18),
+    # the default run is host-bound on the chip, so the low-wait rule turns staging off after two stages; pinned
+    # off, only the controls' measured saving can (four runs of 300 steps)
+    "saving_rule": (["-m", "orchestrator.bench.saving", "--rounds", "2", "--variants", "default", "--modes",
+                     "pipelined", "stage_before_update", "--set", "step_boundary.wait_threshold_s=0",
+                     "step_boundary.control_every=4", "--out", "{dir}/saving_rule"], 0.40),
+    # every arm reaches the reward by step 74 on the chip (2026-12-07): 100 steps, after a round that compiles
+    "startup_cache": (["-m", "orchestrator.bench.startup", "--rounds", "1", "--steps", "24", "--arms",
+                       "run_rl,tunix"], 0.15),
+    "startup": (["-m", "orchestrator.bench.startup", "--rounds", "2", "--steps", "100", "--arms",
+                 "run_rl,run_rl_sync,tunix"], 0.45),
 }
 #: What a run without ``--only`` or ``--all`` checks, in about ten minutes on a fresh TPU v5e host (measured: 60,
 #: 30, 100 and 165 s for the first four, and bench.accelerator what is left). The MoE rig (six minutes of compiling
