@@ -845,8 +845,8 @@ def check_in_flight(recipe: Recipe, completion_limit_tokens: int) -> None:
     raise RecipeError("rollouts.in_flight_updates=true switches weights inside a generation, but"
                       " engine.router_replay=true records each sequence's experts with the one set of weights"
                       " that sampled it; drop one of the two")
-  # The sampling thread takes them where the sampler is in the trainer's process (shared placement, a local
-  # trainer, one process); elsewhere the sampler's calls are not chunked yet, and a key that changed nothing
+  # The sampling thread takes them where the sampler is in the trainer's process (shared or split placement, a
+  # local trainer, one process); elsewhere the sampler's calls are not chunked yet, and a key that changed nothing
   # would be a silent no-op. ``auto`` is decided where the devices are known (assembly.live_source).
   if recipe.trainer.location == "remote":
     raise RecipeError("rollouts.in_flight_updates=true is taken with a trainer in this process only, but"
@@ -856,10 +856,9 @@ def check_in_flight(recipe: Recipe, completion_limit_tokens: int) -> None:
     raise RecipeError("rollouts.in_flight_updates=true is taken by a job of one process only: in a job of several"
                       " each process's sampler would have to take a version at the same chunk, which is not"
                       " wired yet; drop rollouts.in_flight_updates, or run one process")
-  if r.placement in ("process", "split"):
-    where = ("samples in a process of its own, whose calls are not chunked yet" if r.placement == "process"
-             else "samples on devices of its own, whose chunked calls are not wired yet")
-    raise RecipeError(f"rollouts.in_flight_updates=true is taken by the sampler in the trainer's process"
-                      f" (rollouts.placement=shared) only, but rollouts.placement={r.placement} {where}; set"
-                      " rollouts.placement=shared, or drop rollouts.in_flight_updates")
+  if r.placement == "process":
+    raise RecipeError("rollouts.in_flight_updates=true is taken by a sampler in the trainer's process"
+                      " (rollouts.placement=shared or split) only, but rollouts.placement=process samples in a"
+                      " process of its own, whose calls are not chunked yet; set rollouts.placement=shared or"
+                      " split, or drop rollouts.in_flight_updates")
 

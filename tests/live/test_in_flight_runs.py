@@ -2,7 +2,8 @@
 function of its recipe (twice, in every step-boundary mode and with evaluations between chunks, one digest), its
 records show the versions changing inside a generation exactly where the schedule says (and not where it says one
 version) and the sampler's pauses for a sync, the key off is the run without it, a resume from a checkpoint
-inside a generation reaches the uninterrupted digest, and an extension the digest of a longer run."""
+inside a generation reaches the uninterrupted digest, an extension the digest of a longer run, and a sampler on
+devices of its own (split) the digest of one on the trainer's."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 
 from orchestrator.app import cli
 from orchestrator.live.rollout_batches import BatchSchedule
+from tests.conftest import run_child
 
 pytestmark = pytest.mark.e2e
 
@@ -128,3 +130,23 @@ def test_an_in_flight_run_extended_from_its_last_checkpoint_trains_like_a_longer
   assert cli.main(["--resume", str(run), "--steps", str(STEPS + 2)]) == 0
   assert _latest(run) != run and _digest(run) == _digest(longer)
   assert [r["step"] for r in _records(_latest(run))] == [STEPS, STEPS + 1]
+
+
+def test_a_sampler_on_devices_of_its_own_takes_in_flight_updates_to_the_same_digest(runs, tmp_path):
+  """``rollouts.placement=split`` (a child with two forced host devices: the trainer on the first, the sampler on
+  the second): each version is copied onto the sampler's device at its sync and reaches the generation under way
+  between chunks exactly as with the sampler on the trainer's device, so the run reaches the shared run's digest
+  with the same versions per token; its records say the copy ran and that no sampling ran on the trainer's
+  device."""
+  out = tmp_path / "split"
+  code = (f"import sys\nfrom orchestrator.app import cli\n"
+          f"assert cli.main({[*RUN, *IN_FLIGHT, 'rollouts.placement=split', '--out', str(out)]!r}) == 0\n"
+          "print('CHILD-OK')\n")
+  run_child(code, devices=2)
+  assert _digest(out) == _digest(runs["STAGE_BEFORE_UPDATE"])
+  records = _records(out)
+  assert [(r["token_version_min"], r["token_version_max"]) for r in records] == [
+      (r["token_version_min"], r["token_version_max"]) for r in _records(runs["STAGE_BEFORE_UPDATE"])]
+  assert all(r["weight_transfer_s"] is not None for r in records[:-1])
+  assert all(r["sampling_on_trainer_devices_s"] is None for r in records)
+  assert all(r["sampling_on_trainer_devices_s"] is not None for r in _records(runs["STAGE_BEFORE_UPDATE"]))
