@@ -38,6 +38,7 @@ TIERS = ("spec", "engine", "e2e")
 LONGEST_FIRST = (
     "tests/distributed/test_distributed.py", "tests/app/test_resume.py", "tests/engine/test_hf_checkpoint.py",
     "tests/remote/test_remote.py", "tests/live/test_live_loop.py", "tests/app/test_cli.py",
+    "tests/distributed/test_in_flight_job.py",
     "tests/live/test_batch_steps.py", "tests/remote/test_families_on_a_mesh.py",
     "tests/policies/test_boundary_model.py", "tests/remote/test_live_remote.py", "tests/live/test_grpo_options.py",
     "tests/live/test_evaluations.py", "tests/app/test_run_dir.py", "tests/loop/test_metrics_log.py",

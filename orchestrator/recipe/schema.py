@@ -846,16 +846,12 @@ def check_in_flight(recipe: Recipe, completion_limit_tokens: int) -> None:
                       " engine.router_replay=true records each sequence's experts with the one set of weights"
                       " that sampled it; drop one of the two")
   # The sampling thread takes them where the sampler is in the trainer's process (shared or split placement, a
-  # local trainer, one process); elsewhere the sampler's calls are not chunked yet, and a key that changed nothing
+  # local trainer; in a job, each process's at the chunk the schedule gives); elsewhere the sampler's calls are not chunked yet, and a key that changed nothing
   # would be a silent no-op. ``auto`` is decided where the devices are known (assembly.live_source).
   if recipe.trainer.location == "remote":
     raise RecipeError("rollouts.in_flight_updates=true is taken with a trainer in this process only, but"
                       " trainer.location=remote trains in another, whose weight syncs are not wired to a"
                       " generation under way yet; set trainer.location=local, or drop rollouts.in_flight_updates")
-  if recipe.distributed.enabled:
-    raise RecipeError("rollouts.in_flight_updates=true is taken by a job of one process only: in a job of several"
-                      " each process's sampler would have to take a version at the same chunk, which is not"
-                      " wired yet; drop rollouts.in_flight_updates, or run one process")
   if r.placement == "process":
     raise RecipeError("rollouts.in_flight_updates=true is taken by a sampler in the trainer's process"
                       " (rollouts.placement=shared or split) only, but rollouts.placement=process samples in a"

@@ -124,14 +124,15 @@ def test_in_flight_updates_take_checkpoints_inside_the_run(checkpoints):
                                      " are not chunked yet; set rollouts.placement=shared or split"),
     (["trainer.location=remote", "trainer.address=localhost:5000"],
      "is taken with a trainer in this process only, but trainer.location=remote trains in another"),
-    (["distributed.num_processes=2"], "is taken by a job of one process only"),
 ])
 def test_in_flight_updates_elsewhere_than_in_the_trainers_process_are_refused(where, refusal):
-  """The sampling thread takes them with the sampler in the trainer's process (one process, a local trainer), on
-  the trainer's devices or its own; each other place is refused naming itself. Negative control: the shared and
-  split placements (and auto, decided where the devices are known) resolve."""
+  """The sampling thread takes them with the sampler in the trainer's process (a local trainer), on the trainer's
+  devices or its own, in a job of one process or several; each other place is refused naming itself. Negative
+  control: the shared and split placements, a job of two (and auto, decided where the devices are known)
+  resolve."""
   base = [*FOUR_TOKEN_COMPLETIONS, "rollouts.in_flight_updates=true"]
   assert refusal in _refusal(*base, *where)
   assert _resolves(*base, "rollouts.placement=shared").rollouts.placement == "shared"
   assert _resolves(*base, "rollouts.placement=split").rollouts.placement == "split"
+  assert _resolves(*base, "distributed.num_processes=2", "mesh.fsdp=2").distributed.num_processes == 2
   _resolves(*base, "rollouts.placement=auto")
