@@ -1,9 +1,9 @@
-"""In-flight weight updates end to end (``run_rl`` on the tiny model, the sampler in the trainer's process): a run is a
+"""In-flight weight updates end to end (``run_rl`` on the tiny model, the sampler in the loop's process): a run is a
 function of its recipe (twice, in every step-boundary mode and with evaluations between chunks, one digest), its
 records show the versions changing inside a generation exactly where the schedule says (and not where it says one
 version) and the sampler's pauses for a sync, the key off is the run without it, a resume from a checkpoint
 inside a generation reaches the uninterrupted digest, an extension the digest of a longer run, and a sampler on
-devices of its own (split) the digest of one on the trainer's."""
+devices of its own (split) and a remote trainer the digest of the sampler and trainer in one process."""
 
 from __future__ import annotations
 
@@ -150,3 +150,15 @@ def test_a_sampler_on_devices_of_its_own_takes_in_flight_updates_to_the_same_dig
   assert all(r["weight_transfer_s"] is not None for r in records[:-1])
   assert all(r["sampling_on_trainer_devices_s"] is None for r in records)
   assert all(r["sampling_on_trainer_devices_s"] is not None for r in _records(runs["STAGE_BEFORE_UPDATE"]))
+
+
+def test_a_remote_trainer_s_versions_reach_the_generation_under_way_to_the_local_digest(runs, tmp_path):
+  """``trainer.location=remote`` (a spawned trainer behind gRPC): each version comes over the wire at the sync
+  and reaches the driver's generation under way between chunks, as a local trainer's does: the local run's
+  digest and token versions, and every sync's wire bytes recorded (none in the local run)."""
+  out = _run(tmp_path / "remote", *IN_FLIGHT, "trainer.location=remote", "trainer.spawn=true")
+  assert _digest(out) == _digest(runs["STAGE_BEFORE_UPDATE"])
+  records, local = _records(out), _records(runs["STAGE_BEFORE_UPDATE"])
+  assert [(r["token_version_min"], r["token_version_max"]) for r in records] == [
+      (r["token_version_min"], r["token_version_max"]) for r in local]
+  assert all(r["weight_sync_wire_bytes"] for r in records) and not any(r["weight_sync_wire_bytes"] for r in local)

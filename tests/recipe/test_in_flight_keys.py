@@ -119,20 +119,16 @@ def test_in_flight_updates_take_checkpoints_inside_the_run(checkpoints):
   _resolves(*FOUR_TOKEN_COMPLETIONS, "steps=8", "rollouts.in_flight_updates=true", checkpoints)
 
 
-@pytest.mark.parametrize("where, refusal", [
-    (["rollouts.placement=process"], "but rollouts.placement=process samples in a process of its own, whose calls"
-                                     " are not chunked yet; set rollouts.placement=shared or split"),
-    (["trainer.location=remote", "trainer.address=localhost:5000"],
-     "is taken with a trainer in this process only, but trainer.location=remote trains in another"),
-])
-def test_in_flight_updates_elsewhere_than_in_the_trainers_process_are_refused(where, refusal):
-  """The sampling thread takes them with the sampler in the trainer's process (a local trainer), on the trainer's
-  devices or its own, in a job of one process or several; each other place is refused naming itself. Negative
-  control: the shared and split placements, a job of two (and auto, decided where the devices are known)
-  resolve."""
+def test_in_flight_updates_with_a_sampler_in_a_process_of_its_own_are_refused():
+  """The sampling thread takes them with the sampler in the process that runs the loop, on the trainer's devices or
+  its own, beside a local or a remote trainer, in a job of one process or several; a sampler in a process of its
+  own is refused naming itself. Negative control: the shared and split placements, a remote trainer, a job of two
+  (and auto, decided where the devices are known) resolve."""
   base = [*FOUR_TOKEN_COMPLETIONS, "rollouts.in_flight_updates=true"]
-  assert refusal in _refusal(*base, *where)
+  assert ("but rollouts.placement=process samples in a process of its own, whose calls are not chunked yet; set"
+          " rollouts.placement=shared or split") in _refusal(*base, "rollouts.placement=process")
   assert _resolves(*base, "rollouts.placement=shared").rollouts.placement == "shared"
   assert _resolves(*base, "rollouts.placement=split").rollouts.placement == "split"
   assert _resolves(*base, "distributed.num_processes=2", "mesh.fsdp=2").distributed.num_processes == 2
+  assert _resolves(*base, "trainer.location=remote", "trainer.address=localhost:5000").trainer.location == "remote"
   _resolves(*base, "rollouts.placement=auto")
