@@ -159,10 +159,6 @@ def live_source(recipe: Recipe, *, steps: int | None = None):
   local = recipe.trainer.location == "local"
   kind, where = choose_placement(r.placement, platform=jax.default_backend(), processes=jax.process_count(),
                                  trainer_local=local)
-  if r.in_flight_updates and kind == "process":  # the recipe refuses an explicit one; auto is decided here
-    raise RecipeError(f"rollouts.in_flight_updates=true is taken by a sampler in the loop's process"
-                      f" (rollouts.placement=shared or split) only, but rollouts.placement={r.placement} puts it"
-                      f" {where}; set rollouts.placement=shared or split, or drop rollouts.in_flight_updates")
   placement = None
   if local:  # a remote trainer's driver samples on its own default device
     try:

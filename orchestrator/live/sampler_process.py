@@ -29,7 +29,7 @@ import multiprocessing
 import pickle
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -117,11 +117,71 @@ class SamplerProcess:
 
   def sample(self, prompts: Sequence[str], *, seed: int, temperature: float = 1.0, top_p: float = 1.0,
              top_k: int = 0, stop: Sequence[str] = (),
-             max_new_tokens: Sequence[int | None] | None = None) -> Samples:
-    """``LiveSampler.sample`` in the child; the samples carry this side's ``weights_version``."""
-    samples = self._request("sample", list(prompts), int(seed), float(temperature), float(top_p), int(top_k),
-                            tuple(stop), None if max_new_tokens is None else list(max_new_tokens))
+             max_new_tokens: Sequence[int | None] | None = None,
+             weights_for_chunk: Callable[[int], tuple[int, Any]] | None = None, chunk_tokens: int = 0,
+             before_chunk: Callable[[int, Callable[[], Any]], None] | None = None,
+             resume_from: Any = None) -> Samples:
+    """``LiveSampler.sample`` in the child; the samples carry this side's ``weights_version`` (a generation in
+    chunks: its first chunk's, as ``LiveSampler`` gives it). ``weights_for_chunk``, ``before_chunk``: called here,
+    as the child's generation asks (``sampler_boot.Requests``); this side's turn on the pipe is given up while
+    ``weights_for_chunk`` runs, so a request of another thread (an evaluation's) goes to the child meanwhile."""
+    settings = (list(prompts), int(seed), float(temperature), float(top_p), int(top_k), tuple(stop),
+                None if max_new_tokens is None else list(max_new_tokens))
+    if weights_for_chunk is not None:
+      return self._sample_in_chunks(settings, int(chunk_tokens), weights_for_chunk, before_chunk, resume_from)
+    if before_chunk is not None or resume_from is not None:
+      raise ValueError("before_chunk and resume_from belong to a generation in chunks: give weights_for_chunk too")
+    samples = self._request("sample", *settings)
     return dataclasses.replace(samples, weights_version=self.weights_version)
+
+  def _sample_in_chunks(self, settings: tuple, chunk_tokens: int, weights_for_chunk, before_chunk,
+                        resume_from) -> Samples:
+    """The conversation of one generation in chunks: the child asks for each chunk's weights and, before a
+    chunk, whether the generation so far is wanted; it ends with the samples or the child's error. A callback
+    that raises (the run closing while a chunk waits for its weights) has the child give the generation up."""
+    with self._lock:
+      self._wait_ready(START_TIMEOUT_S)
+      message = self._exchange(("sample_chunked", *settings, chunk_tokens, resume_from), "sample_chunked")
+      while message[0] != "ok":
+        try:
+          if message[0] == "before":
+            if before_chunk is not None:
+              before_chunk(message[1], lambda: self._exchange(("partial",), "partial")[1])
+            reply = ("go",)
+          else:  # ("need", chunk)
+            reply = self._weights_reply(message[1], weights_for_chunk)
+        except BaseException:
+          self._abandon()
+          raise
+        message = self._exchange(reply, f"the reply to {message[0]!r}")
+      return message[1]
+
+  def _weights_reply(self, chunk: int, weights_for_chunk) -> tuple:
+    """Under the lock: chunk ``chunk``'s weights as the child takes them, the lock given up while
+    ``weights_for_chunk`` waits for them (another thread's request, an evaluation's, goes to the child then)."""
+    self._lock.release()
+    try:
+      version, weights = weights_for_chunk(chunk)
+      leaves = None if weights is None else [np.asarray(leaf) for leaf in jax.tree.leaves(jax.device_get(weights))]
+    finally:
+      self._lock.acquire()
+    return ("weights", int(version), leaves)
+
+  def _exchange(self, message: tuple, what: str) -> tuple:
+    """Sends ``message`` and returns the child's next message (``ok``, ``need`` or ``before``); the child's error
+    raises."""
+    try:
+      self._conn.send(message)
+      return self._message(what, None)
+    except (BrokenPipeError, EOFError, OSError):
+      raise self._exited(what) from None
+
+  def _abandon(self) -> None:
+    """Tells the child to give up the generation waiting for its weights, and reads its answer (nothing)."""
+    try:
+      self._exchange(("abandon",), "abandon")
+    except SamplerProcessError:
+      pass  # the run is closing: a child that went meanwhile is no further harm
 
   def greedy(self, prompts: Sequence[str], *, stop: Sequence[str] = (),
              max_new_tokens: Sequence[int | None] | None = None) -> list[str]:
@@ -157,6 +217,11 @@ class SamplerProcess:
       self._ready = True
 
   def _answer(self, what: str, timeout_s: float | None) -> Any:
+    return self._message(what, timeout_s)[1]
+
+  def _message(self, what: str, timeout_s: float | None) -> tuple:
+    """The child's next message: ``("ok", value)``, or in a generation in chunks ``("need", chunk)`` or
+    ``("before", chunk)``; its error raises ``SamplerProcessError``."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while not self._conn.poll(1.0):  # in steps, so a child that died without closing its end is noticed
       if not self._process.is_alive():
@@ -164,12 +229,12 @@ class SamplerProcess:
       if deadline is not None and time.monotonic() > deadline:
         raise SamplerProcessError(f"the sampler process did not answer {what!r} within {timeout_s:.0f} s")
     try:
-      status, value = self._conn.recv()
+      message = self._conn.recv()
     except EOFError:
       raise self._exited(what) from None
-    if status == "error":
-      raise SamplerProcessError(f"the sampler process failed at {what!r}:\n{value}")
-    return value
+    if message[0] == "error":
+      raise SamplerProcessError(f"the sampler process failed at {what!r}:\n{message[1]}")
+    return message
 
   def _exited(self, what: str) -> SamplerProcessError:
     self._process.join(1.0)

@@ -817,8 +817,8 @@ def validate(recipe: Recipe) -> None:
 def check_in_flight(recipe: Recipe, completion_limit_tokens: int) -> None:
   """``recipe``'s in-flight updates against the rest of it (``Recipe.validate``'s, for a live run; kept out of the
   class, which is long enough): they need a version newer than a batch's own to exist while it samples, a point
-  inside a generation to take it at, a sampler that can record what each token was sampled with, and a sampler
-  in the loop's process.
+  inside a generation to take it at, and a sampler that can record what each token was sampled with (every
+  placement takes them: the sampler's own process asks the loop for each chunk's weights).
 
   Raises:
     RecipeError: the first of these that fails, in one line naming the key, the value and the fix.
@@ -845,12 +845,5 @@ def check_in_flight(recipe: Recipe, completion_limit_tokens: int) -> None:
     raise RecipeError("rollouts.in_flight_updates=true switches weights inside a generation, but"
                       " engine.router_replay=true records each sequence's experts with the one set of weights"
                       " that sampled it; drop one of the two")
-  # The sampling thread takes them where the sampler is in the loop's process (shared or split placement, beside a
-  # local or remote trainer; in a job, each process's at the chunk the schedule gives); elsewhere the sampler's calls are not chunked yet, and a key that changed nothing
-  # would be a silent no-op. ``auto`` is decided where the devices are known (assembly.live_source).
-  if r.placement == "process":
-    raise RecipeError("rollouts.in_flight_updates=true is taken by a sampler in the loop's process"
-                      " (rollouts.placement=shared or split) only, but rollouts.placement=process samples in a"
-                      " process of its own, whose calls are not chunked yet; set rollouts.placement=shared or"
-                      " split, or drop rollouts.in_flight_updates")
+
 

@@ -472,10 +472,6 @@ CASES = [
                                                 "rollouts.in_flight_updates=true", "rollouts.decode_chunk_tokens=9"],
      {}, "rollouts.decode_chunk_tokens=9 leaves no point inside a generation for new weights to land at: the"
          " completion limit is 4 tokens"),
-    ("in-flight-auto-on-a-cpu-host", ["task.name=reverse", "task.length=4", "rollouts.in_flight_updates=true",
-                                      "rollouts.placement=auto"], {},
-     "rollouts.in_flight_updates=true is taken by a sampler in the loop's process (rollouts.placement=shared or"
-     " split) only, but rollouts.placement=auto puts it in a process of its own"),
     ("in-flight-on-a-recording", lambda t, g: ON_RECORDING + [f"rollouts.recording={g}",
                                                               "rollouts.in_flight_updates=true"], {},
      "rollouts.in_flight_updates=True is read by the live loop only, but rollouts.source=recording"),

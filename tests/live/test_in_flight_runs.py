@@ -3,7 +3,8 @@ function of its recipe (twice, in every step-boundary mode and with evaluations 
 records show the versions changing inside a generation exactly where the schedule says (and not where it says one
 version) and the sampler's pauses for a sync, the key off is the run without it, a resume from a checkpoint
 inside a generation reaches the uninterrupted digest, an extension the digest of a longer run, and a sampler on
-devices of its own (split) and a remote trainer the digest of the sampler and trainer in one process."""
+devices of its own (split) or in a process of its own, and a remote trainer, the digest of the sampler and trainer
+in one process."""
 
 from __future__ import annotations
 
@@ -162,3 +163,17 @@ def test_a_remote_trainer_s_versions_reach_the_generation_under_way_to_the_local
   assert [(r["token_version_min"], r["token_version_max"]) for r in records] == [
       (r["token_version_min"], r["token_version_max"]) for r in local]
   assert all(r["weight_sync_wire_bytes"] for r in records) and not any(r["weight_sync_wire_bytes"] for r in local)
+
+
+def test_a_sampler_in_a_process_of_its_own_takes_in_flight_updates_to_the_same_digest(runs, tmp_path):
+  """``rollouts.placement=process``: the sampler's process asks the loop for each chunk's weights, and the
+  evaluations between chunks go to it while a chunk waits: the run reaches the shared run's digest (with the same
+  evaluations) and token versions; no sampling runs on the trainer's devices."""
+  out = _run(tmp_path / "process", *IN_FLIGHT, "rollouts.placement=process", "task.eval_every=2")
+  assert _digest(out) == _digest(runs["evaluated"])
+  records, shared = _records(out), _records(runs["evaluated"])
+  assert [(r["token_version_min"], r["token_version_max"]) for r in records] == [
+      (r["token_version_min"], r["token_version_max"]) for r in shared]
+  assert [r["eval_accuracy"] for r in records] == [r["eval_accuracy"] for r in shared]
+  assert any(r["eval_accuracy"] is not None for r in records)
+  assert all(r["sampling_on_trainer_devices_s"] is None for r in records)

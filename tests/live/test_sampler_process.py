@@ -1,5 +1,6 @@
 """The sampler in a process of its own (``rollouts.placement: process``): the same samples as in process, bit for
-bit, on synced weights; failures named; the child's priority and cores; and no child outlives its run."""
+bit, on synced weights and in decode chunks on the weights each chunk asks for; failures named; the child's
+priority and cores; and no child outlives its run."""
 
 from __future__ import annotations
 
@@ -176,3 +177,69 @@ def _alive(pid: int) -> bool:
       return f.read().rsplit(")", 1)[1].split()[0] != "Z"
   except FileNotFoundError:
     return False
+
+
+@pytest.fixture(scope="module")
+def chunked_pair(pair):
+  """An in-process sampler and a process sampler of 4-token completions over any id (so a generation has chunks)."""
+  import dataclasses
+
+  from orchestrator.live.sampler import LiveSampler
+  from orchestrator.tasks.tokenizer import CharTokenizer
+
+  spec = dataclasses.replace(_spec(), max_generation_steps=4, alphabet=None)
+  here = LiveSampler(spec.preset, CharTokenizer(), seed=0, max_prompt_length=16, max_generation_steps=4)
+  there = SamplerProcess(spec, CharTokenizer())
+  yield here, there, pair[2]
+  there.close()
+
+
+def test_a_generation_in_chunks_asks_for_each_chunks_weights_and_lets_an_evaluation_in_between(chunked_pair):
+  """In-flight updates with the sampler in its own process: the child asks this side for each chunk's weights
+  (version 0, the sampler's own, for the first two chunks; the trained weights as version 1 after) and hands out
+  the generation so far where asked; it samples what the in-process sampler samples in chunks, bit for bit, token
+  versions and the generation so far included. A greedy request made while a chunk's weights are awaited (what an
+  evaluation at the boundary does) is answered in between. Negative control: the same call on version 0
+  throughout samples other log-probs."""
+  here, there, trained = chunked_pair
+  asked, greedy_between, partials = {"here": [], "there": []}, [], {"here": [], "there": []}
+
+  def weights(side, sampler):
+    def for_chunk(chunk):
+      asked[side].append(chunk)
+      if side == "there" and chunk == 2:
+        greedy_between.append(sampler.greedy(PROMPTS[:2]))
+      return (0, None) if chunk < 2 else (1, trained)
+    return for_chunk
+
+  def keep(side):
+    return lambda chunk, generation: partials[side].append((chunk, generation() if chunk == 2 else None))
+
+  settings = dict(seed=7, chunk_tokens=1)
+  a = here.sample(PROMPTS, weights_for_chunk=weights("here", here), before_chunk=keep("here"), **settings)
+  b = there.sample(PROMPTS, weights_for_chunk=weights("there", there), before_chunk=keep("there"), **settings)
+  _same(a, b)
+  assert asked["here"] == asked["there"] == [0, 1, 2, 3]
+  assert [np.asarray(v).tolist() for v in b.versions] == [[0, 0, 1, 1]] * len(PROMPTS) and b.weights_version == 0
+  (chunk_here, partial_here), (chunk_there, partial_there) = partials["here"][1], partials["there"][1]
+  assert chunk_here == chunk_there == 2
+  for x, y in zip(partial_here.tokens + partial_here.logprobs, partial_there.tokens + partial_there.logprobs):
+    np.testing.assert_array_equal(x, y)
+  assert greedy_between == [here.greedy(PROMPTS[:2])]
+  one_version = there.sample(PROMPTS, weights_for_chunk=lambda chunk: (0, None), **settings)
+  assert any(not np.array_equal(x, y) for x, y in zip(one_version.logprobs, b.logprobs))
+
+
+def test_a_generation_in_chunks_given_up_while_it_waits_leaves_the_child_serving(chunked_pair):
+  """The run closing while a chunk waits for its weights (the callback raises): the error reaches the caller, the
+  child gives the generation up, and its next request is answered as before."""
+  here, there, _ = chunked_pair
+
+  def closing(chunk):
+    if chunk == 1:
+      raise RuntimeError("closed while waiting")
+    return 0, None
+
+  with pytest.raises(RuntimeError, match="closed while waiting"):
+    there.sample(PROMPTS, seed=7, chunk_tokens=1, weights_for_chunk=closing)
+  assert there.greedy(PROMPTS[:2]) == here.greedy(PROMPTS[:2])

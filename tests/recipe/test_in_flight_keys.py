@@ -119,16 +119,11 @@ def test_in_flight_updates_take_checkpoints_inside_the_run(checkpoints):
   _resolves(*FOUR_TOKEN_COMPLETIONS, "steps=8", "rollouts.in_flight_updates=true", checkpoints)
 
 
-def test_in_flight_updates_with_a_sampler_in_a_process_of_its_own_are_refused():
-  """The sampling thread takes them with the sampler in the process that runs the loop, on the trainer's devices or
-  its own, beside a local or a remote trainer, in a job of one process or several; a sampler in a process of its
-  own is refused naming itself. Negative control: the shared and split placements, a remote trainer, a job of two
-  (and auto, decided where the devices are known) resolve."""
+def test_in_flight_updates_resolve_wherever_the_live_loop_runs():
+  """Every placement (the trainer's devices, devices of its own, a process of its own, or auto), beside a local or
+  a remote trainer, in a job of one process or several: the sampler takes each chunk's version where it runs."""
   base = [*FOUR_TOKEN_COMPLETIONS, "rollouts.in_flight_updates=true"]
-  assert ("but rollouts.placement=process samples in a process of its own, whose calls are not chunked yet; set"
-          " rollouts.placement=shared or split") in _refusal(*base, "rollouts.placement=process")
-  assert _resolves(*base, "rollouts.placement=shared").rollouts.placement == "shared"
-  assert _resolves(*base, "rollouts.placement=split").rollouts.placement == "split"
+  for placement in ("shared", "split", "process", "auto"):
+    assert _resolves(*base, f"rollouts.placement={placement}").rollouts.placement == placement
   assert _resolves(*base, "distributed.num_processes=2", "mesh.fsdp=2").distributed.num_processes == 2
   assert _resolves(*base, "trainer.location=remote", "trainer.address=localhost:5000").trainer.location == "remote"
-  _resolves(*base, "rollouts.placement=auto")
