@@ -179,7 +179,8 @@ def live_source(recipe: Recipe, *, steps: int | None = None):
   shape = LiveShape(steps or recipe.steps, recipe.batch.micro_batches_per_step, r.groups_per_micro_batch,
                     r.generations_per_group, r.max_staleness, r.temperature, r.seed, r.batch_steps,
                     recipe.engine.epochs, recipe.micro_batches_per_call(), top_p=r.top_p, top_k=r.top_k,
-                    stop=tuple(r.stop), advantage_scaling=r.advantage_scaling, **in_flight_shape(recipe))
+                    stop=tuple(r.stop), advantage_scaling=r.advantage_scaling, **in_flight_shape(recipe),
+                    vocab_size=recipe.model_preset().vocab_size)
   # Only process 0 writes a recording (launch._run_program): the others of a job keep no steps for one.
   record = bool(r.record_to) and jax.process_index() == 0
   return LiveRollouts(sampler, task, shape, record=record, reward=recipe.task.make_reward(task), sampler_where=where,

@@ -119,7 +119,8 @@ class RolloutPositions:
 
   def _generation_problem(self, generation: PartialGeneration, cut: Cut) -> str | None:
     """What makes ``generation`` not the one this run samples for the call ``cut`` falls in (None: nothing):
-    its seed, its rows, its length before the cut, each token's version. Its prompts and settings are checked by
+    its seed, its rows, its length before the cut, each token's version, its ids inside the model's vocabulary
+    (``LiveShape.vocab_size``), its log-probs. Its prompts and settings are checked by
     the call that resumes it (``chunked_sampling.sample_in_chunks``)."""
     batch, first, chunk = cut
     shape = self._shape
@@ -140,6 +141,9 @@ class RolloutPositions:
       return f"holds token versions {generation.versions.tolist()}, where the schedule gives {versions}"
     if any((row < 0).any() for row in generation.tokens):
       return "holds a negative token id"
+    vocab = shape.vocab_size
+    if vocab is not None and any((row >= vocab).any() for row in generation.tokens):
+      return f"holds a token id of {max(int(row.max()) for row in generation.tokens)}, past the model's {vocab} ids"
     if not all(np.isfinite(row).all() and (row <= 0).all() for row in generation.logprobs):
       return "holds a log-prob that is not a finite number <= 0"
     return None

@@ -97,6 +97,8 @@ class LiveShape:
   in_flight_updates: bool = False
   decode_chunk_tokens: int = 0  # 0: whole (no in-flight updates)
   decode_chunks: int = 1
+  # The model's vocabulary: a generation a checkpoint carries must hold ids below it (None: not checked)
+  vocab_size: int | None = None
 
   def sampling_settings(self) -> dict[str, Any]:
     """The sampler's keyword arguments for how each token is drawn and where a completion ends

@@ -79,12 +79,16 @@ def _zero_reward(problems, texts, **_):
   return np.zeros(len(texts), np.float32)
 
 
+#: The fake model's vocabulary: its tokens are the ids 1, 2, ... of each completion's positions.
+VOCAB = 64
+
+
 def _source(*, in_flight: bool, staleness: int = 1, batch_steps: int = 1, per_call: int = 1):
   from orchestrator.live.rollouts import LiveRollouts, LiveShape  # import here: it loads JAX
 
   extra = {"in_flight_updates": True, "decode_chunk_tokens": CHUNK_TOKENS, "decode_chunks": CHUNKS} if in_flight else {}
   shape = LiveShape(STEPS, MICRO, GROUPS, GENERATIONS, staleness, seed=3, batch_steps=batch_steps,
-                    micro_batches_per_call=per_call, **extra)
+                    micro_batches_per_call=per_call, vocab_size=VOCAB, **extra)
   sampler = _ChunkSampler()
   return LiveRollouts(sampler, ModularAddition(), shape, reward=_zero_reward), sampler
 
@@ -359,6 +363,9 @@ def test_a_restored_position_must_carry_the_generation_the_schedule_cuts():
                         ({**state, "generation": {**generation, "tokens": [[-1] + row[1:]
                                                                             for row in generation["tokens"]]}},
                          "carries a generation that holds a negative token id"),
+                        ({**state, "generation": {**generation, "tokens": [[VOCAB] + row[1:]
+                                                                            for row in generation["tokens"]]}},
+                         f"carries a generation that holds a token id of {VOCAB}, past the model's {VOCAB} ids"),
                         ({**state, "generation": {**generation, "logprobs": [[float("nan")] + row[1:]
                                                                               for row in generation["logprobs"]]}},
                          "carries a generation that holds a log-prob that is not a finite number <= 0"),
