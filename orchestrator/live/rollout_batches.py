@@ -344,10 +344,12 @@ class SampledBatches:
     rollouts = self.batches.get(batch)
     return rollouts if rollouts is not None and len(rollouts.payloads) == self._per_batch else None
 
-  def seconds_left(self, batches: list[int]) -> float | None:
-    """Seconds until ``batches`` are all sampled, at the sampler's recent pace (its slowest micro-batch of the
-    last ``PACE_MICRO_BATCHES``): 0.0 when they are; None before any micro-batch was sampled."""
-    left = sum(self._per_batch - len(self.micro_batches_of(b)) for b in batches)
+  def seconds_left(self, batches: list[int], needed: dict[int, int] | None = None) -> float | None:
+    """Seconds until ``batches`` are sampled, at the sampler's recent pace (its slowest micro-batch of the last
+    ``PACE_MICRO_BATCHES``): 0.0 when they are; None before any micro-batch was sampled. ``needed``: batch ->
+    how many of its micro-batches count (a batch a position cuts: up to its cut's call); the others' all."""
+    needed = needed or {}
+    left = sum(max(0, needed.get(b, self._per_batch) - len(self.micro_batches_of(b))) for b in batches)
     if left == 0:
       return 0.0
     return left * max(self._pace_s) if self._pace_s else None

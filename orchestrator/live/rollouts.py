@@ -352,9 +352,13 @@ class LiveRollouts:
 
   def sampling_left_s(self, position: int) -> float | None:
     """Seconds, at the sampler's recent pace, until a checkpoint at ``position`` has the run's own sampled
-    batches it must carry (``SampledBatches.seconds_left``)."""
+    batches it must carry (``SampledBatches.seconds_left``): a batch the position cuts up to its cut's call (that
+    call's generation is kept part way through it)."""
     with self._cond:
-      return self._batches.seconds_left([b for b in self._versions.carried(position) if b < self._run_batches])
+      cut = self._positions.cut(position)
+      needed = {} if cut is None else {cut[0]: cut[1] + (self.shape.micro_batches_per_call if cut[2] else 0)}
+      return self._batches.seconds_left([b for b in self._versions.carried(position) if b < self._run_batches],
+                                        needed)
 
   def _wait_until(self, sampled: Callable[[], bool], timeout_s: float) -> tuple[bool, float]:
     """Under the condition: waits at most ``timeout_s`` until ``sampled()``; whether it is, and the seconds

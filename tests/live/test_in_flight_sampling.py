@@ -460,3 +460,18 @@ def test_a_stop_inside_the_run_says_it_keeps_a_checkpoint_with_in_flight_updates
       assert [keeps(source, done) for done in (1, 2, STEPS - 2, STEPS - 1)] == ["kept"] * 4
     finally:
       source.close()
+
+
+@pytest.mark.spec
+def test_the_sampling_left_before_a_cut_counts_the_cut_batch_up_to_its_cut_call():
+  """A checkpoint at a position that cuts a batch waits for that batch's micro-batches before the cut's call and
+  that call (whose generation is kept part way through it), not the whole batch; a batch carried whole counts in
+  full; a cut at a call's start needs no more of it (the negative controls)."""
+  from orchestrator.live.rollout_batches import SampledBatches
+
+  batches = SampledBatches(False, 8)
+  batches.publish(3, 0, ([], [], [], 0, None), 0.5)  # one micro-batch of batch 3 sampled, at 0.5 s each
+  assert batches.seconds_left([3]) == 7 * 0.5
+  assert batches.seconds_left([3], {3: 2 + 2}) == 3 * 0.5  # cut in the call at micro-batch 2, two a call
+  assert batches.seconds_left([3], {3: 1}) == 0.0  # everything the cut needs is there
+  assert batches.seconds_left([2, 3], {3: 4}) == (8 + 3) * 0.5  # batch 2 carried whole
