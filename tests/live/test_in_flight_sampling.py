@@ -302,6 +302,17 @@ def _assert_trained_alike(resumed: list[list], uninterrupted: list[list]) -> Non
       np.testing.assert_array_equal(t.completion_ids, u.completion_ids)
 
 
+def _checkpointed_at(position: int) -> dict:
+  """The position before step ``position`` of an in-flight source of one call a batch of two micro-batches,
+  trained up to it and checkpointed there (the source closed after)."""
+  source, _ = _source(in_flight=True, per_call=2)
+  try:
+    _train_until(source, position)
+    return _checkpoint(source, position)
+  finally:
+    source.close()
+
+
 @pytest.mark.engine
 def test_a_checkpoint_inside_a_generation_carries_it_and_a_resume_there_samples_what_the_run_did():
   """One call a batch of two micro-batches at staleness 1: batch k's four chunks sample with versions k-1, k-1,
@@ -313,12 +324,7 @@ def test_a_checkpoint_inside_a_generation_carries_it_and_a_resume_there_samples_
   whole, _ = _source(in_flight=True, per_call=2)
   uninterrupted, _ = _train(whole)
 
-  source, _ = _source(in_flight=True, per_call=2)
-  try:
-    _train_until(source, 3)
-    state = _checkpoint(source, 3)
-  finally:
-    source.close()
+  state = _checkpointed_at(3)
   assert [r["batch"] for r in state["sampled"]] == [3] and state["sampled"][0]["payloads"] == []
   assert state["generation"]["next_chunk"] == 2 and state["generation"]["versions"] == [2] * 2 * CHUNK_TOKENS
   resumed, sampler = _resumed(state, 3)
@@ -341,12 +347,7 @@ def test_a_restored_position_must_carry_the_generation_the_schedule_cuts():
   sampler gives, is refused in one line naming what differs; the one written passes."""
   from orchestrator.contract import SourceStateError
 
-  source, _ = _source(in_flight=True, per_call=2)
-  try:
-    _train_until(source, 3)
-    state = _checkpoint(source, 3)
-  finally:
-    source.close()
+  state = _checkpointed_at(3)
   generation = state["generation"]
   for changed, says in (({k: v for k, v in state.items() if k != "generation"}, "carries no generation, where the"
                          " schedule needs one before chunk 2 of a sampler call"),
