@@ -15,6 +15,7 @@ thread's ``error`` and ``closed``.
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import threading
 import time
@@ -58,10 +59,17 @@ class SamplingSpans:
       return ended
 
   def seconds_within(self, start: float, end: float) -> float:
-    """The seconds of [``start``, ``end``] during which a call ran (the running one up to now)."""
+    """The seconds of [``start``, ``end``] during which a call ran (the running one up to now). The spans are in
+    time order, so only the latest are read, back to the first that ended before ``start`` (the step loop asks
+    for its latest step at every record)."""
+    total = 0.0
     with self._lock:
-      spans = list(self._done) + ([] if self._running is None else [(self._running, self._clock())])
-    return sum(max(0.0, min(end, b) - max(start, a)) for a, b in spans)
+      latest = [] if self._running is None else [(self._running, self._clock())]
+      for began, ended in itertools.chain(latest, reversed(self._done)):
+        if ended <= start:
+          break
+        total += max(0.0, min(end, ended) - max(start, began))
+    return total
 
 
 class RolloutThread:
