@@ -147,6 +147,33 @@ def _move_aside(plan: RunPlan, steps: list[int], into: Path) -> None:
         file=sys.stderr)
 
 
+def set_aside_late_checkpoints(point: ResumePoint, held_steps, *, checkpoint_dir: str, segment: Path) -> list[int]:
+  """Moves into ``segment`` the checkpoints after the one resumed from that were not there when it was chosen.
+
+  A trainer in a process of its own finishes the call it was running when its
+  driver died, a checkpoint's save among them, and takes the next driver only
+  after that (``remote.server``): a resume that chose its checkpoint meanwhile
+  would retrain those steps into a checkpoint of a step already held, which
+  the trainer refuses. Such a checkpoint is kept, beside the ones
+  ``--from-checkpoint`` moves aside, and goes back if the resume fails before
+  its first step (``withdraw_segment``). ``held_steps``: the steps of the
+  complete checkpoints in ``checkpoint_dir`` now. Returns the steps moved.
+  """
+  late = sorted(int(s) for s in held_steps if s > point.checkpoint_step and s not in point.superseded_checkpoints)
+  if not late:
+    return []
+  into = segment / run_dir.SUPERSEDED_CHECKPOINTS
+  into.mkdir(exist_ok=True)
+  for step in late:
+    shutil.move(str(Path(checkpoint_dir) / str(step)), str(into / str(step)))
+  point.superseded_checkpoints = sorted([*point.superseded_checkpoints, *late])
+  print(f"run_rl: checkpoint{'s' if len(late) > 1 else ''} {', '.join(map(str, late))} appeared in {checkpoint_dir}"
+        f" after this resume chose checkpoint {point.checkpoint_step} (the trainer finished the last driver's"
+        f" save after it left); moved to {into}, and the run retrains those steps from {point.checkpoint_step}",
+        file=sys.stderr)
+  return late
+
+
 def withdraw_segment(plan: RunPlan, point, error: Exception) -> int:
   """A resume that failed before its first step (its checkpoint could not be restored, or the run not built)
   leaves the run as it was: the checkpoints it moved aside go back, and its segment loses its

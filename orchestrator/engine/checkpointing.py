@@ -103,6 +103,9 @@ class Checkpointer:
       NoCheckpointError: there is no checkpoint (of ``step``).
     """
     ocp = self._ocp
+    # The directory as it is now, not as this manager last listed it: a resume moves the checkpoints after the
+    # one it continues from aside (app.resume), and this engine then writes those steps anew.
+    self._manager.reload()
     step = self.latest_step() if step is None else step
     if step is None:
       raise NoCheckpointError(f"no checkpoint in {self.directory} (it holds none); a trainer restores only"

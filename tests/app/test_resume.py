@@ -167,6 +167,47 @@ def test_a_save_the_checkpoint_library_skips_is_an_error(tmp_path):
     engine.save_checkpoint({"run_id": "b"})
 
 
+@pytest.mark.engine
+def test_a_restore_reads_the_directory_as_it_is_now_so_a_checkpoint_moved_aside_is_written_anew(tmp_path):
+  import jax.numpy as jnp
+
+  from orchestrator.engine.checkpointing import Checkpointer
+
+  state = {"w": jnp.arange(3.0)}
+  trainer = Checkpointer(tmp_path / "ckpt")
+  trainer.save(2, state, {})
+  trainer.save(4, state, {})
+  shutil.move(str(tmp_path / "ckpt" / "4"), str(tmp_path / "aside-4"))  # as a resume from 2 does
+  trainer.restore(state, 2)
+  assert trainer.save(4, state, {"again": True}).endswith("/4")  # without the re-read: "already holds" step 4
+  assert sorted(trainer._manager.all_steps()) == [2, 4]
+
+
+@pytest.mark.spec
+def test_checkpoints_finished_after_the_resume_chose_go_aside_and_come_back_if_it_fails(tmp_path, capsys):
+  from types import SimpleNamespace
+
+  from orchestrator.app.resume import ResumePoint, set_aside_late_checkpoints, withdraw_segment
+
+  ckpt, segment = tmp_path / "ckpt", tmp_path / "run" / "segments" / "1"
+  for step in (2, 4, 6):
+    (ckpt / str(step)).mkdir(parents=True)
+    (ckpt / str(step) / "held").write_text(str(step))
+  segment.mkdir(parents=True)
+  (segment / run_dir.SEGMENT).write_text("{}")
+  point = ResumePoint(checkpoint_step=4, metadata={"step": 4}, previous_records=[], earlier_valid=2)
+  assert set_aside_late_checkpoints(point, [2, 4], checkpoint_dir=str(ckpt), segment=segment) == []
+  assert set_aside_late_checkpoints(point, [2, 4, 6], checkpoint_dir=str(ckpt), segment=segment) == [6]
+  aside = segment / run_dir.SUPERSEDED_CHECKPOINTS
+  assert sorted(p.name for p in ckpt.iterdir()) == ["2", "4"] and (aside / "6" / "held").read_text() == "6"
+  assert point.superseded_checkpoints == [6]
+  assert "checkpoint 6 appeared in" in capsys.readouterr().err
+  # The resume fails before its first step: the run is as it was, checkpoint 6 back where it was.
+  plan = SimpleNamespace(write_dir=segment, checkpoint_dir=str(ckpt), out=tmp_path / "run")
+  assert withdraw_segment(plan, point, RuntimeError("restore failed")) == 1
+  assert sorted(p.name for p in ckpt.iterdir()) == ["2", "4", "6"] and (ckpt / "6" / "held").read_text() == "6"
+
+
 # ---------------------------------------------------------------------------- child processes
 def _child(argv, pythonpath: Path | None = None) -> subprocess.Popen:
   path = str(REPO) if pythonpath is None else os.pathsep.join([str(REPO), str(pythonpath)])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -119,6 +120,23 @@ def _connect(address, token=TOKEN, recipe=None, **limits):
 
   return RemoteTrainerWorker(address, recipe_digest=protocol.recipe_digest(recipe or _recipe()), token=token,
                              limits=protocol.Limits(timeout_s=30, **limits))
+
+
+def _connect_once_it_is_free(address, timeout_s: float = 60) -> None:
+  """Connects and leaves, once the trainer has let its last driver go (it refuses a second one until then)."""
+  import time
+
+  from orchestrator.remote.connection import TrainerRefusedError
+
+  deadline = time.monotonic() + timeout_s
+  while True:
+    try:
+      _connect(address).close()
+      return
+    except TrainerRefusedError:
+      if time.monotonic() > deadline:
+        raise
+      time.sleep(0.1)
 
 
 def _refusal(excinfo) -> str:
@@ -363,7 +381,9 @@ def test_a_trainer_killed_mid_run_ends_the_driver_within_its_timeout(tmp_path):
 
 @pytest.mark.e2e
 @pytest.mark.slow
-def test_a_driver_killed_mid_run_leaves_the_trainer_ready_to_resume(tmp_path, capsys):
+def test_a_driver_killed_mid_run_leaves_the_trainer_ready_to_resume(tmp_path, capsys, monkeypatch):
+  from orchestrator.app import run as app_run  # JAX-side: this module's spec tests must not load it
+
   ckpt = tmp_path / "ckpt"
   server = subprocess.Popen([sys.executable, "-m", "orchestrator.app.cli", "serve-trainer", *BASE, "--listen",
                              "127.0.0.1:0", "--checkpoint-dir", str(ckpt)],
@@ -379,14 +399,33 @@ def test_a_driver_killed_mid_run_leaves_the_trainer_ready_to_resume(tmp_path, ca
     _wait_for(lambda: (ckpt / "4").is_dir(), 180, "a checkpoint at step 4")
     driver.kill()
     driver.wait()
+    # The trainer may finish a save the killed driver asked for only after the next driver chose its checkpoint
+    # (it takes that driver once the call is done): made certain here by holding the newest checkpoint back
+    # until the resume has connected. The resume retrains those steps (the late checkpoint kept aside).
+    _connect_once_it_is_free(address)  # the trainer answers once the killed driver's last call is done
+    late = max(int(p.name) for p in ckpt.iterdir() if p.name.isdigit())
+    shutil.move(str(ckpt / str(late)), str(tmp_path / "late"))
+    connect = app_run.make_worker
+
+    def connect_then_finish_the_last_save(*args, **kwargs):
+      made = connect(*args, **kwargs)
+      shutil.move(str(tmp_path / "late"), str(ckpt / str(late)))
+      return made
+
+    monkeypatch.setattr(app_run, "make_worker", connect_then_finish_the_last_save)
     # The trainer notices, drops the partial step and takes a new driver, which resumes.
     os.environ[protocol.TOKEN_ENV] = TOKEN
     try:
       code = cli.main(["--resume", str(out), "--steps", "8"])
     finally:
       del os.environ[protocol.TOKEN_ENV]
-    assert code == 0, capsys.readouterr().err
-    resumed = json.loads((run_dir.latest_segment(out) / "summary.json").read_text())["final_state_digest"]
+      monkeypatch.undo()
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert f"checkpoint {late} appeared in {ckpt}" in err
+    segment = run_dir.latest_segment(out)
+    assert (segment / run_dir.SUPERSEDED_CHECKPOINTS / str(late)).is_dir()
+    resumed = json.loads((segment / "summary.json").read_text())["final_state_digest"]
   finally:
     server.terminate()
     _, server_err = server.communicate(timeout=30)
