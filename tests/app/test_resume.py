@@ -261,6 +261,8 @@ def test_a_signal_stops_at_the_next_boundary_with_a_checkpoint_and_resumes(sig, 
 # The live loop paced by its sampler: a reward that takes 0.6 s a micro-batch (one per call, two a step) while a
 # step of the tiny trainer takes a few tens of ms, so a stop nearly always finds the loop waiting for rollouts,
 # and at staleness 1 the checkpoint of the last finished step must carry the next step's, still being sampled.
+# The sampler samples in the run's process: what a stop waits for is the live source's sampling thread, whatever
+# the placement, and a sampler process of its own would only add its start-up to each of the three runs.
 SLOW_REWARD = """
 import time
 
@@ -271,7 +273,7 @@ def score(prompts, completions, answer, **kwargs):
 PACED = ["rollouts.max_staleness=1", "rollouts.batch_steps=1", "engine.epochs=1",
          "rollouts.micro_batches_per_call=1", "rollouts.groups_per_micro_batch=2", "batch.rows=4",
          "task.eval_prompts=4", "task.reward=[slow_reward:score]", "checkpoint.every=0",
-         "run.reserve_host_core=false"]
+         "run.reserve_host_core=false", "rollouts.placement=shared"]
 
 
 @pytest.fixture(scope="module")
