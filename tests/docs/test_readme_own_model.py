@@ -2,8 +2,12 @@
 
 The block is read from README.md itself, so the test follows the README: its
 placeholders (the checkpoint directory and the prompt file) are replaced by a
-tiny Qwen3 checkpoint with a chat template and a file of sums, and the one
-addition is ``steps=2`` (a test cannot train the recipe's 200 steps). The
+tiny Qwen3 checkpoint with a chat template and a file of sums. What is added
+makes it a test's size: ``steps=2`` (not the recipe's 200), ``batch.rows=8``
+(not the block's 64), ``rollouts.groups_per_micro_batch=2`` and
+``task.eval_prompts=4`` (not the recipe's 8 and 16); the block's other keys
+stay as written (the rows' 1,024 tokens, the 256-token prompts and 512-token
+completions, bfloat16). The
 ``tensorboard`` line is not run (TensorBoard is not installed here); the event
 files it would read are checked instead.
 """
@@ -69,7 +73,8 @@ def test_the_readme_own_model_commands_as_written_end_with_an_exported_model(tmp
 
   train, _, export = own_model_commands()
   train = train.replace(CHECKPOINT_PLACEHOLDER, str(checkpoint)).replace(PROMPTS_PLACEHOLDER, str(prompts))
-  assert cli.main(shlex.split(train)[1:] + ["steps=2"]) == 0
+  test_size = ["steps=2", "batch.rows=8", "rollouts.groups_per_micro_batch=2", "task.eval_prompts=4"]
+  assert cli.main(shlex.split(train)[1:] + test_size) == 0
   run = tmp_path / "runs" / "my-model"
   assert json.loads((run / "summary.json").read_text())["ended"] == "completed"
   assert any((run / "tensorboard").rglob("events.out.tfevents.*"))
