@@ -34,7 +34,7 @@ from orchestrator.app import inputs, locks, outcome
 from orchestrator.app.console import Progress
 from orchestrator.app.plan import RunPlan, plan_new_run, plan_resume
 from orchestrator.app.preflight import checks
-from orchestrator.app.resume import open_segment, withdraw_segment
+from orchestrator.app.resume import open_segment, undo_segment, withdraw_segment
 from orchestrator.app.signals import EXIT_CODES, EXIT_NOTHING_TO_RESUME, StopSignals
 from orchestrator.contract import SourceStateError
 from orchestrator.data.recording import RecordingError
@@ -254,6 +254,8 @@ def _run_program(plan: RunPlan, *, source, resume, job: job_lib.Job) -> int:
         _note_loaded_weights(out, handle.loaded_weights, resumed=resume is not None)
       result = handle.run()
     except recipe_lib.RecipeError as e:
+      if handle is None and resume is not None and job.is_primary and write_dir is not None:
+        undo_segment(plan, resume)  # refused while the run was built: the run stays as it was
       code = outcome.refuse(e)
     except NonFiniteStepError as e:  # the training diverged, the code did not fail: one line, no traceback
       handle.close()  # the progress bar ends first, so the line stands alone (a second close does nothing)

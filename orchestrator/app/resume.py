@@ -147,31 +147,48 @@ def _move_aside(plan: RunPlan, steps: list[int], into: Path) -> None:
         file=sys.stderr)
 
 
-def set_aside_late_checkpoints(point: ResumePoint, held_steps, *, checkpoint_dir: str, segment: Path) -> list[int]:
-  """Moves into ``segment`` the checkpoints after the one resumed from that were not there when it was chosen.
+def set_aside_late_checkpoints(point: ResumePoint, held, *, run_id: str, checkpoint_dir: str,
+                               segment: Path) -> list[int]:
+  """Moves into ``segment`` this run's checkpoints after the one resumed from that were not there when it was
+  chosen.
 
-  A trainer in a process of its own finishes the call it was running when its
-  driver died, a checkpoint's save among them, and takes the next driver only
-  after that (``remote.server``): a resume that chose its checkpoint meanwhile
-  would retrain those steps into a checkpoint of a step already held, which
-  the trainer refuses. Such a checkpoint is kept, beside the ones
-  ``--from-checkpoint`` moves aside, and goes back if the resume fails before
-  its first step (``withdraw_segment``). ``held_steps``: the steps of the
-  complete checkpoints in ``checkpoint_dir`` now. Returns the steps moved.
+  A trainer served by ``run_rl serve-trainer`` finishes the call it was running
+  when its driver died, a checkpoint's save among them, and takes the next
+  driver only after that (``remote.server``): a resume that chose its
+  checkpoint meanwhile would retrain those steps into a checkpoint of a step
+  already held, which the trainer refuses. Such a checkpoint of this run
+  (``run_id``) is kept, beside the ones ``--from-checkpoint`` moves aside, and
+  goes back if the resume fails before its first step (``withdraw_segment``); a
+  later checkpoint of another run stays where it is (the save of its step then
+  refuses, naming the directory). ``held``: the complete checkpoints in
+  ``checkpoint_dir`` now, step → metadata (``read_checkpoints``). Returns the
+  steps moved.
   """
-  late = sorted(int(s) for s in held_steps if s > point.checkpoint_step and s not in point.superseded_checkpoints)
+  late = sorted(int(step) for step, metadata in held.items() if step > point.checkpoint_step
+                and step not in point.superseded_checkpoints and metadata.get("run_id") == run_id)
   if not late:
     return []
   into = segment / run_dir.SUPERSEDED_CHECKPOINTS
   into.mkdir(exist_ok=True)
   for step in late:
     shutil.move(str(Path(checkpoint_dir) / str(step)), str(into / str(step)))
-  point.superseded_checkpoints = sorted([*point.superseded_checkpoints, *late])
-  print(f"run_rl: checkpoint{'s' if len(late) > 1 else ''} {', '.join(map(str, late))} appeared in {checkpoint_dir}"
-        f" after this resume chose checkpoint {point.checkpoint_step} (the trainer finished the last driver's"
-        f" save after it left); moved to {into}, and the run retrains those steps from {point.checkpoint_step}",
-        file=sys.stderr)
+    point.superseded_checkpoints = sorted([*point.superseded_checkpoints, step])  # each as it moves: see withdraw
+  first, last = point.checkpoint_step, late[-1]
+  print(f"run_rl: checkpoint{'s' if len(late) > 1 else ''} {', '.join(map(str, late))} of this run appeared in"
+        f" {checkpoint_dir} after this resume chose checkpoint {first} (the trainer finished the last driver's"
+        f" save after it left); moved to {into}: the run retrains steps {first} to {last - 1} and writes"
+        f" checkpoint {last} again", file=sys.stderr)
   return late
+
+
+def undo_segment(plan: RunPlan, point) -> None:
+  """Leaves the run as it was before this resume's segment: the checkpoints it moved aside go back, and the
+  segment loses its ``segment.json`` (``run_dir.segments`` then skips it)."""
+  aside = plan.write_dir / run_dir.SUPERSEDED_CHECKPOINTS
+  for step in point.superseded_checkpoints:
+    if (aside / str(step)).exists():  # a move aside that failed part-way left the rest where they were
+      shutil.move(str(aside / str(step)), str(Path(plan.checkpoint_dir) / str(step)))
+  (plan.write_dir / run_dir.SEGMENT).unlink()
 
 
 def withdraw_segment(plan: RunPlan, point, error: Exception) -> int:
@@ -182,10 +199,7 @@ def withdraw_segment(plan: RunPlan, point, error: Exception) -> int:
   segment = plan.write_dir
   log_path = segment / run_dir.ERROR_LOG
   log_path.write_text("".join(traceback.format_exception(error)), encoding="utf-8")
-  aside = segment / run_dir.SUPERSEDED_CHECKPOINTS
-  for step in point.superseded_checkpoints:
-    shutil.move(str(aside / str(step)), str(Path(plan.checkpoint_dir) / str(step)))
-  (segment / run_dir.SEGMENT).unlink()
+  undo_segment(plan, point)
   text = " ".join(str(error).split())
   text = text if len(text) <= 300 else text[:300] + "..."
   step = point.checkpoint_step

@@ -216,13 +216,12 @@ def build_run(recipe: Recipe, out: Path, *, source, run_id: str, checkpoint_dir:
     if sampling is not None:
       sampling.ready(0, 0.0)
     worker, trainer_info = make_worker(recipe, closers, checkpoint_dir=checkpoint_dir, write_dir=write_dir)
-    primary = job is None or job.is_primary
-    if resume is not None and checkpoint_dir and recipe.trainer.location == "remote" and primary:
+    if resume is not None and checkpoint_dir and recipe.trainer.location == "remote":  # one process (schema)
       # The trainer answered only once the last driver's calls were done: what they saved is on disk now.
       from orchestrator.engine.checkpointing import read_checkpoints  # import here: JAX-side, remote resumes only
 
-      set_aside_late_checkpoints(resume, read_checkpoints(checkpoint_dir), checkpoint_dir=checkpoint_dir,
-                                 segment=write_dir)
+      set_aside_late_checkpoints(resume, read_checkpoints(checkpoint_dir), run_id=run_id,
+                                 checkpoint_dir=checkpoint_dir, segment=write_dir)
     phases.mark("trainer_built")
     loaded = _loaded_weights(recipe, worker)  # before a resume restores its checkpoint
     handle = _build_program(recipe, write_dir, worker, source=source, run_id=run_id, config_sha256=config_sha256,

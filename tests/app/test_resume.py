@@ -196,12 +196,18 @@ def test_checkpoints_finished_after_the_resume_chose_go_aside_and_come_back_if_i
   segment.mkdir(parents=True)
   (segment / run_dir.SEGMENT).write_text("{}")
   point = ResumePoint(checkpoint_step=4, metadata={"step": 4}, previous_records=[], earlier_valid=2)
-  assert set_aside_late_checkpoints(point, [2, 4], checkpoint_dir=str(ckpt), segment=segment) == []
-  assert set_aside_late_checkpoints(point, [2, 4, 6], checkpoint_dir=str(ckpt), segment=segment) == [6]
+  ours = {"run_id": "ours"}
+  held = {2: ours, 4: ours}
+  assert set_aside_late_checkpoints(point, held, run_id="ours", checkpoint_dir=str(ckpt), segment=segment) == []
+  # Another run's later checkpoint is not this resume's to move (its save of that step refuses, naming it).
+  held[6] = {"run_id": "another"}
+  assert set_aside_late_checkpoints(point, held, run_id="ours", checkpoint_dir=str(ckpt), segment=segment) == []
+  held[6] = ours
+  assert set_aside_late_checkpoints(point, held, run_id="ours", checkpoint_dir=str(ckpt), segment=segment) == [6]
   aside = segment / run_dir.SUPERSEDED_CHECKPOINTS
   assert sorted(p.name for p in ckpt.iterdir()) == ["2", "4"] and (aside / "6" / "held").read_text() == "6"
   assert point.superseded_checkpoints == [6]
-  assert "checkpoint 6 appeared in" in capsys.readouterr().err
+  assert "retrains steps 4 to 5 and writes checkpoint 6 again" in capsys.readouterr().err
   # The resume fails before its first step: the run is as it was, checkpoint 6 back where it was.
   plan = SimpleNamespace(write_dir=segment, checkpoint_dir=str(ckpt), out=tmp_path / "run")
   assert withdraw_segment(plan, point, RuntimeError("restore failed")) == 1

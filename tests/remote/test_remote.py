@@ -401,18 +401,18 @@ def test_a_driver_killed_mid_run_leaves_the_trainer_ready_to_resume(tmp_path, ca
     driver.wait()
     # The trainer may finish a save the killed driver asked for only after the next driver chose its checkpoint
     # (it takes that driver once the call is done): made certain here by holding the newest checkpoint back
-    # until the resume has connected. The resume retrains those steps (the late checkpoint kept aside).
+    # until the resume connects. The resume retrains those steps (the late checkpoint kept aside), and the
+    # trainer's fresh worker, which listed it, writes that step again.
     _connect_once_it_is_free(address)  # the trainer answers once the killed driver's last call is done
     late = max(int(p.name) for p in ckpt.iterdir() if p.name.isdigit())
     shutil.move(str(ckpt / str(late)), str(tmp_path / "late"))
     connect = app_run.make_worker
 
-    def connect_then_finish_the_last_save(*args, **kwargs):
-      made = connect(*args, **kwargs)
-      shutil.move(str(tmp_path / "late"), str(ckpt / str(late)))
-      return made
+    def finish_the_last_save_then_connect(*args, **kwargs):
+      shutil.move(str(tmp_path / "late"), str(ckpt / str(late)))  # before the trainer's fresh worker lists it
+      return connect(*args, **kwargs)
 
-    monkeypatch.setattr(app_run, "make_worker", connect_then_finish_the_last_save)
+    monkeypatch.setattr(app_run, "make_worker", finish_the_last_save_then_connect)
     # The trainer notices, drops the partial step and takes a new driver, which resumes.
     os.environ[protocol.TOKEN_ENV] = TOKEN
     try:
@@ -422,7 +422,7 @@ def test_a_driver_killed_mid_run_leaves_the_trainer_ready_to_resume(tmp_path, ca
       monkeypatch.undo()
     err = capsys.readouterr().err
     assert code == 0, err
-    assert f"checkpoint {late} appeared in {ckpt}" in err
+    assert f"checkpoint {late} of this run appeared in {ckpt}" in err
     segment = run_dir.latest_segment(out)
     assert (segment / run_dir.SUPERSEDED_CHECKPOINTS / str(late)).is_dir()
     resumed = json.loads((segment / "summary.json").read_text())["final_state_digest"]
