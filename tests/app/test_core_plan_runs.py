@@ -25,22 +25,34 @@ PINNED = ("import os, sys; os.sched_setaffinity(0, {int(c) for c in sys.argv[1].
 
 
 def _start(out: Path, claims: Path, *args: str, cores=None) -> subprocess.Popen:
+  """Starts ``run_rl --out out``; its standard error goes to ``_log(out)`` (a pipe nobody reads while the run goes
+  on would fill and stop it)."""
   env = dict(os.environ, PYTHONPATH=str(REPO), **{CLAIMS_ENV: str(claims)})
   command = [sys.executable, "-m", "orchestrator.app.cli", "--out", str(out), *args]
   if cores:
     command = [sys.executable, "-c", PINNED, ",".join(map(str, cores)), *command]
-  return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+  with open(_log(out), "w", encoding="utf-8") as log:
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log, env=env, cwd=REPO)
+
+
+def _log(out: Path) -> Path:
+  return out.with_name(out.name + ".log")
 
 
 def _xla_cores(pid: int, *, every_thread: bool = False) -> set[int]:
   """The cores XLA's pool threads of ``pid`` (or all its threads) may run on (from /proc)."""
   cores = set()
   for task in Path(f"/proc/{pid}/task").iterdir():
-    if every_thread or (task / "comm").read_text().startswith(XLA_POOL_THREAD):
-      line = next(l for l in (task / "status").read_text().splitlines() if l.startswith("Cpus_allowed_list"))
-      for part in line.split()[1].split(","):
-        lo, _, hi = part.partition("-")
-        cores |= set(range(int(lo), int(hi or lo) + 1))
+    try:
+      if not every_thread and not (task / "comm").read_text().startswith(XLA_POOL_THREAD):
+        continue
+      status = (task / "status").read_text()
+    except (FileNotFoundError, ProcessLookupError):  # a thread that ended since the listing
+      continue
+    line = next(l for l in status.splitlines() if l.startswith("Cpus_allowed_list"))
+    for part in line.split()[1].split(","):
+      lo, _, hi = part.partition("-")
+      cores |= set(range(int(lo), int(hi or lo) + 1))
   return cores
 
 
@@ -49,49 +61,76 @@ def _claim(claims: Path, pid: int) -> Path | None:
   return next(claims.glob(f"{pid}-*.json"), None) if claims.is_dir() else None
 
 
-def _wait_for(condition, timeout_s: float, what: str):
+#: How long a run may take to start its XLA pool, far above what it takes: the other worker's jobs and the first
+#: run itself (on every core, until it yields) share the machine with the run starting, so its start-up can take
+#: minutes. A run that ends first fails the wait at once (``_wait_for``).
+START_WAIT_S = 600
+#: How long the first run may take to move its threads off the cores the second claimed: its watcher looks every
+#: second (core_claims.POLL_S).
+YIELD_WAIT_S = 120
+#: How long an interrupted run may take to end: it finishes the step in flight first (app/signals.py).
+STOP_WAIT_S = 300
+
+
+def _wait_for(condition, running: dict[Path, subprocess.Popen], what: str, timeout_s: float = START_WAIT_S):
+  """Polls ``condition`` until it holds; fails at once, naming ``what``, when one of ``running`` has ended."""
   deadline = time.monotonic() + timeout_s
   while time.monotonic() < deadline:
     value = condition()
     if value:
       return value
+    for out, proc in running.items():
+      if proc.poll() is not None:
+        raise AssertionError(f"waiting for {what}: {out.name} ended with exit {proc.returncode}:"
+                             f" {_log(out).read_text()[-3000:]}")
     time.sleep(0.2)
   raise AssertionError(f"timed out waiting for {what}")
 
 
-def _stop(proc: subprocess.Popen) -> str:
-  if proc.poll() is None:
-    proc.send_signal(signal.SIGINT)
-  _, err = proc.communicate(timeout=120)
-  return err
+def _stop(runs: dict[Path, subprocess.Popen]) -> dict[Path, str]:
+  """Interrupts every run, then waits for each (killed if it outlasts ``STOP_WAIT_S``); their standard error."""
+  for proc in runs.values():
+    if proc.poll() is None:
+      proc.send_signal(signal.SIGINT)
+  try:
+    for proc in runs.values():
+      proc.wait(timeout=STOP_WAIT_S)
+  finally:
+    for proc in runs.values():
+      if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+  return {out: _log(out).read_text() for out in runs}
 
 
 def test_two_runs_side_by_side_each_take_their_own_cores(tmp_path):
   """The second run takes what the first yields; the first moves every thread off them. Negative control: the
   cores the second takes are the first's (so without yielding they would share them)."""
-  claims = tmp_path / "claims"
-  first = _start(tmp_path / "a", claims, "--steps", "100000")
-  second = None
+  claims, a, b = tmp_path / "claims", tmp_path / "a", tmp_path / "b"
+  runs = {a: _start(a, claims, "--steps", "100000")}
+  first = runs[a]
   try:
-    _wait_for(lambda: _claim(claims, first.pid) and _xla_cores(first.pid), 120, "the first run's pool")
+    _wait_for(lambda: _claim(claims, first.pid) and _xla_cores(first.pid), runs, "the first run's pool")
     claimed = set(json.loads(_claim(claims, first.pid).read_text())["cores"])
-    second = _start(tmp_path / "b", claims, "--steps", "100000")
-    _wait_for(lambda: _claim(claims, second.pid) and _xla_cores(second.pid), 120,
-              "the second run's pool")
+    second = runs[b] = _start(b, claims, "--steps", "100000")
+    _wait_for(lambda: _claim(claims, second.pid) and _xla_cores(second.pid), runs, "the second run's pool")
     theirs = _xla_cores(second.pid)
     mine = _wait_for(lambda: (lambda c: c if c and not c & theirs else None)(
-        _xla_cores(first.pid, every_thread=True)), 30, "the first run to yield")
+        _xla_cores(first.pid, every_thread=True)), runs, "the first run to yield", YIELD_WAIT_S)
     assert theirs <= claimed, (theirs, claimed)
     assert mine and theirs and not mine & theirs
   finally:
-    first_err = _stop(first)
-    second_err = _stop(second) if second is not None else ""
-  assert "[cores]" in first_err and "yields these while this run lives" in second_err.splitlines()[0]
+    output = _stop(runs)
+  assert "[cores]" in output[a] and "yields these while this run lives" in output[b].splitlines()[0]
   assert not claims.exists() or not list(claims.glob("*.json"))  # both claims end with their runs
 
 
 def test_a_run_on_one_core_works(tmp_path):
-  run = _start(tmp_path / "one", tmp_path / "claims", "--steps", "3", cores={0})
-  _, err = run.communicate(timeout=300)
+  out = tmp_path / "one"
+  run = _start(out, tmp_path / "claims", "--steps", "3", cores={0})
+  try:
+    run.wait(timeout=START_WAIT_S)
+  finally:
+    err = _stop({out: run})[out]
   assert run.returncode == 0, err[-3000:]
   assert "only 1 core" in err.splitlines()[0]
