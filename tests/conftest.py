@@ -32,19 +32,19 @@ if COMPILATION_CACHE_ENV not in os.environ:  # =off runs the suite without one
 
 TIERS = ("spec", "engine", "e2e")
 #: The test files that take longest, longest first (the suite's --durations lists them; docs/benchmarks.md, "The
-#: test suite"), in the suite and in the multi-process tier (``-m slow``) alike: of either, the files it runs keep
+#: test suite"), in the suite and in the long tier (``-m slow``) alike: of either, the files it runs keep
 #: this order. They run before the rest, so that the two xdist workers end together rather than one finishing a
 #: long file alone; `--no-loadscope-reorder` (pyproject.toml) keeps this order, where xdist would otherwise start
 #: with the files that hold the most tests, most of them quick.
 LONGEST_FIRST = (
-    "tests/distributed/test_distributed.py", "tests/app/test_resume.py", "tests/engine/test_real_model.py",
-    "tests/remote/test_families_on_a_mesh.py", "tests/engine/test_hf_checkpoint.py", "tests/engine/test_moe_routed.py",
-    "tests/distributed/test_live_job.py", "tests/live/test_in_flight_runs.py", "tests/app/test_cli.py",
-    "tests/distributed/test_in_flight_job.py", "tests/live/test_grpo_options.py", "tests/engine/test_moe_rerun.py",
-    "tests/engine/test_memory_paths.py", "tests/app/test_core_plan_runs.py", "tests/engine/test_router_replay.py",
-    "tests/live/test_sampler_process.py", "tests/integrations/test_tunix_grpo.py", "tests/remote/test_remote.py",
-    "tests/bench/test_bench_in_flight.py", "tests/live/test_live_placement.py", "tests/remote/test_live_remote.py",
-    "tests/live/test_batch_steps.py", "tests/live/test_live_loop.py", "tests/live/test_evaluations.py",
+    "tests/distributed/test_distributed.py", "tests/app/test_resume.py", "tests/live/test_in_flight_runs.py",
+    "tests/remote/test_families_on_a_mesh.py", "tests/engine/test_hf_checkpoint.py", "tests/engine/test_moe_rerun.py",
+    "tests/engine/test_real_model.py", "tests/distributed/test_live_job.py", "tests/live/test_sampler_process.py",
+    "tests/live/test_grpo_options.py", "tests/app/test_cli.py", "tests/distributed/test_in_flight_job.py",
+    "tests/engine/test_router_replay.py", "tests/engine/test_memory_paths.py", "tests/engine/test_moe_routed.py",
+    "tests/app/test_core_plan_runs.py", "tests/bench/test_bench_in_flight.py", "tests/live/test_live_placement.py",
+    "tests/remote/test_remote.py", "tests/remote/test_live_remote.py", "tests/live/test_batch_steps.py",
+    "tests/live/test_live_loop.py", "tests/integrations/test_tunix_grpo.py", "tests/live/test_evaluations.py",
 )
 #: What a spec test must run without: imported in this process, any of them fails a ``-m spec`` run.
 JAX_MODULES = ("jax", "jaxlib", "flax", "tunix", "optax", "orbax")

@@ -123,6 +123,7 @@ def test_an_existing_out_directory_is_refused_and_left_as_it_was(tmp_path, capsy
 
 
 @pytest.mark.e2e
+@pytest.mark.slow  # four run_rl processes, one after another
 def test_two_arms_run_interleaved_and_a_rerun_reaches_each_arms_digest(tmp_path):
   """Batch-boundary updates at staleness 0 and in-flight updates at 2, four steps, one seed and its rerun: each
   run's directory and line, the table and report.json; the arms train differently (in-flight updates change what

@@ -1,6 +1,6 @@
 """The live loop in a job of several JAX processes: the default recipe's live GRPO on fsdp 2, a job of two processes
 × 1 CPU device against a job of one × 2, both through ``jax.distributed`` (only runs over the same collectives agree
-to the bit: docs/distributed.md), each in child processes. A file of its own, so the multi-process tier's two
+to the bit: docs/distributed.md), each in child processes. A file of its own, so the long tier's two
 workers can run it beside the other job tests."""
 
 from __future__ import annotations

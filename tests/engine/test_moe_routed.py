@@ -128,5 +128,6 @@ assert _close(jax.jit(_routed)(*sharded), want)
 
 
 @pytest.mark.e2e
+@pytest.mark.slow  # a 4-device child; the suite keeps the MoE engine on this mesh (test_moe_rerun.py)
 def test_routed_compute_on_fsdp_and_expert_meshes_equals_the_reference_and_one_device():
   run_child(MESH_CHILD, devices=4)

@@ -211,6 +211,7 @@ def test_the_tokenizer_round_trips_and_agrees_with_the_file_s_vocabulary_and_mer
 
 @needs_model
 @pytest.mark.e2e
+@pytest.mark.slow  # the real model's 135M weights trained: the suite keeps a checkpoint's run (test_hf_checkpoint.py)
 def test_a_live_run_on_the_real_model_trains_exports_and_loads_back(smollm2, tmp_path):
   run, exported = tmp_path / "run", tmp_path / "exported"
   assert cli.main(["--recipe", "recipes/dataset_example.yaml", f"model.checkpoint={smollm2}",

@@ -14,7 +14,9 @@ import pytest
 
 from tests.conftest import run_child
 
-pytestmark = pytest.mark.e2e
+#: In the long tier (docs/testing.md): a 4-device child that builds two engines and runs 21 live runs; the suite
+#: keeps a split sampler's runs on devices of its own (tests/live/test_in_flight_runs.py).
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 _PRELUDE = '''
 import json
