@@ -94,6 +94,17 @@ def _spec_tests_run_without_jax(request):
 
 
 @pytest.fixture(autouse=True)
+def _worker_cores_restored():
+  """A run in the test's process that starts JAX moves this thread onto its host core (host/host_threads.py), and
+  the process it belongs to is the worker's: every child a later test starts would inherit that one core (a run
+  started there plans for one core, and shares it with the other worker's children)."""
+  cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+  yield
+  if cores is not None and os.sched_getaffinity(0) != cores:
+    os.sched_setaffinity(0, cores)
+
+
+@pytest.fixture(autouse=True)
 def _root_logger_restored():
   """A test that runs ``main`` configures logging onto its captured stderr (``force=True``), which closes when
   the test ends: the next test in that worker that logs would print a logging error into its own stderr."""
