@@ -39,6 +39,12 @@ def _log(out: Path) -> Path:
   return out.with_name(out.name + ".log")
 
 
+def _first_line(out: Path) -> str | None:
+  """The run's first line of standard error, once it is written whole."""
+  text = _log(out).read_text()
+  return text.partition("\n")[0] if "\n" in text else None
+
+
 def _xla_cores(pid: int, *, every_thread: bool = False) -> set[int]:
   """The cores XLA's pool threads of ``pid`` (or all its threads) may run on (from /proc)."""
   cores = set()
@@ -117,11 +123,14 @@ def test_two_runs_side_by_side_each_take_their_own_cores(tmp_path):
     theirs = _xla_cores(second.pid)
     mine = _wait_for(lambda: (lambda c: c if c and not c & theirs else None)(
         _xla_cores(first.pid, every_thread=True)), runs, "the first run to yield", YIELD_WAIT_S)
+    # the lines come after the pools: wait for them before the runs are stopped
+    second_line = _wait_for(lambda: _first_line(b), runs, "the second run's first line")
+    _wait_for(lambda: "[cores]" in _log(a).read_text(), runs, "the first run's line on yielding", YIELD_WAIT_S)
     assert theirs <= claimed, (theirs, claimed)
     assert mine and theirs and not mine & theirs
   finally:
-    output = _stop(runs)
-  assert "[cores]" in output[a] and "yields these while this run lives" in output[b].splitlines()[0]
+    _stop(runs)
+  assert "yields these while this run lives" in second_line, second_line
   assert not claims.exists() or not list(claims.glob("*.json"))  # both claims end with their runs
 
 
