@@ -214,12 +214,15 @@ def _step(t: _Timeline, action: Action, mode: Mode) -> None:
       t.host_segment("rollout wait", rollout_wait)
     t.host_segment("stage", c.map_s)
     t.first_inputs_ready = t.host + c.copy_s  # a staged copy runs beside the compute
-  elif action is Action.WAIT_AND_UPDATE:
-    # A wait that starts while compute still runs costs the larger of the remaining compute and the floor.
-    wait_end = max(t.last_done, t.host + c.wait_floor_s)
-    t.segments.append(Segment("host", "wait", t.host, wait_end))
-    t.host = wait_end
-    t.dispatch_update(wait_end + d)
+  elif action is Action.DEFERRED_UPDATE:
+    # The update goes first (handing the host back as UPDATE does); then, where the last micro-batch still
+    # computes, the host waits for it: the larger of its remaining compute and the floor.
+    released = (1.0 - c.update_overlap_share) * t.last_done
+    t.dispatch_update(max(t.host, released) + d)
+    if t.host < t.last_done:
+      wait_end = max(t.last_done, t.host + c.wait_floor_s)
+      t.segments.append(Segment("host", "wait", t.host, wait_end))
+      t.host = wait_end
   elif action is Action.UPDATE:
     # update() hands the host back once (1 - overlap share) of the last micro-batch has run.
     released = (1.0 - c.update_overlap_share) * t.last_done

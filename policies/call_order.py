@@ -14,7 +14,7 @@ OFF (await metrics)     DISPATCH_LAST → UPDATE → METRICS → CHECKPOINT_AND_
 not staged              DISPATCH_LAST → UPDATE → DISPATCH_FIRST → METRICS → CHECKPOINT_AND_SYNC
 stage after update      DISPATCH_LAST → UPDATE → STAGE_FIRST → DISPATCH_FIRST_STAGED → METRICS
                         → CHECKPOINT_AND_SYNC
-stage before update     DISPATCH_LAST_DEFERRED → STAGE_FIRST → WAIT_AND_UPDATE
+stage before update     DISPATCH_LAST_DEFERRED → STAGE_FIRST → DEFERRED_UPDATE
                         → DISPATCH_FIRST_STAGED → METRICS → CHECKPOINT_AND_SYNC
 last step (no plan)     DISPATCH_LAST → UPDATE → METRICS → CHECKPOINT_AND_SYNC
 ======================  =====================================================================
@@ -22,6 +22,10 @@ last step (no plan)     DISPATCH_LAST → UPDATE → METRICS → CHECKPOINT_AND_
 ``sync_before_next_step`` moves CHECKPOINT_AND_SYNC in front of the next
 step's first dispatch (for runtimes where a weight transfer would queue behind
 that micro-batch); the boundary idle then includes it.
+
+DEFERRED_UPDATE dispatches the owed update before it waits for the last micro-batch to finish (the device
+wait the policy judges by), so the update is queued behind that micro-batch as in every other mode: a wait
+first would idle the devices while the host noticed the micro-batch had ended and dispatched the update.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ class Action(enum.Enum):
   DISPATCH_LAST = "dispatch last"  # step k's last micro-batch; its update follows separately
   DISPATCH_LAST_DEFERRED = "dispatch last, update deferred"
   STAGE_FIRST = "stage first"  # prepare step k+1's first micro-batch ahead
-  WAIT_AND_UPDATE = "wait for device, then update"  # the deferred update
+  DEFERRED_UPDATE = "deferred update, then wait for device"  # the owed update, then the device wait
   UPDATE = "update"  # dispatch step k's update without waiting
   DISPATCH_FIRST = "dispatch first"  # step k+1's first micro-batch, mapped inside the call
   DISPATCH_FIRST_STAGED = "dispatch first (staged)"
@@ -54,7 +58,7 @@ def boundary_actions(plan: BoundaryPlan | None, *, sync_before_next_step: bool =
   if plan is None:
     return (Action.DISPATCH_LAST, Action.UPDATE, Action.METRICS, Action.CHECKPOINT_AND_SYNC)
   if plan.stage and plan.stage_before_update:
-    head = [Action.DISPATCH_LAST_DEFERRED, Action.STAGE_FIRST, Action.WAIT_AND_UPDATE]
+    head = [Action.DISPATCH_LAST_DEFERRED, Action.STAGE_FIRST, Action.DEFERRED_UPDATE]
   elif plan.stage:
     head = [Action.DISPATCH_LAST, Action.UPDATE, Action.STAGE_FIRST]
   else:
@@ -67,12 +71,13 @@ def boundary_actions(plan: BoundaryPlan | None, *, sync_before_next_step: bool =
   return (*head, first, Action.METRICS, Action.CHECKPOINT_AND_SYNC)
 
 
-#: What each action asks of the engine, in order (the rig checks the engine's call log against it).
+#: What each action asks of the engine, in order (the rig checks the engine's call log against it). The deferred
+#: update's wait is on the last micro-batch's completion handle, not a call to the engine.
 ENGINE_CALLS: dict[Action, tuple[str, ...]] = {
     Action.DISPATCH_LAST: ("fwd_bwd",),
     Action.DISPATCH_LAST_DEFERRED: ("fwd_bwd",),
     Action.STAGE_FIRST: ("prepare",),
-    Action.WAIT_AND_UPDATE: ("wait", "update"),
+    Action.DEFERRED_UPDATE: ("update",),
     Action.UPDATE: ("update",),
     Action.DISPATCH_FIRST: ("fwd_bwd",),
     Action.DISPATCH_FIRST_STAGED: ("fwd_bwd",),

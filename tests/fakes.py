@@ -7,7 +7,7 @@ import dataclasses
 import threading
 import time
 
-from orchestrator.contract import HeldOutScore
+from orchestrator.contract import HeldOutScore, Receipt
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +66,50 @@ class RecordingEngine:
 
   def state_digest(self):
     return f"state-{self.step}"
+
+
+class _Handle:
+  """A completion handle whose computation ends ``compute_s`` after its dispatch; a wait on the main thread logs
+  ``ready:<name>`` (the completion watcher's, on its own thread, does not)."""
+
+  def __init__(self, name: str, calls: list[str], compute_s: float):
+    self.name, self.calls, self.done_at = name, calls, time.perf_counter() + compute_s
+
+  def block_until_ready(self):
+    if threading.current_thread() is threading.main_thread():
+      self.calls.append(f"ready:{self.name}")
+    time.sleep(max(0.0, self.done_at - time.perf_counter()))
+    return self
+
+
+class HandleEngine(RecordingEngine):
+  """The recording engine whose micro-batches hand back completion handles, each computing ``compute_s``.
+
+  ``update_blocks``: its ``update()`` waits for the last micro-batch first (a dropped-token flag read) and says
+  how long in ``host_wait_s`` (``report_host_wait=False``: it does not say).
+  """
+
+  def __init__(self, compute_s: float = 0.0, *, update_blocks: bool = False, report_host_wait: bool = True):
+    super().__init__()
+    self.compute_s, self.update_blocks, self.report_host_wait = compute_s, update_blocks, report_host_wait
+    self.last: _Handle | None = None
+
+  def fwd_bwd(self, x, apply_optimizer=False):
+    super().fwd_bwd(x)
+    name = f"prepared:{x.name}" if isinstance(x, Prepared) else x
+    self.last = _Handle(name, self.calls, self.compute_s)
+    if apply_optimizer:
+      self.update()
+    return self.last
+
+  def update(self):
+    start = time.perf_counter()
+    if self.update_blocks and self.last is not None:
+      time.sleep(max(0.0, self.last.done_at - time.perf_counter()))
+    waited = time.perf_counter() - start
+    step = super().update()
+    return Receipt(kind="update", step=step - 1, micro_step=-1, ready=None, dispatched_at=time.perf_counter(),
+                   mapping_s=0.0, placement_s=0.0, host_wait_s=waited if self.report_host_wait else None)
 
 
 class SlowStagingEngine(RecordingEngine):

@@ -206,14 +206,19 @@ class DeferredUpdate:
   """The owed update, applied.
 
   Attributes:
-    device_wait_s: how long the device still computed before the update could go.
-    wait_started_at: ``time.perf_counter()`` when that wait began.
+    device_wait_s: how long the host blocked on the device after the stage, until the step's last
+      micro-batch was done (how long queued work still ran).
+    wait_started_at: ``time.perf_counter()`` when the call began.
     update: the update's receipt.
+    update_returned_at: where the update was dispatched first and the wait came after it, when ``update()``
+      returned (the wait then ran from there to the call's end); None where the wait came first
+      (``wait_started_at`` to ``wait_started_at + device_wait_s``, then the update).
   """
 
   device_wait_s: float
   wait_started_at: float
   update: Receipt
+  update_returned_at: float | None = None
 
 
 @runtime_checkable
@@ -253,7 +258,7 @@ class Worker(Protocol):
     ...
 
   def apply_deferred_update(self) -> DeferredUpdate:
-    """Waits for the device, then runs the owed update."""
+    """Runs the owed update and waits until the step's last micro-batch is done (``DeferredUpdate``)."""
     ...
 
   def update(self) -> Receipt:

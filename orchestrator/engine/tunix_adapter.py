@@ -159,7 +159,7 @@ class TunixTrainerEngine:
           f" update() after {self._micro}"
       )
     receipt = Receipt(kind="update", step=self._step, micro_step=-1, ready=self._losses[-1],
-                      dispatched_at=time.perf_counter())
+                      dispatched_at=time.perf_counter(), mapping_s=0.0, placement_s=0.0, host_wait_s=0.0)
     self._last = {"step": self._step + 1, "micro_losses": self._losses}
     self._losses, self._micro = [], 0
     self._step += 1

@@ -330,7 +330,7 @@ class RLProgram:
       boundary.failed = why
     else:
       self.current_step, self._result.stop_reason, boundary.stop = boundary.step, reason, True
-    ran = [Action.WAIT_AND_UPDATE] if self.worker.update_owed else []
+    ran = [Action.DEFERRED_UPDATE] if self.worker.update_owed else []
     if ran:  # staged before the update: the update waited behind the stage
       self._watch_update(boundary.step, self.worker.apply_deferred_update().update)
     ran += self.work.owed(boundary, failed=failed, stop_reason=self._result.stop_reason,
@@ -384,12 +384,16 @@ class RLProgram:
     elif action is Action.STAGE_FIRST:
       boundary.stage = self.worker.stage_fwd_bwd(self._next_step_first(boundary))
       self.recorder.stage_span(boundary.stage)
-    elif action is Action.WAIT_AND_UPDATE:
+    elif action is Action.DEFERRED_UPDATE:
       applied = self.worker.apply_deferred_update()
       boundary.device_wait_s = applied.device_wait_s
-      waited_until = applied.wait_started_at + applied.device_wait_s
-      self.recorder.span("wait for device", applied.wait_started_at, waited_until)
-      self.recorder.span("update dispatch", waited_until, self.clock())
+      if applied.update_returned_at is not None:  # the update first, queued behind the last micro-batch
+        self.recorder.span("update dispatch", applied.wait_started_at, applied.update_returned_at)
+        self.recorder.span("wait for device", applied.update_returned_at, self.clock())
+      else:
+        waited_until = applied.wait_started_at + applied.device_wait_s
+        self.recorder.span("wait for device", applied.wait_started_at, waited_until)
+        self.recorder.span("update dispatch", waited_until, self.clock())
       self._watch_update(k, applied.update)
       # Observe (an exchange between processes) after the next dispatch, off the idle path; with M = 1 that
       # dispatch plans the next boundary, which needs the observation.

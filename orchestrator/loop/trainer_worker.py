@@ -67,6 +67,7 @@ class TrainerWorker:
     self._can_digest_state = not contract.missing_methods(engine, contract.StateDigestingEngine)
     self._call_state = CallState.READY
     self._staged: Any = None  # the prepared input while the call state has one staged
+    self._last_ready: Any = None  # the last micro-batch's completion handle (None: the engine gave none)
     self._step = 0
     self._micro = 0
 
@@ -142,16 +143,36 @@ class TrainerWorker:
     return receipt
 
   def apply_deferred_update(self) -> DeferredUpdate:
-    """Waits for the device (``wait_for_device``), then runs the owed ``update()``.
+    """Dispatches the owed ``update()``, then waits until the step's last micro-batch is done.
+
+    The update goes first so that it is queued behind that micro-batch and starts the moment it ends; a wait
+    first would leave the devices idle while the host noticed and dispatched it. The device wait is what the
+    host then blocked on the device: the update's own host wait (``Receipt.host_wait_s``: a dropped-token
+    flag read under dropless re-runs, a non-finite check, an in-flight limit), the whole call where the
+    engine does not say, and the wait on the last micro-batch's completion handle (none where the handle says
+    it is ready: on a runtime whose every block costs a round trip, the update's own wait stands alone). An
+    engine that gives no handle is waited on as before: ``wait_for_device()``, then the update.
 
     Raises:
       WorkerUsageError: no update is owed.
     """
     after = next_call_state(self._call_state, Call.APPLY_DEFERRED_UPDATE)
+    last, self._last_ready = self._last_ready, None
     started = time.perf_counter()
-    waited = self._engine.wait_for_device() if self.capabilities.can_stage else 0.0
+    if not self.capabilities.can_stage or last is None:
+      waited = self._engine.wait_for_device() if self.capabilities.can_stage else 0.0
+      self._call_state = after
+      return DeferredUpdate(device_wait_s=waited, wait_started_at=started, update=self._update())
+    update = self._update()
     self._call_state = after
-    return DeferredUpdate(device_wait_s=waited, wait_started_at=started, update=self._update())
+    returned = time.perf_counter()
+    is_ready = getattr(last, "is_ready", None)
+    if not (callable(is_ready) and is_ready()):  # done already (an update that read its flag): no block's floor
+      last.block_until_ready()
+    ended = time.perf_counter()
+    update_wait_s = returned - started if update.host_wait_s is None else update.host_wait_s
+    return DeferredUpdate(device_wait_s=update_wait_s + (ended - returned), wait_started_at=started,
+                          update=update, update_returned_at=returned)
 
   def update(self) -> Receipt:
     """Runs the engine's ``update()`` now, without waiting for the device.
@@ -173,6 +194,7 @@ class TrainerWorker:
     result = self._engine.fwd_bwd(x)
     receipt = Receipt.coerce(result, kind="fwd_bwd", step=self._step, micro_step=self._micro)
     self._micro += 1
+    self._last_ready = receipt.ready
     if apply_optimizer and not defer_update:
       receipt = dataclasses.replace(receipt, update=self._update())
     return receipt

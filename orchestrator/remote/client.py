@@ -59,7 +59,7 @@ class RemoteTrainerWorker:
     recipe_digest: ``protocol.recipe_digest`` of the driver's recipe (must match the server's).
     micro_batches_per_step: with more than one, a step's first micro-batch never defers an update,
       so a staged input is dispatched in the same round trip as the deferred update before it
-      (``policies.call_order``: DISPATCH_FIRST_STAGED follows WAIT_AND_UPDATE).
+      (``policies.call_order``: DISPATCH_FIRST_STAGED follows DEFERRED_UPDATE).
     token: the shared token, or None for a loopback server started without one.
     limits: message size limit and per-call timeout.
 

@@ -64,13 +64,31 @@ def test_a_stage_that_outlasts_the_micro_batch_delays_the_update():
 
 @pytest.mark.engine
 def test_a_wait_floor_overlaps_the_remaining_compute():
-  """The wait costs max(remaining compute, floor), not their sum: 0.1 s stage + 2.8 s floor vs 1 s compute."""
+  """The wait costs max(remaining compute, floor), not their sum: 0.1 s stage + 2.8 s floor vs 1 s compute. The
+  update, dispatched before the wait, runs at once after the micro-batch; the floor holds the next dispatch."""
   c = Components(micro_batch_s=1.0, map_s=0.1, update_s=0.05, metrics_s=0.0, dispatch_s=0.0,
                  wait_floor_s=2.8, micro_batches_per_step=1)
-  assert predict(c, Mode.STAGE_BEFORE_UPDATE).update_delay_s == pytest.approx(0.1 + 2.8 - 1.0)
+  p = predict(c, Mode.STAGE_BEFORE_UPDATE)
+  assert p.update_delay_s == 0.0
+  assert p.boundary_idle_s == pytest.approx(0.1 + 2.8 - 1.0 - 0.05)
   short = Components(micro_batch_s=1.0, map_s=0.1, update_s=0.05, metrics_s=0.0, dispatch_s=0.0,
                      wait_floor_s=0.5, micro_batches_per_step=1)
-  assert predict(short, Mode.STAGE_BEFORE_UPDATE).update_delay_s == 0.0  # hidden by the compute
+  assert predict(short, Mode.STAGE_BEFORE_UPDATE).boundary_idle_s == 0.0  # hidden by the compute
+
+
+@pytest.mark.engine
+def test_the_deferred_update_is_queued_behind_the_last_micro_batch():
+  """The update goes before the wait, so it starts as the micro-batch ends: no strict idle for its dispatch
+  (waiting first would add the dispatch after the micro-batch). Where update() itself waits for the
+  micro-batch (a flag read), no second wait follows it, so a large floor costs nothing there."""
+  c = Components(micro_batch_s=1.0, map_s=0.1, update_s=0.05, metrics_s=0.0, dispatch_s=0.01,
+                 micro_batches_per_step=2)
+  p = predict(c, Mode.STAGE_BEFORE_UPDATE)
+  assert p.update_delay_s == 0.0 and p.boundary_idle_strict_s == pytest.approx(p.boundary_idle_s)
+  flag_read = Components(micro_batch_s=1.0, map_s=0.1, update_s=0.05, metrics_s=0.0, dispatch_s=0.01,
+                         wait_floor_s=2.8, update_overlap_share=0.0, micro_batches_per_step=2)
+  reads = predict(flag_read, Mode.STAGE_BEFORE_UPDATE)
+  assert reads.boundary_idle_s == 0.0 and reads.update_delay_s == pytest.approx(0.01)
 
 
 @pytest.mark.engine

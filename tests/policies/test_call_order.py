@@ -24,7 +24,7 @@ EXPECTED = {
     Mode.PIPELINED: (A.DISPATCH_LAST, A.UPDATE, A.DISPATCH_FIRST, A.METRICS, A.CHECKPOINT_AND_SYNC),
     Mode.STAGE_AFTER_UPDATE: (A.DISPATCH_LAST, A.UPDATE, A.STAGE_FIRST, A.DISPATCH_FIRST_STAGED, A.METRICS,
                               A.CHECKPOINT_AND_SYNC),
-    Mode.STAGE_BEFORE_UPDATE: (A.DISPATCH_LAST_DEFERRED, A.STAGE_FIRST, A.WAIT_AND_UPDATE,
+    Mode.STAGE_BEFORE_UPDATE: (A.DISPATCH_LAST_DEFERRED, A.STAGE_FIRST, A.DEFERRED_UPDATE,
                                A.DISPATCH_FIRST_STAGED, A.METRICS, A.CHECKPOINT_AND_SYNC),
 }
 
@@ -51,7 +51,7 @@ def test_sync_before_next_step_moves_checkpoint_and_sync_in_front_of_the_dispatc
 @pytest.mark.parametrize("mode", list(Mode), ids=lambda m: m.name)
 def test_every_boundary_updates_once_and_dispatches_the_next_first_once(mode):
   actions = boundary_actions(_plan(mode))
-  assert sum(a in (A.UPDATE, A.WAIT_AND_UPDATE) for a in actions) == 1
+  assert sum(a in (A.UPDATE, A.DEFERRED_UPDATE) for a in actions) == 1
   assert sum(a.dispatches_first for a in actions) == 1
 
 
@@ -59,5 +59,5 @@ def test_engine_calls_between_two_steps():
   calls = {mode: engine_calls_between(boundary_actions(_plan(mode))) for mode in Mode}
   assert calls == {Mode.OFF: ["update"], Mode.PIPELINED: ["update"],
                    Mode.STAGE_AFTER_UPDATE: ["update", "prepare"],
-                   Mode.STAGE_BEFORE_UPDATE: ["prepare", "wait", "update"]}
+                   Mode.STAGE_BEFORE_UPDATE: ["prepare", "update"]}
   assert engine_calls_between(boundary_actions(None)) == ["update"]
