@@ -39,6 +39,8 @@ staged               ``plan(step)``                       one in each ``control_
                                                           boundaries that would stage           stage there (``controls``)
 staged               ``observe`` (stage waited for        —                                     unchanged; not judged
                      rollouts)                                                                  (``rollout_waits``)
+staged               ``observe`` (a sampling call ran     —                                     unchanged; not judged
+                     on the trainer's devices)                                                  (``sampling_on_devices``)
 staged               ``observe`` (not low)                —                                     unchanged; low count → 0
 staged               ``observe`` (low)                    fewer than N low in a row             unchanged; reported
                                                                                                 (``stage_outlasted_compute``)
@@ -283,7 +285,7 @@ class Observation:
 #: run's counters are the saved ones.
 COUNTED_EVENTS = ("unsupported_engine", "auto_disable", "reprobe_enabled", "reprobe_failed", "stage_outlasted_compute",
                   "excluded_boundaries", "staged_boundaries", "probes", "next_not_ready", "rollout_waits",
-                  "no_memory_headroom", "controls", "saving_disable")
+                  "no_memory_headroom", "controls", "saving_disable", "sampling_on_devices")
 
 
 class StepBoundaryPolicy:
@@ -481,18 +483,26 @@ class StepBoundaryPolicy:
     return BoundaryPlan.for_mode(step, mode, reason=self.reason)
 
   def observe(self, step: int, *, stage_s: float, device_wait_s: float, probe: bool = False,
-              update_delay_s: float | None = None, rollout_wait_s: float = 0.0) -> Observation:
+              update_delay_s: float | None = None, rollout_wait_s: float = 0.0,
+              sampling_on_devices_s: float | None = None) -> Observation:
     """Feeds one staged boundary's stage seconds and device wait; may change the mode.
 
     ``update_delay_s``, when the caller knows it (from completion times), is how
     long the update was held up after the last micro-batch finished; without
     it the report bounds the delay by the stage seconds. ``rollout_wait_s`` > 0
     says the stage first waited for the next step's rollouts: a low device wait
-    then says nothing about staging, and the boundary is not judged.
+    then says nothing about staging, and the boundary is not judged. Nor is it
+    where ``sampling_on_devices_s`` > 0: a sampling call ran on the trainer's
+    devices during the step, holding the host or the devices, so the host can
+    reach the wait after the last micro-batch is done whatever the stage took
+    (the measured saving leaves those steps out too).
     """
     streak, threshold = self._streak, self.threshold_s
     if rollout_wait_s > 0 and not probe:
       self.counters["rollout_waits"] += 1
+      return Observation(step, stage_s, device_wait_s, None, len(streak.waits_s), None)
+    if sampling_on_devices_s and not probe:
+      self.counters["sampling_on_devices"] += 1
       return Observation(step, stage_s, device_wait_s, None, len(streak.waits_s), None)
     low = self._wait_threshold.is_low(device_wait_s)
     if probe:

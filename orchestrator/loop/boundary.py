@@ -112,7 +112,8 @@ class BoundaryState:
     """What this staged boundary measured, for the policy (every process's combined first)."""
     return {"stage_s": self.stage.stage_s, "device_wait_s": self.device_wait_s,
             "update_delay_s": self._update_delay(recorder, micro_batches_per_step, threshold_s),
-            "rollout_wait_s": self.rollout_wait_s or 0.0}
+            "rollout_wait_s": self.rollout_wait_s or 0.0,
+            "sampling_on_devices_s": recorder.sampling_on_devices_s(self.step)}
 
   def judged(self, observation: Observation) -> None:
     """Notes what the policy made of this staged boundary, and logs its ``[boundary]`` line."""

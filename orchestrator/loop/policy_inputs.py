@@ -65,7 +65,8 @@ class PolicyInputs:
     seen, boundary.per_process = agree_on_measurements(self.agreement, boundary.step, measured, threshold)
     boundary.judged(self.policy.observe(
         boundary.step, stage_s=seen["stage_s"], device_wait_s=seen["device_wait_s"], probe=boundary.plan.probe,
-        update_delay_s=seen["update_delay_s"], rollout_wait_s=seen["rollout_wait_s"]))
+        update_delay_s=seen["update_delay_s"], rollout_wait_s=seen["rollout_wait_s"],
+        sampling_on_devices_s=seen["sampling_on_devices_s"]))
 
   def observe_saving(self, record: BoundaryRecord) -> None:
     """Feeds the policy the sample ``record`` completes (``record`` built, not kept yet: the recorder's last

@@ -329,6 +329,14 @@ class Recorder:
         t = min(end, t + seconds)
     self.span("dispatch", t, end)
 
+  def sampling_on_devices_s(self, k: int) -> float | None:
+    """The seconds a sampling call ran on the trainer's devices from step k's first dispatch until now; None
+    where the sampler computes elsewhere (or the clock cannot say)."""
+    if self._sampling_on_devices is None:
+      return None
+    first = self._watcher.get(fwd_bwd_key(k, 0))
+    return None if first is None else self._sampling_on_devices(first.dispatched_at, self.clock())
+
   def ready_at(self, key: Hashable, timeout_s: float = STAMP_TIMEOUT_S) -> float:
     return self._watcher.ready_at(key, timeout_s=timeout_s)
 

@@ -1,11 +1,13 @@
-"""The deferred update of STAGE_BEFORE_UPDATE: dispatched before the wait for the last micro-batch, and the device
-wait it measures (policies.call_order's DEFERRED_UPDATE)."""
+"""The deferred update of STAGE_BEFORE_UPDATE: dispatched before the wait for the last micro-batch, the device
+wait it measures (policies.call_order's DEFERRED_UPDATE), and what the policy is told beside it."""
 
 from __future__ import annotations
 
 import pytest
 
+from orchestrator.contract import Receipt
 from orchestrator.loop.program import ProgramConfig, RLProgram
+from orchestrator.loop.recorder import Recorder, fwd_bwd_key
 from orchestrator.loop.trainer_worker import TrainerWorker
 from policies import Mode, StepBoundaryPolicy
 from tests.fakes import HandleEngine, RecordingEngine, payload_steps
@@ -89,3 +91,24 @@ def test_the_program_runs_stage_before_update_with_the_update_ahead_of_the_wait(
   assert [r.staged for r in result.records] == [True, True, False]
   assert all(r.actions[2] == "deferred update, then wait for device" for r in result.records[:2])
 
+
+def test_the_recorder_reports_sampling_on_the_trainers_devices_from_the_steps_first_dispatch():
+  """What the policy is told beside a staged boundary's wait (``sampling_on_devices_s``): the live source's
+  sampling seconds over [step k's first dispatch, now]; None where the sampler computes elsewhere."""
+  now = [10.0]
+  asked = []
+
+  def sampling(start, end):
+    asked.append((start, end))
+    return 0.25
+
+  recorder = Recorder(lambda: now[0], 2, sampling_on_devices=sampling)
+  recorder.start()
+  try:
+    receipt = Receipt(kind="fwd_bwd", step=3, micro_step=0, ready=None, dispatched_at=7.5)
+    recorder.watch(fwd_bwd_key(3, 0), receipt, kind="fwd_bwd", step=3, micro_step=0)
+    assert recorder.sampling_on_devices_s(3) == 0.25 and asked == [(7.5, 10.0)]
+    assert recorder.sampling_on_devices_s(4) is None  # step 4 has not started
+  finally:
+    recorder.close()
+  assert Recorder(lambda: now[0], 2).sampling_on_devices_s(3) is None

@@ -146,6 +146,22 @@ def test_auto_disable_after_n_low_waits_in_a_row(mode, caplog):
 
 
 @pytest.mark.spec
+def test_a_low_wait_beside_a_sampling_call_on_the_trainers_devices_is_not_judged():
+  """A sampling call on the trainer's devices holds the host or the devices, so the host can reach the wait after
+  the micro-batch is done whatever the stage took: such a wait neither grows the low-wait streak nor resets it.
+  The same waits without the sampling call turn staging off (the negative control)."""
+  p = _policy(disable_after=2)
+  for step in range(4):
+    obs = p.observe(step, stage_s=0.005, device_wait_s=0.00004, sampling_on_devices_s=0.3)
+    assert obs.low is None and obs.transition is None
+  assert p.mode is Mode.STAGE_BEFORE_UPDATE and p.counters["sampling_on_devices"] == 4
+  assert p.counters["stage_outlasted_compute"] == 0
+  p.observe(4, stage_s=0.005, device_wait_s=0.00004)
+  p.observe(5, stage_s=0.005, device_wait_s=0.00004, sampling_on_devices_s=0.0)  # none ran: judged
+  assert p.mode is Mode.PIPELINED and p.history[-1].kind == "auto_disable"
+
+
+@pytest.mark.spec
 def test_hysteresis_n_minus_one_low_waits_then_a_high_one_resets_the_count():
   p = _policy(disable_after=3)
   waits = [0.001, 0.001, 0.5, 0.001, 0.001, 0.5, 0.001]
