@@ -17,7 +17,7 @@ Without ``--only`` or ``--all`` it runs ``DEFAULT_CHECKS``, about ten minutes:
 * ``moe24_rows2_record``, ``moe24_rows2_compile``, ``moe24_rows2_rig``: the same at twice the rows (128 × 512
   tokens a micro-batch: twice the routing bytes staged), the shape ``run_rl simulate --from`` the rig's directory
   predicts;
-* ``live_saving``: ``recipes/tpu_live_saving.yaml``, the live loop where the trainer sets the pace, 120 steps:
+* ``live_saving``: ``recipes/tpu_live_saving.yaml``, the live loop where the trainer sets the pace, 240 steps:
   the share of boundaries staged before the update and the saving the run measured on its own controls;
 * ``tunix_grpo``: ``python -m orchestrator.bench.tunix_grpo`` on the accelerator, stock Tunix GRPO and the
   add-on alternating, four optimizer steps a global step on one mesh (the split layout needs a second device);
