@@ -39,7 +39,7 @@ from orchestrator.data.recording import RecordingError, write_recording
 from orchestrator.data.synthetic import RolloutShape, generate_groups
 from orchestrator.distributed.launcher import LAUNCHED_ENV
 from orchestrator.host.core_claims import CLAIMS_ENV
-from orchestrator.host.host_threads import apply_core_plan
+from orchestrator.host.host_threads import apply_core_plan, release_core_plan
 from orchestrator.models.presets import CONFIGS_ENV
 from orchestrator.remote import protocol
 from orchestrator.run_files import run_dir
@@ -223,8 +223,15 @@ def rig_main(argv: list[str]) -> int:
 
 
 def _run_rig(recipe, recording: str, args, out: str) -> int:
-  """The rig's run, once its report directory is held."""
+  """The rig's run, once its report directory is held; the process's cores as they were after it."""
   apply_core_plan(recipe.run.reserve_host_core, among_runs=False)  # the cores as a run of this recipe plans them
+  try:
+    return _rig_on_planned_cores(recipe, recording, args, out)
+  finally:
+    release_core_plan()
+
+
+def _rig_on_planned_cores(recipe, recording: str, args, out: str) -> int:
   use_compilation_cache()
   logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr, force=True)
   # import here: gRPC and the engines load after the host core is reserved

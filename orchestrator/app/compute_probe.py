@@ -31,7 +31,7 @@ import dataclasses
 import statistics
 import time
 
-from orchestrator.host.host_threads import apply_core_plan
+from orchestrator.host.host_threads import apply_core_plan, release_core_plan
 from policies.boundary_model import Components, Estimate, JobShape, ScaledChange, consistent
 
 #: The components the probe scales, and the ``ShapeProbe`` measurement each one scales by.
@@ -164,6 +164,14 @@ def probe_both(source_recipe, source: JobShape, target_recipe, target: JobShape,
       while probing (out of memory, most likely), in one line.
   """
   apply_core_plan(source_recipe.run.reserve_host_core, among_runs=False)
+  try:
+    return _probe_on_planned_cores(source_recipe, source, target_recipe, target, repeats)
+  finally:
+    release_core_plan()  # the process's cores as they were
+
+
+def _probe_on_planned_cores(source_recipe, source: JobShape, target_recipe, target: JobShape,
+                            repeats: int) -> tuple[ShapeProbe, ShapeProbe]:
   check_fits(source_recipe, source, where="the run")
   check_fits(target_recipe, target, where="the other job")
   shapes: list[_ShapeUnderTest] = []

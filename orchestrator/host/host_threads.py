@@ -197,8 +197,10 @@ def apply_core_plan(reserve: bool | str, *, xla_threads: int | None = None, amon
     if claims is not None:
       claims.release()
     raise
-  if plan.pinned and claims is not None and claims.own is not None:
-    _HELD.update(claims=claims, watcher=CoreWatcher(claims, reserved=plan.reserved).start(), available=available)
+  if plan.pinned:
+    _HELD["available"] = available  # what release_core_plan puts this process's threads back on
+    if claims is not None and claims.own is not None:
+      _HELD.update(claims=claims, watcher=CoreWatcher(claims, reserved=plan.reserved).start())
   APPLIED["plan"] = plan
   return plan
 
@@ -210,18 +212,20 @@ def _user_pool_size() -> int | None:
 
 
 def release_core_plan() -> None:
-  """Ends this process's claim and puts its threads back on the cores it had before ``apply_core_plan`` (a run
-  inside a longer-lived process, as the tests run it, leaves it as it found it)."""
+  """Ends this process's claim, if it made one, and puts its threads back on the cores it had before
+  ``apply_core_plan`` pinned them (a run, rig or probe inside a longer-lived process, as the tests and a notebook
+  run them, leaves it as it found it). Does nothing where nothing was pinned."""
   APPLIED.pop("plan", None)
   if not _HELD:
     return
-  _HELD["watcher"].stop()
-  _HELD["claims"].release()
+  if "watcher" in _HELD:
+    _HELD["watcher"].stop()
+    _HELD["claims"].release()
   pin_threads(os.getpid(), _HELD["available"], _HELD["available"])
   _HELD.clear()
 
 
-#: This process's live claim: its claims directory, its watcher, the cores it had before.
+#: This process's pinning: the cores it had before; where it claimed its cores, the claims and their watcher.
 _HELD: dict = {}
 
 

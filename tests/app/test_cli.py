@@ -577,3 +577,27 @@ def test_a_run_plan_carries_its_checkpoint_directory_from_the_start(tmp_path, mo
       tmp_path / "ckpts")
   no_checkpoints = resolve(["model=tiny", "engine.backend=tunix_peft", "rollouts.source=synthetic"])
   assert plan.plan_new_run(no_checkpoints, Path("run")).checkpoint_dir is None
+
+
+@pytest.mark.spec
+@pytest.mark.parametrize("fails", [False, True], ids=["returns", "raises"])
+def test_the_rig_releases_the_cores_it_planned(monkeypatch, fails):
+  """``run_rl rig`` pins this process's threads for its arms; however it ends, it puts them back."""
+  calls = []
+  monkeypatch.setattr(cli, "apply_core_plan", lambda *a, **k: calls.append("plan"))
+  monkeypatch.setattr(cli, "release_core_plan", lambda: calls.append("release"))
+
+  def rig(*args):
+    calls.append("rig")
+    if fails:
+      raise RuntimeError("an arm failed")
+    return 0
+
+  monkeypatch.setattr(cli, "_rig_on_planned_cores", rig)
+  recipe = recipe_lib.Recipe()
+  if fails:
+    with pytest.raises(RuntimeError, match="an arm failed"):
+      cli._run_rig(recipe, "rec", None, "out")
+  else:
+    assert cli._run_rig(recipe, "rec", None, "out") == 0
+  assert calls == ["plan", "rig", "release"]
