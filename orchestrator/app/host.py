@@ -21,7 +21,7 @@ NOISY_LOGGERS = ("absl", "jax", "orbax", "etils")
 
 
 def setup_host(recipe, *, distributed: bool = False, held: contextlib.ExitStack | None = None,
-               among_runs: bool = True) -> str:
+               among_runs: bool = True, host_after_start_up: bool = False) -> str:
   """Makes this process's host settings; returns its core plan in words (``host_threads.CorePlan.describe``).
 
   In a job of several processes (``distributed``) XLA's CPU pool is sized to the
@@ -33,7 +33,8 @@ def setup_host(recipe, *, distributed: bool = False, held: contextlib.ExitStack 
   xla_threads = None
   if distributed:  # the same code in every process of the job, whatever its share of devices
     xla_threads = fix_xla_threads(recipe.mesh.num_devices)
-  described = apply_core_plan(recipe.run.reserve_host_core, xla_threads=xla_threads, among_runs=among_runs).describe()
+  described = apply_core_plan(recipe.run.reserve_host_core, xla_threads=xla_threads, among_runs=among_runs,
+                              host_after_start_up=host_after_start_up).describe()
   if held is not None:
     held.callback(release_core_plan)
   logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr, force=True)

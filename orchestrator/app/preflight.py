@@ -32,7 +32,7 @@ def checks(plan: RunPlan, job: job_lib.Job, held: contextlib.ExitStack):
   recipe = plan.recipe
   if not plan.resumes and job.is_primary:  # process 0 owns the run directory
     _check_new_out(plan)
-  host = setup_host(recipe, distributed=job.distributed, held=held)
+  host = setup_host(recipe, distributed=job.distributed, held=held, host_after_start_up=True)
   if job.is_primary:
     _lock_checkpoint_directory(plan, held)
   source = preflight(plan, distributed=job.distributed, primary=job.is_primary)

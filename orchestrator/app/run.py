@@ -24,6 +24,7 @@ from orchestrator import phases
 from orchestrator.app.resume import ResumePoint, set_aside_late_checkpoints
 from orchestrator.assembly import make_worker, policy_from_recipe, program_config
 from orchestrator.contract import Evaluation, live_part
+from orchestrator.host.host_threads import settle_core_plan
 from orchestrator.loop.metrics_log import MetricsLog, open_metrics_log
 from orchestrator.loop.program import RLProgram
 from orchestrator.loop.recorder import BoundaryRecord
@@ -252,7 +253,9 @@ def _build_program(recipe: Recipe, out: Path, worker, *, source, run_id: str, co
     if resume.metadata.get("next_plan"):
       first_plan = BoundaryPlan.from_json(resume.metadata["next_plan"])
   primary = job is None or job.is_primary
-  steps_done: list = []  # what sees each finished record: the progress, the metrics log (opened below)
+  # What sees each finished record: the core plan (start-up ends at the first update), the progress, the metrics
+  # log (opened below).
+  steps_done: list = [lambda record: settle_core_plan()]
   shown = progress(initial=start_step) if progress is not None else None
   if shown is not None:
     steps_done.append(shown)

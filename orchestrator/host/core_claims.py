@@ -238,6 +238,11 @@ class CoreWatcher:
     self._thread.start()
     return self
 
+  @property
+  def moved(self) -> bool:
+    """Whether the share ever changed (from then on this watcher keeps every thread of the run on it)."""
+    return self._moved
+
   def stop(self) -> None:
     """Stops watching; returns once the thread no longer pins anything."""
     self._stop.set()

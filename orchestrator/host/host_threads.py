@@ -34,8 +34,8 @@ import dataclasses
 import os
 import sys
 
-from orchestrator.host.core_claims import (Claim, ClaimsUnavailable, CoreClaims, CoreWatcher, layout, pin_threads,
-                                             share, span)
+from orchestrator.host.core_claims import (Claim, ClaimsUnavailable, CoreClaims, CoreWatcher, layout, pin_run,
+                                             pin_threads, share, span)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,7 +159,7 @@ APPLIED: dict[str, CorePlan] = {}
 
 
 def apply_core_plan(reserve: bool | str, *, xla_threads: int | None = None, among_runs: bool = True,
-                    claims: CoreClaims | None = None) -> CorePlan:
+                    claims: CoreClaims | None = None, host_after_start_up: bool = False) -> CorePlan:
   """Plans this run's cores beside the other runs (``plan_cores``), sizes XLA's pool, pins and claims.
 
   Call before JAX starts its CPU backend; does nothing (``pinned=False``, with the reason) where affinity is
@@ -167,6 +167,11 @@ def apply_core_plan(reserve: bool | str, *, xla_threads: int | None = None, amon
   ``among_runs=False`` plans on this process's cores alone, claiming none (a trainer its driver spawned); so
   does a run whose claims directory cannot be used (the plan's reason says why). A ``$PJRT_NPROC`` the user set
   sizes XLA's pool unless ``xla_threads`` does.
+
+  ``host_after_start_up``: XLA's pool is placed at once, but this process's other threads (and the processes
+  started from it, which inherit them: the sampler's) stay on all of the plan's cores until
+  ``settle_core_plan`` moves them onto the host's, so the start-up's work of the trainer's thread and of the
+  sampler's process, which computes nothing on XLA's pool yet, runs on every core the run holds.
   """
   if not hasattr(os, "sched_getaffinity"):
     return CorePlan((), (), 0, 0, False, False, "CPU affinity is not supported here")
@@ -190,15 +195,19 @@ def apply_core_plan(reserve: bool | str, *, xla_threads: int | None = None, amon
     plan = plan_cores(available, [], reserve, xla_threads)
     if unavailable:
       plan = dataclasses.replace(plan, reason=f"{plan.reason}; without the other runs' claims: {unavailable}")
+  later = plan.pinned and host_after_start_up
   try:
     _start_backend(plan.xla_threads, plan.xla_cores if plan.pinned else None,
-                   plan.host_cores if plan.pinned else None)
+                   tuple(sorted({*plan.xla_cores, *plan.host_cores})) if later
+                   else plan.host_cores if plan.pinned else None)
   except BaseException:
     if claims is not None:
       claims.release()
     raise
   if plan.pinned:
     _HELD["available"] = available  # what release_core_plan puts this process's threads back on
+    if later:  # the threads there now stay as the plan left them (XLA's, on its pool's cores); the others move
+      _HELD["settle"] = (plan.xla_cores, plan.host_cores, frozenset(_thread_ids()) - {os.getpid()})
     if claims is not None and claims.own is not None:
       _HELD.update(claims=claims, watcher=CoreWatcher(claims, reserved=plan.reserved).start())
   APPLIED["plan"] = plan
@@ -209,6 +218,25 @@ def _user_pool_size() -> int | None:
   """The XLA pool size ``$PJRT_NPROC`` held before this process planned, if the user set a valid one."""
   given = PJRT_NPROC_BEFORE_RESERVING.get("value")
   return int(given) if given and given.isdigit() and int(given) > 0 else None
+
+
+def settle_core_plan() -> None:
+  """Moves this process's thread and those started since its backend (and its followers: the sampler's process)
+  onto the host's cores where ``apply_core_plan(host_after_start_up=True)`` left them on all of the plan's: the
+  layout ``apply_core_plan`` makes at once otherwise. Once (then, and without such a plan, it does nothing)."""
+  settle = _HELD.pop("settle", None)
+  watcher = _HELD.get("watcher")
+  if settle is not None and not (watcher is not None and watcher.moved):  # moved: the watcher laid it out anew
+    xla_cores, host_cores, kept = settle
+    pin_run(xla_cores, host_cores, skip=kept)
+
+
+def _thread_ids() -> set[int]:
+  """This process's thread ids (none where ``/proc`` cannot say)."""
+  try:
+    return {int(t) for t in os.listdir("/proc/self/task")}
+  except OSError:
+    return set()
 
 
 def release_core_plan() -> None:
