@@ -196,10 +196,10 @@ def apply_core_plan(reserve: bool | str, *, xla_threads: int | None = None, amon
     if unavailable:
       plan = dataclasses.replace(plan, reason=f"{plan.reason}; without the other runs' claims: {unavailable}")
   later = plan.pinned and host_after_start_up
+  start_up_cores = tuple(sorted({*plan.xla_cores, *plan.host_cores})) if later else plan.host_cores
   try:
     _start_backend(plan.xla_threads, plan.xla_cores if plan.pinned else None,
-                   tuple(sorted({*plan.xla_cores, *plan.host_cores})) if later
-                   else plan.host_cores if plan.pinned else None)
+                   start_up_cores if plan.pinned else None)
   except BaseException:
     if claims is not None:
       claims.release()
